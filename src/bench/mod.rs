@@ -1,0 +1,3 @@
+//! Micro-benchmarks of the runtime's hot kernels, as library functions (the CLI drives them).
+
+pub mod adam;

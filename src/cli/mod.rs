@@ -1,0 +1,232 @@
+//! Command-line parsing and the commands themselves. Usage errors (bad flags, bad config, bad
+//! data) exit with code 2 and one line naming the field; run failures exit with code 1.
+
+mod train;
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use elastic_zero::config::{ConfigError, ModelKind, OptimizerChoice, TrainConfig};
+use elastic_zero::reduce::ReduceMode;
+
+#[derive(Parser)]
+#[command(
+    name = "ezero",
+    version,
+    about = "ZeRO-sharded data-parallel training that survives ranks coming and going"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand)]
+pub enum Command {
+    /// Train a model with ZeRO stage 0-3 across in-process rank actors.
+    Train(Box<TrainArgs>),
+    /// Micro-benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+pub enum BenchCommand {
+    /// AdamW step throughput on a flat fp32 shard vs this machine's memory bandwidth (one JSON line).
+    Adam {
+        /// Elements in the shard.
+        #[arg(long, default_value_t = 16 << 20)]
+        numel: usize,
+        /// Threads for the step (and for the bandwidth reference).
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+        /// Seconds of timed work per measurement.
+        #[arg(long, default_value_t = 2.0)]
+        min_time_s: f64,
+    },
+}
+
+/// `ezero train` flags. Every flag overrides the same key of `--config FILE`.
+#[derive(Args, Default)]
+pub struct TrainArgs {
+    /// TOML file with any of the keys below (snake_case); flags override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// In-process rank actors [default: 4].
+    #[arg(long)]
+    pub ranks: Option<u32>,
+    /// ZeRO stage 0|1|2|3 [default: 3].
+    #[arg(long)]
+    pub stage: Option<u8>,
+    /// gpt|mlp [default: gpt].
+    #[arg(long, value_parser = parse_model)]
+    pub model: Option<ModelKind>,
+    #[arg(long)]
+    pub layers: Option<usize>,
+    #[arg(long)]
+    pub d_model: Option<usize>,
+    #[arg(long)]
+    pub heads: Option<usize>,
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Micro-batches per global step (the global batch; independent of --ranks).
+    #[arg(long)]
+    pub micro_batches: Option<u32>,
+    /// Sequences per micro-batch.
+    #[arg(long)]
+    pub micro_batch_size: Option<usize>,
+    #[arg(long)]
+    pub steps: Option<u64>,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    #[arg(long)]
+    pub lr: Option<f32>,
+    #[arg(long)]
+    pub warmup_steps: Option<u64>,
+    /// adamw|adam|sgd.
+    #[arg(long, value_parser = parse_optimizer)]
+    pub optimizer: Option<OptimizerChoice>,
+    #[arg(long)]
+    pub weight_decay: Option<f32>,
+    /// Global gradient-norm clip; 0 disables.
+    #[arg(long)]
+    pub grad_clip: Option<f32>,
+    /// exact|fast gradient reduction [default: exact].
+    #[arg(long, value_parser = parse_reduce)]
+    pub reduce: Option<ReduceMode>,
+    /// Train on this file's bytes instead of the embedded Markov corpus.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Write a JSON summary to this file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Elements per shard chunk.
+    #[arg(long)]
+    pub chunk_elems: Option<usize>,
+    /// ZeRO-3: units whose full parameters may be live at once.
+    #[arg(long)]
+    pub max_live_units: Option<usize>,
+    #[arg(long)]
+    pub collective_timeout_ms: Option<u64>,
+    #[arg(long)]
+    pub optimizer_threads: Option<usize>,
+    /// Tokens to sample from the trained GPT (0 to skip).
+    #[arg(long)]
+    pub sample_tokens: Option<usize>,
+    /// Fault injection for tests: RANK@STEP makes that rank's compute panic at that step.
+    #[arg(long, hide = true, value_parser = parse_rank_at)]
+    pub panic_rank: Option<(u32, u64)>,
+}
+
+fn parse_model(s: &str) -> Result<ModelKind, String> {
+    match s {
+        "gpt" => Ok(ModelKind::Gpt),
+        "mlp" => Ok(ModelKind::Mlp),
+        _ => Err(format!("unknown model `{s}`: use gpt or mlp")),
+    }
+}
+
+fn parse_optimizer(s: &str) -> Result<OptimizerChoice, String> {
+    match s {
+        "adamw" => Ok(OptimizerChoice::Adamw),
+        "adam" => Ok(OptimizerChoice::Adam),
+        "sgd" => Ok(OptimizerChoice::Sgd),
+        _ => Err(format!("unknown optimizer `{s}`: use adamw, adam or sgd")),
+    }
+}
+
+fn parse_reduce(s: &str) -> Result<ReduceMode, String> {
+    match s {
+        "exact" => Ok(ReduceMode::Exact),
+        "fast" => Ok(ReduceMode::Fast),
+        _ => Err(format!("unknown reduction `{s}`: use exact or fast")),
+    }
+}
+
+fn parse_rank_at(s: &str) -> Result<(u32, u64), String> {
+    let (r, st) = s.split_once('@').ok_or("expected RANK@STEP")?;
+    Ok((
+        r.parse().map_err(|_| "bad RANK")?,
+        st.parse().map_err(|_| "bad STEP")?,
+    ))
+}
+
+impl TrainArgs {
+    /// The config file (if any) with every given flag applied on top, validated.
+    pub fn resolve(&self) -> Result<TrainConfig, ConfigError> {
+        let mut c = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    ConfigError::new("config", format!("cannot read {}: {e}", path.display()))
+                })?;
+                TrainConfig::from_toml(&text)?
+            }
+            None => TrainConfig::default(),
+        };
+        macro_rules! set {
+            ($($f:ident),*) => {$( if let Some(v) = &self.$f { c.$f = v.clone(); } )*};
+        }
+        set!(
+            ranks,
+            stage,
+            model,
+            layers,
+            d_model,
+            heads,
+            seq_len,
+            micro_batches,
+            micro_batch_size,
+            steps,
+            seed,
+            lr,
+            warmup_steps,
+            optimizer,
+            weight_decay,
+            grad_clip,
+            reduce,
+            chunk_elems,
+            max_live_units,
+            collective_timeout_ms,
+            optimizer_threads,
+            sample_tokens
+        );
+        if self.data.is_some() {
+            c.data = self.data.clone();
+        }
+        if self.json.is_some() {
+            c.json = self.json.clone();
+        }
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+pub enum CliError {
+    /// Bad input: exit code 2.
+    Usage(String),
+    /// The run itself failed: exit code 1.
+    Failed(String),
+}
+
+pub fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Train(args) => train::run(&args),
+        Command::Bench(BenchCommand::Adam {
+            numel,
+            threads,
+            min_time_s,
+        }) => {
+            if numel == 0 || threads == 0 {
+                return Err(CliError::Usage(
+                    "--numel and --threads must be at least 1".into(),
+                ));
+            }
+            let r = elastic_zero::bench::adam::bench_adam(numel, threads, min_time_s);
+            println!(
+                "{}",
+                serde_json::to_string(&r).map_err(|e| CliError::Failed(e.to_string()))?
+            );
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! `ezero train`: run a job on in-process rank actors, show progress, print the digest.
+
+use std::io::IsTerminal;
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+use elastic_zero::config::{ModelKind, TrainConfig};
+use elastic_zero::engine::coordinator::StepRecord;
+use elastic_zero::job::{build_dataset, build_model};
+use elastic_zero::model::sample::generate;
+use elastic_zero::model::{param_count, Model};
+use elastic_zero::runtime::{train, ClusterSpec};
+use elastic_zero::summary::{median, param_sha256, rank_summaries, TrainSummary};
+
+use super::{CliError, TrainArgs};
+
+pub fn run(args: &TrainArgs) -> Result<(), CliError> {
+    let cfg = args.resolve().map_err(|e| CliError::Usage(e.to_string()))?;
+    let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
+    let data = build_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
+    let psi = param_count(&model.units());
+    println!(
+        "ezero train: ZeRO-{} on {} rank actors, {} model, {} parameters, {} reduction, data: {}",
+        cfg.stage,
+        cfg.ranks,
+        match cfg.model {
+            ModelKind::Gpt => "gpt",
+            ModelKind::Mlp => "mlp",
+        },
+        psi,
+        if cfg.reduce == elastic_zero::reduce::ReduceMode::Exact {
+            "exact"
+        } else {
+            "fast"
+        },
+        data.describe()
+    );
+    let floor = data.entropy_floor_nats();
+    let bar = progress_bar(cfg.steps);
+    let log_every = (cfg.steps / 10).max(1);
+    let tokens = cfg.tokens_per_step() as f64;
+    let spec = ClusterSpec {
+        config: cfg.clone(),
+        model: model.clone(),
+        data: data.clone(),
+        init_params: None,
+        panic_at: args.panic_rank,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| CliError::Failed(format!("cannot start the tokio runtime: {e}")))?;
+    let started = Instant::now();
+    let outcome = rt
+        .block_on(train(spec, |rec: &StepRecord| {
+            let tps = tokens / (rec.duration_ms.max(1) as f64 / 1e3);
+            let mem: Vec<String> = rec
+                .reports
+                .iter()
+                .map(|r| format!("{:.1}", r.resident.total() as f64 / 1048576.0))
+                .collect();
+            bar.set_position(rec.step + 1);
+            bar.set_message(format!(
+                "loss {:.4}  {:.0} tok/s  MiB/rank [{}]",
+                rec.loss,
+                tps,
+                mem.join(" ")
+            ));
+            if rec.step % log_every == 0 || rec.step + 1 == cfg.steps {
+                let line = format!(
+                    "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s{}",
+                    rec.step + 1,
+                    cfg.steps,
+                    rec.loss,
+                    floor
+                        .map(|f| format!(" (floor {f:.4})"))
+                        .unwrap_or_default(),
+                    rec.grad_norm,
+                    tps,
+                    if rec.skipped {
+                        "  [skipped: non-finite gradient]"
+                    } else {
+                        ""
+                    },
+                );
+                if bar.is_hidden() {
+                    println!("{line}");
+                } else {
+                    bar.println(line);
+                }
+            }
+        }))
+        .map_err(|e| CliError::Failed(e.to_string()))?;
+    bar.finish_and_clear();
+    let wall_s = started.elapsed().as_secs_f64();
+    let summary = summarize(&cfg, psi, floor, &outcome.records, &outcome.params);
+    println!(
+        "done: {} steps in {:.1} s, loss {:.4} -> {:.4}{}, median step {:.3} s, {:.0} tokens/s",
+        cfg.steps,
+        wall_s,
+        summary.first_loss,
+        summary.final_loss,
+        floor
+            .map(|f| format!(" (entropy floor {f:.4} nats)"))
+            .unwrap_or_default(),
+        summary.step_time_median_s,
+        summary.tokens_per_s
+    );
+    for r in &summary.ranks {
+        println!(
+            "  rank {}: resident params {} B, grads {} B, optimizer {} B; peak {} B; sent {} B/step",
+            r.rank, r.resident_bytes.params, r.resident_bytes.grads, r.resident_bytes.optimizer, r.peak_bytes, r.bytes_sent_per_step
+        );
+    }
+    if cfg.model == ModelKind::Gpt && cfg.sample_tokens > 0 {
+        print_sample(model.as_ref(), &outcome.params, &cfg);
+    }
+    if let Some(path) = &cfg.json {
+        write_json_atomically(path, &summary)?;
+    }
+    println!("param-sha256: {}", summary.param_sha256);
+    Ok(())
+}
+
+fn progress_bar(steps: u64) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(steps);
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] step {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
+}
+
+fn summarize(
+    cfg: &TrainConfig,
+    psi: usize,
+    floor: Option<f64>,
+    records: &[StepRecord],
+    params: &[Vec<f32>],
+) -> TrainSummary {
+    // Skip the first steps (allocation, page faults) when there are enough to spare.
+    let warm = if records.len() > 4 { 2 } else { 0 };
+    let times: Vec<f64> = records
+        .iter()
+        .skip(warm)
+        .map(|r| r.duration_ms as f64 / 1e3)
+        .collect();
+    let step_time = median(times);
+    TrainSummary {
+        param_count: psi,
+        stage: cfg.stage,
+        world_size: cfg.ranks,
+        reduce: format!("{:?}", cfg.reduce).to_lowercase(),
+        steps: cfg.steps,
+        final_loss: records.last().map_or(f64::NAN, |r| r.loss),
+        first_loss: records.first().map_or(f64::NAN, |r| r.loss),
+        entropy_floor_nats: floor,
+        step_time_median_s: step_time,
+        tokens_per_s: if step_time > 0.0 {
+            cfg.tokens_per_step() as f64 / step_time
+        } else {
+            0.0
+        },
+        skipped_steps: records.iter().filter(|r| r.skipped).count() as u64,
+        redone_steps: records.iter().filter(|r| r.attempts > 1).count() as u64,
+        param_sha256: param_sha256(params),
+        ranks: rank_summaries(records),
+        losses: records.iter().map(|r| r.loss).collect(),
+    }
+}
+
+fn print_sample(model: &dyn Model, params: &[Vec<f32>], cfg: &TrainConfig) {
+    let prompt: Vec<u32> = b"the ".iter().map(|&b| b as u32).collect();
+    let out = generate(model, params, &prompt, cfg.sample_tokens, 0.8, cfg.seed);
+    let text: String = out.iter().map(|&t| printable(t)).collect();
+    println!("sample: {}{}", String::from_utf8_lossy(b"the "), text);
+}
+
+fn printable(t: u32) -> char {
+    match char::from_u32(t) {
+        Some(c) if c.is_ascii_graphic() || c == ' ' => c,
+        Some('\n') => ' ',
+        _ => '?',
+    }
+}
+
+/// Writes the summary to a temporary file and renames it, so no partial file is ever seen.
+fn write_json_atomically(path: &std::path::Path, summary: &TrainSummary) -> Result<(), CliError> {
+    let text =
+        serde_json::to_string_pretty(summary).map_err(|e| CliError::Failed(e.to_string()))?;
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, text)
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|e| CliError::Failed(format!("cannot write {}: {e}", path.display())))
+}

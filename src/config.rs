@@ -1,0 +1,297 @@
+//! Typed training configuration, validated once.
+//!
+//! The same keys come from a TOML file (`--config FILE`) and from command-line flags (flags win).
+//! Units are in the names (`chunk_elems`, `collective_timeout_ms`). Unknown keys are errors, not
+//! silently ignored, because a misspelt key in a training config is a silent wrong run.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::reduce::ReduceMode;
+
+/// Which built-in model to train.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    Gpt,
+    Mlp,
+}
+
+/// Which optimizer updates the shards.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerChoice {
+    /// Adam with decoupled weight decay (default).
+    Adamw,
+    /// Adam with L2 weight decay added to the gradient.
+    Adam,
+    /// SGD with momentum (`momentum`) and L2 weight decay.
+    Sgd,
+}
+
+/// A configuration error: which field, and what would be valid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid `{field}`: {message}")]
+pub struct ConfigError {
+    pub field: String,
+    pub message: String,
+}
+
+impl ConfigError {
+    pub fn new(field: &str, message: impl Into<String>) -> Self {
+        Self {
+            field: field.to_string(),
+            message: message.into(),
+        }
+    }
+}
+
+/// Everything a training run needs. Defaults are the `ezero train` demo job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Number of in-process rank actors (default 4).
+    pub ranks: u32,
+    /// ZeRO stage 0-3 (default 3).
+    pub stage: u8,
+    /// `gpt` or `mlp` (default gpt).
+    pub model: ModelKind,
+    /// Transformer blocks (GPT) or hidden layers (MLP) (default 2).
+    pub layers: usize,
+    /// Model width (default 128).
+    pub d_model: usize,
+    /// Attention heads; must divide `d_model` (default 4).
+    pub heads: usize,
+    /// Tokens per sequence (default 64).
+    pub seq_len: usize,
+    /// Micro-batches per global step; the global batch never depends on the world size
+    /// (default 8).
+    pub micro_batches: u32,
+    /// Sequences per micro-batch (default 4).
+    pub micro_batch_size: usize,
+    /// Optimizer steps to run (default 150).
+    pub steps: u64,
+    /// Seed for initialisation and data (default 0).
+    pub seed: u64,
+    /// Peak learning rate (default 3e-3).
+    pub lr: f32,
+    /// Linear warm-up steps before cosine decay (default 10).
+    pub warmup_steps: u64,
+    /// Cosine decays to `lr * min_lr_ratio` at the last step; 1.0 keeps lr constant
+    /// (default 0.1).
+    pub min_lr_ratio: f32,
+    /// `adamw`, `adam` or `sgd` (default adamw).
+    pub optimizer: OptimizerChoice,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// Weight decay (decoupled for AdamW, L2 for Adam and SGD) (default 0.1).
+    pub weight_decay: f32,
+    /// SGD momentum (default 0.9).
+    pub momentum: f32,
+    /// Global gradient-norm clipping threshold; 0 disables (default 1.0).
+    pub grad_clip: f32,
+    /// `exact` (bit-identical across world sizes, default) or `fast`.
+    pub reduce: ReduceMode,
+    /// Train on this file's bytes instead of the embedded Markov corpus.
+    pub data: Option<PathBuf>,
+    /// Write a JSON summary here.
+    pub json: Option<PathBuf>,
+    /// Elements per shard chunk: the unit of ownership and of rebalancing (default 32768).
+    pub chunk_elems: usize,
+    /// ZeRO-3: units whose full parameters may be live at once (current + prefetched) (default 2).
+    pub max_live_units: usize,
+    /// Deadline for any single receive inside a collective (default 30000).
+    pub collective_timeout_ms: u64,
+    /// Threads for the optimizer step on each rank (default 1).
+    pub optimizer_threads: usize,
+    /// Tokens to sample from the trained model at the end (GPT only; default 160).
+    pub sample_tokens: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            ranks: 4,
+            stage: 3,
+            model: ModelKind::Gpt,
+            layers: 2,
+            d_model: 128,
+            heads: 4,
+            seq_len: 64,
+            micro_batches: 8,
+            micro_batch_size: 4,
+            steps: 150,
+            seed: 0,
+            lr: 3e-3,
+            warmup_steps: 10,
+            min_lr_ratio: 0.1,
+            optimizer: OptimizerChoice::Adamw,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            momentum: 0.9,
+            grad_clip: 1.0,
+            reduce: ReduceMode::Exact,
+            data: None,
+            json: None,
+            chunk_elems: 32768,
+            max_live_units: 2,
+            collective_timeout_ms: 30_000,
+            optimizer_threads: 1,
+            sample_tokens: 160,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Parses a TOML config file's text; unknown keys and wrong types are errors.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(|e| {
+            let msg = e.message().to_string();
+            let field = unknown_field(&msg).unwrap_or_else(|| "config".to_string());
+            ConfigError::new(&field, msg.replace('\n', " "))
+        })
+    }
+
+    /// Checks every field once; the runtime trusts a validated config.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let positive = |field: &str, v: usize| {
+            if v == 0 {
+                Err(ConfigError::new(field, "must be at least 1"))
+            } else {
+                Ok(())
+            }
+        };
+        if self.ranks == 0 {
+            return Err(ConfigError::new(
+                "ranks",
+                "0 ranks: use 1 or more rank actors",
+            ));
+        }
+        if self.ranks > 256 {
+            return Err(ConfigError::new(
+                "ranks",
+                "at most 256 in-process ranks are supported",
+            ));
+        }
+        if self.stage > 3 {
+            return Err(ConfigError::new(
+                "stage",
+                format!("{} is not a ZeRO stage: use 0, 1, 2 or 3", self.stage),
+            ));
+        }
+        positive("layers", self.layers)?;
+        positive("d_model", self.d_model)?;
+        positive("seq_len", self.seq_len)?;
+        positive("micro_batch_size", self.micro_batch_size)?;
+        positive("chunk_elems", self.chunk_elems)?;
+        positive("max_live_units", self.max_live_units)?;
+        positive("optimizer_threads", self.optimizer_threads)?;
+        if self.model == ModelKind::Gpt {
+            if self.heads == 0 || self.d_model % self.heads != 0 {
+                return Err(ConfigError::new(
+                    "heads",
+                    format!(
+                        "{} heads do not divide d_model {}: use a divisor of {}",
+                        self.heads, self.d_model, self.d_model
+                    ),
+                ));
+            }
+        }
+        if self.micro_batches == 0 {
+            return Err(ConfigError::new("micro_batches", "must be at least 1"));
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return Err(ConfigError::new("lr", "must be a positive finite number"));
+        }
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            return Err(ConfigError::new("min_lr_ratio", "must be within [0, 1]"));
+        }
+        for (field, b) in [
+            ("beta1", self.beta1),
+            ("beta2", self.beta2),
+            ("momentum", self.momentum),
+        ] {
+            if !(0.0..1.0).contains(&b) {
+                return Err(ConfigError::new(field, "must be within [0, 1)"));
+            }
+        }
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            return Err(ConfigError::new("eps", "must be a positive finite number"));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return Err(ConfigError::new("weight_decay", "must be 0 or positive"));
+        }
+        if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
+            return Err(ConfigError::new("grad_clip", "must be 0 (off) or positive"));
+        }
+        if self.collective_timeout_ms == 0 {
+            return Err(ConfigError::new(
+                "collective_timeout_ms",
+                "must be at least 1",
+            ));
+        }
+        if let Some(path) = &self.data {
+            if !path.is_file() {
+                return Err(ConfigError::new(
+                    "data",
+                    format!("{} does not exist or is not a file", path.display()),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Tokens in one global batch.
+    pub fn tokens_per_step(&self) -> usize {
+        self.micro_batches as usize * self.micro_batch_size * self.seq_len
+    }
+}
+
+fn unknown_field(msg: &str) -> Option<String> {
+    let rest = msg.split("unknown field `").nth(1)?;
+    Some(rest.split('`').next()?.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_is_valid() {
+        TrainConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn unknown_key_names_the_key() {
+        let err = TrainConfig::from_toml("ranks = 2\nstagee = 3\n").unwrap_err();
+        assert_eq!(err.field, "stagee");
+    }
+
+    #[test]
+    fn toml_round_trip_and_partial_files() {
+        let cfg = TrainConfig::from_toml("stage = 1\nmodel = \"mlp\"\nreduce = \"fast\"").unwrap();
+        assert_eq!(
+            (cfg.stage, cfg.model, cfg.reduce),
+            (1, ModelKind::Mlp, ReduceMode::Fast)
+        );
+        assert_eq!(cfg.ranks, TrainConfig::default().ranks);
+    }
+
+    #[test]
+    fn bad_values_name_the_field() {
+        let bad = |f: fn(&mut TrainConfig)| {
+            let mut c = TrainConfig::default();
+            f(&mut c);
+            c.validate().unwrap_err().field
+        };
+        assert_eq!(bad(|c| c.stage = 4), "stage");
+        assert_eq!(bad(|c| c.ranks = 0), "ranks");
+        assert_eq!(bad(|c| c.heads = 3), "heads");
+        assert_eq!(bad(|c| c.data = Some("/nonexistent/file".into())), "data");
+        assert_eq!(bad(|c| c.micro_batches = 0), "micro_batches");
+    }
+}

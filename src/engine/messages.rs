@@ -1,0 +1,64 @@
+//! What the coordinator and the ranks tell each other once per step.
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+use crate::plan::memory::Resident;
+use crate::plan::volume::Volume;
+use crate::plan::RankId;
+
+/// The coordinator's instruction for one step, identical for every rank.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepPlan {
+    pub epoch: u64,
+    pub step: u64,
+    /// Micro-batch indices per member; together they cover `0..micro_batches` exactly once.
+    pub assignment: Vec<(RankId, Range<u32>)>,
+    pub micro_batches: u32,
+    /// Learning rate for this step's update.
+    pub lr: f32,
+    /// 1-based optimizer step count if this step's update is applied (bias correction).
+    pub opt_step: u64,
+    /// Per-unit bound on |gradient| that fixes the exact-reduction scale.
+    pub grad_bounds: Vec<f32>,
+}
+
+impl StepPlan {
+    pub fn local_micro_batches(&self, rank: RankId) -> Range<u32> {
+        self.assignment
+            .iter()
+            .find(|(r, _)| *r == rank)
+            .map(|(_, m)| m.clone())
+            .unwrap_or(0..0)
+    }
+}
+
+/// A rank's account of a finished step.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepReport {
+    pub rank: RankId,
+    pub epoch: u64,
+    pub step: u64,
+    /// Loss of every micro-batch of the step (agreed, so every rank reports all of them).
+    pub losses: Vec<f32>,
+    /// Agreed per-unit max |gradient| over all micro-batches (the next step's bounds).
+    pub unit_max_abs: Vec<f32>,
+    pub grad_norm: f64,
+    pub clip_coef: f64,
+    /// The update was skipped because a gradient was not finite.
+    pub skipped: bool,
+    /// Passes needed (2 when the first overflowed the fixed-point range).
+    pub attempts: u32,
+    /// Data this rank sent (parameter and gradient elements), measured.
+    pub sent: Volume,
+    /// All bytes this rank sent including control messages and frame headers, measured.
+    pub bytes_sent: u64,
+    pub resident: Resident,
+    pub peak_bytes: u64,
+    pub peak_gathered_bytes: u64,
+    /// Frames dropped for carrying an old epoch or step.
+    pub stale_dropped: u64,
+    /// Seconds of forward/backward compute on this rank.
+    pub compute_s: f64,
+}

@@ -1,0 +1,6 @@
+//! The engine layer: state machines that take events (and the current time) and emit commands.
+//! No I/O, no threads, no clock reads: the runtime drives them.
+
+pub mod coordinator;
+pub mod ledger;
+pub mod messages;

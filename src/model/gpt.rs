@@ -1,0 +1,682 @@
+//! The GPT of the PyTorch reference (`/work/shared/peers/train_fsdp.py`, classes `Block` and
+//! `GPT`), cut into ZeRO units: the embeddings, one unit per transformer block, and the head.
+//!
+//! Pre-LN blocks: `x + proj(attn(ln1(x)))`, then `x + fc2(gelu(fc1(ln2(x))))`; learned token and
+//! position embeddings; final `ln_f` and an untied, bias-free LM head. Parameter names, shapes and
+//! order follow the PyTorch `state_dict`, so checkpoints can be exported name by name.
+//!
+//! Activations between units are the hidden states `[batch, seq, d_model]`, row-major.
+//! `backward` recomputes the unit's internals from its input (activation checkpointing at unit
+//! granularity), so nothing is cached between calls and every call is a pure function.
+
+use super::ops::{
+    add_assign, attention_backward, attention_forward, cross_entropy, embedding_backward,
+    embedding_forward, gelu_forward, gelu_with_derivative, split_params, split_params_mut,
+    AttnShape, LayerNorm, Linear,
+};
+use super::rng::{init_buffer, mix, Init, SplitMix64};
+use super::{MicroBatch, Model, ParamSpec, UnitSpec};
+
+/// Shape of a [`Gpt`].
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GptConfig {
+    pub vocab: usize,
+    /// Longest sequence (rows of the position embedding).
+    pub seq_len: usize,
+    pub d_model: usize,
+    pub heads: usize,
+    pub layers: usize,
+}
+
+impl GptConfig {
+    /// The reference model of `train_fsdp.py`: 3,323,392 parameters.
+    pub fn reference() -> Self {
+        Self {
+            vocab: 256,
+            seq_len: 128,
+            d_model: 256,
+            heads: 4,
+            layers: 4,
+        }
+    }
+
+    /// Checks that every size is positive and that `heads` divides `d_model`.
+    pub fn validate(&self) -> Result<(), String> {
+        let sizes = [
+            ("vocab", self.vocab),
+            ("seq_len", self.seq_len),
+            ("d_model", self.d_model),
+            ("heads", self.heads),
+            ("layers", self.layers),
+        ];
+        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("GptConfig.{name} is 0; it must be at least 1"));
+        }
+        if self.vocab > 1 << 32 {
+            return Err(format!(
+                "GptConfig.vocab is {}; token ids are u32, so at most 2^32",
+                self.vocab
+            ));
+        }
+        if self.d_model % self.heads != 0 {
+            let divisors: Vec<usize> = (1..=self.d_model)
+                .filter(|h| self.d_model % h == 0)
+                .collect();
+            return Err(format!(
+                "GptConfig.heads ({}) must divide d_model ({}); valid head counts: {divisors:?}",
+                self.heads, self.d_model
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What a unit index refers to.
+enum UnitKind {
+    Embed,
+    Block,
+    Head,
+}
+
+/// Decoder-only transformer implementing [`Model`]; see the module docs for the architecture.
+#[derive(Clone, Debug)]
+pub struct Gpt {
+    cfg: GptConfig,
+    units: Vec<UnitSpec>,
+    /// Init rule of every parameter of every unit, parallel to `units`.
+    inits: Vec<Vec<Init>>,
+}
+
+/// Lengths of a block's 12 parameters, in `UnitSpec` order.
+fn block_lens(d: usize) -> [usize; 12] {
+    [
+        d,
+        d,
+        3 * d * d,
+        3 * d,
+        d * d,
+        d,
+        d,
+        d,
+        4 * d * d,
+        4 * d,
+        4 * d * d,
+        d,
+    ]
+}
+
+/// Lengths of the head unit's parameters: ln_f weight and bias, head weight.
+fn head_lens(d: usize, vocab: usize) -> [usize; 3] {
+    [d, d, vocab * d]
+}
+
+fn unit(name: String, params: Vec<(String, Vec<usize>, Init)>) -> (UnitSpec, Vec<Init>) {
+    let inits = params.iter().map(|p| p.2).collect();
+    let params = params
+        .into_iter()
+        .map(|(name, shape, _)| ParamSpec { name, shape })
+        .collect();
+    (UnitSpec { name, params }, inits)
+}
+
+fn layer_norm(prefix: &str, d: usize) -> [(String, Vec<usize>, Init); 2] {
+    [
+        (format!("{prefix}.weight"), vec![d], Init::Ones),
+        (format!("{prefix}.bias"), vec![d], Init::Zeros),
+    ]
+}
+
+fn linear(prefix: &str, d_out: usize, d_in: usize) -> [(String, Vec<usize>, Init); 2] {
+    [
+        (format!("{prefix}.weight"), vec![d_out, d_in], Init::Normal),
+        (format!("{prefix}.bias"), vec![d_out], Init::Zeros),
+    ]
+}
+
+fn block_unit(i: usize, d: usize) -> (UnitSpec, Vec<Init>) {
+    let p = |name: &str| format!("blocks.{i}.{name}");
+    let params = [
+        layer_norm(&p("ln1"), d),
+        linear(&p("qkv"), 3 * d, d),
+        linear(&p("proj"), d, d),
+        layer_norm(&p("ln2"), d),
+        linear(&p("fc1"), 4 * d, d),
+        linear(&p("fc2"), d, 4 * d),
+    ];
+    unit(
+        format!("blocks.{i}"),
+        params.into_iter().flatten().collect(),
+    )
+}
+
+impl Gpt {
+    pub fn new(cfg: GptConfig) -> Result<Self, String> {
+        cfg.validate()?;
+        let (d, v) = (cfg.d_model, cfg.vocab);
+        let mut all = vec![unit(
+            "embed".into(),
+            vec![
+                ("tok.weight".into(), vec![v, d], Init::Normal),
+                ("pos.weight".into(), vec![cfg.seq_len, d], Init::Normal),
+            ],
+        )];
+        all.extend((0..cfg.layers).map(|i| block_unit(i, d)));
+        let mut head: Vec<_> = layer_norm("ln_f", d).into();
+        head.push(("head.weight".into(), vec![v, d], Init::Normal));
+        all.push(unit("head".into(), head));
+        let (units, inits) = all.into_iter().unzip();
+        Ok(Self { cfg, units, inits })
+    }
+
+    pub fn config(&self) -> &GptConfig {
+        &self.cfg
+    }
+
+    fn kind(&self, unit: usize) -> UnitKind {
+        match unit {
+            0 => UnitKind::Embed,
+            u if u <= self.cfg.layers => UnitKind::Block,
+            u if u == self.cfg.layers + 1 => UnitKind::Head,
+            u => panic!(
+                "unit {u} out of range: this GPT has {} units",
+                self.cfg.layers + 2
+            ),
+        }
+    }
+
+    /// Validates the micro-batch and the unit's buffers; returns the attention shape.
+    fn check(&self, unit: usize, params: &[f32], x: &[f32], mb: &MicroBatch) -> AttnShape {
+        let want = self.units.get(unit).map(UnitSpec::numel);
+        assert_eq!(
+            Some(params.len()),
+            want,
+            "unit {unit}: parameter buffer length"
+        );
+        assert!(
+            mb.seq <= self.cfg.seq_len,
+            "micro-batch seq {} exceeds the model's seq_len {}",
+            mb.seq,
+            self.cfg.seq_len
+        );
+        assert_eq!(
+            mb.inputs.len(),
+            mb.batch * mb.seq,
+            "micro-batch inputs length"
+        );
+        if unit != 0 {
+            assert_eq!(
+                x.len(),
+                mb.batch * mb.seq * self.cfg.d_model,
+                "unit {unit}: input length"
+            );
+        }
+        AttnShape {
+            batch: mb.batch,
+            seq: mb.seq,
+            d_model: self.cfg.d_model,
+            heads: self.cfg.heads,
+        }
+    }
+
+    fn embed_forward(&self, params: &[f32], mb: &MicroBatch) -> Vec<f32> {
+        let d = self.cfg.d_model;
+        let [tok, pos] = split_params(params, [self.cfg.vocab * d, self.cfg.seq_len * d]);
+        let mut h = embedding_forward(tok, &mb.inputs, d);
+        for row in h.chunks_exact_mut(mb.seq * d) {
+            add_assign(row, &pos[..mb.seq * d]);
+        }
+        h
+    }
+
+    fn embed_backward(&self, dout: &[f32], mb: &MicroBatch, grads: &mut [f32]) {
+        let d = self.cfg.d_model;
+        let [g_tok, g_pos] = split_params_mut(grads, [self.cfg.vocab * d, self.cfg.seq_len * d]);
+        embedding_backward(&mb.inputs, dout, d, g_tok);
+        for row in dout.chunks_exact(mb.seq * d) {
+            add_assign(&mut g_pos[..mb.seq * d], row);
+        }
+    }
+
+    fn head_parts<'a>(&self, params: &'a [f32]) -> (LayerNorm<'a>, Linear<'a>) {
+        let (d, v) = (self.cfg.d_model, self.cfg.vocab);
+        let [w, b, head] = split_params(params, head_lens(d, v));
+        let lin = Linear {
+            weight: head,
+            bias: None,
+            d_in: d,
+            d_out: v,
+        };
+        (LayerNorm { weight: w, bias: b }, lin)
+    }
+
+    fn head_backward(
+        &self,
+        params: &[f32],
+        x: &[f32],
+        dout: &[f32],
+        grads: &mut [f32],
+    ) -> Vec<f32> {
+        let (ln_f, head) = self.head_parts(params);
+        let [g_w, g_b, g_head] =
+            split_params_mut(grads, head_lens(self.cfg.d_model, self.cfg.vocab));
+        let h = ln_f.forward(x);
+        let dh = head.backward(&h, dout, g_head, None);
+        ln_f.backward(x, &dh, g_w, g_b)
+    }
+}
+
+/// Views of one transformer block's parameters.
+struct Block<'a> {
+    ln1: LayerNorm<'a>,
+    qkv: Linear<'a>,
+    proj: Linear<'a>,
+    ln2: LayerNorm<'a>,
+    fc1: Linear<'a>,
+    fc2: Linear<'a>,
+}
+
+/// Intermediates of a block's attention half, recomputed by backward.
+struct AttnHalf {
+    h1: Vec<f32>,
+    qkv: Vec<f32>,
+    att: Vec<f32>,
+    /// Residual stream after the attention half: `x + proj(att)`.
+    x2: Vec<f32>,
+}
+
+impl<'a> Block<'a> {
+    fn new(params: &'a [f32], d: usize) -> Self {
+        let [ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b] =
+            split_params(params, block_lens(d));
+        let lin = |weight, bias, d_in, d_out| Linear {
+            weight,
+            bias: Some(bias),
+            d_in,
+            d_out,
+        };
+        Self {
+            ln1: LayerNorm {
+                weight: ln1_w,
+                bias: ln1_b,
+            },
+            qkv: lin(qkv_w, qkv_b, d, 3 * d),
+            proj: lin(proj_w, proj_b, d, d),
+            ln2: LayerNorm {
+                weight: ln2_w,
+                bias: ln2_b,
+            },
+            fc1: lin(fc1_w, fc1_b, d, 4 * d),
+            fc2: lin(fc2_w, fc2_b, 4 * d, d),
+        }
+    }
+
+    fn attn_half(&self, x: &[f32], s: AttnShape) -> AttnHalf {
+        let h1 = self.ln1.forward(x);
+        let qkv = self.qkv.forward(&h1);
+        let att = attention_forward(&qkv, s);
+        let mut x2 = self.proj.forward(&att);
+        add_assign(&mut x2, x);
+        AttnHalf { h1, qkv, att, x2 }
+    }
+
+    fn forward(&self, x: &[f32], s: AttnShape) -> Vec<f32> {
+        let x2 = self.attn_half(x, s).x2;
+        let g = gelu_forward(&self.fc1.forward(&self.ln2.forward(&x2)));
+        let mut out = self.fc2.forward(&g);
+        add_assign(&mut out, &x2);
+        out
+    }
+
+    fn backward(&self, x: &[f32], dout: &[f32], s: AttnShape, grads: &mut [f32]) -> Vec<f32> {
+        let [g_ln1_w, g_ln1_b, g_qkv_w, g_qkv_b, g_proj_w, g_proj_b, g_ln2_w, g_ln2_b, g_fc1_w, g_fc1_b, g_fc2_w, g_fc2_b] =
+            split_params_mut(grads, block_lens(s.d_model));
+        let a = self.attn_half(x, s);
+        let h2 = self.ln2.forward(&a.x2);
+        let (g, g_deriv) = gelu_with_derivative(&self.fc1.forward(&h2));
+        // MLP half: out = x2 + fc2(gelu(fc1(ln2(x2)))).
+        let mut df = self.fc2.backward(&g, dout, g_fc2_w, Some(g_fc2_b));
+        for (d, &gd) in df.iter_mut().zip(&g_deriv) {
+            *d *= gd;
+        }
+        let dh2 = self.fc1.backward(&h2, &df, g_fc1_w, Some(g_fc1_b));
+        let mut dx2 = self.ln2.backward(&a.x2, &dh2, g_ln2_w, g_ln2_b);
+        add_assign(&mut dx2, dout);
+        // Attention half: x2 = x + proj(attn(qkv(ln1(x)))).
+        let datt = self.proj.backward(&a.att, &dx2, g_proj_w, Some(g_proj_b));
+        let dqkv = attention_backward(&a.qkv, &datt, s);
+        let dh1 = self.qkv.backward(&a.h1, &dqkv, g_qkv_w, Some(g_qkv_b));
+        let mut dx = self.ln1.backward(x, &dh1, g_ln1_w, g_ln1_b);
+        add_assign(&mut dx, &dx2);
+        dx
+    }
+}
+
+/// # Panics
+/// On inputs that break the contract: a unit index out of range, buffers of the wrong length, a
+/// micro-batch longer than `seq_len`, or a token id or target `>= vocab`.
+impl Model for Gpt {
+    fn units(&self) -> Vec<UnitSpec> {
+        self.units.clone()
+    }
+
+    fn init_unit(&self, unit: usize, seed: u64) -> Vec<f32> {
+        self.kind(unit); // range check
+        let params: Vec<(usize, Init)> = self.units[unit]
+            .params
+            .iter()
+            .map(ParamSpec::numel)
+            .zip(self.inits[unit].iter().copied())
+            .collect();
+        init_buffer(&params, &mut SplitMix64::new(mix(seed, unit as u64)))
+    }
+
+    fn forward(&self, unit: usize, params: &[f32], x: &[f32], mb: &MicroBatch) -> Vec<f32> {
+        let s = self.check(unit, params, x, mb);
+        match self.kind(unit) {
+            UnitKind::Embed => self.embed_forward(params, mb),
+            UnitKind::Block => Block::new(params, s.d_model).forward(x, s),
+            UnitKind::Head => {
+                let (ln_f, head) = self.head_parts(params);
+                head.forward(&ln_f.forward(x))
+            }
+        }
+    }
+
+    fn backward(
+        &self,
+        unit: usize,
+        params: &[f32],
+        x: &[f32],
+        grad_out: &[f32],
+        mb: &MicroBatch,
+        grad_params: &mut [f32],
+    ) -> Vec<f32> {
+        let s = self.check(unit, params, x, mb);
+        assert_eq!(
+            grad_params.len(),
+            params.len(),
+            "unit {unit}: gradient buffer length"
+        );
+        let out_width = if unit == self.cfg.layers + 1 {
+            self.cfg.vocab
+        } else {
+            self.cfg.d_model
+        };
+        assert_eq!(
+            grad_out.len(),
+            mb.batch * mb.seq * out_width,
+            "unit {unit}: grad_out length"
+        );
+        match self.kind(unit) {
+            UnitKind::Embed => {
+                self.embed_backward(grad_out, mb, grad_params);
+                Vec::new()
+            }
+            UnitKind::Block => Block::new(params, s.d_model).backward(x, grad_out, s, grad_params),
+            UnitKind::Head => self.head_backward(params, x, grad_out, grad_params),
+        }
+    }
+
+    fn loss(&self, out: &[f32], mb: &MicroBatch) -> (f32, Vec<f32>) {
+        assert_eq!(
+            mb.targets.len(),
+            mb.batch * mb.seq,
+            "micro-batch targets length"
+        );
+        cross_entropy(out, &mb.targets, self.cfg.vocab)
+    }
+
+    fn vocab(&self) -> usize {
+        self.cfg.vocab
+    }
+
+    fn max_seq(&self) -> usize {
+        self.cfg.seq_len
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::param_count;
+    use super::super::sample::test_util::{
+        assert_deterministic, check_model_gradients, perturbed, step, train,
+    };
+    use super::*;
+    use std::sync::Arc;
+
+    fn tiny() -> Gpt {
+        let cfg = GptConfig {
+            vocab: 11,
+            seq_len: 5,
+            d_model: 8,
+            heads: 2,
+            layers: 2,
+        };
+        Gpt::new(cfg).expect("valid config")
+    }
+
+    /// A micro-batch of `batch` rows of `seq` tokens from a fixed pseudo-random stream.
+    fn batch_of(vocab: usize, batch: usize, seq: usize, seed: u64) -> MicroBatch {
+        let mut rng = SplitMix64::new(seed);
+        let toks: Vec<u32> = (0..batch * (seq + 1))
+            .map(|_| (rng.next_u64() % vocab as u64) as u32)
+            .collect();
+        let rows = toks.chunks(seq + 1);
+        MicroBatch {
+            inputs: rows.clone().flat_map(|r| r[..seq].to_vec()).collect(),
+            targets: rows.flat_map(|r| r[1..].to_vec()).collect(),
+            batch,
+            seq,
+        }
+    }
+
+    #[test]
+    fn reference_shape_matches_pytorch() {
+        let gpt = Gpt::new(GptConfig::reference()).expect("valid config");
+        let units = gpt.units();
+        assert_eq!(param_count(&units), 3_323_392);
+        let names: Vec<&str> = units.iter().map(|u| u.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+        );
+        let shapes = |u: usize| -> Vec<(String, Vec<usize>)> {
+            units[u]
+                .params
+                .iter()
+                .map(|p| (p.name.clone(), p.shape.clone()))
+                .collect()
+        };
+        let s = |n: &str, sh: &[usize]| (n.to_string(), sh.to_vec());
+        assert_eq!(
+            shapes(0),
+            [s("tok.weight", &[256, 256]), s("pos.weight", &[128, 256])]
+        );
+        assert_eq!(
+            shapes(2),
+            [
+                s("blocks.1.ln1.weight", &[256]),
+                s("blocks.1.ln1.bias", &[256]),
+                s("blocks.1.qkv.weight", &[768, 256]),
+                s("blocks.1.qkv.bias", &[768]),
+                s("blocks.1.proj.weight", &[256, 256]),
+                s("blocks.1.proj.bias", &[256]),
+                s("blocks.1.ln2.weight", &[256]),
+                s("blocks.1.ln2.bias", &[256]),
+                s("blocks.1.fc1.weight", &[1024, 256]),
+                s("blocks.1.fc1.bias", &[1024]),
+                s("blocks.1.fc2.weight", &[256, 1024]),
+                s("blocks.1.fc2.bias", &[256]),
+            ]
+        );
+        assert_eq!(
+            shapes(5),
+            [
+                s("ln_f.weight", &[256]),
+                s("ln_f.bias", &[256]),
+                s("head.weight", &[256, 256])
+            ]
+        );
+        let lens: Vec<usize> = units[1].params.iter().map(ParamSpec::numel).collect();
+        assert_eq!(lens, block_lens(256));
+        assert_eq!((gpt.vocab(), gpt.max_seq()), (256, 128));
+    }
+
+    #[test]
+    fn new_rejects_bad_configs() {
+        let ok = GptConfig {
+            vocab: 11,
+            seq_len: 5,
+            d_model: 8,
+            heads: 2,
+            layers: 2,
+        };
+        let err = Gpt::new(GptConfig {
+            heads: 3,
+            ..ok.clone()
+        })
+        .expect_err("3 does not divide 8");
+        assert!(
+            err.contains("heads") && err.contains("[1, 2, 4, 8]"),
+            "{err}"
+        );
+        for field in ["vocab", "seq_len", "d_model", "heads", "layers"] {
+            let mut cfg = ok.clone();
+            *match field {
+                "vocab" => &mut cfg.vocab,
+                "seq_len" => &mut cfg.seq_len,
+                "d_model" => &mut cfg.d_model,
+                "heads" => &mut cfg.heads,
+                _ => &mut cfg.layers,
+            } = 0;
+            let err = Gpt::new(cfg).expect_err("zero size");
+            assert!(err.contains(field) && err.contains("at least 1"), "{err}");
+        }
+    }
+
+    #[test]
+    fn init_is_pure_and_gpt2_style() {
+        let gpt = Gpt::new(GptConfig::reference()).expect("valid config");
+        let embed = gpt.init_unit(0, 7);
+        assert_eq!(embed, gpt.init_unit(0, 7));
+        assert_ne!(embed, gpt.init_unit(0, 8));
+        let n = embed.len() as f64;
+        let mean = embed.iter().map(|&v| v as f64).sum::<f64>() / n;
+        let std = (embed
+            .iter()
+            .map(|&v| (v as f64 - mean).powi(2))
+            .sum::<f64>()
+            / n)
+            .sqrt();
+        assert!(
+            mean.abs() < 2e-4 && (std - 0.02).abs() < 4e-4,
+            "mean {mean} std {std}"
+        );
+        let block = gpt.init_unit(1, 7);
+        let [ln1_w, ln1_b, qkv_w, qkv_b, ..] = split_params(&block, block_lens(256));
+        assert!(ln1_w.iter().all(|&v| v == 1.0) && ln1_b.iter().all(|&v| v == 0.0));
+        assert!(
+            qkv_b.iter().all(|&v| v == 0.0) && qkv_w.iter().all(|&v| v != 0.0 && v.abs() < 0.2)
+        );
+        assert_ne!(
+            gpt.init_unit(1, 7),
+            gpt.init_unit(2, 7),
+            "blocks must differ"
+        );
+    }
+
+    #[test]
+    fn gradients_match_finite_differences() {
+        let gpt = tiny();
+        let params = perturbed(&gpt, 3, 0.3);
+        check_model_gradients(&gpt, &params, &batch_of(11, 2, 5, 1), 1e-2, 1e-2);
+        check_model_gradients(&gpt, &params, &batch_of(11, 3, 3, 2), 1e-2, 1e-2);
+    }
+
+    #[test]
+    fn backward_accumulates_into_grad_params() {
+        let gpt = tiny();
+        let params = perturbed(&gpt, 3, 0.3);
+        let mb = batch_of(11, 2, 5, 1);
+        let s = step(&gpt, &params, &mb);
+        let mut twice = s.grads[1].clone();
+        let dx = gpt.backward(
+            1,
+            &params[1],
+            &s.inputs[1],
+            &s.input_grads[2],
+            &mb,
+            &mut twice,
+        );
+        assert_eq!(dx, s.input_grads[1]);
+        // Equal up to rounding only: adding into a non-zero buffer changes the summation order.
+        for (t, g) in twice.iter().zip(&s.grads[1]) {
+            assert!(
+                (t - 2.0 * g).abs() <= 1e-6 * g.abs().max(1e-3),
+                "{t} vs 2 * {g}"
+            );
+        }
+    }
+
+    #[test]
+    fn deterministic_across_calls_and_threads() {
+        let cfg = GptConfig {
+            vocab: 32,
+            seq_len: 16,
+            d_model: 32,
+            heads: 4,
+            layers: 2,
+        };
+        let gpt = Gpt::new(cfg).expect("valid config");
+        let params = perturbed(&gpt, 5, 0.1);
+        assert_deterministic(Arc::new(gpt), params, batch_of(32, 3, 16, 4));
+    }
+
+    #[test]
+    #[should_panic(expected = "out of range")]
+    fn forward_rejects_token_ids_beyond_vocab() {
+        let gpt = tiny();
+        let mut mb = batch_of(11, 1, 3, 0);
+        mb.inputs[2] = 11;
+        gpt.forward(0, &gpt.init_unit(0, 0), &[], &mb);
+    }
+
+    #[test]
+    #[should_panic(expected = "exceeds the model's seq_len")]
+    fn forward_rejects_sequences_beyond_seq_len() {
+        let gpt = tiny();
+        gpt.forward(0, &gpt.init_unit(0, 0), &[], &batch_of(11, 1, 6, 0));
+    }
+
+    #[test]
+    fn loss_falls_on_a_repeating_pattern() {
+        // The digits of pi repeat with period 8; after a 1 comes 4 or 5, so the model must attend
+        // to earlier tokens (or positions) to get it right.
+        let cfg = GptConfig {
+            vocab: 10,
+            seq_len: 16,
+            d_model: 32,
+            heads: 4,
+            layers: 2,
+        };
+        let gpt = Gpt::new(cfg).expect("valid config");
+        let digits = [3u32, 1, 4, 1, 5, 9, 2, 6];
+        let batch = |step: usize| {
+            let (b, t) = (4, 16);
+            let tok = |r: usize, i: usize| digits[(step * 3 + r * 5 + i) % digits.len()];
+            MicroBatch {
+                inputs: (0..b * t).map(|k| tok(k / t, k % t)).collect(),
+                targets: (0..b * t).map(|k| tok(k / t, k % t + 1)).collect(),
+                batch: b,
+                seq: t,
+            }
+        };
+        let mut params: Vec<Vec<f32>> = (0..gpt.units().len())
+            .map(|u| gpt.init_unit(u, 1))
+            .collect();
+        let losses = train(&gpt, &mut params, 100, 3e-3, batch);
+        let (first, last) = (losses[0], losses[losses.len() - 1]);
+        assert!((first - 10f32.ln()).abs() < 0.1, "initial loss {first}");
+        assert!(last < 0.1, "loss only fell from {first} to {last}");
+    }
+}

@@ -1,0 +1,97 @@
+//! The model boundary: what the runtime needs to know about a model to shard and train it.
+//!
+//! A model is a chain of *units* (embedding, one per transformer block, the head). Each unit's
+//! parameters are one flat `f32` buffer (its parameters concatenated in `UnitSpec::params` order),
+//! which is what the shard planner cuts into chunks. The runtime supplies a unit's *full*
+//! parameters (gathered for ZeRO-3) to `forward` and `backward`; the model never sees shards.
+//!
+//! Determinism contract (exact reduction relies on it): `forward`, `backward` and `loss` are pure
+//! functions of their arguments, bit for bit, whichever thread or rank calls them. Implementations
+//! must not use thread pools whose reduction order depends on the number of threads.
+
+pub mod gpt;
+pub mod mlp;
+pub mod ops;
+pub mod rng;
+pub mod sample;
+
+/// One named parameter inside a unit's flat buffer.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ParamSpec {
+    /// Fully qualified name, e.g. `blocks.0.attn.qkv.weight` (used by checkpoint export).
+    pub name: String,
+    pub shape: Vec<usize>,
+}
+
+impl ParamSpec {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// A unit: the granularity at which ZeRO-3 gathers and frees parameters.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct UnitSpec {
+    pub name: String,
+    pub params: Vec<ParamSpec>,
+}
+
+impl UnitSpec {
+    pub fn numel(&self) -> usize {
+        self.params.iter().map(ParamSpec::numel).sum()
+    }
+}
+
+/// One micro-batch of token ids, `batch` rows of `seq` tokens; `targets` are the next tokens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MicroBatch {
+    pub inputs: Vec<u32>,
+    pub targets: Vec<u32>,
+    pub batch: usize,
+    pub seq: usize,
+}
+
+/// A model the runtime can train with any ZeRO stage.
+///
+/// Activations between units are flat `f32` buffers whose layout is the model's business. The
+/// first unit receives an empty `x` and reads `mb.inputs`; the last unit's output is the logits,
+/// `[batch, seq, vocab()]` row-major, and goes to `loss`.
+pub trait Model: Send + Sync + 'static {
+    /// Units in execution order, with their parameter shapes.
+    fn units(&self) -> Vec<UnitSpec>;
+
+    /// Initial parameters of `unit` (length `units()[unit].numel()`), a pure function of `seed`.
+    fn init_unit(&self, unit: usize, seed: u64) -> Vec<f32>;
+
+    /// Runs `unit` forward on input activation `x` with the unit's full parameters.
+    fn forward(&self, unit: usize, params: &[f32], x: &[f32], mb: &MicroBatch) -> Vec<f32>;
+
+    /// Backward of `unit`: given the input `x` it was run on and the gradient of the loss with
+    /// respect to its output, *adds* the parameter gradient into `grad_params` (same layout as
+    /// `params`) and returns the gradient with respect to `x` (empty for the first unit).
+    /// Implementations recompute whatever forward intermediates they need from `x`
+    /// (activation checkpointing at unit granularity).
+    fn backward(
+        &self,
+        unit: usize,
+        params: &[f32],
+        x: &[f32],
+        grad_out: &[f32],
+        mb: &MicroBatch,
+        grad_params: &mut [f32],
+    ) -> Vec<f32>;
+
+    /// Mean cross-entropy (nats per token) of the last unit's output, and its gradient.
+    fn loss(&self, out: &[f32], mb: &MicroBatch) -> (f32, Vec<f32>);
+
+    /// Vocabulary size of the token ids the model consumes (for data validation and sampling).
+    fn vocab(&self) -> usize;
+
+    /// Longest sequence the model accepts (`usize::MAX` if unbounded).
+    fn max_seq(&self) -> usize;
+}
+
+/// Total parameter count of a list of units.
+pub fn param_count(units: &[UnitSpec]) -> usize {
+    units.iter().map(UnitSpec::numel).sum()
+}

@@ -1,0 +1,10 @@
+//! The plan layer: pure data and functions. Shard layout, step schedules, the memory model and
+//! communication volumes. Nothing here touches threads, sockets, clocks or the runtime.
+
+pub mod memory;
+pub mod schedule;
+pub mod shard_map;
+pub mod volume;
+
+pub use schedule::{Phase, Stage};
+pub use shard_map::{ChunkId, PlanError, RankId, ShardMap};

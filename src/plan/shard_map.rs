@@ -1,0 +1,254 @@
+//! The shard map: which rank owns which chunk of which unit, stamped with an epoch.
+//!
+//! Every unit's flat parameter buffer is cut into fixed-size chunks (`chunk_elems`; the last chunk
+//! of a unit may be shorter). Ownership is per chunk, so that a later rebalance moves whole chunks
+//! and nothing else. The map is plain data: tensors never carry shard attributes, they are indexed
+//! by this map, and a new membership produces a new map with a larger epoch.
+
+use std::ops::Range;
+
+use serde::{Deserialize, Serialize};
+
+/// A rank's identity. Stable for the life of the rank (a joiner takes the next unused id).
+pub type RankId = u32;
+
+/// Errors from building a shard map. All are caller mistakes, reported with what would be valid.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PlanError {
+    #[error("the world has no ranks: at least one rank is needed")]
+    NoRanks,
+    #[error("rank {0} appears twice in the membership list")]
+    DuplicateRank(RankId),
+    #[error("chunk_elems is 0: it must be at least 1")]
+    ZeroChunk,
+}
+
+/// One chunk: a contiguous range of one unit's flat buffer.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ChunkId {
+    pub unit: u32,
+    pub index: u32,
+}
+
+/// Chunks of one unit and their owners.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnitChunks {
+    pub numel: usize,
+    pub owners: Vec<RankId>,
+}
+
+/// The versioned assignment of every chunk to exactly one member.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardMap {
+    pub epoch: u64,
+    pub chunk_elems: usize,
+    /// Members, sorted ascending.
+    pub members: Vec<RankId>,
+    pub units: Vec<UnitChunks>,
+}
+
+impl ShardMap {
+    /// Plans a fresh map: chunks are visited in unit order and each goes to the member holding the
+    /// fewest elements so far (ties to the lowest rank id). Greedy list scheduling keeps every
+    /// member within one chunk of every other, even when units end in short tail chunks.
+    pub fn plan(
+        unit_numels: &[usize],
+        members: &[RankId],
+        chunk_elems: usize,
+        epoch: u64,
+    ) -> Result<Self, PlanError> {
+        let members = sorted_members(members)?;
+        if chunk_elems == 0 {
+            return Err(PlanError::ZeroChunk);
+        }
+        let mut load = vec![0usize; members.len()];
+        let units = unit_numels
+            .iter()
+            .map(|&numel| {
+                let owners = chunk_lengths(numel, chunk_elems)
+                    .map(|len| {
+                        let slot = least_loaded(&load);
+                        load[slot] += len;
+                        members[slot]
+                    })
+                    .collect();
+                UnitChunks { numel, owners }
+            })
+            .collect();
+        Ok(Self {
+            epoch,
+            chunk_elems,
+            members,
+            units,
+        })
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.members.len()
+    }
+
+    pub fn total_elems(&self) -> usize {
+        self.units.iter().map(|u| u.numel).sum()
+    }
+
+    /// Element range of chunk `index` within its unit's flat buffer.
+    pub fn chunk_range(&self, unit: usize, index: usize) -> Range<usize> {
+        let start = index * self.chunk_elems;
+        start..(start + self.chunk_elems).min(self.units[unit].numel)
+    }
+
+    pub fn owner(&self, unit: usize, index: usize) -> RankId {
+        self.units[unit].owners[index]
+    }
+
+    /// Chunk indices of `unit` owned by `rank`, ascending.
+    pub fn owned_in_unit(&self, unit: usize, rank: RankId) -> impl Iterator<Item = usize> + '_ {
+        let owners = &self.units[unit].owners;
+        (0..owners.len()).filter(move |&i| owners[i] == rank)
+    }
+
+    /// All chunks owned by `rank`, in (unit, index) order.
+    pub fn owned_chunks(&self, rank: RankId) -> Vec<ChunkId> {
+        (0..self.units.len())
+            .flat_map(|u| {
+                self.owned_in_unit(u, rank).map(move |i| ChunkId {
+                    unit: u as u32,
+                    index: i as u32,
+                })
+            })
+            .collect()
+    }
+
+    /// Elements of `unit` owned by `rank`.
+    pub fn owned_elems_in_unit(&self, unit: usize, rank: RankId) -> usize {
+        self.owned_in_unit(unit, rank)
+            .map(|i| self.chunk_range(unit, i).len())
+            .sum()
+    }
+
+    /// Elements owned by `rank` across all units.
+    pub fn owned_elems(&self, rank: RankId) -> usize {
+        (0..self.units.len())
+            .map(|u| self.owned_elems_in_unit(u, rank))
+            .sum()
+    }
+
+    pub fn is_member(&self, rank: RankId) -> bool {
+        self.members.binary_search(&rank).is_ok()
+    }
+
+    /// Checks the invariant every epoch must satisfy: each chunk has exactly one owner and that
+    /// owner is a member. (Exactly one is structural: `owners` has one entry per chunk.)
+    pub fn check(&self) -> Result<(), String> {
+        for (u, unit) in self.units.iter().enumerate() {
+            let expected = chunk_lengths(unit.numel, self.chunk_elems).count();
+            if unit.owners.len() != expected {
+                return Err(format!(
+                    "unit {u}: {} owners for {expected} chunks",
+                    unit.owners.len()
+                ));
+            }
+            if let Some(bad) = unit.owners.iter().find(|r| !self.is_member(**r)) {
+                return Err(format!("unit {u}: chunk owned by non-member rank {bad}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Lengths of the chunks a unit of `numel` elements is cut into (none for an empty unit).
+pub fn chunk_lengths(numel: usize, chunk_elems: usize) -> impl Iterator<Item = usize> {
+    let n = numel.div_ceil(chunk_elems);
+    (0..n).map(move |i| chunk_elems.min(numel - i * chunk_elems))
+}
+
+fn sorted_members(members: &[RankId]) -> Result<Vec<RankId>, PlanError> {
+    if members.is_empty() {
+        return Err(PlanError::NoRanks);
+    }
+    let mut sorted = members.to_vec();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(PlanError::DuplicateRank(w[0]));
+    }
+    Ok(sorted)
+}
+
+fn least_loaded(load: &[usize]) -> usize {
+    // `load` is never empty: members were checked non-empty above.
+    let min = *load.iter().min().expect("non-empty membership");
+    load.iter().position(|&l| l == min).expect("min is present")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn owned_counts(map: &ShardMap) -> Vec<usize> {
+        map.members.iter().map(|&r| map.owned_elems(r)).collect()
+    }
+
+    #[test]
+    fn one_rank_owns_everything() {
+        let map = ShardMap::plan(&[10, 0, 7], &[0], 4, 1).unwrap();
+        assert_eq!(map.owned_elems(0), 17);
+        assert_eq!(map.units[1].owners.len(), 0);
+        map.check().unwrap();
+    }
+
+    #[test]
+    fn units_smaller_than_world() {
+        let map = ShardMap::plan(&[3], &[0, 1, 2, 3], 4, 1).unwrap();
+        assert_eq!(owned_counts(&map), vec![3, 0, 0, 0]);
+    }
+
+    #[test]
+    fn rejects_bad_input() {
+        assert_eq!(ShardMap::plan(&[1], &[], 4, 0), Err(PlanError::NoRanks));
+        assert_eq!(
+            ShardMap::plan(&[1], &[2, 2], 4, 0),
+            Err(PlanError::DuplicateRank(2))
+        );
+        assert_eq!(ShardMap::plan(&[1], &[0], 0, 0), Err(PlanError::ZeroChunk));
+    }
+
+    #[test]
+    fn short_tail_chunks_do_not_pile_up_on_one_rank() {
+        // Each unit is one full chunk plus one element: round-robin would give rank 1 only tails.
+        let map = ShardMap::plan(&[5; 8], &[0, 1], 4, 0).unwrap();
+        let c = owned_counts(&map);
+        assert!(c[0].abs_diff(c[1]) <= 4, "{c:?}");
+    }
+
+    proptest! {
+        #[test]
+        fn every_element_has_one_owner_and_shards_balance(
+            numels in proptest::collection::vec(0usize..300, 0..12),
+            world in 1u32..9,
+            chunk in 1usize..64,
+        ) {
+            let members: Vec<RankId> = (0..world).map(|r| r * 3 + 1).collect();
+            let map = ShardMap::plan(&numels, &members, chunk, 7).unwrap();
+            map.check().unwrap();
+            // Exactly one owner per element: per-unit owned ranges tile the unit.
+            for (u, &n) in numels.iter().enumerate() {
+                let mut covered = vec![0u8; n];
+                for &r in &members {
+                    for i in map.owned_in_unit(u, r) {
+                        for e in map.chunk_range(u, i) { covered[e] += 1; }
+                    }
+                }
+                prop_assert!(covered.iter().all(|&c| c == 1));
+            }
+            let c = owned_counts(&map);
+            let (lo, hi) = (c.iter().min().unwrap(), c.iter().max().unwrap());
+            prop_assert!(hi - lo <= chunk, "{c:?} chunk {chunk}");
+            prop_assert_eq!(c.iter().sum::<usize>(), numels.iter().sum::<usize>());
+            // Same inputs, same map; member order does not matter.
+            let mut rev = members.clone();
+            rev.reverse();
+            prop_assert_eq!(&map, &ShardMap::plan(&numels, &rev, chunk, 7).unwrap());
+        }
+    }
+}

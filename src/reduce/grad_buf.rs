@@ -1,0 +1,253 @@
+//! Gradient accumulation buffers for both reduction modes behind one type.
+//!
+//! `exact` mode accumulates 64-bit fixed point (see `exact.rs`); `fast` mode accumulates `f32`
+//! (reproducible only at a fixed world size and micro-batch placement). Everything else in the
+//! runtime (the reduce-scatter, the optimizer feed, the byte accounting) goes through this type so
+//! that the two modes share one code path.
+
+use serde::{Deserialize, Serialize};
+
+use super::exact::{self, QuantStats};
+
+/// How gradients are reduced across micro-batches and ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceMode {
+    /// Bit-identical across world sizes, stages and micro-batch placement (default).
+    #[default]
+    Exact,
+    /// Plain `f32` sums; reproducible only at a fixed world size.
+    Fast,
+}
+
+impl ReduceMode {
+    /// Bytes one accumulated gradient element takes in memory and on the wire.
+    pub fn elem_bytes(self) -> usize {
+        match self {
+            ReduceMode::Exact => 8,
+            ReduceMode::Fast => 4,
+        }
+    }
+}
+
+/// A gradient accumulator of one mode.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GradBuf {
+    Exact(Vec<i64>),
+    Fast(Vec<f32>),
+}
+
+impl GradBuf {
+    pub fn zeros(mode: ReduceMode, len: usize) -> Self {
+        match mode {
+            ReduceMode::Exact => GradBuf::Exact(vec![0; len]),
+            ReduceMode::Fast => GradBuf::Fast(vec![0.0; len]),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            GradBuf::Exact(v) => v.len(),
+            GradBuf::Fast(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn bytes(&self) -> usize {
+        match self {
+            GradBuf::Exact(v) => v.len() * 8,
+            GradBuf::Fast(v) => v.len() * 4,
+        }
+    }
+
+    pub fn fill_zero(&mut self) {
+        match self {
+            GradBuf::Exact(v) => v.fill(0),
+            GradBuf::Fast(v) => v.fill(0.0),
+        }
+    }
+
+    /// Adds one micro-batch's gradient `g` at `offset` (scale exponent `s` in exact mode).
+    pub fn accumulate(
+        &mut self,
+        offset: usize,
+        g: &[f32],
+        s: i32,
+        micro_batches: u32,
+    ) -> QuantStats {
+        match self {
+            GradBuf::Exact(v) => {
+                exact::quantize_add(&mut v[offset..offset + g.len()], g, s, micro_batches)
+            }
+            GradBuf::Fast(v) => {
+                let mut st = QuantStats::default();
+                for (a, &x) in v[offset..offset + g.len()].iter_mut().zip(g) {
+                    st.max_abs = exact::max_nan(st.max_abs, x.abs());
+                    *a += x;
+                }
+                st.overflow = !st.max_abs.is_finite();
+                st
+            }
+        }
+    }
+
+    /// Little-endian bytes of `range` (what travels in a reduce-scatter).
+    pub fn encode(&self, range: std::ops::Range<usize>) -> Vec<u8> {
+        match self {
+            GradBuf::Exact(v) => v[range].iter().flat_map(|x| x.to_le_bytes()).collect(),
+            GradBuf::Fast(v) => v[range].iter().flat_map(|x| x.to_le_bytes()).collect(),
+        }
+    }
+
+    /// Adds encoded partial sums (from `encode`) into `offset..`. Returns false if the byte
+    /// length does not match, in which case nothing is changed.
+    pub fn add_encoded(&mut self, offset: usize, bytes: &[u8]) -> bool {
+        match self {
+            GradBuf::Exact(v) => {
+                if bytes.len() % 8 != 0 || offset + bytes.len() / 8 > v.len() {
+                    return false;
+                }
+                for (a, b) in v[offset..].iter_mut().zip(bytes.chunks_exact(8)) {
+                    // Wrapping: a corrupt peer cannot make us panic; overflow is impossible for
+                    // honest peers by the bound on each term.
+                    *a = a.wrapping_add(i64::from_le_bytes(b.try_into().expect("8-byte chunk")));
+                }
+            }
+            GradBuf::Fast(v) => {
+                if bytes.len() % 4 != 0 || offset + bytes.len() / 4 > v.len() {
+                    return false;
+                }
+                for (a, b) in v[offset..].iter_mut().zip(bytes.chunks_exact(4)) {
+                    *a += f32::from_le_bytes(b.try_into().expect("4-byte chunk"));
+                }
+            }
+        }
+        true
+    }
+
+    /// Overwrites `offset..` with encoded values (the all-gather half of an all-reduce).
+    pub fn set_encoded(&mut self, offset: usize, bytes: &[u8]) -> bool {
+        match self {
+            GradBuf::Exact(v) => {
+                if bytes.len() % 8 != 0 || offset + bytes.len() / 8 > v.len() {
+                    return false;
+                }
+                for (a, b) in v[offset..].iter_mut().zip(bytes.chunks_exact(8)) {
+                    *a = i64::from_le_bytes(b.try_into().expect("8-byte chunk"));
+                }
+            }
+            GradBuf::Fast(v) => {
+                if bytes.len() % 4 != 0 || offset + bytes.len() / 4 > v.len() {
+                    return false;
+                }
+                for (a, b) in v[offset..].iter_mut().zip(bytes.chunks_exact(4)) {
+                    *a = f32::from_le_bytes(b.try_into().expect("4-byte chunk"));
+                }
+            }
+        }
+        true
+    }
+
+    /// Copies `src[range]` into `self[offset..]` (same mode).
+    pub fn copy_from(&mut self, offset: usize, src: &GradBuf, range: std::ops::Range<usize>) {
+        match (self, src) {
+            (GradBuf::Exact(d), GradBuf::Exact(s)) => {
+                d[offset..offset + range.len()].copy_from_slice(&s[range])
+            }
+            (GradBuf::Fast(d), GradBuf::Fast(s)) => {
+                d[offset..offset + range.len()].copy_from_slice(&s[range])
+            }
+            _ => unreachable!("gradient buffers of one run share a mode"),
+        }
+    }
+
+    /// Partial squared norm of `range`, in a form that sums exactly across ranks in exact mode.
+    pub fn sum_squares(&self, range: std::ops::Range<usize>) -> SumSquares {
+        match self {
+            GradBuf::Exact(v) => SumSquares::Exact(exact::sum_squares(&v[range])),
+            GradBuf::Fast(v) => {
+                SumSquares::Fast(v[range].iter().map(|&x| x as f64 * x as f64).sum())
+            }
+        }
+    }
+
+    /// Mean gradient of `range` as `f32`, times `factor`'s clip coefficient, into `out`.
+    pub fn to_f32(&self, range: std::ops::Range<usize>, factor: f64, out: &mut [f32]) {
+        match self {
+            GradBuf::Exact(v) => exact::dequantize(&v[range], factor, out),
+            GradBuf::Fast(v) => {
+                let f = factor as f32;
+                for (o, &x) in out.iter_mut().zip(&v[range]) {
+                    *o = x * f;
+                }
+            }
+        }
+    }
+}
+
+/// A partial sum of squares: an integer in exact mode (so the global sum is order-free).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub enum SumSquares {
+    Exact(i128),
+    Fast(f64),
+}
+
+impl SumSquares {
+    pub fn zero(mode: ReduceMode) -> Self {
+        match mode {
+            ReduceMode::Exact => SumSquares::Exact(0),
+            ReduceMode::Fast => SumSquares::Fast(0.0),
+        }
+    }
+
+    pub fn add(self, other: SumSquares) -> SumSquares {
+        match (self, other) {
+            (SumSquares::Exact(a), SumSquares::Exact(b)) => SumSquares::Exact(a.wrapping_add(b)),
+            (SumSquares::Fast(a), SumSquares::Fast(b)) => SumSquares::Fast(a + b),
+            (a, _) => a,
+        }
+    }
+}
+
+/// Factor that turns accumulated sums into the clipped mean gradient.
+pub fn mean_factor(mode: ReduceMode, s: i32, micro_batches: u32, clip_coef: f64) -> f64 {
+    match mode {
+        ReduceMode::Exact => exact::dequant_factor(s, micro_batches, clip_coef),
+        ReduceMode::Fast => clip_coef / micro_batches.max(1) as f64,
+    }
+}
+
+/// Global norm of the mean gradient from agreed per-unit partial sums of squares.
+pub fn global_norm(
+    mode: ReduceMode,
+    per_unit: &[SumSquares],
+    exps: &[i32],
+    micro_batches: u32,
+) -> f64 {
+    match mode {
+        ReduceMode::Exact => {
+            let ints: Vec<i128> = per_unit
+                .iter()
+                .map(|s| match s {
+                    SumSquares::Exact(v) => *v,
+                    SumSquares::Fast(_) => 0,
+                })
+                .collect();
+            exact::global_norm(&ints, exps, micro_batches)
+        }
+        ReduceMode::Fast => {
+            let m = micro_batches.max(1) as f64;
+            let total: f64 = per_unit
+                .iter()
+                .map(|s| match s {
+                    SumSquares::Fast(v) => *v,
+                    SumSquares::Exact(_) => 0.0,
+                })
+                .sum();
+            total.sqrt() / m
+        }
+    }
+}

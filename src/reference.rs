@@ -1,0 +1,116 @@
+//! The oracle: a plain single-process trainer with no actors, no sharding and no communication.
+//!
+//! Every sharded, elastic or faulted run in exact mode must end with the same parameters as this
+//! loop, bit for bit. It shares only the pure numerics with the runtime (the model, exact
+//! quantization, the optimizer kernels), and runs them the simplest way: all micro-batches in
+//! index order, whole-unit optimizer calls.
+
+use crate::config::TrainConfig;
+use crate::data::Dataset;
+use crate::engine::coordinator::mean_in_order;
+use crate::model::Model;
+use crate::optim::OptimState;
+use crate::reduce::exact::{self, QuantStats};
+use crate::reduce::{grad_buf, GradBuf, SumSquares};
+use crate::runtime::cluster::{lr_schedule, optim_settings};
+
+/// Parameters and per-step losses of a reference run.
+pub struct ReferenceOutcome {
+    pub params: Vec<Vec<f32>>,
+    pub losses: Vec<f64>,
+}
+
+/// Trains `cfg.steps` steps on one thread and returns the final parameters.
+pub fn train_reference(
+    cfg: &TrainConfig,
+    model: &dyn Model,
+    data: &Dataset,
+    init: Option<Vec<Vec<f32>>>,
+) -> ReferenceOutcome {
+    let units = model.units().len();
+    let mut params: Vec<Vec<f32>> =
+        init.unwrap_or_else(|| (0..units).map(|u| model.init_unit(u, cfg.seed)).collect());
+    let settings = optim_settings(cfg);
+    let lr = lr_schedule(cfg);
+    let mut opt: Vec<OptimState> = params
+        .iter()
+        .map(|p| OptimState::new(settings.kind, p.len()))
+        .collect();
+    let m = cfg.micro_batches;
+    let mut bounds = vec![exact::INITIAL_BOUND; units];
+    let mut opt_step = 0u64;
+    let mut losses = Vec::new();
+    for step in 0..cfg.steps {
+        let mut attempt = 0;
+        let (grads, stats, exps, step_losses) = loop {
+            let exps: Vec<i32> = bounds
+                .iter()
+                .map(|&b| exact::scale_exponent(b, m))
+                .collect();
+            let (grads, stats, l) = accumulate(cfg, model, data, &params, &exps, step);
+            let overflow = stats.iter().any(|s| s.overflow);
+            let finite = stats.iter().all(|s| s.max_abs.is_finite());
+            if overflow && finite && attempt == 0 {
+                bounds = stats.iter().map(|s| exact::next_bound(s.max_abs)).collect();
+                attempt += 1;
+                continue;
+            }
+            break (grads, stats, exps, l);
+        };
+        losses.push(mean_in_order(&step_losses));
+        if !stats.iter().any(|s| s.overflow) {
+            let ss: Vec<SumSquares> = grads.iter().map(|g| g.sum_squares(0..g.len())).collect();
+            let norm = grad_buf::global_norm(cfg.reduce, &ss, &exps, m);
+            let clip = exact::clip_coefficient(norm, cfg.grad_clip as f64);
+            opt_step += 1;
+            let lr_now = lr.lr_at(opt_step);
+            for u in 0..units {
+                let mut g = vec![0f32; grads[u].len()];
+                grads[u].to_f32(
+                    0..g.len(),
+                    grad_buf::mean_factor(cfg.reduce, exps[u], m, clip),
+                    &mut g,
+                );
+                let st = &mut opt[u];
+                settings.update(&mut params[u], &g, &mut st.m, &mut st.v, opt_step, lr_now);
+            }
+        }
+        bounds = stats.iter().map(|s| exact::next_bound(s.max_abs)).collect();
+    }
+    ReferenceOutcome { params, losses }
+}
+
+/// Forward and backward of every micro-batch of `step`, accumulated per unit.
+fn accumulate(
+    cfg: &TrainConfig,
+    model: &dyn Model,
+    data: &Dataset,
+    params: &[Vec<f32>],
+    exps: &[i32],
+    step: u64,
+) -> (Vec<GradBuf>, Vec<QuantStats>, Vec<f32>) {
+    let units = params.len();
+    let m = cfg.micro_batches;
+    let mut grads: Vec<GradBuf> = params
+        .iter()
+        .map(|p| GradBuf::zeros(cfg.reduce, p.len()))
+        .collect();
+    let mut stats = vec![QuantStats::default(); units];
+    let mut losses = Vec::new();
+    for i in 0..m {
+        let mb = data.micro_batch(cfg.seed, step, i as u64, cfg.micro_batch_size, cfg.seq_len);
+        let mut inputs: Vec<Vec<f32>> = vec![Vec::new()];
+        for (u, p) in params.iter().enumerate() {
+            let out = model.forward(u, p, &inputs[u], &mb);
+            inputs.push(out);
+        }
+        let (loss, mut g) = model.loss(&inputs[units], &mb);
+        losses.push(loss);
+        for u in (0..units).rev() {
+            let mut gp = vec![0f32; params[u].len()];
+            g = model.backward(u, &params[u], &inputs[u], &g, &mb, &mut gp);
+            stats[u] = stats[u].merge(grads[u].accumulate(0, &gp, exps[u], m));
+        }
+    }
+    (grads, stats, losses)
+}

@@ -1,0 +1,229 @@
+//! A rank's communicator: matches incoming frames to the collective waiting for them, drops stale
+//! ones, enforces deadlines and bounds, and counts every byte sent.
+//!
+//! Frames can arrive early (a peer already posted a later phase), late (from an aborted attempt
+//! or an old step) or twice (a duplicating network). Early frames wait in a bounded pending set
+//! keyed by (sender, tag); late and duplicate frames are dropped and counted, never applied.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use super::transport::{Frame, Tag, Transport, TransportError, FRAME_HEADER_BYTES};
+use crate::plan::RankId;
+
+/// Most frames held for later phases; a peer that floods us is a protocol error, not an OOM.
+pub const MAX_PENDING_FRAMES: usize = 1 << 16;
+
+/// Expected communication failures, reported as typed events by the rank.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CommError {
+    #[error("waited {timeout_ms} ms for {tag:?} from rank {from}; it may have failed")]
+    Timeout {
+        from: RankId,
+        tag: Tag,
+        timeout_ms: u64,
+    },
+    #[error("the run is stopping (transport closed)")]
+    Closed,
+    #[error("rank {0} is unreachable")]
+    PeerGone(RankId),
+    #[error("protocol error from rank {from}: {what}")]
+    Protocol { from: RankId, what: String },
+}
+
+impl From<TransportError> for CommError {
+    fn from(e: TransportError) -> Self {
+        match e {
+            TransportError::Closed => CommError::Closed,
+            TransportError::UnknownPeer(r) => CommError::PeerGone(r),
+            TransportError::Timeout(ms) => CommError::Protocol {
+                from: u32::MAX,
+                what: format!("bare transport timeout after {ms} ms"),
+            },
+        }
+    }
+}
+
+/// Counters for one step (reset by `begin_step`), plus lifetime drop counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CommStats {
+    pub frames_sent: u64,
+    pub bytes_sent: u64,
+    pub param_elems_sent: u64,
+    pub grad_elems_sent: u64,
+    pub stale_dropped: u64,
+    pub duplicates_dropped: u64,
+}
+
+pub struct Comm<T: Transport> {
+    transport: T,
+    epoch: u64,
+    step: u64,
+    timeout_ms: u64,
+    pending: BTreeMap<(RankId, Tag), Bytes>,
+    stats: CommStats,
+}
+
+impl<T: Transport> Comm<T> {
+    pub fn new(transport: T, timeout_ms: u64) -> Self {
+        Self {
+            transport,
+            epoch: 0,
+            step: 0,
+            timeout_ms,
+            pending: BTreeMap::new(),
+            stats: CommStats::default(),
+        }
+    }
+
+    pub fn rank(&self) -> RankId {
+        self.transport.rank()
+    }
+
+    pub fn stats(&self) -> CommStats {
+        self.stats
+    }
+
+    /// Enters (epoch, step): frames of earlier steps still pending are now stale.
+    pub fn begin_step(&mut self, epoch: u64, step: u64) {
+        self.epoch = epoch;
+        self.step = step;
+        let stale_dropped = self.stats.stale_dropped + self.pending.len() as u64;
+        self.pending.clear();
+        self.stats = CommStats {
+            stale_dropped,
+            ..CommStats::default()
+        };
+    }
+
+    /// Records data elements sent, for the volume report (the collectives know what they send).
+    pub fn count_elems(&mut self, param_elems: u64, grad_elems: u64) {
+        self.stats.param_elems_sent += param_elems;
+        self.stats.grad_elems_sent += grad_elems;
+    }
+
+    pub fn send(&mut self, to: RankId, tag: Tag, payload: Bytes) -> Result<(), CommError> {
+        self.stats.frames_sent += 1;
+        self.stats.bytes_sent += payload.len() as u64 + FRAME_HEADER_BYTES;
+        let frame = Frame {
+            epoch: self.epoch,
+            step: self.step,
+            from: self.rank(),
+            tag,
+            payload,
+        };
+        Ok(self.transport.send(to, frame)?)
+    }
+
+    /// Waits for the frame `tag` from `from` in the current (epoch, step).
+    pub fn recv(&mut self, from: RankId, tag: Tag) -> Result<Bytes, CommError> {
+        if let Some(p) = self.pending.remove(&(from, tag)) {
+            return Ok(p);
+        }
+        let deadline = Instant::now() + std::time::Duration::from_millis(self.timeout_ms);
+        loop {
+            let left_ms = deadline
+                .saturating_duration_since(Instant::now())
+                .as_millis() as u64;
+            if left_ms == 0 {
+                return Err(CommError::Timeout {
+                    from,
+                    tag,
+                    timeout_ms: self.timeout_ms,
+                });
+            }
+            let frame = match self.transport.recv_timeout(left_ms) {
+                Ok(f) => f,
+                Err(TransportError::Timeout(_)) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            if (frame.epoch, frame.step) < (self.epoch, self.step) {
+                self.stats.stale_dropped += 1;
+                continue;
+            }
+            if frame.from == from && frame.tag == tag && frame.step == self.step {
+                return Ok(frame.payload);
+            }
+            self.hold(frame)?;
+        }
+    }
+
+    fn hold(&mut self, frame: Frame) -> Result<(), CommError> {
+        // A frame from a later step can only come from a peer that already finished this one;
+        // keep it only if it is for the next step (the coordinator never runs two steps apart).
+        if frame.step > self.step + 1 || frame.epoch > self.epoch + 1 {
+            return Err(CommError::Protocol {
+                from: frame.from,
+                what: format!("frame for step {} while at step {}", frame.step, self.step),
+            });
+        }
+        if self.pending.len() >= MAX_PENDING_FRAMES {
+            return Err(CommError::Protocol {
+                from: frame.from,
+                what: format!("more than {MAX_PENDING_FRAMES} frames pending"),
+            });
+        }
+        let key = (frame.from, frame.tag);
+        if self.pending.contains_key(&key) {
+            self.stats.duplicates_dropped += 1;
+        } else {
+            self.pending.insert(key, frame.payload);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::local::LocalNetwork;
+    use crate::runtime::transport::TagKind;
+
+    fn tag(unit: u32) -> Tag {
+        Tag {
+            kind: TagKind::Gather,
+            attempt: 0,
+            unit,
+            pass: 0,
+        }
+    }
+
+    #[test]
+    fn out_of_order_frames_are_matched_and_stale_ones_dropped() {
+        let net = LocalNetwork::new();
+        let mut a = Comm::new(net.endpoint(0), 100);
+        let mut b = Comm::new(net.endpoint(1), 100);
+        b.begin_step(0, 0);
+        b.send(0, tag(7), Bytes::from_static(b"old")).unwrap();
+        a.begin_step(0, 1);
+        b.begin_step(0, 1);
+        b.send(0, tag(2), Bytes::from_static(b"two")).unwrap();
+        b.send(0, tag(1), Bytes::from_static(b"one")).unwrap();
+        b.send(0, tag(1), Bytes::from_static(b"dup")).unwrap();
+        assert_eq!(&a.recv(1, tag(1)).unwrap()[..], b"one");
+        assert_eq!(&a.recv(1, tag(2)).unwrap()[..], b"two");
+        assert_eq!(a.stats().stale_dropped, 1);
+        // The duplicate of tag 1 is still queued; once in step 2 it is stale and dropped.
+        a.begin_step(0, 2);
+        assert!(matches!(a.recv(1, tag(9)), Err(CommError::Timeout { .. })));
+        assert_eq!(a.stats().stale_dropped, 2);
+    }
+
+    #[test]
+    fn timeout_and_close_are_typed_errors() {
+        let net = LocalNetwork::new();
+        let mut a = Comm::new(net.endpoint(0), 30);
+        assert!(matches!(
+            a.recv(1, tag(0)),
+            Err(CommError::Timeout { from: 1, .. })
+        ));
+        net.close();
+        assert_eq!(a.recv(1, tag(0)), Err(CommError::Closed));
+        assert!(matches!(
+            a.send(1, tag(0), Bytes::new()),
+            Err(CommError::PeerGone(1))
+        ));
+    }
+}

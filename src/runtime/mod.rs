@@ -1,0 +1,14 @@
+//! The runtime layer: ractor actors, threads and transports that execute what the plan and the
+//! engines decide. Nothing above this layer imports it.
+
+pub mod actors;
+pub mod clock;
+pub mod cluster;
+pub mod collectives;
+pub mod comm;
+pub mod local;
+pub mod rank_state;
+pub mod step;
+pub mod transport;
+
+pub use cluster::{train, Cluster, ClusterError, ClusterSpec, TrainOutcome};

@@ -1,0 +1,587 @@
+//! Executes one training step on one rank: interprets the stage's phase program (see
+//! `plan::schedule`) over the rank's state, the communicator and its micro-batches.
+//!
+//! The exact-reduction contract lives here: every micro-batch gradient is quantized with the
+//! per-unit scale fixed by the plan's bounds; after backward, ranks agree (small all-reduce) on
+//! losses, per-unit maxima, the overflow flag and the exact global norm. An overflowed first
+//! attempt is redone with bounds from the agreed maxima, so a step takes at most two passes.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use super::collectives::{self, decode_f32_into, encode_f32};
+use super::comm::{Comm, CommError};
+use super::rank_state::RankState;
+use super::transport::{Tag, TagKind, Transport};
+use crate::data::Dataset;
+use crate::engine::ledger::Category;
+use crate::engine::messages::{StepPlan, StepReport};
+use crate::model::MicroBatch;
+use crate::plan::schedule::{phases, Phase};
+use crate::plan::volume::Volume;
+use crate::plan::Stage;
+use crate::reduce::exact::{self, QuantStats};
+use crate::reduce::{grad_buf, GradBuf, SumSquares};
+
+/// Per-run settings the step needs besides the plan.
+#[derive(Clone, Debug)]
+pub struct ExecConfig {
+    pub micro_batch_size: usize,
+    pub seq_len: usize,
+    pub seed: u64,
+    pub max_live_units: usize,
+    /// Global-norm clipping threshold; 0 disables.
+    pub grad_clip: f64,
+}
+
+/// The most passes a step takes (the first may overflow the fixed-point range).
+const MAX_ATTEMPTS: u8 = 2;
+
+/// What every rank contributes to the agreement after backward.
+#[derive(Serialize, Deserialize)]
+struct AgreeMsg {
+    losses: Vec<(u32, f32)>,
+    max_abs: Vec<f32>,
+    overflow: bool,
+    sum_squares: Vec<SumSquares>,
+}
+
+/// The agreed outcome of a pass, identical on every rank.
+struct Agreed {
+    losses: Vec<f32>,
+    max_abs: Vec<f32>,
+    overflow: bool,
+    non_finite: bool,
+    norm: f64,
+}
+
+/// Runs one step. Errors are expected failures (a peer timed out or the run is stopping).
+pub fn run_step<T: Transport>(
+    st: &mut RankState,
+    comm: &mut Comm<T>,
+    plan: &StepPlan,
+    data: &Dataset,
+    cfg: &ExecConfig,
+) -> Result<StepReport, CommError> {
+    comm.begin_step(plan.epoch, plan.step);
+    let local = plan.local_micro_batches(st.rank);
+    let mbs: Vec<(u32, MicroBatch)> = local
+        .map(|i| {
+            (
+                i,
+                data.micro_batch(
+                    cfg.seed,
+                    plan.step,
+                    i as u64,
+                    cfg.micro_batch_size,
+                    cfg.seq_len,
+                ),
+            )
+        })
+        .collect();
+    let program = phases(st.stage, st.units() as u32, cfg.max_live_units);
+    let mut bounds = plan.grad_bounds.clone();
+    let mut compute_s = 0.0;
+    for attempt in 0..MAX_ATTEMPTS {
+        let exps: Vec<i32> = bounds
+            .iter()
+            .map(|&b| exact::scale_exponent(b, plan.micro_batches))
+            .collect();
+        let mut pass = Pass::new(st, plan, &mbs, cfg, attempt, exps);
+        let outcome = pass.run(comm, &program);
+        compute_s += pass.compute_s;
+        pass.release();
+        let agreed = outcome?;
+        let redo = agreed.overflow && !agreed.non_finite && attempt + 1 < MAX_ATTEMPTS;
+        if redo {
+            bounds = agreed
+                .max_abs
+                .iter()
+                .map(|&m| exact::next_bound(m))
+                .collect();
+            continue;
+        }
+        let stats = comm.stats();
+        return Ok(StepReport {
+            rank: st.rank,
+            epoch: plan.epoch,
+            step: plan.step,
+            losses: agreed.losses,
+            unit_max_abs: agreed.max_abs,
+            grad_norm: agreed.norm,
+            clip_coef: exact::clip_coefficient(agreed.norm, cfg.grad_clip),
+            skipped: agreed.overflow,
+            attempts: attempt as u32 + 1,
+            sent: Volume {
+                param_elems: stats.param_elems_sent,
+                grad_elems: stats.grad_elems_sent,
+            },
+            bytes_sent: stats.bytes_sent,
+            resident: st.ledger.resident(),
+            peak_bytes: st.ledger.peak_total(),
+            peak_gathered_bytes: st.ledger.peak_gathered(),
+            stale_dropped: stats.stale_dropped + stats.duplicates_dropped,
+            compute_s,
+        });
+    }
+    unreachable!("the last attempt always returns")
+}
+
+/// Transient state of one pass over the phase program.
+struct Pass<'a> {
+    st: &'a mut RankState,
+    plan: &'a StepPlan,
+    mbs: &'a [(u32, MicroBatch)],
+    cfg: &'a ExecConfig,
+    attempt: u8,
+    exps: Vec<i32>,
+    /// Input activation of each unit (index u >= 1) per local micro-batch.
+    saved: Vec<Vec<Vec<f32>>>,
+    /// Gradient flowing backward, per local micro-batch.
+    grad_out: Vec<Vec<f32>>,
+    losses: Vec<(u32, f32)>,
+    gathered: BTreeMap<u32, Vec<f32>>,
+    unit_acc: BTreeMap<u32, GradBuf>,
+    stats: Vec<QuantStats>,
+    agreed: Option<Agreed>,
+    compute_s: f64,
+}
+
+impl<'a> Pass<'a> {
+    fn new(
+        st: &'a mut RankState,
+        plan: &'a StepPlan,
+        mbs: &'a [(u32, MicroBatch)],
+        cfg: &'a ExecConfig,
+        attempt: u8,
+        exps: Vec<i32>,
+    ) -> Self {
+        let units = st.units();
+        if let Some(w) = &mut st.whole_grads {
+            w.iter_mut().for_each(GradBuf::fill_zero);
+        }
+        Self {
+            st,
+            plan,
+            mbs,
+            cfg,
+            attempt,
+            exps,
+            saved: vec![Vec::new(); units],
+            grad_out: vec![Vec::new(); mbs.len()],
+            losses: Vec::new(),
+            gathered: BTreeMap::new(),
+            unit_acc: BTreeMap::new(),
+            stats: vec![QuantStats::default(); units],
+            agreed: None,
+            compute_s: 0.0,
+        }
+    }
+
+    fn tag(&self, kind: TagKind, unit: u32, pass: u8) -> Tag {
+        Tag {
+            kind,
+            attempt: self.attempt,
+            unit,
+            pass,
+        }
+    }
+
+    fn run<T: Transport>(
+        &mut self,
+        comm: &mut Comm<T>,
+        program: &[Phase],
+    ) -> Result<Agreed, CommError> {
+        for &phase in program {
+            self.exec(comm, phase)?;
+            if let Some(a) = &self.agreed {
+                if a.overflow {
+                    break; // nothing after Agree may run on an overflowed pass
+                }
+            }
+        }
+        self.agreed.take().ok_or_else(|| CommError::Protocol {
+            from: self.st.rank,
+            what: "phase program has no Agree".into(),
+        })
+    }
+
+    fn exec<T: Transport>(&mut self, comm: &mut Comm<T>, phase: Phase) -> Result<(), CommError> {
+        match phase {
+            Phase::PostGather { unit, pass } => {
+                let shard = &self.st.shards[unit as usize];
+                let payload = encode_f32(&shard.params, std::iter::once(0..shard.params.len()));
+                let n = shard.params.len() as u64;
+                let tag = self.tag(TagKind::Gather, unit, pass);
+                collectives::post_owned(comm, &self.st.map, unit as usize, tag, payload, n, true)
+            }
+            Phase::WaitGather { unit, pass } => self.wait_gather(comm, unit, pass),
+            Phase::Forward { unit } => {
+                self.timed(|p| p.forward(unit as usize));
+                Ok(())
+            }
+            Phase::Backward { unit } => {
+                self.timed(|p| p.backward(unit as usize));
+                Ok(())
+            }
+            Phase::Free { unit } => {
+                if let Some(buf) = self.gathered.remove(&unit) {
+                    self.st
+                        .ledger
+                        .free(Category::Gathered, 4 * buf.len() as u64);
+                }
+                Ok(())
+            }
+            Phase::ReduceScatterUnit { unit } => self.reduce_scatter_unit(comm, unit),
+            Phase::ReduceScatterAll => {
+                for u in 0..self.st.units() {
+                    let tag = self.tag(TagKind::ReduceScatter, u as u32, 0);
+                    let w = self
+                        .st
+                        .whole_grads
+                        .as_mut()
+                        .expect("stages 0/1 keep whole-model gradients");
+                    collectives::reduce_scatter(comm, &self.st.map, u, tag, &mut w[u], 0)?;
+                }
+                Ok(())
+            }
+            Phase::AllGatherGrads => self.all_gather_grads(comm),
+            Phase::Agree => self.agree(comm),
+            Phase::Optimizer => {
+                let a = self.agreed.as_ref().expect("Optimizer follows Agree");
+                let clip = exact::clip_coefficient(a.norm, self.cfg.grad_clip);
+                let (exps, m) = (self.exps.clone(), self.plan.micro_batches);
+                self.st
+                    .apply_optimizer(&exps, m, clip, self.plan.opt_step, self.plan.lr);
+                Ok(())
+            }
+            Phase::GatherParams => self.gather_params(comm),
+        }
+    }
+
+    fn timed(&mut self, f: impl FnOnce(&mut Self)) {
+        let t0 = Instant::now();
+        f(self);
+        self.compute_s += t0.elapsed().as_secs_f64();
+    }
+
+    fn wait_gather<T: Transport>(
+        &mut self,
+        comm: &mut Comm<T>,
+        unit: u32,
+        pass: u8,
+    ) -> Result<(), CommError> {
+        let u = unit as usize;
+        let numel = self.st.map.units[u].numel;
+        let mut full = vec![0f32; numel];
+        self.st.ledger.alloc(Category::Gathered, 4 * numel as u64);
+        let shard = &self.st.shards[u];
+        let mut off = 0;
+        for r in &shard.ranges {
+            full[r.clone()].copy_from_slice(&shard.params[off..off + r.len()]);
+            off += r.len();
+        }
+        let tag = self.tag(TagKind::Gather, unit, pass);
+        let res = collectives::wait_owned(comm, &self.st.map, u, tag, 4, |r, b| {
+            decode_f32_into(b, &mut full[r])
+        });
+        self.gathered.insert(unit, full);
+        res
+    }
+
+    fn params(&self, u: usize) -> &[f32] {
+        match self.st.stage {
+            Stage::Zero3 => self
+                .gathered
+                .get(&(u as u32))
+                .expect("gathered before compute"),
+            _ => &self.st.full[u],
+        }
+    }
+
+    fn forward(&mut self, u: usize) {
+        let last = u + 1 == self.st.units();
+        let mut outs = Vec::with_capacity(self.mbs.len());
+        for (j, (idx, mb)) in self.mbs.iter().enumerate() {
+            let x: &[f32] = if u == 0 { &[] } else { &self.saved[u][j] };
+            let out = self.st.model.forward(u, self.params(u), x, mb);
+            if last {
+                let (loss, g) = self.st.model.loss(&out, mb);
+                self.losses.push((*idx, loss));
+                outs.push(g);
+            } else {
+                outs.push(out);
+            }
+        }
+        let bytes = 4 * outs.iter().map(Vec::len).sum::<usize>() as u64;
+        self.st.ledger.alloc(Category::Activations, bytes);
+        if last {
+            self.grad_out = outs;
+        } else {
+            self.saved[u + 1] = outs;
+        }
+    }
+
+    fn backward(&mut self, u: usize) {
+        let numel = self.st.map.units[u].numel;
+        let (s, m) = (self.exps[u], self.plan.micro_batches);
+        let mode = self.st.mode;
+        let mut acc = match &mut self.st.whole_grads {
+            Some(w) => std::mem::replace(&mut w[u], GradBuf::zeros(mode, 0)),
+            None => {
+                self.st
+                    .ledger
+                    .alloc(Category::Transient, (mode.elem_bytes() * numel) as u64);
+                GradBuf::zeros(mode, numel)
+            }
+        };
+        let mut gp = vec![0f32; numel];
+        self.st.ledger.alloc(Category::Transient, 4 * numel as u64);
+        for j in 0..self.mbs.len() {
+            gp.fill(0.0);
+            let x: &[f32] = if u == 0 { &[] } else { &self.saved[u][j] };
+            let gx = self.st.model.backward(
+                u,
+                self.params(u),
+                x,
+                &self.grad_out[j],
+                &self.mbs[j].1,
+                &mut gp,
+            );
+            self.stats[u] = self.stats[u].merge(acc.accumulate(0, &gp, s, m));
+            let old = std::mem::replace(&mut self.grad_out[j], gx);
+            let freed = old.len() as i64 - self.grad_out[j].len() as i64;
+            self.adjust_activations(freed);
+        }
+        self.st.ledger.free(Category::Transient, 4 * numel as u64);
+        let saved = std::mem::take(&mut self.saved[u]);
+        self.adjust_activations(saved.iter().map(Vec::len).sum::<usize>() as i64);
+        match &mut self.st.whole_grads {
+            Some(w) => w[u] = acc,
+            None => {
+                self.unit_acc.insert(u as u32, acc);
+            }
+        }
+    }
+
+    /// Activation bytes changed by `freed_elems` (negative: grew).
+    fn adjust_activations(&mut self, freed_elems: i64) {
+        if freed_elems >= 0 {
+            self.st
+                .ledger
+                .free(Category::Activations, 4 * freed_elems as u64);
+        } else {
+            self.st
+                .ledger
+                .alloc(Category::Activations, 4 * (-freed_elems) as u64);
+        }
+    }
+
+    fn reduce_scatter_unit<T: Transport>(
+        &mut self,
+        comm: &mut Comm<T>,
+        unit: u32,
+    ) -> Result<(), CommError> {
+        let u = unit as usize;
+        let mut acc = self
+            .unit_acc
+            .remove(&unit)
+            .expect("backward ran before reduce-scatter");
+        let tag = self.tag(TagKind::ReduceScatter, unit, 0);
+        let res = collectives::reduce_scatter(comm, &self.st.map, u, tag, &mut acc, 0);
+        let shard = &mut self.st.shards[u];
+        let sg = shard
+            .grads
+            .as_mut()
+            .expect("stages 2/3 keep a gradient shard");
+        let mut off = 0;
+        for r in &shard.ranges {
+            sg.copy_from(off, &acc, r.clone());
+            off += r.len();
+        }
+        self.st.ledger.free(Category::Transient, acc.bytes() as u64);
+        res
+    }
+
+    fn all_gather_grads<T: Transport>(&mut self, comm: &mut Comm<T>) -> Result<(), CommError> {
+        let map = &self.st.map;
+        let me = self.st.rank;
+        let w = self
+            .st
+            .whole_grads
+            .as_mut()
+            .expect("stage 0 keeps whole-model gradients");
+        for (u, buf) in w.iter().enumerate() {
+            let ranges: Vec<_> = map
+                .owned_in_unit(u, me)
+                .map(|i| map.chunk_range(u, i))
+                .collect();
+            let elems: usize = ranges.iter().map(|r| r.len()).sum();
+            let payload: Vec<u8> = ranges.into_iter().flat_map(|r| buf.encode(r)).collect();
+            let tag = Tag {
+                kind: TagKind::GatherGrads,
+                attempt: self.attempt,
+                unit: u as u32,
+                pass: 0,
+            };
+            collectives::post_owned(comm, map, u, tag, Bytes::from(payload), elems as u64, false)?;
+        }
+        let eb = self.st.mode.elem_bytes();
+        for (u, buf) in w.iter_mut().enumerate() {
+            let tag = Tag {
+                kind: TagKind::GatherGrads,
+                attempt: self.attempt,
+                unit: u as u32,
+                pass: 0,
+            };
+            collectives::wait_owned(comm, map, u, tag, eb, |r, b| {
+                buf.set_encoded(r.start, b);
+            })?;
+        }
+        Ok(())
+    }
+
+    fn gather_params<T: Transport>(&mut self, comm: &mut Comm<T>) -> Result<(), CommError> {
+        let map = &self.st.map;
+        let me = self.st.rank;
+        for u in 0..self.st.full.len() {
+            let payload = encode_f32(
+                &self.st.full[u],
+                map.owned_in_unit(u, me).map(|i| map.chunk_range(u, i)),
+            );
+            let tag = Tag {
+                kind: TagKind::GatherParams,
+                attempt: self.attempt,
+                unit: u as u32,
+                pass: 0,
+            };
+            let n = map.owned_elems_in_unit(u, me) as u64;
+            collectives::post_owned(comm, map, u, tag, payload, n, true)?;
+        }
+        for u in 0..self.st.full.len() {
+            let tag = Tag {
+                kind: TagKind::GatherParams,
+                attempt: self.attempt,
+                unit: u as u32,
+                pass: 0,
+            };
+            let full = &mut self.st.full[u];
+            collectives::wait_owned(comm, map, u, tag, 4, |r, b| {
+                decode_f32_into(b, &mut full[r])
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Partial sum of squares of the reduced gradient over the chunks this rank owns.
+    fn owned_sum_squares(&self, u: usize) -> SumSquares {
+        let mode = self.st.mode;
+        match (&self.st.shards[u].grads, &self.st.whole_grads) {
+            (Some(sg), _) if self.st.stage != Stage::Zero0 => sg.sum_squares(0..sg.len()),
+            (_, Some(w)) => self
+                .st
+                .map
+                .owned_in_unit(u, self.st.rank)
+                .map(|i| w[u].sum_squares(self.st.map.chunk_range(u, i)))
+                .fold(SumSquares::zero(mode), SumSquares::add),
+            _ => SumSquares::zero(mode),
+        }
+    }
+
+    fn agree<T: Transport>(&mut self, comm: &mut Comm<T>) -> Result<(), CommError> {
+        let mine = AgreeMsg {
+            losses: self.losses.clone(),
+            max_abs: self.stats.iter().map(|s| s.max_abs).collect(),
+            overflow: self.stats.iter().any(|s| s.overflow),
+            sum_squares: (0..self.st.units())
+                .map(|u| self.owned_sum_squares(u))
+                .collect(),
+        };
+        let bytes =
+            bincode::serde::encode_to_vec(&mine, bincode::config::standard()).map_err(|e| {
+                CommError::Protocol {
+                    from: self.st.rank,
+                    what: format!("encode: {e}"),
+                }
+            })?;
+        let tag = self.tag(TagKind::Agree, 0, 0);
+        let all = collectives::exchange_small(comm, &self.st.map.members, tag, Bytes::from(bytes))?;
+        let m = self.plan.micro_batches as usize;
+        let units = self.st.units();
+        let mut losses = vec![f32::NAN; m];
+        let mut seen = vec![false; m];
+        let mut max_abs = vec![0f32; units];
+        let mut overflow = false;
+        let mut ss = vec![SumSquares::zero(self.st.mode); units];
+        for (from, payload) in all {
+            let (msg, _): (AgreeMsg, usize) = bincode::serde::decode_from_slice(
+                &payload,
+                bincode::config::standard().with_limit::<{ 1 << 24 }>(),
+            )
+            .map_err(|e| CommError::Protocol {
+                from,
+                what: format!("agree message: {e}"),
+            })?;
+            if msg.max_abs.len() != units || msg.sum_squares.len() != units {
+                return Err(CommError::Protocol {
+                    from,
+                    what: "agree message for another model".into(),
+                });
+            }
+            for (i, l) in msg.losses {
+                let i = i as usize;
+                if i >= m || seen[i] {
+                    return Err(CommError::Protocol {
+                        from,
+                        what: format!("loss for micro-batch {i} twice or out of range"),
+                    });
+                }
+                seen[i] = true;
+                losses[i] = l;
+            }
+            for u in 0..units {
+                max_abs[u] = exact::max_nan(max_abs[u], msg.max_abs[u]);
+                ss[u] = ss[u].add(msg.sum_squares[u]);
+            }
+            overflow |= msg.overflow;
+        }
+        if seen.iter().any(|s| !s) {
+            return Err(CommError::Protocol {
+                from: self.st.rank,
+                what: "some micro-batch has no loss".into(),
+            });
+        }
+        let non_finite = max_abs.iter().any(|m| !m.is_finite());
+        let norm = if overflow {
+            f64::NAN
+        } else {
+            grad_buf::global_norm(self.st.mode, &ss, &self.exps, self.plan.micro_batches)
+        };
+        self.agreed = Some(Agreed {
+            losses,
+            max_abs,
+            overflow,
+            non_finite,
+            norm,
+        });
+        Ok(())
+    }
+
+    /// Returns every transient buffer to the ledger (also after a failed pass).
+    fn release(self) {
+        let act: usize = self.saved.iter().flatten().map(Vec::len).sum::<usize>()
+            + self.grad_out.iter().map(Vec::len).sum::<usize>();
+        self.st.ledger.free(Category::Activations, 4 * act as u64);
+        for buf in self.gathered.values() {
+            self.st
+                .ledger
+                .free(Category::Gathered, 4 * buf.len() as u64);
+        }
+        for acc in self.unit_acc.values() {
+            self.st.ledger.free(Category::Transient, acc.bytes() as u64);
+        }
+    }
+}

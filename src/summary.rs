@@ -1,0 +1,94 @@
+//! What a finished run reports: the parameter digest and the JSON summary.
+
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use crate::engine::coordinator::StepRecord;
+use crate::plan::memory::Resident;
+
+/// SHA-256 of the consolidated fp32 parameters in canonical order (units in order, each unit's
+/// flat buffer, little-endian), as lowercase hex. Equal digests mean bit-identical models.
+pub fn param_sha256(params: &[Vec<f32>]) -> String {
+    let mut h = Sha256::new();
+    for unit in params {
+        for x in unit {
+            h.update(x.to_le_bytes());
+        }
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Per-rank figures in the JSON summary.
+#[derive(Debug, Clone, Serialize)]
+pub struct RankSummary {
+    pub rank: u32,
+    /// Bytes held between steps, by category.
+    pub resident_bytes: Resident,
+    /// Largest total the rank's ledger reached.
+    pub peak_bytes: u64,
+    /// Median over steps of all bytes sent (data, control messages and frame headers).
+    pub bytes_sent_per_step: u64,
+    /// Median over steps of parameter and gradient elements sent.
+    pub elems_sent_per_step: u64,
+}
+
+/// The `--json` summary of a run.
+#[derive(Debug, Clone, Serialize)]
+pub struct TrainSummary {
+    pub param_count: usize,
+    pub stage: u8,
+    pub world_size: u32,
+    pub reduce: String,
+    pub steps: u64,
+    pub final_loss: f64,
+    pub first_loss: f64,
+    pub entropy_floor_nats: Option<f64>,
+    pub step_time_median_s: f64,
+    pub tokens_per_s: f64,
+    pub skipped_steps: u64,
+    pub redone_steps: u64,
+    pub param_sha256: String,
+    pub ranks: Vec<RankSummary>,
+    pub losses: Vec<f64>,
+}
+
+/// Median of a list (0 for an empty one).
+pub fn median(mut xs: Vec<f64>) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+/// Per-rank summaries from the step records (ranks in id order).
+pub fn rank_summaries(records: &[StepRecord]) -> Vec<RankSummary> {
+    let Some(last) = records.last() else {
+        return Vec::new();
+    };
+    last.reports
+        .iter()
+        .map(|r| {
+            let of = |f: &dyn Fn(&crate::engine::messages::StepReport) -> u64| {
+                let xs: Vec<f64> = records
+                    .iter()
+                    .flat_map(|rec| rec.reports.iter().filter(|x| x.rank == r.rank).map(f))
+                    .map(|v| v as f64)
+                    .collect();
+                median(xs) as u64
+            };
+            RankSummary {
+                rank: r.rank,
+                resident_bytes: r.resident,
+                peak_bytes: r.peak_bytes,
+                bytes_sent_per_step: of(&|x| x.bytes_sent),
+                elems_sent_per_step: of(&|x| x.sent.elems()),
+            }
+        })
+        .collect()
+}
