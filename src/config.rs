@@ -98,12 +98,15 @@ pub struct TrainConfig {
     pub data: Option<PathBuf>,
     /// Write a JSON summary here.
     pub json: Option<PathBuf>,
-    /// Elements per shard chunk: the unit of ownership and of rebalancing (default 32768).
+    /// Elements per shard chunk: the unit of ownership and of rebalancing (default 8192).
     pub chunk_elems: usize,
     /// ZeRO-3: units whose full parameters may be live at once (current + prefetched) (default 2).
     pub max_live_units: usize,
     /// Deadline for any single receive inside a collective (default 30000).
     pub collective_timeout_ms: u64,
+    /// Bound on |gradient| for the first step's fixed-point scale; later steps derive it from the
+    /// previous step. A step whose gradients exceed it is redone once (default 65536).
+    pub initial_grad_bound: f32,
     /// Threads for the optimizer step on each rank (default 1).
     pub optimizer_threads: usize,
     /// Tokens to sample from the trained model at the end (GPT only; default 160).
@@ -137,9 +140,10 @@ impl Default for TrainConfig {
             reduce: ReduceMode::Exact,
             data: None,
             json: None,
-            chunk_elems: 32768,
+            chunk_elems: 8192,
             max_live_units: 2,
             collective_timeout_ms: 30_000,
+            initial_grad_bound: 65536.0,
             optimizer_threads: 1,
             sample_tokens: 160,
         }
@@ -190,16 +194,14 @@ impl TrainConfig {
         positive("chunk_elems", self.chunk_elems)?;
         positive("max_live_units", self.max_live_units)?;
         positive("optimizer_threads", self.optimizer_threads)?;
-        if self.model == ModelKind::Gpt {
-            if self.heads == 0 || self.d_model % self.heads != 0 {
-                return Err(ConfigError::new(
-                    "heads",
-                    format!(
-                        "{} heads do not divide d_model {}: use a divisor of {}",
-                        self.heads, self.d_model, self.d_model
-                    ),
-                ));
-            }
+        if self.model == ModelKind::Gpt && (self.heads == 0 || self.d_model % self.heads != 0) {
+            return Err(ConfigError::new(
+                "heads",
+                format!(
+                    "{} heads do not divide d_model {}: use a divisor of {}",
+                    self.heads, self.d_model, self.d_model
+                ),
+            ));
         }
         if self.micro_batches == 0 {
             return Err(ConfigError::new("micro_batches", "must be at least 1"));
@@ -227,6 +229,12 @@ impl TrainConfig {
         }
         if !(self.grad_clip.is_finite() && self.grad_clip >= 0.0) {
             return Err(ConfigError::new("grad_clip", "must be 0 (off) or positive"));
+        }
+        if !(self.initial_grad_bound.is_finite() && self.initial_grad_bound > 0.0) {
+            return Err(ConfigError::new(
+                "initial_grad_bound",
+                "must be a positive finite number",
+            ));
         }
         if self.collective_timeout_ms == 0 {
             return Err(ConfigError::new(

@@ -37,7 +37,7 @@ pub fn train_reference(
         .map(|p| OptimState::new(settings.kind, p.len()))
         .collect();
     let m = cfg.micro_batches;
-    let mut bounds = vec![exact::INITIAL_BOUND; units];
+    let mut bounds = vec![cfg.initial_grad_bound; units];
     let mut opt_step = 0u64;
     let mut losses = Vec::new();
     for step in 0..cfg.steps {

@@ -20,6 +20,8 @@ pub struct JobSpec {
     pub lr: LrSchedule,
     /// A step that has not completed this long after it started fails the run.
     pub step_timeout_ms: u64,
+    /// Gradient bound for the first step's exact-reduction scale.
+    pub initial_grad_bound: f32,
 }
 
 /// Inputs to the state machine.
@@ -87,7 +89,7 @@ pub struct Coordinator {
 
 impl Coordinator {
     pub fn new(job: JobSpec, map: ShardMap) -> Self {
-        let bounds = vec![exact::INITIAL_BOUND; map.units.len()];
+        let bounds = vec![job.initial_grad_bound; map.units.len()];
         Self {
             job,
             map,
@@ -263,6 +265,7 @@ mod tests {
                 min_lr_ratio: 1.0,
             },
             step_timeout_ms: 1000,
+            initial_grad_bound: exact::INITIAL_BOUND,
         }
     }
 

@@ -9,8 +9,8 @@ use super::ops::{
     add_assign, cross_entropy, embedding_backward, embedding_forward, gelu_forward,
     gelu_with_derivative, split_params, split_params_mut, LayerNorm, Linear,
 };
-use super::rng::{init_buffer, mix, Init, SplitMix64};
-use super::{MicroBatch, Model, ParamSpec, UnitSpec};
+use super::rng::{init_unit_buffer, unit_spec, Init};
+use super::{MicroBatch, Model, UnitSpec};
 
 /// Shape of an [`Mlp`].
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -53,15 +53,6 @@ pub struct Mlp {
     inits: Vec<Vec<Init>>,
 }
 
-fn unit(name: String, params: Vec<(String, Vec<usize>, Init)>) -> (UnitSpec, Vec<Init>) {
-    let inits = params.iter().map(|p| p.2).collect();
-    let params = params
-        .into_iter()
-        .map(|(name, shape, _)| ParamSpec { name, shape })
-        .collect();
-    (UnitSpec { name, params }, inits)
-}
-
 /// Lengths of a layer's parameters: fc1 weight and bias, fc2 weight and bias.
 fn layer_lens(d: usize, hidden: usize) -> [usize; 4] {
     [hidden * d, hidden, d * hidden, d]
@@ -76,7 +67,7 @@ impl Mlp {
     pub fn new(cfg: MlpConfig) -> Result<Self, String> {
         cfg.validate()?;
         let (v, d, hid) = (cfg.vocab, cfg.d_model, cfg.hidden);
-        let mut all = vec![unit(
+        let mut all = vec![unit_spec(
             "embed".into(),
             vec![("tok.weight".into(), vec![v, d], Init::Normal)],
         )];
@@ -88,7 +79,7 @@ impl Mlp {
                 (p("fc2.weight"), vec![d, hid], Init::Normal),
                 (p("fc2.bias"), vec![d], Init::Zeros),
             ];
-            unit(format!("layers.{i}"), params)
+            unit_spec(format!("layers.{i}"), params)
         }));
         let head = vec![
             ("ln_f.weight".into(), vec![d], Init::Ones),
@@ -96,7 +87,7 @@ impl Mlp {
             ("head.weight".into(), vec![v, d], Init::Normal),
             ("head.bias".into(), vec![v], Init::Zeros),
         ];
-        all.push(unit("head".into(), head));
+        all.push(unit_spec("head".into(), head));
         let (units, inits) = all.into_iter().unzip();
         Ok(Self { cfg, units, inits })
     }
@@ -196,9 +187,7 @@ impl Model for Mlp {
             unit < n_units,
             "unit {unit} out of range: this MLP has {n_units} units"
         );
-        let sizes = self.units[unit].params.iter().map(ParamSpec::numel);
-        let params: Vec<(usize, Init)> = sizes.zip(self.inits[unit].iter().copied()).collect();
-        init_buffer(&params, &mut SplitMix64::new(mix(seed, unit as u64)))
+        init_unit_buffer(&self.units[unit], &self.inits[unit], seed, unit)
     }
 
     fn forward(&self, unit: usize, params: &[f32], x: &[f32], mb: &MicroBatch) -> Vec<f32> {
@@ -274,7 +263,7 @@ impl Model for Mlp {
 mod tests {
     use super::super::param_count;
     use super::super::sample::test_util::{
-        assert_deterministic, check_model_gradients, perturbed, train,
+        assert_deterministic, check_model_gradients, perturbed, step, train,
     };
     use super::*;
     use std::sync::Arc;
@@ -354,6 +343,23 @@ mod tests {
         let mlp = tiny();
         let params = perturbed(&mlp, 2, 0.3);
         check_model_gradients(&mlp, &params, &bigram_batch(7, 2, 3, 1), 1e-2, 1e-2);
+    }
+
+    #[test]
+    fn empty_micro_batches_give_zero_loss_and_gradients() {
+        let mlp = tiny();
+        let params = perturbed(&mlp, 2, 0.3);
+        for (batch, seq) in [(0, 5), (2, 0)] {
+            let mb = MicroBatch {
+                inputs: vec![],
+                targets: vec![],
+                batch,
+                seq,
+            };
+            let s = step(&mlp, &params, &mb);
+            assert_eq!(s.loss, 0.0);
+            assert!(s.grads.iter().flatten().all(|&g| g == 0.0));
+        }
     }
 
     #[test]

@@ -4,6 +4,9 @@
 //! own the generator instead of depending on a crate whose stream could change between versions.
 //! SplitMix64 (Steele, Lea, Flood 2014) is one add and a 64-bit finaliser per draw: fast, with
 //! good statistical quality for this use, and trivially reproducible in any language.
+//!
+//! The GPT-2 init rule that draws from it lives here too, and, under `cfg(test)`, the seeded test
+//! data and the finite-difference checker shared by every gradient test.
 
 /// Weyl-sequence increment of SplitMix64 (the odd integer closest to 2^64 / golden ratio).
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -58,6 +61,8 @@ impl SplitMix64 {
 // GPT-2 style init
 // ---------------------------------------------------------------------------------------------
 
+use super::{ParamSpec, UnitSpec};
+
 /// Std of GPT-2 init for Linear and Embedding weights (as in the PyTorch reference).
 pub const INIT_STD: f64 = 0.02;
 
@@ -84,6 +89,24 @@ pub fn init_buffer(params: &[(usize, Init)], rng: &mut SplitMix64) -> Vec<f32> {
         }
     }
     out
+}
+
+/// A unit's spec from `(name, shape, init)` triples, with its init rules alongside.
+pub fn unit_spec(name: String, params: Vec<(String, Vec<usize>, Init)>) -> (UnitSpec, Vec<Init>) {
+    let inits = params.iter().map(|p| p.2).collect();
+    let params = params
+        .into_iter()
+        .map(|(name, shape, _)| ParamSpec { name, shape })
+        .collect();
+    (UnitSpec { name, params }, inits)
+}
+
+/// Initial flat buffer of unit number `unit`, drawn from a generator seeded with
+/// `mix(seed, unit)`: a pure function of `(seed, unit)`, whichever rank asks and in what order.
+pub fn init_unit_buffer(spec: &UnitSpec, inits: &[Init], seed: u64, unit: usize) -> Vec<f32> {
+    let sizes = spec.params.iter().map(ParamSpec::numel);
+    let params: Vec<(usize, Init)> = sizes.zip(inits.iter().copied()).collect();
+    init_buffer(&params, &mut SplitMix64::new(mix(seed, unit as u64)))
 }
 
 /// Helpers shared by the gradient-check tests of every model file.

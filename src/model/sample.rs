@@ -4,6 +4,7 @@
 //! Sampling is reproducible: its randomness comes only from a [`SplitMix64`] seeded by the
 //! caller, and the model's forward is deterministic.
 
+use super::ops::exp;
 use super::rng::SplitMix64;
 use super::{MicroBatch, Model};
 
@@ -78,19 +79,14 @@ fn pick(logits: &[f32], temperature: f32, rng: &mut SplitMix64) -> u32 {
         return best as u32;
     }
     let (max, t) = (logits[best] as f64, temperature as f64);
-    let weights: Vec<f64> = logits
-        .iter()
-        .map(|&v| ((v as f64 - max) / t).exp())
-        .collect();
+    let weights: Vec<f64> = logits.iter().map(|&v| exp((v as f64 - max) / t)).collect();
     let total: f64 = weights.iter().filter(|w| !w.is_nan()).sum();
     let mut u = rng.next_f64() * total;
-    for (i, &w) in weights.iter().enumerate() {
-        if w > 0.0 && u < w {
+    for (i, &w) in weights.iter().enumerate().filter(|(_, &w)| w > 0.0) {
+        if u < w {
             return i as u32;
         }
-        if w > 0.0 {
-            u -= w;
-        }
+        u -= w;
     }
     best as u32 // only reachable through rounding at the very top of the range
 }
@@ -127,7 +123,7 @@ pub(crate) mod test_util {
                 max + sum.ln() - row[t as usize] as f64
             })
             .sum();
-        total / mb.targets.len() as f64
+        total / mb.targets.len().max(1) as f64
     }
 
     pub fn loss(model: &dyn Model, params: &[Vec<f32>], mb: &MicroBatch) -> f64 {

@@ -203,7 +203,7 @@ impl SumSquares {
         }
     }
 
-    pub fn add(self, other: SumSquares) -> SumSquares {
+    pub fn plus(self, other: SumSquares) -> SumSquares {
         match (self, other) {
             (SumSquares::Exact(a), SumSquares::Exact(b)) => SumSquares::Exact(a.wrapping_add(b)),
             (SumSquares::Fast(a), SumSquares::Fast(b)) => SumSquares::Fast(a + b),

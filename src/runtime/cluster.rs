@@ -139,6 +139,7 @@ impl Cluster {
             micro_batches: cfg.micro_batches,
             lr: lr_schedule(cfg),
             step_timeout_ms: cfg.collective_timeout_ms.saturating_mul(4),
+            initial_grad_bound: cfg.initial_grad_bound,
         };
         let abort_net = Arc::clone(&net);
         let args = CoordArgs {

@@ -166,10 +166,11 @@ impl<T: Transport> Comm<T> {
             });
         }
         let key = (frame.from, frame.tag);
-        if self.pending.contains_key(&key) {
-            self.stats.duplicates_dropped += 1;
-        } else {
-            self.pending.insert(key, frame.payload);
+        match self.pending.entry(key) {
+            std::collections::btree_map::Entry::Occupied(_) => self.stats.duplicates_dropped += 1,
+            std::collections::btree_map::Entry::Vacant(v) => {
+                v.insert(frame.payload);
+            }
         }
         Ok(())
     }

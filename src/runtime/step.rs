@@ -215,6 +215,10 @@ impl<'a> Pass<'a> {
                 let shard = &self.st.shards[unit as usize];
                 let payload = encode_f32(&shard.params, std::iter::once(0..shard.params.len()));
                 let n = shard.params.len() as u64;
+                // From now on the peers' chunks of this unit are in flight to us: account for
+                // them here, so the ledger shows the whole prefetched working set.
+                let incoming = self.st.map.units[unit as usize].numel as u64 - n;
+                self.st.ledger.alloc(Category::Gathered, 4 * incoming);
                 let tag = self.tag(TagKind::Gather, unit, pass);
                 collectives::post_owned(comm, &self.st.map, unit as usize, tag, payload, n, true)
             }
@@ -277,8 +281,10 @@ impl<'a> Pass<'a> {
         let u = unit as usize;
         let numel = self.st.map.units[u].numel;
         let mut full = vec![0f32; numel];
-        self.st.ledger.alloc(Category::Gathered, 4 * numel as u64);
         let shard = &self.st.shards[u];
+        self.st
+            .ledger
+            .alloc(Category::Gathered, 4 * shard.params.len() as u64);
         let mut off = 0;
         for r in &shard.ranges {
             full[r.clone()].copy_from_slice(&shard.params[off..off + r.len()]);
@@ -486,7 +492,7 @@ impl<'a> Pass<'a> {
                 .map
                 .owned_in_unit(u, self.st.rank)
                 .map(|i| w[u].sum_squares(self.st.map.chunk_range(u, i)))
-                .fold(SumSquares::zero(mode), SumSquares::add),
+                .fold(SumSquares::zero(mode), SumSquares::plus),
             _ => SumSquares::zero(mode),
         }
     }
@@ -544,7 +550,7 @@ impl<'a> Pass<'a> {
             }
             for u in 0..units {
                 max_abs[u] = exact::max_nan(max_abs[u], msg.max_abs[u]);
-                ss[u] = ss[u].add(msg.sum_squares[u]);
+                ss[u] = ss[u].plus(msg.sum_squares[u]);
             }
             overflow |= msg.overflow;
         }

@@ -1,0 +1,134 @@
+//! What each rank holds and sends, measured by the runtime, against the ZeRO formulas.
+
+mod common;
+
+use common::{run_cfg, small};
+use elastic_zero::config::{ModelKind, TrainConfig};
+use elastic_zero::job::build_model;
+use elastic_zero::plan::memory::resident;
+use elastic_zero::plan::volume::per_step;
+use elastic_zero::plan::{ShardMap, Stage};
+use elastic_zero::reduce::ReduceMode;
+use elastic_zero::runtime::transport::FRAME_HEADER_BYTES;
+
+fn map_for(cfg: &TrainConfig) -> (ShardMap, Vec<usize>) {
+    let numels: Vec<usize> = build_model(cfg)
+        .unwrap()
+        .units()
+        .iter()
+        .map(|u| u.numel())
+        .collect();
+    let members: Vec<u32> = (0..cfg.ranks).collect();
+    (
+        ShardMap::plan(&numels, &members, cfg.chunk_elems, 1).unwrap(),
+        numels,
+    )
+}
+
+#[test]
+fn resident_memory_matches_the_stage_formulas() {
+    for reduce in [ReduceMode::Exact, ReduceMode::Fast] {
+        for stage in 0..=3u8 {
+            let cfg = TrainConfig {
+                ranks: 4,
+                stage,
+                reduce,
+                ..small(ModelKind::Gpt)
+            };
+            let (map, numels) = map_for(&cfg);
+            let psi: u64 = numels.iter().sum::<usize>() as u64;
+            let out = run_cfg(&cfg).unwrap();
+            let st = Stage::from_u8(stage).unwrap();
+            for r in &out.records.last().unwrap().reports {
+                let owned = map.owned_elems(r.rank) as u64;
+                let want = resident(st, psi, owned, reduce.elem_bytes() as u64, 2);
+                assert_eq!(r.resident, want, "stage {stage} {reduce:?} rank {}", r.rank);
+                // Sharded state is within one chunk of an even split.
+                let even = psi as f64 / 4.0;
+                assert!(
+                    (owned as f64 - even).abs() <= cfg.chunk_elems as f64,
+                    "rank {} owns {owned}",
+                    r.rank
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn stage3_holds_at_most_the_units_it_may_keep_live() {
+    let mut peaks = Vec::new();
+    for max_live_units in [1usize, 2, 3] {
+        let cfg = TrainConfig {
+            ranks: 3,
+            stage: 3,
+            max_live_units,
+            layers: 4,
+            ..small(ModelKind::Gpt)
+        };
+        let (_, numels) = map_for(&cfg);
+        let mut sizes: Vec<u64> = numels.iter().map(|&n| 4 * n as u64).collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        // Gathered bytes (assembled plus in flight to this rank) never exceed the
+        // `max_live_units` largest units.
+        let bound: u64 = sizes.iter().take(max_live_units).sum();
+        let out = run_cfg(&cfg).unwrap();
+        let peak = out
+            .records
+            .iter()
+            .flat_map(|r| &r.reports)
+            .map(|r| r.peak_gathered_bytes)
+            .max()
+            .unwrap();
+        assert!(
+            peak <= bound,
+            "live {max_live_units}: peak {peak} > bound {bound}"
+        );
+        peaks.push(peak);
+    }
+    // Prefetching really holds more: one live unit is less than two, two less than three.
+    assert!(peaks[0] < peaks[1] && peaks[1] < peaks[2], "{peaks:?}");
+}
+
+#[test]
+fn bytes_sent_match_2psi_and_3psi_plus_stated_overhead() {
+    for reduce in [ReduceMode::Exact, ReduceMode::Fast] {
+        for stage in 0..=3u8 {
+            let cfg = TrainConfig {
+                ranks: 3,
+                stage,
+                reduce,
+                ..small(ModelKind::Gpt)
+            };
+            let (map, numels) = map_for(&cfg);
+            let psi: u64 = numels.iter().sum::<usize>() as u64;
+            let st = Stage::from_u8(stage).unwrap();
+            let out = run_cfg(&cfg).unwrap();
+            let mut total_elems = 0u64;
+            for rec in &out.records {
+                for r in &rec.reports {
+                    let want = per_step(&map, st, r.rank);
+                    assert_eq!(
+                        r.sent, want,
+                        "stage {stage} rank {} step {}",
+                        r.rank, rec.step
+                    );
+                    total_elems += r.sent.elems();
+                    // Overhead: a header per frame and the agreement message, never more than
+                    // this bound: (units * 3 + 2) frames to each peer plus 4 KiB of agreement.
+                    let data = want.bytes(reduce.elem_bytes() as u64);
+                    let frames_bound = (numels.len() as u64 * 3 + 2) * 2;
+                    let overhead = r.bytes_sent - data;
+                    assert!(
+                        overhead <= frames_bound * FRAME_HEADER_BYTES + 2 * 4096,
+                        "overhead {overhead}"
+                    );
+                }
+            }
+            // Summed over ranks: (N-1) x Psi per collective; 2 collectives for stages 0-2, 3 for 3.
+            let per_step_total = total_elems / out.records.len() as u64;
+            let collectives = if stage == 3 { 3 } else { 2 };
+            assert_eq!(per_step_total, collectives * 2 * psi, "stage {stage}");
+        }
+    }
+}

@@ -1,0 +1,192 @@
+//! The `ezero` binary: bad input, failures, the JSON summary and the default job.
+
+use std::process::Command;
+
+fn ezero() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_ezero"))
+}
+
+/// Runs `ezero train` with `args`; returns (exit code, stdout, stderr).
+fn train(args: &[&str]) -> (i32, String, String) {
+    let out = ezero()
+        .arg("train")
+        .args(args)
+        .output()
+        .expect("ezero runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    )
+}
+
+const SMALL: &[&str] = &[
+    "--model",
+    "mlp",
+    "--layers",
+    "1",
+    "--d-model",
+    "16",
+    "--seq-len",
+    "8",
+    "--micro-batches",
+    "4",
+    "--micro-batch-size",
+    "2",
+    "--steps",
+    "2",
+    "--sample-tokens",
+    "0",
+];
+
+#[test]
+fn bad_input_is_one_line_exit_2_and_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("out.json");
+    let short = dir.path().join("short.txt");
+    std::fs::write(&short, "tiny").unwrap();
+    let unknown = dir.path().join("bad.toml");
+    std::fs::write(&unknown, "ranks = 2\nbogus_key = 1\n").unwrap();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["--stage".into(), "4".into()], "stage"),
+        (vec!["--ranks".into(), "0".into()], "ranks"),
+        (
+            vec![
+                "--model".into(),
+                "gpt".into(),
+                "--d-model".into(),
+                "30".into(),
+                "--heads".into(),
+                "4".into(),
+            ],
+            "heads",
+        ),
+        (
+            vec!["--data".into(), "/nonexistent/corpus.txt".into()],
+            "data",
+        ),
+        (
+            vec![
+                "--data".into(),
+                short.display().to_string(),
+                "--seq-len".into(),
+                "8".into(),
+            ],
+            "data",
+        ),
+        (
+            vec!["--config".into(), unknown.display().to_string()],
+            "bogus_key",
+        ),
+    ];
+    for (extra, field) in cases {
+        let mut args: Vec<String> = vec!["--json".into(), json.display().to_string()];
+        args.extend(extra.clone());
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, _, err) = train(&refs);
+        assert_eq!(code, 2, "{extra:?}: {err}");
+        let lines: Vec<&str> = err.lines().collect();
+        assert_eq!(lines.len(), 1, "{extra:?}: {err}");
+        assert!(lines[0].contains(field), "{extra:?}: {err}");
+        assert!(!err.contains("panicked"));
+        assert!(!json.exists(), "{extra:?} left a JSON file");
+    }
+}
+
+#[test]
+fn a_panicking_rank_stops_the_run_with_a_clear_error() {
+    let mut args = SMALL.to_vec();
+    args.extend(["--ranks", "3", "--panic-rank", "1@1"]);
+    let (code, _, err) = train(&args);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("rank 1") && err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn json_summary_has_the_documented_fields() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("s.json");
+    let mut args = SMALL.to_vec();
+    let j = json.display().to_string();
+    args.extend(["--ranks", "2", "--json", &j]);
+    let (code, out, err) = train(&args);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for key in [
+        "param_count",
+        "final_loss",
+        "step_time_median_s",
+        "tokens_per_s",
+        "ranks",
+        "param_sha256",
+    ] {
+        assert!(v.get(key).is_some(), "missing {key}");
+    }
+    let ranks = v["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2);
+    for r in ranks {
+        for key in ["rank", "peak_bytes", "bytes_sent_per_step"] {
+            assert!(r.get(key).is_some(), "missing ranks[].{key}");
+        }
+        for key in ["params", "grads", "optimizer"] {
+            assert!(
+                r["resident_bytes"][key].as_u64().unwrap() > 0,
+                "resident_bytes.{key}"
+            );
+        }
+    }
+    let last = out.lines().last().unwrap();
+    assert_eq!(
+        last,
+        format!("param-sha256: {}", v["param_sha256"].as_str().unwrap())
+    );
+    assert_eq!(last.len(), "param-sha256: ".len() + 64);
+}
+
+#[test]
+fn config_file_and_flags_agree_and_flags_win() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("job.toml");
+    std::fs::write(&cfg, "model = \"mlp\"\nlayers = 1\nd_model = 16\nseq_len = 8\nmicro_batches = 4\nmicro_batch_size = 2\nsteps = 2\nsample_tokens = 0\nranks = 1\n").unwrap();
+    let c = cfg.display().to_string();
+    let (code, from_file, err) = train(&["--config", &c, "--ranks", "3", "--stage", "1"]);
+    assert_eq!(code, 0, "{err}");
+    let (_, from_flags, _) = train(
+        &SMALL
+            .iter()
+            .copied()
+            .chain(["--ranks", "3", "--stage", "1"])
+            .collect::<Vec<_>>(),
+    );
+    assert_eq!(from_file.lines().last(), from_flags.lines().last());
+    assert!(from_file.contains("on 3 rank actors"));
+}
+
+#[test]
+fn the_default_job_trains_and_its_loss_falls() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("default.json");
+    let j = json.display().to_string();
+    let (code, out, err) = train(&["--json", &j]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("ZeRO-3 on 4 rank actors"), "{out}");
+    assert!(out.contains("sample: "), "{out}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let losses: Vec<f64> = v["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
+    let floor = v["entropy_floor_nats"].as_f64().unwrap();
+    let first = losses[0];
+    let last = *losses.last().unwrap();
+    // From ln(256) = 5.55 towards the source's entropy rate: most of the gap must close.
+    assert!(first > 5.0, "first loss {first}");
+    assert!(
+        last < floor + 0.25 * (first - floor),
+        "loss {first} -> {last}, floor {floor}"
+    );
+}
