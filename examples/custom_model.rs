@@ -184,14 +184,19 @@ fn main() -> anyhow::Result<()> {
         model: model.clone(),
         data: data.clone(),
         init_params: None,
+        resume: None,
+        snapshot_every: 0,
         panic_at: None,
     };
     let rt = tokio::runtime::Runtime::new()?;
-    let out = rt.block_on(train(spec, |rec| {
-        if rec.step % 5 == 0 {
-            println!("step {:>3}  loss {:.4}", rec.step, rec.loss);
-        }
-    }))?;
+    let out = rt.block_on(train(
+        spec,
+        |rec: &elastic_zero::engine::coordinator::StepRecord| {
+            if rec.step % 5 == 0 {
+                println!("step {:>3}  loss {:.4}", rec.step, rec.loss);
+            }
+        },
+    ))?;
     let sharded = param_sha256(&out.params);
     let oracle = param_sha256(&train_reference(&cfg, model.as_ref(), &data, None).params);
     println!("ZeRO-3 on 3 ranks: {sharded}\nsingle process:    {oracle}");

@@ -23,6 +23,8 @@ async fn main() -> anyhow::Result<()> {
         data: build_dataset(&config)?,
         config,
         init_params: None,
+        resume: None,
+        snapshot_every: 0,
         panic_at: None,
     };
     let mut cluster = Cluster::start(spec).await?;
@@ -44,6 +46,7 @@ async fn main() -> anyhow::Result<()> {
                 "step {:>3} loss {:.4} ({} ms)",
                 rec.step, rec.loss, rec.duration_ms
             ),
+            ClusterEvent::Snapshot(snap) => println!("snapshot at step {}", snap.progress.step),
             ClusterEvent::Finished => break,
             ClusterEvent::Aborted(reason) => anyhow::bail!("run stopped: {reason}"),
         }

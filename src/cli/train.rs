@@ -45,6 +45,8 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         model: model.clone(),
         data: data.clone(),
         init_params: None,
+        resume: None,
+        snapshot_every: 0,
         panic_at: args.panic_rank,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -12,6 +12,17 @@ use crate::plan::schedule::assign_micro_batches;
 use crate::plan::{RankId, ShardMap};
 use crate::reduce::exact;
 
+/// Where a job stands between steps: enough, with every chunk's state, to resume bit for bit.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Progress {
+    /// The next step to run (steps completed so far).
+    pub step: u64,
+    /// Optimizer updates applied so far (skipped steps do not count).
+    pub opt_step: u64,
+    /// Per-unit gradient bounds for the next step's exact-reduction scale.
+    pub grad_bounds: Vec<f32>,
+}
+
 /// What the coordinator needs to know about the job.
 #[derive(Clone, Debug)]
 pub struct JobSpec {
@@ -22,6 +33,8 @@ pub struct JobSpec {
     pub step_timeout_ms: u64,
     /// Gradient bound for the first step's exact-reduction scale.
     pub initial_grad_bound: f32,
+    /// Take a snapshot after every this many steps (0: only when asked).
+    pub snapshot_every: u64,
 }
 
 /// Inputs to the state machine.
@@ -44,6 +57,8 @@ pub enum Event {
     Tick {
         now_ms: u64,
     },
+    /// Snapshot at the next step boundary (a SIGTERM, an operator's request).
+    SnapshotRequested,
 }
 
 /// A finished step, as the coordinator saw it.
@@ -64,8 +79,13 @@ pub struct StepRecord {
 pub enum Command {
     RunStep(StepPlan),
     StepCompleted(Box<StepRecord>),
+    /// Every rank is idle at a step boundary: capture every chunk's state with this progress
+    /// before running the next step.
+    Snapshot(Progress),
     Finish,
-    Abort { reason: String },
+    Abort {
+        reason: String,
+    },
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -85,19 +105,38 @@ pub struct Coordinator {
     bounds: Vec<f32>,
     phase: Phase,
     reports: BTreeMap<RankId, StepReport>,
+    snapshot_requested: bool,
 }
 
 impl Coordinator {
     pub fn new(job: JobSpec, map: ShardMap) -> Self {
-        let bounds = vec![job.initial_grad_bound; map.units.len()];
+        let progress = Progress {
+            step: 0,
+            opt_step: 0,
+            grad_bounds: vec![job.initial_grad_bound; map.units.len()],
+        };
+        Self::resume(job, map, progress)
+    }
+
+    /// A coordinator that continues a job from `progress` (a restored snapshot).
+    pub fn resume(job: JobSpec, map: ShardMap, progress: Progress) -> Self {
         Self {
             job,
             map,
-            step: 0,
-            opt_step: 0,
-            bounds,
+            step: progress.step,
+            opt_step: progress.opt_step,
+            bounds: progress.grad_bounds,
             phase: Phase::Idle,
             reports: BTreeMap::new(),
+            snapshot_requested: false,
+        }
+    }
+
+    pub fn progress(&self) -> Progress {
+        Progress {
+            step: self.step,
+            opt_step: self.opt_step,
+            grad_bounds: self.bounds.clone(),
         }
     }
 
@@ -125,6 +164,10 @@ impl Coordinator {
                 self.step
             )),
             Event::Tick { now_ms } => self.on_tick(now_ms),
+            Event::SnapshotRequested => {
+                self.snapshot_requested = true;
+                Vec::new()
+            }
         }
     }
 
@@ -185,6 +228,11 @@ impl Coordinator {
             .collect();
         self.step += 1;
         let mut out = vec![Command::StepCompleted(Box::new(record))];
+        let every = self.job.snapshot_every;
+        if self.snapshot_requested || (every > 0 && self.step % every == 0) {
+            self.snapshot_requested = false;
+            out.push(Command::Snapshot(self.progress()));
+        }
         out.extend(self.start_step(now_ms));
         out
     }
@@ -266,6 +314,7 @@ mod tests {
             },
             step_timeout_ms: 1000,
             initial_grad_bound: exact::INITIAL_BOUND,
+            snapshot_every: 0,
         }
     }
 
@@ -323,6 +372,42 @@ mod tests {
         let cmds = c.handle(done(report(1, 1), 30));
         assert!(matches!(cmds.last(), Some(Command::Finish)));
         assert!(c.is_finished());
+    }
+
+    #[test]
+    fn snapshots_come_at_step_boundaries_before_the_next_step() {
+        let map = ShardMap::plan(&[10], &[0], 4, 0).unwrap();
+        let mut c = Coordinator::new(
+            JobSpec {
+                snapshot_every: 2,
+                ..job(5)
+            },
+            map,
+        );
+        c.handle(Event::Start { now_ms: 0 });
+        let kinds = |cmds: &[Command]| {
+            cmds.iter()
+                .map(|c| match c {
+                    Command::RunStep(_) => "run",
+                    Command::StepCompleted(_) => "done",
+                    Command::Snapshot(_) => "snap",
+                    Command::Finish => "finish",
+                    Command::Abort { .. } => "abort",
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(kinds(&c.handle(done(report(0, 0), 1))), ["done", "run"]);
+        let cmds = c.handle(done(report(0, 1), 2));
+        assert_eq!(kinds(&cmds), ["done", "snap", "run"]);
+        let Command::Snapshot(p) = &cmds[1] else {
+            unreachable!()
+        };
+        assert_eq!((p.step, p.opt_step), (2, 2));
+        c.handle(Event::SnapshotRequested);
+        assert_eq!(
+            kinds(&c.handle(done(report(0, 2), 3))),
+            ["done", "snap", "run"]
+        );
     }
 
     #[test]

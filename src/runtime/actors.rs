@@ -16,20 +16,64 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::clock::Clock;
 use super::comm::{Comm, CommError};
-use super::rank_state::RankState;
+use super::rank_state::{ChunkState, RankState};
 use super::step::{run_step, ExecConfig};
 use super::transport::Transport;
 use crate::data::Dataset;
-use crate::engine::coordinator::{Command, Coordinator, Event, StepRecord};
+use crate::engine::coordinator::{Command, Coordinator, Event, Progress, StepRecord};
 use crate::engine::messages::{StepPlan, StepReport};
-use crate::plan::RankId;
+use crate::plan::{RankId, ShardMap};
+
+/// Every chunk's state at a step boundary, with the progress needed to resume from it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Snapshot {
+    pub progress: Progress,
+    pub map: ShardMap,
+    /// One entry per chunk, in (unit, index) order.
+    pub chunks: Vec<ChunkState>,
+}
 
 /// What the cluster reports to whoever drives it.
 #[derive(Debug, Clone)]
 pub enum ClusterEvent {
     Step(Box<StepRecord>),
+    /// Taken at a step boundary; training has already moved on (write it in the background).
+    Snapshot(Box<Snapshot>),
     Finished,
     Aborted(String),
+}
+
+/// Asks every rank for the chunks it owns and checks that each chunk arrives exactly once.
+pub async fn collect_chunks<T: Transport>(
+    ranks: &[(RankId, ActorRef<RankMsg<T>>)],
+    map: &ShardMap,
+) -> Result<Vec<ChunkState>, String> {
+    let mut all = BTreeMap::new();
+    for (rank, actor) in ranks {
+        let reply = actor
+            .call(RankMsg::Collect, Some(Duration::from_secs(60)))
+            .await
+            .map_err(|e| format!("rank {rank}: {e}"))?;
+        let ractor::rpc::CallResult::Success(chunks) = reply else {
+            return Err(format!("rank {rank} did not answer"));
+        };
+        for c in chunks {
+            let (u, i) = (c.unit as usize, c.index as usize);
+            if u >= map.units.len() || i >= map.units[u].owners.len() {
+                return Err(format!("rank {rank} sent unknown chunk {u}/{i}"));
+            }
+            if c.params.len() != map.chunk_range(u, i).len() || all.insert((u, i), c).is_some() {
+                return Err(format!(
+                    "chunk {u}/{i} from rank {rank} is wrong or repeated"
+                ));
+            }
+        }
+    }
+    let total: usize = map.units.iter().map(|u| u.owners.len()).sum();
+    if all.len() != total {
+        return Err(format!("{} of {total} chunks arrived", all.len()));
+    }
+    Ok(all.into_values().collect())
 }
 
 /// One rank's owned state plus its communicator, moved to the compute thread for each step.
@@ -38,15 +82,12 @@ pub struct Work<T: Transport> {
     pub comm: Comm<T>,
 }
 
-/// Owned parameter chunks of one rank: (unit, chunk index, values).
-pub type OwnedChunks = Vec<(usize, usize, Vec<f32>)>;
-
 pub enum RankMsg<T: Transport> {
     RunStep(Box<StepPlan>),
     StepFinished(Box<Work<T>>, Result<Box<StepReport>, CommError>),
     ComputePanicked(String),
-    /// The master parameter chunks this rank owns (for consolidation).
-    Collect(RpcReplyPort<OwnedChunks>),
+    /// The state of every chunk this rank owns (consolidation, checkpoints).
+    Collect(RpcReplyPort<Vec<ChunkState>>),
 }
 
 pub struct RankArgs<T: Transport> {
@@ -151,17 +192,11 @@ impl<T: Transport> Actor for RankActor<T> {
                 return Err(format!("rank {} compute panicked: {text}", slot.rank).into());
             }
             RankMsg::Collect(reply) => {
-                let chunks = match &slot.work {
-                    Some(w) => (0..w.state.units())
-                        .flat_map(|u| {
-                            w.state
-                                .owned_params(u)
-                                .into_iter()
-                                .map(move |(i, v)| (u, i, v))
-                        })
-                        .collect(),
-                    None => Vec::new(),
-                };
+                let chunks = slot
+                    .work
+                    .as_ref()
+                    .map(|w| w.state.owned_chunk_states())
+                    .unwrap_or_default();
                 let _ = reply.send(chunks);
             }
         }
@@ -187,6 +222,8 @@ pub enum CoordMsg<T: Transport> {
         reason: String,
     },
     Tick,
+    /// Take a snapshot at the next step boundary.
+    SnapshotNow,
 }
 
 pub struct CoordArgs {
@@ -208,9 +245,36 @@ pub struct CoordState<T: Transport> {
 }
 
 impl<T: Transport> CoordState<T> {
-    fn feed(&mut self, event: Event) {
-        for cmd in self.engine.handle(event) {
+    async fn feed(&mut self, event: Event) {
+        let mut queue: std::collections::VecDeque<Command> = self.engine.handle(event).into();
+        while let Some(cmd) = queue.pop_front() {
             match cmd {
+                Command::Snapshot(progress) => {
+                    // Ranks are idle between steps, so their chunks are consistent.
+                    let ranks: Vec<_> = self.ranks.iter().map(|(r, a)| (*r, a.clone())).collect();
+                    let map = self.engine.map().clone();
+                    match collect_chunks(&ranks, &map).await {
+                        Ok(chunks) => {
+                            let snap = Snapshot {
+                                progress,
+                                map,
+                                chunks,
+                            };
+                            let _ = self.events.send(ClusterEvent::Snapshot(Box::new(snap)));
+                        }
+                        Err(e) => {
+                            let reason = format!("snapshot failed: {e}");
+                            queue = self
+                                .engine
+                                .handle(Event::RankFailed {
+                                    rank: u32::MAX,
+                                    reason,
+                                    now_ms: self.clock.now_ms(),
+                                })
+                                .into();
+                        }
+                    }
+                }
                 Command::RunStep(plan) => {
                     for r in self.ranks.values() {
                         let _ = r.cast(RankMsg::RunStep(Box::new(plan.clone())));
@@ -270,15 +334,19 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             CoordMsg::Start { ranks } => {
                 st.ranks = ranks.into_iter().collect();
                 me.send_interval(Duration::from_millis(st.tick_ms), || CoordMsg::Tick);
-                st.feed(Event::Start { now_ms });
+                st.feed(Event::Start { now_ms }).await
             }
-            CoordMsg::StepDone(report) => st.feed(Event::StepDone { report, now_ms }),
-            CoordMsg::RankFailed { rank, reason } => st.feed(Event::RankFailed {
-                rank,
-                reason,
-                now_ms,
-            }),
-            CoordMsg::Tick => st.feed(Event::Tick { now_ms }),
+            CoordMsg::StepDone(report) => st.feed(Event::StepDone { report, now_ms }).await,
+            CoordMsg::RankFailed { rank, reason } => {
+                st.feed(Event::RankFailed {
+                    rank,
+                    reason,
+                    now_ms,
+                })
+                .await
+            }
+            CoordMsg::Tick => st.feed(Event::Tick { now_ms }).await,
+            CoordMsg::SnapshotNow => st.feed(Event::SnapshotRequested).await,
         }
         Ok(())
     }
@@ -310,7 +378,8 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                     rank,
                     reason,
                     now_ms,
-                });
+                })
+                .await;
             }
         }
         Ok(())

@@ -4,19 +4,19 @@
 //! config, a model (any `Model`, including one defined outside this crate) and a dataset; get
 //! back an event stream of finished steps and, at the end, the consolidated parameters.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use ractor::{Actor, ActorRef};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::actors::{
-    ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, RankActor, RankArgs, RankMsg, Work,
+    collect_chunks, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, RankActor, RankArgs,
+    RankMsg, Snapshot, Work,
 };
 use super::clock::SystemClock;
 use super::comm::Comm;
 use super::local::{LocalEndpoint, LocalNetwork};
-use super::rank_state::{OptimSettings, RankState};
+use super::rank_state::{ChunkState, OptimSettings, RankState};
 use super::step::ExecConfig;
 use crate::config::{OptimizerChoice, TrainConfig};
 use crate::data::Dataset;
@@ -45,6 +45,10 @@ pub struct ClusterSpec {
     pub data: Arc<Dataset>,
     /// Start from these full parameters instead of the model's initialisation.
     pub init_params: Option<Vec<Vec<f32>>>,
+    /// Continue from a snapshot (any world size, stage or chunk size); wins over `init_params`.
+    pub resume: Option<Snapshot>,
+    /// Emit a snapshot after every this many steps (0: never unless asked).
+    pub snapshot_every: u64,
     /// Fault injection for tests: (rank, step) whose compute panics.
     pub panic_at: Option<(RankId, u64)>,
 }
@@ -124,13 +128,23 @@ impl Cluster {
         let units = spec.model.units();
         let numels: Vec<usize> = units.iter().map(|u| u.numel()).collect();
         let members: Vec<RankId> = (0..cfg.ranks).collect();
-        let map = ShardMap::plan(&numels, &members, cfg.chunk_elems, 1)
+        let epoch = spec.resume.as_ref().map_or(1, |snap| snap.map.epoch + 1);
+        let map = ShardMap::plan(&numels, &members, cfg.chunk_elems, epoch)
             .map_err(|e| ClusterError::Spawn(e.to_string()))?;
+        if let Some(snap) = &spec.resume {
+            let old: Vec<usize> = snap.map.units.iter().map(|u| u.numel).collect();
+            if old != numels {
+                return Err(ClusterError::Spawn(format!(
+                    "the snapshot's units have sizes {old:?}, this model's are {numels:?}: it belongs to another model"
+                )));
+            }
+        }
         let params: Vec<Vec<f32>> = match &spec.init_params {
             Some(p) => p.clone(),
-            None => (0..units.len())
+            None if spec.resume.is_none() => (0..units.len())
                 .map(|u| spec.model.init_unit(u, cfg.seed))
                 .collect(),
+            None => Vec::new(),
         };
         let net = LocalNetwork::new();
         let (tx, events) = unbounded_channel();
@@ -140,10 +154,14 @@ impl Cluster {
             lr: lr_schedule(cfg),
             step_timeout_ms: cfg.collective_timeout_ms.saturating_mul(4),
             initial_grad_bound: cfg.initial_grad_bound,
+            snapshot_every: spec.snapshot_every,
         };
         let abort_net = Arc::clone(&net);
         let args = CoordArgs {
-            engine: Coordinator::new(job, map.clone()),
+            engine: match &spec.resume {
+                Some(snap) => Coordinator::resume(job, map.clone(), snap.progress.clone()),
+                None => Coordinator::new(job, map.clone()),
+            },
             events: tx,
             clock: Arc::new(SystemClock::default()),
             tick_ms: 200,
@@ -156,15 +174,30 @@ impl Cluster {
         let optim = optim_settings(cfg);
         let mut ranks = Vec::new();
         for &rank in &members {
-            let state = RankState::from_full_params(
-                rank,
-                stage,
-                cfg.reduce,
-                Arc::clone(&spec.model),
-                map.clone(),
-                optim,
-                &params,
-            );
+            let state = match &spec.resume {
+                Some(snap) => {
+                    let source = rechunk_source(snap, cfg.chunk_elems);
+                    RankState::from_chunks(
+                        rank,
+                        stage,
+                        cfg.reduce,
+                        Arc::clone(&spec.model),
+                        map.clone(),
+                        optim,
+                        &source,
+                    )
+                    .map_err(|e| ClusterError::Spawn(format!("restoring rank {rank}: {e}")))?
+                }
+                None => RankState::from_full_params(
+                    rank,
+                    stage,
+                    cfg.reduce,
+                    Arc::clone(&spec.model),
+                    map.clone(),
+                    optim,
+                    &params,
+                ),
+            };
             let work = Work {
                 state,
                 comm: Comm::new(net.endpoint(rank), cfg.collective_timeout_ms),
@@ -211,37 +244,17 @@ impl Cluster {
         self.events.recv().await
     }
 
-    /// Gathers every rank's owned master chunks into full parameters per unit, checking that
-    /// every chunk arrives exactly once.
+    /// The state of every chunk, gathered from its owner, in (unit, index) order. Call it
+    /// between steps (after `Finished`, or while the coordinator is paused at a snapshot).
+    pub async fn collect_chunks(&self) -> Result<Vec<ChunkState>, ClusterError> {
+        collect_chunks(&self.ranks, &self.map)
+            .await
+            .map_err(ClusterError::Collect)
+    }
+
+    /// Consolidated full parameters per unit.
     pub async fn collect_params(&self) -> Result<Vec<Vec<f32>>, ClusterError> {
-        let mut out: Vec<Vec<f32>> = self.map.units.iter().map(|u| vec![0f32; u.numel]).collect();
-        let mut seen = BTreeMap::new();
-        for (rank, actor) in &self.ranks {
-            let chunks = actor
-                .call(RankMsg::Collect, Some(std::time::Duration::from_secs(60)))
-                .await
-                .map_err(|e| ClusterError::Collect(format!("rank {rank}: {e}")))?;
-            let ractor::rpc::CallResult::Success(chunks) = chunks else {
-                return Err(ClusterError::Collect(format!("rank {rank} did not answer")));
-            };
-            for (u, i, vals) in chunks {
-                let r = self.map.chunk_range(u, i);
-                if vals.len() != r.len() || seen.insert((u, i), *rank).is_some() {
-                    return Err(ClusterError::Collect(format!(
-                        "chunk {u}/{i} from rank {rank} is wrong or repeated"
-                    )));
-                }
-                out[u][r].copy_from_slice(&vals);
-            }
-        }
-        let total: usize = self.map.units.iter().map(|u| u.owners.len()).sum();
-        if seen.len() != total {
-            return Err(ClusterError::Collect(format!(
-                "{} of {total} chunks arrived",
-                seen.len()
-            )));
-        }
-        Ok(out)
+        Ok(consolidate(&self.map, &self.collect_chunks().await?))
     }
 
     /// Stops every actor and closes the network.
@@ -257,11 +270,27 @@ impl Cluster {
     }
 }
 
-/// Runs a whole job: starts the cluster, feeds every finished step to `on_step`, and returns
-/// the records and consolidated parameters, or the reason the run stopped.
+/// Receives a run's events as `train` drives it.
+pub trait Observer {
+    fn on_step(&mut self, _record: &StepRecord) {}
+    /// A snapshot taken at a step boundary (training has moved on; it is yours to keep).
+    fn on_snapshot(&mut self, _snapshot: Snapshot) {}
+}
+
+/// Ignores every event.
+impl Observer for () {}
+
+impl<F: FnMut(&StepRecord)> Observer for F {
+    fn on_step(&mut self, record: &StepRecord) {
+        self(record)
+    }
+}
+
+/// Runs a whole job: starts the cluster, feeds every event to `observer`, and returns the
+/// records and consolidated parameters, or the reason the run stopped.
 pub async fn train(
     spec: ClusterSpec,
-    mut on_step: impl FnMut(&StepRecord),
+    mut observer: impl Observer,
 ) -> Result<TrainOutcome, ClusterError> {
     let mut cluster = Cluster::start(spec).await?;
     cluster.run();
@@ -269,9 +298,10 @@ pub async fn train(
     let result = loop {
         match cluster.next_event().await {
             Some(ClusterEvent::Step(rec)) => {
-                on_step(&rec);
+                observer.on_step(&rec);
                 records.push(*rec);
             }
+            Some(ClusterEvent::Snapshot(snap)) => observer.on_snapshot(*snap),
             Some(ClusterEvent::Finished) => break Ok(()),
             Some(ClusterEvent::Aborted(reason)) => break Err(ClusterError::Aborted(reason)),
             None => break Err(ClusterError::Aborted("the coordinator stopped".into())),
@@ -286,4 +316,58 @@ pub async fn train(
     };
     cluster.shutdown().await;
     outcome
+}
+
+/// A chunk source for a map with `chunk_elems` from a snapshot taken under any map: each new
+/// chunk is cut out of the snapshot's chunks covering the same elements.
+pub fn rechunk_source(
+    snap: &Snapshot,
+    chunk_elems: usize,
+) -> impl Fn(usize, usize) -> Option<ChunkState> + '_ {
+    move |u: usize, i: usize| {
+        let numel = snap.map.units.get(u)?.numel;
+        let start = i.checked_mul(chunk_elems)?;
+        let end = (start + chunk_elems).min(numel);
+        if start >= end {
+            return None;
+        }
+        let old = snap.map.chunk_elems;
+        let (mut params, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        for oi in start / old..=(end - 1) / old {
+            let at = snap
+                .chunks
+                .binary_search_by_key(&(u as u32, oi as u32), |c| (c.unit, c.index))
+                .ok()?;
+            let c = &snap.chunks[at];
+            let base = oi * old;
+            let (lo, hi) = (
+                start.max(base) - base,
+                end.min(base + c.params.len()) - base,
+            );
+            params.extend_from_slice(c.params.get(lo..hi)?);
+            if !c.m.is_empty() {
+                m.extend_from_slice(c.m.get(lo..hi)?);
+            }
+            if !c.v.is_empty() {
+                v.extend_from_slice(c.v.get(lo..hi)?);
+            }
+        }
+        Some(ChunkState {
+            unit: u as u32,
+            index: i as u32,
+            params,
+            m,
+            v,
+        })
+    }
+}
+
+/// Full parameters per unit from every chunk's state.
+pub fn consolidate(map: &ShardMap, chunks: &[ChunkState]) -> Vec<Vec<f32>> {
+    let mut out: Vec<Vec<f32>> = map.units.iter().map(|u| vec![0f32; u.numel]).collect();
+    for c in chunks {
+        let r = map.chunk_range(c.unit as usize, c.index as usize);
+        out[c.unit as usize][r].copy_from_slice(&c.params);
+    }
+    out
 }

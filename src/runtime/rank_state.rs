@@ -6,8 +6,11 @@
 //! the chunk indices this rank holds for a unit, and the shard buffers are those chunks
 //! concatenated in ascending order (which is also the all-gather wire layout).
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
 
 use crate::engine::ledger::{Category, Ledger};
 use crate::model::{Model, UnitSpec};
@@ -94,23 +97,24 @@ pub struct RankState {
     pub ledger: Ledger,
 }
 
-impl RankState {
-    /// Builds the rank's state from the model's initial parameters (a pure function of `seed`).
-    pub fn init(
-        rank: RankId,
-        stage: Stage,
-        mode: ReduceMode,
-        model: Arc<dyn Model>,
-        map: ShardMap,
-        optim: OptimSettings,
-        seed: u64,
-    ) -> Self {
-        let specs = model.units();
-        let init: Vec<Vec<f32>> = (0..specs.len()).map(|u| model.init_unit(u, seed)).collect();
-        Self::from_full_params(rank, stage, mode, model, map, optim, &init)
-    }
+/// One chunk's complete training state: master parameters and optimizer state. This is the
+/// unit that checkpoints store and that rebalancing moves between ranks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChunkState {
+    pub unit: u32,
+    pub index: u32,
+    pub params: Vec<f32>,
+    /// Adam m or SGD momentum (empty when the optimizer keeps none).
+    pub m: Vec<f32>,
+    /// Adam v (empty for SGD).
+    pub v: Vec<f32>,
+}
 
-    /// Builds the rank's state from given full parameters (initial or restored).
+/// Where a rank being built gets chunk states from: `None` means the chunk is unavailable.
+pub type ChunkSource<'a> = dyn Fn(usize, usize) -> Option<ChunkState> + 'a;
+
+impl RankState {
+    /// Builds the rank's state from full parameters with fresh optimizer state.
     pub fn from_full_params(
         rank: RankId,
         stage: Stage,
@@ -120,29 +124,103 @@ impl RankState {
         optim: OptimSettings,
         params: &[Vec<f32>],
     ) -> Self {
+        let probe = OptimState::new(optim.kind, 1);
+        let fresh = |u: usize, i: usize| {
+            let r = map.chunk_range(u, i);
+            let zeros = |keep: bool| {
+                if keep {
+                    vec![0f32; r.len()]
+                } else {
+                    Vec::new()
+                }
+            };
+            Some(ChunkState {
+                unit: u as u32,
+                index: i as u32,
+                params: params.get(u)?.get(r.clone())?.to_vec(),
+                m: zeros(!probe.m.is_empty()),
+                v: zeros(!probe.v.is_empty()),
+            })
+        };
+        Self::from_chunks(rank, stage, mode, model, map.clone(), optim, &fresh)
+            .expect("full parameters cover every chunk")
+    }
+
+    /// Builds the rank's state for `map` from chunk states. A rank reads the optimizer state of
+    /// the chunks it owns (every chunk for stage 0) and the parameters of the chunks it keeps
+    /// (every chunk for stages 0-2, which hold a full copy; its own for stage 3).
+    pub fn from_chunks(
+        rank: RankId,
+        stage: Stage,
+        mode: ReduceMode,
+        model: Arc<dyn Model>,
+        map: ShardMap,
+        optim: OptimSettings,
+        source: &ChunkSource<'_>,
+    ) -> Result<Self, String> {
         let specs = model.units();
+        if specs.len() != map.units.len()
+            || specs
+                .iter()
+                .zip(&map.units)
+                .any(|(s, u)| s.numel() != u.numel)
+        {
+            return Err("the shard map was planned for a different model".into());
+        }
         let mut ledger = Ledger::default();
         let mut shards = Vec::with_capacity(specs.len());
-        for (u, p) in params.iter().enumerate() {
+        let mut full = vec![Vec::new(); specs.len()];
+        for (u, unit) in map.units.iter().enumerate() {
+            let all: Vec<usize> = (0..unit.owners.len()).collect();
             let chunks: Vec<usize> = if stage == Stage::Zero0 {
-                (0..map.units[u].owners.len()).collect()
+                all.clone()
             } else {
                 map.owned_in_unit(u, rank).collect()
             };
+            let fetch =
+                |i: usize| source(u, i).ok_or_else(|| format!("chunk {u}/{i} is not available"));
+            let mut by_index = BTreeMap::new();
+            for &i in if stage == Stage::Zero3 { &chunks } else { &all } {
+                let c = fetch(i)?;
+                if c.params.len() != map.chunk_range(u, i).len() {
+                    return Err(format!(
+                        "chunk {u}/{i} has {} parameters, expected {}",
+                        c.params.len(),
+                        map.chunk_range(u, i).len()
+                    ));
+                }
+                by_index.insert(i, c);
+            }
             let ranges: Vec<Range<usize>> = chunks.iter().map(|&i| map.chunk_range(u, i)).collect();
             let len: usize = ranges.iter().map(Range::len).sum();
-            let shard_params = if stage == Stage::Zero3 {
-                ranges
+            let mut opt = OptimState::new(optim.kind, len);
+            let mut off = 0;
+            for (&i, r) in chunks.iter().zip(&ranges) {
+                let c = &by_index[&i];
+                copy_state(&mut opt.m, off, &c.m, r.len())
+                    .map_err(|e| format!("chunk {u}/{i} m: {e}"))?;
+                copy_state(&mut opt.v, off, &c.v, r.len())
+                    .map_err(|e| format!("chunk {u}/{i} v: {e}"))?;
+                off += r.len();
+            }
+            let shard_params: Vec<f32> = if stage == Stage::Zero3 {
+                chunks
                     .iter()
-                    .flat_map(|r| p[r.clone()].iter().copied())
+                    .flat_map(|i| by_index[i].params.iter().copied())
                     .collect()
             } else {
+                full[u] = all
+                    .iter()
+                    .flat_map(|i| by_index[i].params.iter().copied())
+                    .collect();
                 Vec::new()
             };
             let grads =
                 matches!(stage, Stage::Zero2 | Stage::Zero3).then(|| GradBuf::zeros(mode, len));
-            let opt = OptimState::new(optim.kind, len);
-            ledger.alloc(Category::Params, 4 * shard_params.len() as u64);
+            ledger.alloc(
+                Category::Params,
+                4 * (shard_params.len() + full[u].len()) as u64,
+            );
             ledger.alloc(Category::Optimizer, opt.bytes() as u64);
             ledger.alloc(
                 Category::Grads,
@@ -156,25 +234,16 @@ impl RankState {
                 grads,
             });
         }
-        let full: Vec<Vec<f32>> = if stage == Stage::Zero3 {
-            vec![Vec::new(); specs.len()]
-        } else {
-            params.to_vec()
-        };
-        ledger.alloc(
-            Category::Params,
-            4 * full.iter().map(Vec::len).sum::<usize>() as u64,
-        );
         let whole_grads = matches!(stage, Stage::Zero0 | Stage::Zero1).then(|| {
-            params
+            map.units
                 .iter()
-                .map(|p| GradBuf::zeros(mode, p.len()))
+                .map(|u| GradBuf::zeros(mode, u.numel))
                 .collect::<Vec<_>>()
         });
         if let Some(w) = &whole_grads {
             ledger.alloc(Category::Grads, w.iter().map(|g| g.bytes() as u64).sum());
         }
-        Self {
+        Ok(Self {
             rank,
             stage,
             mode,
@@ -186,34 +255,45 @@ impl RankState {
             shards,
             whole_grads,
             ledger,
+        })
+    }
+
+    /// The complete state of every chunk this rank owns under the map.
+    pub fn owned_chunk_states(&self) -> Vec<ChunkState> {
+        let mut out = Vec::new();
+        for (u, shard) in self.shards.iter().enumerate() {
+            let mut off = 0;
+            for (&i, r) in shard.chunks.iter().zip(&shard.ranges) {
+                let n = r.len();
+                if self.map.owner(u, i) == self.rank {
+                    let params = if self.stage == Stage::Zero3 {
+                        shard.params[off..off + n].to_vec()
+                    } else {
+                        self.full[u][r.clone()].to_vec()
+                    };
+                    let slice = |v: &[f32]| {
+                        if v.is_empty() {
+                            Vec::new()
+                        } else {
+                            v[off..off + n].to_vec()
+                        }
+                    };
+                    out.push(ChunkState {
+                        unit: u as u32,
+                        index: i as u32,
+                        params,
+                        m: slice(&shard.opt.m),
+                        v: slice(&shard.opt.v),
+                    });
+                }
+                off += n;
+            }
         }
+        out
     }
 
     pub fn units(&self) -> usize {
         self.specs.len()
-    }
-
-    /// The chunks of `unit` this rank owns under the map, with the master parameter values.
-    pub fn owned_params(&self, unit: usize) -> Vec<(usize, Vec<f32>)> {
-        self.map
-            .owned_in_unit(unit, self.rank)
-            .map(|i| {
-                let r = self.map.chunk_range(unit, i);
-                let vals = if self.stage == Stage::Zero3 {
-                    let s = &self.shards[unit];
-                    let at = s
-                        .chunks
-                        .iter()
-                        .position(|&c| c == i)
-                        .expect("owned chunk is held");
-                    let off: usize = s.ranges[..at].iter().map(Range::len).sum();
-                    s.params[off..off + r.len()].to_vec()
-                } else {
-                    self.full[unit][r].to_vec()
-                };
-                (i, vals)
-            })
-            .collect()
     }
 
     /// Applies the optimizer to every held chunk, with gradients scaled by `factor`
@@ -260,6 +340,21 @@ impl RankState {
             }
             self.ledger.free(Category::Transient, 4 * len as u64);
         }
+    }
+}
+
+/// Copies a chunk's optimizer state into the shard buffer at `off` (both empty if unused).
+fn copy_state(dst: &mut [f32], off: usize, src: &[f32], n: usize) -> Result<(), String> {
+    match (dst.is_empty(), src.len()) {
+        (true, 0) => Ok(()),
+        (false, len) if len == n => {
+            dst[off..off + n].copy_from_slice(src);
+            Ok(())
+        }
+        (_, len) => Err(format!(
+            "{len} values where {} were expected",
+            if dst.is_empty() { 0 } else { n }
+        )),
     }
 }
 

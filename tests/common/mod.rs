@@ -38,6 +38,8 @@ pub fn run_with(
         model,
         data,
         init_params: None,
+        resume: None,
+        snapshot_every: 0,
         panic_at,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -45,5 +47,5 @@ pub fn run_with(
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(train(spec, |_| {}))
+    rt.block_on(train(spec, ()))
 }
