@@ -111,6 +111,13 @@ pub struct TrainConfig {
     pub optimizer_threads: usize,
     /// Tokens to sample from the trained model at the end (GPT only; default 160).
     pub sample_tokens: usize,
+    /// Directory to save checkpoints in (`step-N/` subdirectories); none: no checkpoints.
+    pub save_dir: Option<PathBuf>,
+    /// Save a checkpoint after every this many steps and after the last step; 0 saves only on
+    /// SIGTERM or SIGINT (default 0). Needs `save_dir`.
+    pub save_every: u64,
+    /// Complete checkpoints kept in `save_dir`, newest first; 0 keeps all (default 3).
+    pub keep_checkpoints: usize,
 }
 
 impl Default for TrainConfig {
@@ -146,6 +153,9 @@ impl Default for TrainConfig {
             initial_grad_bound: 65536.0,
             optimizer_threads: 1,
             sample_tokens: 160,
+            save_dir: None,
+            save_every: 0,
+            keep_checkpoints: 3,
         }
     }
 }
@@ -153,11 +163,17 @@ impl Default for TrainConfig {
 impl TrainConfig {
     /// Parses a TOML config file's text; unknown keys and wrong types are errors.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        toml::from_str(text).map_err(|e| {
-            let msg = e.message().to_string();
-            let field = unknown_field(&msg).unwrap_or_else(|| "config".to_string());
-            ConfigError::new(&field, msg.replace('\n', " "))
-        })
+        toml::from_str(text).map_err(toml_error)
+    }
+
+    /// Parses a TOML config file's text over `base`: keys the file sets replace `base`'s, the
+    /// others keep `base`'s values (a resumed run starts from the checkpoint's config).
+    pub fn from_toml_over(base: &TrainConfig, text: &str) -> Result<Self, ConfigError> {
+        let file: toml::Table = toml::from_str(text).map_err(toml_error)?;
+        let mut merged =
+            toml::Table::try_from(base).map_err(|e| ConfigError::new("config", e.to_string()))?;
+        merged.extend(file);
+        toml::Value::Table(merged).try_into().map_err(toml_error)
     }
 
     /// Checks every field once; the runtime trusts a validated config.
@@ -242,6 +258,12 @@ impl TrainConfig {
                 "must be at least 1",
             ));
         }
+        if self.save_every > 0 && self.save_dir.is_none() {
+            return Err(ConfigError::new(
+                "save_every",
+                "saving every N steps needs save_dir (--save-dir DIR)",
+            ));
+        }
         if let Some(path) = &self.data {
             if !path.is_file() {
                 return Err(ConfigError::new(
@@ -257,6 +279,12 @@ impl TrainConfig {
     pub fn tokens_per_step(&self) -> usize {
         self.micro_batches as usize * self.micro_batch_size * self.seq_len
     }
+}
+
+fn toml_error(e: toml::de::Error) -> ConfigError {
+    let msg = e.message().to_string();
+    let field = unknown_field(&msg).unwrap_or_else(|| "config".to_string());
+    ConfigError::new(&field, msg.replace('\n', " "))
 }
 
 fn unknown_field(msg: &str) -> Option<String> {
@@ -301,5 +329,26 @@ mod tests {
         assert_eq!(bad(|c| c.heads = 3), "heads");
         assert_eq!(bad(|c| c.data = Some("/nonexistent/file".into())), "data");
         assert_eq!(bad(|c| c.micro_batches = 0), "micro_batches");
+        assert_eq!(bad(|c| c.save_every = 5), "save_every");
+    }
+
+    #[test]
+    fn a_file_over_a_base_keeps_the_base_where_silent() {
+        let base = TrainConfig {
+            d_model: 16,
+            lr: 1.25e-3,
+            save_dir: Some("ck".into()),
+            ..TrainConfig::default()
+        };
+        let c = TrainConfig::from_toml_over(&base, "ranks = 2\n").unwrap();
+        assert_eq!(
+            c,
+            TrainConfig {
+                ranks: 2,
+                ..base.clone()
+            }
+        );
+        let err = TrainConfig::from_toml_over(&base, "bogus = 1\n").unwrap_err();
+        assert_eq!(err.field, "bogus");
     }
 }

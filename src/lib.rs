@@ -8,8 +8,12 @@
 //! Leaf numerics the runtime and the oracle share: [`model`] (the model boundary and the built-in
 //! GPT and MLP), [`optim`] (Adam, AdamW, SGD on flat shards), [`reduce`] (exact fixed-point
 //! reduction), [`data`] (micro-batches as pure functions of seed, step and index).
+//!
+//! [`checkpoint`] sits above the runtime: it saves, verifies and restores what the runtime
+//! snapshots at step boundaries.
 
 pub mod bench;
+pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod engine;

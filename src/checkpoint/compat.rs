@@ -1,0 +1,155 @@
+//! Whether a checkpoint may resume a run with a given config and model.
+//!
+//! Resuming continues the saved run bit for bit, so every setting that decides the numbers must
+//! be the saved one. The settings that only decide *how* the same numbers are computed or
+//! reported may change: that is what makes a checkpoint loadable at any world size and stage.
+//! Any config key not in [`MAY_CHANGE`] must match, so a key added later is protected by default.
+
+use std::path::Path;
+
+use super::error::CheckpointError;
+use super::manifest::{Manifest, MANIFEST_FILE};
+use crate::config::TrainConfig;
+use crate::model::UnitSpec;
+
+/// Config keys a resumed run may set differently from the saved run.
+pub const MAY_CHANGE: &[&str] = &[
+    "ranks",
+    "stage",
+    "chunk_elems",
+    "max_live_units",
+    "collective_timeout_ms",
+    "optimizer_threads",
+    "sample_tokens",
+    "json",
+    "save_dir",
+    "save_every",
+    "keep_checkpoints",
+    // The path may differ; the file's bytes may not (compared by SHA-256 below).
+    "data",
+];
+
+/// Refuses, naming the first difference, unless `manifest` can resume a run of `cfg` on a model
+/// with `units` over data whose file hashes to `data_sha256`.
+pub fn check_resume(
+    dir: &Path,
+    manifest: &Manifest,
+    cfg: &TrainConfig,
+    units: &[UnitSpec],
+    data_sha256: Option<&str>,
+) -> Result<(), CheckpointError> {
+    let path = dir.join(MANIFEST_FILE);
+    check_units(&path, &manifest.units, units)?;
+    check_config(&path, &manifest.config, cfg)?;
+    if manifest.data.sha256.as_deref() != data_sha256 {
+        let show = |s: Option<&str>| {
+            s.map_or("the embedded corpus".to_string(), |h| {
+                format!("a file with SHA-256 {h}")
+            })
+        };
+        return Err(CheckpointError::incompatible(
+            &path,
+            format!(
+                "the checkpoint was trained on {}, this run reads {}",
+                show(manifest.data.sha256.as_deref()),
+                show(data_sha256)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The model's parameters must have the saved names and shapes, in the saved order.
+pub fn check_units(
+    path: &Path,
+    saved: &[UnitSpec],
+    here: &[UnitSpec],
+) -> Result<(), CheckpointError> {
+    let flat = |units: &[UnitSpec]| -> Vec<(String, Vec<usize>)> {
+        units
+            .iter()
+            .flat_map(|u| u.params.iter().map(|p| (p.name.clone(), p.shape.clone())))
+            .collect()
+    };
+    let (a, b) = (flat(saved), flat(here));
+    for (k, (s, h)) in a.iter().zip(&b).enumerate() {
+        if s != h {
+            return Err(CheckpointError::incompatible(
+                path,
+                format!(
+                    "the checkpoint belongs to another model: parameter {k} is `{}` {:?} in the checkpoint, `{}` {:?} in this model",
+                    s.0, s.1, h.0, h.1
+                ),
+            ));
+        }
+    }
+    if a.len() != b.len() || saved.len() != here.len() {
+        return Err(CheckpointError::incompatible(
+            path,
+            format!(
+                "the checkpoint belongs to another model: {} parameters in {} units, this model has {} in {}",
+                a.len(),
+                saved.len(),
+                b.len(),
+                here.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn check_config(
+    path: &Path,
+    saved: &TrainConfig,
+    here: &TrainConfig,
+) -> Result<(), CheckpointError> {
+    let as_map = |c: &TrainConfig| match serde_json::to_value(c) {
+        Ok(serde_json::Value::Object(m)) => Ok(m),
+        _ => Err(CheckpointError::incompatible(
+            path,
+            "cannot compare configs",
+        )),
+    };
+    let (a, b) = (as_map(saved)?, as_map(here)?);
+    for (key, was) in &a {
+        if MAY_CHANGE.contains(&key.as_str()) {
+            continue;
+        }
+        let now = b.get(key).unwrap_or(&serde_json::Value::Null);
+        if was != now {
+            return Err(CheckpointError::incompatible(
+                path,
+                format!(
+                    "`{key}` is {was} in the checkpoint but {now} for this run; a resumed run keeps every \
+                     setting that decides the numbers (only {} may change)",
+                    MAY_CHANGE.join(", ")
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_listed_keys_may_change() {
+        let p = Path::new("ck/manifest.json");
+        let saved = TrainConfig::default();
+        let ok = TrainConfig {
+            ranks: 1,
+            stage: 1,
+            chunk_elems: 7,
+            ..saved.clone()
+        };
+        check_config(p, &saved, &ok).unwrap();
+        let bad = TrainConfig {
+            steps: saved.steps + 1,
+            ..saved.clone()
+        };
+        let err = check_config(p, &saved, &bad).unwrap_err().to_string();
+        assert!(err.contains("`steps`"), "{err}");
+    }
+}

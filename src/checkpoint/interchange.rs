@@ -1,0 +1,271 @@
+//! Interchange with the rest of the ecosystem through safetensors files: exporting a checkpoint
+//! as consolidated weights (fp32, or bf16), optionally with a second file of optimizer state,
+//! and importing weights to start a run from (`ezero train --init`).
+//!
+//! Tensor names are the model's `ParamSpec` names (`blocks.0.attn.qkv.weight`), shapes its
+//! shapes, so any safetensors reader sees ordinary named tensors. Optimizer state uses
+//! PyTorch's per-parameter names as suffixes (`<name>.exp_avg`, `<name>.exp_avg_sq`,
+//! `<name>.momentum_buffer`) and is always fp32, because rounding Adam's second moment changes
+//! the next update.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+
+use super::error::{CheckpointError, IoContext};
+use super::read::Loaded;
+use super::write::{tmp_path, write_synced};
+use crate::model::UnitSpec;
+use crate::runtime::rank_state::ChunkState;
+
+/// How to export.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ExportOptions {
+    /// Round weights to bf16 (nearest even) instead of writing fp32.
+    pub bf16: bool,
+    /// Also write the optimizer state to [`optimizer_path`]`(out)`.
+    pub with_optimizer: bool,
+}
+
+/// What an export wrote.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ExportReport {
+    pub weights: PathBuf,
+    pub weight_tensors: usize,
+    pub weight_bytes: u64,
+    pub optimizer: Option<PathBuf>,
+    pub optimizer_tensors: usize,
+}
+
+/// `model.safetensors` → `model.optimizer.safetensors` (same directory).
+pub fn optimizer_path(out: &Path) -> PathBuf {
+    let stem = out
+        .file_stem()
+        .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
+    out.with_file_name(format!("{stem}.optimizer.safetensors"))
+}
+
+/// Round-to-nearest-even conversion of an f32 to bf16 bits (NaN stays NaN).
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) as u16) | 0x0040;
+    }
+    let round = 0x7fff + ((b >> 16) & 1);
+    (b.wrapping_add(round) >> 16) as u16
+}
+
+/// The f32 with the same value as bf16 bits `h` (exact).
+pub fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+/// One vector of every chunk (params, m or v), consolidated per unit.
+fn consolidate(loaded: &Loaded, field: fn(&ChunkState) -> &[f32]) -> Vec<Vec<f32>> {
+    let map = &loaded.snapshot.map;
+    let mut out: Vec<Vec<f32>> = map.units.iter().map(|u| vec![0f32; u.numel]).collect();
+    for c in &loaded.snapshot.chunks {
+        let r = map.chunk_range(c.unit as usize, c.index as usize);
+        out[c.unit as usize][r].copy_from_slice(field(c));
+    }
+    out
+}
+
+/// Named tensors of one per-unit vector: (name + suffix, shape, values). In bounds: each unit's
+/// buffer has the unit's numel (`Manifest::check_structure` matched the units to the map).
+fn named<'a>(
+    units: &'a [UnitSpec],
+    flat: &'a [Vec<f32>],
+    suffix: &'a str,
+) -> impl Iterator<Item = (String, Vec<usize>, &'a [f32])> + 'a {
+    units.iter().zip(flat).flat_map(move |(u, buf)| {
+        let mut off = 0;
+        u.params.iter().map(move |p| {
+            let n = p.numel();
+            off += n;
+            (
+                format!("{}{suffix}", p.name),
+                p.shape.clone(),
+                &buf[off - n..off],
+            )
+        })
+    })
+}
+
+fn to_bytes(values: &[f32], bf16: bool) -> Vec<u8> {
+    if bf16 {
+        values
+            .iter()
+            .flat_map(|&x| f32_to_bf16(x).to_le_bytes())
+            .collect()
+    } else {
+        values.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+}
+
+/// Serializes named tensors and writes them atomically (temporary file, sync, rename).
+fn write_tensors(
+    path: &Path,
+    tensors: Vec<(String, Vec<usize>, Vec<u8>)>,
+    dtype: Dtype,
+    metadata: HashMap<String, String>,
+) -> Result<u64, CheckpointError> {
+    let err = |e: safetensors::SafeTensorError| CheckpointError::Safetensors {
+        path: path.to_path_buf(),
+        what: e.to_string(),
+    };
+    let views = tensors
+        .iter()
+        .map(|(n, shape, bytes)| Ok((n.clone(), TensorView::new(dtype, shape.clone(), bytes)?)))
+        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()
+        .map_err(err)?;
+    let bytes = safetensors::serialize(views, Some(metadata)).map_err(err)?;
+    let tmp = tmp_path(path);
+    write_synced(&tmp, &bytes)?;
+    std::fs::rename(&tmp, path).at(path, "rename into place")?;
+    Ok(bytes.len() as u64)
+}
+
+/// Writes `loaded`'s consolidated weights to `out`, and with `with_optimizer` its optimizer
+/// state next to it.
+pub fn export(
+    loaded: &Loaded,
+    out: &Path,
+    opts: ExportOptions,
+) -> Result<ExportReport, CheckpointError> {
+    let m = &loaded.manifest;
+    let mut meta: HashMap<String, String> = [
+        ("format", "pt".to_string()),
+        ("producer", "elastic-zero".to_string()),
+        ("step", m.step.to_string()),
+        ("opt_step", m.progress.opt_step.to_string()),
+        ("fp32_param_sha256", m.param_sha256.clone()),
+        ("dtype", if opts.bf16 { "bf16" } else { "fp32" }.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    let params = consolidate(loaded, |c| &c.params);
+    let tensors: Vec<_> = named(&m.units, &params, "")
+        .map(|(n, s, v)| (n, s, to_bytes(v, opts.bf16)))
+        .collect();
+    let weight_tensors = tensors.len();
+    let dtype = if opts.bf16 { Dtype::BF16 } else { Dtype::F32 };
+    let weight_bytes = write_tensors(out, tensors, dtype, meta.clone())?;
+    let mut report = ExportReport {
+        weights: out.to_path_buf(),
+        weight_tensors,
+        weight_bytes,
+        optimizer: None,
+        optimizer_tensors: 0,
+    };
+    if opts.with_optimizer {
+        let o = &m.optimizer;
+        meta.insert("dtype".into(), "fp32".into());
+        meta.insert(
+            "optimizer".into(),
+            serde_json::to_string(o).unwrap_or_default(),
+        );
+        let m_all = consolidate(loaded, |c| &c.m);
+        let v_all = consolidate(loaded, |c| &c.v);
+        let mut tensors = Vec::new();
+        for (k, name) in o.state.iter().enumerate() {
+            let flat = if k == 0 { &m_all } else { &v_all };
+            let suffix = format!(".{name}");
+            tensors
+                .extend(named(&m.units, flat, &suffix).map(|(n, s, v)| (n, s, to_bytes(v, false))));
+        }
+        let path = optimizer_path(out);
+        report.optimizer_tensors = tensors.len();
+        write_tensors(&path, tensors, Dtype::F32, meta)?;
+        report.optimizer = Some(path);
+    }
+    Ok(report)
+}
+
+/// Reads full per-unit parameters for a model with `units` from a safetensors file whose
+/// tensors are named as the model's parameters (fp32 or bf16). Every parameter must be there
+/// with its shape, and nothing else may be.
+pub fn import_params(path: &Path, units: &[UnitSpec]) -> Result<Vec<Vec<f32>>, CheckpointError> {
+    let bad = |what: String| CheckpointError::Safetensors {
+        path: path.to_path_buf(),
+        what,
+    };
+    let bytes = std::fs::read(path).at(path, "read")?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
+    let mut unused: BTreeMap<String, ()> = st
+        .names()
+        .into_iter()
+        .map(|n| (n.to_string(), ()))
+        .collect();
+    let mut out = Vec::with_capacity(units.len());
+    for u in units {
+        let mut buf = Vec::with_capacity(u.numel());
+        for p in &u.params {
+            let t = st
+                .tensor(&p.name)
+                .map_err(|_| bad(format!("has no tensor `{}` (shape {:?})", p.name, p.shape)))?;
+            if t.shape() != p.shape.as_slice() {
+                return Err(bad(format!(
+                    "tensor `{}` has shape {:?}, the model expects {:?}",
+                    p.name,
+                    t.shape(),
+                    p.shape
+                )));
+            }
+            match t.dtype() {
+                Dtype::F32 => buf.extend(
+                    t.data()
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+                ),
+                Dtype::BF16 => buf.extend(
+                    t.data()
+                        .chunks_exact(2)
+                        .map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))),
+                ),
+                other => {
+                    return Err(bad(format!(
+                        "tensor `{}` is {other:?}; only F32 and BF16 can be imported",
+                        p.name
+                    )))
+                }
+            }
+            unused.remove(&p.name);
+        }
+        out.push(buf);
+    }
+    if let Some(extra) = unused.keys().next() {
+        return Err(bad(format!(
+            "tensor `{extra}` is not a parameter of this model ({} extra tensors)",
+            unused.len()
+        )));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        assert_eq!(f32_to_bf16(1.0), 0x3f80);
+        // 1 + 2^-8 is exactly halfway between two bf16 values: ties go to even.
+        assert_eq!(f32_to_bf16(1.0 + 1.0 / 256.0), 0x3f80);
+        assert_eq!(f32_to_bf16(1.0 + 3.0 / 256.0), 0x3f82);
+        assert_eq!(f32_to_bf16(f32::MAX), 0x7f80); // rounds up to infinity
+        assert!(bf16_to_f32(f32_to_bf16(f32::NAN)).is_nan());
+        assert_eq!(bf16_to_f32(f32_to_bf16(-2.5)), -2.5);
+    }
+
+    #[test]
+    fn optimizer_file_sits_beside_the_weights() {
+        assert_eq!(
+            optimizer_path(Path::new("out/model.safetensors")),
+            Path::new("out/model.optimizer.safetensors")
+        );
+    }
+}

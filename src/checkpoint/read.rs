@@ -1,0 +1,206 @@
+//! Reading a checkpoint back, checking everything on the way: the manifest's own checksum and
+//! structure, every chunk file's length and CRC-32, every chunk's CRC-32, and finally the
+//! SHA-256 of the reassembled parameters against the one recorded at save time. A checkpoint
+//! that fails any check is never turned into a [`Snapshot`], so training never starts from
+//! partial state.
+//!
+//! Chunk files are read in parallel, one thread per file (each saving rank's file).
+
+use std::path::{Path, PathBuf};
+
+use super::codec::decode_chunk;
+use super::error::{CheckpointError, IoContext};
+use super::manifest::{crc_hex, FileEntry, Manifest, MANIFEST_FILE, TMP_SUFFIX};
+use super::store;
+use super::write::params_sha256;
+use crate::runtime::actors::Snapshot;
+use crate::runtime::rank_state::ChunkState;
+
+/// A checkpoint read and verified.
+#[derive(Clone, Debug)]
+pub struct Loaded {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+    pub snapshot: Snapshot,
+}
+
+/// Reads and checks `dir/manifest.json` without reading any chunk data.
+pub fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
+    if !dir.exists() {
+        return Err(CheckpointError::NotFound {
+            path: dir.to_path_buf(),
+        });
+    }
+    let path = dir.join(MANIFEST_FILE);
+    if !path.is_file() {
+        let tmp = dir.join(format!("{MANIFEST_FILE}{TMP_SUFFIX}"));
+        let why = if tmp.is_file() {
+            format!("no {MANIFEST_FILE}, only {MANIFEST_FILE}{TMP_SUFFIX}")
+        } else {
+            format!("no {MANIFEST_FILE}")
+        };
+        return Err(CheckpointError::Incomplete {
+            path: dir.to_path_buf(),
+            why,
+        });
+    }
+    let bytes = std::fs::read(&path).at(&path, "read")?;
+    Manifest::decode(&path, &bytes)
+}
+
+/// Reads and verifies the checkpoint `dir` (a checkpoint directory, not a save directory).
+pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
+    let manifest = read_manifest(dir)?;
+    let per_file: Vec<Result<Vec<ChunkState>, CheckpointError>> = std::thread::scope(|s| {
+        let readers: Vec<_> = manifest
+            .files
+            .iter()
+            .map(|f| s.spawn(move || read_file(dir, f)))
+            .collect();
+        readers
+            .into_iter()
+            .map(|r| {
+                r.join().unwrap_or_else(|_| {
+                    Err(CheckpointError::Writer(
+                        "a chunk reader thread panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    });
+    let mut chunks = Vec::with_capacity(manifest.files.iter().map(|f| f.chunks.len()).sum());
+    for r in per_file {
+        chunks.extend(r?);
+    }
+    chunks.sort_by_key(|c| (c.unit, c.index));
+    let sha = params_sha256(&chunks);
+    if sha != manifest.param_sha256 {
+        return Err(CheckpointError::corrupt(
+            &dir.join(MANIFEST_FILE),
+            format!(
+                "the parameters hash to {sha}, the manifest records {}: a chunk file was replaced",
+                manifest.param_sha256
+            ),
+        ));
+    }
+    let snapshot = Snapshot {
+        progress: manifest.progress.clone(),
+        map: manifest.shard_map.clone(),
+        chunks,
+    };
+    Ok(Loaded {
+        dir: dir.to_path_buf(),
+        manifest,
+        snapshot,
+    })
+}
+
+/// Resolves a user's path (see [`store::resolve`]) and loads it.
+pub fn load_path(path: &Path) -> Result<Loaded, CheckpointError> {
+    load(&store::resolve(path)?)
+}
+
+/// Loads the checkpoint `path` means, or, if it fails verification, the newest older complete
+/// checkpoint that passes. Returns it with the failures skipped on the way (path and reason).
+pub fn load_latest_valid(path: &Path) -> Result<(Loaded, Vec<CheckpointError>), CheckpointError> {
+    let mut skipped = Vec::new();
+    for dir in store::fallback_candidates(path)? {
+        match load(&dir) {
+            Ok(l) => return Ok((l, skipped)),
+            Err(e) => skipped.push(e),
+        }
+    }
+    Err(skipped
+        .pop()
+        .unwrap_or_else(|| CheckpointError::NotACheckpoint {
+            path: path.to_path_buf(),
+        }))
+}
+
+/// One chunk file read whole and checked against its manifest entry.
+fn read_file(dir: &Path, f: &FileEntry) -> Result<Vec<ChunkState>, CheckpointError> {
+    let path = dir.join(&f.name);
+    if !path.is_file() {
+        return Err(CheckpointError::corrupt(
+            &path,
+            "missing (listed in the manifest)",
+        ));
+    }
+    let bytes = std::fs::read(&path).at(&path, "read")?;
+    if bytes.len() as u64 != f.bytes {
+        let what = if (bytes.len() as u64) < f.bytes {
+            "truncated"
+        } else {
+            "longer than recorded"
+        };
+        return Err(CheckpointError::corrupt(
+            &path,
+            format!(
+                "{what}: {} bytes, the manifest records {}",
+                bytes.len(),
+                f.bytes
+            ),
+        ));
+    }
+    let mut out = Vec::with_capacity(f.chunks.len());
+    let mut whole = crc32fast::Hasher::new();
+    for c in &f.chunks {
+        // In bounds: `check_structure` made the records tile the file's recorded length.
+        let record = &bytes[c.offset as usize..(c.offset + c.bytes()) as usize];
+        let mut h = crc32fast::Hasher::new();
+        h.update(record);
+        whole.combine(&h);
+        let crc = crc_hex(h.finalize());
+        if crc != c.crc32 {
+            return Err(CheckpointError::corrupt(
+                &path,
+                format!(
+                    "checksum mismatch in chunk {}/{} (bytes {}..{}): CRC-32 {crc}, the manifest records {}",
+                    c.unit,
+                    c.index,
+                    c.offset,
+                    c.offset + c.bytes(),
+                    c.crc32
+                ),
+            ));
+        }
+        out.push(decode_chunk(c, record));
+    }
+    let crc = crc_hex(whole.finalize());
+    if crc != f.crc32 {
+        return Err(CheckpointError::corrupt(
+            &path,
+            format!(
+                "file checksum mismatch: CRC-32 {crc}, the manifest records {}",
+                f.crc32
+            ),
+        ));
+    }
+    Ok(out)
+}
+
+/// What `verify` found, for `ezero checkpoint verify`.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct VerifyReport {
+    pub dir: PathBuf,
+    pub step: u64,
+    pub files: usize,
+    pub chunks: usize,
+    pub bytes: u64,
+    pub param_count: u64,
+    pub param_sha256: String,
+}
+
+/// Loads `path` (resolved as by `--resume`) and reports what was checked.
+pub fn verify(path: &Path) -> Result<VerifyReport, CheckpointError> {
+    let l = load_path(path)?;
+    Ok(VerifyReport {
+        step: l.manifest.step,
+        files: l.manifest.files.len(),
+        chunks: l.snapshot.chunks.len(),
+        bytes: l.manifest.total_bytes(),
+        param_count: l.manifest.param_count,
+        param_sha256: l.manifest.param_sha256.clone(),
+        dir: l.dir,
+    })
+}
