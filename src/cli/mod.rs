@@ -1,6 +1,7 @@
 //! Command-line parsing and the commands themselves. Usage errors (bad flags, bad config, bad
 //! data) exit with code 2 and one line naming the field; run failures exit with code 1.
 
+mod checkpoint;
 mod train;
 
 use std::path::PathBuf;
@@ -28,6 +29,9 @@ pub enum Command {
     /// Micro-benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Verify, inspect or export a checkpoint.
+    #[command(subcommand)]
+    Checkpoint(checkpoint::CheckpointCommand),
 }
 
 #[derive(Subcommand)]
@@ -44,6 +48,9 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 2.0)]
         min_time_s: f64,
     },
+    /// Checkpoint save/load throughput vs the disk's direct-I/O bandwidth, and the training
+    /// slowdown while background saves run (JSON lines).
+    Checkpoint(Box<checkpoint::BenchCheckpointArgs>),
 }
 
 /// `ezero train` flags. Every flag overrides the same key of `--config FILE`.
@@ -116,6 +123,32 @@ pub struct TrainArgs {
     /// Fault injection for tests: RANK@STEP makes that rank's compute panic at that step.
     #[arg(long, hide = true, value_parser = parse_rank_at)]
     pub panic_rank: Option<(u32, u64)>,
+    /// Save checkpoints under this directory (step-N subdirectories).
+    #[arg(long)]
+    pub save_dir: Option<PathBuf>,
+    /// Save after every K steps and after the last; 0: only on SIGTERM/SIGINT [default: 0].
+    #[arg(long)]
+    pub save_every: Option<u64>,
+    /// Complete checkpoints to keep, newest first; 0 keeps all [default: 3].
+    #[arg(long)]
+    pub keep_checkpoints: Option<usize>,
+    /// Continue from a checkpoint (or a save directory's newest complete one), at any --ranks
+    /// and --stage; its config is the base that --config and flags override.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// With --resume: if the checkpoint fails verification, fall back to the newest older one
+    /// that passes.
+    #[arg(long)]
+    pub latest_valid: bool,
+    /// Start from the weights in this safetensors file (fresh optimizer state).
+    #[arg(long)]
+    pub init: Option<PathBuf>,
+    /// Crash tests: STEP:POINT aborts the process at that point of that step's save.
+    #[arg(long, hide = true)]
+    pub checkpoint_crash: Option<String>,
+    /// Signal tests: raise SIGTERM after this step completes.
+    #[arg(long, hide = true)]
+    pub signal_at: Option<u64>,
 }
 
 fn parse_model(s: &str) -> Result<ModelKind, String> {
@@ -154,14 +187,22 @@ fn parse_rank_at(s: &str) -> Result<(u32, u64), String> {
 impl TrainArgs {
     /// The config file (if any) with every given flag applied on top, validated.
     pub fn resolve(&self) -> Result<TrainConfig, ConfigError> {
+        self.resolve_over(None)
+    }
+
+    /// Like [`TrainArgs::resolve`], over `base` (a checkpoint's config) instead of the defaults.
+    pub fn resolve_over(&self, base: Option<&TrainConfig>) -> Result<TrainConfig, ConfigError> {
         let mut c = match &self.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|e| {
                     ConfigError::new("config", format!("cannot read {}: {e}", path.display()))
                 })?;
-                TrainConfig::from_toml(&text)?
+                match base {
+                    Some(b) => TrainConfig::from_toml_over(b, &text)?,
+                    None => TrainConfig::from_toml(&text)?,
+                }
             }
-            None => TrainConfig::default(),
+            None => base.cloned().unwrap_or_default(),
         };
         macro_rules! set {
             ($($f:ident),*) => {$( if let Some(v) = &self.$f { c.$f = v.clone(); } )*};
@@ -188,8 +229,13 @@ impl TrainArgs {
             max_live_units,
             collective_timeout_ms,
             optimizer_threads,
-            sample_tokens
+            sample_tokens,
+            save_every,
+            keep_checkpoints
         );
+        if self.save_dir.is_some() {
+            c.save_dir = self.save_dir.clone();
+        }
         if self.data.is_some() {
             c.data = self.data.clone();
         }
@@ -211,6 +257,8 @@ pub enum CliError {
 pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::Train(args) => train::run(&args),
+        Command::Checkpoint(cmd) => checkpoint::run(cmd),
+        Command::Bench(BenchCommand::Checkpoint(args)) => checkpoint::run_bench(&args),
         Command::Bench(BenchCommand::Adam {
             numel,
             threads,

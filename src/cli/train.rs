@@ -13,12 +13,17 @@ use elastic_zero::model::{param_count, Model};
 use elastic_zero::runtime::{train, ClusterSpec};
 use elastic_zero::summary::{median, param_sha256, rank_summaries, TrainSummary};
 
+use super::checkpoint::{self, SaveObserver, Saving};
 use super::{CliError, TrainArgs};
 
 pub fn run(args: &TrainArgs) -> Result<(), CliError> {
-    let cfg = args.resolve().map_err(|e| CliError::Usage(e.to_string()))?;
+    let (cfg, resume) = checkpoint::resolve_train(args)?;
     let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     let data = build_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
+    if let Some(loaded) = &resume {
+        checkpoint::check_compatible(loaded, &cfg, model.as_ref())?;
+    }
+    let init_params = checkpoint::init_params(args, model.as_ref())?;
     let psi = param_count(&model.units());
     println!(
         "ezero train: ZeRO-{} on {} rank actors, {} model, {} parameters, {} reduction, data: {}",
@@ -36,6 +41,16 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         },
         data.describe()
     );
+    if let Some(l) = &resume {
+        println!(
+            "resumed from {} at step {} (saved by {} ranks with ZeRO-{})",
+            l.dir.display(),
+            l.manifest.step,
+            l.manifest.world_size,
+            l.manifest.stage
+        );
+    }
+    let saving = Saving::start(&cfg, model.as_ref(), &data, args)?;
     let floor = data.entropy_floor_nats();
     let bar = progress_bar(cfg.steps);
     let log_every = (cfg.steps / 10).max(1);
@@ -44,9 +59,9 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         config: cfg.clone(),
         model: model.clone(),
         data: data.clone(),
-        init_params: None,
-        resume: None,
-        snapshot_every: 0,
+        init_params,
+        resume: resume.map(|l| l.snapshot),
+        snapshot_every: saving.as_ref().map_or(0, Saving::snapshot_every),
         panic_at: args.panic_rank,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -55,8 +70,9 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         .build()
         .map_err(|e| CliError::Failed(format!("cannot start the tokio runtime: {e}")))?;
     let started = Instant::now();
-    let outcome = rt
-        .block_on(train(spec, |rec: &StepRecord| {
+    let mut observer = SaveObserver {
+        saving,
+        on_step: |rec: &StepRecord| {
             let tps = tokens / (rec.duration_ms.max(1) as f64 / 1e3);
             let mem: Vec<String> = rec
                 .reports
@@ -93,8 +109,12 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
                     bar.println(line);
                 }
             }
-        }))
-        .map_err(|e| CliError::Failed(e.to_string()))?;
+        },
+    };
+    let outcome = rt.block_on(train(spec, &mut observer));
+    let saved = observer.saving.take().map_or(Ok(()), Saving::finish);
+    let outcome = outcome.map_err(|e| CliError::Failed(e.to_string()))?;
+    saved?;
     bar.finish_and_clear();
     let wall_s = started.elapsed().as_secs_f64();
     let summary = summarize(&cfg, psi, floor, &outcome.records, &outcome.params);

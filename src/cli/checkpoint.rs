@@ -1,0 +1,561 @@
+//! `ezero checkpoint verify|inspect|export`, `ezero bench checkpoint`, and the checkpoint side of
+//! `ezero train`: `--resume`/`--latest-valid`/`--init` before the run, background saves and
+//! SIGTERM/SIGINT handling during it.
+//!
+//! A damaged, incomplete or incompatible checkpoint is bad input: one line naming the file and
+//! what is wrong, exit code 2, and no training from partial state. A save that fails during a
+//! run is a run failure (exit code 1 at the end; the run itself continues).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use clap::{Args, Subcommand};
+
+use elastic_zero::checkpoint::bench::{bench_slowdown, bench_throughput};
+use elastic_zero::checkpoint::compat::check_resume;
+use elastic_zero::checkpoint::interchange::{export, import_params, ExportOptions};
+use elastic_zero::checkpoint::meta::data_sha256;
+use elastic_zero::checkpoint::{
+    load_latest_valid, load_path, read_manifest, store, verify, CheckpointError, CheckpointMeta,
+    CheckpointWriter, CrashPoint, Loaded, SaveOptions, SaveReport,
+};
+use elastic_zero::config::{ModelKind, TrainConfig};
+use elastic_zero::data::Dataset;
+use elastic_zero::engine::coordinator::StepRecord;
+use elastic_zero::model::Model;
+use elastic_zero::runtime::actors::Snapshot;
+use elastic_zero::runtime::cluster::Observer;
+
+use super::{CliError, TrainArgs};
+
+#[derive(Subcommand)]
+pub enum CheckpointCommand {
+    /// Check every checksum and that every element is covered exactly once (exit 2 if not).
+    Verify {
+        /// A checkpoint directory, or a save directory (its newest complete checkpoint).
+        dir: PathBuf,
+        /// Print the result as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show step, world size, stage, sizes and per-rank bytes (reads only the manifest).
+    Inspect {
+        /// A checkpoint directory, or a save directory (its newest complete checkpoint).
+        dir: PathBuf,
+        /// Print the manifest summary as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write consolidated weights as safetensors (names = the model's parameter names).
+    Export {
+        /// A checkpoint directory, or a save directory (its newest complete checkpoint).
+        dir: PathBuf,
+        /// Output file, e.g. model.safetensors.
+        #[arg(long)]
+        out: PathBuf,
+        /// Round weights to bf16 instead of fp32.
+        #[arg(long)]
+        bf16: bool,
+        /// Also write the Adam/SGD state (fp32) to <out stem>.optimizer.safetensors.
+        #[arg(long)]
+        with_optimizer: bool,
+    },
+}
+
+/// `ezero bench checkpoint` flags.
+#[derive(Args)]
+pub struct BenchCheckpointArgs {
+    /// Directory on the disk to measure (files are created and removed in it).
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// Parameters of the synthetic AdamW checkpoint (12 bytes each on disk).
+    #[arg(long, default_value_t = 64 << 20)]
+    pub params: usize,
+    /// Ranks (chunk files written and read in parallel).
+    #[arg(long, default_value_t = 4)]
+    pub ranks: u32,
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Also time a load after dropping the page cache (needs root; affects the whole machine).
+    #[arg(long)]
+    pub cold: bool,
+    /// Steps of the training-slowdown run (0 skips it).
+    #[arg(long, default_value_t = 40)]
+    pub train_steps: u64,
+    /// Background save interval of the slowdown run.
+    #[arg(long, default_value_t = 5)]
+    pub save_every: u64,
+    /// GPT width and depth of the slowdown run.
+    #[arg(long, default_value_t = 256)]
+    pub d_model: usize,
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+}
+
+fn usage(e: CheckpointError) -> CliError {
+    CliError::Usage(e.to_string())
+}
+
+pub fn run(cmd: CheckpointCommand) -> Result<(), CliError> {
+    match cmd {
+        CheckpointCommand::Verify { dir, json } => {
+            let r = verify(&dir).map_err(usage)?;
+            if json {
+                println!("{}", to_json(&r)?);
+            } else {
+                println!(
+                    "ok: {}: step {}, {} chunk files, {} chunks, {} bytes; every checksum matches and \
+                     each of the {} parameters is covered exactly once; param-sha256 {}",
+                    r.dir.display(),
+                    r.step,
+                    r.files,
+                    r.chunks,
+                    r.bytes,
+                    r.param_count,
+                    r.param_sha256
+                );
+            }
+            Ok(())
+        }
+        CheckpointCommand::Inspect { dir, json } => inspect(&dir, json),
+        CheckpointCommand::Export {
+            dir,
+            out,
+            bf16,
+            with_optimizer,
+        } => {
+            let loaded = load_path(&dir).map_err(usage)?;
+            let r = export(
+                &loaded,
+                &out,
+                ExportOptions {
+                    bf16,
+                    with_optimizer,
+                },
+            )
+            .map_err(usage)?;
+            println!(
+                "exported {} step {}: {} tensors ({}) to {} ({} bytes){}",
+                loaded.dir.display(),
+                loaded.manifest.step,
+                r.weight_tensors,
+                if bf16 { "bf16" } else { "fp32" },
+                r.weights.display(),
+                r.weight_bytes,
+                r.optimizer
+                    .as_ref()
+                    .map(|p| format!(
+                        "; optimizer state: {} tensors to {}",
+                        r.optimizer_tensors,
+                        p.display()
+                    ))
+                    .unwrap_or_default()
+            );
+            Ok(())
+        }
+    }
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> Result<String, CliError> {
+    serde_json::to_string(v).map_err(|e| CliError::Failed(e.to_string()))
+}
+
+/// What `inspect` shows, also as JSON.
+#[derive(serde::Serialize)]
+struct Inspection {
+    dir: PathBuf,
+    step: u64,
+    opt_step: u64,
+    epoch: u64,
+    world_size: u32,
+    stage: u8,
+    chunk_elems: usize,
+    model: String,
+    units: usize,
+    param_count: u64,
+    optimizer: String,
+    bytes: u64,
+    ranks: Vec<RankBytes>,
+    param_sha256: String,
+    created_unix_ms: u64,
+}
+
+#[derive(serde::Serialize)]
+struct RankBytes {
+    rank: u32,
+    file: String,
+    chunks: usize,
+    elems: u64,
+    bytes: u64,
+}
+
+fn inspect(path: &Path, json: bool) -> Result<(), CliError> {
+    let dir = store::resolve(path).map_err(usage)?;
+    let m = read_manifest(&dir).map_err(usage)?;
+    let c = &m.config;
+    let ins = Inspection {
+        dir: dir.clone(),
+        step: m.step,
+        opt_step: m.progress.opt_step,
+        epoch: m.epoch,
+        world_size: m.world_size,
+        stage: m.stage,
+        chunk_elems: m.shard_map.chunk_elems,
+        model: match c.model {
+            ModelKind::Gpt => format!(
+                "gpt (layers {}, d_model {}, heads {}, seq_len {})",
+                c.layers, c.d_model, c.heads, c.seq_len
+            ),
+            ModelKind::Mlp => format!("mlp (layers {}, d_model {})", c.layers, c.d_model),
+        },
+        units: m.units.len(),
+        param_count: m.param_count,
+        optimizer: format!(
+            "{} lr {:?} betas {:?}/{:?} eps {:?} weight_decay {:?}; state {}",
+            serde_json::to_value(m.optimizer.kind)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_default(),
+            m.optimizer.lr,
+            m.optimizer.beta1,
+            m.optimizer.beta2,
+            m.optimizer.eps,
+            m.optimizer.weight_decay,
+            if m.optimizer.state.is_empty() {
+                "none".to_string()
+            } else {
+                m.optimizer.state.join(", ")
+            }
+        ),
+        bytes: m.total_bytes(),
+        ranks: m
+            .files
+            .iter()
+            .map(|f| RankBytes {
+                rank: f.rank,
+                file: f.name.clone(),
+                chunks: f.chunks.len(),
+                elems: f.chunks.iter().map(|c| c.params).sum(),
+                bytes: f.bytes,
+            })
+            .collect(),
+        param_sha256: m.param_sha256.clone(),
+        created_unix_ms: m.created_unix_ms,
+    };
+    if json {
+        println!("{}", to_json(&ins)?);
+        return Ok(());
+    }
+    println!("checkpoint {}", dir.display());
+    println!(
+        "  step {} (optimizer updates {}), shard-map epoch {}",
+        ins.step, ins.opt_step, ins.epoch
+    );
+    println!(
+        "  saved by {} ranks, ZeRO-{}, chunk_elems {}",
+        ins.world_size, ins.stage, ins.chunk_elems
+    );
+    println!(
+        "  model {}: {} parameters in {} units",
+        ins.model, ins.param_count, ins.units
+    );
+    println!("  optimizer {}", ins.optimizer);
+    println!(
+        "  data {} (seed {}, next step {})",
+        m.data.source, m.data.seed, m.data.next_step
+    );
+    println!("  {} bytes in {} chunk files:", ins.bytes, ins.ranks.len());
+    for r in &ins.ranks {
+        println!(
+            "    rank {}: {} ({} chunks, {} parameters, {} bytes)",
+            r.rank, r.file, r.chunks, r.elems, r.bytes
+        );
+    }
+    println!("  param-sha256 {}", ins.param_sha256);
+    Ok(())
+}
+
+pub fn run_bench(a: &BenchCheckpointArgs) -> Result<(), CliError> {
+    if a.params == 0 || a.ranks == 0 {
+        return Err(CliError::Usage(
+            "--params and --ranks must be at least 1".into(),
+        ));
+    }
+    let t =
+        bench_throughput(&a.dir, a.params, a.ranks, a.repeats, a.cold).map_err(CliError::Failed)?;
+    println!("{}", to_json(&t)?);
+    if a.train_steps > 0 {
+        let cfg = TrainConfig {
+            d_model: a.d_model,
+            layers: a.layers,
+            steps: a.train_steps,
+            sample_tokens: 0,
+            save_dir: Some(a.dir.clone()),
+            ..TrainConfig::default()
+        };
+        cfg.validate().map_err(|e| CliError::Usage(e.to_string()))?;
+        let s = bench_slowdown(&cfg, a.save_every, &a.dir).map_err(CliError::Failed)?;
+        println!("{}", to_json(&s)?);
+    }
+    Ok(())
+}
+
+/// The run's config and, with `--resume`, the verified checkpoint it continues from. A resumed
+/// run's config is the checkpoint's, with `--config` and flags applied on top.
+pub fn resolve_train(args: &TrainArgs) -> Result<(TrainConfig, Option<Loaded>), CliError> {
+    if args.latest_valid && args.resume.is_none() {
+        return Err(CliError::Usage("--latest-valid needs --resume DIR".into()));
+    }
+    let Some(dir) = &args.resume else {
+        let cfg = args.resolve().map_err(|e| CliError::Usage(e.to_string()))?;
+        return Ok((cfg, None));
+    };
+    if args.init.is_some() {
+        return Err(CliError::Usage(
+            "--init and --resume exclude each other: --resume restores weights and optimizer state"
+                .into(),
+        ));
+    }
+    let loaded = if args.latest_valid {
+        let (l, skipped) = load_latest_valid(dir).map_err(usage)?;
+        for e in skipped {
+            eprintln!("note: --latest-valid skipped {e}");
+        }
+        l
+    } else {
+        load_path(dir).map_err(usage)?
+    };
+    let cfg = args
+        .resolve_over(Some(&loaded.manifest.config))
+        .map_err(|e| CliError::Usage(e.to_string()))?;
+    Ok((cfg, Some(loaded)))
+}
+
+/// Refuses a checkpoint that cannot continue this run bit for bit.
+pub fn check_compatible(
+    loaded: &Loaded,
+    cfg: &TrainConfig,
+    model: &dyn Model,
+) -> Result<(), CliError> {
+    let sha = data_sha256(cfg).map_err(usage)?;
+    check_resume(
+        &loaded.dir,
+        &loaded.manifest,
+        cfg,
+        &model.units(),
+        sha.as_deref(),
+    )
+    .map_err(usage)
+}
+
+/// `--init FILE`: full parameters from a safetensors file.
+pub fn init_params(args: &TrainArgs, model: &dyn Model) -> Result<Option<Vec<Vec<f32>>>, CliError> {
+    args.init
+        .as_deref()
+        .map(|p| import_params(p, &model.units()).map_err(usage))
+        .transpose()
+}
+
+/// Saving during `ezero train`: a background writer, the save schedule, and the signal flag.
+pub struct Saving {
+    writer: CheckpointWriter,
+    root: PathBuf,
+    save_every: u64,
+    total_steps: u64,
+    /// The signal number received (0: none).
+    signal: Arc<AtomicUsize>,
+    /// Test hook: raise SIGTERM after this step completes.
+    signal_at: Option<u64>,
+    failures: usize,
+}
+
+const SIGNALS: [i32; 2] = [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT];
+
+impl Saving {
+    /// Starts the writer and installs the SIGTERM/SIGINT handlers, if `cfg` has a save dir.
+    pub fn start(
+        cfg: &TrainConfig,
+        model: &dyn Model,
+        data: &Dataset,
+        args: &TrainArgs,
+    ) -> Result<Option<Saving>, CliError> {
+        let Some(root) = cfg.save_dir.clone() else {
+            return Ok(None);
+        };
+        let meta = CheckpointMeta::new(cfg, model, data).map_err(usage)?;
+        let crash = args
+            .checkpoint_crash
+            .as_deref()
+            .map(parse_crash)
+            .transpose()
+            .map_err(CliError::Usage)?;
+        let writer = CheckpointWriter::spawn(
+            root.clone(),
+            meta,
+            SaveOptions {
+                keep: cfg.keep_checkpoints,
+                crash,
+            },
+        )
+        .map_err(|e| CliError::Failed(e.to_string()))?;
+        let signal = Arc::new(AtomicUsize::new(0));
+        let again = Arc::new(AtomicBool::new(false));
+        for sig in SIGNALS {
+            // A second signal while the last checkpoint is being written ends the process at once.
+            let installed = signal_hook::flag::register_conditional_shutdown(
+                sig,
+                128 + sig,
+                Arc::clone(&again),
+            )
+            .and_then(|_| signal_hook::flag::register(sig, Arc::clone(&again)))
+            .and_then(|_| {
+                signal_hook::flag::register_usize(sig, Arc::clone(&signal), sig as usize)
+            });
+            installed
+                .map_err(|e| CliError::Failed(format!("cannot install a signal handler: {e}")))?;
+        }
+        Ok(Some(Saving {
+            writer,
+            root,
+            save_every: cfg.save_every,
+            total_steps: cfg.steps,
+            signal,
+            signal_at: args.signal_at,
+            failures: 0,
+        }))
+    }
+
+    /// A snapshot after every step, so a signal can be answered at the next step boundary.
+    pub fn snapshot_every(&self) -> u64 {
+        1
+    }
+
+    fn report(&mut self, results: Vec<Result<SaveReport, CheckpointError>>) {
+        self.failures += report(results);
+    }
+
+    fn on_step(&mut self, rec: &StepRecord) {
+        let results = self.writer.poll();
+        self.report(results);
+        if self.signal_at == Some(rec.step + 1) {
+            let _ = signal_hook::low_level::raise(signal_hook::consts::SIGTERM);
+        }
+    }
+
+    fn on_snapshot(&mut self, snap: Snapshot) {
+        let step = snap.progress.step;
+        let signal = self.signal.load(Ordering::SeqCst);
+        let due = self.save_every > 0 && (step % self.save_every == 0 || step == self.total_steps);
+        if signal == 0 && !due {
+            return;
+        }
+        if let Err(e) = self.writer.submit(snap) {
+            self.report(vec![Err(e)]);
+        }
+        if signal != 0 {
+            self.stop(signal as i32, step);
+        }
+    }
+
+    /// Answers a signal: waits for the checkpoint of this boundary, then ends the process.
+    fn stop(&mut self, signal: i32, step: u64) -> ! {
+        if let Err(e) = self.writer.flush() {
+            self.report(vec![Err(e)]);
+        }
+        let results = self.writer.poll();
+        self.report(results);
+        let name = if signal == signal_hook::consts::SIGINT {
+            "SIGINT"
+        } else {
+            "SIGTERM"
+        };
+        let code = if self.failures > 0 {
+            eprintln!(
+                "error: stopped by {name} at step {step}, but the checkpoint could not be saved"
+            );
+            1
+        } else {
+            println!(
+                "stopped by {name} after step {step}; resume with: ezero train --resume {}",
+                self.root.display()
+            );
+            128 + signal
+        };
+        let _ = std::io::stdout().flush();
+        // Ranks and the writer hold nothing that needs unwinding: the checkpoint is synced.
+        std::process::exit(code)
+    }
+
+    /// Waits for the queued saves; a failed save fails the run.
+    pub fn finish(self) -> Result<(), CliError> {
+        let failures = self.failures + report(self.writer.finish());
+        if failures > 0 {
+            return Err(CliError::Failed(format!(
+                "{} checkpoint save(s) into {} failed",
+                failures,
+                self.root.display()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Prints one line per finished save; returns how many failed.
+fn report(results: Vec<Result<SaveReport, CheckpointError>>) -> usize {
+    let mut failures = 0;
+    for r in results {
+        match r {
+            Ok(r) => println!(
+                "checkpoint: saved {} ({} bytes in {} files, {:.3} s, {:.0} MB/s{})",
+                r.dir.display(),
+                r.bytes,
+                r.files,
+                r.write_s,
+                r.mb_per_s(),
+                if r.removed.is_empty() {
+                    String::new()
+                } else {
+                    format!("; removed {} older", r.removed.len())
+                }
+            ),
+            Err(e) => {
+                failures += 1;
+                eprintln!("error: checkpoint save failed: {e}");
+            }
+        }
+    }
+    failures
+}
+
+fn parse_crash(s: &str) -> Result<(u64, CrashPoint), String> {
+    let (step, point) = s
+        .split_once(':')
+        .ok_or("--checkpoint-crash expects STEP:POINT")?;
+    Ok((
+        step.parse().map_err(|_| "--checkpoint-crash: bad STEP")?,
+        point.parse()?,
+    ))
+}
+
+/// The train loop's observer: the progress display, plus saving when configured.
+pub struct SaveObserver<F> {
+    pub on_step: F,
+    pub saving: Option<Saving>,
+}
+
+impl<F: FnMut(&StepRecord)> Observer for &mut SaveObserver<F> {
+    fn on_step(&mut self, rec: &StepRecord) {
+        (self.on_step)(rec);
+        if let Some(s) = &mut self.saving {
+            s.on_step(rec);
+        }
+    }
+
+    fn on_snapshot(&mut self, snap: Snapshot) {
+        if let Some(s) = &mut self.saving {
+            s.on_snapshot(snap);
+        }
+    }
+}
