@@ -4,15 +4,17 @@
 //! that fails any check is never turned into a [`Snapshot`], so training never starts from
 //! partial state.
 //!
-//! Chunk files are read in parallel, one thread per file (each saving rank's file).
+//! Chunk files are read, checked and decoded in parallel, one thread per file (each saving
+//! rank's file).
 
 use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
 
 use super::codec::decode_chunk;
 use super::error::{CheckpointError, IoContext};
 use super::manifest::{crc_hex, FileEntry, Manifest, MANIFEST_FILE, TMP_SUFFIX};
 use super::store;
-use super::write::params_sha256;
 use crate::runtime::actors::Snapshot;
 use crate::runtime::rank_state::ChunkState;
 
@@ -49,31 +51,38 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
 }
 
 /// Reads and verifies the checkpoint `dir` (a checkpoint directory, not a save directory).
+///
+/// First every chunk file is read whole, one thread per file. Then, in parallel, one thread per
+/// file checks its CRCs and decodes its chunks while another hashes the parameters in canonical
+/// order straight from the file bytes.
 pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
     let manifest = read_manifest(dir)?;
-    let per_file: Vec<Result<Vec<ChunkState>, CheckpointError>> = std::thread::scope(|s| {
-        let readers: Vec<_> = manifest
-            .files
+    let files = &manifest.files;
+    let blobs = std::thread::scope(|s| {
+        let readers: Vec<_> = files
             .iter()
-            .map(|f| s.spawn(move || read_file(dir, f)))
+            .map(|f| s.spawn(move || read_bytes(dir, f)))
             .collect();
-        readers
-            .into_iter()
-            .map(|r| {
-                r.join().unwrap_or_else(|_| {
-                    Err(CheckpointError::Writer(
-                        "a chunk reader thread panicked".into(),
-                    ))
-                })
-            })
-            .collect()
+        readers.into_iter().map(join).collect::<Result<Vec<_>, _>>()
+    })?;
+    let (per_file, sha) = std::thread::scope(|s| {
+        let blobs = &blobs;
+        let sha = s.spawn(move || params_sha256_of_records(files, blobs));
+        let decoders: Vec<_> = files
+            .iter()
+            .zip(blobs)
+            .map(|(f, bytes)| s.spawn(move || decode_file(&dir.join(&f.name), f, bytes)))
+            .collect();
+        let per_file: Vec<_> = decoders.into_iter().map(join).collect();
+        (per_file, join(sha))
     });
-    let mut chunks = Vec::with_capacity(manifest.files.iter().map(|f| f.chunks.len()).sum());
+    drop(blobs);
+    let mut chunks = Vec::with_capacity(files.iter().map(|f| f.chunks.len()).sum());
     for r in per_file {
         chunks.extend(r?);
     }
     chunks.sort_by_key(|c| (c.unit, c.index));
-    let sha = params_sha256(&chunks);
+    let sha = sha?;
     if sha != manifest.param_sha256 {
         return Err(CheckpointError::corrupt(
             &dir.join(MANIFEST_FILE),
@@ -93,6 +102,41 @@ pub fn load(dir: &Path) -> Result<Loaded, CheckpointError> {
         manifest,
         snapshot,
     })
+}
+
+fn join<T>(
+    h: std::thread::ScopedJoinHandle<'_, Result<T, CheckpointError>>,
+) -> Result<T, CheckpointError> {
+    h.join().unwrap_or_else(|_| {
+        Err(CheckpointError::Writer(
+            "a checkpoint reader thread panicked".into(),
+        ))
+    })
+}
+
+/// SHA-256 of the parameters in (unit, index) order, hashed from the records' bytes (which are
+/// the little-endian fp32 values `summary::param_sha256` hashes).
+fn params_sha256_of_records(
+    files: &[FileEntry],
+    blobs: &[Vec<u8>],
+) -> Result<String, CheckpointError> {
+    let mut parts: Vec<(u32, u32, &[u8])> = files
+        .iter()
+        .zip(blobs)
+        .flat_map(|(f, bytes)| {
+            f.chunks.iter().map(move |c| {
+                // In bounds: `read_bytes` checked the length that `check_structure` tiled.
+                let at = c.offset as usize;
+                (c.unit, c.index, &bytes[at..at + 4 * c.params as usize])
+            })
+        })
+        .collect();
+    parts.sort_by_key(|p| (p.0, p.1));
+    let mut h = Sha256::new();
+    for (_, _, bytes) in parts {
+        h.update(bytes);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// Resolves a user's path (see [`store::resolve`]) and loads it.
@@ -117,8 +161,8 @@ pub fn load_latest_valid(path: &Path) -> Result<(Loaded, Vec<CheckpointError>), 
         }))
 }
 
-/// One chunk file read whole and checked against its manifest entry.
-fn read_file(dir: &Path, f: &FileEntry) -> Result<Vec<ChunkState>, CheckpointError> {
+/// One chunk file read whole, its length checked against the manifest.
+fn read_bytes(dir: &Path, f: &FileEntry) -> Result<Vec<u8>, CheckpointError> {
     let path = dir.join(&f.name);
     if !path.is_file() {
         return Err(CheckpointError::corrupt(
@@ -142,6 +186,15 @@ fn read_file(dir: &Path, f: &FileEntry) -> Result<Vec<ChunkState>, CheckpointErr
             ),
         ));
     }
+    Ok(bytes)
+}
+
+/// The chunks of one file's bytes, after checking every chunk's CRC and the file's.
+fn decode_file(
+    path: &Path,
+    f: &FileEntry,
+    bytes: &[u8],
+) -> Result<Vec<ChunkState>, CheckpointError> {
     let mut out = Vec::with_capacity(f.chunks.len());
     let mut whole = crc32fast::Hasher::new();
     for c in &f.chunks {
@@ -153,7 +206,7 @@ fn read_file(dir: &Path, f: &FileEntry) -> Result<Vec<ChunkState>, CheckpointErr
         let crc = crc_hex(h.finalize());
         if crc != c.crc32 {
             return Err(CheckpointError::corrupt(
-                &path,
+                path,
                 format!(
                     "checksum mismatch in chunk {}/{} (bytes {}..{}): CRC-32 {crc}, the manifest records {}",
                     c.unit,
@@ -169,7 +222,7 @@ fn read_file(dir: &Path, f: &FileEntry) -> Result<Vec<ChunkState>, CheckpointErr
     let crc = crc_hex(whole.finalize());
     if crc != f.crc32 {
         return Err(CheckpointError::corrupt(
-            &path,
+            path,
             format!(
                 "file checksum mismatch: CRC-32 {crc}, the manifest records {}",
                 f.crc32
