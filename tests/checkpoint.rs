@@ -453,6 +453,10 @@ fn inspect_reports_the_layout_and_retention_keeps_the_newest() {
         .stdout
         .clone();
     assert!(human.contains("saved by 4 ranks, ZeRO-2") && human.contains("rank 3: rank-00003.bin"));
+    // A fresh run may not save over another run's checkpoints, and saving needs a directory.
+    let fresh = train_cli(&["--steps", "2", "--save-dir", s(&root)]);
+    refused(&fresh, "save_dir", "already holds checkpoints");
+    refused(&train_cli(&["--steps", "2", "--save-every", "1"]), "save_every", "save_dir");
 }
 
 #[test]
@@ -695,4 +699,57 @@ fn the_rust_api_saves_in_the_background_and_loads_at_another_stage_and_chunk_siz
     };
     let out = run_lib(&other, Some(loaded.snapshot), 0, &mut Keep::default());
     assert_eq!(param_sha256(&out.params), want);
+}
+
+#[test]
+fn an_external_sigterm_mid_run_leaves_a_verified_checkpoint() {
+    use std::io::{BufRead, BufReader};
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("ck");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ezero"))
+        .args([
+            "train",
+            "--model",
+            "mlp",
+            "--layers",
+            "1",
+            "--d-model",
+            "16",
+            "--seq-len",
+            "8",
+            "--micro-batches",
+            "2",
+            "--micro-batch-size",
+            "1",
+            "--sample-tokens",
+            "0",
+            "--steps",
+            "1000000",
+            "--ranks",
+            "2",
+            "--save-dir",
+            s(&root),
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // The first progress line: training is under way.
+    assert!(lines.any(|l| l.unwrap().starts_with("step ")));
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(128 + 15), "{rest:?}");
+    assert!(
+        rest.iter()
+            .any(|l| l.starts_with("stopped by SIGTERM after step")),
+        "{rest:?}"
+    );
+    let v = ezero(&["checkpoint", "verify", s(&root)]);
+    assert!(ok(&v).stdout.starts_with("ok: "));
 }

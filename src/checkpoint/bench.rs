@@ -209,6 +209,7 @@ pub struct SlowdownReport {
     pub checkpoint_bytes: u64,
     pub steps: u64,
     pub save_every: u64,
+    pub rounds: usize,
     /// No snapshots at all.
     pub baseline_step_median_s: f64,
     /// A snapshot after every step (what `--save-dir` does, for SIGTERM), none written.
@@ -230,6 +231,8 @@ struct Timed<'a> {
 
 impl Observer for &mut Timed<'_> {
     fn on_step(&mut self, r: &StepRecord) {
+        // A save submitted at the previous boundary and not yet reported ran during this step.
+        let overlapped = self.in_flight > 0;
         if let Some(w) = self.writer {
             for res in w.poll() {
                 self.in_flight = self.in_flight.saturating_sub(1);
@@ -239,7 +242,7 @@ impl Observer for &mut Timed<'_> {
             }
         }
         self.durations
-            .push((r.step, r.duration_ms as f64 / 1e3, self.in_flight > 0));
+            .push((r.step, r.duration_ms as f64 / 1e3, overlapped));
     }
 
     fn on_snapshot(&mut self, s: crate::runtime::actors::Snapshot) {
@@ -253,10 +256,12 @@ impl Observer for &mut Timed<'_> {
 }
 
 /// Trains `cfg` three ways (no snapshots; a snapshot every step; and saving every `save_every`
-/// steps in the background under `dir`) and compares step times (the first 2 steps dropped).
+/// steps in the background under `dir`), `rounds` times each, interleaved, and compares step
+/// times (the first 2 steps of each run dropped).
 pub fn bench_slowdown(
     cfg: &TrainConfig,
     save_every: u64,
+    rounds: usize,
     dir: &Path,
 ) -> Result<SlowdownReport, String> {
     let model = build_model(cfg).map_err(|e| e.to_string())?;
@@ -291,16 +296,11 @@ pub fn bench_slowdown(
         median(
             t.durations
                 .iter()
-                .skip(2)
-                .filter(|d| f(d.2))
+                .filter(|d| d.0 >= 2 && f(d.2))
                 .map(|d| d.1)
                 .collect(),
         )
     };
-    let mut base = fresh(None);
-    run(0, &mut base)?;
-    let mut every = fresh(None);
-    run(1, &mut every)?;
     let meta = CheckpointMeta::new(cfg, model.as_ref(), &data).map_err(|e| e.to_string())?;
     let root = dir.join("bench-train");
     let _ = std::fs::remove_dir_all(&root);
@@ -313,8 +313,13 @@ pub fn bench_slowdown(
         },
     )
     .map_err(|e| e.to_string())?;
-    let mut saving = fresh(Some(&writer));
-    run(1, &mut saving)?;
+    let (mut base, mut every, mut saving) = (fresh(None), fresh(None), fresh(Some(&writer)));
+    // Interleaved, so that load from elsewhere on the machine hits the three alike.
+    for _ in 0..rounds.max(1) {
+        run(0, &mut base)?;
+        run(1, &mut every)?;
+        run(1, &mut saving)?;
+    }
     let (mut writes, during, all) = (
         saving.writes.clone(),
         med(&saving, &|busy| busy),
@@ -332,6 +337,7 @@ pub fn bench_slowdown(
         checkpoint_bytes: 12 * params as u64,
         steps: cfg.steps,
         save_every,
+        rounds,
         baseline_step_median_s: base_med,
         snapshot_every_step_median_s: every_med,
         during_save_step_median_s: during,

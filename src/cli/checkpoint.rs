@@ -87,6 +87,9 @@ pub struct BenchCheckpointArgs {
     /// Background save interval of the slowdown run.
     #[arg(long, default_value_t = 5)]
     pub save_every: u64,
+    /// Interleaved rounds of the three slowdown runs.
+    #[arg(long, default_value_t = 2)]
+    pub rounds: usize,
     /// GPT width and depth of the slowdown run.
     #[arg(long, default_value_t = 256)]
     pub d_model: usize,
@@ -296,7 +299,7 @@ pub fn run_bench(a: &BenchCheckpointArgs) -> Result<(), CliError> {
             ..TrainConfig::default()
         };
         cfg.validate().map_err(|e| CliError::Usage(e.to_string()))?;
-        let s = bench_slowdown(&cfg, a.save_every, &a.dir).map_err(CliError::Failed)?;
+        let s = bench_slowdown(&cfg, a.save_every, a.rounds, &a.dir).map_err(CliError::Failed)?;
         println!("{}", to_json(&s)?);
     }
     Ok(())
@@ -375,15 +378,18 @@ const SIGNALS: [i32; 2] = [signal_hook::consts::SIGTERM, signal_hook::consts::SI
 
 impl Saving {
     /// Starts the writer and installs the SIGTERM/SIGINT handlers, if `cfg` has a save dir.
+    /// `resumed_from` is the checkpoint the run continues, if any.
     pub fn start(
         cfg: &TrainConfig,
         model: &dyn Model,
         data: &Dataset,
         args: &TrainArgs,
+        resumed_from: Option<&Path>,
     ) -> Result<Option<Saving>, CliError> {
         let Some(root) = cfg.save_dir.clone() else {
             return Ok(None);
         };
+        check_save_dir(&root, resumed_from)?;
         let meta = CheckpointMeta::new(cfg, model, data).map_err(usage)?;
         let crash = args
             .checkpoint_crash
@@ -527,6 +533,34 @@ fn report(results: Vec<Result<SaveReport, CheckpointError>>) -> usize {
         }
     }
     failures
+}
+
+/// The save directory must be creatable, and must not hold another run's checkpoints: a run
+/// writes into a directory with complete checkpoints only when it resumed from one of them
+/// (otherwise its saves and retention would replace them).
+fn check_save_dir(root: &Path, resumed_from: Option<&Path>) -> Result<(), CliError> {
+    let bad =
+        |what: String| CliError::Usage(format!("invalid `save_dir`: {}: {what}", root.display()));
+    std::fs::create_dir_all(root).map_err(|e| bad(format!("cannot create it: {e}")))?;
+    let entries = store::list(root).map_err(|e| bad(e.to_string()))?;
+    let Some(newest) = entries.iter().rev().find(|e| e.complete) else {
+        return Ok(());
+    };
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    if resumed_from
+        .and_then(Path::parent)
+        .is_some_and(|p| same(p, root))
+    {
+        return Ok(());
+    }
+    Err(bad(format!(
+        "it already holds checkpoints (newest {}); continue that run with --resume {}, or save into an empty directory",
+        newest.path.display(),
+        root.display()
+    )))
 }
 
 fn parse_crash(s: &str) -> Result<(u64, CrashPoint), String> {

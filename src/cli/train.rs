@@ -50,7 +50,8 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
             l.manifest.stage
         );
     }
-    let saving = Saving::start(&cfg, model.as_ref(), &data, args)?;
+    let resumed_from = resume.as_ref().map(|l| l.dir.clone());
+    let saving = Saving::start(&cfg, model.as_ref(), &data, args, resumed_from.as_deref())?;
     let floor = data.entropy_floor_nats();
     let bar = progress_bar(cfg.steps);
     let log_every = (cfg.steps / 10).max(1);
