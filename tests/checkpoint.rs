@@ -456,7 +456,11 @@ fn inspect_reports_the_layout_and_retention_keeps_the_newest() {
     // A fresh run may not save over another run's checkpoints, and saving needs a directory.
     let fresh = train_cli(&["--steps", "2", "--save-dir", s(&root)]);
     refused(&fresh, "save_dir", "already holds checkpoints");
-    refused(&train_cli(&["--steps", "2", "--save-every", "1"]), "save_every", "save_dir");
+    refused(
+        &train_cli(&["--steps", "2", "--save-every", "1"]),
+        "save_every",
+        "save_dir",
+    );
 }
 
 #[test]
