@@ -8,6 +8,7 @@ pub mod collectives;
 pub mod comm;
 pub mod local;
 pub mod rank_state;
+pub mod reshard;
 pub mod step;
 pub mod transport;
 

@@ -23,6 +23,8 @@ pub enum TagKind {
     GatherParams = 4,
     /// The small all-reduce of losses, maxima, flags and norms.
     Agree = 5,
+    /// Chunk states moving to their new owners when the membership changes.
+    Reshard = 6,
 }
 
 /// Identifies one message within a step: which collective, which unit, which pass, which try.

@@ -1,0 +1,283 @@
+//! Resharding in place: ranks move chunk states peer to peer to go from one shard map to the
+//! next, then rebuild their state for the new map. No process restarts, no checkpoint.
+//!
+//! Who sends what is a pure function of (old map, new map, stage), computed identically on every
+//! rank, so each rank knows exactly which frames to expect. Only what the receiver lacks travels:
+//! a stage 0-2 member already holds every parameter, so it receives optimizer state only; a
+//! stage 0 member already holds everything; a joiner receives all it must keep. Every chunk
+//! carries a checksum computed by its sender and verified by its receiver.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use super::comm::{Comm, CommError};
+use super::rank_state::{ChunkState, OptimSettings, RankState};
+use super::transport::{Tag, TagKind, Transport};
+use crate::model::Model;
+use crate::plan::{RankId, ShardMap, Stage};
+use crate::reduce::ReduceMode;
+
+/// What one chunk transfer carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Need {
+    pub params: bool,
+    pub opt: bool,
+}
+
+/// Transfers for a reshard from `old` to `new`: (from, to) -> [(unit, index, need)], where
+/// `from` is a member of `old` that holds the chunk's state.
+pub fn transfers(
+    old: &ShardMap,
+    new: &ShardMap,
+    stage: Stage,
+) -> BTreeMap<(RankId, RankId), Vec<(usize, usize, Need)>> {
+    let mut out: BTreeMap<(RankId, RankId), Vec<(usize, usize, Need)>> = BTreeMap::new();
+    let joiners: Vec<RankId> = new
+        .members
+        .iter()
+        .copied()
+        .filter(|r| !old.is_member(*r))
+        .collect();
+    for (u, unit) in new.units.iter().enumerate() {
+        for (i, &to) in unit.owners.iter().enumerate() {
+            let from = old.owner(u, i);
+            let need = if joiners.contains(&to) {
+                Some(Need {
+                    params: true,
+                    opt: true,
+                })
+            } else if from != to {
+                match stage {
+                    Stage::Zero0 => None,
+                    Stage::Zero1 | Stage::Zero2 => Some(Need {
+                        params: false,
+                        opt: true,
+                    }),
+                    Stage::Zero3 => Some(Need {
+                        params: true,
+                        opt: true,
+                    }),
+                }
+            } else {
+                None
+            };
+            if let Some(need) = need {
+                out.entry((from, to)).or_default().push((u, i, need));
+            }
+            if stage != Stage::Zero3 {
+                // Joiners keep every parameter (stages 0-2) and all optimizer state (stage 0).
+                for &j in joiners.iter().filter(|&&j| j != to) {
+                    out.entry((from, j)).or_default().push((
+                        u,
+                        i,
+                        Need {
+                            params: true,
+                            opt: stage == Stage::Zero0,
+                        },
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Elements of state each transfer list moves (parameters and optimizer state counted apart).
+pub fn moved_elems(
+    t: &BTreeMap<(RankId, RankId), Vec<(usize, usize, Need)>>,
+    map: &ShardMap,
+    opt_per_param: usize,
+) -> usize {
+    t.values()
+        .flatten()
+        .map(|&(u, i, need)| {
+            map.chunk_range(u, i).len() * (need.params as usize + need.opt as usize * opt_per_param)
+        })
+        .sum()
+}
+
+#[derive(Serialize, Deserialize)]
+struct Parcel {
+    chunks: Vec<ChunkState>,
+    crcs: Vec<u32>,
+}
+
+/// CRC-32 of a chunk's contents, as sent (so empty parts are covered as empty).
+pub fn chunk_crc(c: &ChunkState) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&c.unit.to_le_bytes());
+    h.update(&c.index.to_le_bytes());
+    for part in [&c.params, &c.m, &c.v] {
+        h.update(&(part.len() as u64).to_le_bytes());
+        for x in part.iter() {
+            h.update(&x.to_le_bytes());
+        }
+    }
+    h.finalize()
+}
+
+/// Everything a rank needs to rebuild itself for the new map.
+pub struct Reshard<'a> {
+    pub old: &'a ShardMap,
+    pub new: &'a ShardMap,
+    pub stage: Stage,
+    pub mode: ReduceMode,
+    pub model: Arc<dyn Model>,
+    pub optim: OptimSettings,
+    pub step: u64,
+}
+
+impl Reshard<'_> {
+    /// Sends what this rank owes, receives what it is owed, verifies it, and returns the rank's
+    /// state under the new map (`None` for a rank that is leaving). `state` is `None` for a
+    /// joiner.
+    pub fn run<T: Transport>(
+        &self,
+        me: RankId,
+        state: Option<&RankState>,
+        comm: &mut Comm<T>,
+    ) -> Result<Option<RankState>, CommError> {
+        comm.begin_step(self.new.epoch, self.step);
+        let plan = transfers(self.old, self.new, self.stage);
+        let tag = Tag {
+            kind: TagKind::Reshard,
+            attempt: 0,
+            unit: 0,
+            pass: 0,
+        };
+        for ((from, to), list) in plan.iter().filter(|((f, _), _)| *f == me) {
+            let st = state.ok_or_else(|| CommError::Protocol {
+                from: *from,
+                what: "a joiner cannot send state".into(),
+            })?;
+            let chunks: Vec<ChunkState> = list
+                .iter()
+                .map(|&(u, i, need)| pick(st, u, i, need))
+                .collect::<Result<_, _>>()?;
+            let crcs = chunks.iter().map(chunk_crc).collect();
+            let bytes =
+                bincode::serde::encode_to_vec(Parcel { chunks, crcs }, bincode::config::standard())
+                    .map_err(|e| CommError::Protocol {
+                        from: me,
+                        what: format!("encode: {e}"),
+                    })?;
+            comm.send(*to, tag, Bytes::from(bytes))?;
+        }
+        if !self.new.is_member(me) {
+            return Ok(None);
+        }
+        let mut received: BTreeMap<(usize, usize), ChunkState> = BTreeMap::new();
+        for ((from, _), list) in plan.iter().filter(|((_, t), _)| *t == me) {
+            let payload = comm.recv(*from, tag)?;
+            let (parcel, _): (Parcel, usize) =
+                bincode::serde::decode_from_slice(&payload, bincode::config::standard()).map_err(
+                    |e| CommError::Protocol {
+                        from: *from,
+                        what: format!("reshard parcel: {e}"),
+                    },
+                )?;
+            if parcel.chunks.len() != list.len() || parcel.crcs.len() != list.len() {
+                return Err(CommError::Protocol {
+                    from: *from,
+                    what: "reshard parcel has the wrong chunks".into(),
+                });
+            }
+            for ((c, crc), &(u, i, _)) in parcel.chunks.into_iter().zip(parcel.crcs).zip(list) {
+                if (c.unit as usize, c.index as usize) != (u, i) || chunk_crc(&c) != crc {
+                    return Err(CommError::Protocol {
+                        from: *from,
+                        what: format!("chunk {u}/{i} failed verification"),
+                    });
+                }
+                received.insert((u, i), c);
+            }
+        }
+        let source = |u: usize, i: usize| -> Option<ChunkState> {
+            let own = state.and_then(|s| s.chunk_state(u, i));
+            match (received.get(&(u, i)), own) {
+                (Some(r), Some(mut o)) => {
+                    if !r.params.is_empty() {
+                        o.params = r.params.clone();
+                    }
+                    if !(r.m.is_empty() && r.v.is_empty()) {
+                        o.m = r.m.clone();
+                        o.v = r.v.clone();
+                    }
+                    Some(o)
+                }
+                (Some(r), None) => Some(r.clone()),
+                (None, own) => own,
+            }
+        };
+        RankState::from_chunks(
+            me,
+            self.stage,
+            self.mode,
+            Arc::clone(&self.model),
+            self.new.clone(),
+            self.optim,
+            &source,
+        )
+        .map(Some)
+        .map_err(|what| CommError::Protocol { from: me, what })
+    }
+}
+
+fn pick(st: &RankState, u: usize, i: usize, need: Need) -> Result<ChunkState, CommError> {
+    let mut c = st.chunk_state(u, i).ok_or_else(|| CommError::Protocol {
+        from: st.rank,
+        what: format!("chunk {u}/{i} is not held here"),
+    })?;
+    if !need.params {
+        c.params.clear();
+    }
+    if !need.opt {
+        c.m.clear();
+        c.v.clear();
+    }
+    if need.opt && c.m.is_empty() && c.v.is_empty() && st.optim.state_per_param() > 0 {
+        return Err(CommError::Protocol {
+            from: st.rank,
+            what: format!("optimizer state of chunk {u}/{i} is not held here"),
+        });
+    }
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stage1_leave_moves_optimizer_state_only_and_a_join_gets_everything() {
+        let old = ShardMap::plan(&[1000, 600], &[0, 1, 2], 100, 1).unwrap();
+        let (leave, _) = crate::plan::rebalance::rebalance(&old, &[0, 2]).unwrap();
+        let t = transfers(&old, &leave, Stage::Zero1);
+        assert!(t.keys().all(|(f, _)| *f == 1));
+        assert!(t.values().flatten().all(|(_, _, n)| !n.params && n.opt));
+        assert!(transfers(&old, &leave, Stage::Zero0).is_empty());
+        let (join, _) = crate::plan::rebalance::rebalance(&old, &[0, 1, 2, 3]).unwrap();
+        let t = transfers(&old, &join, Stage::Zero2);
+        // The joiner receives every parameter once, and optimizer state for what it owns.
+        let to_joiner: Vec<_> = t
+            .iter()
+            .filter(|((_, to), _)| *to == 3)
+            .flat_map(|(_, l)| l)
+            .collect();
+        let params: usize = to_joiner
+            .iter()
+            .filter(|(_, _, n)| n.params)
+            .map(|&&(u, i, _)| join.chunk_range(u, i).len())
+            .sum();
+        assert_eq!(params, 1600);
+        let opt: usize = to_joiner
+            .iter()
+            .filter(|(_, _, n)| n.opt)
+            .map(|&&(u, i, _)| join.chunk_range(u, i).len())
+            .sum();
+        assert_eq!(opt, join.owned_elems(3));
+    }
+}
