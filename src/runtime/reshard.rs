@@ -27,14 +27,13 @@ pub struct Need {
     pub opt: bool,
 }
 
-/// Transfers for a reshard from `old` to `new`: (from, to) -> [(unit, index, need)], where
-/// `from` is a member of `old` that holds the chunk's state.
-pub fn transfers(
-    old: &ShardMap,
-    new: &ShardMap,
-    stage: Stage,
-) -> BTreeMap<(RankId, RankId), Vec<(usize, usize, Need)>> {
-    let mut out: BTreeMap<(RankId, RankId), Vec<(usize, usize, Need)>> = BTreeMap::new();
+/// (from, to) -> [(unit, index, what travels)], where `from` is a member of the old map that
+/// holds the chunk's state.
+pub type Transfers = BTreeMap<(RankId, RankId), Vec<(usize, usize, Need)>>;
+
+/// Transfers for a reshard from `old` to `new`.
+pub fn transfers(old: &ShardMap, new: &ShardMap, stage: Stage) -> Transfers {
+    let mut out = Transfers::new();
     let joiners: Vec<RankId> = new
         .members
         .iter()
@@ -83,20 +82,6 @@ pub fn transfers(
         }
     }
     out
-}
-
-/// Elements of state each transfer list moves (parameters and optimizer state counted apart).
-pub fn moved_elems(
-    t: &BTreeMap<(RankId, RankId), Vec<(usize, usize, Need)>>,
-    map: &ShardMap,
-    opt_per_param: usize,
-) -> usize {
-    t.values()
-        .flatten()
-        .map(|&(u, i, need)| {
-            map.chunk_range(u, i).len() * (need.params as usize + need.opt as usize * opt_per_param)
-        })
-        .sum()
 }
 
 #[derive(Serialize, Deserialize)]
