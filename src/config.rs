@@ -160,6 +160,9 @@ pub struct TrainConfig {
     pub min_ranks: u32,
     /// Nor grows beyond this many (default 64).
     pub max_ranks: u32,
+    /// Buddy backups of every rank's state at least every this many steps; 0 turns them off,
+    /// and then losing a rank stops the run (default 1).
+    pub replicate_every: u64,
 }
 
 impl Default for TrainConfig {
@@ -200,6 +203,7 @@ impl Default for TrainConfig {
             kill: Vec::new(),
             min_ranks: 1,
             max_ranks: 64,
+            replicate_every: 1,
         }
     }
 }

@@ -53,6 +53,9 @@ pub struct MembershipRecord {
     /// The lower bound on that for this change (`plan::rebalance::min_move_elems`).
     pub min_chunk_elems: usize,
     pub duration_ms: u64,
+    /// For a recovery from an abrupt loss: the ranks lost and the step training rolled back to.
+    pub lost: Vec<RankId>,
+    pub rolled_back_to: Option<u64>,
 }
 
 /// What the coordinator needs to know about the job.
@@ -73,6 +76,9 @@ pub struct JobSpec {
     pub min_ranks: u32,
     /// Nor grows above this many.
     pub max_ranks: u32,
+    /// Take a buddy backup at least every this many steps (0: no backups, so losing a rank
+    /// stops the run).
+    pub replicate_every: u64,
 }
 
 /// Inputs to the state machine.
@@ -106,6 +112,20 @@ pub enum Event {
     ReshardDone {
         rank: RankId,
         epoch: u64,
+        now_ms: u64,
+    },
+    /// A rank is alive and idle but did not finish the step (a peer vanished, or it was
+    /// interrupted).
+    StepAborted {
+        rank: RankId,
+        reason: String,
+        now_ms: u64,
+    },
+    /// A rank holds its backup for (epoch, step).
+    ReplicateDone {
+        rank: RankId,
+        epoch: u64,
+        step: u64,
         now_ms: u64,
     },
 }
@@ -145,6 +165,23 @@ pub enum Command {
     Retire {
         ranks: Vec<RankId>,
     },
+    /// Every member takes a backup before `step` (own copy plus buddy replicas).
+    Replicate {
+        step: u64,
+    },
+    /// Wake these ranks from the abandoned (epoch, step): a peer is gone.
+    Interrupt {
+        ranks: Vec<RankId>,
+        epoch: u64,
+        step: u64,
+    },
+    /// Survivors roll back to their backups under `old` and rebuild onto `new` without `lost`.
+    Restore {
+        old: ShardMap,
+        new: ShardMap,
+        step: u64,
+        lost: Vec<RankId>,
+    },
     MembershipChanged(Box<MembershipRecord>),
     Finish,
     Abort {
@@ -164,10 +201,23 @@ enum Phase {
         waiting: BTreeSet<RankId>,
         next: Vec<RankId>,
     },
-    /// Waiting for every participant of a reshard to report its new state.
+    /// Waiting for every participant of a reshard to report its new state. `rollback` is the
+    /// backup's progress and the lost ranks when this reshard is a recovery.
     Resharding {
         started_ms: u64,
         new: ShardMap,
+        waiting: BTreeSet<RankId>,
+        rollback: Option<(Progress, Vec<RankId>)>,
+    },
+    /// Waiting for every member's backup.
+    Replicating {
+        started_ms: u64,
+        waiting: BTreeSet<RankId>,
+    },
+    /// A rank was lost: waiting for the survivors to be idle.
+    Recovering {
+        started_ms: u64,
+        lost: BTreeSet<RankId>,
         waiting: BTreeSet<RankId>,
     },
     Done,
@@ -191,6 +241,10 @@ pub struct Coordinator {
     membership_log: Vec<MembershipRecord>,
     /// The step whose scripted changes were already applied.
     script_applied: Option<u64>,
+    /// The newest complete backup: its epoch and progress.
+    backup: Option<(u64, Progress)>,
+    /// Ranks that reported an aborted step in the current step.
+    aborted: BTreeSet<RankId>,
 }
 
 impl Coordinator {
@@ -218,6 +272,8 @@ impl Coordinator {
             requested: Vec::new(),
             next_rank,
             script_applied: None,
+            backup: None,
+            aborted: BTreeSet::new(),
             membership_log: Vec::new(),
         }
     }
@@ -302,10 +358,22 @@ impl Coordinator {
         match event {
             Event::Start { now_ms } => self.start_step(now_ms),
             Event::StepDone { report, now_ms } => self.on_report(*report, now_ms),
-            Event::RankFailed { rank, reason, .. } => self.fail(format!(
-                "rank {rank} failed at step {}: {reason}",
-                self.step
-            )),
+            Event::RankFailed {
+                rank,
+                reason,
+                now_ms,
+            } => self.on_failure(rank, reason, now_ms),
+            Event::StepAborted {
+                rank,
+                reason,
+                now_ms,
+            } => self.on_aborted(rank, reason, now_ms),
+            Event::ReplicateDone {
+                rank,
+                epoch,
+                step,
+                now_ms,
+            } => self.on_replicated(rank, epoch, step, now_ms),
             Event::Tick { now_ms } => self.on_tick(now_ms),
             Event::SnapshotRequested => {
                 self.snapshot_requested = true;
@@ -340,8 +408,16 @@ impl Coordinator {
         if !changes.is_empty() {
             return self.change_membership(changes, now_ms);
         }
+        if self.backup_due() {
+            self.phase = Phase::Replicating {
+                started_ms: now_ms,
+                waiting: self.map.members.iter().copied().collect(),
+            };
+            return vec![Command::Replicate { step: self.step }];
+        }
         self.phase = Phase::Running { started_ms: now_ms };
         self.reports.clear();
+        self.aborted.clear();
         vec![Command::RunStep(StepPlan {
             epoch: self.map.epoch,
             step: self.step,
@@ -400,6 +476,7 @@ impl Coordinator {
                     started_ms: now_ms,
                     new: new.clone(),
                     waiting,
+                    rollback: None,
                 };
                 vec![Command::Reshard {
                     old: self.map.clone(),
@@ -428,6 +505,7 @@ impl Coordinator {
             started_ms,
             new,
             waiting,
+            rollback,
         } = &mut self.phase
         else {
             return Vec::new();
@@ -439,7 +517,7 @@ impl Coordinator {
         if !waiting.is_empty() {
             return Vec::new();
         }
-        let (started_ms, new) = (*started_ms, new.clone());
+        let (started_ms, new, rollback) = (*started_ms, new.clone(), rollback.take());
         let moved: usize = crate::plan::rebalance::diff(&self.map, &new)
             .iter()
             .map(|m| m.elems)
@@ -452,7 +530,19 @@ impl Coordinator {
             moved_chunk_elems: moved,
             min_chunk_elems: min_move_elems(&self.map, &new.members),
             duration_ms: now_ms.saturating_sub(started_ms),
+            lost: rollback
+                .as_ref()
+                .map(|(_, l)| l.clone())
+                .unwrap_or_default(),
+            rolled_back_to: rollback.as_ref().map(|(p, _)| p.step),
         };
+        if let Some((p, _)) = rollback {
+            self.step = p.step;
+            self.opt_step = p.opt_step;
+            self.bounds = p.grad_bounds;
+            // Scripted changes of the steps being replayed already happened.
+            self.script_applied = Some(self.step);
+        }
         let leavers: Vec<RankId> = self
             .map
             .members
@@ -536,7 +626,10 @@ impl Coordinator {
                     self.step, self.job.step_timeout_ms
                 ))
             }
-            Phase::Spawning { started_ms, .. } | Phase::Resharding { started_ms, .. }
+            Phase::Spawning { started_ms, .. }
+            | Phase::Resharding { started_ms, .. }
+            | Phase::Replicating { started_ms, .. }
+            | Phase::Recovering { started_ms, .. }
                 if now_ms.saturating_sub(started_ms) > self.job.step_timeout_ms =>
             {
                 self.fail(format!(
@@ -545,6 +638,166 @@ impl Coordinator {
                 ))
             }
             _ => Vec::new(),
+        }
+    }
+
+    fn backup_due(&self) -> bool {
+        let every = self.job.replicate_every;
+        if every == 0 || self.map.world_size() < 2 {
+            return false;
+        }
+        match &self.backup {
+            Some((epoch, p)) => *epoch != self.map.epoch || self.step >= p.step + every,
+            None => true,
+        }
+    }
+
+    fn on_replicated(&mut self, rank: RankId, epoch: u64, step: u64, now_ms: u64) -> Vec<Command> {
+        let Phase::Replicating { waiting, .. } = &mut self.phase else {
+            return Vec::new();
+        };
+        if epoch != self.map.epoch || step != self.step {
+            return Vec::new();
+        }
+        waiting.remove(&rank);
+        if !waiting.is_empty() {
+            return Vec::new();
+        }
+        self.backup = Some((self.map.epoch, self.progress()));
+        self.start_step(now_ms)
+    }
+
+    fn on_aborted(&mut self, rank: RankId, reason: String, now_ms: u64) -> Vec<Command> {
+        match &mut self.phase {
+            // Alive but stuck on a vanished peer: wait for the failure itself (or the deadline).
+            Phase::Running { .. } => {
+                self.aborted.insert(rank);
+                Vec::new()
+            }
+            Phase::Recovering { waiting, .. } => {
+                waiting.remove(&rank);
+                self.try_restore(now_ms)
+            }
+            _ => self.fail(format!("rank {rank} aborted outside a step: {reason}")),
+        }
+    }
+
+    /// A rank is gone. With a backup that still covers every chunk, roll back and go on;
+    /// otherwise stop and say what was lost.
+    fn on_failure(&mut self, rank: RankId, reason: String, now_ms: u64) -> Vec<Command> {
+        let lost: BTreeSet<RankId> = match &self.phase {
+            Phase::Running { .. } => [rank].into(),
+            Phase::Recovering { lost, .. } => lost.iter().copied().chain([rank]).collect(),
+            _ => {
+                return self.fail(format!(
+                    "rank {rank} failed at step {}: {reason}",
+                    self.step
+                ))
+            }
+        };
+        let Some((epoch, _)) = &self.backup else {
+            return self.fail(format!(
+                "rank {rank} failed at step {}: {reason}; no in-memory backup exists (replicate_every is 0 or the world has one rank): resume from your newest checkpoint",
+                self.step
+            ));
+        };
+        if *epoch != self.map.epoch {
+            return self.fail(format!("rank {rank} failed at step {}: {reason}; the backup predates the current shard map", self.step));
+        }
+        let lost_list: Vec<RankId> = lost.iter().copied().collect();
+        let missing = crate::plan::replica::holders(&self.map, &lost_list).err();
+        if let Some(missing) = missing {
+            return self.fail(format!(
+                "ranks {lost_list:?} are lost at step {} ({reason}); chunks {missing:?} (unit/index) had no other copy. Resume from your newest checkpoint",
+                self.step
+            ));
+        }
+        let survivors: Vec<RankId> = self
+            .map
+            .members
+            .iter()
+            .copied()
+            .filter(|r| !lost.contains(r))
+            .collect();
+        if let Err(e) = self.check_world(survivors.len()) {
+            return self.fail(format!(
+                "ranks {lost_list:?} are lost at step {}: {e}",
+                self.step
+            ));
+        }
+        let first = !matches!(self.phase, Phase::Recovering { .. });
+        let started_ms = match self.phase {
+            Phase::Recovering { started_ms, .. } => started_ms,
+            _ => now_ms,
+        };
+        let waiting: BTreeSet<RankId> = survivors
+            .iter()
+            .copied()
+            .filter(|r| !self.reports.contains_key(r) && !self.aborted.contains(r))
+            .filter(|r| match &self.phase {
+                Phase::Recovering { waiting, .. } => waiting.contains(r),
+                _ => true,
+            })
+            .collect();
+        self.phase = Phase::Recovering {
+            started_ms,
+            lost,
+            waiting: waiting.clone(),
+        };
+        let mut out = Vec::new();
+        if first {
+            out.push(Command::Interrupt {
+                ranks: waiting.into_iter().collect(),
+                epoch: self.map.epoch,
+                step: self.step,
+            });
+        }
+        out.extend(self.try_restore(now_ms));
+        out
+    }
+
+    fn try_restore(&mut self, now_ms: u64) -> Vec<Command> {
+        let Phase::Recovering {
+            started_ms,
+            lost,
+            waiting,
+        } = &self.phase
+        else {
+            return Vec::new();
+        };
+        if !waiting.is_empty() {
+            return Vec::new();
+        }
+        let (started_ms, lost) = (*started_ms, lost.iter().copied().collect::<Vec<_>>());
+        let Some((_, progress)) = self.backup.clone() else {
+            return self.fail("recovery without a backup".into());
+        };
+        let survivors: Vec<RankId> = self
+            .map
+            .members
+            .iter()
+            .copied()
+            .filter(|r| !lost.contains(r))
+            .collect();
+        match rebalance(&self.map, &survivors) {
+            Ok((new, _)) => {
+                let _ = now_ms;
+                let waiting = survivors.into_iter().collect();
+                let step = progress.step;
+                self.phase = Phase::Resharding {
+                    started_ms,
+                    new: new.clone(),
+                    waiting,
+                    rollback: Some((progress, lost.clone())),
+                };
+                vec![Command::Restore {
+                    old: self.map.clone(),
+                    new,
+                    step,
+                    lost,
+                }]
+            }
+            Err(e) => self.fail(format!("cannot plan the survivors' shard map: {e}")),
         }
     }
 
@@ -608,6 +861,7 @@ mod tests {
             script: Vec::new(),
             min_ranks: 1,
             max_ranks: 64,
+            replicate_every: 0,
         }
     }
 
@@ -677,6 +931,9 @@ mod tests {
                 Command::Reshard { .. } => "reshard",
                 Command::Retire { .. } => "retire",
                 Command::MembershipChanged(_) => "membership",
+                Command::Replicate { .. } => "replicate",
+                Command::Interrupt { .. } => "interrupt",
+                Command::Restore { .. } => "restore",
                 Command::Finish => "finish",
                 Command::Abort { .. } => "abort",
             })

@@ -3,6 +3,7 @@
 
 pub mod memory;
 pub mod rebalance;
+pub mod replica;
 pub mod schedule;
 pub mod shard_map;
 pub mod volume;

@@ -163,6 +163,7 @@ impl Cluster {
             script: membership_script(cfg),
             min_ranks: cfg.min_ranks,
             max_ranks: cfg.max_ranks,
+            replicate_every: cfg.replicate_every,
         };
         let optim = optim_settings(cfg);
         let setup = Arc::new(RankSetup {
@@ -172,19 +173,25 @@ impl Cluster {
             optim,
             data: Arc::clone(&spec.data),
             exec: exec_config(cfg),
+            disconnect: {
+                let net = Arc::clone(&net);
+                Box::new(move |r| net.kill(r))
+            },
         });
         let (abort_net, retire_net, join_net) =
             (Arc::clone(&net), Arc::clone(&net), Arc::clone(&net));
-        let (join_setup, timeout_ms) = (Arc::clone(&setup), cfg.collective_timeout_ms);
+        let (join_setup, timeout_ms, kills) = (
+            Arc::clone(&setup),
+            cfg.collective_timeout_ms,
+            cfg.kill.clone(),
+        );
         let factory: RankFactory<LocalEndpoint> = Box::new(move |rank, coordinator| RankArgs {
             rank,
-            work: Work {
-                state: None,
-                comm: Comm::new(join_net.endpoint(rank), timeout_ms),
-            },
+            work: Work::new(None, Comm::new(join_net.endpoint(rank), timeout_ms)),
             coordinator,
             setup: Arc::clone(&join_setup),
             panic_at_step: None,
+            kill_at_step: kills.iter().find(|k| k.value == rank).map(|k| k.step),
         });
         let args = CoordArgs {
             engine: match &spec.resume {
@@ -196,6 +203,10 @@ impl Cluster {
             tick_ms: 200,
             on_abort: Box::new(move || abort_net.close()),
             on_retire: Box::new(move |r| retire_net.kill(r)),
+            on_interrupt: {
+                let net = Arc::clone(&net);
+                Box::new(move |r, epoch, step| net.interrupt(r, epoch, step))
+            },
             factory,
         };
         let (coordinator, _) =
@@ -230,13 +241,14 @@ impl Cluster {
             };
             let args = RankArgs {
                 rank,
-                work: Work {
-                    state: Some(state),
-                    comm: Comm::new(net.endpoint(rank), cfg.collective_timeout_ms),
-                },
+                work: Work::new(
+                    Some(state),
+                    Comm::new(net.endpoint(rank), cfg.collective_timeout_ms),
+                ),
                 coordinator: coordinator.clone(),
                 setup: Arc::clone(&setup),
                 panic_at_step: spec.panic_at.filter(|(r, _)| *r == rank).map(|(_, s)| s),
+                kill_at_step: cfg.kill.iter().find(|k| k.value == rank).map(|k| k.step),
             };
             let (actor, _) = Actor::spawn_linked(
                 None,

@@ -35,6 +35,16 @@ pub enum CoordMsg<T: Transport> {
         rank: RankId,
         epoch: u64,
     },
+    /// Alive and idle, but the step did not finish (a peer vanished or it was interrupted).
+    StepAborted {
+        rank: RankId,
+        reason: String,
+    },
+    ReplicateDone {
+        rank: RankId,
+        epoch: u64,
+        step: u64,
+    },
     Tick,
     /// Take a snapshot at the next step boundary.
     SnapshotNow,
@@ -53,6 +63,8 @@ pub struct CoordArgs<T: Transport> {
     pub on_abort: Box<dyn Fn() + Send + Sync>,
     /// Called when a rank is retired (disconnects it from the network).
     pub on_retire: Box<dyn Fn(RankId) + Send + Sync>,
+    /// Wakes a rank from the abandoned (epoch, step).
+    pub on_interrupt: Box<dyn Fn(RankId, u64, u64) + Send + Sync>,
     pub factory: RankFactory<T>,
 }
 
@@ -64,6 +76,7 @@ pub struct CoordState<T: Transport> {
     tick_ms: u64,
     on_abort: Box<dyn Fn() + Send + Sync>,
     on_retire: Box<dyn Fn(RankId) + Send + Sync>,
+    on_interrupt: Box<dyn Fn(RankId, u64, u64) + Send + Sync>,
     factory: RankFactory<T>,
 }
 
@@ -155,6 +168,34 @@ impl<T: Transport> CoordState<T> {
                     (self.on_retire)(r);
                 }
             }
+            Command::Replicate { step } => {
+                for a in self.ranks.values() {
+                    let _ = a.cast(RankMsg::Replicate { step });
+                }
+            }
+            Command::Interrupt { ranks, epoch, step } => {
+                for r in ranks {
+                    (self.on_interrupt)(r, epoch, step);
+                }
+            }
+            Command::Restore {
+                old,
+                new,
+                step,
+                lost,
+            } => {
+                for (r, a) in &self.ranks {
+                    if new.is_member(*r) {
+                        let msg = RankMsg::Restore {
+                            old: Box::new(old.clone()),
+                            new: Box::new(new.clone()),
+                            step,
+                            lost: lost.clone(),
+                        };
+                        let _ = a.cast(msg);
+                    }
+                }
+            }
             Command::MembershipChanged(rec) => {
                 let _ = self.events.send(ClusterEvent::Membership(rec));
             }
@@ -199,6 +240,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             tick_ms: args.tick_ms,
             on_abort: args.on_abort,
             on_retire: args.on_retire,
+            on_interrupt: args.on_interrupt,
             factory: args.factory,
         })
     }
@@ -234,6 +276,29 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                     Event::ReshardDone {
                         rank,
                         epoch,
+                        now_ms,
+                    },
+                )
+                .await
+            }
+            CoordMsg::StepAborted { rank, reason } => {
+                st.feed(
+                    &me,
+                    Event::StepAborted {
+                        rank,
+                        reason,
+                        now_ms,
+                    },
+                )
+                .await
+            }
+            CoordMsg::ReplicateDone { rank, epoch, step } => {
+                st.feed(
+                    &me,
+                    Event::ReplicateDone {
+                        rank,
+                        epoch,
+                        step,
                         now_ms,
                     },
                 )

@@ -10,6 +10,7 @@ pub mod coord_actor;
 pub mod local;
 pub mod rank_actor;
 pub mod rank_state;
+pub mod replica;
 pub mod reshard;
 pub mod step;
 pub mod transport;

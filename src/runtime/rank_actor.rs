@@ -13,19 +13,33 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use super::comm::{Comm, CommError};
 use super::coord_actor::CoordMsg;
 use super::rank_state::{ChunkState, OptimSettings, RankState};
+use super::replica::{replicate, Backup};
 use super::reshard::Reshard;
 use super::step::{run_step, ExecConfig};
 use super::transport::Transport;
 use crate::data::Dataset;
 use crate::engine::messages::{StepPlan, StepReport};
 use crate::model::Model;
+use crate::plan::replica::holders;
 use crate::plan::{RankId, ShardMap, Stage};
 use crate::reduce::ReduceMode;
 
-/// A rank's state (none yet for a joiner) and its communicator, moved to the worker thread.
+/// A rank's state (none yet for a joiner), its backup and its communicator, moved to the
+/// worker thread for each job.
 pub struct Work<T: Transport> {
     pub state: Option<RankState>,
+    pub backup: Option<Backup>,
     pub comm: Comm<T>,
+}
+
+impl<T: Transport> Work<T> {
+    pub fn new(state: Option<RankState>, comm: Comm<T>) -> Self {
+        Self {
+            state,
+            backup: None,
+            comm,
+        }
+    }
 }
 
 /// What every rank of a run shares, so that a joiner can build its state.
@@ -36,6 +50,8 @@ pub struct RankSetup {
     pub optim: OptimSettings,
     pub data: Arc<Dataset>,
     pub exec: ExecConfig,
+    /// Disconnects a rank from the network: how an injected kill makes the rank vanish.
+    pub disconnect: Box<dyn Fn(RankId) + Send + Sync>,
 }
 
 pub enum RankMsg<T: Transport> {
@@ -48,6 +64,18 @@ pub enum RankMsg<T: Transport> {
         step: u64,
     },
     ReshardFinished(Box<Work<T>>, Result<u64, CommError>),
+    /// Roll back to the backup taken under `old`, without the `lost` ranks, onto `new`.
+    Restore {
+        old: Box<ShardMap>,
+        new: Box<ShardMap>,
+        step: u64,
+        lost: Vec<RankId>,
+    },
+    /// Take a backup before step `step` (local copy plus replicas with the buddy).
+    Replicate {
+        step: u64,
+    },
+    ReplicateFinished(Box<Work<T>>, Result<(u64, u64), CommError>),
     ComputePanicked(String),
     /// The state of every chunk this rank owns (consolidation, checkpoints).
     Collect(RpcReplyPort<Vec<ChunkState>>),
@@ -60,6 +88,8 @@ pub struct RankArgs<T: Transport> {
     pub setup: Arc<RankSetup>,
     /// Fault injection for tests: the compute panics at this step.
     pub panic_at_step: Option<u64>,
+    /// Fault injection: the rank vanishes halfway through this step.
+    pub kill_at_step: Option<u64>,
 }
 
 pub struct RankSlot<T: Transport> {
@@ -68,6 +98,7 @@ pub struct RankSlot<T: Transport> {
     coordinator: ActorRef<CoordMsg<T>>,
     setup: Arc<RankSetup>,
     panic_at_step: Option<u64>,
+    kill_at_step: Option<u64>,
 }
 
 pub struct RankActor<T: Transport>(std::marker::PhantomData<fn() -> T>);
@@ -128,6 +159,7 @@ impl<T: Transport> Actor for RankActor<T> {
             coordinator: args.coordinator,
             setup: args.setup,
             panic_at_step: args.panic_at_step,
+            kill_at_step: args.kill_at_step,
         })
     }
 
@@ -137,13 +169,15 @@ impl<T: Transport> Actor for RankActor<T> {
         msg: RankMsg<T>,
         slot: &mut RankSlot<T>,
     ) -> Result<(), ActorProcessingErr> {
+        let (setup, rank) = (Arc::clone(&slot.setup), slot.rank);
         match msg {
             RankMsg::RunStep(plan) => {
                 let Some(mut work) = slot.take_work(&format!("step {}", plan.step)) else {
                     return Ok(());
                 };
-                let (setup, panic_at, rank) =
-                    (Arc::clone(&slot.setup), slot.panic_at_step, slot.rank);
+                let panic_at = slot.panic_at_step;
+                // An injected kill stops the rank halfway through the step's phases.
+                let vanish_at = (slot.kill_at_step == Some(plan.step)).then_some(usize::MAX / 2);
                 on_thread(me, format!("rank-{rank}-step"), move || {
                     if panic_at == Some(plan.step) {
                         panic!(
@@ -152,12 +186,28 @@ impl<T: Transport> Actor for RankActor<T> {
                         );
                     }
                     let res = match work.state.as_mut() {
-                        Some(st) => run_step(st, &mut work.comm, &plan, &setup.data, &setup.exec),
+                        Some(st) => run_step(
+                            st,
+                            &mut work.comm,
+                            &plan,
+                            &setup.data,
+                            &setup.exec,
+                            vanish_at,
+                        ),
                         None => Err(CommError::Protocol {
                             from: rank,
                             what: "asked to train before receiving state".into(),
                         }),
                     };
+                    // A rank doomed in this step dies even if a peer's death interrupted it
+                    // before it reached the kill point.
+                    if vanish_at.is_some() && res.is_err() {
+                        (setup.disconnect)(rank);
+                        return RankMsg::ComputePanicked(format!(
+                            "rank {rank} vanished during step {} (injected kill)",
+                            plan.step
+                        ));
+                    }
                     RankMsg::StepFinished(Box::new(work), res.map(Box::new))
                 })?;
             }
@@ -165,8 +215,10 @@ impl<T: Transport> Actor for RankActor<T> {
                 slot.work = Some(*work);
                 slot.report(match result {
                     Ok(report) => CoordMsg::StepDone(report),
-                    Err(e) => CoordMsg::RankFailed {
-                        rank: slot.rank,
+                    // Expected: a peer vanished or the step was abandoned. The rank is alive and
+                    // idle; the coordinator decides what happens next.
+                    Err(e) => CoordMsg::StepAborted {
+                        rank,
                         reason: e.to_string(),
                     },
                 });
@@ -175,41 +227,106 @@ impl<T: Transport> Actor for RankActor<T> {
                 let Some(mut work) = slot.take_work("a reshard") else {
                     return Ok(());
                 };
-                let (setup, rank) = (Arc::clone(&slot.setup), slot.rank);
                 on_thread(me, format!("rank-{rank}-reshard"), move || {
-                    let job = Reshard {
-                        old: &old,
-                        new: &new,
-                        stage: setup.stage,
-                        mode: setup.mode,
-                        model: Arc::clone(&setup.model),
-                        optim: setup.optim,
-                        step,
-                    };
-                    let res = job
-                        .run(rank, work.state.as_ref(), &mut work.comm)
-                        .map(|state| {
+                    let owner = |u: usize, i: usize| old.owner(u, i);
+                    let current = work.state.take();
+                    let base =
+                        |u: usize, i: usize| current.as_ref().and_then(|s| s.chunk_state(u, i));
+                    let res = reshard_job(&setup, &owner, &old, &new, step).run(
+                        rank,
+                        &base,
+                        &mut work.comm,
+                    );
+                    let res = match res {
+                        Ok(state) => {
                             work.state = state;
-                            new.epoch
-                        });
+                            Ok(new.epoch)
+                        }
+                        Err(e) => {
+                            work.state = current;
+                            Err(e)
+                        }
+                    };
+                    RankMsg::ReshardFinished(Box::new(work), res)
+                })?;
+            }
+            RankMsg::Restore {
+                old,
+                new,
+                step,
+                lost,
+            } => {
+                let Some(mut work) = slot.take_work("a restore") else {
+                    return Ok(());
+                };
+                on_thread(me, format!("rank-{rank}-restore"), move || {
+                    let res = match (work.backup.take(), holders(&old, &lost)) {
+                        (Some(backup), Ok(holder)) if backup.epoch == old.epoch => {
+                            let base = |u: usize, i: usize| backup.chunk(u, i);
+                            reshard_job(&setup, &holder, &old, &new, step).run(
+                                rank,
+                                &base,
+                                &mut work.comm,
+                            )
+                        }
+                        (Some(_), Ok(_)) | (None, Ok(_)) => Err(CommError::Protocol {
+                            from: rank,
+                            what: format!("no backup under epoch {}", old.epoch),
+                        }),
+                        (_, Err(missing)) => Err(CommError::Protocol {
+                            from: rank,
+                            what: format!("chunks {missing:?} have no live copy"),
+                        }),
+                    };
+                    let res = res.map(|state| {
+                        work.state = state;
+                        new.epoch
+                    });
                     RankMsg::ReshardFinished(Box::new(work), res)
                 })?;
             }
             RankMsg::ReshardFinished(work, result) => {
                 slot.work = Some(*work);
                 slot.report(match result {
-                    Ok(epoch) => CoordMsg::ReshardDone {
-                        rank: slot.rank,
-                        epoch,
-                    },
+                    Ok(epoch) => CoordMsg::ReshardDone { rank, epoch },
                     Err(e) => CoordMsg::RankFailed {
-                        rank: slot.rank,
+                        rank,
                         reason: format!("reshard: {e}"),
                     },
                 });
             }
+            RankMsg::Replicate { step } => {
+                let Some(mut work) = slot.take_work("a replication") else {
+                    return Ok(());
+                };
+                on_thread(me, format!("rank-{rank}-replicate"), move || {
+                    let res = match work.state.as_ref() {
+                        Some(st) => replicate(st, &mut work.comm, step),
+                        None => Err(CommError::Protocol {
+                            from: rank,
+                            what: "no state to replicate".into(),
+                        }),
+                    };
+                    let res = res.map(|b| {
+                        let done = (b.epoch, b.step);
+                        work.backup = Some(b);
+                        done
+                    });
+                    RankMsg::ReplicateFinished(Box::new(work), res)
+                })?;
+            }
+            RankMsg::ReplicateFinished(work, result) => {
+                slot.work = Some(*work);
+                slot.report(match result {
+                    Ok((epoch, step)) => CoordMsg::ReplicateDone { rank, epoch, step },
+                    Err(e) => CoordMsg::RankFailed {
+                        rank,
+                        reason: format!("replication: {e}"),
+                    },
+                });
+            }
             RankMsg::ComputePanicked(text) => {
-                return Err(format!("rank {} compute panicked: {text}", slot.rank).into());
+                return Err(format!("rank {rank} compute panicked: {text}").into());
             }
             RankMsg::Collect(reply) => {
                 let chunks = slot
@@ -222,6 +339,25 @@ impl<T: Transport> Actor for RankActor<T> {
             }
         }
         Ok(())
+    }
+}
+
+fn reshard_job<'a>(
+    setup: &RankSetup,
+    sender: &'a dyn Fn(usize, usize) -> RankId,
+    old: &'a ShardMap,
+    new: &'a ShardMap,
+    step: u64,
+) -> Reshard<'a> {
+    Reshard {
+        sender,
+        old,
+        new,
+        stage: setup.stage,
+        mode: setup.mode,
+        model: Arc::clone(&setup.model),
+        optim: setup.optim,
+        step,
     }
 }
 

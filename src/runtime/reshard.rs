@@ -14,7 +14,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use super::comm::{Comm, CommError};
-use super::rank_state::{ChunkState, OptimSettings, RankState};
+use super::rank_state::{ChunkSource, ChunkState, OptimSettings, RankState};
 use super::transport::{Tag, TagKind, Transport};
 use crate::model::Model;
 use crate::plan::{RankId, ShardMap, Stage};
@@ -31,8 +31,14 @@ pub struct Need {
 /// holds the chunk's state.
 pub type Transfers = BTreeMap<(RankId, RankId), Vec<(usize, usize, Need)>>;
 
-/// Transfers for a reshard from `old` to `new`.
-pub fn transfers(old: &ShardMap, new: &ShardMap, stage: Stage) -> Transfers {
+/// Transfers for a reshard from `old` to `new`, where `sender(unit, index)` is the rank that
+/// holds the chunk's state (its owner under `old`, or its buddy if the owner was lost).
+pub fn transfers(
+    old: &ShardMap,
+    new: &ShardMap,
+    stage: Stage,
+    sender: &dyn Fn(usize, usize) -> RankId,
+) -> Transfers {
     let mut out = Transfers::new();
     let joiners: Vec<RankId> = new
         .members
@@ -42,7 +48,7 @@ pub fn transfers(old: &ShardMap, new: &ShardMap, stage: Stage) -> Transfers {
         .collect();
     for (u, unit) in new.units.iter().enumerate() {
         for (i, &to) in unit.owners.iter().enumerate() {
-            let from = old.owner(u, i);
+            let from = sender(u, i);
             let need = if joiners.contains(&to) {
                 Some(Need {
                     params: true,
@@ -106,6 +112,8 @@ pub fn chunk_crc(c: &ChunkState) -> u32 {
 
 /// Everything a rank needs to rebuild itself for the new map.
 pub struct Reshard<'a> {
+    /// Who sends each chunk (see `transfers`).
+    pub sender: &'a dyn Fn(usize, usize) -> RankId,
     pub old: &'a ShardMap,
     pub new: &'a ShardMap,
     pub stage: Stage,
@@ -117,39 +125,28 @@ pub struct Reshard<'a> {
 
 impl Reshard<'_> {
     /// Sends what this rank owes, receives what it is owed, verifies it, and returns the rank's
-    /// state under the new map (`None` for a rank that is leaving). `state` is `None` for a
-    /// joiner.
+    /// state under the new map (`None` for a rank that is leaving). `base` is what this rank
+    /// holds: its current state, or its backups when rolling back; nothing for a joiner.
     pub fn run<T: Transport>(
         &self,
         me: RankId,
-        state: Option<&RankState>,
+        base: &ChunkSource<'_>,
         comm: &mut Comm<T>,
     ) -> Result<Option<RankState>, CommError> {
         comm.begin_step(self.new.epoch, self.step);
-        let plan = transfers(self.old, self.new, self.stage);
+        let plan = transfers(self.old, self.new, self.stage, self.sender);
         let tag = Tag {
             kind: TagKind::Reshard,
             attempt: 0,
             unit: 0,
             pass: 0,
         };
-        for ((from, to), list) in plan.iter().filter(|((f, _), _)| *f == me) {
-            let st = state.ok_or_else(|| CommError::Protocol {
-                from: *from,
-                what: "a joiner cannot send state".into(),
-            })?;
+        for ((_, to), list) in plan.iter().filter(|((f, _), _)| *f == me) {
             let chunks: Vec<ChunkState> = list
                 .iter()
-                .map(|&(u, i, need)| pick(st, u, i, need))
+                .map(|&(u, i, need)| pick(base, me, self.optim, u, i, need))
                 .collect::<Result<_, _>>()?;
-            let crcs = chunks.iter().map(chunk_crc).collect();
-            let bytes =
-                bincode::serde::encode_to_vec(Parcel { chunks, crcs }, bincode::config::standard())
-                    .map_err(|e| CommError::Protocol {
-                        from: me,
-                        what: format!("encode: {e}"),
-                    })?;
-            comm.send(*to, tag, Bytes::from(bytes))?;
+            comm.send(*to, tag, encode_parcel(me, chunks)?)?;
         }
         if !self.new.is_member(me) {
             return Ok(None);
@@ -157,31 +154,13 @@ impl Reshard<'_> {
         let mut received: BTreeMap<(usize, usize), ChunkState> = BTreeMap::new();
         for ((from, _), list) in plan.iter().filter(|((_, t), _)| *t == me) {
             let payload = comm.recv(*from, tag)?;
-            let (parcel, _): (Parcel, usize) =
-                bincode::serde::decode_from_slice(&payload, bincode::config::standard()).map_err(
-                    |e| CommError::Protocol {
-                        from: *from,
-                        what: format!("reshard parcel: {e}"),
-                    },
-                )?;
-            if parcel.chunks.len() != list.len() || parcel.crcs.len() != list.len() {
-                return Err(CommError::Protocol {
-                    from: *from,
-                    what: "reshard parcel has the wrong chunks".into(),
-                });
-            }
-            for ((c, crc), &(u, i, _)) in parcel.chunks.into_iter().zip(parcel.crcs).zip(list) {
-                if (c.unit as usize, c.index as usize) != (u, i) || chunk_crc(&c) != crc {
-                    return Err(CommError::Protocol {
-                        from: *from,
-                        what: format!("chunk {u}/{i} failed verification"),
-                    });
-                }
-                received.insert((u, i), c);
+            let expect: Vec<(usize, usize)> = list.iter().map(|&(u, i, _)| (u, i)).collect();
+            for c in decode_parcel(*from, &payload, &expect)? {
+                received.insert((c.unit as usize, c.index as usize), c);
             }
         }
         let source = |u: usize, i: usize| -> Option<ChunkState> {
-            let own = state.and_then(|s| s.chunk_state(u, i));
+            let own = base(u, i);
             match (received.get(&(u, i)), own) {
                 (Some(r), Some(mut o)) => {
                     if !r.params.is_empty() {
@@ -211,9 +190,49 @@ impl Reshard<'_> {
     }
 }
 
-fn pick(st: &RankState, u: usize, i: usize, need: Need) -> Result<ChunkState, CommError> {
-    let mut c = st.chunk_state(u, i).ok_or_else(|| CommError::Protocol {
-        from: st.rank,
+/// A list of chunk states with a CRC each, as one frame payload.
+pub(crate) fn encode_parcel(me: RankId, chunks: Vec<ChunkState>) -> Result<Bytes, CommError> {
+    let crcs = chunks.iter().map(chunk_crc).collect();
+    bincode::serde::encode_to_vec(Parcel { chunks, crcs }, bincode::config::standard())
+        .map(Bytes::from)
+        .map_err(|e| CommError::Protocol {
+            from: me,
+            what: format!("encode: {e}"),
+        })
+}
+
+/// Decodes a parcel from `from` and checks it holds exactly the `expect`ed chunks, each
+/// matching its CRC: a corrupt or mismatched parcel is refused whole, never applied.
+pub(crate) fn decode_parcel(
+    from: RankId,
+    payload: &[u8],
+    expect: &[(usize, usize)],
+) -> Result<Vec<ChunkState>, CommError> {
+    let bad = |what: String| CommError::Protocol { from, what };
+    let config = bincode::config::standard().with_limit::<{ 1 << 31 }>();
+    let (parcel, _): (Parcel, usize) = bincode::serde::decode_from_slice(payload, config)
+        .map_err(|e| bad(format!("parcel: {e}")))?;
+    if parcel.chunks.len() != expect.len() || parcel.crcs.len() != expect.len() {
+        return Err(bad("parcel has the wrong chunks".into()));
+    }
+    for ((c, crc), &(u, i)) in parcel.chunks.iter().zip(&parcel.crcs).zip(expect) {
+        if (c.unit as usize, c.index as usize) != (u, i) || chunk_crc(c) != *crc {
+            return Err(bad(format!("chunk {u}/{i} failed verification")));
+        }
+    }
+    Ok(parcel.chunks)
+}
+
+fn pick(
+    base: &ChunkSource<'_>,
+    me: RankId,
+    optim: OptimSettings,
+    u: usize,
+    i: usize,
+    need: Need,
+) -> Result<ChunkState, CommError> {
+    let mut c = base(u, i).ok_or_else(|| CommError::Protocol {
+        from: me,
         what: format!("chunk {u}/{i} is not held here"),
     })?;
     if !need.params {
@@ -223,9 +242,9 @@ fn pick(st: &RankState, u: usize, i: usize, need: Need) -> Result<ChunkState, Co
         c.m.clear();
         c.v.clear();
     }
-    if need.opt && c.m.is_empty() && c.v.is_empty() && st.optim.state_per_param() > 0 {
+    if need.opt && c.m.is_empty() && c.v.is_empty() && optim.state_per_param() > 0 {
         return Err(CommError::Protocol {
-            from: st.rank,
+            from: me,
             what: format!("optimizer state of chunk {u}/{i} is not held here"),
         });
     }
@@ -240,12 +259,13 @@ mod tests {
     fn a_stage1_leave_moves_optimizer_state_only_and_a_join_gets_everything() {
         let old = ShardMap::plan(&[1000, 600], &[0, 1, 2], 100, 1).unwrap();
         let (leave, _) = crate::plan::rebalance::rebalance(&old, &[0, 2]).unwrap();
-        let t = transfers(&old, &leave, Stage::Zero1);
+        let owner = |u, i| old.owner(u, i);
+        let t = transfers(&old, &leave, Stage::Zero1, &owner);
         assert!(t.keys().all(|(f, _)| *f == 1));
         assert!(t.values().flatten().all(|(_, _, n)| !n.params && n.opt));
-        assert!(transfers(&old, &leave, Stage::Zero0).is_empty());
+        assert!(transfers(&old, &leave, Stage::Zero0, &owner).is_empty());
         let (join, _) = crate::plan::rebalance::rebalance(&old, &[0, 1, 2, 3]).unwrap();
-        let t = transfers(&old, &join, Stage::Zero2);
+        let t = transfers(&old, &join, Stage::Zero2, &owner);
         // The joiner receives every parameter once, and optimizer state for what it owns.
         let to_joiner: Vec<_> = t
             .iter()
