@@ -47,6 +47,7 @@ async fn main() -> anyhow::Result<()> {
                 rec.step, rec.loss, rec.duration_ms
             ),
             ClusterEvent::Snapshot(snap) => println!("snapshot at step {}", snap.progress.step),
+            ClusterEvent::Membership(m) => println!("members {:?} -> {:?}", m.before, m.after),
             ClusterEvent::Finished => break,
             ClusterEvent::Aborted(reason) => anyhow::bail!("run stopped: {reason}"),
         }

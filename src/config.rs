@@ -30,6 +30,45 @@ pub enum OptimizerChoice {
     Sgd,
 }
 
+/// `VALUE@STEP`, e.g. a rank id or a count and the step it applies at (`--leave 2@5`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct At {
+    pub value: u32,
+    pub step: u64,
+}
+
+impl std::str::FromStr for At {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (v, st) = s
+            .split_once('@')
+            .ok_or_else(|| format!("`{s}` is not VALUE@STEP (e.g. 2@5)"))?;
+        Ok(At {
+            value: v
+                .trim()
+                .parse()
+                .map_err(|_| format!("`{v}` in `{s}` is not a whole number"))?,
+            step: st
+                .trim()
+                .parse()
+                .map_err(|_| format!("`{st}` in `{s}` is not a step number"))?,
+        })
+    }
+}
+
+impl Serialize for At {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format!("{}@{}", self.value, self.step))
+    }
+}
+
+impl<'de> Deserialize<'de> for At {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// A configuration error: which field, and what would be valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid `{field}`: {message}")]
@@ -111,6 +150,19 @@ pub struct TrainConfig {
     pub optimizer_threads: usize,
     /// Tokens to sample from the trained model at the end (GPT only; default 160).
     pub sample_tokens: usize,
+    /// Ranks that drain and leave at the start of a step (`RANK@STEP`).
+    pub leave: Vec<At>,
+    /// New ranks that join at the start of a step (`COUNT@STEP`); they take the next unused ids.
+    pub join: Vec<At>,
+    /// Ranks that die abruptly during a step (`RANK@STEP`).
+    pub kill: Vec<At>,
+    /// The world never shrinks below this many ranks (default 1).
+    pub min_ranks: u32,
+    /// Nor grows beyond this many (default 64).
+    pub max_ranks: u32,
+    /// Buddy backups of every rank's state at least every this many steps; 0 turns them off,
+    /// and then losing a rank stops the run (default 1).
+    pub replicate_every: u64,
     /// Directory to save checkpoints in (`step-N/` subdirectories); none: no checkpoints.
     pub save_dir: Option<PathBuf>,
     /// Save a checkpoint after every this many steps and after the last step; 0 saves only on
@@ -153,6 +205,12 @@ impl Default for TrainConfig {
             initial_grad_bound: 65536.0,
             optimizer_threads: 1,
             sample_tokens: 160,
+            leave: Vec::new(),
+            join: Vec::new(),
+            kill: Vec::new(),
+            min_ranks: 1,
+            max_ranks: 64,
+            replicate_every: 1,
             save_dir: None,
             save_every: 0,
             keep_checkpoints: 3,
@@ -258,6 +316,7 @@ impl TrainConfig {
                 "must be at least 1",
             ));
         }
+        self.validate_membership()?;
         if self.save_every > 0 && self.save_dir.is_none() {
             return Err(ConfigError::new(
                 "save_every",
@@ -269,6 +328,102 @@ impl TrainConfig {
                 return Err(ConfigError::new(
                     "data",
                     format!("{} does not exist or is not a file", path.display()),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Plays the membership script forward and refuses one that names a rank that is not a
+    /// member at that step, leaves the world outside [min_ranks, max_ranks], or acts after the
+    /// last step.
+    fn validate_membership(&self) -> Result<(), ConfigError> {
+        if self.min_ranks == 0 || self.min_ranks > self.max_ranks {
+            return Err(ConfigError::new(
+                "min_ranks",
+                "must be at least 1 and at most max_ranks",
+            ));
+        }
+        if self.ranks > self.max_ranks {
+            return Err(ConfigError::new(
+                "ranks",
+                format!("{} exceeds max_ranks {}", self.ranks, self.max_ranks),
+            ));
+        }
+        let mut members: Vec<u32> = (0..self.ranks).collect();
+        let mut next = self.ranks;
+        let mut steps: Vec<u64> = self
+            .leave
+            .iter()
+            .chain(&self.join)
+            .chain(&self.kill)
+            .map(|a| a.step)
+            .collect();
+        steps.sort_unstable();
+        steps.dedup();
+        for step in steps {
+            let field = |f: &str, a: &At, why: String| {
+                ConfigError::new(f, format!("{}@{}: {why}", a.value, a.step))
+            };
+            for a in self
+                .leave
+                .iter()
+                .chain(&self.kill)
+                .filter(|a| a.step == step)
+            {
+                let f = if self.leave.contains(a) {
+                    "leave"
+                } else {
+                    "kill"
+                };
+                if a.step >= self.steps {
+                    return Err(field(
+                        f,
+                        a,
+                        format!("the run has only {} steps", self.steps),
+                    ));
+                }
+                if !members.contains(&a.value) {
+                    return Err(field(
+                        f,
+                        a,
+                        format!(
+                            "rank {} is not a member then (members: {members:?})",
+                            a.value
+                        ),
+                    ));
+                }
+                members.retain(|&m| m != a.value);
+            }
+            for a in self.join.iter().filter(|a| a.step == step) {
+                if a.step >= self.steps {
+                    return Err(field(
+                        "join",
+                        a,
+                        format!("the run has only {} steps", self.steps),
+                    ));
+                }
+                members.extend(next..next + a.value);
+                next += a.value;
+            }
+            if members.len() < self.min_ranks as usize {
+                return Err(ConfigError::new(
+                    "leave",
+                    format!(
+                        "at step {step} the world would shrink to {} ranks, below min_ranks {}",
+                        members.len(),
+                        self.min_ranks
+                    ),
+                ));
+            }
+            if members.len() > self.max_ranks as usize {
+                return Err(ConfigError::new(
+                    "join",
+                    format!(
+                        "at step {step} the world would grow to {} ranks, above max_ranks {}",
+                        members.len(),
+                        self.max_ranks
+                    ),
                 ));
             }
         }
@@ -330,6 +485,22 @@ mod tests {
         assert_eq!(bad(|c| c.data = Some("/nonexistent/file".into())), "data");
         assert_eq!(bad(|c| c.micro_batches = 0), "micro_batches");
         assert_eq!(bad(|c| c.save_every = 5), "save_every");
+        assert_eq!(bad(|c| c.leave = vec!["7@1".parse().unwrap()]), "leave");
+        assert_eq!(bad(|c| c.leave = vec!["1@500".parse().unwrap()]), "leave");
+        assert_eq!(
+            bad(|c| {
+                c.max_ranks = 5;
+                c.join = vec!["2@3".parse().unwrap()]
+            }),
+            "join"
+        );
+        assert_eq!(
+            bad(|c| {
+                c.min_ranks = 4;
+                c.kill = vec!["0@3".parse().unwrap()]
+            }),
+            "leave"
+        );
     }
 
     #[test]
@@ -338,6 +509,7 @@ mod tests {
             d_model: 16,
             lr: 1.25e-3,
             save_dir: Some("ck".into()),
+            leave: vec![At { value: 1, step: 3 }],
             ..TrainConfig::default()
         };
         let c = TrainConfig::from_toml_over(&base, "ranks = 2\n").unwrap();
@@ -350,5 +522,19 @@ mod tests {
         );
         let err = TrainConfig::from_toml_over(&base, "bogus = 1\n").unwrap_err();
         assert_eq!(err.field, "bogus");
+    }
+
+    #[test]
+    fn membership_script_parses_from_toml() {
+        let c = TrainConfig::from_toml("leave = [\"1@3\"]\njoin = [\"2@5\"]\n").unwrap();
+        assert_eq!(c.leave, vec![At { value: 1, step: 3 }]);
+        assert_eq!(c.join, vec![At { value: 2, step: 5 }]);
+        c.validate().unwrap();
+        // A joiner (rank 4) may leave later.
+        let c = TrainConfig {
+            leave: vec![At { value: 4, step: 7 }],
+            ..c
+        };
+        c.validate().unwrap();
     }
 }

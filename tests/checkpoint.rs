@@ -757,3 +757,51 @@ fn an_external_sigterm_mid_run_leaves_a_verified_checkpoint() {
     let v = ezero(&["checkpoint", "verify", s(&root)]);
     assert!(ok(&v).stdout.starts_with("ok: "));
 }
+
+#[test]
+fn a_checkpoint_taken_after_membership_changes_resumes_bit_for_bit() {
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("ck");
+    let want = ok(&train_cli(&["--steps", "6", "--ranks", "2"])).sha();
+    // Rank 1 leaves at step 2 and two ranks join at step 3: the step-4 checkpoint is saved by
+    // ranks {0, 2, 3, 4} under a later shard-map epoch.
+    let r = train_cli(&[
+        "--steps",
+        "6",
+        "--ranks",
+        "3",
+        "--leave",
+        "1@2",
+        "--join",
+        "2@3",
+        "--save-dir",
+        s(&root),
+        "--save-every",
+        "4",
+    ]);
+    assert_eq!(ok(&r).sha(), want);
+    let ins = ezero(&["checkpoint", "inspect", s(&step_dir(&root, 4)), "--json"]);
+    let v: serde_json::Value = serde_json::from_str(ok(&ins).stdout.trim()).unwrap();
+    let ranks: Vec<u64> = v["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["rank"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ranks, vec![0, 2, 3, 4]);
+    assert!(v["epoch"].as_u64().unwrap() > 1);
+    for (ranks, stage) in [("1", "3"), ("5", "2")] {
+        let resumed = ezero(&[
+            "train",
+            "--resume",
+            s(&step_dir(&root, 4)),
+            "--ranks",
+            ranks,
+            "--stage",
+            stage,
+            "--save-every",
+            "0",
+        ]);
+        assert_eq!(ok(&resumed).sha(), want, "{ranks} ranks, ZeRO-{stage}");
+    }
+}

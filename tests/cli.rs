@@ -94,12 +94,45 @@ fn bad_input_is_one_line_exit_2_and_writes_nothing() {
 }
 
 #[test]
-fn a_panicking_rank_stops_the_run_with_a_clear_error() {
-    let mut args = SMALL.to_vec();
-    args.extend(["--ranks", "3", "--panic-rank", "1@1"]);
-    let (code, _, err) = train(&args);
+fn a_panicking_rank_is_recovered_from_or_stops_the_run_with_a_clear_error() {
+    // With buddy backups (the default) the lost rank's state survives: training goes on and
+    // ends where a run without the fault ends.
+    let plain = [
+        "--model",
+        "mlp",
+        "--layers",
+        "1",
+        "--d-model",
+        "16",
+        "--seq-len",
+        "8",
+        "--micro-batches",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--steps",
+        "3",
+        "--sample-tokens",
+        "0",
+        "--ranks",
+        "3",
+    ];
+    let (code, want, err) = train(&plain);
+    assert_eq!(code, 0, "{err}");
+    let mut faulty = plain.to_vec();
+    faulty.extend(["--panic-rank", "1@1"]);
+    let (code, out, err) = train(&faulty);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("lost ranks [1]"), "{out}");
+    assert_eq!(out.lines().last(), want.lines().last());
+    // Without backups the run stops, names the rank and says what to do.
+    faulty.extend(["--replicate-every", "0"]);
+    let (code, _, err) = train(&faulty);
     assert_eq!(code, 1, "{err}");
-    assert!(err.contains("rank 1") && err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("rank 1") && err.contains("panicked") && err.contains("checkpoint"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -27,6 +27,13 @@ pub const MAY_CHANGE: &[&str] = &[
     "keep_checkpoints",
     // The path may differ; the file's bytes may not (compared by SHA-256 below).
     "data",
+    // Membership (scripted changes, faults, bounds, backups) never changes the numbers.
+    "leave",
+    "join",
+    "kill",
+    "min_ranks",
+    "max_ranks",
+    "replicate_every",
 ];
 
 /// Refuses, naming the first difference, unless `manifest` can resume a run of `cfg` on a model

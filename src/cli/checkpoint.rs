@@ -23,7 +23,7 @@ use elastic_zero::checkpoint::{
 };
 use elastic_zero::config::{ModelKind, TrainConfig};
 use elastic_zero::data::Dataset;
-use elastic_zero::engine::coordinator::StepRecord;
+use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
 use elastic_zero::model::Model;
 use elastic_zero::runtime::actors::Snapshot;
 use elastic_zero::runtime::cluster::Observer;
@@ -330,8 +330,14 @@ pub fn resolve_train(args: &TrainArgs) -> Result<(TrainConfig, Option<Loaded>), 
     } else {
         load_path(dir).map_err(usage)?
     };
+    // Scripted membership changes before the checkpoint's step already happened: not replayed.
+    let mut base = loaded.manifest.config.clone();
+    let step = loaded.manifest.step;
+    for list in [&mut base.leave, &mut base.join, &mut base.kill] {
+        list.retain(|a| a.step >= step);
+    }
     let cfg = args
-        .resolve_over(Some(&loaded.manifest.config))
+        .resolve_over(Some(&base))
         .map_err(|e| CliError::Usage(e.to_string()))?;
     Ok((cfg, Some(loaded)))
 }
@@ -573,15 +579,15 @@ fn parse_crash(s: &str) -> Result<(u64, CrashPoint), String> {
     ))
 }
 
-/// The train loop's observer: the progress display, plus saving when configured.
-pub struct SaveObserver<F> {
-    pub on_step: F,
+/// The train loop's observer: `inner` (the progress display), plus saving when configured.
+pub struct SaveObserver<O> {
+    pub inner: O,
     pub saving: Option<Saving>,
 }
 
-impl<F: FnMut(&StepRecord)> Observer for &mut SaveObserver<F> {
+impl<O: Observer> Observer for &mut SaveObserver<O> {
     fn on_step(&mut self, rec: &StepRecord) {
-        (self.on_step)(rec);
+        self.inner.on_step(rec);
         if let Some(s) = &mut self.saving {
             s.on_step(rec);
         }
@@ -591,5 +597,9 @@ impl<F: FnMut(&StepRecord)> Observer for &mut SaveObserver<F> {
         if let Some(s) = &mut self.saving {
             s.on_snapshot(snap);
         }
+    }
+
+    fn on_membership(&mut self, record: &MembershipRecord) {
+        self.inner.on_membership(record);
     }
 }

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-use elastic_zero::config::{ConfigError, ModelKind, OptimizerChoice, TrainConfig};
+use elastic_zero::config::{At, ConfigError, ModelKind, OptimizerChoice, TrainConfig};
 use elastic_zero::reduce::ReduceMode;
 
 #[derive(Parser)]
@@ -120,6 +120,22 @@ pub struct TrainArgs {
     /// Tokens to sample from the trained GPT (0 to skip).
     #[arg(long)]
     pub sample_tokens: Option<usize>,
+    /// A rank drains and leaves at the start of a step: RANK@STEP (repeatable).
+    #[arg(long, value_name = "RANK@STEP")]
+    pub leave: Vec<At>,
+    /// New ranks join at the start of a step: COUNT@STEP (repeatable; they take the next ids).
+    #[arg(long, value_name = "COUNT@STEP")]
+    pub join: Vec<At>,
+    /// A rank dies abruptly halfway through a step: RANK@STEP (repeatable).
+    #[arg(long, value_name = "RANK@STEP")]
+    pub kill: Vec<At>,
+    /// Buddy backups at least every this many steps (0: off; a lost rank then stops the run).
+    #[arg(long)]
+    pub replicate_every: Option<u64>,
+    #[arg(long)]
+    pub min_ranks: Option<u32>,
+    #[arg(long)]
+    pub max_ranks: Option<u32>,
     /// Fault injection for tests: RANK@STEP makes that rank's compute panic at that step.
     #[arg(long, hide = true, value_parser = parse_rank_at)]
     pub panic_rank: Option<(u32, u64)>,
@@ -231,10 +247,22 @@ impl TrainArgs {
             optimizer_threads,
             sample_tokens,
             save_every,
-            keep_checkpoints
+            keep_checkpoints,
+            replicate_every,
+            min_ranks,
+            max_ranks
         );
         if self.save_dir.is_some() {
             c.save_dir = self.save_dir.clone();
+        }
+        for (flag, list) in [
+            (&self.leave, &mut c.leave),
+            (&self.join, &mut c.join),
+            (&self.kill, &mut c.kill),
+        ] {
+            if !flag.is_empty() {
+                list.clone_from(flag);
+            }
         }
         if self.data.is_some() {
             c.data = self.data.clone();

@@ -6,10 +6,11 @@ use std::time::Instant;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use elastic_zero::config::{ModelKind, TrainConfig};
-use elastic_zero::engine::coordinator::StepRecord;
+use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
 use elastic_zero::job::{build_dataset, build_model};
 use elastic_zero::model::sample::generate;
 use elastic_zero::model::{param_count, Model};
+use elastic_zero::runtime::cluster::Observer;
 use elastic_zero::runtime::{train, ClusterSpec};
 use elastic_zero::summary::{median, param_sha256, rank_summaries, TrainSummary};
 
@@ -73,43 +74,42 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     let started = Instant::now();
     let mut observer = SaveObserver {
         saving,
-        on_step: |rec: &StepRecord| {
-            let tps = tokens / (rec.duration_ms.max(1) as f64 / 1e3);
-            let mem: Vec<String> = rec
-                .reports
-                .iter()
-                .map(|r| format!("{:.1}", r.resident.total() as f64 / 1048576.0))
-                .collect();
-            bar.set_position(rec.step + 1);
-            bar.set_message(format!(
-                "loss {:.4}  {:.0} tok/s  MiB/rank [{}]",
-                rec.loss,
-                tps,
-                mem.join(" ")
-            ));
-            if rec.step % log_every == 0 || rec.step + 1 == cfg.steps {
-                let line = format!(
-                    "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s{}",
-                    rec.step + 1,
-                    cfg.steps,
+        inner: Progress {
+            bar: &bar,
+            on_step: |rec: &StepRecord| {
+                let tps = tokens / (rec.duration_ms.max(1) as f64 / 1e3);
+                let mem: Vec<String> = rec
+                    .reports
+                    .iter()
+                    .map(|r| format!("{:.1}", r.resident.total() as f64 / 1048576.0))
+                    .collect();
+                bar.set_position(rec.step + 1);
+                bar.set_message(format!(
+                    "loss {:.4}  {:.0} tok/s  MiB/rank [{}]",
                     rec.loss,
-                    floor
-                        .map(|f| format!(" (floor {f:.4})"))
-                        .unwrap_or_default(),
-                    rec.grad_norm,
                     tps,
-                    if rec.skipped {
-                        "  [skipped: non-finite gradient]"
-                    } else {
-                        ""
-                    },
-                );
-                if bar.is_hidden() {
-                    println!("{line}");
-                } else {
-                    bar.println(line);
+                    mem.join(" ")
+                ));
+                if rec.step % log_every == 0 || rec.step + 1 == cfg.steps {
+                    let line = format!(
+                        "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s{}",
+                        rec.step + 1,
+                        cfg.steps,
+                        rec.loss,
+                        floor
+                            .map(|f| format!(" (floor {f:.4})"))
+                            .unwrap_or_default(),
+                        rec.grad_norm,
+                        tps,
+                        if rec.skipped {
+                            "  [skipped: non-finite gradient]"
+                        } else {
+                            ""
+                        },
+                    );
+                    print_line(&bar, line);
                 }
-            }
+            },
         },
     };
     let outcome = rt.block_on(train(spec, &mut observer));
@@ -145,6 +145,44 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     }
     println!("param-sha256: {}", summary.param_sha256);
     Ok(())
+}
+
+/// Prints above the progress bar (or plainly when there is none).
+fn print_line(bar: &ProgressBar, line: String) {
+    if bar.is_hidden() {
+        println!("{line}");
+    } else {
+        bar.println(line);
+    }
+}
+
+/// Feeds step records to the closure and prints membership changes as they happen.
+struct Progress<'a, F: FnMut(&StepRecord)> {
+    bar: &'a ProgressBar,
+    on_step: F,
+}
+
+impl<F: FnMut(&StepRecord)> Observer for Progress<'_, F> {
+    fn on_step(&mut self, rec: &StepRecord) {
+        (self.on_step)(rec)
+    }
+
+    fn on_membership(&mut self, m: &MembershipRecord) {
+        let what = match m.rolled_back_to {
+            Some(step) => format!(
+                "lost ranks {:?}: rolled back to the backup before step {step}, replaying",
+                m.lost
+            ),
+            None => "rebalanced in place".to_string(),
+        };
+        print_line(
+            self.bar,
+            format!(
+                "membership epoch {}: ranks {:?} -> {:?}; {what}; moved {} chunk elements (minimum {}) in {} ms",
+                m.epoch, m.before, m.after, m.moved_chunk_elems, m.min_chunk_elems, m.duration_ms
+            ),
+        );
+    }
 }
 
 fn progress_bar(steps: u64) -> ProgressBar {

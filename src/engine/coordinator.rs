@@ -4,10 +4,11 @@
 //! checks that the ranks agree, and either plans the next step or finishes. It never touches a
 //! socket, a thread or the clock; the actor in `runtime` feeds it and executes its commands.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::engine::messages::{StepPlan, StepReport};
 use crate::optim::lr::LrSchedule;
+use crate::plan::rebalance::{min_move_elems, rebalance};
 use crate::plan::schedule::assign_micro_batches;
 use crate::plan::{RankId, ShardMap};
 use crate::reduce::exact;
@@ -23,6 +24,40 @@ pub struct Progress {
     pub grad_bounds: Vec<f32>,
 }
 
+/// A membership change the job script or an operator asks for, applied at a step boundary.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Change {
+    /// The rank drains and leaves (a spot interruption notice).
+    Leave(RankId),
+    /// This many new ranks join (they take the next unused rank ids).
+    Join(u32),
+}
+
+/// A change scheduled to take effect at the start of `step`.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ScriptedChange {
+    pub step: u64,
+    pub change: Change,
+}
+
+/// A completed membership change, for the progress view and the control API.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MembershipRecord {
+    /// The step that runs first under the new membership.
+    pub step: u64,
+    pub epoch: u64,
+    pub before: Vec<RankId>,
+    pub after: Vec<RankId>,
+    /// Elements whose owner changed (parameters of a chunk count once).
+    pub moved_chunk_elems: usize,
+    /// The lower bound on that for this change (`plan::rebalance::min_move_elems`).
+    pub min_chunk_elems: usize,
+    pub duration_ms: u64,
+    /// For a recovery from an abrupt loss: the ranks lost and the step training rolled back to.
+    pub lost: Vec<RankId>,
+    pub rolled_back_to: Option<u64>,
+}
+
 /// What the coordinator needs to know about the job.
 #[derive(Clone, Debug)]
 pub struct JobSpec {
@@ -35,6 +70,15 @@ pub struct JobSpec {
     pub initial_grad_bound: f32,
     /// Take a snapshot after every this many steps (0: only when asked).
     pub snapshot_every: u64,
+    /// Membership changes at given steps (demos and tests; operators use `request`).
+    pub script: Vec<ScriptedChange>,
+    /// The world never shrinks below this many ranks.
+    pub min_ranks: u32,
+    /// Nor grows above this many.
+    pub max_ranks: u32,
+    /// Take a buddy backup at least every this many steps (0: no backups, so losing a rank
+    /// stops the run).
+    pub replicate_every: u64,
 }
 
 /// Inputs to the state machine.
@@ -59,6 +103,31 @@ pub enum Event {
     },
     /// Snapshot at the next step boundary (a SIGTERM, an operator's request).
     SnapshotRequested,
+    /// A rank the coordinator asked for is up and idle.
+    Spawned {
+        rank: RankId,
+        now_ms: u64,
+    },
+    /// A rank finished its part of a reshard and holds its new state.
+    ReshardDone {
+        rank: RankId,
+        epoch: u64,
+        now_ms: u64,
+    },
+    /// A rank is alive and idle but did not finish the step (a peer vanished, or it was
+    /// interrupted).
+    StepAborted {
+        rank: RankId,
+        reason: String,
+        now_ms: u64,
+    },
+    /// A rank holds its backup for (epoch, step).
+    ReplicateDone {
+        rank: RankId,
+        epoch: u64,
+        step: u64,
+        now_ms: u64,
+    },
 }
 
 /// A finished step, as the coordinator saw it.
@@ -82,6 +151,38 @@ pub enum Command {
     /// Every rank is idle at a step boundary: capture every chunk's state with this progress
     /// before running the next step.
     Snapshot(Progress),
+    /// Start rank actors with these ids (joiners, holding no state yet).
+    Spawn {
+        ranks: Vec<RankId>,
+    },
+    /// Every rank in `old.members` and `new.members` moves chunks to go from `old` to `new`.
+    Reshard {
+        old: ShardMap,
+        new: ShardMap,
+        step: u64,
+    },
+    /// Stop these ranks: they left and hold nothing anymore.
+    Retire {
+        ranks: Vec<RankId>,
+    },
+    /// Every member takes a backup before `step` (own copy plus buddy replicas).
+    Replicate {
+        step: u64,
+    },
+    /// Wake these ranks from the abandoned (epoch, step): a peer is gone.
+    Interrupt {
+        ranks: Vec<RankId>,
+        epoch: u64,
+        step: u64,
+    },
+    /// Survivors roll back to their backups under `old` and rebuild onto `new` without `lost`.
+    Restore {
+        old: ShardMap,
+        new: ShardMap,
+        step: u64,
+        lost: Vec<RankId>,
+    },
+    MembershipChanged(Box<MembershipRecord>),
     Finish,
     Abort {
         reason: String,
@@ -91,7 +192,34 @@ pub enum Command {
 #[derive(Clone, Debug, PartialEq)]
 enum Phase {
     Idle,
-    Running { started_ms: u64 },
+    Running {
+        started_ms: u64,
+    },
+    /// Waiting for joiners to come up before a reshard.
+    Spawning {
+        started_ms: u64,
+        waiting: BTreeSet<RankId>,
+        next: Vec<RankId>,
+    },
+    /// Waiting for every participant of a reshard to report its new state. `rollback` is the
+    /// backup's progress and the lost ranks when this reshard is a recovery.
+    Resharding {
+        started_ms: u64,
+        new: ShardMap,
+        waiting: BTreeSet<RankId>,
+        rollback: Option<(Progress, Vec<RankId>)>,
+    },
+    /// Waiting for every member's backup.
+    Replicating {
+        started_ms: u64,
+        waiting: BTreeSet<RankId>,
+    },
+    /// A rank was lost: waiting for the survivors to be idle.
+    Recovering {
+        started_ms: u64,
+        lost: BTreeSet<RankId>,
+        waiting: BTreeSet<RankId>,
+    },
     Done,
     Failed,
 }
@@ -106,6 +234,17 @@ pub struct Coordinator {
     phase: Phase,
     reports: BTreeMap<RankId, StepReport>,
     snapshot_requested: bool,
+    /// Operator requests waiting for the next step boundary.
+    requested: Vec<Change>,
+    /// Rank ids handed out so far (joiners take the next ones).
+    next_rank: RankId,
+    membership_log: Vec<MembershipRecord>,
+    /// The step whose scripted changes were already applied.
+    script_applied: Option<u64>,
+    /// The newest complete backup: its epoch and progress.
+    backup: Option<(u64, Progress)>,
+    /// Ranks that reported an aborted step in the current step.
+    aborted: BTreeSet<RankId>,
 }
 
 impl Coordinator {
@@ -120,6 +259,7 @@ impl Coordinator {
 
     /// A coordinator that continues a job from `progress` (a restored snapshot).
     pub fn resume(job: JobSpec, map: ShardMap, progress: Progress) -> Self {
+        let next_rank = map.members.iter().max().map_or(0, |m| m + 1);
         Self {
             job,
             map,
@@ -129,7 +269,66 @@ impl Coordinator {
             phase: Phase::Idle,
             reports: BTreeMap::new(),
             snapshot_requested: false,
+            requested: Vec::new(),
+            next_rank,
+            script_applied: None,
+            backup: None,
+            aborted: BTreeSet::new(),
+            membership_log: Vec::new(),
         }
+    }
+
+    /// Membership changes completed so far.
+    pub fn membership_log(&self) -> &[MembershipRecord] {
+        &self.membership_log
+    }
+
+    /// Queues an operator's change for the next step boundary, or refuses it (nothing changes).
+    pub fn request(&mut self, change: Change) -> Result<(), String> {
+        let mut members = self.planned_members();
+        match &change {
+            Change::Leave(rank) => {
+                if !members.contains(rank) {
+                    return Err(format!(
+                        "rank {rank} is not a member (members: {:?})",
+                        self.map.members
+                    ));
+                }
+                members.retain(|r| r != rank);
+            }
+            Change::Join(n) => members.extend((0..*n).map(|i| u32::MAX - i)),
+        }
+        self.check_world(members.len())?;
+        self.requested.push(change);
+        Ok(())
+    }
+
+    fn check_world(&self, n: usize) -> Result<(), String> {
+        if n < self.job.min_ranks.max(1) as usize {
+            return Err(format!(
+                "that would leave {n} ranks, below the minimum of {}",
+                self.job.min_ranks.max(1)
+            ));
+        }
+        if n > self.job.max_ranks as usize {
+            return Err(format!(
+                "that would make {n} ranks, above the maximum of {}",
+                self.job.max_ranks
+            ));
+        }
+        Ok(())
+    }
+
+    /// Members after the already-requested changes.
+    fn planned_members(&self) -> Vec<RankId> {
+        let mut m = self.map.members.clone();
+        for c in &self.requested {
+            match c {
+                Change::Leave(r) => m.retain(|x| x != r),
+                Change::Join(n) => m.extend((0..*n).map(|i| u32::MAX - 1000 - i)),
+            }
+        }
+        m
     }
 
     pub fn progress(&self) -> Progress {
@@ -159,15 +358,33 @@ impl Coordinator {
         match event {
             Event::Start { now_ms } => self.start_step(now_ms),
             Event::StepDone { report, now_ms } => self.on_report(*report, now_ms),
-            Event::RankFailed { rank, reason, .. } => self.fail(format!(
-                "rank {rank} failed at step {}: {reason}",
-                self.step
-            )),
+            Event::RankFailed {
+                rank,
+                reason,
+                now_ms,
+            } => self.on_failure(rank, reason, now_ms),
+            Event::StepAborted {
+                rank,
+                reason,
+                now_ms,
+            } => self.on_aborted(rank, reason, now_ms),
+            Event::ReplicateDone {
+                rank,
+                epoch,
+                step,
+                now_ms,
+            } => self.on_replicated(rank, epoch, step, now_ms),
             Event::Tick { now_ms } => self.on_tick(now_ms),
             Event::SnapshotRequested => {
                 self.snapshot_requested = true;
                 Vec::new()
             }
+            Event::Spawned { rank, now_ms } => self.on_spawned(rank, now_ms),
+            Event::ReshardDone {
+                rank,
+                epoch,
+                now_ms,
+            } => self.on_reshard_done(rank, epoch, now_ms),
         }
     }
 
@@ -176,8 +393,31 @@ impl Coordinator {
             self.phase = Phase::Done;
             return vec![Command::Finish];
         }
+        let mut changes: Vec<Change> = Vec::new();
+        if self.script_applied != Some(self.step) {
+            self.script_applied = Some(self.step);
+            changes.extend(
+                self.job
+                    .script
+                    .iter()
+                    .filter(|c| c.step == self.step)
+                    .map(|c| c.change.clone()),
+            );
+        }
+        changes.append(&mut self.requested);
+        if !changes.is_empty() {
+            return self.change_membership(changes, now_ms);
+        }
+        if self.backup_due() {
+            self.phase = Phase::Replicating {
+                started_ms: now_ms,
+                waiting: self.map.members.iter().copied().collect(),
+            };
+            return vec![Command::Replicate { step: self.step }];
+        }
         self.phase = Phase::Running { started_ms: now_ms };
         self.reports.clear();
+        self.aborted.clear();
         vec![Command::RunStep(StepPlan {
             epoch: self.map.epoch,
             step: self.step,
@@ -187,6 +427,138 @@ impl Coordinator {
             opt_step: self.opt_step + 1,
             grad_bounds: self.bounds.clone(),
         })]
+    }
+
+    /// Applies changes at a step boundary: joiners are spawned first, then everyone reshards.
+    fn change_membership(&mut self, changes: Vec<Change>, now_ms: u64) -> Vec<Command> {
+        let mut members = self.map.members.clone();
+        let mut joiners = Vec::new();
+        for c in changes {
+            match c {
+                Change::Leave(r) => members.retain(|&m| m != r),
+                Change::Join(n) => {
+                    for _ in 0..n {
+                        joiners.push(self.next_rank);
+                        self.next_rank += 1;
+                    }
+                }
+            }
+        }
+        members.extend(&joiners);
+        if let Err(e) = self.check_world(members.len()) {
+            return self.fail(format!("membership change at step {}: {e}", self.step));
+        }
+        if joiners.is_empty() {
+            return self.begin_reshard(members, now_ms);
+        }
+        self.phase = Phase::Spawning {
+            started_ms: now_ms,
+            waiting: joiners.iter().copied().collect(),
+            next: members,
+        };
+        vec![Command::Spawn { ranks: joiners }]
+    }
+
+    fn begin_reshard(&mut self, members: Vec<RankId>, now_ms: u64) -> Vec<Command> {
+        if members == self.map.members {
+            return self.start_step(now_ms);
+        }
+        match rebalance(&self.map, &members) {
+            Ok((new, _)) => {
+                let waiting = self
+                    .map
+                    .members
+                    .iter()
+                    .chain(&new.members)
+                    .copied()
+                    .collect();
+                self.phase = Phase::Resharding {
+                    started_ms: now_ms,
+                    new: new.clone(),
+                    waiting,
+                    rollback: None,
+                };
+                vec![Command::Reshard {
+                    old: self.map.clone(),
+                    new,
+                    step: self.step,
+                }]
+            }
+            Err(e) => self.fail(format!("cannot plan the new membership: {e}")),
+        }
+    }
+
+    fn on_spawned(&mut self, rank: RankId, now_ms: u64) -> Vec<Command> {
+        let Phase::Spawning { waiting, next, .. } = &mut self.phase else {
+            return Vec::new();
+        };
+        waiting.remove(&rank);
+        if !waiting.is_empty() {
+            return Vec::new();
+        }
+        let next = std::mem::take(next);
+        self.begin_reshard(next, now_ms)
+    }
+
+    fn on_reshard_done(&mut self, rank: RankId, epoch: u64, now_ms: u64) -> Vec<Command> {
+        let Phase::Resharding {
+            started_ms,
+            new,
+            waiting,
+            rollback,
+        } = &mut self.phase
+        else {
+            return Vec::new();
+        };
+        if epoch != new.epoch {
+            return Vec::new();
+        }
+        waiting.remove(&rank);
+        if !waiting.is_empty() {
+            return Vec::new();
+        }
+        let (started_ms, new, rollback) = (*started_ms, new.clone(), rollback.take());
+        let moved: usize = crate::plan::rebalance::diff(&self.map, &new)
+            .iter()
+            .map(|m| m.elems)
+            .sum();
+        let record = MembershipRecord {
+            step: self.step,
+            epoch: new.epoch,
+            before: self.map.members.clone(),
+            after: new.members.clone(),
+            moved_chunk_elems: moved,
+            min_chunk_elems: min_move_elems(&self.map, &new.members),
+            duration_ms: now_ms.saturating_sub(started_ms),
+            lost: rollback
+                .as_ref()
+                .map(|(_, l)| l.clone())
+                .unwrap_or_default(),
+            rolled_back_to: rollback.as_ref().map(|(p, _)| p.step),
+        };
+        if let Some((p, _)) = rollback {
+            self.step = p.step;
+            self.opt_step = p.opt_step;
+            self.bounds = p.grad_bounds;
+            // Scripted changes of the steps being replayed already happened.
+            self.script_applied = Some(self.step);
+        }
+        let leavers: Vec<RankId> = self
+            .map
+            .members
+            .iter()
+            .copied()
+            .filter(|r| !new.is_member(*r))
+            .collect();
+        self.map = new;
+        self.membership_log.push(record.clone());
+        let mut out = Vec::new();
+        if !leavers.is_empty() {
+            out.push(Command::Retire { ranks: leavers });
+        }
+        out.push(Command::MembershipChanged(Box::new(record)));
+        out.extend(self.start_step(now_ms));
+        out
     }
 
     fn on_report(&mut self, report: StepReport, now_ms: u64) -> Vec<Command> {
@@ -254,7 +626,178 @@ impl Coordinator {
                     self.step, self.job.step_timeout_ms
                 ))
             }
+            Phase::Spawning { started_ms, .. }
+            | Phase::Resharding { started_ms, .. }
+            | Phase::Replicating { started_ms, .. }
+            | Phase::Recovering { started_ms, .. }
+                if now_ms.saturating_sub(started_ms) > self.job.step_timeout_ms =>
+            {
+                self.fail(format!(
+                    "membership change before step {} did not complete within {} ms",
+                    self.step, self.job.step_timeout_ms
+                ))
+            }
             _ => Vec::new(),
+        }
+    }
+
+    fn backup_due(&self) -> bool {
+        let every = self.job.replicate_every;
+        if every == 0 || self.map.world_size() < 2 {
+            return false;
+        }
+        match &self.backup {
+            Some((epoch, p)) => *epoch != self.map.epoch || self.step >= p.step + every,
+            None => true,
+        }
+    }
+
+    fn on_replicated(&mut self, rank: RankId, epoch: u64, step: u64, now_ms: u64) -> Vec<Command> {
+        let Phase::Replicating { waiting, .. } = &mut self.phase else {
+            return Vec::new();
+        };
+        if epoch != self.map.epoch || step != self.step {
+            return Vec::new();
+        }
+        waiting.remove(&rank);
+        if !waiting.is_empty() {
+            return Vec::new();
+        }
+        self.backup = Some((self.map.epoch, self.progress()));
+        self.start_step(now_ms)
+    }
+
+    fn on_aborted(&mut self, rank: RankId, reason: String, now_ms: u64) -> Vec<Command> {
+        match &mut self.phase {
+            // Alive but stuck on a vanished peer: wait for the failure itself (or the deadline).
+            Phase::Running { .. } => {
+                self.aborted.insert(rank);
+                Vec::new()
+            }
+            Phase::Recovering { waiting, .. } => {
+                waiting.remove(&rank);
+                self.try_restore(now_ms)
+            }
+            _ => self.fail(format!("rank {rank} aborted outside a step: {reason}")),
+        }
+    }
+
+    /// A rank is gone. With a backup that still covers every chunk, roll back and go on;
+    /// otherwise stop and say what was lost.
+    fn on_failure(&mut self, rank: RankId, reason: String, now_ms: u64) -> Vec<Command> {
+        let lost: BTreeSet<RankId> = match &self.phase {
+            Phase::Running { .. } => [rank].into(),
+            Phase::Recovering { lost, .. } => lost.iter().copied().chain([rank]).collect(),
+            _ => {
+                return self.fail(format!(
+                    "rank {rank} failed at step {}: {reason}",
+                    self.step
+                ))
+            }
+        };
+        let Some((epoch, _)) = &self.backup else {
+            return self.fail(format!(
+                "rank {rank} failed at step {}: {reason}; no in-memory backup exists (replicate_every is 0 or the world has one rank): resume from your newest checkpoint",
+                self.step
+            ));
+        };
+        if *epoch != self.map.epoch {
+            return self.fail(format!("rank {rank} failed at step {}: {reason}; the backup predates the current shard map", self.step));
+        }
+        let lost_list: Vec<RankId> = lost.iter().copied().collect();
+        let missing = crate::plan::replica::holders(&self.map, &lost_list).err();
+        if let Some(missing) = missing {
+            return self.fail(format!(
+                "ranks {lost_list:?} are lost at step {} ({reason}); chunks {missing:?} (unit/index) had no other copy. Resume from your newest checkpoint",
+                self.step
+            ));
+        }
+        let survivors: Vec<RankId> = self
+            .map
+            .members
+            .iter()
+            .copied()
+            .filter(|r| !lost.contains(r))
+            .collect();
+        if let Err(e) = self.check_world(survivors.len()) {
+            return self.fail(format!(
+                "ranks {lost_list:?} are lost at step {}: {e}",
+                self.step
+            ));
+        }
+        let first = !matches!(self.phase, Phase::Recovering { .. });
+        let started_ms = match self.phase {
+            Phase::Recovering { started_ms, .. } => started_ms,
+            _ => now_ms,
+        };
+        let waiting: BTreeSet<RankId> = survivors
+            .iter()
+            .copied()
+            .filter(|r| !self.reports.contains_key(r) && !self.aborted.contains(r))
+            .filter(|r| match &self.phase {
+                Phase::Recovering { waiting, .. } => waiting.contains(r),
+                _ => true,
+            })
+            .collect();
+        self.phase = Phase::Recovering {
+            started_ms,
+            lost,
+            waiting: waiting.clone(),
+        };
+        let mut out = Vec::new();
+        if first {
+            out.push(Command::Interrupt {
+                ranks: waiting.into_iter().collect(),
+                epoch: self.map.epoch,
+                step: self.step,
+            });
+        }
+        out.extend(self.try_restore(now_ms));
+        out
+    }
+
+    fn try_restore(&mut self, now_ms: u64) -> Vec<Command> {
+        let Phase::Recovering {
+            started_ms,
+            lost,
+            waiting,
+        } = &self.phase
+        else {
+            return Vec::new();
+        };
+        if !waiting.is_empty() {
+            return Vec::new();
+        }
+        let (started_ms, lost) = (*started_ms, lost.iter().copied().collect::<Vec<_>>());
+        let Some((_, progress)) = self.backup.clone() else {
+            return self.fail("recovery without a backup".into());
+        };
+        let survivors: Vec<RankId> = self
+            .map
+            .members
+            .iter()
+            .copied()
+            .filter(|r| !lost.contains(r))
+            .collect();
+        match rebalance(&self.map, &survivors) {
+            Ok((new, _)) => {
+                let _ = now_ms;
+                let waiting = survivors.into_iter().collect();
+                let step = progress.step;
+                self.phase = Phase::Resharding {
+                    started_ms,
+                    new: new.clone(),
+                    waiting,
+                    rollback: Some((progress, lost.clone())),
+                };
+                vec![Command::Restore {
+                    old: self.map.clone(),
+                    new,
+                    step,
+                    lost,
+                }]
+            }
+            Err(e) => self.fail(format!("cannot plan the survivors' shard map: {e}")),
         }
     }
 
@@ -315,6 +858,10 @@ mod tests {
             step_timeout_ms: 1000,
             initial_grad_bound: exact::INITIAL_BOUND,
             snapshot_every: 0,
+            script: Vec::new(),
+            min_ranks: 1,
+            max_ranks: 64,
+            replicate_every: 0,
         }
     }
 
@@ -374,6 +921,144 @@ mod tests {
         assert!(c.is_finished());
     }
 
+    fn kinds(cmds: &[Command]) -> Vec<&'static str> {
+        cmds.iter()
+            .map(|c| match c {
+                Command::RunStep(_) => "run",
+                Command::StepCompleted(_) => "done",
+                Command::Snapshot(_) => "snap",
+                Command::Spawn { .. } => "spawn",
+                Command::Reshard { .. } => "reshard",
+                Command::Retire { .. } => "retire",
+                Command::MembershipChanged(_) => "membership",
+                Command::Replicate { .. } => "replicate",
+                Command::Interrupt { .. } => "interrupt",
+                Command::Restore { .. } => "restore",
+                Command::Finish => "finish",
+                Command::Abort { .. } => "abort",
+            })
+            .collect()
+    }
+
+    #[test]
+    fn scripted_leave_and_join_reshard_at_step_boundaries() {
+        let map = ShardMap::plan(&[100], &[0, 1, 2], 10, 0).unwrap();
+        let script = vec![
+            ScriptedChange {
+                step: 1,
+                change: Change::Leave(1),
+            },
+            ScriptedChange {
+                step: 2,
+                change: Change::Join(2),
+            },
+        ];
+        let mut c = Coordinator::new(JobSpec { script, ..job(3) }, map);
+        c.handle(Event::Start { now_ms: 0 });
+        for r in 0..2 {
+            assert!(c.handle(done(report(r, 0), 1)).is_empty());
+        }
+        let cmds = c.handle(done(report(2, 0), 2));
+        assert_eq!(kinds(&cmds), ["done", "reshard"]);
+        let Command::Reshard { new, .. } = &cmds[1] else {
+            unreachable!()
+        };
+        assert_eq!((new.epoch, new.members.clone()), (1, vec![0, 2]));
+        // Every participant, the leaver included, must report before the epoch commits.
+        assert!(c
+            .handle(Event::ReshardDone {
+                rank: 0,
+                epoch: 1,
+                now_ms: 3
+            })
+            .is_empty());
+        assert!(
+            c.handle(Event::ReshardDone {
+                rank: 2,
+                epoch: 0,
+                now_ms: 3
+            })
+            .is_empty(),
+            "stale epoch"
+        );
+        assert!(c
+            .handle(Event::ReshardDone {
+                rank: 2,
+                epoch: 1,
+                now_ms: 3
+            })
+            .is_empty());
+        let cmds = c.handle(Event::ReshardDone {
+            rank: 1,
+            epoch: 1,
+            now_ms: 4,
+        });
+        assert_eq!(kinds(&cmds), ["retire", "membership", "run"]);
+        let Command::RunStep(plan) = &cmds[2] else {
+            unreachable!()
+        };
+        assert_eq!((plan.epoch, plan.step, plan.assignment.len()), (1, 1, 2));
+        let mut r0 = report(0, 1);
+        r0.epoch = 1;
+        let mut r2 = report(2, 1);
+        r2.epoch = 1;
+        c.handle(done(r0, 5));
+        let cmds = c.handle(done(r2, 6));
+        assert_eq!(kinds(&cmds), ["done", "spawn"]);
+        let Command::Spawn { ranks } = &cmds[1] else {
+            unreachable!()
+        };
+        assert_eq!(ranks, &vec![3, 4], "joiners take the next unused ids");
+        assert!(c.handle(Event::Spawned { rank: 3, now_ms: 7 }).is_empty());
+        assert_eq!(
+            kinds(&c.handle(Event::Spawned { rank: 4, now_ms: 7 })),
+            ["reshard"]
+        );
+        for r in [0, 2, 3] {
+            assert!(c
+                .handle(Event::ReshardDone {
+                    rank: r,
+                    epoch: 2,
+                    now_ms: 8
+                })
+                .is_empty());
+        }
+        assert_eq!(
+            kinds(&c.handle(Event::ReshardDone {
+                rank: 4,
+                epoch: 2,
+                now_ms: 9
+            })),
+            ["membership", "run"]
+        );
+        assert_eq!(c.map().members, vec![0, 2, 3, 4]);
+        assert_eq!(c.membership_log().len(), 2);
+    }
+
+    #[test]
+    fn operator_requests_are_checked_and_refused_without_effect() {
+        let map = ShardMap::plan(&[100], &[0, 1], 10, 1).unwrap();
+        let mut c = Coordinator::new(
+            JobSpec {
+                min_ranks: 2,
+                max_ranks: 3,
+                ..job(3)
+            },
+            map,
+        );
+        assert!(c
+            .request(Change::Leave(9))
+            .unwrap_err()
+            .contains("not a member"));
+        assert!(c.request(Change::Leave(1)).unwrap_err().contains("minimum"));
+        assert!(c.request(Change::Join(2)).unwrap_err().contains("maximum"));
+        c.request(Change::Join(1)).unwrap();
+        assert!(
+            c.request(Change::Join(1)).unwrap_err().contains("maximum"),
+            "queued requests count"
+        );
+    }
+
     #[test]
     fn snapshots_come_at_step_boundaries_before_the_next_step() {
         let map = ShardMap::plan(&[10], &[0], 4, 0).unwrap();
@@ -385,17 +1070,6 @@ mod tests {
             map,
         );
         c.handle(Event::Start { now_ms: 0 });
-        let kinds = |cmds: &[Command]| {
-            cmds.iter()
-                .map(|c| match c {
-                    Command::RunStep(_) => "run",
-                    Command::StepCompleted(_) => "done",
-                    Command::Snapshot(_) => "snap",
-                    Command::Finish => "finish",
-                    Command::Abort { .. } => "abort",
-                })
-                .collect::<Vec<_>>()
-        };
         assert_eq!(kinds(&c.handle(done(report(0, 0), 1))), ["done", "run"]);
         let cmds = c.handle(done(report(0, 1), 2));
         assert_eq!(kinds(&cmds), ["done", "snap", "run"]);

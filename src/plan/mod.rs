@@ -2,6 +2,8 @@
 //! communication volumes. Nothing here touches threads, sockets, clocks or the runtime.
 
 pub mod memory;
+pub mod rebalance;
+pub mod replica;
 pub mod schedule;
 pub mod shard_map;
 pub mod volume;

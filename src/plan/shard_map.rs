@@ -162,7 +162,7 @@ pub fn chunk_lengths(numel: usize, chunk_elems: usize) -> impl Iterator<Item = u
     (0..n).map(move |i| chunk_elems.min(numel - i * chunk_elems))
 }
 
-fn sorted_members(members: &[RankId]) -> Result<Vec<RankId>, PlanError> {
+pub(crate) fn sorted_members(members: &[RankId]) -> Result<Vec<RankId>, PlanError> {
     if members.is_empty() {
         return Err(PlanError::NoRanks);
     }

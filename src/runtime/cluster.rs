@@ -10,17 +10,20 @@ use ractor::{Actor, ActorRef};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::actors::{
-    collect_chunks, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, RankActor, RankArgs,
-    RankMsg, Snapshot, Work,
+    ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, RankActor, RankArgs, RankFactory,
+    RankSetup, Snapshot, Work,
 };
 use super::clock::SystemClock;
 use super::comm::Comm;
 use super::local::{LocalEndpoint, LocalNetwork};
+use super::rank_actor::RankMsg;
 use super::rank_state::{ChunkState, OptimSettings, RankState};
 use super::step::ExecConfig;
 use crate::config::{OptimizerChoice, TrainConfig};
 use crate::data::Dataset;
-use crate::engine::coordinator::{Coordinator, JobSpec, StepRecord};
+use crate::engine::coordinator::{
+    Change, Coordinator, JobSpec, MembershipRecord, ScriptedChange, StepRecord,
+};
 use crate::model::Model;
 use crate::optim::{AdamHyper, LrSchedule, OptimizerKind};
 use crate::plan::{RankId, ShardMap, Stage};
@@ -36,6 +39,8 @@ pub enum ClusterError {
     Aborted(String),
     #[error("consolidating parameters failed: {0}")]
     Collect(String),
+    #[error("request refused: {0}")]
+    Refused(String),
 }
 
 /// Everything needed to start a cluster.
@@ -155,8 +160,39 @@ impl Cluster {
             step_timeout_ms: cfg.collective_timeout_ms.saturating_mul(4),
             initial_grad_bound: cfg.initial_grad_bound,
             snapshot_every: spec.snapshot_every,
+            script: membership_script(cfg),
+            min_ranks: cfg.min_ranks,
+            max_ranks: cfg.max_ranks,
+            replicate_every: cfg.replicate_every,
         };
-        let abort_net = Arc::clone(&net);
+        let optim = optim_settings(cfg);
+        let setup = Arc::new(RankSetup {
+            stage,
+            mode: cfg.reduce,
+            model: Arc::clone(&spec.model),
+            optim,
+            data: Arc::clone(&spec.data),
+            exec: exec_config(cfg),
+            disconnect: {
+                let net = Arc::clone(&net);
+                Box::new(move |r| net.kill(r))
+            },
+        });
+        let (abort_net, retire_net, join_net) =
+            (Arc::clone(&net), Arc::clone(&net), Arc::clone(&net));
+        let (join_setup, timeout_ms, kills) = (
+            Arc::clone(&setup),
+            cfg.collective_timeout_ms,
+            cfg.kill.clone(),
+        );
+        let factory: RankFactory<LocalEndpoint> = Box::new(move |rank, coordinator| RankArgs {
+            rank,
+            work: Work::new(None, Comm::new(join_net.endpoint(rank), timeout_ms)),
+            coordinator,
+            setup: Arc::clone(&join_setup),
+            panic_at_step: None,
+            kill_at_step: kills.iter().find(|k| k.value == rank).map(|k| k.step),
+        });
         let args = CoordArgs {
             engine: match &spec.resume {
                 Some(snap) => Coordinator::resume(job, map.clone(), snap.progress.clone()),
@@ -166,12 +202,17 @@ impl Cluster {
             clock: Arc::new(SystemClock::default()),
             tick_ms: 200,
             on_abort: Box::new(move || abort_net.close()),
+            on_retire: Box::new(move |r| retire_net.kill(r)),
+            on_interrupt: {
+                let net = Arc::clone(&net);
+                Box::new(move |r, epoch, step| net.interrupt(r, epoch, step))
+            },
+            factory,
         };
         let (coordinator, _) =
             Actor::spawn(None, CoordinatorActor::<LocalEndpoint>::default(), args)
                 .await
                 .map_err(|e| ClusterError::Spawn(e.to_string()))?;
-        let optim = optim_settings(cfg);
         let mut ranks = Vec::new();
         for &rank in &members {
             let state = match &spec.resume {
@@ -198,16 +239,16 @@ impl Cluster {
                     &params,
                 ),
             };
-            let work = Work {
-                state,
-                comm: Comm::new(net.endpoint(rank), cfg.collective_timeout_ms),
-            };
             let args = RankArgs {
-                work,
+                rank,
+                work: Work::new(
+                    Some(state),
+                    Comm::new(net.endpoint(rank), cfg.collective_timeout_ms),
+                ),
                 coordinator: coordinator.clone(),
-                data: Arc::clone(&spec.data),
-                exec: exec_config(cfg),
+                setup: Arc::clone(&setup),
                 panic_at_step: spec.panic_at.filter(|(r, _)| *r == rank).map(|(_, s)| s),
+                kill_at_step: cfg.kill.iter().find(|k| k.value == rank).map(|k| k.step),
             };
             let (actor, _) = Actor::spawn_linked(
                 None,
@@ -244,25 +285,51 @@ impl Cluster {
         self.events.recv().await
     }
 
-    /// The state of every chunk, gathered from its owner, in (unit, index) order. Call it
-    /// between steps (after `Finished`, or while the coordinator is paused at a snapshot).
-    pub async fn collect_chunks(&self) -> Result<Vec<ChunkState>, ClusterError> {
-        collect_chunks(&self.ranks, &self.map)
+    /// The shard map in force and the state of every chunk, gathered from its owner, in (unit,
+    /// index) order. Call it between steps (after `Finished`).
+    pub async fn collect_chunks(&self) -> Result<(ShardMap, Vec<ChunkState>), ClusterError> {
+        match self
+            .coordinator
+            .call(CoordMsg::Collect, Some(std::time::Duration::from_secs(120)))
             .await
-            .map_err(ClusterError::Collect)
+        {
+            Ok(ractor::rpc::CallResult::Success(r)) => r.map_err(ClusterError::Collect),
+            Ok(_) => Err(ClusterError::Collect(
+                "the coordinator did not answer".into(),
+            )),
+            Err(e) => Err(ClusterError::Collect(e.to_string())),
+        }
     }
 
     /// Consolidated full parameters per unit.
     pub async fn collect_params(&self) -> Result<Vec<Vec<f32>>, ClusterError> {
-        Ok(consolidate(&self.map, &self.collect_chunks().await?))
+        let (map, chunks) = self.collect_chunks().await?;
+        Ok(consolidate(&map, &chunks))
+    }
+
+    /// Asks for a membership change at the next step boundary (refused with a reason if it
+    /// names an unknown rank or leaves the world outside its bounds; nothing changes then).
+    pub async fn request(&self, change: Change) -> Result<(), ClusterError> {
+        match self
+            .coordinator
+            .call(
+                |p| CoordMsg::Request(change, p),
+                Some(std::time::Duration::from_secs(10)),
+            )
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(r)) => r.map_err(ClusterError::Refused),
+            Ok(_) => Err(ClusterError::Refused(
+                "the coordinator did not answer".into(),
+            )),
+            Err(e) => Err(ClusterError::Refused(e.to_string())),
+        }
     }
 
     /// Stops every actor and closes the network.
     pub async fn shutdown(self) {
         self.net.close();
-        for (_, a) in &self.ranks {
-            a.stop(None);
-        }
+        self.coordinator.stop_children(None);
         let _ = self
             .coordinator
             .stop_and_wait(None, Some(std::time::Duration::from_secs(5)))
@@ -270,11 +337,32 @@ impl Cluster {
     }
 }
 
+/// The config's `leave` and `join` entries as the coordinator's script (kills are faults the
+/// runtime injects, not membership requests).
+pub fn membership_script(cfg: &TrainConfig) -> Vec<ScriptedChange> {
+    let mut script: Vec<ScriptedChange> = cfg
+        .leave
+        .iter()
+        .map(|a| ScriptedChange {
+            step: a.step,
+            change: Change::Leave(a.value),
+        })
+        .chain(cfg.join.iter().map(|a| ScriptedChange {
+            step: a.step,
+            change: Change::Join(a.value),
+        }))
+        .collect();
+    script.sort_by_key(|c| c.step);
+    script
+}
+
 /// Receives a run's events as `train` drives it.
 pub trait Observer {
     fn on_step(&mut self, _record: &StepRecord) {}
     /// A snapshot taken at a step boundary (training has moved on; it is yours to keep).
     fn on_snapshot(&mut self, _snapshot: Snapshot) {}
+    /// The membership changed and the shards were rebalanced in place.
+    fn on_membership(&mut self, _record: &MembershipRecord) {}
 }
 
 /// Ignores every event.
@@ -302,6 +390,7 @@ pub async fn train(
                 records.push(*rec);
             }
             Some(ClusterEvent::Snapshot(snap)) => observer.on_snapshot(*snap),
+            Some(ClusterEvent::Membership(rec)) => observer.on_membership(&rec),
             Some(ClusterEvent::Finished) => break Ok(()),
             Some(ClusterEvent::Aborted(reason)) => break Err(ClusterError::Aborted(reason)),
             None => break Err(ClusterError::Aborted("the coordinator stopped".into())),

@@ -188,10 +188,12 @@ mod tests {
         let map = ShardMap::plan(&[11], &[0, 1, 2], 2, 0).unwrap();
         let net = LocalNetwork::new();
         let full: Vec<f32> = (0..11).map(|x| x as f32).collect();
+        // Every endpoint exists before any rank sends.
+        let mut eps: Vec<_> = (0..3u32).map(|r| net.endpoint(r)).collect();
         let handles: Vec<_> = (0..3u32)
             .map(|r| {
                 let (map, full) = (map.clone(), full.clone());
-                let ep = net.endpoint(r);
+                let ep = eps.remove(0);
                 std::thread::spawn(move || {
                     let mut comm = Comm::new(ep, 5000);
                     comm.begin_step(0, 0);

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
-use super::transport::{Frame, Tag, Transport, TransportError, FRAME_HEADER_BYTES};
+use super::transport::{Frame, Tag, TagKind, Transport, TransportError, FRAME_HEADER_BYTES};
 use crate::plan::RankId;
 
 /// Most frames held for later phases; a peer that floods us is a protocol error, not an OOM.
@@ -31,6 +31,11 @@ pub enum CommError {
     PeerGone(RankId),
     #[error("protocol error from rank {from}: {what}")]
     Protocol { from: RankId, what: String },
+    #[error("interrupted: the step is being abandoned")]
+    Interrupted,
+    /// Fault injection: this rank vanishes (the runtime disconnects it).
+    #[error("this rank vanished (injected fault)")]
+    Vanished,
 }
 
 impl From<TransportError> for CommError {
@@ -143,6 +148,10 @@ impl<T: Transport> Comm<T> {
                 self.stats.stale_dropped += 1;
                 continue;
             }
+            if frame.tag.kind == TagKind::Interrupt {
+                // Whatever we were waiting for is not coming: a peer died.
+                return Err(CommError::Interrupted);
+            }
             if frame.from == from && frame.tag == tag && frame.step == self.step {
                 return Ok(frame.payload);
             }
@@ -180,7 +189,6 @@ impl<T: Transport> Comm<T> {
 mod tests {
     use super::*;
     use crate::runtime::local::LocalNetwork;
-    use crate::runtime::transport::TagKind;
 
     fn tag(unit: u32) -> Tag {
         Tag {

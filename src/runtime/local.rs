@@ -6,7 +6,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::transport::{Frame, Transport, TransportError};
+use super::transport::{Frame, Tag, TagKind, Transport, TransportError};
 use crate::plan::RankId;
 
 /// The switchboard every local endpoint sends through.
@@ -34,6 +34,26 @@ impl LocalNetwork {
     /// Disconnects `rank`: its pending receive fails with `Closed`, sends to it fail.
     pub fn kill(&self, rank: RankId) {
         self.lock().remove(&rank);
+    }
+
+    /// Wakes `rank` from any receive in (epoch, step) with `CommError::Interrupted`: that step is
+    /// abandoned. Later steps and epochs ignore it as stale.
+    pub fn interrupt(&self, rank: RankId, epoch: u64, step: u64) {
+        if let Some(tx) = self.lock().get(&rank) {
+            let tag = Tag {
+                kind: TagKind::Interrupt,
+                attempt: 0,
+                unit: 0,
+                pass: 0,
+            };
+            let _ = tx.send(Frame {
+                epoch,
+                step,
+                from: RankId::MAX,
+                tag,
+                payload: bytes::Bytes::new(),
+            });
+        }
     }
 
     /// Disconnects everyone (used when a run aborts, so that no rank stays blocked).

@@ -6,8 +6,12 @@ pub mod clock;
 pub mod cluster;
 pub mod collectives;
 pub mod comm;
+pub mod coord_actor;
 pub mod local;
+pub mod rank_actor;
 pub mod rank_state;
+pub mod replica;
+pub mod reshard;
 pub mod step;
 pub mod transport;
 

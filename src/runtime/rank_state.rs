@@ -258,38 +258,43 @@ impl RankState {
         })
     }
 
+    /// Whatever this rank holds of chunk (unit, index): its parameters (always, for stages 0-2;
+    /// if held, for stage 3) and its optimizer state if the rank keeps it (empty otherwise).
+    pub fn chunk_state(&self, unit: usize, index: usize) -> Option<ChunkState> {
+        let shard = self.shards.get(unit)?;
+        let r = self
+            .map
+            .units
+            .get(unit)
+            .filter(|u| index < u.owners.len())
+            .map(|_| self.map.chunk_range(unit, index))?;
+        let at = shard.chunks.iter().position(|&c| c == index);
+        let off = at.map(|a| shard.ranges[..a].iter().map(Range::len).sum::<usize>());
+        let params = match (self.stage, off) {
+            (Stage::Zero3, Some(off)) => shard.params[off..off + r.len()].to_vec(),
+            (Stage::Zero3, None) => return None,
+            _ => self.full[unit][r.clone()].to_vec(),
+        };
+        let slice = |v: &[f32]| match off {
+            Some(off) if !v.is_empty() => v[off..off + r.len()].to_vec(),
+            _ => Vec::new(),
+        };
+        Some(ChunkState {
+            unit: unit as u32,
+            index: index as u32,
+            params,
+            m: slice(&shard.opt.m),
+            v: slice(&shard.opt.v),
+        })
+    }
+
     /// The complete state of every chunk this rank owns under the map.
     pub fn owned_chunk_states(&self) -> Vec<ChunkState> {
-        let mut out = Vec::new();
-        for (u, shard) in self.shards.iter().enumerate() {
-            let mut off = 0;
-            for (&i, r) in shard.chunks.iter().zip(&shard.ranges) {
-                let n = r.len();
-                if self.map.owner(u, i) == self.rank {
-                    let params = if self.stage == Stage::Zero3 {
-                        shard.params[off..off + n].to_vec()
-                    } else {
-                        self.full[u][r.clone()].to_vec()
-                    };
-                    let slice = |v: &[f32]| {
-                        if v.is_empty() {
-                            Vec::new()
-                        } else {
-                            v[off..off + n].to_vec()
-                        }
-                    };
-                    out.push(ChunkState {
-                        unit: u as u32,
-                        index: i as u32,
-                        params,
-                        m: slice(&shard.opt.m),
-                        v: slice(&shard.opt.v),
-                    });
-                }
-                off += n;
-            }
-        }
-        out
+        self.map
+            .owned_chunks(self.rank)
+            .into_iter()
+            .filter_map(|c| self.chunk_state(c.unit as usize, c.index as usize))
+            .collect()
     }
 
     pub fn units(&self) -> usize {

@@ -65,6 +65,7 @@ pub fn run_step<T: Transport>(
     plan: &StepPlan,
     data: &Dataset,
     cfg: &ExecConfig,
+    vanish_at: Option<usize>,
 ) -> Result<StepReport, CommError> {
     comm.begin_step(plan.epoch, plan.step);
     let local = plan.local_micro_batches(st.rank);
@@ -91,7 +92,9 @@ pub fn run_step<T: Transport>(
             .map(|&b| exact::scale_exponent(b, plan.micro_batches))
             .collect();
         let mut pass = Pass::new(st, plan, &mbs, cfg, attempt, exps);
-        let outcome = pass.run(comm, &program);
+        // An injected kill strikes halfway through the phase program.
+        let stop = vanish_at.map(|p| p.min(program.len() / 2));
+        let outcome = pass.run(comm, &program, stop);
         compute_s += pass.compute_s;
         pass.release();
         let agreed = outcome?;
@@ -194,8 +197,12 @@ impl<'a> Pass<'a> {
         &mut self,
         comm: &mut Comm<T>,
         program: &[Phase],
+        stop: Option<usize>,
     ) -> Result<Agreed, CommError> {
-        for &phase in program {
+        for (i, &phase) in program.iter().enumerate() {
+            if stop == Some(i) {
+                return Err(CommError::Vanished);
+            }
             self.exec(comm, phase)?;
             if let Some(a) = &self.agreed {
                 if a.overflow {

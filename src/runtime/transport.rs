@@ -23,6 +23,12 @@ pub enum TagKind {
     GatherParams = 4,
     /// The small all-reduce of losses, maxima, flags and norms.
     Agree = 5,
+    /// Chunk states moving to their new owners when the membership changes.
+    Reshard = 6,
+    /// Copies of a rank's chunk states kept by its buddy, for recovery from its loss.
+    Replica = 7,
+    /// From the runtime, not a rank: stop waiting, the step is being abandoned (a peer died).
+    Interrupt = 8,
 }
 
 /// Identifies one message within a step: which collective, which unit, which pass, which try.

@@ -1,0 +1,360 @@
+//! The coordinator actor: feeds the `engine::coordinator` state machine with messages and the
+//! time, and carries out the commands it returns (hand out step plans, spawn and retire ranks,
+//! start reshards, take snapshots, report events).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::actors::{collect_chunks, ClusterEvent, Snapshot};
+use super::clock::Clock;
+use super::rank_actor::{RankActor, RankArgs, RankMsg};
+use super::rank_state::ChunkState;
+use super::transport::Transport;
+use crate::engine::coordinator::{Change, Command, Coordinator, Event};
+use crate::engine::messages::StepReport;
+use crate::plan::{RankId, ShardMap};
+
+/// Builds the arguments of a new rank actor (a joiner): its endpoint, shared setup, no state.
+pub type RankFactory<T> = Box<dyn Fn(RankId, ActorRef<CoordMsg<T>>) -> RankArgs<T> + Send + Sync>;
+
+/// Messages to the coordinator. Expected failures arrive as `RankFailed`, never as errors.
+pub enum CoordMsg<T: Transport> {
+    Start {
+        ranks: Vec<(RankId, ActorRef<RankMsg<T>>)>,
+    },
+    StepDone(Box<StepReport>),
+    RankFailed {
+        rank: RankId,
+        reason: String,
+    },
+    ReshardDone {
+        rank: RankId,
+        epoch: u64,
+    },
+    /// Alive and idle, but the step did not finish (a peer vanished or it was interrupted).
+    StepAborted {
+        rank: RankId,
+        reason: String,
+    },
+    ReplicateDone {
+        rank: RankId,
+        epoch: u64,
+        step: u64,
+    },
+    Tick,
+    /// Take a snapshot at the next step boundary.
+    SnapshotNow,
+    /// An operator's membership change, applied at the next step boundary or refused.
+    Request(Change, RpcReplyPort<Result<(), String>>),
+    /// Every chunk's state and the map (between steps, e.g. after `Finished`).
+    Collect(RpcReplyPort<Result<(ShardMap, Vec<ChunkState>), String>>),
+}
+
+pub struct CoordArgs<T: Transport> {
+    pub engine: Coordinator,
+    pub events: UnboundedSender<ClusterEvent>,
+    pub clock: Arc<dyn Clock>,
+    pub tick_ms: u64,
+    /// Called when the run aborts, to unblock ranks waiting on peers (closes the network).
+    pub on_abort: Box<dyn Fn() + Send + Sync>,
+    /// Called when a rank is retired (disconnects it from the network).
+    pub on_retire: Box<dyn Fn(RankId) + Send + Sync>,
+    /// Wakes a rank from the abandoned (epoch, step).
+    pub on_interrupt: Box<dyn Fn(RankId, u64, u64) + Send + Sync>,
+    pub factory: RankFactory<T>,
+}
+
+pub struct CoordState<T: Transport> {
+    engine: Coordinator,
+    ranks: BTreeMap<RankId, ActorRef<RankMsg<T>>>,
+    events: UnboundedSender<ClusterEvent>,
+    clock: Arc<dyn Clock>,
+    tick_ms: u64,
+    on_abort: Box<dyn Fn() + Send + Sync>,
+    on_retire: Box<dyn Fn(RankId) + Send + Sync>,
+    on_interrupt: Box<dyn Fn(RankId, u64, u64) + Send + Sync>,
+    factory: RankFactory<T>,
+}
+
+impl<T: Transport> CoordState<T> {
+    fn rank_list(&self) -> Vec<(RankId, ActorRef<RankMsg<T>>)> {
+        self.ranks.iter().map(|(r, a)| (*r, a.clone())).collect()
+    }
+
+    /// Feeds one event and carries out every command that follows from it.
+    async fn feed(&mut self, me: &ActorRef<CoordMsg<T>>, event: Event) {
+        let mut queue: VecDeque<Command> = self.engine.handle(event).into();
+        while let Some(cmd) = queue.pop_front() {
+            let follow_up = self.execute(me, cmd).await;
+            for ev in follow_up {
+                queue.extend(self.engine.handle(ev));
+            }
+        }
+    }
+
+    /// Executes one command; returns the events it produced.
+    async fn execute(&mut self, me: &ActorRef<CoordMsg<T>>, cmd: Command) -> Vec<Event> {
+        match cmd {
+            Command::RunStep(plan) => {
+                for r in self.ranks.values() {
+                    let _ = r.cast(RankMsg::RunStep(Box::new(plan.clone())));
+                }
+            }
+            Command::Snapshot(progress) => {
+                // Ranks are idle between steps, so their chunks are consistent.
+                let map = self.engine.map().clone();
+                match collect_chunks(&self.rank_list(), &map).await {
+                    Ok(chunks) => {
+                        let snap = Snapshot {
+                            progress,
+                            map,
+                            chunks,
+                        };
+                        let _ = self.events.send(ClusterEvent::Snapshot(Box::new(snap)));
+                    }
+                    Err(e) => {
+                        let reason = format!("snapshot failed: {e}");
+                        return vec![Event::RankFailed {
+                            rank: u32::MAX,
+                            reason,
+                            now_ms: self.clock.now_ms(),
+                        }];
+                    }
+                }
+            }
+            Command::Spawn { ranks } => {
+                let mut out = Vec::new();
+                for rank in ranks {
+                    let args = (self.factory)(rank, me.clone());
+                    match Actor::spawn_linked(None, RankActor::<T>::default(), args, me.get_cell())
+                        .await
+                    {
+                        Ok((actor, _)) => {
+                            self.ranks.insert(rank, actor);
+                            out.push(Event::Spawned {
+                                rank,
+                                now_ms: self.clock.now_ms(),
+                            });
+                        }
+                        Err(e) => out.push(Event::RankFailed {
+                            rank,
+                            reason: format!("could not start: {e}"),
+                            now_ms: self.clock.now_ms(),
+                        }),
+                    }
+                }
+                return out;
+            }
+            Command::Reshard { old, new, step } => {
+                for (r, a) in &self.ranks {
+                    if old.is_member(*r) || new.is_member(*r) {
+                        let _ = a.cast(RankMsg::Reshard {
+                            old: Box::new(old.clone()),
+                            new: Box::new(new.clone()),
+                            step,
+                        });
+                    }
+                }
+            }
+            Command::Retire { ranks } => {
+                for r in ranks {
+                    if let Some(a) = self.ranks.remove(&r) {
+                        a.stop(Some("left the job".into()));
+                    }
+                    (self.on_retire)(r);
+                }
+            }
+            Command::Replicate { step } => {
+                for a in self.ranks.values() {
+                    let _ = a.cast(RankMsg::Replicate { step });
+                }
+            }
+            Command::Interrupt { ranks, epoch, step } => {
+                for r in ranks {
+                    (self.on_interrupt)(r, epoch, step);
+                }
+            }
+            Command::Restore {
+                old,
+                new,
+                step,
+                lost,
+            } => {
+                for (r, a) in &self.ranks {
+                    if new.is_member(*r) {
+                        let msg = RankMsg::Restore {
+                            old: Box::new(old.clone()),
+                            new: Box::new(new.clone()),
+                            step,
+                            lost: lost.clone(),
+                        };
+                        let _ = a.cast(msg);
+                    }
+                }
+            }
+            Command::MembershipChanged(rec) => {
+                let _ = self.events.send(ClusterEvent::Membership(rec));
+            }
+            Command::StepCompleted(rec) => {
+                let _ = self.events.send(ClusterEvent::Step(rec));
+            }
+            Command::Finish => {
+                let _ = self.events.send(ClusterEvent::Finished);
+            }
+            Command::Abort { reason } => {
+                (self.on_abort)();
+                let _ = self.events.send(ClusterEvent::Aborted(reason));
+            }
+        }
+        Vec::new()
+    }
+}
+
+pub struct CoordinatorActor<T: Transport>(std::marker::PhantomData<fn() -> T>);
+
+impl<T: Transport> Default for CoordinatorActor<T> {
+    fn default() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<T: Transport> Actor for CoordinatorActor<T> {
+    type Msg = CoordMsg<T>;
+    type State = CoordState<T>;
+    type Arguments = CoordArgs<T>;
+
+    async fn pre_start(
+        &self,
+        _me: ActorRef<Self::Msg>,
+        args: CoordArgs<T>,
+    ) -> Result<CoordState<T>, ActorProcessingErr> {
+        Ok(CoordState {
+            engine: args.engine,
+            ranks: BTreeMap::new(),
+            events: args.events,
+            clock: args.clock,
+            tick_ms: args.tick_ms,
+            on_abort: args.on_abort,
+            on_retire: args.on_retire,
+            on_interrupt: args.on_interrupt,
+            factory: args.factory,
+        })
+    }
+
+    async fn handle(
+        &self,
+        me: ActorRef<Self::Msg>,
+        msg: CoordMsg<T>,
+        st: &mut CoordState<T>,
+    ) -> Result<(), ActorProcessingErr> {
+        let now_ms = st.clock.now_ms();
+        match msg {
+            CoordMsg::Start { ranks } => {
+                st.ranks = ranks.into_iter().collect();
+                me.send_interval(Duration::from_millis(st.tick_ms), || CoordMsg::Tick);
+                st.feed(&me, Event::Start { now_ms }).await
+            }
+            CoordMsg::StepDone(report) => st.feed(&me, Event::StepDone { report, now_ms }).await,
+            CoordMsg::RankFailed { rank, reason } => {
+                st.feed(
+                    &me,
+                    Event::RankFailed {
+                        rank,
+                        reason,
+                        now_ms,
+                    },
+                )
+                .await
+            }
+            CoordMsg::ReshardDone { rank, epoch } => {
+                st.feed(
+                    &me,
+                    Event::ReshardDone {
+                        rank,
+                        epoch,
+                        now_ms,
+                    },
+                )
+                .await
+            }
+            CoordMsg::StepAborted { rank, reason } => {
+                st.feed(
+                    &me,
+                    Event::StepAborted {
+                        rank,
+                        reason,
+                        now_ms,
+                    },
+                )
+                .await
+            }
+            CoordMsg::ReplicateDone { rank, epoch, step } => {
+                st.feed(
+                    &me,
+                    Event::ReplicateDone {
+                        rank,
+                        epoch,
+                        step,
+                        now_ms,
+                    },
+                )
+                .await
+            }
+            CoordMsg::Tick => st.feed(&me, Event::Tick { now_ms }).await,
+            CoordMsg::SnapshotNow => st.feed(&me, Event::SnapshotRequested).await,
+            CoordMsg::Request(change, reply) => {
+                let _ = reply.send(st.engine.request(change));
+            }
+            CoordMsg::Collect(reply) => {
+                let map = st.engine.map().clone();
+                let res = collect_chunks(&st.rank_list(), &map)
+                    .await
+                    .map(|c| (map, c));
+                let _ = reply.send(res);
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        me: ActorRef<Self::Msg>,
+        evt: SupervisionEvent,
+        st: &mut CoordState<T>,
+    ) -> Result<(), ActorProcessingErr> {
+        let (cell, reason) = match evt {
+            SupervisionEvent::ActorFailed(cell, err) => (cell, err.to_string()),
+            SupervisionEvent::ActorTerminated(cell, _, why) => (
+                cell,
+                why.unwrap_or_else(|| "rank actor stopped".to_string()),
+            ),
+            _ => return Ok(()),
+        };
+        let id = cell.get_id();
+        // Retired ranks were removed from `ranks` before they stopped, so they are not failures.
+        if let Some(rank) = st
+            .ranks
+            .iter()
+            .find(|(_, a)| a.get_id() == id)
+            .map(|(r, _)| *r)
+        {
+            if !st.engine.is_finished() {
+                let now_ms = st.clock.now_ms();
+                st.feed(
+                    &me,
+                    Event::RankFailed {
+                        rank,
+                        reason,
+                        now_ms,
+                    },
+                )
+                .await;
+            }
+        }
+        Ok(())
+    }
+}

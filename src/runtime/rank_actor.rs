@@ -1,0 +1,369 @@
+//! One actor per rank. It owns the rank's state and runs each step (and each reshard) on its own
+//! OS thread, so a handler never blocks and the actor stays responsive.
+//!
+//! Expected failures (a collective timed out, the run is stopping) come back to the coordinator
+//! as `RankFailed` messages. A panic in the compute is unexpected: the actor then fails, and
+//! supervision tells the coordinator.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+
+use super::comm::{Comm, CommError};
+use super::coord_actor::CoordMsg;
+use super::rank_state::{ChunkState, OptimSettings, RankState};
+use super::replica::{replicate, Backup};
+use super::reshard::Reshard;
+use super::step::{run_step, ExecConfig};
+use super::transport::Transport;
+use crate::data::Dataset;
+use crate::engine::messages::{StepPlan, StepReport};
+use crate::model::Model;
+use crate::plan::replica::holders;
+use crate::plan::{RankId, ShardMap, Stage};
+use crate::reduce::ReduceMode;
+
+/// A rank's state (none yet for a joiner), its backup and its communicator, moved to the
+/// worker thread for each job.
+pub struct Work<T: Transport> {
+    pub state: Option<RankState>,
+    pub backup: Option<Backup>,
+    pub comm: Comm<T>,
+}
+
+impl<T: Transport> Work<T> {
+    pub fn new(state: Option<RankState>, comm: Comm<T>) -> Self {
+        Self {
+            state,
+            backup: None,
+            comm,
+        }
+    }
+}
+
+/// What every rank of a run shares, so that a joiner can build its state.
+pub struct RankSetup {
+    pub stage: Stage,
+    pub mode: ReduceMode,
+    pub model: Arc<dyn Model>,
+    pub optim: OptimSettings,
+    pub data: Arc<Dataset>,
+    pub exec: ExecConfig,
+    /// Disconnects a rank from the network: how an injected kill makes the rank vanish.
+    pub disconnect: Box<dyn Fn(RankId) + Send + Sync>,
+}
+
+pub enum RankMsg<T: Transport> {
+    RunStep(Box<StepPlan>),
+    StepFinished(Box<Work<T>>, Result<Box<StepReport>, CommError>),
+    /// Move chunks from `old` to `new` (the rank may be leaving, staying or joining).
+    Reshard {
+        old: Box<ShardMap>,
+        new: Box<ShardMap>,
+        step: u64,
+    },
+    ReshardFinished(Box<Work<T>>, Result<u64, CommError>),
+    /// Roll back to the backup taken under `old`, without the `lost` ranks, onto `new`.
+    Restore {
+        old: Box<ShardMap>,
+        new: Box<ShardMap>,
+        step: u64,
+        lost: Vec<RankId>,
+    },
+    /// Take a backup before step `step` (local copy plus replicas with the buddy).
+    Replicate {
+        step: u64,
+    },
+    ReplicateFinished(Box<Work<T>>, Result<(u64, u64), CommError>),
+    ComputePanicked(String),
+    /// The state of every chunk this rank owns (consolidation, checkpoints).
+    Collect(RpcReplyPort<Vec<ChunkState>>),
+}
+
+pub struct RankArgs<T: Transport> {
+    pub rank: RankId,
+    pub work: Work<T>,
+    pub coordinator: ActorRef<CoordMsg<T>>,
+    pub setup: Arc<RankSetup>,
+    /// Fault injection for tests: the compute panics at this step.
+    pub panic_at_step: Option<u64>,
+    /// Fault injection: the rank vanishes halfway through this step.
+    pub kill_at_step: Option<u64>,
+}
+
+pub struct RankSlot<T: Transport> {
+    rank: RankId,
+    work: Option<Work<T>>,
+    coordinator: ActorRef<CoordMsg<T>>,
+    setup: Arc<RankSetup>,
+    panic_at_step: Option<u64>,
+    kill_at_step: Option<u64>,
+}
+
+pub struct RankActor<T: Transport>(std::marker::PhantomData<fn() -> T>);
+
+impl<T: Transport> Default for RankActor<T> {
+    fn default() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<T: Transport> RankSlot<T> {
+    /// Takes the work out for a job on the worker thread, or reports that the rank is busy.
+    fn take_work(&mut self, what: &str) -> Option<Work<T>> {
+        let work = self.work.take();
+        if work.is_none() {
+            // A command while one is running is a coordinator bug; report it, don't die.
+            let reason = format!("received {what} while busy");
+            let _ = self.coordinator.cast(CoordMsg::RankFailed {
+                rank: self.rank,
+                reason,
+            });
+        }
+        work
+    }
+
+    fn report(&self, msg: CoordMsg<T>) {
+        let _ = self.coordinator.cast(msg);
+    }
+}
+
+/// Runs `job` on a named thread; a panic becomes a `ComputePanicked` message.
+fn on_thread<T: Transport>(
+    me: ActorRef<RankMsg<T>>,
+    name: String,
+    job: impl FnOnce() -> RankMsg<T> + Send + 'static,
+) -> std::io::Result<()> {
+    std::thread::Builder::new().name(name).spawn(move || {
+        let msg = std::panic::catch_unwind(AssertUnwindSafe(job))
+            .unwrap_or_else(|p| RankMsg::ComputePanicked(panic_text(&p)));
+        let _ = me.cast(msg);
+    })?;
+    Ok(())
+}
+
+impl<T: Transport> Actor for RankActor<T> {
+    type Msg = RankMsg<T>;
+    type State = RankSlot<T>;
+    type Arguments = RankArgs<T>;
+
+    async fn pre_start(
+        &self,
+        _me: ActorRef<Self::Msg>,
+        args: RankArgs<T>,
+    ) -> Result<RankSlot<T>, ActorProcessingErr> {
+        Ok(RankSlot {
+            rank: args.rank,
+            work: Some(args.work),
+            coordinator: args.coordinator,
+            setup: args.setup,
+            panic_at_step: args.panic_at_step,
+            kill_at_step: args.kill_at_step,
+        })
+    }
+
+    async fn handle(
+        &self,
+        me: ActorRef<Self::Msg>,
+        msg: RankMsg<T>,
+        slot: &mut RankSlot<T>,
+    ) -> Result<(), ActorProcessingErr> {
+        let (setup, rank) = (Arc::clone(&slot.setup), slot.rank);
+        match msg {
+            RankMsg::RunStep(plan) => {
+                let Some(mut work) = slot.take_work(&format!("step {}", plan.step)) else {
+                    return Ok(());
+                };
+                let panic_at = slot.panic_at_step;
+                // An injected kill stops the rank halfway through the step's phases.
+                let vanish_at = (slot.kill_at_step == Some(plan.step)).then_some(usize::MAX / 2);
+                on_thread(me, format!("rank-{rank}-step"), move || {
+                    if panic_at == Some(plan.step) {
+                        panic!(
+                            "injected fault: rank compute panicked at step {}",
+                            plan.step
+                        );
+                    }
+                    let res = match work.state.as_mut() {
+                        Some(st) => run_step(
+                            st,
+                            &mut work.comm,
+                            &plan,
+                            &setup.data,
+                            &setup.exec,
+                            vanish_at,
+                        ),
+                        None => Err(CommError::Protocol {
+                            from: rank,
+                            what: "asked to train before receiving state".into(),
+                        }),
+                    };
+                    // A rank doomed in this step dies even if a peer's death interrupted it
+                    // before it reached the kill point.
+                    if vanish_at.is_some() && res.is_err() {
+                        (setup.disconnect)(rank);
+                        return RankMsg::ComputePanicked(format!(
+                            "rank {rank} vanished during step {} (injected kill)",
+                            plan.step
+                        ));
+                    }
+                    RankMsg::StepFinished(Box::new(work), res.map(Box::new))
+                })?;
+            }
+            RankMsg::StepFinished(work, result) => {
+                slot.work = Some(*work);
+                slot.report(match result {
+                    Ok(report) => CoordMsg::StepDone(report),
+                    // Expected: a peer vanished or the step was abandoned. The rank is alive and
+                    // idle; the coordinator decides what happens next.
+                    Err(e) => CoordMsg::StepAborted {
+                        rank,
+                        reason: e.to_string(),
+                    },
+                });
+            }
+            RankMsg::Reshard { old, new, step } => {
+                let Some(mut work) = slot.take_work("a reshard") else {
+                    return Ok(());
+                };
+                on_thread(me, format!("rank-{rank}-reshard"), move || {
+                    let owner = |u: usize, i: usize| old.owner(u, i);
+                    let current = work.state.take();
+                    let base =
+                        |u: usize, i: usize| current.as_ref().and_then(|s| s.chunk_state(u, i));
+                    let res = reshard_job(&setup, &owner, &old, &new, step).run(
+                        rank,
+                        &base,
+                        &mut work.comm,
+                    );
+                    let res = match res {
+                        Ok(state) => {
+                            work.state = state;
+                            Ok(new.epoch)
+                        }
+                        Err(e) => {
+                            work.state = current;
+                            Err(e)
+                        }
+                    };
+                    RankMsg::ReshardFinished(Box::new(work), res)
+                })?;
+            }
+            RankMsg::Restore {
+                old,
+                new,
+                step,
+                lost,
+            } => {
+                let Some(mut work) = slot.take_work("a restore") else {
+                    return Ok(());
+                };
+                on_thread(me, format!("rank-{rank}-restore"), move || {
+                    let res = match (work.backup.take(), holders(&old, &lost)) {
+                        (Some(backup), Ok(holder)) if backup.epoch == old.epoch => {
+                            let base = |u: usize, i: usize| backup.chunk(u, i);
+                            reshard_job(&setup, &holder, &old, &new, step).run(
+                                rank,
+                                &base,
+                                &mut work.comm,
+                            )
+                        }
+                        (Some(_), Ok(_)) | (None, Ok(_)) => Err(CommError::Protocol {
+                            from: rank,
+                            what: format!("no backup under epoch {}", old.epoch),
+                        }),
+                        (_, Err(missing)) => Err(CommError::Protocol {
+                            from: rank,
+                            what: format!("chunks {missing:?} have no live copy"),
+                        }),
+                    };
+                    let res = res.map(|state| {
+                        work.state = state;
+                        new.epoch
+                    });
+                    RankMsg::ReshardFinished(Box::new(work), res)
+                })?;
+            }
+            RankMsg::ReshardFinished(work, result) => {
+                slot.work = Some(*work);
+                slot.report(match result {
+                    Ok(epoch) => CoordMsg::ReshardDone { rank, epoch },
+                    Err(e) => CoordMsg::RankFailed {
+                        rank,
+                        reason: format!("reshard: {e}"),
+                    },
+                });
+            }
+            RankMsg::Replicate { step } => {
+                let Some(mut work) = slot.take_work("a replication") else {
+                    return Ok(());
+                };
+                on_thread(me, format!("rank-{rank}-replicate"), move || {
+                    let res = match work.state.as_ref() {
+                        Some(st) => replicate(st, &mut work.comm, step),
+                        None => Err(CommError::Protocol {
+                            from: rank,
+                            what: "no state to replicate".into(),
+                        }),
+                    };
+                    let res = res.map(|b| {
+                        let done = (b.epoch, b.step);
+                        work.backup = Some(b);
+                        done
+                    });
+                    RankMsg::ReplicateFinished(Box::new(work), res)
+                })?;
+            }
+            RankMsg::ReplicateFinished(work, result) => {
+                slot.work = Some(*work);
+                slot.report(match result {
+                    Ok((epoch, step)) => CoordMsg::ReplicateDone { rank, epoch, step },
+                    Err(e) => CoordMsg::RankFailed {
+                        rank,
+                        reason: format!("replication: {e}"),
+                    },
+                });
+            }
+            RankMsg::ComputePanicked(text) => {
+                return Err(format!("rank {rank} compute panicked: {text}").into());
+            }
+            RankMsg::Collect(reply) => {
+                let chunks = slot
+                    .work
+                    .as_ref()
+                    .and_then(|w| w.state.as_ref())
+                    .map(|s| s.owned_chunk_states())
+                    .unwrap_or_default();
+                let _ = reply.send(chunks);
+            }
+        }
+        Ok(())
+    }
+}
+
+fn reshard_job<'a>(
+    setup: &RankSetup,
+    sender: &'a dyn Fn(usize, usize) -> RankId,
+    old: &'a ShardMap,
+    new: &'a ShardMap,
+    step: u64,
+) -> Reshard<'a> {
+    Reshard {
+        sender,
+        old,
+        new,
+        stage: setup.stage,
+        mode: setup.mode,
+        model: Arc::clone(&setup.model),
+        optim: setup.optim,
+        step,
+    }
+}
+
+fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".to_string())
+}

@@ -1,0 +1,288 @@
+//! Resharding in place: ranks move chunk states peer to peer to go from one shard map to the
+//! next, then rebuild their state for the new map. No process restarts, no checkpoint.
+//!
+//! Who sends what is a pure function of (old map, new map, stage), computed identically on every
+//! rank, so each rank knows exactly which frames to expect. Only what the receiver lacks travels:
+//! a stage 0-2 member already holds every parameter, so it receives optimizer state only; a
+//! stage 0 member already holds everything; a joiner receives all it must keep. Every chunk
+//! carries a checksum computed by its sender and verified by its receiver.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use super::comm::{Comm, CommError};
+use super::rank_state::{ChunkSource, ChunkState, OptimSettings, RankState};
+use super::transport::{Tag, TagKind, Transport};
+use crate::model::Model;
+use crate::plan::{RankId, ShardMap, Stage};
+use crate::reduce::ReduceMode;
+
+/// What one chunk transfer carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Need {
+    pub params: bool,
+    pub opt: bool,
+}
+
+/// (from, to) -> [(unit, index, what travels)], where `from` is a member of the old map that
+/// holds the chunk's state.
+pub type Transfers = BTreeMap<(RankId, RankId), Vec<(usize, usize, Need)>>;
+
+/// Transfers for a reshard from `old` to `new`, where `sender(unit, index)` is the rank that
+/// holds the chunk's state (its owner under `old`, or its buddy if the owner was lost).
+pub fn transfers(
+    old: &ShardMap,
+    new: &ShardMap,
+    stage: Stage,
+    sender: &dyn Fn(usize, usize) -> RankId,
+) -> Transfers {
+    let mut out = Transfers::new();
+    let joiners: Vec<RankId> = new
+        .members
+        .iter()
+        .copied()
+        .filter(|r| !old.is_member(*r))
+        .collect();
+    for (u, unit) in new.units.iter().enumerate() {
+        for (i, &to) in unit.owners.iter().enumerate() {
+            let from = sender(u, i);
+            let need = if joiners.contains(&to) {
+                Some(Need {
+                    params: true,
+                    opt: true,
+                })
+            } else if from != to {
+                match stage {
+                    Stage::Zero0 => None,
+                    Stage::Zero1 | Stage::Zero2 => Some(Need {
+                        params: false,
+                        opt: true,
+                    }),
+                    Stage::Zero3 => Some(Need {
+                        params: true,
+                        opt: true,
+                    }),
+                }
+            } else {
+                None
+            };
+            if let Some(need) = need {
+                out.entry((from, to)).or_default().push((u, i, need));
+            }
+            if stage != Stage::Zero3 {
+                // Joiners keep every parameter (stages 0-2) and all optimizer state (stage 0).
+                for &j in joiners.iter().filter(|&&j| j != to) {
+                    out.entry((from, j)).or_default().push((
+                        u,
+                        i,
+                        Need {
+                            params: true,
+                            opt: stage == Stage::Zero0,
+                        },
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+#[derive(Serialize, Deserialize)]
+struct Parcel {
+    chunks: Vec<ChunkState>,
+    crcs: Vec<u32>,
+}
+
+/// CRC-32 of a chunk's contents, as sent (so empty parts are covered as empty).
+pub fn chunk_crc(c: &ChunkState) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&c.unit.to_le_bytes());
+    h.update(&c.index.to_le_bytes());
+    for part in [&c.params, &c.m, &c.v] {
+        h.update(&(part.len() as u64).to_le_bytes());
+        for x in part.iter() {
+            h.update(&x.to_le_bytes());
+        }
+    }
+    h.finalize()
+}
+
+/// Everything a rank needs to rebuild itself for the new map.
+pub struct Reshard<'a> {
+    /// Who sends each chunk (see `transfers`).
+    pub sender: &'a dyn Fn(usize, usize) -> RankId,
+    pub old: &'a ShardMap,
+    pub new: &'a ShardMap,
+    pub stage: Stage,
+    pub mode: ReduceMode,
+    pub model: Arc<dyn Model>,
+    pub optim: OptimSettings,
+    pub step: u64,
+}
+
+impl Reshard<'_> {
+    /// Sends what this rank owes, receives what it is owed, verifies it, and returns the rank's
+    /// state under the new map (`None` for a rank that is leaving). `base` is what this rank
+    /// holds: its current state, or its backups when rolling back; nothing for a joiner.
+    pub fn run<T: Transport>(
+        &self,
+        me: RankId,
+        base: &ChunkSource<'_>,
+        comm: &mut Comm<T>,
+    ) -> Result<Option<RankState>, CommError> {
+        comm.begin_step(self.new.epoch, self.step);
+        let plan = transfers(self.old, self.new, self.stage, self.sender);
+        let tag = Tag {
+            kind: TagKind::Reshard,
+            attempt: 0,
+            unit: 0,
+            pass: 0,
+        };
+        for ((_, to), list) in plan.iter().filter(|((f, _), _)| *f == me) {
+            let chunks: Vec<ChunkState> = list
+                .iter()
+                .map(|&(u, i, need)| pick(base, me, self.optim, u, i, need))
+                .collect::<Result<_, _>>()?;
+            comm.send(*to, tag, encode_parcel(me, chunks)?)?;
+        }
+        if !self.new.is_member(me) {
+            return Ok(None);
+        }
+        let mut received: BTreeMap<(usize, usize), ChunkState> = BTreeMap::new();
+        for ((from, _), list) in plan.iter().filter(|((_, t), _)| *t == me) {
+            let payload = comm.recv(*from, tag)?;
+            let expect: Vec<(usize, usize)> = list.iter().map(|&(u, i, _)| (u, i)).collect();
+            for c in decode_parcel(*from, &payload, &expect)? {
+                received.insert((c.unit as usize, c.index as usize), c);
+            }
+        }
+        let source = |u: usize, i: usize| -> Option<ChunkState> {
+            let own = base(u, i);
+            match (received.get(&(u, i)), own) {
+                (Some(r), Some(mut o)) => {
+                    if !r.params.is_empty() {
+                        o.params = r.params.clone();
+                    }
+                    if !(r.m.is_empty() && r.v.is_empty()) {
+                        o.m = r.m.clone();
+                        o.v = r.v.clone();
+                    }
+                    Some(o)
+                }
+                (Some(r), None) => Some(r.clone()),
+                (None, own) => own,
+            }
+        };
+        RankState::from_chunks(
+            me,
+            self.stage,
+            self.mode,
+            Arc::clone(&self.model),
+            self.new.clone(),
+            self.optim,
+            &source,
+        )
+        .map(Some)
+        .map_err(|what| CommError::Protocol { from: me, what })
+    }
+}
+
+/// A list of chunk states with a CRC each, as one frame payload.
+pub(crate) fn encode_parcel(me: RankId, chunks: Vec<ChunkState>) -> Result<Bytes, CommError> {
+    let crcs = chunks.iter().map(chunk_crc).collect();
+    bincode::serde::encode_to_vec(Parcel { chunks, crcs }, bincode::config::standard())
+        .map(Bytes::from)
+        .map_err(|e| CommError::Protocol {
+            from: me,
+            what: format!("encode: {e}"),
+        })
+}
+
+/// Decodes a parcel from `from` and checks it holds exactly the `expect`ed chunks, each
+/// matching its CRC: a corrupt or mismatched parcel is refused whole, never applied.
+pub(crate) fn decode_parcel(
+    from: RankId,
+    payload: &[u8],
+    expect: &[(usize, usize)],
+) -> Result<Vec<ChunkState>, CommError> {
+    let bad = |what: String| CommError::Protocol { from, what };
+    let config = bincode::config::standard().with_limit::<{ 1 << 31 }>();
+    let (parcel, _): (Parcel, usize) = bincode::serde::decode_from_slice(payload, config)
+        .map_err(|e| bad(format!("parcel: {e}")))?;
+    if parcel.chunks.len() != expect.len() || parcel.crcs.len() != expect.len() {
+        return Err(bad("parcel has the wrong chunks".into()));
+    }
+    for ((c, crc), &(u, i)) in parcel.chunks.iter().zip(&parcel.crcs).zip(expect) {
+        if (c.unit as usize, c.index as usize) != (u, i) || chunk_crc(c) != *crc {
+            return Err(bad(format!("chunk {u}/{i} failed verification")));
+        }
+    }
+    Ok(parcel.chunks)
+}
+
+fn pick(
+    base: &ChunkSource<'_>,
+    me: RankId,
+    optim: OptimSettings,
+    u: usize,
+    i: usize,
+    need: Need,
+) -> Result<ChunkState, CommError> {
+    let mut c = base(u, i).ok_or_else(|| CommError::Protocol {
+        from: me,
+        what: format!("chunk {u}/{i} is not held here"),
+    })?;
+    if !need.params {
+        c.params.clear();
+    }
+    if !need.opt {
+        c.m.clear();
+        c.v.clear();
+    }
+    if need.opt && c.m.is_empty() && c.v.is_empty() && optim.state_per_param() > 0 {
+        return Err(CommError::Protocol {
+            from: me,
+            what: format!("optimizer state of chunk {u}/{i} is not held here"),
+        });
+    }
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stage1_leave_moves_optimizer_state_only_and_a_join_gets_everything() {
+        let old = ShardMap::plan(&[1000, 600], &[0, 1, 2], 100, 1).unwrap();
+        let (leave, _) = crate::plan::rebalance::rebalance(&old, &[0, 2]).unwrap();
+        let owner = |u, i| old.owner(u, i);
+        let t = transfers(&old, &leave, Stage::Zero1, &owner);
+        assert!(t.keys().all(|(f, _)| *f == 1));
+        assert!(t.values().flatten().all(|(_, _, n)| !n.params && n.opt));
+        assert!(transfers(&old, &leave, Stage::Zero0, &owner).is_empty());
+        let (join, _) = crate::plan::rebalance::rebalance(&old, &[0, 1, 2, 3]).unwrap();
+        let t = transfers(&old, &join, Stage::Zero2, &owner);
+        // The joiner receives every parameter once, and optimizer state for what it owns.
+        let to_joiner: Vec<_> = t
+            .iter()
+            .filter(|((_, to), _)| *to == 3)
+            .flat_map(|(_, l)| l)
+            .collect();
+        let params: usize = to_joiner
+            .iter()
+            .filter(|(_, _, n)| n.params)
+            .map(|&&(u, i, _)| join.chunk_range(u, i).len())
+            .sum();
+        assert_eq!(params, 1600);
+        let opt: usize = to_joiner
+            .iter()
+            .filter(|(_, _, n)| n.opt)
+            .map(|&&(u, i, _)| join.chunk_range(u, i).len())
+            .sum();
+        assert_eq!(opt, join.owned_elems(3));
+    }
+}

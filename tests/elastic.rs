@@ -1,0 +1,223 @@
+//! Elastic membership: ranks leave and join while training runs; shards are rebalanced in place
+//! and the final parameters equal those of a run with no change, bit for bit.
+
+mod common;
+
+use common::{run_cfg, small};
+use elastic_zero::config::{At, ModelKind, TrainConfig};
+use elastic_zero::summary::param_sha256;
+
+fn at(value: u32, step: u64) -> At {
+    At { value, step }
+}
+
+/// Runs `cfg` and returns the outcome with every membership change.
+fn run_logged(
+    cfg: &TrainConfig,
+) -> Result<
+    (
+        elastic_zero::runtime::TrainOutcome,
+        Vec<elastic_zero::engine::coordinator::MembershipRecord>,
+    ),
+    String,
+> {
+    use elastic_zero::engine::coordinator::MembershipRecord;
+    use elastic_zero::job::{build_dataset, build_model};
+    use elastic_zero::runtime::cluster::Observer;
+    use elastic_zero::runtime::{train, ClusterSpec};
+    struct Log(Vec<MembershipRecord>);
+    impl Observer for &mut Log {
+        fn on_membership(&mut self, r: &MembershipRecord) {
+            self.0.push(r.clone());
+        }
+    }
+    let spec = ClusterSpec {
+        config: cfg.clone(),
+        model: build_model(cfg).unwrap(),
+        data: build_dataset(cfg).unwrap(),
+        init_params: None,
+        resume: None,
+        snapshot_every: 0,
+        panic_at: None,
+    };
+    let mut log = Log(Vec::new());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let out = rt
+        .block_on(train(spec, &mut log))
+        .map_err(|e| e.to_string())?;
+    Ok((out, log.0))
+}
+
+#[test]
+fn leave_and_join_end_with_the_same_parameters_as_a_fixed_world() {
+    let base = TrainConfig {
+        steps: 6,
+        ranks: 3,
+        ..small(ModelKind::Gpt)
+    };
+    let want = param_sha256(&run_cfg(&base).unwrap().params);
+    for stage in [0u8, 1, 2, 3] {
+        for (leave, join) in [
+            (vec![at(1, 2)], vec![]),
+            (vec![], vec![at(2, 3)]),
+            (vec![at(0, 1), at(3, 4)], vec![at(1, 2)]),
+        ] {
+            let cfg = TrainConfig {
+                stage,
+                leave: leave.clone(),
+                join: join.clone(),
+                ..base.clone()
+            };
+            let out = run_cfg(&cfg).unwrap();
+            assert_eq!(
+                param_sha256(&out.params),
+                want,
+                "stage {stage} leave {leave:?} join {join:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn rebalances_move_within_ten_percent_of_the_minimum() {
+    use elastic_zero::engine::coordinator::MembershipRecord;
+    use elastic_zero::job::{build_dataset, build_model};
+    use elastic_zero::runtime::cluster::Observer;
+    use elastic_zero::runtime::{train, ClusterSpec};
+
+    #[derive(Default)]
+    struct Log(Vec<MembershipRecord>);
+    impl Observer for &mut Log {
+        fn on_membership(&mut self, r: &MembershipRecord) {
+            self.0.push(r.clone());
+        }
+    }
+    let cfg = TrainConfig {
+        steps: 5,
+        ranks: 4,
+        layers: 4,
+        chunk_elems: 256,
+        leave: vec![at(2, 1)],
+        join: vec![at(1, 2), at(2, 3)],
+        ..small(ModelKind::Gpt)
+    };
+    let spec = ClusterSpec {
+        config: cfg.clone(),
+        model: build_model(&cfg).unwrap(),
+        data: build_dataset(&cfg).unwrap(),
+        init_params: None,
+        resume: None,
+        snapshot_every: 0,
+        panic_at: None,
+    };
+    let mut log = Log::default();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(train(spec, &mut log)).unwrap();
+    let members: Vec<Vec<u32>> = log.0.iter().map(|r| r.after.clone()).collect();
+    assert_eq!(
+        members,
+        vec![vec![0, 1, 3], vec![0, 1, 3, 4], vec![0, 1, 3, 4, 5, 6]]
+    );
+    for r in &log.0 {
+        println!(
+            "epoch {}: moved {} elements, minimum {}",
+            r.epoch, r.moved_chunk_elems, r.min_chunk_elems
+        );
+        assert!(r.min_chunk_elems > 0);
+        assert!(
+            r.moved_chunk_elems as f64 <= 1.1 * r.min_chunk_elems as f64,
+            "{r:?}"
+        );
+    }
+}
+
+#[test]
+fn an_abrupt_loss_rolls_back_to_the_buddy_backup_and_loses_nothing() {
+    let base = TrainConfig {
+        steps: 6,
+        ranks: 3,
+        ..small(ModelKind::Gpt)
+    };
+    let want = param_sha256(&run_cfg(&base).unwrap().params);
+    for stage in [0u8, 1, 2, 3] {
+        for (kill, replicate_every) in [
+            (vec![at(1, 2)], 1),
+            (vec![at(2, 4)], 2),
+            (vec![at(0, 0)], 3),
+        ] {
+            let cfg = TrainConfig {
+                stage,
+                kill: kill.clone(),
+                replicate_every,
+                ..base.clone()
+            };
+            let (out, log) =
+                run_logged(&cfg).unwrap_or_else(|e| panic!("stage {stage} kill {kill:?}: {e}"));
+            assert_eq!(
+                param_sha256(&out.params),
+                want,
+                "stage {stage} kill {kill:?} every {replicate_every}"
+            );
+            // The loss really happened, and training rolled back to the newest backup.
+            assert_eq!(log.len(), 1, "{log:?}");
+            assert_eq!(log[0].lost, vec![kill[0].value]);
+            let step = kill[0].step;
+            assert_eq!(log[0].rolled_back_to, Some(step - step % replicate_every));
+        }
+    }
+}
+
+#[test]
+fn kills_combined_with_leaves_and_joins_still_match() {
+    let base = TrainConfig {
+        steps: 7,
+        ranks: 4,
+        ..small(ModelKind::Mlp)
+    };
+    let want = param_sha256(&run_cfg(&base).unwrap().params);
+    let cfg = TrainConfig {
+        stage: 3,
+        leave: vec![at(3, 1)],
+        join: vec![at(2, 3)],
+        kill: vec![at(0, 2), at(4, 5)],
+        ..base
+    };
+    let (out, log) = run_logged(&cfg).unwrap();
+    assert_eq!(param_sha256(&out.params), want);
+    let lost: Vec<Vec<u32>> = log.iter().map(|r| r.lost.clone()).collect();
+    assert_eq!(lost, vec![vec![], vec![0], vec![], vec![4]], "{log:?}");
+}
+
+#[test]
+fn losses_without_a_live_copy_stop_the_run_and_say_so() {
+    let base = TrainConfig {
+        steps: 4,
+        ranks: 3,
+        stage: 3,
+        ..small(ModelKind::Mlp)
+    };
+    let no_backup = TrainConfig {
+        kill: vec![at(1, 1)],
+        replicate_every: 0,
+        ..base.clone()
+    };
+    let err = run_cfg(&no_backup).err().expect("must stop").to_string();
+    assert!(
+        err.contains("rank 1") && err.contains("checkpoint"),
+        "{err}"
+    );
+    // Rank 1 and its buddy, rank 2, die in the same step: rank 1's chunks have no copy left.
+    let both = TrainConfig {
+        kill: vec![at(1, 2), at(2, 2)],
+        ..base
+    };
+    let err = run_cfg(&both).err().expect("must stop").to_string();
+    assert!(
+        err.contains("no other copy") && err.contains("checkpoint"),
+        "{err}"
+    );
+}
