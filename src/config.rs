@@ -163,6 +163,10 @@ pub struct TrainConfig {
     /// Buddy backups of every rank's state at least every this many steps; 0 turns them off,
     /// and then losing a rank stops the run (default 1).
     pub replicate_every: u64,
+    /// Fault injection: thousandths of frames the in-process network delivers twice (default 0).
+    pub net_duplicate_per_mille: u32,
+    /// Fault injection: thousandths of frames it holds back behind the next one (default 0).
+    pub net_reorder_per_mille: u32,
 }
 
 impl Default for TrainConfig {
@@ -204,6 +208,8 @@ impl Default for TrainConfig {
             min_ranks: 1,
             max_ranks: 64,
             replicate_every: 1,
+            net_duplicate_per_mille: 0,
+            net_reorder_per_mille: 0,
         }
     }
 }
@@ -292,6 +298,12 @@ impl TrainConfig {
             return Err(ConfigError::new(
                 "initial_grad_bound",
                 "must be a positive finite number",
+            ));
+        }
+        if self.net_duplicate_per_mille > 1000 || self.net_reorder_per_mille > 1000 {
+            return Err(ConfigError::new(
+                "net_duplicate_per_mille",
+                "fault rates are thousandths: 0 to 1000",
             ));
         }
         if self.collective_timeout_ms == 0 {
