@@ -170,6 +170,10 @@ pub struct TrainConfig {
     pub save_every: u64,
     /// Complete checkpoints kept in `save_dir`, newest first; 0 keeps all (default 3).
     pub keep_checkpoints: usize,
+    /// Fault injection: thousandths of frames the in-process network delivers twice (default 0).
+    pub net_duplicate_per_mille: u32,
+    /// Fault injection: thousandths of frames it holds back behind the next one (default 0).
+    pub net_reorder_per_mille: u32,
 }
 
 impl Default for TrainConfig {
@@ -214,6 +218,8 @@ impl Default for TrainConfig {
             save_dir: None,
             save_every: 0,
             keep_checkpoints: 3,
+            net_duplicate_per_mille: 0,
+            net_reorder_per_mille: 0,
         }
     }
 }
@@ -308,6 +314,12 @@ impl TrainConfig {
             return Err(ConfigError::new(
                 "initial_grad_bound",
                 "must be a positive finite number",
+            ));
+        }
+        if self.net_duplicate_per_mille > 1000 || self.net_reorder_per_mille > 1000 {
+            return Err(ConfigError::new(
+                "net_duplicate_per_mille",
+                "fault rates are thousandths: 0 to 1000",
             ));
         }
         if self.collective_timeout_ms == 0 {

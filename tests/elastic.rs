@@ -84,18 +84,6 @@ fn leave_and_join_end_with_the_same_parameters_as_a_fixed_world() {
 
 #[test]
 fn rebalances_move_within_ten_percent_of_the_minimum() {
-    use elastic_zero::engine::coordinator::MembershipRecord;
-    use elastic_zero::job::{build_dataset, build_model};
-    use elastic_zero::runtime::cluster::Observer;
-    use elastic_zero::runtime::{train, ClusterSpec};
-
-    #[derive(Default)]
-    struct Log(Vec<MembershipRecord>);
-    impl Observer for &mut Log {
-        fn on_membership(&mut self, r: &MembershipRecord) {
-            self.0.push(r.clone());
-        }
-    }
     let cfg = TrainConfig {
         steps: 5,
         ranks: 4,
@@ -105,24 +93,13 @@ fn rebalances_move_within_ten_percent_of_the_minimum() {
         join: vec![at(1, 2), at(2, 3)],
         ..small(ModelKind::Gpt)
     };
-    let spec = ClusterSpec {
-        config: cfg.clone(),
-        model: build_model(&cfg).unwrap(),
-        data: build_dataset(&cfg).unwrap(),
-        init_params: None,
-        resume: None,
-        snapshot_every: 0,
-        panic_at: None,
-    };
-    let mut log = Log::default();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(train(spec, &mut log)).unwrap();
-    let members: Vec<Vec<u32>> = log.0.iter().map(|r| r.after.clone()).collect();
+    let (_, log) = run_logged(&cfg).unwrap();
+    let members: Vec<Vec<u32>> = log.iter().map(|r| r.after.clone()).collect();
     assert_eq!(
         members,
         vec![vec![0, 1, 3], vec![0, 1, 3, 4], vec![0, 1, 3, 4, 5, 6]]
     );
-    for r in &log.0 {
+    for r in &log {
         println!(
             "epoch {}: moved {} elements, minimum {}",
             r.epoch, r.moved_chunk_elems, r.min_chunk_elems

@@ -34,6 +34,9 @@ pub const MAY_CHANGE: &[&str] = &[
     "min_ranks",
     "max_ranks",
     "replicate_every",
+    // Fault injection in the in-process network never changes the numbers either.
+    "net_duplicate_per_mille",
+    "net_reorder_per_mille",
 ];
 
 /// Refuses, naming the first difference, unless `manifest` can resume a run of `cfg` on a model

@@ -15,7 +15,7 @@ use super::actors::{
 };
 use super::clock::SystemClock;
 use super::comm::Comm;
-use super::local::{LocalEndpoint, LocalNetwork};
+use super::local::{LocalEndpoint, LocalNetwork, NetFaults};
 use super::rank_actor::RankMsg;
 use super::rank_state::{ChunkState, OptimSettings, RankState};
 use super::step::ExecConfig;
@@ -151,7 +151,15 @@ impl Cluster {
                 .collect(),
             None => Vec::new(),
         };
-        let net = LocalNetwork::new();
+        let net = if cfg.net_duplicate_per_mille + cfg.net_reorder_per_mille > 0 {
+            LocalNetwork::with_faults(NetFaults {
+                seed: cfg.seed,
+                duplicate_per_mille: cfg.net_duplicate_per_mille,
+                reorder_per_mille: cfg.net_reorder_per_mille,
+            })
+        } else {
+            LocalNetwork::new()
+        };
         let (tx, events) = unbounded_channel();
         let job = JobSpec {
             steps: cfg.steps,

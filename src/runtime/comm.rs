@@ -109,6 +109,11 @@ impl<T: Transport> Comm<T> {
         self.stats.grad_elems_sent += grad_elems;
     }
 
+    /// Hands over anything the transport held back; call when a job's sends are done.
+    pub fn flush(&self) {
+        self.transport.flush();
+    }
+
     pub fn send(&mut self, to: RankId, tag: Tag, payload: Bytes) -> Result<(), CommError> {
         self.stats.frames_sent += 1;
         self.stats.bytes_sent += payload.len() as u64 + FRAME_HEADER_BYTES;

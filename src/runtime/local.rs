@@ -7,12 +7,25 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::transport::{Frame, Tag, TagKind, Transport, TransportError};
+use crate::model::rng::{mix, SplitMix64};
 use crate::plan::RankId;
+
+/// Seeded network misbehaviour for chaos runs: each endpoint duplicates and reorders its
+/// outgoing frames from its own RNG stream (seed, rank), so a seed replays exactly.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct NetFaults {
+    pub seed: u64,
+    /// Chance per frame, in thousandths, that it is delivered twice.
+    pub duplicate_per_mille: u32,
+    /// Chance per frame, in thousandths, that it is held back and delivered after the next one.
+    pub reorder_per_mille: u32,
+}
 
 /// The switchboard every local endpoint sends through.
 #[derive(Default)]
 pub struct LocalNetwork {
     inboxes: Mutex<HashMap<RankId, Sender<Frame>>>,
+    faults: Option<NetFaults>,
 }
 
 impl LocalNetwork {
@@ -20,14 +33,30 @@ impl LocalNetwork {
         Arc::new(Self::default())
     }
 
+    /// A network whose endpoints duplicate and reorder frames as `faults` says.
+    pub fn with_faults(faults: NetFaults) -> Arc<Self> {
+        Arc::new(Self {
+            faults: Some(faults),
+            ..Self::default()
+        })
+    }
+
     /// Creates the endpoint of `rank` (replacing any previous one).
     pub fn endpoint(self: &Arc<Self>, rank: RankId) -> LocalEndpoint {
         let (tx, rx) = mpsc::channel();
         self.lock().insert(rank, tx);
+        let chaos = self.faults.map(|f| {
+            Mutex::new(Chaos {
+                faults: f,
+                rng: SplitMix64::new(mix(f.seed, rank as u64)),
+                held: Vec::new(),
+            })
+        });
         LocalEndpoint {
             rank,
             net: Arc::clone(self),
             rx,
+            chaos,
         }
     }
 
@@ -73,14 +102,17 @@ pub struct LocalEndpoint {
     rank: RankId,
     net: Arc<LocalNetwork>,
     rx: Receiver<Frame>,
+    chaos: Option<Mutex<Chaos>>,
 }
 
-impl Transport for LocalEndpoint {
-    fn rank(&self) -> RankId {
-        self.rank
-    }
+struct Chaos {
+    faults: NetFaults,
+    rng: SplitMix64,
+    held: Vec<(RankId, Frame)>,
+}
 
-    fn send(&self, to: RankId, frame: Frame) -> Result<(), TransportError> {
+impl LocalEndpoint {
+    fn deliver(&self, to: RankId, frame: Frame) -> Result<(), TransportError> {
         let tx = self
             .net
             .lock()
@@ -90,7 +122,46 @@ impl Transport for LocalEndpoint {
         tx.send(frame).map_err(|_| TransportError::UnknownPeer(to))
     }
 
+    fn release_held(&self, chaos: &mut Chaos) {
+        for (to, f) in chaos.held.drain(..) {
+            // The peer may have gone meanwhile; a lost frame to a dead rank is no error here.
+            let _ = self.deliver(to, f);
+        }
+    }
+}
+
+impl Transport for LocalEndpoint {
+    fn rank(&self) -> RankId {
+        self.rank
+    }
+
+    fn send(&self, to: RankId, frame: Frame) -> Result<(), TransportError> {
+        let Some(chaos) = &self.chaos else {
+            return self.deliver(to, frame);
+        };
+        let mut c = chaos.lock().unwrap_or_else(|e| e.into_inner());
+        let (dup, hold) = (c.rng.next_u64() % 1000, c.rng.next_u64() % 1000);
+        if hold < c.faults.reorder_per_mille as u64 && c.held.is_empty() {
+            c.held.push((to, frame));
+            return Ok(());
+        }
+        let res = self.deliver(to, frame.clone());
+        if res.is_ok() && dup < c.faults.duplicate_per_mille as u64 {
+            let _ = self.deliver(to, frame);
+        }
+        self.release_held(&mut c);
+        res
+    }
+
+    fn flush(&self) {
+        if let Some(chaos) = &self.chaos {
+            let mut c = chaos.lock().unwrap_or_else(|e| e.into_inner());
+            self.release_held(&mut c);
+        }
+    }
+
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
+        self.flush();
         if !self.net.lock().contains_key(&self.rank) {
             return Err(TransportError::Closed);
         }

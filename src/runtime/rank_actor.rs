@@ -208,6 +208,7 @@ impl<T: Transport> Actor for RankActor<T> {
                             plan.step
                         ));
                     }
+                    work.comm.flush();
                     RankMsg::StepFinished(Box::new(work), res.map(Box::new))
                 })?;
             }
@@ -247,6 +248,7 @@ impl<T: Transport> Actor for RankActor<T> {
                             Err(e)
                         }
                     };
+                    work.comm.flush();
                     RankMsg::ReshardFinished(Box::new(work), res)
                 })?;
             }
@@ -282,6 +284,7 @@ impl<T: Transport> Actor for RankActor<T> {
                         work.state = state;
                         new.epoch
                     });
+                    work.comm.flush();
                     RankMsg::ReshardFinished(Box::new(work), res)
                 })?;
             }
@@ -312,6 +315,7 @@ impl<T: Transport> Actor for RankActor<T> {
                         work.backup = Some(b);
                         done
                     });
+                    work.comm.flush();
                     RankMsg::ReplicateFinished(Box::new(work), res)
                 })?;
             }

@@ -73,4 +73,7 @@ pub trait Transport: Send + 'static {
     fn send(&self, to: RankId, frame: Frame) -> Result<(), TransportError>;
     /// The next frame addressed to this rank, waiting at most `timeout_ms`.
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError>;
+    /// Delivers anything the transport is still holding back (called when a rank finishes a
+    /// job and may not send or receive again for a while).
+    fn flush(&self) {}
 }
