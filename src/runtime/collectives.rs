@@ -153,6 +153,37 @@ pub fn reduce_scatter<T: Transport>(
     Ok(())
 }
 
+/// Broadcast: `root` sends `payload` (ignored elsewhere) to every member; every member returns
+/// the root's bytes. The same `Bytes` goes to every peer, so the in-process transport copies
+/// nothing.
+pub fn broadcast<T: Transport>(
+    comm: &mut Comm<T>,
+    members: &[RankId],
+    root: RankId,
+    tag: Tag,
+    payload: Bytes,
+) -> Result<Bytes, CommError> {
+    let me = comm.rank();
+    if me == root {
+        for &peer in members.iter().filter(|&&r| r != me) {
+            comm.send(peer, tag, payload.clone())?;
+        }
+        Ok(payload)
+    } else {
+        comm.recv(root, tag)
+    }
+}
+
+/// Barrier: returns once every member has reached it (or fails with the member that did not
+/// arrive before the deadline).
+pub fn barrier<T: Transport>(
+    comm: &mut Comm<T>,
+    members: &[RankId],
+    tag: Tag,
+) -> Result<(), CommError> {
+    exchange_small(comm, members, tag, Bytes::new()).map(|_| ())
+}
+
 /// All members with data for a small all-reduce, in ascending order, including this rank's own
 /// payload at its position: every rank then combines the same list in the same order.
 pub fn exchange_small<T: Transport>(
@@ -244,5 +275,36 @@ mod tests {
             .map(|h| h.join().unwrap().param_elems_sent)
             .sum();
         assert_eq!(total, 11 * 2); // each element sent to the 2 other ranks once
+    }
+
+    #[test]
+    fn broadcast_and_barrier_reach_every_member() {
+        let net = LocalNetwork::new();
+        let members = [0u32, 3, 5];
+        let mut eps: Vec<_> = members.iter().map(|&r| net.endpoint(r)).collect();
+        let handles: Vec<_> = members
+            .iter()
+            .map(|&r| {
+                let ep = eps.remove(0);
+                std::thread::spawn(move || {
+                    let mut comm = Comm::new(ep, 5000);
+                    comm.begin_step(1, 7);
+                    let tag = |kind| Tag {
+                        kind,
+                        attempt: 0,
+                        unit: 0,
+                        pass: 0,
+                    };
+                    let mine = Bytes::from(vec![r as u8; 3]);
+                    let got =
+                        broadcast(&mut comm, &members, 3, tag(TagKind::Broadcast), mine).unwrap();
+                    barrier(&mut comm, &members, tag(TagKind::Barrier)).unwrap();
+                    got
+                })
+            })
+            .collect();
+        for h in handles {
+            assert_eq!(&h.join().unwrap()[..], &[3, 3, 3]);
+        }
     }
 }

@@ -29,6 +29,10 @@ pub enum TagKind {
     Replica = 7,
     /// From the runtime, not a rank: stop waiting, the step is being abandoned (a peer died).
     Interrupt = 8,
+    /// A root's buffer sent to every member.
+    Broadcast = 9,
+    /// An empty message that only says "I got here".
+    Barrier = 10,
 }
 
 /// Identifies one message within a step: which collective, which unit, which pass, which try.
