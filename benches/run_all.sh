@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Reproduces every table of BENCHMARKS.md end to end (about 65 minutes on 2 busy cores):
+#   1. the peers venv (/tmp/peers/venv: torch 2.15 + deepspeed 0.19.8, cpu_adam JIT-built once),
+#   2. cargo build --release,
+#   3. Adam: ours vs torch fused / DeepSpeedCPUAdam, 6 rounds x {1M,16M,64M} x {1,2} threads,
+#   4. training: ours ZeRO-3 vs FSDP2 / DeepSpeed ZeRO-3 at 2 and 4 ranks, 3 rounds x 30 steps,
+#      plus 2 rounds x 3 steps for CPU seconds per step,
+#   5. one rank, no communication: ours vs torch `single`, 5 alternating pairs.
+# Raw JSON and the tables go to $OUT (default /tmp/ezero_bench).
+#
+#   bash benches/run_all.sh
+#   ROUNDS=5 ADAM_ROUNDS=10 OUT=/tmp/b bash benches/run_all.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/ezero_bench}
+ROUNDS=${ROUNDS:-3}
+ADAM_ROUNDS=${ADAM_ROUNDS:-6}
+mkdir -p "$OUT"
+bash ../shared/peers/setup.sh
+cargo build --release
+python3 benches/compare_adam.py --rounds "$ADAM_ROUNDS" --no-build --out "$OUT/adam_runs.json" | tee "$OUT/adam.md"
+python3 benches/compare_train.py --rounds "$ROUNDS" --no-build --out "$OUT/train_runs.json" | tee "$OUT/train.md"
+python3 benches/compare_train.py --rounds 2 --steps 3 --no-build --out "$OUT/train_short.json" > /dev/null
+python3 benches/compare_train.py --summarize "$OUT/train_runs.json" --short "$OUT/train_short.json" | tee "$OUT/train.md"
+OUT="$OUT" bash benches/compare_single_rank.sh 5 | tee "$OUT/single.txt"
