@@ -51,6 +51,15 @@ impl ShardMap {
     /// Plans a fresh map: chunks are visited in unit order and each goes to the member holding the
     /// fewest elements so far (ties to the lowest rank id). Greedy list scheduling keeps every
     /// member within one chunk of every other, even when units end in short tail chunks.
+    ///
+    /// ```
+    /// use elastic_zero::plan::ShardMap;
+    ///
+    /// // Two units of 10 and 3 elements, cut into chunks of 4, over ranks 0 and 1.
+    /// let map = ShardMap::plan(&[10, 3], &[0, 1], 4, 1).unwrap();
+    /// assert_eq!(map.owned_elems(0) + map.owned_elems(1), 13);
+    /// assert!(map.owned_elems(0).abs_diff(map.owned_elems(1)) <= 4);
+    /// ```
     pub fn plan(
         unit_numels: &[usize],
         members: &[RankId],
