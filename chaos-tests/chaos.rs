@@ -10,16 +10,19 @@
 //! `CHAOS_SEEDS=N` runs seeds 0..N (default 300); `CHAOS_SEED=S` runs one. A failing seed prints
 //! the command that replays it.
 
+#[path = "../tests/common/mod.rs"]
+mod common;
+
 use elastic_zero::config::{At, ModelKind, TrainConfig};
 use elastic_zero::engine::coordinator::MembershipRecord;
-use elastic_zero::job::{build_dataset, build_model};
+use elastic_zero::job::build_model;
 use elastic_zero::model::rng::SplitMix64;
 use elastic_zero::plan::rebalance::rebalance;
 use elastic_zero::plan::replica::holders;
 use elastic_zero::plan::ShardMap;
 use elastic_zero::reference::train_reference;
 use elastic_zero::runtime::cluster::Observer;
-use elastic_zero::runtime::{train, ClusterSpec};
+use elastic_zero::runtime::ClusterSpec;
 use elastic_zero::summary::param_sha256;
 
 /// What the script implies: the members after each change and whether some loss is unrecoverable.
@@ -133,24 +136,10 @@ impl Observer for &mut Trace {
 /// Runs one seed; returns a description of the first broken invariant, and the event trace.
 fn check(seed: u64) -> Result<String, String> {
     let (cfg, expect) = scenario(seed);
-    let model = build_model(&cfg).map_err(|e| e.to_string())?;
-    let data = build_dataset(&cfg).map_err(|e| e.to_string())?;
-    let spec = ClusterSpec {
-        config: cfg.clone(),
-        model: model.clone(),
-        data: data.clone(),
-        init_params: None,
-        resume: None,
-        snapshot_every: 0,
-        panic_at: None,
-    };
+    let spec = ClusterSpec::from_config(cfg.clone()).map_err(|e| e.to_string())?;
+    let (model, data) = (spec.model.clone(), spec.data.clone());
     let mut trace = Trace::default();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    let result = rt.block_on(train(spec, &mut trace));
+    let result = common::train_blocking(spec, &mut trace);
     let epochs: Vec<u64> = trace.0.iter().map(|r| r.epoch).collect();
     if epochs.windows(2).any(|w| w[0] >= w[1]) {
         return Err(format!("epochs did not grow: {epochs:?}"));
@@ -240,18 +229,9 @@ fn the_harness_catches_disabled_replication() {
         replicate_every: 0,
         ..cfg.clone()
     };
-    let spec = ClusterSpec {
-        config: planted.clone(),
-        model: build_model(&planted).unwrap(),
-        data: build_dataset(&planted).unwrap(),
-        init_params: None,
-        resume: None,
-        snapshot_every: 0,
-        panic_at: None,
-    };
-    let rt = tokio::runtime::Runtime::new().unwrap();
+    let spec = ClusterSpec::from_config(planted).unwrap();
     assert!(
-        rt.block_on(train(spec, ())).is_err(),
+        common::train_blocking(spec, ()).is_err(),
         "seed {seed}: without backups a kill must not be survivable"
     );
     assert!(

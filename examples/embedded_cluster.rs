@@ -4,7 +4,6 @@
 //! Run: `cargo run --release --example embedded_cluster`
 
 use elastic_zero::config::{ModelKind, TrainConfig};
-use elastic_zero::job::{build_dataset, build_model};
 use elastic_zero::runtime::actors::ClusterEvent;
 use elastic_zero::runtime::{Cluster, ClusterSpec};
 use elastic_zero::summary::param_sha256;
@@ -18,15 +17,7 @@ async fn main() -> anyhow::Result<()> {
         steps: 20,
         ..TrainConfig::default()
     };
-    let spec = ClusterSpec {
-        model: build_model(&config)?,
-        data: build_dataset(&config)?,
-        config,
-        init_params: None,
-        resume: None,
-        snapshot_every: 0,
-        panic_at: None,
-    };
+    let spec = ClusterSpec::from_config(config)?;
     let mut cluster = Cluster::start(spec).await?;
     println!(
         "shard map epoch {}: {} members, {} chunks",

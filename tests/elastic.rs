@@ -22,33 +22,17 @@ fn run_logged(
     String,
 > {
     use elastic_zero::engine::coordinator::MembershipRecord;
-    use elastic_zero::job::{build_dataset, build_model};
     use elastic_zero::runtime::cluster::Observer;
-    use elastic_zero::runtime::{train, ClusterSpec};
+    use elastic_zero::runtime::ClusterSpec;
     struct Log(Vec<MembershipRecord>);
     impl Observer for &mut Log {
         fn on_membership(&mut self, r: &MembershipRecord) {
             self.0.push(r.clone());
         }
     }
-    let spec = ClusterSpec {
-        config: cfg.clone(),
-        model: build_model(cfg).unwrap(),
-        data: build_dataset(cfg).unwrap(),
-        init_params: None,
-        resume: None,
-        snapshot_every: 0,
-        panic_at: None,
-    };
+    let spec = ClusterSpec::from_config(cfg.clone()).unwrap();
     let mut log = Log(Vec::new());
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let out = rt
-        .block_on(train(spec, &mut log))
-        .map_err(|e| e.to_string())?;
+    let out = common::train_blocking(spec, &mut log).map_err(|e| e.to_string())?;
     Ok((out, log.0))
 }
 

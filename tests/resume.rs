@@ -3,13 +3,12 @@
 
 mod common;
 
-use common::{run_cfg, small};
+use common::{run_cfg, small, train_blocking};
 use elastic_zero::config::{ModelKind, TrainConfig};
 use elastic_zero::engine::coordinator::StepRecord;
-use elastic_zero::job::{build_dataset, build_model};
 use elastic_zero::runtime::actors::Snapshot;
 use elastic_zero::runtime::cluster::Observer;
-use elastic_zero::runtime::{train, ClusterSpec, TrainOutcome};
+use elastic_zero::runtime::{ClusterSpec, TrainOutcome};
 use elastic_zero::summary::param_sha256;
 
 #[derive(Default)]
@@ -28,20 +27,11 @@ fn run(
     keep: &mut Keep,
 ) -> TrainOutcome {
     let spec = ClusterSpec {
-        config: cfg.clone(),
-        model: build_model(cfg).unwrap(),
-        data: build_dataset(cfg).unwrap(),
-        init_params: None,
         resume,
         snapshot_every,
-        panic_at: None,
+        ..ClusterSpec::from_config(cfg.clone()).unwrap()
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(train(spec, keep)).unwrap()
+    train_blocking(spec, keep).unwrap()
 }
 
 #[test]
@@ -99,15 +89,9 @@ fn a_snapshot_of_another_model_is_refused() {
         ..base
     };
     let spec = ClusterSpec {
-        config: other.clone(),
-        model: build_model(&other).unwrap(),
-        data: build_dataset(&other).unwrap(),
-        init_params: None,
         resume: keep.0.pop(),
-        snapshot_every: 0,
-        panic_at: None,
+        ..ClusterSpec::from_config(other).unwrap()
     };
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let err = rt.block_on(train(spec, ())).err().expect("must refuse");
+    let err = train_blocking(spec, ()).err().expect("must refuse");
     assert!(err.to_string().contains("another model"), "{err}");
 }

@@ -19,11 +19,12 @@ use super::local::{LocalEndpoint, LocalNetwork, NetFaults};
 use super::rank_actor::RankMsg;
 use super::rank_state::{ChunkState, OptimSettings, RankState};
 use super::step::ExecConfig;
-use crate::config::{OptimizerChoice, TrainConfig};
+use crate::config::{ConfigError, OptimizerChoice, TrainConfig};
 use crate::data::Dataset;
 use crate::engine::coordinator::{
     Change, Coordinator, JobSpec, MembershipRecord, ScriptedChange, StepRecord,
 };
+use crate::job::{build_dataset, build_model};
 use crate::model::Model;
 use crate::optim::{AdamHyper, LrSchedule, OptimizerKind};
 use crate::plan::{RankId, ShardMap, Stage};
@@ -56,6 +57,21 @@ pub struct ClusterSpec {
     pub snapshot_every: u64,
     /// Fault injection for tests: (rank, step) whose compute panics.
     pub panic_at: Option<(RankId, u64)>,
+}
+
+impl ClusterSpec {
+    /// The built-in model and dataset the config names, from scratch, with no fault injection.
+    pub fn from_config(config: TrainConfig) -> Result<Self, ConfigError> {
+        Ok(Self {
+            model: build_model(&config)?,
+            data: build_dataset(&config)?,
+            config,
+            init_params: None,
+            resume: None,
+            snapshot_every: 0,
+            panic_at: None,
+        })
+    }
 }
 
 /// The result of a finished run.

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use elastic_zero::config::{ModelKind, TrainConfig};
-use elastic_zero::job::{build_dataset, build_model};
+use elastic_zero::runtime::cluster::Observer;
 use elastic_zero::runtime::{train, ClusterError, ClusterSpec, TrainOutcome};
 
 /// A small, fast config: a 2-layer MLP (or GPT) that trains a few steps in well under a second.
@@ -31,21 +31,22 @@ pub fn run_with(
     cfg: &TrainConfig,
     panic_at: Option<(u32, u64)>,
 ) -> Result<TrainOutcome, ClusterError> {
-    let model = build_model(cfg).expect("valid model");
-    let data = build_dataset(cfg).expect("valid data");
     let spec = ClusterSpec {
-        config: cfg.clone(),
-        model,
-        data,
-        init_params: None,
-        resume: None,
-        snapshot_every: 0,
         panic_at,
+        ..ClusterSpec::from_config(cfg.clone()).expect("valid config")
     };
+    train_blocking(spec, ())
+}
+
+/// Runs `spec` to the end on a 2-thread tokio runtime, feeding `observer`.
+pub fn train_blocking(
+    spec: ClusterSpec,
+    observer: impl Observer,
+) -> Result<TrainOutcome, ClusterError> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(train(spec, ()))
+    rt.block_on(train(spec, observer))
 }
