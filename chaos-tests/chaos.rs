@@ -1,5 +1,7 @@
 //! The chaos harness: seeded scenarios of world size, model shape, ZeRO stage, membership
-//! changes, abrupt rank losses and a misbehaving network (duplicated and reordered frames).
+//! changes, abrupt rank losses and a misbehaving network: duplicated, reordered, lost (and
+//! retransmitted), damaged (rejected by checksum, then retransmitted) and delayed frames, and a
+//! slow rank.
 //!
 //! Every scenario checks, separately:
 //! - termination: the run ends (deadlines bound every wait; a hang fails the run's timeouts);
@@ -22,6 +24,7 @@ use elastic_zero::plan::replica::holders;
 use elastic_zero::plan::ShardMap;
 use elastic_zero::reference::train_reference;
 use elastic_zero::runtime::cluster::Observer;
+use elastic_zero::runtime::local::NetCounts;
 use elastic_zero::runtime::ClusterSpec;
 use elastic_zero::summary::param_sha256;
 
@@ -118,6 +121,18 @@ fn scenario(seed: u64) -> (TrainConfig, Expect) {
             }
         }
     }
+    // A third of the scenarios also get a lossy, damaging, slow network. Latencies stay a few
+    // ms so that hundreds of seeds fit in CI; their effect on ordering is what matters.
+    if pick(&mut rng, 3) == 0 {
+        cfg.net_drop_per_mille = pick(&mut rng, 50) as u32;
+        cfg.net_corrupt_per_mille = pick(&mut rng, 50) as u32;
+        cfg.net_delay_max_ms = pick(&mut rng, 3);
+        cfg.net_retransmit_ms = 1 + pick(&mut rng, 4);
+        if pick(&mut rng, 2) == 0 {
+            cfg.net_slow_rank = Some(pick(&mut rng, ranks as u64) as u32);
+            cfg.net_slow_ms = 1 + pick(&mut rng, 4);
+        }
+    }
     (cfg, expect)
 }
 
@@ -133,8 +148,9 @@ impl Observer for &mut Trace {
     }
 }
 
-/// Runs one seed; returns a description of the first broken invariant, and the event trace.
-fn check(seed: u64) -> Result<String, String> {
+/// Runs one seed; returns a description of the first broken invariant, or the event trace and
+/// what the network did.
+fn check(seed: u64) -> Result<(String, NetCounts), String> {
     let (cfg, expect) = scenario(seed);
     let spec = ClusterSpec::from_config(cfg.clone()).map_err(|e| e.to_string())?;
     let (model, data) = (spec.model.clone(), spec.data.clone());
@@ -144,8 +160,13 @@ fn check(seed: u64) -> Result<String, String> {
     if epochs.windows(2).any(|w| w[0] >= w[1]) {
         return Err(format!("epochs did not grow: {epochs:?}"));
     }
+    let mut net = NetCounts::default();
     match (result, expect.unrecoverable) {
         (Ok(out), false) => {
+            net = out.net;
+            if net.rejected > net.corrupted {
+                return Err(format!("more frames rejected than damaged: {net:?}"));
+            }
             let got: Vec<Vec<u32>> = trace.0.iter().map(|r| r.after.clone()).collect();
             if got != expect.memberships {
                 return Err(format!(
@@ -180,7 +201,7 @@ fn check(seed: u64) -> Result<String, String> {
             )
         })
         .collect();
-    Ok(format!("{memberships:?} losses {:?}", trace.1))
+    Ok((format!("{memberships:?} losses {:?}", trace.1), net))
 }
 
 fn seeds() -> Vec<u64> {
@@ -197,20 +218,47 @@ fn seeds() -> Vec<u64> {
 #[test]
 fn chaos_seeds_end_bit_identical_or_with_the_documented_error() {
     let mut failures = Vec::new();
+    let (mut corrupted, mut rejected, mut retransmitted) = (0, 0, 0);
     for seed in seeds() {
-        if let Err(why) = check(seed) {
-            eprintln!("seed {seed} failed: {why}\n  replay: CHAOS_SEED={seed} cargo test --test chaos -- --nocapture");
-            failures.push(seed);
+        match check(seed) {
+            Ok((_, net)) => {
+                corrupted += net.corrupted;
+                rejected += net.rejected;
+                retransmitted += net.retransmitted;
+            }
+            Err(why) => {
+                eprintln!("seed {seed} failed: {why}\n  replay: CHAOS_SEED={seed} cargo test --test chaos -- --nocapture");
+                failures.push(seed);
+            }
         }
     }
+    eprintln!(
+        "network faults over all seeds: {corrupted} frames damaged, {rejected} rejected by checksum, {retransmitted} retransmitted"
+    );
     assert!(failures.is_empty(), "failing seeds: {failures:?}");
+    if seeds().len() >= 50 {
+        assert!(
+            rejected > 0 && retransmitted > 0,
+            "the scenarios must damage and lose frames"
+        );
+    }
 }
 
 #[test]
 fn a_seed_replays_the_same_event_trace() {
-    for seed in [3u64, 11] {
-        let a = check(seed).expect("seed passes");
-        let b = check(seed).expect("seed passes");
+    // Also a seed whose network damages, loses and delays frames while a rank is killed.
+    let faulty = (0..300)
+        .find(|&s| {
+            let (c, e) = scenario(s);
+            c.net_corrupt_per_mille > 0
+                && c.net_delay_max_ms > 0
+                && !c.kill.is_empty()
+                && !e.unrecoverable
+        })
+        .expect("some scenario has a faulty network and a kill");
+    for seed in [3u64, 11, faulty] {
+        let a = check(seed).expect("seed passes").0;
+        let b = check(seed).expect("seed passes").0;
         assert_eq!(a, b, "seed {seed}");
     }
 }

@@ -174,6 +174,20 @@ pub struct TrainConfig {
     pub net_duplicate_per_mille: u32,
     /// Fault injection: thousandths of frames it holds back behind the next one (default 0).
     pub net_reorder_per_mille: u32,
+    /// Fault injection: thousandths of frames whose first transmission is lost, so they arrive
+    /// `net_retransmit_ms` late, as over a reliable transport (default 0).
+    pub net_drop_per_mille: u32,
+    /// Fault injection: thousandths of frames delivered with a flipped bit; the receiver's
+    /// checksum rejects and counts them, and the retransmission follows (default 0).
+    pub net_corrupt_per_mille: u32,
+    /// Fault injection: every frame is delayed by a uniform 0..=this many ms (default 0).
+    pub net_delay_max_ms: u64,
+    /// Fault injection: how late a retransmitted frame arrives (default 5).
+    pub net_retransmit_ms: u64,
+    /// Fault injection: a rank whose every frame is `net_slow_ms` late (default none).
+    pub net_slow_rank: Option<u32>,
+    /// Fault injection: the extra latency of `net_slow_rank`'s frames (default 0).
+    pub net_slow_ms: u64,
 }
 
 impl Default for TrainConfig {
@@ -220,6 +234,12 @@ impl Default for TrainConfig {
             keep_checkpoints: 3,
             net_duplicate_per_mille: 0,
             net_reorder_per_mille: 0,
+            net_drop_per_mille: 0,
+            net_corrupt_per_mille: 0,
+            net_delay_max_ms: 0,
+            net_retransmit_ms: 5,
+            net_slow_rank: None,
+            net_slow_ms: 0,
         }
     }
 }
@@ -316,11 +336,34 @@ impl TrainConfig {
                 "must be a positive finite number",
             ));
         }
-        if self.net_duplicate_per_mille > 1000 || self.net_reorder_per_mille > 1000 {
-            return Err(ConfigError::new(
-                "net_duplicate_per_mille",
-                "fault rates are thousandths: 0 to 1000",
-            ));
+        for (field, rate) in [
+            ("net_duplicate_per_mille", self.net_duplicate_per_mille),
+            ("net_reorder_per_mille", self.net_reorder_per_mille),
+            ("net_drop_per_mille", self.net_drop_per_mille),
+            ("net_corrupt_per_mille", self.net_corrupt_per_mille),
+        ] {
+            if rate > 1000 {
+                return Err(ConfigError::new(
+                    field,
+                    "fault rates are thousandths: 0 to 1000",
+                ));
+            }
+        }
+        // Injected latency far beyond the collective deadline would only turn into timeouts.
+        for (field, ms) in [
+            ("net_delay_max_ms", self.net_delay_max_ms),
+            ("net_retransmit_ms", self.net_retransmit_ms),
+            ("net_slow_ms", self.net_slow_ms),
+        ] {
+            if ms > self.collective_timeout_ms / 4 {
+                return Err(ConfigError::new(
+                    field,
+                    format!(
+                        "{ms} ms is more than a quarter of collective_timeout_ms ({}): lower it or raise the timeout",
+                        self.collective_timeout_ms
+                    ),
+                ));
+            }
         }
         if self.collective_timeout_ms == 0 {
             return Err(ConfigError::new(

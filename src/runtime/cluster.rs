@@ -15,7 +15,7 @@ use super::actors::{
 };
 use super::clock::SystemClock;
 use super::comm::Comm;
-use super::local::{LocalEndpoint, LocalNetwork, NetFaults};
+use super::local::{LocalEndpoint, LocalNetwork, NetCounts, NetFaults};
 use super::rank_actor::RankMsg;
 use super::rank_state::{ChunkState, OptimSettings, RankState};
 use super::resume::{read_owned_chunks, ResumeSource};
@@ -86,6 +86,8 @@ pub struct TrainOutcome {
     pub params: Vec<Vec<f32>>,
     /// On a resume: bytes each rank read from the saved state, by rank.
     pub resume_reads: Vec<(RankId, u64)>,
+    /// What the in-process network did (all zero unless faults were injected).
+    pub net: NetCounts,
 }
 
 /// A running cluster of rank actors and a coordinator on the in-process transport.
@@ -96,6 +98,21 @@ pub struct Cluster {
     net: Arc<LocalNetwork>,
     map: ShardMap,
     resume_reads: Vec<(RankId, u64)>,
+}
+
+/// The config's fault-injection keys as the in-process network's faults.
+pub fn net_faults(cfg: &TrainConfig) -> NetFaults {
+    NetFaults {
+        seed: cfg.seed,
+        duplicate_per_mille: cfg.net_duplicate_per_mille,
+        reorder_per_mille: cfg.net_reorder_per_mille,
+        drop_per_mille: cfg.net_drop_per_mille,
+        corrupt_per_mille: cfg.net_corrupt_per_mille,
+        delay_max_ms: cfg.net_delay_max_ms,
+        retransmit_ms: cfg.net_retransmit_ms,
+        slow_rank: cfg.net_slow_rank,
+        slow_ms: cfg.net_slow_ms,
+    }
 }
 
 /// Optimizer settings from a config.
@@ -188,12 +205,9 @@ impl Cluster {
                 .collect(),
             None => Vec::new(),
         };
-        let net = if cfg.net_duplicate_per_mille + cfg.net_reorder_per_mille > 0 {
-            LocalNetwork::with_faults(NetFaults {
-                seed: cfg.seed,
-                duplicate_per_mille: cfg.net_duplicate_per_mille,
-                reorder_per_mille: cfg.net_reorder_per_mille,
-            })
+        let faults = net_faults(cfg);
+        let net = if faults.any() {
+            LocalNetwork::with_faults(faults)
         } else {
             LocalNetwork::new()
         };
@@ -466,6 +480,7 @@ pub async fn drive(
             records,
             params,
             resume_reads: cluster.resume_reads.clone(),
+            net: cluster.net.counts(),
         }),
         Err(e) => Err(e),
     };

@@ -1,31 +1,75 @@
 //! The in-process transport: ranks in one process exchange frames over channels. Payloads are
 //! reference-counted `Bytes`, so an all-gather hands the same buffer to every peer without a copy.
+//!
+//! For chaos runs the network misbehaves as [`NetFaults`] says. Late frames (delays,
+//! retransmissions) are handed to one postman thread that delivers each when it is due.
 
-use std::collections::HashMap;
+use std::collections::{BinaryHeap, HashMap};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
 
+pub use super::net_faults::{NetCounts, NetFaults, NetStats};
 use super::transport::{Frame, Tag, TagKind, Transport, TransportError};
 use crate::model::rng::{mix, SplitMix64};
 use crate::plan::RankId;
 
-/// Seeded network misbehaviour for chaos runs: each endpoint duplicates and reorders its
-/// outgoing frames from its own RNG stream (seed, rank), so a seed replays exactly.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct NetFaults {
-    pub seed: u64,
-    /// Chance per frame, in thousandths, that it is delivered twice.
-    pub duplicate_per_mille: u32,
-    /// Chance per frame, in thousandths, that it is held back and delivered after the next one.
-    pub reorder_per_mille: u32,
+/// A frame in an inbox, with the checksum the sender computed when damage is simulated (the
+/// stand-in for the wire codec's checksum).
+struct Parcel {
+    frame: Frame,
+    crc: Option<u32>,
+}
+
+impl Parcel {
+    fn intact(&self) -> bool {
+        self.crc.is_none_or(|c| c == frame_crc(&self.frame))
+    }
+}
+
+fn frame_crc(f: &Frame) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    for x in [f.epoch, f.step, f.from as u64, f.tag.unit as u64] {
+        h.update(&x.to_le_bytes());
+    }
+    h.update(&[f.tag.kind as u8, f.tag.attempt, f.tag.pass]);
+    h.update(&f.payload);
+    h.finalize()
 }
 
 /// The switchboard every local endpoint sends through.
 #[derive(Default)]
 pub struct LocalNetwork {
-    inboxes: Mutex<HashMap<RankId, Sender<Frame>>>,
+    inboxes: Mutex<HashMap<RankId, Sender<Parcel>>>,
     faults: Option<NetFaults>,
+    stats: NetStats,
+    postman: Mutex<Option<Sender<Due>>>,
+}
+
+/// A parcel the postman delivers at `at`; `seq` keeps equal times in sending order.
+struct Due {
+    at: Instant,
+    seq: u64,
+    to: RankId,
+    parcel: Parcel,
+}
+
+impl PartialEq for Due {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at, self.seq) == (o.at, o.seq)
+    }
+}
+impl Eq for Due {}
+impl PartialOrd for Due {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Due {
+    // Reversed: the heap pops the earliest.
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (o.at, o.seq).cmp(&(self.at, self.seq))
+    }
 }
 
 impl LocalNetwork {
@@ -33,12 +77,26 @@ impl LocalNetwork {
         Arc::new(Self::default())
     }
 
-    /// A network whose endpoints duplicate and reorder frames as `faults` says.
+    /// A network whose endpoints misbehave as `faults` says.
     pub fn with_faults(faults: NetFaults) -> Arc<Self> {
-        Arc::new(Self {
-            faults: Some(faults),
-            ..Self::default()
+        Arc::new_cyclic(|me: &Weak<Self>| {
+            let (tx, rx) = mpsc::channel();
+            let me = me.clone();
+            std::thread::Builder::new()
+                .name("ezero-postman".into())
+                .spawn(move || postman(me, rx))
+                .expect("spawn the postman thread");
+            Self {
+                faults: Some(faults),
+                postman: Mutex::new(Some(tx)),
+                ..Self::default()
+            }
         })
+    }
+
+    /// What the network has done so far.
+    pub fn counts(&self) -> NetCounts {
+        self.stats.counts()
     }
 
     /// Creates the endpoint of `rank` (replacing any previous one).
@@ -50,6 +108,7 @@ impl LocalNetwork {
                 faults: f,
                 rng: SplitMix64::new(mix(f.seed, rank as u64)),
                 held: Vec::new(),
+                seq: 0,
             })
         });
         LocalEndpoint {
@@ -68,32 +127,82 @@ impl LocalNetwork {
     /// Wakes `rank` from any receive in (epoch, step) with `CommError::Interrupted`: that step is
     /// abandoned. Later steps and epochs ignore it as stale.
     pub fn interrupt(&self, rank: RankId, epoch: u64, step: u64) {
-        if let Some(tx) = self.lock().get(&rank) {
-            let tag = Tag {
-                kind: TagKind::Interrupt,
-                attempt: 0,
-                unit: 0,
-                pass: 0,
-            };
-            let _ = tx.send(Frame {
-                epoch,
-                step,
-                from: RankId::MAX,
-                tag,
-                payload: bytes::Bytes::new(),
-            });
+        let tag = Tag {
+            kind: TagKind::Interrupt,
+            attempt: 0,
+            unit: 0,
+            pass: 0,
+        };
+        let frame = Frame {
+            epoch,
+            step,
+            from: RankId::MAX,
+            tag,
+            payload: bytes::Bytes::new(),
+        };
+        let _ = self.deliver(rank, Parcel { frame, crc: None });
+    }
+
+    /// Disconnects everyone (used when a run aborts, so that no rank stays blocked), and stops
+    /// the postman with whatever it still holds.
+    pub fn close(&self) {
+        self.lock().clear();
+        self.postman
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+    }
+
+    fn deliver(&self, to: RankId, parcel: Parcel) -> Result<(), TransportError> {
+        let tx = self
+            .lock()
+            .get(&to)
+            .cloned()
+            .ok_or(TransportError::UnknownPeer(to))?;
+        tx.send(parcel).map_err(|_| TransportError::UnknownPeer(to))
+    }
+
+    fn is_up(&self, rank: RankId) -> bool {
+        self.lock().contains_key(&rank)
+    }
+
+    /// Hands `parcel` to the postman for delivery at `at`.
+    fn post(&self, due: Due) {
+        if let Some(tx) = &*self.postman.lock().unwrap_or_else(|e| e.into_inner()) {
+            let _ = tx.send(due);
         }
     }
 
-    /// Disconnects everyone (used when a run aborts, so that no rank stays blocked).
-    pub fn close(&self) {
-        self.lock().clear();
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RankId, Sender<Frame>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RankId, Sender<Parcel>>> {
         // A poisoned lock only means another thread panicked while inserting or removing a
         // sender; the map itself is always consistent.
         self.inboxes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Delivers late parcels when they are due. Ends when the network closes or is dropped.
+fn postman(net: Weak<LocalNetwork>, rx: Receiver<Due>) {
+    let mut heap: BinaryHeap<Due> = BinaryHeap::new();
+    loop {
+        let wait = heap
+            .peek()
+            .map(|d| d.at.saturating_duration_since(Instant::now()));
+        let got = match wait {
+            Some(w) => rx.recv_timeout(w),
+            None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
+        };
+        match got {
+            Ok(due) => heap.push(due),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+        let now = Instant::now();
+        while heap.peek().is_some_and(|d| d.at <= now) {
+            let Some(due) = heap.pop() else { break };
+            let Some(net) = net.upgrade() else { return };
+            // The peer may have gone meanwhile; a late frame to a dead rank is lost with it.
+            let _ = net.deliver(due.to, due.parcel);
+        }
     }
 }
 
@@ -101,33 +210,111 @@ impl LocalNetwork {
 pub struct LocalEndpoint {
     rank: RankId,
     net: Arc<LocalNetwork>,
-    rx: Receiver<Frame>,
+    rx: Receiver<Parcel>,
     chaos: Option<Mutex<Chaos>>,
 }
 
 struct Chaos {
     faults: NetFaults,
     rng: SplitMix64,
-    held: Vec<(RankId, Frame)>,
+    held: Vec<(RankId, Parcel)>,
+    seq: u64,
 }
 
 impl LocalEndpoint {
-    fn deliver(&self, to: RankId, frame: Frame) -> Result<(), TransportError> {
-        let tx = self
-            .net
-            .lock()
-            .get(&to)
-            .cloned()
-            .ok_or(TransportError::UnknownPeer(to))?;
-        tx.send(frame).map_err(|_| TransportError::UnknownPeer(to))
-    }
-
     fn release_held(&self, chaos: &mut Chaos) {
-        for (to, f) in chaos.held.drain(..) {
+        for (to, p) in chaos.held.drain(..) {
             // The peer may have gone meanwhile; a lost frame to a dead rank is no error here.
-            let _ = self.deliver(to, f);
+            let _ = self.net.deliver(to, p);
         }
     }
+
+    /// Sends `frame` through the faults its fate draws.
+    fn send_faulty(&self, c: &mut Chaos, to: RankId, frame: Frame) -> Result<(), TransportError> {
+        if !self.net.is_up(to) {
+            return Err(TransportError::UnknownPeer(to));
+        }
+        let fate = c.faults.draw(&mut c.rng, self.rank);
+        let stats = &self.net.stats;
+        let crc = c.faults.checksums().then(|| frame_crc(&frame));
+        let now = Instant::now();
+        let later = |c: &mut Chaos, ms: u64, parcel: Parcel| {
+            c.seq += 1;
+            self.net.post(Due {
+                at: now + Duration::from_millis(ms),
+                seq: c.seq,
+                to,
+                parcel,
+            });
+        };
+        let mut first_ms = fate.delay_ms;
+        if let Some(bit) = fate.corrupt {
+            NetStats::bump(&stats.corrupted);
+            let damaged = Parcel {
+                frame: damage(&frame, bit),
+                crc,
+            };
+            if first_ms == 0 {
+                let _ = self.net.deliver(to, damaged);
+            } else {
+                later(c, first_ms, damaged);
+            }
+            first_ms += c.faults.retransmit_ms.max(1);
+            NetStats::bump(&stats.retransmitted);
+        } else if fate.lost_first {
+            first_ms += c.faults.retransmit_ms.max(1);
+            NetStats::bump(&stats.retransmitted);
+        }
+        if fate.duplicate {
+            NetStats::bump(&stats.duplicated);
+        }
+        let copies = if fate.duplicate { 2 } else { 1 };
+        if first_ms > 0 {
+            NetStats::bump(&stats.delayed);
+            for _ in 0..copies {
+                later(
+                    c,
+                    first_ms,
+                    Parcel {
+                        frame: frame.clone(),
+                        crc,
+                    },
+                );
+            }
+            return Ok(());
+        }
+        if fate.hold && c.held.is_empty() {
+            NetStats::bump(&stats.reordered);
+            c.held.push((to, Parcel { frame, crc }));
+            return Ok(());
+        }
+        let res = self.net.deliver(
+            to,
+            Parcel {
+                frame: frame.clone(),
+                crc,
+            },
+        );
+        if res.is_ok() && fate.duplicate {
+            let _ = self.net.deliver(to, Parcel { frame, crc });
+        }
+        self.release_held(c);
+        res
+    }
+}
+
+/// `frame` with one bit flipped: in the payload when it has one, else in the header.
+fn damage(frame: &Frame, bit: u64) -> Frame {
+    let mut f = frame.clone();
+    if f.payload.is_empty() {
+        f.step ^= 1 << (bit % 64);
+    } else {
+        let mut bytes = f.payload.to_vec();
+        let at = (bit / 8) as usize % bytes.len();
+        bytes[at] ^= 1 << (bit % 8);
+        f.payload = bytes.into();
+    }
+    f
 }
 
 impl Transport for LocalEndpoint {
@@ -137,20 +324,10 @@ impl Transport for LocalEndpoint {
 
     fn send(&self, to: RankId, frame: Frame) -> Result<(), TransportError> {
         let Some(chaos) = &self.chaos else {
-            return self.deliver(to, frame);
+            return self.net.deliver(to, Parcel { frame, crc: None });
         };
         let mut c = chaos.lock().unwrap_or_else(|e| e.into_inner());
-        let (dup, hold) = (c.rng.next_u64() % 1000, c.rng.next_u64() % 1000);
-        if hold < c.faults.reorder_per_mille as u64 && c.held.is_empty() {
-            c.held.push((to, frame));
-            return Ok(());
-        }
-        let res = self.deliver(to, frame.clone());
-        if res.is_ok() && dup < c.faults.duplicate_per_mille as u64 {
-            let _ = self.deliver(to, frame);
-        }
-        self.release_held(&mut c);
-        res
+        self.send_faulty(&mut c, to, frame)
     }
 
     fn flush(&self) {
@@ -162,19 +339,96 @@ impl Transport for LocalEndpoint {
 
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
         self.flush();
-        if !self.net.lock().contains_key(&self.rank) {
-            return Err(TransportError::Closed);
-        }
-        match self.rx.recv_timeout(Duration::from_millis(timeout_ms)) {
-            Ok(f) => Ok(f),
-            Err(RecvTimeoutError::Timeout) => {
-                if self.net.lock().contains_key(&self.rank) {
-                    Err(TransportError::Timeout(timeout_ms))
-                } else {
-                    Err(TransportError::Closed)
-                }
+        let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+        // Bounded by the deadline: each rejected frame only shortens the wait that is left.
+        loop {
+            if !self.net.is_up(self.rank) {
+                return Err(TransportError::Closed);
             }
-            Err(RecvTimeoutError::Disconnected) => Err(TransportError::Closed),
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.rx.recv_timeout(left) {
+                Ok(p) if p.intact() => return Ok(p.frame),
+                Ok(_) => NetStats::bump(&self.net.stats.rejected),
+                Err(RecvTimeoutError::Timeout) => {
+                    return if self.net.is_up(self.rank) {
+                        Err(TransportError::Timeout(timeout_ms))
+                    } else {
+                        Err(TransportError::Closed)
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => return Err(TransportError::Closed),
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(step: u64, payload: &[u8]) -> Frame {
+        Frame {
+            epoch: 1,
+            step,
+            from: 0,
+            tag: Tag {
+                kind: TagKind::Gather,
+                attempt: 0,
+                unit: 3,
+                pass: 0,
+            },
+            payload: bytes::Bytes::copy_from_slice(payload),
+        }
+    }
+
+    #[test]
+    fn damaged_frames_are_rejected_and_their_retransmissions_arrive_intact() {
+        let net = LocalNetwork::with_faults(NetFaults {
+            seed: 5,
+            corrupt_per_mille: 500,
+            drop_per_mille: 200,
+            delay_max_ms: 2,
+            retransmit_ms: 3,
+            ..NetFaults::default()
+        });
+        let a = net.endpoint(0);
+        let mut b = net.endpoint(1);
+        for s in 0..200u64 {
+            a.send(1, frame(s, &s.to_le_bytes())).unwrap();
+        }
+        let mut got: Vec<u64> = (0..200)
+            .map(|_| b.recv_timeout(5_000).expect("every frame arrives").step)
+            .collect();
+        got.sort_unstable();
+        assert_eq!(
+            got,
+            (0..200).collect::<Vec<_>>(),
+            "each frame exactly once, intact"
+        );
+        let n = net.counts();
+        assert!(n.corrupted > 50 && n.rejected == n.corrupted, "{n:?}");
+        assert!(n.retransmitted >= n.corrupted, "{n:?}");
+        assert!(matches!(
+            b.recv_timeout(20),
+            Err(TransportError::Timeout(20))
+        ));
+    }
+
+    #[test]
+    fn a_closed_network_stops_the_postman_and_wakes_receivers() {
+        let net = LocalNetwork::with_faults(NetFaults {
+            seed: 1,
+            delay_max_ms: 1000,
+            ..NetFaults::default()
+        });
+        let a = net.endpoint(0);
+        let mut b = net.endpoint(1);
+        a.send(1, frame(0, b"x")).unwrap();
+        net.close();
+        assert_eq!(b.recv_timeout(50).unwrap_err(), TransportError::Closed);
+        assert_eq!(
+            a.send(1, frame(1, b"y")),
+            Err(TransportError::UnknownPeer(1))
+        );
     }
 }

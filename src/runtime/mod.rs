@@ -8,6 +8,7 @@ pub mod collectives;
 pub mod comm;
 pub mod coord_actor;
 pub mod local;
+pub mod net_faults;
 pub mod rank_actor;
 pub mod rank_state;
 pub mod replica;
