@@ -6,13 +6,18 @@ pub mod clock;
 pub mod cluster;
 pub mod collectives;
 pub mod comm;
+pub mod control;
 pub mod coord_actor;
+pub mod http;
 pub mod local;
 pub mod rank_actor;
 pub mod rank_state;
 pub mod replica;
 pub mod reshard;
+pub mod status;
 pub mod step;
 pub mod transport;
 
 pub use cluster::{train, Cluster, ClusterError, ClusterSpec, TrainOutcome};
+pub use control::{ClusterBuilder, ControlError, ControlHandle, ElasticJob};
+pub use status::{ChangeRecord, Status};
