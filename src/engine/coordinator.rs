@@ -316,7 +316,6 @@ impl Coordinator {
 
     /// Queues an operator's change for the next step boundary, or refuses it (nothing changes).
     pub fn request(&mut self, change: Change) -> Result<(), Refusal> {
-        self.check_boundary_ahead()?;
         let mut members = self.planned_members();
         match &change {
             Change::Leave(rank) => {
@@ -331,6 +330,7 @@ impl Coordinator {
             Change::Join(n) => members.extend((0..*n).map(|i| u32::MAX - i)),
         }
         self.check_world(members.len()).map_err(Refusal::from)?;
+        self.check_boundary_ahead()?;
         self.requested.push(change);
         Ok(())
     }
@@ -338,7 +338,6 @@ impl Coordinator {
     /// Whether losing `lost` (ranks an operator is about to kill) is covered: every one is a
     /// member after the queued changes and enough ranks survive. Changes nothing.
     pub fn check_loss(&self, lost: &[RankId]) -> Result<(), Refusal> {
-        self.check_boundary_ahead()?;
         let mut members = self.planned_members();
         for rank in lost {
             if !members.contains(rank) {
@@ -349,7 +348,8 @@ impl Coordinator {
             }
             members.retain(|r| r != rank);
         }
-        self.check_world(members.len()).map_err(Refusal::from)
+        self.check_world(members.len()).map_err(Refusal::from)?;
+        self.check_boundary_ahead()
     }
 
     /// Requests take effect at the next step boundary; refuse them when the run ends first, so

@@ -200,6 +200,7 @@ pub struct ClusterBuilder {
     http_limits: HttpLimits,
     allow_kill: bool,
     snapshots: bool,
+    paused: bool,
 }
 
 impl Cluster {
@@ -223,6 +224,7 @@ impl Cluster {
             http_limits: HttpLimits::default(),
             allow_kill: false,
             snapshots: false,
+            paused: false,
         }
     }
 }
@@ -253,7 +255,14 @@ impl ClusterBuilder {
         self
     }
 
-    /// Starts the actors, the pump and the endpoint, and the first step.
+    /// Start the actors and the endpoint but not training: requests made before
+    /// `ElasticJob::run` apply at step 0. Off by default.
+    pub fn paused(mut self, paused: bool) -> Self {
+        self.paused = paused;
+        self
+    }
+
+    /// Starts the actors, the pump and the endpoint, and (unless paused) the first step.
     pub async fn start(self) -> Result<ElasticJob, ClusterError> {
         let stage = Stage::from_u8(self.spec.config.stage)
             .ok_or_else(|| ClusterError::Spawn("invalid stage".into()))?;
@@ -291,16 +300,21 @@ impl ClusterBuilder {
         let tracker = MapTracker::new(cluster.shard_map().clone(), layout);
         let (tx, events) = unbounded_channel();
         let (done_tx, outcome) = oneshot::channel();
-        cluster.run();
-        let pump = tokio::spawn(pump(cluster, shared, tracker, tx, done_tx));
-        Ok(ElasticJob {
+        let (go, go_rx) = oneshot::channel();
+        let pump = tokio::spawn(pump(cluster, shared, tracker, tx, done_tx, go_rx));
+        let mut job = ElasticJob {
             handle,
             events,
             outcome,
             control_addr: server.as_ref().map(|s| s.0),
             server: server.map(|s| s.1),
             pump,
-        })
+            go: Some(go),
+        };
+        if !self.paused {
+            job.run();
+        }
+        Ok(job)
     }
 }
 
@@ -312,9 +326,19 @@ pub struct ElasticJob {
     control_addr: Option<SocketAddr>,
     server: Option<JoinHandle<()>>,
     pump: JoinHandle<()>,
+    /// Starts training (see `ClusterBuilder::paused`); `None` once sent.
+    go: Option<oneshot::Sender<()>>,
 }
 
 impl ElasticJob {
+    /// Starts training if the job was built paused; does nothing otherwise.
+    pub fn run(&mut self) {
+        if let Some(go) = self.go.take() {
+            // The pump only goes away after the run, so it is listening.
+            let _ = go.send(());
+        }
+    }
+
     pub fn handle(&self) -> ControlHandle {
         self.handle.clone()
     }
@@ -324,7 +348,8 @@ impl ElasticJob {
         self.control_addr
     }
 
-    /// The next event; `None` after `Finished` or `Aborted` has been delivered.
+    /// The next event; `None` after `Finished` or `Aborted` has been delivered. A paused job
+    /// sends none until `run`.
     pub async fn next_event(&mut self) -> Option<ClusterEvent> {
         self.events.recv().await
     }
@@ -332,6 +357,7 @@ impl ElasticJob {
     /// Waits for the end of the run (events not read are dropped) and returns every step's
     /// record and the consolidated parameters.
     pub async fn finish(mut self) -> Result<TrainOutcome, ClusterError> {
+        self.run();
         let outcome = (&mut self.outcome)
             .await
             .unwrap_or_else(|_| Err(ClusterError::Aborted("the cluster task stopped".into())));
@@ -348,6 +374,7 @@ impl ElasticJob {
         mut observer: impl Observer,
     ) -> Result<TrainOutcome, ClusterError> {
         let mut changes = self.handle.subscribe();
+        self.run();
         while let Some(event) = self.next_event().await {
             match event {
                 ClusterEvent::Step(rec) => observer.on_step(&rec),
@@ -403,7 +430,14 @@ async fn pump(
     mut tracker: MapTracker,
     tx: UnboundedSender<ClusterEvent>,
     done: oneshot::Sender<Result<TrainOutcome, ClusterError>>,
+    go: oneshot::Receiver<()>,
 ) {
+    if go.await.is_err() {
+        // The job was dropped before it ran.
+        cluster.shutdown().await;
+        return;
+    }
+    cluster.run();
     let mut records = Vec::new();
     let end = loop {
         let Some(event) = cluster.next_event().await else {
