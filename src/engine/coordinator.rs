@@ -1145,6 +1145,27 @@ mod tests {
     }
 
     #[test]
+    fn requests_the_run_would_end_before_are_refused() {
+        let map = ShardMap::plan(&[100], &[0, 1], 10, 1).unwrap();
+        let mut c = Coordinator::new(job(2), map);
+        // Before the first step, step 0's boundary is ahead.
+        c.request(Change::Join(1)).unwrap();
+        let mut c = Coordinator::new(job(1), ShardMap::plan(&[100], &[0, 1], 10, 1).unwrap());
+        c.handle(Event::Start { now_ms: 0 });
+        // Running the last step: no boundary is left, so the change could never happen.
+        assert_eq!(
+            c.request(Change::Leave(1)),
+            Err(Refusal::RunEnding { steps: 1 })
+        );
+        assert_eq!(c.check_loss(&[1]), Err(Refusal::RunEnding { steps: 1 }));
+        // The request itself is checked first.
+        assert!(matches!(
+            c.request(Change::Leave(7)),
+            Err(Refusal::UnknownRank { rank: 7, .. })
+        ));
+    }
+
+    #[test]
     fn snapshots_come_at_step_boundaries_before_the_next_step() {
         let map = ShardMap::plan(&[10], &[0], 4, 0).unwrap();
         let mut c = Coordinator::new(

@@ -401,3 +401,83 @@ impl Status {
 fn secs(ms: u64) -> String {
     format!("{:.3}", ms as f64 / 1e3)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::rebalance::diff;
+
+    fn layout(stage: Stage) -> StateLayout {
+        StateLayout {
+            stage,
+            state_per_param: 2,
+        }
+    }
+
+    fn record(old: &ShardMap, after: &[RankId], lost: &[RankId]) -> MembershipRecord {
+        let (new, _) = rebalance(old, after).unwrap();
+        MembershipRecord {
+            step: 5,
+            epoch: new.epoch,
+            before: old.members.clone(),
+            after: new.members.clone(),
+            moved_chunk_elems: diff(old, &new).iter().map(|m| m.elems).sum(),
+            min_chunk_elems: 0,
+            duration_ms: 7,
+            lost: lost.to_vec(),
+            rolled_back_to: (!lost.is_empty()).then_some(4),
+        }
+    }
+
+    #[test]
+    fn a_zero3_leave_moves_parameters_and_both_moments_of_the_moved_chunks() {
+        let old = ShardMap::plan(&[1000, 600], &[0, 1, 2], 100, 1).unwrap();
+        let rec = record(&old, &[0, 2], &[]);
+        let mut t = MapTracker::new(old.clone(), layout(Stage::Zero3));
+        assert_eq!(t.apply(&rec), Some(12 * rec.moved_chunk_elems as u64));
+        // Stages 1-2: the survivors hold every parameter already; only the moments travel.
+        let mut t = MapTracker::new(old, layout(Stage::Zero1));
+        assert_eq!(t.apply(&rec), Some(8 * rec.moved_chunk_elems as u64));
+    }
+
+    #[test]
+    fn a_record_that_does_not_follow_the_tracked_map_has_no_price() {
+        let old = ShardMap::plan(&[1000], &[0, 1, 2], 100, 1).unwrap();
+        let mut rec = record(&old, &[0, 2], &[]);
+        rec.epoch += 1;
+        let mut t = MapTracker::new(old, layout(Stage::Zero3));
+        assert_eq!(t.apply(&rec), None);
+    }
+
+    #[test]
+    fn recoveries_are_priced_from_the_buddies_and_counted_apart() {
+        let old = ShardMap::plan(&[1000], &[0, 1, 2], 100, 1).unwrap();
+        let rec = record(&old, &[0, 2], &[1]);
+        let mut tracker = MapTracker::new(old, layout(Stage::Zero3));
+        let bytes = tracker.apply(&rec);
+        assert!(bytes.is_some_and(|b| b > 0));
+        let mut t = Telemetry::default();
+        t.on_change(ChangeRecord {
+            record: rec,
+            moved_bytes: bytes,
+        });
+        assert_eq!((t.recoveries, t.rebalances, t.replayed_steps), (1, 0, 1));
+        assert_eq!(t.recovery_ms_last, Some(7));
+        assert_eq!(t.moved_bytes_total, bytes.unwrap());
+    }
+
+    #[test]
+    fn history_is_bounded() {
+        let old = ShardMap::plan(&[100], &[0, 1], 10, 1).unwrap();
+        let rec = record(&old, &[0], &[]);
+        let mut t = Telemetry::default();
+        for _ in 0..HISTORY_MAX + 3 {
+            t.on_change(ChangeRecord {
+                record: rec.clone(),
+                moved_bytes: Some(1),
+            });
+        }
+        assert_eq!(t.history.len(), HISTORY_MAX);
+        assert_eq!(t.rebalances, HISTORY_MAX as u64 + 3);
+    }
+}
