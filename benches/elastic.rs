@@ -107,8 +107,8 @@ fn gap_to_next_step(t: &Trace) -> (f64, f64) {
     (after - before, median(&normal))
 }
 
-/// A new process resumes the checkpoint saved after step AT on `ranks` ranks and runs one step:
-/// milliseconds from spawn to that step's progress line, and to the exit.
+/// A new process resumes the checkpoint saved after step AT on `ranks` ranks: milliseconds from
+/// spawn to the progress line of its first step, and to its exit (after the remaining steps).
 fn restart(cfg: &TrainConfig, ckpt: &std::path::Path, ranks: u32) -> (f64, f64) {
     let mut args = cli_args(&TrainConfig {
         ranks,
@@ -116,10 +116,8 @@ fn restart(cfg: &TrainConfig, ckpt: &std::path::Path, ranks: u32) -> (f64, f64) 
     });
     args.extend(
         [
-            "--steps".to_string(),
-            (AT + 1).to_string(),
-            "--resume".into(),
-            ckpt.display().to_string(),
+            "--resume".to_string(),
+            ckpt.join(format!("step-{AT:08}")).display().to_string(),
         ]
         .into_iter(),
     );
@@ -130,7 +128,7 @@ fn restart(cfg: &TrainConfig, ckpt: &std::path::Path, ranks: u32) -> (f64, f64) 
         .spawn()
         .expect("ezero starts");
     let out = BufReader::new(child.stdout.take().expect("piped"));
-    let mark = format!("{}/{}", AT + 1, AT + 1);
+    let mark = format!("{}/{}", AT + 1, cfg.steps);
     let mut first = None;
     for line in out.lines() {
         let line = line.expect("utf-8");
@@ -145,13 +143,14 @@ fn restart(cfg: &TrainConfig, ckpt: &std::path::Path, ranks: u32) -> (f64, f64) 
     )
 }
 
-/// Saves the state after step AT with the command line, as a restart would find it.
+/// Saves the state after step AT (and after the last step) with the command line, as a restart
+/// would find it. The schedule depends on `steps`, so this run has the same `steps`.
 fn save_checkpoint(cfg: &TrainConfig, dir: &std::path::Path) {
     let mut args = cli_args(cfg);
     args.extend(
         [
             "--steps",
-            &AT.to_string(),
+            &cfg.steps.to_string(),
             "--save-dir",
             &dir.display().to_string(),
             "--save-every",
@@ -259,7 +258,7 @@ async fn main() {
         ));
     }
     println!("\n### Time to the next completed step (ms; median (min–max) of {rounds} rounds)\n");
-    println!("| change at step {AT} | in place: end of step {} → end of step {AT} | normal step gap | change itself (reshard / recovery) | restart: spawn → first step done | restart: spawn → exit | restart / in place |", AT - 1);
+    println!("| change at step {AT} | in place: end of step {} → end of step {AT} | normal step gap | change itself (reshard / recovery) | restart: spawn → first step done | restart: spawn → exit ({} more steps) | restart / in place |", AT - 1, cfg.steps - AT);
     println!("|---|---:|---:|---:|---:|---:|---:|");
     for r in &rows {
         println!("{r}");
