@@ -114,13 +114,10 @@ fn restart(cfg: &TrainConfig, ckpt: &std::path::Path, ranks: u32) -> (f64, f64) 
         ranks,
         ..cfg.clone()
     });
-    args.extend(
-        [
-            "--resume".to_string(),
-            ckpt.join(format!("step-{AT:08}")).display().to_string(),
-        ]
-        .into_iter(),
-    );
+    args.extend([
+        "--resume".to_string(),
+        ckpt.join(format!("step-{AT:08}")).display().to_string(),
+    ]);
     let t0 = Instant::now();
     let mut child = Command::new(env!("CARGO_BIN_EXE_ezero"))
         .args(&args)

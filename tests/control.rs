@@ -357,7 +357,9 @@ mod cli {
             .to_string()
     }
 
-    /// Starts the job and reads stdout up to the endpoint line: (child, address, lines so far).
+    /// Starts the job and reads stdout up to the endpoint line: (child, stdout, address).
+    // The child is handed back and `rest` waits for it.
+    #[allow(clippy::zombie_processes)]
     fn spawn(extra: &[&str]) -> (Child, BufReader<std::process::ChildStdout>, String) {
         let mut child = ezero(extra).stdout(Stdio::piped()).spawn().unwrap();
         let mut out = BufReader::new(child.stdout.take().unwrap());
