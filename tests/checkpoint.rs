@@ -645,7 +645,7 @@ fn run_lib(
         model: build_model(cfg).unwrap(),
         data: build_dataset(cfg).unwrap(),
         init_params: None,
-        resume,
+        resume: resume.map(Into::into),
         snapshot_every: every,
         panic_at: None,
     };

@@ -1,14 +1,18 @@
 //! Snapshots taken at a step boundary resume bit for bit at any world size, stage and chunk
-//! size: the in-memory mechanism under checkpoints and resharding.
+//! size: the in-memory mechanism under checkpoints and resharding. Resuming from a checkpoint
+//! on disk, each rank reads only the records of the chunks it owns.
 
 mod common;
 
+use std::sync::Arc;
+
 use common::{run_cfg, small, train_blocking};
+use elastic_zero::checkpoint::{self, CheckpointSource};
 use elastic_zero::config::{ModelKind, TrainConfig};
 use elastic_zero::engine::coordinator::StepRecord;
 use elastic_zero::runtime::actors::Snapshot;
 use elastic_zero::runtime::cluster::Observer;
-use elastic_zero::runtime::{ClusterSpec, TrainOutcome};
+use elastic_zero::runtime::{ClusterError, ClusterSpec, TrainOutcome};
 use elastic_zero::summary::param_sha256;
 
 #[derive(Default)]
@@ -27,7 +31,7 @@ fn run(
     keep: &mut Keep,
 ) -> TrainOutcome {
     let spec = ClusterSpec {
-        resume,
+        resume: resume.map(Into::into),
         snapshot_every,
         ..ClusterSpec::from_config(cfg.clone()).unwrap()
     };
@@ -89,9 +93,113 @@ fn a_snapshot_of_another_model_is_refused() {
         ..base
     };
     let spec = ClusterSpec {
-        resume: keep.0.pop(),
+        resume: keep.0.pop().map(Into::into),
         ..ClusterSpec::from_config(other).unwrap()
     };
     let err = train_blocking(spec, ()).err().expect("must refuse");
     assert!(err.to_string().contains("another model"), "{err}");
+}
+
+/// Saves `base`'s snapshot at step 3 as a checkpoint under `root`; returns its directory and
+/// the uninterrupted run's digest.
+fn checkpoint_at_step_3(
+    base: &TrainConfig,
+    root: &std::path::Path,
+) -> (std::path::PathBuf, String) {
+    let mut keep = Keep::default();
+    let want = param_sha256(&run(base, None, 3, &mut keep).params);
+    let model = elastic_zero::job::build_model(base).unwrap();
+    let data = elastic_zero::job::build_dataset(base).unwrap();
+    let meta = checkpoint::CheckpointMeta::new(base, model.as_ref(), &data).unwrap();
+    let report = checkpoint::save(root, &meta, &keep.0[0], &Default::default()).unwrap();
+    (report.dir, want)
+}
+
+#[test]
+fn each_rank_reads_only_the_records_of_the_chunks_it_owns() {
+    let base = TrainConfig {
+        steps: 6,
+        ranks: 4,
+        stage: 3,
+        ..small(ModelKind::Gpt)
+    };
+    let t = tempfile::tempdir().unwrap();
+    let (dir, want) = checkpoint_at_step_3(&base, t.path());
+    let source = CheckpointSource::open(&dir).unwrap();
+    let total = source.manifest.total_bytes();
+    for (ranks, stage, chunk_elems) in [
+        (2, 3, base.chunk_elems),
+        (3, 1, base.chunk_elems),
+        (2, 2, 4096),
+    ] {
+        let cfg = TrainConfig {
+            ranks,
+            stage,
+            chunk_elems,
+            ..base.clone()
+        };
+        let spec = ClusterSpec {
+            resume: Some(Arc::new(source.clone())),
+            ..ClusterSpec::from_config(cfg).unwrap()
+        };
+        let out = train_blocking(spec, ()).unwrap();
+        assert_eq!(
+            param_sha256(&out.params),
+            want,
+            "ranks {ranks} stage {stage}"
+        );
+        let reads: Vec<u64> = out.resume_reads.iter().map(|r| r.1).collect();
+        assert_eq!(reads.len(), ranks as usize);
+        let sum: u64 = reads.iter().sum();
+        for &r in &reads {
+            assert!(
+                r > 0 && r < total,
+                "one rank read {r} of {total} bytes: {reads:?}"
+            );
+        }
+        if chunk_elems == base.chunk_elems {
+            // Same chunk size: every saved record belongs to exactly one new owner.
+            assert_eq!(sum, total, "{reads:?}");
+        } else {
+            // Re-cut chunks: a saved record straddling two new owners is read by both.
+            assert!(sum >= total && sum < 2 * total, "{reads:?} of {total}");
+        }
+    }
+}
+
+#[test]
+fn a_damaged_record_stops_the_resume_before_any_step_naming_the_file() {
+    let base = TrainConfig {
+        steps: 6,
+        ranks: 2,
+        stage: 3,
+        ..small(ModelKind::Mlp)
+    };
+    let t = tempfile::tempdir().unwrap();
+    let (dir, _) = checkpoint_at_step_3(&base, t.path());
+    let source = CheckpointSource::open(&dir).unwrap();
+    let victim = dir.join(&source.manifest.files[1].name);
+    let mut bytes = std::fs::read(&victim).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x10;
+    std::fs::write(&victim, &bytes).unwrap();
+    let mut steps = 0;
+    let spec = ClusterSpec {
+        resume: Some(Arc::new(source)),
+        ..ClusterSpec::from_config(TrainConfig { ranks: 3, ..base }).unwrap()
+    };
+    let err = train_blocking(spec, |_: &StepRecord| steps += 1)
+        .err()
+        .expect("a flipped byte must stop the resume");
+    assert!(matches!(err, ClusterError::Resume(_)), "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&source_file_name(&victim)) && msg.contains("checksum mismatch"),
+        "{msg}"
+    );
+    assert_eq!(steps, 0, "no step may run from damaged state");
+}
+
+fn source_file_name(p: &std::path::Path) -> String {
+    p.file_name().unwrap().to_string_lossy().into_owned()
 }

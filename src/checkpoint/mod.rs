@@ -7,14 +7,16 @@
 //! progress, config, optimizer hyper-parameters, data position, the model's parameter names and
 //! shapes, and a CRC-32 and length for every file and chunk. Because a chunk is the unit the
 //! shard map assigns, a checkpoint saved under one map is read under any other: the runtime's
-//! `rechunk_source` re-cuts chunks for the new map, so world size, stage and chunk size may all
-//! differ between save and load, and the resumed run continues bit for bit.
+//! `runtime::resume` re-cuts chunks for the new map, so world size, stage and chunk size may all
+//! differ between save and load, and the resumed run continues bit for bit. A resume opens the
+//! checkpoint with [`partial::CheckpointSource`] and each rank reads only the records covering
+//! the chunks it owns.
 //!
 //! This module sits above the runtime (it stores what the runtime snapshots) and below the CLI.
 //!
 //! - [`write`]: the atomic save sequence, and crash points for tests;
 //! - [`writer`]: the background thread that saves while training continues;
-//! - [`read`]: loading and verifying; [`store`]: save directories, resolution, retention;
+//! - [`read`]: loading and verifying whole; [`partial`]: per-rank reads for a resume; [`store`]: save directories, resolution, retention;
 //! - [`manifest`], [`codec`]: the on-disk format; [`meta`]: per-run manifest fields;
 //! - [`compat`]: whether a checkpoint may resume a given run;
 //! - [`interchange`]: safetensors export and import; [`bench`]: throughput and slowdown.
@@ -26,6 +28,7 @@ pub mod error;
 pub mod interchange;
 pub mod manifest;
 pub mod meta;
+pub mod partial;
 pub mod read;
 pub mod store;
 pub mod write;
@@ -34,6 +37,7 @@ pub mod writer;
 pub use error::CheckpointError;
 pub use manifest::Manifest;
 pub use meta::CheckpointMeta;
+pub use partial::CheckpointSource;
 pub use read::{load, load_latest_valid, load_path, read_manifest, verify, Loaded};
 pub use write::{save, CrashPoint, SaveOptions, SaveReport};
 pub use writer::CheckpointWriter;

@@ -19,7 +19,7 @@ use elastic_zero::checkpoint::interchange::{export, import_params, ExportOptions
 use elastic_zero::checkpoint::meta::data_sha256;
 use elastic_zero::checkpoint::{
     load_latest_valid, load_path, read_manifest, store, verify, CheckpointError, CheckpointMeta,
-    CheckpointWriter, CrashPoint, Loaded, SaveOptions, SaveReport,
+    CheckpointSource, CheckpointWriter, CrashPoint, SaveOptions, SaveReport,
 };
 use elastic_zero::config::{ModelKind, TrainConfig};
 use elastic_zero::data::Dataset;
@@ -308,7 +308,9 @@ pub fn run_bench(a: &BenchCheckpointArgs) -> Result<(), CliError> {
 
 /// The run's config and, with `--resume`, the verified checkpoint it continues from. A resumed
 /// run's config is the checkpoint's, with `--config` and flags applied on top.
-pub fn resolve_train(args: &TrainArgs) -> Result<(TrainConfig, Option<Loaded>), CliError> {
+pub fn resolve_train(
+    args: &TrainArgs,
+) -> Result<(TrainConfig, Option<CheckpointSource>), CliError> {
     if args.latest_valid && args.resume.is_none() {
         return Err(CliError::Usage("--latest-valid needs --resume DIR".into()));
     }
@@ -322,14 +324,17 @@ pub fn resolve_train(args: &TrainArgs) -> Result<(TrainConfig, Option<Loaded>), 
                 .into(),
         ));
     }
+    // Without --latest-valid only the manifest and file lengths are checked here; each rank
+    // then reads and checks the records it owns before any step runs. Falling back needs to
+    // know which checkpoint is whole, so --latest-valid verifies candidates in full first.
     let loaded = if args.latest_valid {
         let (l, skipped) = load_latest_valid(dir).map_err(usage)?;
         for e in skipped {
             eprintln!("note: --latest-valid skipped {e}");
         }
-        l
+        CheckpointSource::open(&l.dir).map_err(usage)?
     } else {
-        load_path(dir).map_err(usage)?
+        CheckpointSource::open_path(dir).map_err(usage)?
     };
     // Scripted membership changes before the checkpoint's step already happened: not replayed.
     let mut base = loaded.manifest.config.clone();
@@ -345,7 +350,7 @@ pub fn resolve_train(args: &TrainArgs) -> Result<(TrainConfig, Option<Loaded>), 
 
 /// Refuses a checkpoint that cannot continue this run bit for bit.
 pub fn check_compatible(
-    loaded: &Loaded,
+    loaded: &CheckpointSource,
     cfg: &TrainConfig,
     model: &dyn Model,
 ) -> Result<(), CliError> {
@@ -441,9 +446,7 @@ impl Saving {
     }
 
     /// A snapshot after every step, so a signal can be answered at the next step boundary.
-    pub fn snapshot_every(&self) -> u64 {
-        1
-    }
+    pub const SNAPSHOT_EVERY: u64 = 1;
 
     fn report(&mut self, results: Vec<Result<SaveReport, CheckpointError>>) {
         self.failures += report(results);

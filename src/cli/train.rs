@@ -1,6 +1,7 @@
 //! `ezero train`: run a job on in-process rank actors, show progress, print the digest.
 
 use std::io::IsTerminal;
+use std::sync::Arc;
 use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -11,7 +12,8 @@ use elastic_zero::job::{build_dataset, build_model};
 use elastic_zero::model::sample::generate;
 use elastic_zero::model::{param_count, Model};
 use elastic_zero::runtime::cluster::Observer;
-use elastic_zero::runtime::{ChangeRecord, Cluster, ClusterSpec};
+use elastic_zero::runtime::resume::ResumeSource;
+use elastic_zero::runtime::{ChangeRecord, Cluster, ClusterBuilder, ClusterError, ClusterSpec};
 use elastic_zero::summary::{median, param_sha256, rank_summaries, TrainSummary};
 
 use super::checkpoint::{self, SaveObserver, Saving};
@@ -21,8 +23,8 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     let (cfg, resume) = checkpoint::resolve_train(args)?;
     let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     let data = build_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
-    if let Some(loaded) = &resume {
-        checkpoint::check_compatible(loaded, &cfg, model.as_ref())?;
+    if let Some(source) = &resume {
+        checkpoint::check_compatible(source, &cfg, model.as_ref())?;
     }
     let init_params = checkpoint::init_params(args, model.as_ref())?;
     let psi = param_count(&model.units());
@@ -52,7 +54,6 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         );
     }
     let resumed_from = resume.as_ref().map(|l| l.dir.clone());
-    let saving = Saving::start(&cfg, model.as_ref(), &data, args, resumed_from.as_deref())?;
     let floor = data.entropy_floor_nats();
     let bar = progress_bar(cfg.steps);
     let log_every = (cfg.steps / 10).max(1);
@@ -62,8 +63,12 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         model: model.clone(),
         data: data.clone(),
         init_params,
-        resume: resume.map(|l| l.snapshot),
-        snapshot_every: saving.as_ref().map_or(0, Saving::snapshot_every),
+        resume: resume.map(|s| Arc::new(s) as Arc<dyn ResumeSource>),
+        snapshot_every: if cfg.save_dir.is_some() {
+            Saving::SNAPSHOT_EVERY
+        } else {
+            0
+        },
         panic_at: args.panic_rank,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -71,6 +76,16 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         .enable_all()
         .build()
         .map_err(|e| CliError::Failed(format!("cannot start the tokio runtime: {e}")))?;
+    // The ranks read their saved state before anything is written: a damaged checkpoint is
+    // refused without creating a save directory.
+    let cluster = rt.block_on(Cluster::start(spec)).map_err(cluster_error)?;
+    let saving = match Saving::start(&cfg, model.as_ref(), &data, args, resumed_from.as_deref()) {
+        Ok(saving) => saving,
+        Err(e) => {
+            rt.block_on(cluster.shutdown());
+            return Err(e);
+        }
+    };
     let started = Instant::now();
     let mut observer = SaveObserver {
         saving,
@@ -113,7 +128,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         },
     };
     let outcome = rt.block_on(async {
-        let mut builder = Cluster::builder(spec)
+        let mut builder = ClusterBuilder::for_started(cluster, &cfg)
             .allow_kill(args.control_allow_kill)
             .on_demand_snapshots(observer.saving.is_some());
         if let Some(addr) = args.control {
@@ -134,7 +149,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         job.drive(&mut observer).await
     });
     let saved = observer.saving.take().map_or(Ok(()), Saving::finish);
-    let outcome = outcome.map_err(|e| CliError::Failed(e.to_string()))?;
+    let outcome = outcome.map_err(cluster_error)?;
     saved?;
     bar.finish_and_clear();
     let wall_s = started.elapsed().as_secs_f64();
@@ -151,6 +166,17 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         summary.step_time_median_s,
         summary.tokens_per_s
     );
+    if !outcome.resume_reads.is_empty() {
+        let reads: Vec<String> = outcome
+            .resume_reads
+            .iter()
+            .map(|(rank, bytes)| format!("rank {rank} {bytes} B"))
+            .collect();
+        println!(
+            "  resume: each rank read only the chunks it owns: {}",
+            reads.join(", ")
+        );
+    }
     for r in &summary.ranks {
         println!(
             "  rank {}: resident params {} B, grads {} B, optimizer {} B; peak {} B; sent {} B/step",
@@ -165,6 +191,14 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     }
     println!("param-sha256: {}", summary.param_sha256);
     Ok(())
+}
+
+fn cluster_error(e: ClusterError) -> CliError {
+    match e {
+        // Damaged or unfitting saved state is bad input: nothing was trained.
+        ClusterError::Resume(why) => CliError::Usage(format!("--resume: {why}")),
+        e => CliError::Failed(e.to_string()),
+    }
 }
 
 /// Prints above the progress bar (or plainly when there is none).

@@ -18,6 +18,7 @@ use super::comm::Comm;
 use super::local::{LocalEndpoint, LocalNetwork, NetFaults};
 use super::rank_actor::RankMsg;
 use super::rank_state::{ChunkState, OptimSettings, RankState};
+use super::resume::{read_owned_chunks, ResumeSource};
 use super::step::ExecConfig;
 use crate::config::{ConfigError, OptimizerChoice, TrainConfig};
 use crate::data::Dataset;
@@ -27,7 +28,7 @@ use crate::engine::coordinator::{
 use crate::job::{build_dataset, build_model};
 use crate::model::Model;
 use crate::optim::{AdamHyper, LrSchedule, OptimizerKind};
-use crate::plan::{RankId, ShardMap, Stage};
+use crate::plan::{ChunkId, RankId, ShardMap, Stage};
 
 /// Why a run did not finish.
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +45,9 @@ pub enum ClusterError {
     Refused(#[from] Refusal),
     #[error("the coordinator did not answer: {0}")]
     Unavailable(String),
+    /// The saved state could not be read or does not fit this run; nothing was started.
+    #[error("cannot resume: {0}")]
+    Resume(String),
 }
 
 /// Everything needed to start a cluster.
@@ -53,8 +57,9 @@ pub struct ClusterSpec {
     pub data: Arc<Dataset>,
     /// Start from these full parameters instead of the model's initialisation.
     pub init_params: Option<Vec<Vec<f32>>>,
-    /// Continue from a snapshot (any world size, stage or chunk size); wins over `init_params`.
-    pub resume: Option<Snapshot>,
+    /// Continue from saved state (any world size, stage or chunk size); wins over
+    /// `init_params`. Each rank reads only the chunks it owns under the new map.
+    pub resume: Option<Arc<dyn ResumeSource>>,
     /// Emit a snapshot after every this many steps (0: never unless asked).
     pub snapshot_every: u64,
     /// Fault injection for tests: (rank, step) whose compute panics.
@@ -81,6 +86,8 @@ pub struct TrainOutcome {
     pub records: Vec<StepRecord>,
     /// Consolidated fp32 parameters per unit.
     pub params: Vec<Vec<f32>>,
+    /// On a resume: bytes each rank read from the saved state, by rank.
+    pub resume_reads: Vec<(RankId, u64)>,
 }
 
 /// A running cluster of rank actors and a coordinator on the in-process transport.
@@ -90,6 +97,7 @@ pub struct Cluster {
     events: UnboundedReceiver<ClusterEvent>,
     net: Arc<LocalNetwork>,
     map: ShardMap,
+    resume_reads: Vec<(RankId, u64)>,
 }
 
 /// Optimizer settings from a config.
@@ -151,17 +159,30 @@ impl Cluster {
         let units = spec.model.units();
         let numels: Vec<usize> = units.iter().map(|u| u.numel()).collect();
         let members: Vec<RankId> = (0..cfg.ranks).collect();
-        let epoch = spec.resume.as_ref().map_or(1, |snap| snap.map.epoch + 1);
+        let epoch = spec
+            .resume
+            .as_ref()
+            .map_or(1, |src| src.saved_map().epoch + 1);
         let map = ShardMap::plan(&numels, &members, cfg.chunk_elems, epoch)
             .map_err(|e| ClusterError::Spawn(e.to_string()))?;
-        if let Some(snap) = &spec.resume {
-            let old: Vec<usize> = snap.map.units.iter().map(|u| u.numel).collect();
-            if old != numels {
-                return Err(ClusterError::Spawn(format!(
-                    "the snapshot's units have sizes {old:?}, this model's are {numels:?}: it belongs to another model"
-                )));
+        let restored = match &spec.resume {
+            Some(src) => {
+                let old: Vec<usize> = src.saved_map().units.iter().map(|u| u.numel).collect();
+                if old != numels {
+                    return Err(ClusterError::Resume(format!(
+                        "{}: its units have sizes {old:?}, this model's are {numels:?}: it belongs to another model",
+                        src.describe()
+                    )));
+                }
+                let (src, map) = (Arc::clone(src), map.clone());
+                let read = tokio::task::spawn_blocking(move || read_owned_chunks(&*src, &map));
+                let read = read.await.map_err(|e| {
+                    ClusterError::Resume(format!("a resume reader thread failed: {e}"))
+                })?;
+                Some(read.map_err(ClusterError::Resume)?)
             }
-        }
+            None => None,
+        };
         let params: Vec<Vec<f32>> = match &spec.init_params {
             Some(p) => p.clone(),
             None if spec.resume.is_none() => (0..units.len())
@@ -221,7 +242,7 @@ impl Cluster {
         });
         let args = CoordArgs {
             engine: match &spec.resume {
-                Some(snap) => Coordinator::resume(job, map.clone(), snap.progress.clone()),
+                Some(src) => Coordinator::resume(job, map.clone(), src.progress().clone()),
                 None => Coordinator::new(job, map.clone()),
             },
             events: tx,
@@ -241,9 +262,15 @@ impl Cluster {
                 .map_err(|e| ClusterError::Spawn(e.to_string()))?;
         let mut ranks = Vec::new();
         for &rank in &members {
-            let state = match &spec.resume {
-                Some(snap) => {
-                    let source = rechunk_source(snap, cfg.chunk_elems);
+            let state = match &restored {
+                Some(restored) => {
+                    let source = |u: usize, i: usize| {
+                        let id = ChunkId {
+                            unit: u as u32,
+                            index: i as u32,
+                        };
+                        restored.chunks.get(&id).cloned()
+                    };
                     RankState::from_chunks(
                         rank,
                         stage,
@@ -292,6 +319,7 @@ impl Cluster {
             events,
             net,
             map,
+            resume_reads: restored.map(|r| r.per_rank).unwrap_or_default(),
         })
     }
 
@@ -302,6 +330,11 @@ impl Cluster {
 
     pub fn shard_map(&self) -> &ShardMap {
         &self.map
+    }
+
+    /// On a resume: the bytes each rank read from the saved state (empty otherwise).
+    pub fn resume_reads(&self) -> &[(RankId, u64)] {
+        &self.resume_reads
     }
 
     /// Starts the first step.
@@ -415,9 +448,17 @@ impl<F: FnMut(&StepRecord)> Observer for F {
 /// records and consolidated parameters, or the reason the run stopped.
 pub async fn train(
     spec: ClusterSpec,
+    observer: impl Observer,
+) -> Result<TrainOutcome, ClusterError> {
+    drive(Cluster::start(spec).await?, observer).await
+}
+
+/// Runs a started cluster's whole job (see [`train`]); for callers that need the cluster
+/// started, and its saved state read, before they commit to anything else.
+pub async fn drive(
+    mut cluster: Cluster,
     mut observer: impl Observer,
 ) -> Result<TrainOutcome, ClusterError> {
-    let mut cluster = Cluster::start(spec).await?;
     cluster.run();
     let mut records = Vec::new();
     let result = loop {
@@ -434,58 +475,15 @@ pub async fn train(
         }
     };
     let outcome = match result {
-        Ok(()) => cluster
-            .collect_params()
-            .await
-            .map(|params| TrainOutcome { records, params }),
+        Ok(()) => cluster.collect_params().await.map(|params| TrainOutcome {
+            records,
+            params,
+            resume_reads: cluster.resume_reads.clone(),
+        }),
         Err(e) => Err(e),
     };
     cluster.shutdown().await;
     outcome
-}
-
-/// A chunk source for a map with `chunk_elems` from a snapshot taken under any map: each new
-/// chunk is cut out of the snapshot's chunks covering the same elements.
-pub fn rechunk_source(
-    snap: &Snapshot,
-    chunk_elems: usize,
-) -> impl Fn(usize, usize) -> Option<ChunkState> + '_ {
-    move |u: usize, i: usize| {
-        let numel = snap.map.units.get(u)?.numel;
-        let start = i.checked_mul(chunk_elems)?;
-        let end = (start + chunk_elems).min(numel);
-        if start >= end {
-            return None;
-        }
-        let old = snap.map.chunk_elems;
-        let (mut params, mut m, mut v) = (Vec::new(), Vec::new(), Vec::new());
-        for oi in start / old..=(end - 1) / old {
-            let at = snap
-                .chunks
-                .binary_search_by_key(&(u as u32, oi as u32), |c| (c.unit, c.index))
-                .ok()?;
-            let c = &snap.chunks[at];
-            let base = oi * old;
-            let (lo, hi) = (
-                start.max(base) - base,
-                end.min(base + c.params.len()) - base,
-            );
-            params.extend_from_slice(c.params.get(lo..hi)?);
-            if !c.m.is_empty() {
-                m.extend_from_slice(c.m.get(lo..hi)?);
-            }
-            if !c.v.is_empty() {
-                v.extend_from_slice(c.v.get(lo..hi)?);
-            }
-        }
-        Some(ChunkState {
-            unit: u as u32,
-            index: i as u32,
-            params,
-            m,
-            v,
-        })
-    }
 }
 
 /// Full parameters per unit from every chunk's state.

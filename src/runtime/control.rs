@@ -23,6 +23,7 @@ use super::coord_actor::CoordView;
 use super::http::{self, HttpLimits};
 use super::local::LocalEndpoint;
 use super::status::{ChangeRecord, MapTracker, RunState, StateLayout, Status, Telemetry};
+use crate::config::TrainConfig;
 use crate::engine::coordinator::{Change, Refusal};
 use crate::plan::{RankId, Stage};
 
@@ -193,9 +194,16 @@ impl ControlHandle {
     }
 }
 
+/// What a builder starts from.
+enum Source {
+    Spec(Box<ClusterSpec>),
+    /// Already started (its saved state read), with the layout of its config.
+    Started(Box<Cluster>, StateLayout),
+}
+
 /// Starts a cluster in-process with the control API. See `Cluster::builder`.
 pub struct ClusterBuilder {
-    spec: ClusterSpec,
+    source: Source,
     control_addr: Option<SocketAddr>,
     http_limits: HttpLimits,
     allow_kill: bool,
@@ -218,8 +226,20 @@ impl Cluster {
     /// # Ok(()) }
     /// ```
     pub fn builder(spec: ClusterSpec) -> ClusterBuilder {
+        ClusterBuilder::with_source(Source::Spec(Box::new(spec)))
+    }
+}
+
+impl ClusterBuilder {
+    /// A builder over a cluster already started from `config` (e.g. once its saved state was
+    /// read and checked); `start` then starts its run.
+    pub fn for_started(cluster: Cluster, config: &TrainConfig) -> ClusterBuilder {
+        ClusterBuilder::with_source(Source::Started(Box::new(cluster), layout_of(config)))
+    }
+
+    fn with_source(source: Source) -> ClusterBuilder {
         ClusterBuilder {
-            spec,
+            source,
             control_addr: None,
             http_limits: HttpLimits::default(),
             allow_kill: false,
@@ -227,9 +247,7 @@ impl Cluster {
             paused: false,
         }
     }
-}
 
-impl ClusterBuilder {
     /// Serve the HTTP control endpoint on this address (port 0 picks a free one; see
     /// `ElasticJob::control_addr`).
     pub fn control_addr(mut self, addr: SocketAddr) -> Self {
@@ -264,10 +282,13 @@ impl ClusterBuilder {
 
     /// Starts the actors, the pump and the endpoint, and (unless paused) the first step.
     pub async fn start(self) -> Result<ElasticJob, ClusterError> {
-        let stage = Stage::from_u8(self.spec.config.stage)
-            .ok_or_else(|| ClusterError::Spawn("invalid stage".into()))?;
-        let layout = StateLayout::new(stage, &optim_settings(&self.spec.config));
-        let cluster = Cluster::start(self.spec).await?;
+        let (cluster, layout) = match self.source {
+            Source::Spec(spec) => {
+                let layout = layout_of(&spec.config);
+                (Cluster::start(*spec).await?, layout)
+            }
+            Source::Started(cluster, layout) => (*cluster, layout),
+        };
         let (changes, _) = broadcast::channel(SUBSCRIBE_CAPACITY);
         let shared = Arc::new(Shared {
             telemetry: Mutex::new(Telemetry::default()),
@@ -423,6 +444,13 @@ impl Drop for ElasticJob {
     }
 }
 
+/// How much state each element carries under `config` (for bytes moved and owned).
+fn layout_of(config: &TrainConfig) -> StateLayout {
+    // A config is validated before any cluster starts, so the stage is in 0..=3.
+    let stage = Stage::from_u8(config.stage).unwrap_or(Stage::Zero3);
+    StateLayout::new(stage, &optim_settings(config))
+}
+
 /// Owns the cluster: keeps the counters, forwards events, and finishes the run.
 async fn pump(
     mut cluster: Cluster,
@@ -489,10 +517,11 @@ async fn pump(
         let _ = tx.send(event);
     };
     let outcome = match end {
-        Ok(()) => cluster
-            .collect_params()
-            .await
-            .map(|params| TrainOutcome { records, params }),
+        Ok(()) => cluster.collect_params().await.map(|params| TrainOutcome {
+            records,
+            params,
+            resume_reads: cluster.resume_reads().to_vec(),
+        }),
         Err(e) => Err(e),
     };
     cluster.shutdown().await;

@@ -14,6 +14,7 @@ pub mod rank_actor;
 pub mod rank_state;
 pub mod replica;
 pub mod reshard;
+pub mod resume;
 pub mod status;
 pub mod step;
 pub mod transport;
