@@ -27,6 +27,7 @@ use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
 use elastic_zero::model::Model;
 use elastic_zero::runtime::actors::Snapshot;
 use elastic_zero::runtime::cluster::Observer;
+use elastic_zero::runtime::ChangeRecord;
 
 use super::{CliError, TrainArgs};
 
@@ -474,6 +475,13 @@ impl Saving {
         }
     }
 
+    /// An operator's on-demand checkpoint (`POST /checkpoint`): saved whatever `save_every` says.
+    fn save_now(&mut self, snap: Snapshot) {
+        if let Err(e) = self.writer.submit(snap) {
+            self.report(vec![Err(e)]);
+        }
+    }
+
     /// Answers a signal: waits for the checkpoint of this boundary, then ends the process.
     fn stop(&mut self, signal: i32, step: u64) -> ! {
         if let Err(e) = self.writer.flush() {
@@ -604,5 +612,15 @@ impl<O: Observer> Observer for &mut SaveObserver<O> {
 
     fn on_membership(&mut self, record: &MembershipRecord) {
         self.inner.on_membership(record);
+    }
+
+    fn on_change(&mut self, change: &ChangeRecord) {
+        self.inner.on_change(change);
+    }
+
+    fn on_requested_snapshot(&mut self, snap: Snapshot) {
+        if let Some(s) = &mut self.saving {
+            s.save_now(snap);
+        }
     }
 }

@@ -165,6 +165,19 @@ pub struct TrainArgs {
     /// Signal tests: raise SIGTERM after this step completes.
     #[arg(long, hide = true)]
     pub signal_at: Option<u64>,
+    /// Serve the HTTP control endpoint (GET /status, GET /metrics, POST /ranks/{id}/drain,
+    /// POST /join, POST /checkpoint) on this address, e.g. 127.0.0.1:7070 [default: off].
+    #[arg(long, value_name = "ADDR", value_parser = parse_control_addr)]
+    pub control: Option<std::net::SocketAddr>,
+    /// With --control: allow POST /ranks/{id}/kill (abrupt loss, for tests and demos).
+    #[arg(long, requires = "control")]
+    pub control_allow_kill: bool,
+}
+
+fn parse_control_addr(s: &str) -> Result<std::net::SocketAddr, String> {
+    s.parse().map_err(|_| {
+        format!("`{s}` is not an IP:PORT address (e.g. 127.0.0.1:7070; port 0 picks one)")
+    })
 }
 
 fn parse_model(s: &str) -> Result<ModelKind, String> {

@@ -11,10 +11,9 @@ use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
 use elastic_zero::job::{build_dataset, build_model};
 use elastic_zero::model::sample::generate;
 use elastic_zero::model::{param_count, Model};
-use elastic_zero::runtime::cluster::drive;
 use elastic_zero::runtime::cluster::Observer;
 use elastic_zero::runtime::resume::ResumeSource;
-use elastic_zero::runtime::{Cluster, ClusterError, ClusterSpec};
+use elastic_zero::runtime::{ChangeRecord, Cluster, ClusterBuilder, ClusterError, ClusterSpec};
 use elastic_zero::summary::{median, param_sha256, rank_summaries, TrainSummary};
 
 use super::checkpoint::{self, SaveObserver, Saving};
@@ -128,7 +127,27 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
             },
         },
     };
-    let outcome = rt.block_on(drive(cluster, &mut observer));
+    let outcome = rt.block_on(async {
+        let mut builder = ClusterBuilder::for_started(cluster, &cfg)
+            .allow_kill(args.control_allow_kill)
+            .on_demand_snapshots(observer.saving.is_some());
+        if let Some(addr) = args.control {
+            builder = builder.control_addr(addr);
+        }
+        let job = builder.start().await?;
+        if let Some(addr) = job.control_addr() {
+            print_line(
+                &bar,
+                format!(
+                    "control endpoint: http://{addr} (GET /status, GET /metrics, POST /ranks/{{id}}/drain{}, POST /join?count=N, POST /checkpoint)",
+                    if args.control_allow_kill { ", POST /ranks/{id}/kill" } else { "" }
+                ),
+            );
+            // Tests and scripts read this line to find a port chosen with :0.
+            let _ = std::io::Write::flush(&mut std::io::stdout());
+        }
+        job.drive(&mut observer).await
+    });
     let saved = observer.saving.take().map_or(Ok(()), Saving::finish);
     let outcome = outcome.map_err(cluster_error)?;
     saved?;
@@ -203,20 +222,45 @@ impl<F: FnMut(&StepRecord)> Observer for Progress<'_, F> {
     }
 
     fn on_membership(&mut self, m: &MembershipRecord) {
-        let what = match m.rolled_back_to {
-            Some(step) => format!(
-                "lost ranks {:?}: rolled back to the backup before step {step}, replaying",
-                m.lost
-            ),
-            None => "rebalanced in place".to_string(),
-        };
-        print_line(
-            self.bar,
-            format!(
-                "membership epoch {}: ranks {:?} -> {:?}; {what}; moved {} chunk elements (minimum {}) in {} ms",
-                m.epoch, m.before, m.after, m.moved_chunk_elems, m.min_chunk_elems, m.duration_ms
-            ),
-        );
+        print_line(self.bar, membership_line(m, None));
+    }
+
+    fn on_change(&mut self, c: &ChangeRecord) {
+        print_line(self.bar, membership_line(&c.record, c.moved_bytes));
+    }
+}
+
+/// One line per membership change: who, what moved, how long it took.
+fn membership_line(m: &MembershipRecord, bytes: Option<u64>) -> String {
+    let bytes = bytes.map_or(String::new(), |b| format!(" ({})", human_bytes(b)));
+    let moved = format!(
+        "moved {} chunk elements{bytes} (minimum {})",
+        m.moved_chunk_elems, m.min_chunk_elems
+    );
+    match m.rolled_back_to {
+        Some(back) => format!(
+            "recovery at step {}, epoch {}: lost ranks {:?}, ranks {:?} -> {:?}; rolled back to the backup before step {back}, replaying {} step(s); {moved}; recovered in {} ms",
+            m.step,
+            m.epoch,
+            m.lost,
+            m.before,
+            m.after,
+            m.step.saturating_sub(back),
+            m.duration_ms
+        ),
+        None => format!(
+            "membership at step {}, epoch {}: ranks {:?} -> {:?}, rebalanced in place; {moved} in {} ms",
+            m.step, m.epoch, m.before, m.after, m.duration_ms
+        ),
+    }
+}
+
+fn human_bytes(b: u64) -> String {
+    match b {
+        b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
+        b if b >= 1 << 20 => format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64),
+        b if b >= 1 << 10 => format!("{:.1} KiB", b as f64 / 1024.0),
+        b => format!("{b} B"),
     }
 }
 

@@ -40,6 +40,37 @@ pub struct ScriptedChange {
     pub change: Change,
 }
 
+/// Why an operator's request was refused. Nothing changed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("rank {rank} is not a member (members: {members:?})")]
+    UnknownRank { rank: RankId, members: Vec<RankId> },
+    #[error("that would leave {ranks} ranks, below the minimum of {min}")]
+    BelowMin { ranks: usize, min: usize },
+    #[error("that would make {ranks} ranks, above the maximum of {max}")]
+    AboveMax { ranks: usize, max: usize },
+    #[error("the run ends (after {steps} steps) before the next step boundary")]
+    RunEnding { steps: u64 },
+}
+
+/// A world size outside [min_ranks, max_ranks].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WorldBound {
+    #[error("that would leave {ranks} ranks, below the minimum of {min}")]
+    BelowMin { ranks: usize, min: usize },
+    #[error("that would make {ranks} ranks, above the maximum of {max}")]
+    AboveMax { ranks: usize, max: usize },
+}
+
+impl From<WorldBound> for Refusal {
+    fn from(b: WorldBound) -> Self {
+        match b {
+            WorldBound::BelowMin { ranks, min } => Refusal::BelowMin { ranks, min },
+            WorldBound::AboveMax { ranks, max } => Refusal::AboveMax { ranks, max },
+        }
+    }
+}
+
 /// A completed membership change, for the progress view and the control API.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MembershipRecord {
@@ -284,37 +315,69 @@ impl Coordinator {
     }
 
     /// Queues an operator's change for the next step boundary, or refuses it (nothing changes).
-    pub fn request(&mut self, change: Change) -> Result<(), String> {
+    pub fn request(&mut self, change: Change) -> Result<(), Refusal> {
         let mut members = self.planned_members();
         match &change {
             Change::Leave(rank) => {
                 if !members.contains(rank) {
-                    return Err(format!(
-                        "rank {rank} is not a member (members: {:?})",
-                        self.map.members
-                    ));
+                    return Err(Refusal::UnknownRank {
+                        rank: *rank,
+                        members: self.map.members.clone(),
+                    });
                 }
                 members.retain(|r| r != rank);
             }
             Change::Join(n) => members.extend((0..*n).map(|i| u32::MAX - i)),
         }
-        self.check_world(members.len())?;
+        self.check_world(members.len()).map_err(Refusal::from)?;
+        self.check_boundary_ahead()?;
         self.requested.push(change);
         Ok(())
     }
 
-    fn check_world(&self, n: usize) -> Result<(), String> {
-        if n < self.job.min_ranks.max(1) as usize {
-            return Err(format!(
-                "that would leave {n} ranks, below the minimum of {}",
-                self.job.min_ranks.max(1)
-            ));
+    /// Whether losing `lost` (ranks an operator is about to kill) is covered: every one is a
+    /// member after the queued changes and enough ranks survive. Changes nothing.
+    pub fn check_loss(&self, lost: &[RankId]) -> Result<(), Refusal> {
+        let mut members = self.planned_members();
+        for rank in lost {
+            if !members.contains(rank) {
+                return Err(Refusal::UnknownRank {
+                    rank: *rank,
+                    members: self.map.members.clone(),
+                });
+            }
+            members.retain(|r| r != rank);
+        }
+        self.check_world(members.len()).map_err(Refusal::from)?;
+        self.check_boundary_ahead()
+    }
+
+    /// Requests take effect at the next step boundary; refuse them when the run ends first, so
+    /// that an accepted request always happens.
+    fn check_boundary_ahead(&self) -> Result<(), Refusal> {
+        let next = match self.phase {
+            Phase::Running { .. } => self.step + 1,
+            Phase::Done | Phase::Failed => self.job.steps,
+            _ => self.step,
+        };
+        if next >= self.job.steps {
+            return Err(Refusal::RunEnding {
+                steps: self.job.steps,
+            });
+        }
+        Ok(())
+    }
+
+    fn check_world(&self, n: usize) -> Result<(), WorldBound> {
+        let min = self.job.min_ranks.max(1) as usize;
+        if n < min {
+            return Err(WorldBound::BelowMin { ranks: n, min });
         }
         if n > self.job.max_ranks as usize {
-            return Err(format!(
-                "that would make {n} ranks, above the maximum of {}",
-                self.job.max_ranks
-            ));
+            return Err(WorldBound::AboveMax {
+                ranks: n,
+                max: self.job.max_ranks as usize,
+            });
         }
         Ok(())
     }
@@ -345,6 +408,16 @@ impl Coordinator {
 
     pub fn step(&self) -> u64 {
         self.step
+    }
+
+    /// The step before which the newest complete buddy backup was taken, if any.
+    pub fn backup_step(&self) -> Option<u64> {
+        self.backup.as_ref().map(|(_, p)| p.step)
+    }
+
+    /// The job this coordinator runs.
+    pub fn job(&self) -> &JobSpec {
+        &self.job
     }
 
     pub fn is_finished(&self) -> bool {
@@ -1046,17 +1119,50 @@ mod tests {
             },
             map,
         );
+        assert!(matches!(
+            c.request(Change::Leave(9)),
+            Err(Refusal::UnknownRank { rank: 9, .. })
+        ));
         assert!(c
-            .request(Change::Leave(9))
+            .request(Change::Leave(1))
             .unwrap_err()
-            .contains("not a member"));
-        assert!(c.request(Change::Leave(1)).unwrap_err().contains("minimum"));
-        assert!(c.request(Change::Join(2)).unwrap_err().contains("maximum"));
+            .to_string()
+            .contains("minimum"));
+        assert!(matches!(
+            c.request(Change::Join(2)),
+            Err(Refusal::AboveMax { ranks: 4, max: 3 })
+        ));
+        assert!(matches!(
+            c.check_loss(&[1]),
+            Err(Refusal::BelowMin { ranks: 1, min: 2 })
+        ));
         c.request(Change::Join(1)).unwrap();
         assert!(
-            c.request(Change::Join(1)).unwrap_err().contains("maximum"),
+            matches!(c.request(Change::Join(1)), Err(Refusal::AboveMax { .. })),
             "queued requests count"
         );
+        c.check_loss(&[1]).unwrap();
+    }
+
+    #[test]
+    fn requests_the_run_would_end_before_are_refused() {
+        let map = ShardMap::plan(&[100], &[0, 1], 10, 1).unwrap();
+        let mut c = Coordinator::new(job(2), map);
+        // Before the first step, step 0's boundary is ahead.
+        c.request(Change::Join(1)).unwrap();
+        let mut c = Coordinator::new(job(1), ShardMap::plan(&[100], &[0, 1], 10, 1).unwrap());
+        c.handle(Event::Start { now_ms: 0 });
+        // Running the last step: no boundary is left, so the change could never happen.
+        assert_eq!(
+            c.request(Change::Leave(1)),
+            Err(Refusal::RunEnding { steps: 1 })
+        );
+        assert_eq!(c.check_loss(&[1]), Err(Refusal::RunEnding { steps: 1 }));
+        // The request itself is checked first.
+        assert!(matches!(
+            c.request(Change::Leave(7)),
+            Err(Refusal::UnknownRank { rank: 7, .. })
+        ));
     }
 
     #[test]

@@ -23,7 +23,7 @@ use super::step::ExecConfig;
 use crate::config::{ConfigError, OptimizerChoice, TrainConfig};
 use crate::data::Dataset;
 use crate::engine::coordinator::{
-    Change, Coordinator, JobSpec, MembershipRecord, ScriptedChange, StepRecord,
+    Change, Coordinator, JobSpec, MembershipRecord, Refusal, ScriptedChange, StepRecord,
 };
 use crate::job::{build_dataset, build_model};
 use crate::model::Model;
@@ -42,7 +42,9 @@ pub enum ClusterError {
     #[error("consolidating parameters failed: {0}")]
     Collect(String),
     #[error("request refused: {0}")]
-    Refused(String),
+    Refused(#[from] Refusal),
+    #[error("the coordinator did not answer: {0}")]
+    Unavailable(String),
     /// The saved state could not be read or does not fit this run; nothing was started.
     #[error("cannot resume: {0}")]
     Resume(String),
@@ -335,6 +337,11 @@ impl Cluster {
         })
     }
 
+    /// The coordinator actor, for the control handle.
+    pub(crate) fn coordinator(&self) -> &ActorRef<CoordMsg<LocalEndpoint>> {
+        &self.coordinator
+    }
+
     pub fn shard_map(&self) -> &ShardMap {
         &self.map
     }
@@ -390,10 +397,8 @@ impl Cluster {
             .await
         {
             Ok(ractor::rpc::CallResult::Success(r)) => r.map_err(ClusterError::Refused),
-            Ok(_) => Err(ClusterError::Refused(
-                "the coordinator did not answer".into(),
-            )),
-            Err(e) => Err(ClusterError::Refused(e.to_string())),
+            Ok(_) => Err(ClusterError::Unavailable("no answer within 10 s".into())),
+            Err(e) => Err(ClusterError::Unavailable(e.to_string())),
         }
     }
 
@@ -434,6 +439,14 @@ pub trait Observer {
     fn on_snapshot(&mut self, _snapshot: Snapshot) {}
     /// The membership changed and the shards were rebalanced in place.
     fn on_membership(&mut self, _record: &MembershipRecord) {}
+    /// The same change with the bytes it moved (`ElasticJob::drive` calls this one).
+    fn on_change(&mut self, change: &super::status::ChangeRecord) {
+        self.on_membership(&change.record)
+    }
+    /// A snapshot an operator asked for (`ControlHandle::request_snapshot`): keep it.
+    fn on_requested_snapshot(&mut self, snapshot: Snapshot) {
+        self.on_snapshot(snapshot)
+    }
 }
 
 /// Ignores every event.

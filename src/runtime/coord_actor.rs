@@ -14,7 +14,7 @@ use super::clock::Clock;
 use super::rank_actor::{RankActor, RankArgs, RankMsg};
 use super::rank_state::ChunkState;
 use super::transport::Transport;
-use crate::engine::coordinator::{Change, Command, Coordinator, Event};
+use crate::engine::coordinator::{Change, Command, Coordinator, Event, Refusal};
 use crate::engine::messages::StepReport;
 use crate::plan::{RankId, ShardMap};
 
@@ -49,9 +49,29 @@ pub enum CoordMsg<T: Transport> {
     /// Take a snapshot at the next step boundary.
     SnapshotNow,
     /// An operator's membership change, applied at the next step boundary or refused.
-    Request(Change, RpcReplyPort<Result<(), String>>),
+    Request(Change, RpcReplyPort<Result<(), Refusal>>),
+    /// Fault injection for tests and demos: the rank vanishes halfway through the next step
+    /// that starts (as `--kill` does), or the request is refused.
+    Kill(RankId, RpcReplyPort<Result<(), Refusal>>),
+    /// Where the run stands, for the control API.
+    View(RpcReplyPort<CoordView>),
     /// Every chunk's state and the map (between steps, e.g. after `Finished`).
     Collect(RpcReplyPort<Result<(ShardMap, Vec<ChunkState>), String>>),
+}
+
+/// The coordinator's view of the run at one instant (see `control::Status`).
+#[derive(Clone, Debug)]
+pub struct CoordView {
+    pub map: ShardMap,
+    /// The next step to run.
+    pub step: u64,
+    pub steps: u64,
+    pub min_ranks: u32,
+    pub max_ranks: u32,
+    pub finished: bool,
+    /// The step before which the newest complete buddy backup was taken.
+    pub backup_step: Option<u64>,
+    pub pending_kills: Vec<RankId>,
 }
 
 pub struct CoordArgs<T: Transport> {
@@ -78,9 +98,36 @@ pub struct CoordState<T: Transport> {
     on_retire: Box<dyn Fn(RankId) + Send + Sync>,
     on_interrupt: Box<dyn Fn(RankId, u64, u64) + Send + Sync>,
     factory: RankFactory<T>,
+    /// Operator kills waiting for the next step to start.
+    pending_kills: Vec<RankId>,
 }
 
 impl<T: Transport> CoordState<T> {
+    fn view(&self) -> CoordView {
+        let job = self.engine.job();
+        CoordView {
+            map: self.engine.map().clone(),
+            step: self.engine.step(),
+            steps: job.steps,
+            min_ranks: job.min_ranks,
+            max_ranks: job.max_ranks,
+            finished: self.engine.is_finished(),
+            backup_step: self.engine.backup_step(),
+            pending_kills: self.pending_kills.clone(),
+        }
+    }
+
+    fn kill(&mut self, rank: RankId) -> Result<(), Refusal> {
+        if self.pending_kills.contains(&rank) {
+            return Ok(());
+        }
+        let mut lost = self.pending_kills.clone();
+        lost.push(rank);
+        self.engine.check_loss(&lost)?;
+        self.pending_kills.push(rank);
+        Ok(())
+    }
+
     fn rank_list(&self) -> Vec<(RankId, ActorRef<RankMsg<T>>)> {
         self.ranks.iter().map(|(r, a)| (*r, a.clone())).collect()
     }
@@ -100,6 +147,16 @@ impl<T: Transport> CoordState<T> {
     async fn execute(&mut self, me: &ActorRef<CoordMsg<T>>, cmd: Command) -> Vec<Event> {
         match cmd {
             Command::RunStep(plan) => {
+                // Told before the step on the same mailbox, so the rank dies inside this step.
+                for rank in std::mem::take(&mut self.pending_kills) {
+                    if let Some(a) = self
+                        .ranks
+                        .get(&rank)
+                        .filter(|_| self.engine.map().is_member(rank))
+                    {
+                        let _ = a.cast(RankMsg::KillAt(plan.step));
+                    }
+                }
                 for r in self.ranks.values() {
                     let _ = r.cast(RankMsg::RunStep(Box::new(plan.clone())));
                 }
@@ -242,6 +299,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             on_retire: args.on_retire,
             on_interrupt: args.on_interrupt,
             factory: args.factory,
+            pending_kills: Vec::new(),
         })
     }
 
@@ -308,6 +366,12 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             CoordMsg::SnapshotNow => st.feed(&me, Event::SnapshotRequested).await,
             CoordMsg::Request(change, reply) => {
                 let _ = reply.send(st.engine.request(change));
+            }
+            CoordMsg::Kill(rank, reply) => {
+                let _ = reply.send(st.kill(rank));
+            }
+            CoordMsg::View(reply) => {
+                let _ = reply.send(st.view());
             }
             CoordMsg::Collect(reply) => {
                 let map = st.engine.map().clone();

@@ -77,6 +77,8 @@ pub enum RankMsg<T: Transport> {
     },
     ReplicateFinished(Box<Work<T>>, Result<(u64, u64), CommError>),
     ComputePanicked(String),
+    /// Fault injection from the control API: vanish halfway through step `.0`.
+    KillAt(u64),
     /// The state of every chunk this rank owns (consolidation, checkpoints).
     Collect(RpcReplyPort<Vec<ChunkState>>),
 }
@@ -329,6 +331,7 @@ impl<T: Transport> Actor for RankActor<T> {
                     },
                 });
             }
+            RankMsg::KillAt(step) => slot.kill_at_step = Some(step),
             RankMsg::ComputePanicked(text) => {
                 return Err(format!("rank {rank} compute panicked: {text}").into());
             }

@@ -1,0 +1,529 @@
+//! The control API for programs that embed the runtime: a builder that starts a cluster
+//! in-process, a cloneable handle to drain, kill, join, snapshot and inspect it while it
+//! trains, and the event stream. The HTTP endpoint (`http.rs`) is a thin layer over the handle.
+//!
+//! A task (the pump) owns the cluster: it reads the coordinator's events, keeps the counters
+//! behind `status()` and `/metrics`, forwards every event to the job's stream, and at the end
+//! consolidates the parameters and shuts the actors down.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use ractor::rpc::CallResult;
+use ractor::ActorRef;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::{broadcast, oneshot};
+use tokio::task::JoinHandle;
+
+use super::actors::{ClusterEvent, CoordMsg};
+use super::cluster::{optim_settings, Cluster, ClusterError, ClusterSpec, Observer, TrainOutcome};
+use super::coord_actor::CoordView;
+use super::http::{self, HttpLimits};
+use super::local::LocalEndpoint;
+use super::status::{ChangeRecord, MapTracker, RunState, StateLayout, Status, Telemetry};
+use crate::config::TrainConfig;
+use crate::engine::coordinator::{Change, Refusal};
+use crate::plan::{RankId, Stage};
+
+/// How long a control call waits for the coordinator.
+pub const CONTROL_DEADLINE_MS: u64 = 5_000;
+/// Membership changes a slow `subscribe` receiver may fall behind by before it loses the oldest.
+pub const SUBSCRIBE_CAPACITY: usize = 64;
+
+/// Why a control request was not carried out. Nothing changed.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error(transparent)]
+    Refused(#[from] Refusal),
+    #[error("kill is disabled for this job (enable it with --control-allow-kill or ClusterBuilder::allow_kill)")]
+    KillDisabled,
+    #[error("nothing would keep an on-demand checkpoint: start the job with --save-dir (or ClusterBuilder::on_demand_snapshots)")]
+    NoSnapshotSink,
+    #[error("bad request: {0}")]
+    BadRequest(String),
+    #[error("the run has ended")]
+    Ended,
+    #[error("the coordinator did not answer: {0}")]
+    Unavailable(String),
+}
+
+impl ControlError {
+    /// The HTTP status that reports this error.
+    pub fn http_status(&self) -> u16 {
+        match self {
+            ControlError::Refused(Refusal::UnknownRank { .. }) => 404,
+            ControlError::Refused(_) | ControlError::NoSnapshotSink | ControlError::Ended => 409,
+            ControlError::KillDisabled => 403,
+            ControlError::BadRequest(_) => 400,
+            ControlError::Unavailable(_) => 503,
+        }
+    }
+
+    /// A stable machine-readable name.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ControlError::Refused(Refusal::UnknownRank { .. }) => "unknown_rank",
+            ControlError::Refused(Refusal::BelowMin { .. }) => "below_min_ranks",
+            ControlError::Refused(Refusal::AboveMax { .. }) => "above_max_ranks",
+            ControlError::Refused(Refusal::RunEnding { .. }) => "run_ending",
+            ControlError::KillDisabled => "kill_disabled",
+            ControlError::NoSnapshotSink => "no_save_dir",
+            ControlError::BadRequest(_) => "bad_request",
+            ControlError::Ended => "run_ended",
+            ControlError::Unavailable(_) => "unavailable",
+        }
+    }
+}
+
+/// What the pump and every handle share.
+struct Shared {
+    telemetry: Mutex<Telemetry>,
+    /// The coordinator's last view, kept once the run is over and the actors are gone.
+    final_view: Mutex<Option<CoordView>>,
+    changes: broadcast::Sender<ChangeRecord>,
+    /// An operator asked for a snapshot that the driver has not handed out yet.
+    snapshot_wanted: AtomicBool,
+}
+
+impl Shared {
+    fn telemetry(&self) -> MutexGuard<'_, Telemetry> {
+        // Only the pump writes, field by field; a panic mid-update leaves plain counters.
+        self.telemetry.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn final_view(&self) -> MutexGuard<'_, Option<CoordView>> {
+        self.final_view.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Operates a running job. Cheap to clone; every method may be called from any task while the
+/// run proceeds.
+#[derive(Clone)]
+pub struct ControlHandle {
+    coordinator: ActorRef<CoordMsg<LocalEndpoint>>,
+    shared: Arc<Shared>,
+    layout: StateLayout,
+    allow_kill: bool,
+    snapshots: bool,
+}
+
+impl ControlHandle {
+    /// A spot notice: `rank` leaves gracefully at the next step boundary, its chunks moved to
+    /// the others. Refused (nothing changes) for a non-member or below `min_ranks`.
+    pub async fn drain(&self, rank: RankId) -> Result<(), ControlError> {
+        self.request(Change::Leave(rank)).await
+    }
+
+    /// `count` new ranks join at the next step boundary (they take the next unused ids).
+    pub async fn join(&self, count: u32) -> Result<(), ControlError> {
+        if count == 0 {
+            return Err(ControlError::BadRequest(
+                "join count must be at least 1".into(),
+            ));
+        }
+        self.request(Change::Join(count)).await
+    }
+
+    async fn request(&self, change: Change) -> Result<(), ControlError> {
+        self.call(|p| CoordMsg::Request(change, p))
+            .await?
+            .map_err(Into::into)
+    }
+
+    /// Fault injection for tests and demos: `rank` vanishes halfway through the next step that
+    /// starts, and the survivors recover from buddy backups. Refused unless the job allows it.
+    pub async fn kill(&self, rank: RankId) -> Result<(), ControlError> {
+        if !self.allow_kill {
+            return Err(ControlError::KillDisabled);
+        }
+        self.call(|p| CoordMsg::Kill(rank, p))
+            .await?
+            .map_err(Into::into)
+    }
+
+    /// Asks for a snapshot at the next step boundary; it arrives as `ClusterEvent::Snapshot`
+    /// (the CLI writes it under `--save-dir`).
+    pub async fn request_snapshot(&self) -> Result<(), ControlError> {
+        if !self.snapshots {
+            return Err(ControlError::NoSnapshotSink);
+        }
+        if self.shared.telemetry().run != RunState::Running {
+            return Err(ControlError::Ended);
+        }
+        self.shared.snapshot_wanted.store(true, Ordering::SeqCst);
+        self.coordinator
+            .cast(CoordMsg::SnapshotNow)
+            .map_err(|_| ControlError::Ended)
+    }
+
+    /// Where the run stands (also after it ended).
+    pub async fn status(&self) -> Result<Status, ControlError> {
+        let kept = self.shared.final_view().clone();
+        let view = match kept {
+            Some(v) => v,
+            None => self.call(CoordMsg::View).await?,
+        };
+        Ok(Status::build(&view, &self.shared.telemetry(), self.layout))
+    }
+
+    /// `status()` in the Prometheus text format.
+    pub async fn metrics(&self) -> Result<String, ControlError> {
+        Ok(self.status().await?.prometheus())
+    }
+
+    /// Every membership change and recovery from now on. A receiver that falls more than
+    /// `SUBSCRIBE_CAPACITY` changes behind loses the oldest (`RecvError::Lagged`).
+    pub fn subscribe(&self) -> broadcast::Receiver<ChangeRecord> {
+        self.shared.changes.subscribe()
+    }
+
+    async fn call<R: Send + 'static>(
+        &self,
+        msg: impl FnOnce(ractor::RpcReplyPort<R>) -> CoordMsg<LocalEndpoint>,
+    ) -> Result<R, ControlError> {
+        let deadline = Duration::from_millis(CONTROL_DEADLINE_MS);
+        match self.coordinator.call(msg, Some(deadline)).await {
+            Ok(CallResult::Success(r)) => Ok(r),
+            Ok(CallResult::Timeout) => Err(ControlError::Unavailable(format!(
+                "no answer within {CONTROL_DEADLINE_MS} ms"
+            ))),
+            Ok(CallResult::SenderError) | Err(_) => Err(ControlError::Ended),
+        }
+    }
+}
+
+/// What a builder starts from.
+enum Source {
+    Spec(Box<ClusterSpec>),
+    /// Already started (its saved state read), with the layout of its config.
+    Started(Box<Cluster>, StateLayout),
+}
+
+/// Starts a cluster in-process with the control API. See `Cluster::builder`.
+pub struct ClusterBuilder {
+    source: Source,
+    control_addr: Option<SocketAddr>,
+    http_limits: HttpLimits,
+    allow_kill: bool,
+    snapshots: bool,
+    paused: bool,
+}
+
+impl Cluster {
+    /// A builder for a job with a control handle, an event stream and, optionally, an HTTP
+    /// control endpoint.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> anyhow::Result<()> {
+    /// use elastic_zero::config::TrainConfig;
+    /// use elastic_zero::runtime::{Cluster, ClusterSpec};
+    /// let spec = ClusterSpec::from_config(TrainConfig { ranks: 4, ..TrainConfig::default() })?;
+    /// let job = Cluster::builder(spec).start().await?;
+    /// job.handle().drain(2).await?; // a spot notice for rank 2
+    /// let outcome = job.finish().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn builder(spec: ClusterSpec) -> ClusterBuilder {
+        ClusterBuilder::with_source(Source::Spec(Box::new(spec)))
+    }
+}
+
+impl ClusterBuilder {
+    /// A builder over a cluster already started from `config` (e.g. once its saved state was
+    /// read and checked); `start` then starts its run.
+    pub fn for_started(cluster: Cluster, config: &TrainConfig) -> ClusterBuilder {
+        ClusterBuilder::with_source(Source::Started(Box::new(cluster), layout_of(config)))
+    }
+
+    fn with_source(source: Source) -> ClusterBuilder {
+        ClusterBuilder {
+            source,
+            control_addr: None,
+            http_limits: HttpLimits::default(),
+            allow_kill: false,
+            snapshots: false,
+            paused: false,
+        }
+    }
+
+    /// Serve the HTTP control endpoint on this address (port 0 picks a free one; see
+    /// `ElasticJob::control_addr`).
+    pub fn control_addr(mut self, addr: SocketAddr) -> Self {
+        self.control_addr = Some(addr);
+        self
+    }
+
+    pub fn http_limits(mut self, limits: HttpLimits) -> Self {
+        self.http_limits = limits;
+        self
+    }
+
+    /// Let `kill` (and `POST /ranks/{id}/kill`) inject abrupt rank losses. Off by default.
+    pub fn allow_kill(mut self, allow: bool) -> Self {
+        self.allow_kill = allow;
+        self
+    }
+
+    /// Say that the event stream's consumer keeps snapshots, so `request_snapshot` (and
+    /// `POST /checkpoint`) are accepted. Off by default.
+    pub fn on_demand_snapshots(mut self, keep: bool) -> Self {
+        self.snapshots = keep;
+        self
+    }
+
+    /// Start the actors and the endpoint but not training: requests made before
+    /// `ElasticJob::run` apply at step 0. Off by default.
+    pub fn paused(mut self, paused: bool) -> Self {
+        self.paused = paused;
+        self
+    }
+
+    /// Starts the actors, the pump and the endpoint, and (unless paused) the first step.
+    pub async fn start(self) -> Result<ElasticJob, ClusterError> {
+        let (cluster, layout) = match self.source {
+            Source::Spec(spec) => {
+                let layout = layout_of(&spec.config);
+                (Cluster::start(*spec).await?, layout)
+            }
+            Source::Started(cluster, layout) => (*cluster, layout),
+        };
+        let (changes, _) = broadcast::channel(SUBSCRIBE_CAPACITY);
+        let shared = Arc::new(Shared {
+            telemetry: Mutex::new(Telemetry::default()),
+            final_view: Mutex::new(None),
+            changes,
+            snapshot_wanted: AtomicBool::new(false),
+        });
+        let handle = ControlHandle {
+            coordinator: cluster.coordinator().clone(),
+            shared: Arc::clone(&shared),
+            layout,
+            allow_kill: self.allow_kill,
+            snapshots: self.snapshots,
+        };
+        let server = match self.control_addr {
+            Some(addr) => {
+                let served = http::serve(addr, handle.clone(), self.http_limits).await;
+                match served {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        cluster.shutdown().await;
+                        return Err(ClusterError::Spawn(format!(
+                            "cannot serve the control endpoint on {addr}: {e}"
+                        )));
+                    }
+                }
+            }
+            None => None,
+        };
+        let tracker = MapTracker::new(cluster.shard_map().clone(), layout);
+        let (tx, events) = unbounded_channel();
+        let (done_tx, outcome) = oneshot::channel();
+        let (go, go_rx) = oneshot::channel();
+        let pump = tokio::spawn(pump(cluster, shared, tracker, tx, done_tx, go_rx));
+        let mut job = ElasticJob {
+            handle,
+            events,
+            outcome,
+            control_addr: server.as_ref().map(|s| s.0),
+            server: server.map(|s| s.1),
+            pump,
+            go: Some(go),
+        };
+        if !self.paused {
+            job.run();
+        }
+        Ok(job)
+    }
+}
+
+/// A job started by `ClusterBuilder::start`, training until it finishes or fails.
+pub struct ElasticJob {
+    handle: ControlHandle,
+    events: UnboundedReceiver<ClusterEvent>,
+    outcome: oneshot::Receiver<Result<TrainOutcome, ClusterError>>,
+    control_addr: Option<SocketAddr>,
+    server: Option<JoinHandle<()>>,
+    pump: JoinHandle<()>,
+    /// Starts training (see `ClusterBuilder::paused`); `None` once sent.
+    go: Option<oneshot::Sender<()>>,
+}
+
+impl ElasticJob {
+    /// Starts training if the job was built paused; does nothing otherwise.
+    pub fn run(&mut self) {
+        if let Some(go) = self.go.take() {
+            // The pump only goes away after the run, so it is listening.
+            let _ = go.send(());
+        }
+    }
+
+    pub fn handle(&self) -> ControlHandle {
+        self.handle.clone()
+    }
+
+    /// The address the HTTP endpoint listens on, if it was asked for.
+    pub fn control_addr(&self) -> Option<SocketAddr> {
+        self.control_addr
+    }
+
+    /// The next event; `None` after `Finished` or `Aborted` has been delivered. A paused job
+    /// sends none until `run`.
+    pub async fn next_event(&mut self) -> Option<ClusterEvent> {
+        self.events.recv().await
+    }
+
+    /// Waits for the end of the run (events not read are dropped) and returns every step's
+    /// record and the consolidated parameters.
+    pub async fn finish(mut self) -> Result<TrainOutcome, ClusterError> {
+        self.run();
+        let outcome = (&mut self.outcome)
+            .await
+            .unwrap_or_else(|_| Err(ClusterError::Aborted("the cluster task stopped".into())));
+        self.stop_server();
+        let _ = (&mut self.pump).await;
+        outcome
+    }
+
+    /// Feeds every event to `observer` until the run ends, then returns as `finish` does.
+    /// Membership changes arrive with their cost (`Observer::on_change`); the first snapshot
+    /// after `request_snapshot` arrives as `Observer::on_requested_snapshot`.
+    pub async fn drive(
+        mut self,
+        mut observer: impl Observer,
+    ) -> Result<TrainOutcome, ClusterError> {
+        let mut changes = self.handle.subscribe();
+        self.run();
+        while let Some(event) = self.next_event().await {
+            match event {
+                ClusterEvent::Step(rec) => observer.on_step(&rec),
+                ClusterEvent::Snapshot(snap) => {
+                    if self
+                        .handle
+                        .shared
+                        .snapshot_wanted
+                        .swap(false, Ordering::SeqCst)
+                    {
+                        observer.on_requested_snapshot(*snap)
+                    } else {
+                        observer.on_snapshot(*snap)
+                    }
+                }
+                ClusterEvent::Membership(rec) => {
+                    // The pump publishes each change before it forwards the event.
+                    let mut costed = None;
+                    while let Ok(c) = changes.try_recv() {
+                        if c.record == *rec {
+                            costed = Some(c);
+                            break;
+                        }
+                    }
+                    match costed {
+                        Some(c) => observer.on_change(&c),
+                        None => observer.on_membership(&rec),
+                    }
+                }
+                ClusterEvent::Finished | ClusterEvent::Aborted(_) => break,
+            }
+        }
+        self.finish().await
+    }
+
+    fn stop_server(&mut self) {
+        if let Some(s) = self.server.take() {
+            s.abort();
+        }
+    }
+}
+
+impl Drop for ElasticJob {
+    fn drop(&mut self) {
+        self.stop_server();
+    }
+}
+
+/// How much state each element carries under `config` (for bytes moved and owned).
+fn layout_of(config: &TrainConfig) -> StateLayout {
+    // A config is validated before any cluster starts, so the stage is in 0..=3.
+    let stage = Stage::from_u8(config.stage).unwrap_or(Stage::Zero3);
+    StateLayout::new(stage, &optim_settings(config))
+}
+
+/// Owns the cluster: keeps the counters, forwards events, and finishes the run.
+async fn pump(
+    mut cluster: Cluster,
+    shared: Arc<Shared>,
+    mut tracker: MapTracker,
+    tx: UnboundedSender<ClusterEvent>,
+    done: oneshot::Sender<Result<TrainOutcome, ClusterError>>,
+    go: oneshot::Receiver<()>,
+) {
+    if go.await.is_err() {
+        // The job was dropped before it ran.
+        cluster.shutdown().await;
+        return;
+    }
+    cluster.run();
+    let mut records = Vec::new();
+    let end = loop {
+        let Some(event) = cluster.next_event().await else {
+            break Err(ClusterError::Aborted("the coordinator stopped".into()));
+        };
+        let end = match &event {
+            ClusterEvent::Step(rec) => {
+                shared.telemetry().on_step(rec);
+                records.push((**rec).clone());
+                None
+            }
+            ClusterEvent::Membership(rec) => {
+                let change = ChangeRecord {
+                    moved_bytes: tracker.apply(rec),
+                    record: (**rec).clone(),
+                };
+                shared.telemetry().on_change(change.clone());
+                // No subscriber is no error.
+                let _ = shared.changes.send(change);
+                None
+            }
+            ClusterEvent::Snapshot(_) => {
+                shared.telemetry().on_snapshot();
+                None
+            }
+            ClusterEvent::Finished => Some(Ok(())),
+            ClusterEvent::Aborted(reason) => Some(Err(ClusterError::Aborted(reason.clone()))),
+        };
+        if let Some(end) = end {
+            // Keep the coordinator's last word for `status()` before the actors go.
+            let view = cluster
+                .coordinator()
+                .call(
+                    CoordMsg::View,
+                    Some(Duration::from_millis(CONTROL_DEADLINE_MS)),
+                )
+                .await;
+            if let Ok(CallResult::Success(v)) = view {
+                *shared.final_view() = Some(v);
+            }
+            shared.telemetry().run = match &end {
+                Ok(()) => RunState::Finished,
+                Err(e) => RunState::Failed(e.to_string()),
+            };
+            let _ = tx.send(event);
+            break end;
+        }
+        // The job may have stopped reading its events; that is its choice.
+        let _ = tx.send(event);
+    };
+    let outcome = match end {
+        Ok(()) => cluster.collect_params().await.map(|params| TrainOutcome {
+            records,
+            params,
+            resume_reads: cluster.resume_reads().to_vec(),
+        }),
+        Err(e) => Err(e),
+    };
+    cluster.shutdown().await;
+    let _ = done.send(outcome);
+}

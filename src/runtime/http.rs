@@ -1,0 +1,517 @@
+//! The HTTP control endpoint: a small HTTP/1.1 server on tokio over a `ControlHandle`.
+//!
+//! | request | answer |
+//! |---|---|
+//! | `GET /status` | 200, the `Status` document as JSON |
+//! | `GET /metrics` | 200, Prometheus text format |
+//! | `POST /ranks/{id}/drain` | 202: the rank leaves at the next step boundary |
+//! | `POST /ranks/{id}/kill` | 202: the rank vanishes in the next step (403 unless allowed) |
+//! | `POST /join?count=N` | 202: N ranks join at the next step boundary (N defaults to 1) |
+//! | `POST /checkpoint` | 202: a checkpoint at the next step boundary (409 without a save dir) |
+//!
+//! Errors are JSON `{"error": CODE, "message": TEXT}` with a 4xx/5xx status, and change nothing.
+//! One request per connection (`Connection: close`). Everything is bounded: the head and body
+//! sizes, the time to read a request, and the number of open connections (more are closed at
+//! once). Parsing and routing are pure functions, tested without sockets.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+use tokio::time::{timeout, timeout_at, Instant};
+
+use super::control::{ControlError, ControlHandle};
+use crate::plan::RankId;
+
+/// Bounds of the server. Defaults: 8 KiB head, 4 KiB body, 5 s to read a request, 32 open
+/// connections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HttpLimits {
+    pub max_head_bytes: usize,
+    pub max_body_bytes: usize,
+    pub read_timeout_ms: u64,
+    pub max_connections: usize,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        Self {
+            max_head_bytes: 8 << 10,
+            max_body_bytes: 4 << 10,
+            read_timeout_ms: 5_000,
+            max_connections: 32,
+        }
+    }
+}
+
+/// A parsed request head.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    pub method: String,
+    pub path: String,
+    pub query: String,
+    pub content_length: usize,
+}
+
+/// What `parse_head` made of the bytes so far.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Parse {
+    /// The head is not complete yet: read more.
+    Incomplete,
+    /// The head and its length in bytes (the body follows).
+    Done(Request, usize),
+}
+
+/// An answer, ready to write.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Response {
+    pub status: u16,
+    pub content_type: &'static str,
+    pub body: String,
+    /// For 405: the methods the path accepts.
+    pub allow: Option<&'static str>,
+}
+
+impl Response {
+    pub fn json(status: u16, value: &serde_json::Value) -> Self {
+        Self {
+            status,
+            content_type: "application/json",
+            body: format!("{value}\n"),
+            allow: None,
+        }
+    }
+
+    pub fn error(status: u16, code: &str, message: impl Into<String>) -> Self {
+        Self::json(status, &json!({ "error": code, "message": message.into() }))
+    }
+
+    fn from_control(e: &ControlError) -> Self {
+        Self::error(e.http_status(), e.code(), e.to_string())
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut head = format!(
+            "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n",
+            self.status,
+            reason(self.status),
+            self.content_type,
+            self.body.len()
+        );
+        if let Some(allow) = self.allow {
+            head.push_str(&format!("Allow: {allow}\r\n"));
+        }
+        head.push_str("\r\n");
+        let mut out = head.into_bytes();
+        out.extend_from_slice(self.body.as_bytes());
+        out
+    }
+}
+
+fn reason(status: u16) -> &'static str {
+    match status {
+        200 => "OK",
+        202 => "Accepted",
+        400 => "Bad Request",
+        403 => "Forbidden",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        408 => "Request Timeout",
+        409 => "Conflict",
+        413 => "Payload Too Large",
+        431 => "Request Header Fields Too Large",
+        501 => "Not Implemented",
+        503 => "Service Unavailable",
+        505 => "HTTP Version Not Supported",
+        _ => "",
+    }
+}
+
+/// Parses a request head from the bytes read so far.
+pub fn parse_head(buf: &[u8], limits: &HttpLimits) -> Result<Parse, Response> {
+    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+        if buf.len() > limits.max_head_bytes {
+            return Err(too_large_head(limits));
+        }
+        return Ok(Parse::Incomplete);
+    };
+    if end + 4 > limits.max_head_bytes {
+        return Err(too_large_head(limits));
+    }
+    let head = std::str::from_utf8(&buf[..end])
+        .map_err(|_| Response::error(400, "bad_request", "the request head is not UTF-8"))?;
+    let mut lines = head.split("\r\n");
+    let line = lines.next().unwrap_or_default();
+    let mut parts = line.split(' ');
+    let (Some(method), Some(target), Some(version), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(Response::error(
+            400,
+            "bad_request",
+            format!("malformed request line `{line}`"),
+        ));
+    };
+    if !version.starts_with("HTTP/1.") {
+        return Err(Response::error(
+            505,
+            "bad_version",
+            format!("{version} is not supported: use HTTP/1.1"),
+        ));
+    }
+    let mut content_length = 0usize;
+    for h in lines {
+        let (name, value) = h.split_once(':').ok_or_else(|| {
+            Response::error(400, "bad_request", format!("malformed header `{h}`"))
+        })?;
+        let (name, value) = (name.trim(), value.trim());
+        if name.eq_ignore_ascii_case("content-length") {
+            content_length = value.parse().map_err(|_| {
+                Response::error(400, "bad_request", format!("bad Content-Length `{value}`"))
+            })?;
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            return Err(Response::error(
+                501,
+                "not_implemented",
+                "chunked bodies are not supported; no request needs a body",
+            ));
+        }
+    }
+    if content_length > limits.max_body_bytes {
+        return Err(Response::error(
+            413,
+            "body_too_large",
+            format!(
+                "bodies are limited to {} bytes (no request needs one)",
+                limits.max_body_bytes
+            ),
+        ));
+    }
+    let (path, query) = target.split_once('?').unwrap_or((target, ""));
+    Ok(Parse::Done(
+        Request {
+            method: method.to_string(),
+            path: path.to_string(),
+            query: query.to_string(),
+            content_length,
+        },
+        end + 4,
+    ))
+}
+
+fn too_large_head(limits: &HttpLimits) -> Response {
+    Response::error(
+        431,
+        "head_too_large",
+        format!(
+            "request heads are limited to {} bytes",
+            limits.max_head_bytes
+        ),
+    )
+}
+
+/// What a request asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    Status,
+    Metrics,
+    Drain(RankId),
+    Kill(RankId),
+    Join(u32),
+    Checkpoint,
+}
+
+/// Maps a request to a route, or to the error answer (404, 405, 400).
+pub fn route(req: &Request) -> Result<Route, Response> {
+    let segments: Vec<&str> = req.path.trim_end_matches('/').split('/').skip(1).collect();
+    let (route, allow) = match segments.as_slice() {
+        ["status"] => (Route::Status, "GET"),
+        ["metrics"] => (Route::Metrics, "GET"),
+        ["checkpoint"] => (Route::Checkpoint, "POST"),
+        ["join"] => (Route::Join(join_count(&req.query)?), "POST"),
+        ["ranks", id, action @ ("drain" | "kill")] => {
+            let rank: RankId = id.parse().map_err(|_| {
+                Response::error(400, "bad_rank", format!("`{id}` is not a rank id (a non-negative integer)"))
+            })?;
+            let route = if *action == "drain" { Route::Drain(rank) } else { Route::Kill(rank) };
+            (route, "POST")
+        }
+        _ => {
+            return Err(Response::error(
+                404,
+                "not_found",
+                format!("no endpoint {}: use GET /status, GET /metrics, POST /ranks/{{id}}/drain, POST /ranks/{{id}}/kill, POST /join?count=N, POST /checkpoint", req.path),
+            ))
+        }
+    };
+    if req.method != allow {
+        let mut r = Response::error(
+            405,
+            "method_not_allowed",
+            format!("{} takes {allow}", req.path),
+        );
+        r.allow = Some(allow);
+        return Err(r);
+    }
+    Ok(route)
+}
+
+fn join_count(query: &str) -> Result<u32, Response> {
+    let bad = |what: String| Response::error(400, "bad_count", what);
+    let mut count = 1;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        match pair.split_once('=') {
+            Some(("count", v)) => {
+                count =
+                    v.parse().ok().filter(|&n: &u32| n >= 1).ok_or_else(|| {
+                        bad(format!("count `{v}` must be an integer of at least 1"))
+                    })?
+            }
+            _ => {
+                return Err(bad(format!(
+                    "unknown query parameter `{pair}`: only count=N"
+                )))
+            }
+        }
+    }
+    Ok(count)
+}
+
+/// Carries out a route over the handle.
+pub async fn dispatch(route: Route, handle: &ControlHandle) -> Response {
+    let accepted = |what: serde_json::Value| Response::json(202, &what);
+    let res = match route {
+        Route::Status => handle.status().await.map(|s| {
+            Response::json(
+                200,
+                &serde_json::to_value(s).unwrap_or_else(|e| json!({"error": e.to_string()})),
+            )
+        }),
+        Route::Metrics => handle.metrics().await.map(|text| Response {
+            status: 200,
+            content_type: "text/plain; version=0.0.4",
+            body: text,
+            allow: None,
+        }),
+        Route::Drain(rank) => handle.drain(rank).await.map(|_| {
+            accepted(json!({"accepted": "drain", "rank": rank, "when": "next step boundary"}))
+        }),
+        Route::Kill(rank) => handle.kill(rank).await.map(|_| {
+            accepted(json!({"accepted": "kill", "rank": rank, "when": "during the next step"}))
+        }),
+        Route::Join(count) => handle.join(count).await.map(|_| {
+            accepted(json!({"accepted": "join", "count": count, "when": "next step boundary"}))
+        }),
+        Route::Checkpoint => handle
+            .request_snapshot()
+            .await
+            .map(|_| accepted(json!({"accepted": "checkpoint", "when": "next step boundary"}))),
+    };
+    res.unwrap_or_else(|e| Response::from_control(&e))
+}
+
+/// Binds `addr` and serves until the returned task is aborted.
+pub async fn serve(
+    addr: SocketAddr,
+    handle: ControlHandle,
+    limits: HttpLimits,
+) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
+    let listener = TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let task = tokio::spawn(async move {
+        loop {
+            let sock = match listener.accept().await {
+                Ok((sock, _)) => sock,
+                // Out of descriptors or a connection reset before accept: back off, go on.
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
+                // Over the limit: answer without waiting and close.
+                let busy = Response::error(503, "busy", "too many open control connections");
+                let _ = sock.try_write(&busy.to_bytes());
+                continue;
+            };
+            let handle = handle.clone();
+            tokio::spawn(async move {
+                connection(sock, &handle, &limits).await;
+                drop(permit);
+            });
+        }
+    });
+    Ok((local, task))
+}
+
+async fn connection(mut sock: TcpStream, handle: &ControlHandle, limits: &HttpLimits) {
+    let deadline = Instant::now() + Duration::from_millis(limits.read_timeout_ms);
+    let response = match read_request(&mut sock, limits, deadline).await {
+        Ok(Some(req)) => match route(&req) {
+            Ok(r) => dispatch(r, handle).await,
+            Err(resp) => resp,
+        },
+        Ok(None) => return,
+        Err(resp) => resp,
+    };
+    let write = async {
+        sock.write_all(&response.to_bytes()).await?;
+        sock.shutdown().await
+    };
+    let _ = timeout(Duration::from_millis(limits.read_timeout_ms), write).await;
+}
+
+/// Reads one request (head and body, which is discarded) before `deadline`. `Ok(None)`: the
+/// peer closed before sending anything.
+async fn read_request(
+    sock: &mut TcpStream,
+    limits: &HttpLimits,
+    deadline: Instant,
+) -> Result<Option<Request>, Response> {
+    let timed_out = || {
+        Response::error(
+            408,
+            "timeout",
+            format!(
+                "the request did not arrive within {} ms",
+                limits.read_timeout_ms
+            ),
+        )
+    };
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 2048];
+    let (req, head_len) = loop {
+        if let Parse::Done(req, len) = parse_head(&buf, limits)? {
+            break (req, len);
+        }
+        match timeout_at(deadline, sock.read(&mut chunk)).await {
+            Err(_) => return Err(timed_out()),
+            Ok(Ok(0)) if buf.is_empty() => return Ok(None),
+            Ok(Ok(0)) | Ok(Err(_)) => {
+                return Err(Response::error(
+                    400,
+                    "bad_request",
+                    "the connection closed mid-request",
+                ))
+            }
+            Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
+        }
+    };
+    let mut body_left = req.content_length.saturating_sub(buf.len() - head_len);
+    while body_left > 0 {
+        match timeout_at(deadline, sock.read(&mut chunk)).await {
+            Err(_) => return Err(timed_out()),
+            Ok(Ok(0)) | Ok(Err(_)) => {
+                return Err(Response::error(
+                    400,
+                    "bad_request",
+                    "the connection closed mid-body",
+                ))
+            }
+            Ok(Ok(n)) => body_left = body_left.saturating_sub(n),
+        }
+    }
+    Ok(Some(req))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Parse, Response> {
+        parse_head(text.as_bytes(), &HttpLimits::default())
+    }
+
+    fn req(method: &str, target: &str) -> Request {
+        match parse(&format!("{method} {target} HTTP/1.1\r\nHost: x\r\n\r\n")) {
+            Ok(Parse::Done(r, _)) => r,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn heads_parse_when_complete_and_not_before() {
+        assert_eq!(
+            parse("GET /status HTTP/1.1\r\nHost: x\r\n"),
+            Ok(Parse::Incomplete)
+        );
+        let text = "POST /join?count=2 HTTP/1.1\r\ncontent-length: 3\r\n\r\nabc";
+        let Ok(Parse::Done(r, len)) = parse(text) else {
+            panic!()
+        };
+        assert_eq!(len, text.len() - 3);
+        assert_eq!(
+            r,
+            Request {
+                method: "POST".into(),
+                path: "/join".into(),
+                query: "count=2".into(),
+                content_length: 3
+            }
+        );
+    }
+
+    #[test]
+    fn bad_heads_get_clear_errors() {
+        let status = |t: &str| parse(t).unwrap_err().status;
+        assert_eq!(status("GET /status\r\n\r\n"), 400);
+        assert_eq!(status("GET /status HTTP/2\r\n\r\n"), 505);
+        assert_eq!(status("GET / HTTP/1.1\r\nno colon\r\n\r\n"), 400);
+        assert_eq!(status("GET / HTTP/1.1\r\nContent-Length: x\r\n\r\n"), 400);
+        assert_eq!(
+            status("GET / HTTP/1.1\r\nContent-Length: 99999\r\n\r\n"),
+            413
+        );
+        assert_eq!(
+            status("GET / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"),
+            501
+        );
+        let limits = HttpLimits {
+            max_head_bytes: 16,
+            ..HttpLimits::default()
+        };
+        let long = "GET /status HTTP/1.1\r\nHost: a-long-host-name";
+        assert_eq!(
+            parse_head(long.as_bytes(), &limits).unwrap_err().status,
+            431
+        );
+    }
+
+    #[test]
+    fn routes_map_paths_methods_and_ids() {
+        assert_eq!(route(&req("GET", "/status")), Ok(Route::Status));
+        assert_eq!(route(&req("GET", "/metrics/")), Ok(Route::Metrics));
+        assert_eq!(route(&req("POST", "/ranks/3/drain")), Ok(Route::Drain(3)));
+        assert_eq!(route(&req("POST", "/ranks/0/kill")), Ok(Route::Kill(0)));
+        assert_eq!(route(&req("POST", "/join")), Ok(Route::Join(1)));
+        assert_eq!(route(&req("POST", "/join?count=3")), Ok(Route::Join(3)));
+        assert_eq!(route(&req("POST", "/checkpoint")), Ok(Route::Checkpoint));
+        let err = |m: &str, t: &str| route(&req(m, t)).unwrap_err();
+        assert_eq!(err("GET", "/nope").status, 404);
+        assert_eq!(err("POST", "/ranks/3/explode").status, 404);
+        assert_eq!(err("POST", "/ranks/x/drain").status, 400);
+        assert_eq!(err("POST", "/ranks/-1/drain").status, 400);
+        assert_eq!(err("POST", "/join?count=0").status, 400);
+        assert_eq!(err("POST", "/join?n=2").status, 400);
+        let wrong = err("GET", "/ranks/1/drain");
+        assert_eq!((wrong.status, wrong.allow), (405, Some("POST")));
+        assert_eq!(err("POST", "/status").status, 405);
+    }
+
+    #[test]
+    fn responses_carry_length_and_close() {
+        let r = Response::error(409, "below_min_ranks", "no");
+        let text = String::from_utf8(r.to_bytes()).unwrap();
+        assert!(text.starts_with("HTTP/1.1 409 Conflict\r\n"));
+        assert!(text.contains(&format!("Content-Length: {}\r\n", r.body.len())));
+        assert!(text.contains("Connection: close\r\n"));
+        let body: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        assert_eq!(body["error"], "below_min_ranks");
+    }
+}

@@ -1,0 +1,483 @@
+//! What an operator sees of a running job: the status document behind `GET /status`, the
+//! Prometheus text behind `GET /metrics`, and the counters both are built from.
+//!
+//! The counters are fed from the cluster's event stream (steps, membership changes, the end of
+//! the run); the live part (map, step, backups) comes from the coordinator's `CoordView`. Bytes
+//! moved by a membership change are recomputed from the shard maps with the same pure functions
+//! the ranks use (`rebalance`, `reshard::transfers`), so they are what actually travelled, not an
+//! estimate. Nothing here does I/O.
+
+use std::collections::VecDeque;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+use super::coord_actor::CoordView;
+use super::rank_state::OptimSettings;
+use super::reshard::transfers;
+use crate::engine::coordinator::{MembershipRecord, StepRecord};
+use crate::plan::rebalance::rebalance;
+use crate::plan::replica::holders;
+use crate::plan::{RankId, ShardMap, Stage};
+
+/// Membership changes kept for `/status` (older ones are counted, not listed).
+pub const HISTORY_MAX: usize = 256;
+
+/// How much state one parameter element carries when it moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateLayout {
+    pub stage: Stage,
+    /// Optimizer state elements per parameter (Adam: 2).
+    pub state_per_param: u64,
+}
+
+impl StateLayout {
+    pub fn new(stage: Stage, optim: &OptimSettings) -> Self {
+        Self {
+            stage,
+            state_per_param: optim.state_per_param(),
+        }
+    }
+
+    /// Bytes of fp32 master parameters plus optimizer state per owned element.
+    pub fn owned_bytes_per_elem(&self) -> u64 {
+        4 * (1 + self.state_per_param)
+    }
+}
+
+/// Payload bytes (fp32 parameters and optimizer state; no framing or checksums) that a reshard
+/// from `old` to `new` sends, where `sender(unit, index)` holds each chunk's state.
+pub fn reshard_payload_bytes(
+    old: &ShardMap,
+    new: &ShardMap,
+    layout: StateLayout,
+    sender: &dyn Fn(usize, usize) -> RankId,
+) -> u64 {
+    transfers(old, new, layout.stage, sender)
+        .values()
+        .flatten()
+        .map(|&(u, i, need)| {
+            let len = old.chunk_range(u, i).len() as u64;
+            let slots = u64::from(need.params) + u64::from(need.opt) * layout.state_per_param;
+            4 * len * slots
+        })
+        .sum()
+}
+
+/// Follows the shard map through a run's membership records, to price each change in bytes.
+pub struct MapTracker {
+    map: ShardMap,
+    layout: StateLayout,
+}
+
+impl MapTracker {
+    pub fn new(map: ShardMap, layout: StateLayout) -> Self {
+        Self { map, layout }
+    }
+
+    /// The payload bytes `rec` moved, or `None` if `rec` does not follow from the tracked map
+    /// (the tracker then trusts the record's membership and reports no number).
+    pub fn apply(&mut self, rec: &MembershipRecord) -> Option<u64> {
+        let (new, _) = rebalance(&self.map, &rec.after).ok()?;
+        let follows = rec.before == self.map.members && new.epoch == rec.epoch;
+        let bytes = follows
+            .then(|| {
+                if rec.rolled_back_to.is_some() {
+                    let holder = holders(&self.map, &rec.lost).ok()?;
+                    Some(reshard_payload_bytes(&self.map, &new, self.layout, &holder))
+                } else {
+                    let owner = |u: usize, i: usize| self.map.owner(u, i);
+                    Some(reshard_payload_bytes(&self.map, &new, self.layout, &owner))
+                }
+            })
+            .flatten();
+        self.map = new;
+        bytes
+    }
+}
+
+/// One completed membership change with its cost.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ChangeRecord {
+    #[serde(flatten)]
+    pub record: MembershipRecord,
+    /// What `MapTracker::apply` computed; `None` if it could not.
+    pub moved_bytes: Option<u64>,
+}
+
+impl ChangeRecord {
+    pub fn is_recovery(&self) -> bool {
+        self.record.rolled_back_to.is_some()
+    }
+}
+
+/// Whether the run goes on.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(tag = "state", content = "reason", rename_all = "snake_case")]
+pub enum RunState {
+    #[default]
+    Running,
+    Finished,
+    Failed(String),
+}
+
+/// Counters accumulated from the event stream.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Telemetry {
+    pub run: RunState,
+    pub steps_completed: u64,
+    pub step_ms_last: Option<u64>,
+    pub step_ms_sum: u64,
+    pub loss_last: Option<f64>,
+    /// Graceful changes (leaves, joins) and recoveries from abrupt losses.
+    pub rebalances: u64,
+    pub recoveries: u64,
+    pub recovery_ms_last: Option<u64>,
+    /// Steps run again after rollbacks.
+    pub replayed_steps: u64,
+    pub moved_bytes_last: Option<u64>,
+    pub moved_bytes_total: u64,
+    pub moved_elems_total: u64,
+    pub min_elems_total: u64,
+    pub snapshots: u64,
+    /// The newest `HISTORY_MAX` changes, oldest first.
+    pub history: VecDeque<ChangeRecord>,
+}
+
+impl Telemetry {
+    pub fn on_step(&mut self, rec: &StepRecord) {
+        self.steps_completed += 1;
+        self.step_ms_last = Some(rec.duration_ms);
+        self.step_ms_sum += rec.duration_ms;
+        self.loss_last = Some(rec.loss);
+    }
+
+    pub fn on_change(&mut self, change: ChangeRecord) {
+        let rec = &change.record;
+        if let Some(back) = rec.rolled_back_to {
+            self.recoveries += 1;
+            self.recovery_ms_last = Some(rec.duration_ms);
+            // `step` is the step the failure struck; training resumes at `back`.
+            self.replayed_steps += rec.step.saturating_sub(back);
+        } else {
+            self.rebalances += 1;
+        }
+        self.moved_bytes_last = change.moved_bytes;
+        self.moved_bytes_total += change.moved_bytes.unwrap_or(0);
+        self.moved_elems_total += rec.moved_chunk_elems as u64;
+        self.min_elems_total += rec.min_chunk_elems as u64;
+        if self.history.len() == HISTORY_MAX {
+            self.history.pop_front();
+        }
+        self.history.push_back(change);
+    }
+
+    pub fn on_snapshot(&mut self) {
+        self.snapshots += 1;
+    }
+}
+
+/// One member's share of the training state.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RankShare {
+    pub rank: RankId,
+    pub chunks: usize,
+    pub owned_elems: u64,
+    /// fp32 master parameters plus optimizer state of the owned chunks.
+    pub owned_state_bytes: u64,
+}
+
+/// The document behind `GET /status`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Status {
+    #[serde(flatten)]
+    pub run: RunState,
+    pub epoch: u64,
+    /// The next step to run (steps completed, after any rollback).
+    pub step: u64,
+    pub steps: u64,
+    pub members: Vec<RankId>,
+    pub min_ranks: u32,
+    pub max_ranks: u32,
+    pub shards: Vec<RankShare>,
+    /// The step before which the newest complete buddy backup was taken.
+    pub backup_step: Option<u64>,
+    /// Steps a loss now would replay (step minus backup step); `None` without a backup.
+    pub replica_lag_steps: Option<u64>,
+    /// Operator kills that strike when the next step starts.
+    pub pending_kills: Vec<RankId>,
+    pub telemetry: TelemetrySummary,
+    /// Membership changes and recoveries, oldest first.
+    pub membership: Vec<ChangeRecord>,
+}
+
+/// The counters of `Telemetry` without the history (which `Status` lists once).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TelemetrySummary {
+    pub steps_completed: u64,
+    pub step_ms_last: Option<u64>,
+    pub step_ms_sum: u64,
+    pub loss_last: Option<f64>,
+    pub rebalances: u64,
+    pub recoveries: u64,
+    pub recovery_ms_last: Option<u64>,
+    pub replayed_steps: u64,
+    pub moved_bytes_last: Option<u64>,
+    pub moved_bytes_total: u64,
+    pub moved_elems_total: u64,
+    pub min_elems_total: u64,
+    pub snapshots: u64,
+}
+
+impl Status {
+    pub fn build(view: &CoordView, t: &Telemetry, layout: StateLayout) -> Self {
+        let map = &view.map;
+        let shards = map
+            .members
+            .iter()
+            .map(|&rank| {
+                let owned = map.owned_elems(rank) as u64;
+                RankShare {
+                    rank,
+                    chunks: map.owned_chunks(rank).len(),
+                    owned_elems: owned,
+                    owned_state_bytes: owned * layout.owned_bytes_per_elem(),
+                }
+            })
+            .collect();
+        Self {
+            run: t.run.clone(),
+            epoch: map.epoch,
+            step: view.step,
+            steps: view.steps,
+            members: map.members.clone(),
+            min_ranks: view.min_ranks,
+            max_ranks: view.max_ranks,
+            shards,
+            backup_step: view.backup_step,
+            replica_lag_steps: view.backup_step.map(|b| view.step.saturating_sub(b)),
+            pending_kills: view.pending_kills.clone(),
+            telemetry: TelemetrySummary {
+                steps_completed: t.steps_completed,
+                step_ms_last: t.step_ms_last,
+                step_ms_sum: t.step_ms_sum,
+                loss_last: t.loss_last,
+                rebalances: t.rebalances,
+                recoveries: t.recoveries,
+                recovery_ms_last: t.recovery_ms_last,
+                replayed_steps: t.replayed_steps,
+                moved_bytes_last: t.moved_bytes_last,
+                moved_bytes_total: t.moved_bytes_total,
+                moved_elems_total: t.moved_elems_total,
+                min_elems_total: t.min_elems_total,
+                snapshots: t.snapshots,
+            },
+            membership: t.history.iter().cloned().collect(),
+        }
+    }
+
+    /// Prometheus text exposition format (version 0.0.4).
+    pub fn prometheus(&self) -> String {
+        let t = &self.telemetry;
+        let mut out = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, value: String| {
+            // Writing to a String cannot fail.
+            let _ = write!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
+            );
+        };
+        let running = matches!(self.run, RunState::Running);
+        metric(
+            "ezero_up",
+            "gauge",
+            "1 while the run goes on.",
+            u8::from(running).to_string(),
+        );
+        metric(
+            "ezero_epoch",
+            "gauge",
+            "Shard-map epoch.",
+            self.epoch.to_string(),
+        );
+        metric(
+            "ezero_step",
+            "gauge",
+            "Next step to run.",
+            self.step.to_string(),
+        );
+        metric(
+            "ezero_members",
+            "gauge",
+            "Ranks in the job.",
+            self.members.len().to_string(),
+        );
+        metric(
+            "ezero_steps_completed_total",
+            "counter",
+            "Steps completed, replays included.",
+            t.steps_completed.to_string(),
+        );
+        metric(
+            "ezero_step_seconds_last",
+            "gauge",
+            "Duration of the newest completed step.",
+            secs(t.step_ms_last.unwrap_or(0)),
+        );
+        metric(
+            "ezero_step_seconds_sum",
+            "counter",
+            "Total duration of completed steps.",
+            secs(t.step_ms_sum),
+        );
+        metric(
+            "ezero_rebalances_total",
+            "counter",
+            "Graceful membership changes (leaves, joins).",
+            t.rebalances.to_string(),
+        );
+        metric(
+            "ezero_recoveries_total",
+            "counter",
+            "Recoveries from abrupt rank loss.",
+            t.recoveries.to_string(),
+        );
+        metric(
+            "ezero_recovery_seconds_last",
+            "gauge",
+            "Duration of the newest recovery (loss detected to state rebuilt).",
+            secs(t.recovery_ms_last.unwrap_or(0)),
+        );
+        metric(
+            "ezero_replayed_steps_total",
+            "counter",
+            "Steps run again after rollbacks.",
+            t.replayed_steps.to_string(),
+        );
+        metric(
+            "ezero_rebalance_moved_bytes_last",
+            "gauge",
+            "Payload bytes moved by the newest membership change.",
+            t.moved_bytes_last.unwrap_or(0).to_string(),
+        );
+        metric(
+            "ezero_rebalance_moved_bytes_total",
+            "counter",
+            "Payload bytes moved by all membership changes.",
+            t.moved_bytes_total.to_string(),
+        );
+        metric(
+            "ezero_rebalance_moved_elems_total",
+            "counter",
+            "Chunk elements whose owner changed.",
+            t.moved_elems_total.to_string(),
+        );
+        metric(
+            "ezero_rebalance_min_elems_total",
+            "counter",
+            "Lower bound on elements that had to change owner.",
+            t.min_elems_total.to_string(),
+        );
+        if let Some(lag) = self.replica_lag_steps {
+            metric(
+                "ezero_replica_lag_steps",
+                "gauge",
+                "Steps since the newest complete buddy backup.",
+                lag.to_string(),
+            );
+        }
+        out.push_str("# HELP ezero_rank_owned_bytes fp32 parameters and optimizer state a rank owns.\n# TYPE ezero_rank_owned_bytes gauge\n");
+        for s in &self.shards {
+            let _ = writeln!(
+                out,
+                "ezero_rank_owned_bytes{{rank=\"{}\"}} {}",
+                s.rank, s.owned_state_bytes
+            );
+        }
+        out
+    }
+}
+
+fn secs(ms: u64) -> String {
+    format!("{:.3}", ms as f64 / 1e3)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::rebalance::diff;
+
+    fn layout(stage: Stage) -> StateLayout {
+        StateLayout {
+            stage,
+            state_per_param: 2,
+        }
+    }
+
+    fn record(old: &ShardMap, after: &[RankId], lost: &[RankId]) -> MembershipRecord {
+        let (new, _) = rebalance(old, after).unwrap();
+        MembershipRecord {
+            step: 5,
+            epoch: new.epoch,
+            before: old.members.clone(),
+            after: new.members.clone(),
+            moved_chunk_elems: diff(old, &new).iter().map(|m| m.elems).sum(),
+            min_chunk_elems: 0,
+            duration_ms: 7,
+            lost: lost.to_vec(),
+            rolled_back_to: (!lost.is_empty()).then_some(4),
+        }
+    }
+
+    #[test]
+    fn a_zero3_leave_moves_parameters_and_both_moments_of_the_moved_chunks() {
+        let old = ShardMap::plan(&[1000, 600], &[0, 1, 2], 100, 1).unwrap();
+        let rec = record(&old, &[0, 2], &[]);
+        let mut t = MapTracker::new(old.clone(), layout(Stage::Zero3));
+        assert_eq!(t.apply(&rec), Some(12 * rec.moved_chunk_elems as u64));
+        // Stages 1-2: the survivors hold every parameter already; only the moments travel.
+        let mut t = MapTracker::new(old, layout(Stage::Zero1));
+        assert_eq!(t.apply(&rec), Some(8 * rec.moved_chunk_elems as u64));
+    }
+
+    #[test]
+    fn a_record_that_does_not_follow_the_tracked_map_has_no_price() {
+        let old = ShardMap::plan(&[1000], &[0, 1, 2], 100, 1).unwrap();
+        let mut rec = record(&old, &[0, 2], &[]);
+        rec.epoch += 1;
+        let mut t = MapTracker::new(old, layout(Stage::Zero3));
+        assert_eq!(t.apply(&rec), None);
+    }
+
+    #[test]
+    fn recoveries_are_priced_from_the_buddies_and_counted_apart() {
+        let old = ShardMap::plan(&[1000], &[0, 1, 2], 100, 1).unwrap();
+        let rec = record(&old, &[0, 2], &[1]);
+        let mut tracker = MapTracker::new(old, layout(Stage::Zero3));
+        let bytes = tracker.apply(&rec);
+        assert!(bytes.is_some_and(|b| b > 0));
+        let mut t = Telemetry::default();
+        t.on_change(ChangeRecord {
+            record: rec,
+            moved_bytes: bytes,
+        });
+        assert_eq!((t.recoveries, t.rebalances, t.replayed_steps), (1, 0, 1));
+        assert_eq!(t.recovery_ms_last, Some(7));
+        assert_eq!(t.moved_bytes_total, bytes.unwrap());
+    }
+
+    #[test]
+    fn history_is_bounded() {
+        let old = ShardMap::plan(&[100], &[0, 1], 10, 1).unwrap();
+        let rec = record(&old, &[0], &[]);
+        let mut t = Telemetry::default();
+        for _ in 0..HISTORY_MAX + 3 {
+            t.on_change(ChangeRecord {
+                record: rec.clone(),
+                moved_bytes: Some(1),
+            });
+        }
+        assert_eq!(t.history.len(), HISTORY_MAX);
+        assert_eq!(t.rebalances, HISTORY_MAX as u64 + 3);
+    }
+}
