@@ -346,6 +346,11 @@ impl Cluster {
         &self.map
     }
 
+    /// What the in-process network has done so far (all zero unless faults were injected).
+    pub fn net_counts(&self) -> NetCounts {
+        self.net.counts()
+    }
+
     /// On a resume: the bytes each rank read from the saved state (empty otherwise).
     pub fn resume_reads(&self) -> &[(RankId, u64)] {
         &self.resume_reads
@@ -493,7 +498,7 @@ pub async fn drive(
             records,
             params,
             resume_reads: cluster.resume_reads.clone(),
-            net: cluster.net.counts(),
+            net: cluster.net_counts(),
         }),
         Err(e) => Err(e),
     };

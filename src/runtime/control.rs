@@ -521,6 +521,7 @@ async fn pump(
             records,
             params,
             resume_reads: cluster.resume_reads().to_vec(),
+            net: cluster.net_counts(),
         }),
         Err(e) => Err(e),
     };
