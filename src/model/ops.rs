@@ -325,10 +325,10 @@ fn ln_backward_body(
     stats: &[f32],
     dy: &[f32],
     w: &[f32],
-    grad_weight: &mut [f32],
-    grad_bias: &mut [f32],
+    grads: (&mut [f32], &mut [f32]),
     dx: &mut [f32],
 ) {
+    let (grad_weight, grad_bias) = grads;
     let d = w.len();
     for (((xr, dyr), dxr), st) in x
         .chunks_exact(d)
@@ -365,8 +365,7 @@ multiversion!(fn ln_backward_kernel(
     stats: &[f32],
     dy: &[f32],
     w: &[f32],
-    grad_weight: &mut [f32],
-    grad_bias: &mut [f32],
+    grads: (&mut [f32], &mut [f32]),
     dx: &mut [f32],
 ) => ln_backward_body);
 
@@ -420,7 +419,8 @@ impl<'a> LayerNorm<'a> {
         check_len("layernorm grad weight", grad_weight.len(), d);
         check_len("layernorm grad bias", grad_bias.len(), d);
         let w = self.weight;
-        ln_backward_kernel(Isa::best(), x, stats, dy, w, grad_weight, grad_bias, dx);
+        let grads = (grad_weight, grad_bias);
+        ln_backward_kernel(Isa::best(), x, stats, dy, w, grads, dx);
     }
 
     /// Adds the weight and bias gradients and returns `dL/dx`.
