@@ -18,6 +18,10 @@ script is passed --warmup 2), where a step is forward + backward + optimizer and
 slowest rank's (ours: the coordinator's step wall time, which also includes the step's
 coordination round trip).
 
+Fault tolerance: ours runs with --replicate-every 0 (no buddy backups) unless --replicate-every K
+is given: the peers keep no backups either, and ezero's default (a backup of every rank's state to
+its buddy after every step) would add that copy to our step.
+
 Memory: the peers' figure is each rank process's peak RSS (VmHWM, including ~0.7 GiB of torch
 libraries), and peak - RSS after init_process_group; we sum both over ranks. Ours is one process
 holding all ranks: its peak RSS from /usr/bin/time -v (Maximum resident set size), and the sum
@@ -56,7 +60,7 @@ def cpu_seconds(time_v_stderr):
     return float(u.group(1)) + float(k.group(1)) if u and k else None
 
 
-def run_ours(ezero, ws, steps, per_rank, mb_size, tmpdir):
+def run_ours(ezero, ws, steps, per_rank, mb_size, tmpdir, replicate_every=0):
     """Our ZeRO-3 run with M micro-batches of B sequences, M*B = per_rank*ws."""
     g = per_rank * ws
     m = g // mb_size
@@ -65,7 +69,7 @@ def run_ours(ezero, ws, steps, per_rank, mb_size, tmpdir):
            "--d-model", str(SHAPE["d_model"]), "--heads", str(SHAPE["heads"]), "--seq-len", str(SHAPE["seq"]),
            "--stage", "3", "--ranks", str(ws), "--micro-batches", str(m), "--micro-batch-size", str(mb_size),
            "--steps", str(steps), "--sample-tokens", "0", "--grad-clip", "0", "--lr", "1e-3",
-           "--warmup-steps", "0", "--json", out]
+           "--warmup-steps", "0", "--replicate-every", str(replicate_every), "--json", out]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"ezero train failed ({p.returncode}): {p.stderr[-2000:]}")
@@ -125,7 +129,8 @@ def measure(args):
                 for who in order:
                     t0 = time.monotonic()
                     if who == "ours":
-                        rec["ours"] = run_ours(ezero, ws, args.steps, args.batch_per_rank, args.micro_batch_size, tmpdir)
+                        rec["ours"] = run_ours(ezero, ws, args.steps, args.batch_per_rank, args.micro_batch_size, tmpdir,
+                                              args.replicate_every)
                     else:
                         rec[who] = run_peer(args.python, args.peers, who, ws, args.steps, args.batch_per_rank, tmpdir)
                     rec[who]["load"] = sampler.window(t0, time.monotonic())
@@ -238,6 +243,9 @@ def main():
     ap.add_argument("--batch-per-rank", type=int, default=8, help="sequences per rank per step (both sides)")
     ap.add_argument("--micro-batch-size", type=int, default=8,
                     help="ours: sequences per micro-batch (default 8: one micro-batch per rank, like the peers)")
+    ap.add_argument("--replicate-every", type=int, default=0,
+                    help="ours: buddy backups every K steps (default 0: off, since FSDP2 and DeepSpeed keep none; "
+                         "ezero's own default is 1)")
     ap.add_argument("--out", default="/tmp/ezero_bench/train_runs.json")
     ap.add_argument("--ezero")
     ap.add_argument("--no-build", action="store_true")

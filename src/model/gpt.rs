@@ -9,12 +9,16 @@
 //! `backward` recomputes the unit's internals from its input (activation checkpointing at unit
 //! granularity), so nothing is cached between calls and every call is a pure function.
 
+use super::attention::{
+    attention_backward_from_probs, attention_forward_into, attention_forward_keep, AttnShape,
+};
+use super::kernels::{gelu_into, gelu_with_derivative_into};
 use super::ops::{
-    add_assign, attention_backward, attention_forward, cross_entropy, embedding_backward,
-    embedding_forward, gelu_forward, gelu_with_derivative, split_params, split_params_mut,
-    AttnShape, LayerNorm, Linear,
+    add_assign, cross_entropy, embedding_backward, embedding_forward, split_params,
+    split_params_mut, LayerNorm, Linear,
 };
 use super::rng::{init_unit_buffer, unit_spec, Init};
+use super::workspace::Scratch;
 use super::{MicroBatch, Model, UnitSpec};
 
 /// Shape of a [`Gpt`].
@@ -238,6 +242,17 @@ impl Gpt {
         (LayerNorm::new(w, b), Linear::new(head, None, d, v))
     }
 
+    fn head_forward(&self, params: &[f32], x: &[f32]) -> Vec<f32> {
+        let (ln_f, head) = self.head_parts(params);
+        let rows = x.len() / self.cfg.d_model;
+        let mut ws = Scratch::take();
+        let [st, h] = ws.carve([2 * rows, x.len()]);
+        ln_f.forward_into(x, h, st);
+        let mut logits = vec![0.0; rows * self.cfg.vocab];
+        head.forward_into(h, &mut logits);
+        logits
+    }
+
     fn head_backward(
         &self,
         params: &[f32],
@@ -248,9 +263,14 @@ impl Gpt {
         let (ln_f, head) = self.head_parts(params);
         let [g_w, g_b, g_head] =
             split_params_mut(grads, head_lens(self.cfg.d_model, self.cfg.vocab));
-        let h = ln_f.forward(x);
-        let dh = head.backward(&h, dout, g_head, None);
-        ln_f.backward(x, &dh, g_w, g_b)
+        let rows = x.len() / self.cfg.d_model;
+        let mut ws = Scratch::take();
+        let [st, h, dh] = ws.carve([2 * rows, x.len(), x.len()]);
+        ln_f.forward_into(x, h, st);
+        head.backward_into(h, dout, g_head, None, dh);
+        let mut dx = vec![0.0; x.len()];
+        ln_f.backward_into(x, st, dh, g_w, g_b, &mut dx);
+        dx
     }
 }
 
@@ -262,15 +282,6 @@ struct Block<'a> {
     ln2: LayerNorm<'a>,
     fc1: Linear<'a>,
     fc2: Linear<'a>,
-}
-
-/// Intermediates of a block's attention half, recomputed by backward.
-struct AttnHalf {
-    h1: Vec<f32>,
-    qkv: Vec<f32>,
-    att: Vec<f32>,
-    /// Residual stream after the attention half: `x + proj(att)`.
-    x2: Vec<f32>,
 }
 
 impl<'a> Block<'a> {
@@ -288,43 +299,89 @@ impl<'a> Block<'a> {
         }
     }
 
-    fn attn_half(&self, x: &[f32], s: AttnShape) -> AttnHalf {
-        let h1 = self.ln1.forward(x);
-        let qkv = self.qkv.forward(&h1);
-        let att = attention_forward(&qkv, s);
-        let mut x2 = self.proj.forward(&att);
-        add_assign(&mut x2, x);
-        AttnHalf { h1, qkv, att, x2 }
-    }
-
     fn forward(&self, x: &[f32], s: AttnShape) -> Vec<f32> {
-        let x2 = self.attn_half(x, s).x2;
-        let g = gelu_forward(&self.fc1.forward(&self.ln2.forward(&x2)));
-        let mut out = self.fc2.forward(&g);
-        add_assign(&mut out, &x2);
+        let (rd, rows) = (x.len(), x.len() / s.d_model);
+        let mut ws = Scratch::take();
+        let [st, h1, qkv, att, x2, h2, f, g, p] = ws.carve([
+            2 * rows,
+            rd,
+            3 * rd,
+            rd,
+            rd,
+            rd,
+            4 * rd,
+            4 * rd,
+            s.seq * s.seq,
+        ]);
+        self.ln1.forward_into(x, h1, st);
+        self.qkv.forward_into(h1, qkv);
+        attention_forward_into(qkv, s, att, p);
+        self.proj.forward_into(att, x2);
+        add_assign(x2, x);
+        self.ln2.forward_into(x2, h2, st);
+        self.fc1.forward_into(h2, f);
+        gelu_into(f, g);
+        let mut out = vec![0.0; rd];
+        self.fc2.forward_into(g, &mut out);
+        add_assign(&mut out, x2);
         out
     }
 
+    /// Recomputes the forward from `x` (activation checkpointing: nothing was kept between
+    /// calls), keeping what the backward reads (LayerNorm statistics, attention probabilities,
+    /// the GELU derivative), then runs the backward. Buffers are reused once their value is dead.
     fn backward(&self, x: &[f32], dout: &[f32], s: AttnShape, grads: &mut [f32]) -> Vec<f32> {
         let [g_ln1_w, g_ln1_b, g_qkv_w, g_qkv_b, g_proj_w, g_proj_b, g_ln2_w, g_ln2_b, g_fc1_w, g_fc1_b, g_fc2_w, g_fc2_b] =
             split_params_mut(grads, block_lens(s.d_model));
-        let a = self.attn_half(x, s);
-        let h2 = self.ln2.forward(&a.x2);
-        let (g, g_deriv) = gelu_with_derivative(&self.fc1.forward(&h2));
-        // MLP half: out = x2 + fc2(gelu(fc1(ln2(x2)))).
-        let mut df = self.fc2.backward(&g, dout, g_fc2_w, Some(g_fc2_b));
-        for (d, &gd) in df.iter_mut().zip(&g_deriv) {
+        let (rd, rows) = (x.len(), x.len() / s.d_model);
+        let mut ws = Scratch::take();
+        let [st1, st2, h1, qkv, att, x2, h2, f, g, g_deriv, probs, dh, dx2, dp] = ws.carve([
+            2 * rows,
+            2 * rows,
+            rd,
+            3 * rd,
+            rd,
+            rd,
+            rd,
+            4 * rd,
+            4 * rd,
+            4 * rd,
+            s.probs_len(),
+            rd,
+            rd,
+            s.seq * s.seq,
+        ]);
+        self.ln1.forward_into(x, h1, st1);
+        self.qkv.forward_into(h1, qkv);
+        attention_forward_keep(qkv, s, att, probs);
+        self.proj.forward_into(att, x2);
+        add_assign(x2, x);
+        self.ln2.forward_into(x2, h2, st2);
+        self.fc1.forward_into(h2, f);
+        gelu_with_derivative_into(f, g, g_deriv);
+        // MLP half: out = x2 + fc2(gelu(fc1(ln2(x2)))). The pre-activation `f` is dead now.
+        let df = f;
+        self.fc2.backward_into(g, dout, g_fc2_w, Some(g_fc2_b), df);
+        for (d, &gd) in df.iter_mut().zip(g_deriv.iter()) {
             *d *= gd;
         }
-        let dh2 = self.fc1.backward(&h2, &df, g_fc1_w, Some(g_fc1_b));
-        let mut dx2 = self.ln2.backward(&a.x2, &dh2, g_ln2_w, g_ln2_b);
-        add_assign(&mut dx2, dout);
-        // Attention half: x2 = x + proj(attn(qkv(ln1(x)))).
-        let datt = self.proj.backward(&a.att, &dx2, g_proj_w, Some(g_proj_b));
-        let dqkv = attention_backward(&a.qkv, &datt, s);
-        let dh1 = self.qkv.backward(&a.h1, &dqkv, g_qkv_w, Some(g_qkv_b));
-        let mut dx = self.ln1.backward(x, &dh1, g_ln1_w, g_ln1_b);
-        add_assign(&mut dx, &dx2);
+        let dh2 = &mut *dh;
+        self.fc1.backward_into(h2, df, g_fc1_w, Some(g_fc1_b), dh2);
+        self.ln2.backward_into(x2, st2, dh2, g_ln2_w, g_ln2_b, dx2);
+        add_assign(dx2, dout);
+        // Attention half: x2 = x + proj(attn(qkv(ln1(x)))). `h2` and `df` are dead now.
+        let datt = h2;
+        self.proj
+            .backward_into(att, dx2, g_proj_w, Some(g_proj_b), datt);
+        let dqkv = &mut df[..3 * rd];
+        attention_backward_from_probs(qkv, probs, datt, s, dqkv, dp);
+        let dh1 = dh;
+        self.qkv
+            .backward_into(h1, dqkv, g_qkv_w, Some(g_qkv_b), dh1);
+        let mut dx = vec![0.0; rd];
+        self.ln1
+            .backward_into(x, st1, dh1, g_ln1_w, g_ln1_b, &mut dx);
+        add_assign(&mut dx, dx2);
         dx
     }
 }
@@ -347,10 +404,7 @@ impl Model for Gpt {
         match kind {
             UnitKind::Embed => self.embed_forward(params, mb),
             UnitKind::Block => Block::new(params, s.d_model).forward(x, s),
-            UnitKind::Head => {
-                let (ln_f, head) = self.head_parts(params);
-                head.forward(&ln_f.forward(x))
-            }
+            UnitKind::Head => self.head_forward(params, x),
         }
     }
 
@@ -413,8 +467,9 @@ mod tests {
     use super::super::rng::SplitMix64;
     use super::super::sample::forward_logits;
     use super::super::sample::test_util::{
-        assert_deterministic, check_model_gradients, perturbed, step, train,
+        assert_deterministic, check_model_gradients, fingerprint, perturbed, step, train,
     };
+    use super::super::workspace::poison_pool;
     use super::super::ParamSpec;
     use super::*;
     use std::sync::Arc;
@@ -649,6 +704,26 @@ mod tests {
         let gpt = Gpt::new(cfg).expect("valid config");
         let params = perturbed(&gpt, 5, 0.05);
         assert_deterministic(Arc::new(gpt), params, batch_of(64, 2, 32, 4));
+    }
+
+    /// The scratch arenas are reused without clearing: poisoning them must not change a bit.
+    #[test]
+    fn stale_scratch_does_not_leak() {
+        let cfg = GptConfig {
+            vocab: 64,
+            seq_len: 40, // two causal blocks, the second partial
+            d_model: 32,
+            heads: 4,
+            layers: 2,
+        };
+        let gpt = Gpt::new(cfg).expect("valid config");
+        let params = perturbed(&gpt, 7, 0.05);
+        let mb = batch_of(64, 3, 40, 9);
+        let first = fingerprint(&gpt, &params, &mb);
+        for poison in [f32::NAN, -1e30] {
+            poison_pool(poison);
+            assert!(fingerprint(&gpt, &params, &mb) == first, "poison {poison}");
+        }
     }
 
     #[test]

@@ -9,11 +9,14 @@
 //! functions of their arguments, bit for bit, whichever thread or rank calls them. Implementations
 //! must not use thread pools whose reduction order depends on the number of threads.
 
+pub mod attention;
 pub mod gpt;
+pub mod kernels;
 pub mod mlp;
 pub mod ops;
 pub mod rng;
 pub mod sample;
+pub(crate) mod workspace;
 
 /// One named parameter inside a unit's flat buffer.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

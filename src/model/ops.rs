@@ -5,13 +5,20 @@
 //! the same unit agree exactly (see the determinism contract in `model/mod.rs`):
 //! - matrix products go through single-threaded `matrixmultiply::sgemm` (no `threading`
 //!   feature), whose blocking and summation order depend only on the shapes;
-//! - every other reduction (layernorm statistics, softmax sums, cross-entropy, bias and
-//!   embedding gradients) runs in a fixed sequential order, in `f64` where it sums many terms;
+//! - every other reduction (layernorm statistics, softmax sums, cross-entropy) runs over a fixed
+//!   number of lanes in a fixed order (`kernels::lane_sum`), in `f64` where it sums many terms;
+//!   bias and embedding gradients add row after row;
 //! - `exp` (softmax, cross-entropy, GELU) is our own polynomial, not the C library's, so it gives
-//!   the same bits on every host; Rust never fuses `a * b + c` into an FMA on its own.
+//!   the same bits on every host; Rust never fuses `a * b + c` into an FMA on its own, and the
+//!   multiversioned elementwise kernels never enable FMA.
 //!
-//! Backward functions take the forward *inputs* and recompute what they need, which is what
-//! unit-granularity activation checkpointing wants anyway.
+//! The `*_into` forms write into caller-provided buffers (the models carve them from a reused
+//! `workspace::Scratch`); the allocating forms wrap them for tests and simple callers.
+
+use super::kernels::{cross_entropy_kernel, gelu_into, gelu_with_derivative_into, lane_sum};
+use crate::optim::{multiversion, Isa};
+
+pub use super::attention::{attention_backward, attention_forward, AttnShape};
 
 // ---------------------------------------------------------------------------------------------
 // Matrix products
@@ -19,17 +26,17 @@
 
 /// Where a (possibly strided) matrix lives inside a flat buffer.
 #[derive(Clone, Copy, Debug)]
-struct Layout {
-    offset: usize,
-    rows: usize,
-    cols: usize,
-    row_stride: usize,
-    col_stride: usize,
+pub(super) struct Layout {
+    pub(super) offset: usize,
+    pub(super) rows: usize,
+    pub(super) cols: usize,
+    pub(super) row_stride: usize,
+    pub(super) col_stride: usize,
 }
 
 impl Layout {
     /// Rows of `cols` contiguous elements, `row_stride` apart, starting at `offset`.
-    fn strided(offset: usize, rows: usize, cols: usize, row_stride: usize) -> Self {
+    pub(super) fn strided(offset: usize, rows: usize, cols: usize, row_stride: usize) -> Self {
         let col_stride = 1;
         Self {
             offset,
@@ -40,11 +47,11 @@ impl Layout {
         }
     }
 
-    fn row_major(rows: usize, cols: usize) -> Self {
+    pub(super) fn row_major(rows: usize, cols: usize) -> Self {
         Self::strided(0, rows, cols, cols)
     }
 
-    fn transposed(self) -> Self {
+    pub(super) fn transposed(self) -> Self {
         Self {
             rows: self.cols,
             cols: self.rows,
@@ -70,7 +77,15 @@ impl Layout {
 
 /// `C (+)= A · B` on strided views. `lc` must not map two elements to one slot (true for every
 /// layout built in this file: row-major, or row-major column blocks).
-fn gemm(a: &[f32], la: Layout, b: &[f32], lb: Layout, c: &mut [f32], lc: Layout, acc: bool) {
+pub(super) fn gemm(
+    a: &[f32],
+    la: Layout,
+    b: &[f32],
+    lb: Layout,
+    c: &mut [f32],
+    lc: Layout,
+    acc: bool,
+) {
     assert!(
         la.cols == lb.rows && lc.rows == la.rows && lc.cols == lb.cols,
         "gemm shape mismatch: {la:?} x {lb:?} -> {lc:?}"
@@ -118,7 +133,7 @@ fn gemm(a: &[f32], la: Layout, b: &[f32], lb: Layout, c: &mut [f32], lc: Layout,
     }
 }
 
-fn check_len(what: &str, got: usize, want: usize) {
+pub(super) fn check_len(what: &str, got: usize, want: usize) {
     assert_eq!(got, want, "{what}: length {got}, expected {want}");
 }
 
@@ -201,16 +216,47 @@ impl<'a> Linear<'a> {
         x.len() / self.d_in
     }
 
+    /// `x: [rows, d_in]` → `y: [rows, d_out]` (overwritten).
+    pub fn forward_into(&self, x: &[f32], y: &mut [f32]) {
+        let rows = self.rows(x);
+        check_len("linear output", y.len(), rows * self.d_out);
+        if let Some(b) = self.bias {
+            for row in y.chunks_exact_mut(self.d_out) {
+                row.copy_from_slice(b);
+            }
+        }
+        let (w, acc) = (self.weight, self.bias.is_some());
+        matmul_nt(x, w, y, rows, self.d_in, self.d_out, acc);
+    }
+
     /// `x: [rows, d_in]` → `[rows, d_out]`.
     pub fn forward(&self, x: &[f32]) -> Vec<f32> {
-        let rows = self.rows(x);
-        let mut y = match self.bias {
-            Some(b) => b.repeat(rows),
-            None => vec![0.0; rows * self.d_out],
-        };
-        let (w, acc) = (self.weight, self.bias.is_some());
-        matmul_nt(x, w, &mut y, rows, self.d_in, self.d_out, acc);
+        let mut y = vec![0.0; self.rows(x) * self.d_out];
+        self.forward_into(x, &mut y);
         y
+    }
+
+    /// Adds `dL/dW` and `dL/db` into the gradient buffers and writes `dL/dx` into `dx`
+    /// (overwritten).
+    pub fn backward_into(
+        &self,
+        x: &[f32],
+        dy: &[f32],
+        grad_weight: &mut [f32],
+        grad_bias: Option<&mut [f32]>,
+        dx: &mut [f32],
+    ) {
+        let rows = self.rows(x);
+        check_len("linear dy", dy.len(), rows * self.d_out);
+        check_len("linear dx", dx.len(), rows * self.d_in);
+        matmul_tn(dy, x, grad_weight, self.d_out, rows, self.d_in, true);
+        if let Some(gb) = grad_bias {
+            check_len("linear grad bias", gb.len(), self.d_out);
+            for row in dy.chunks_exact(self.d_out) {
+                add_assign(gb, row);
+            }
+        }
+        matmul(dy, self.weight, dx, rows, self.d_out, self.d_in, false);
     }
 
     /// Adds `dL/dW` and `dL/db` into the gradient buffers and returns `dL/dx`.
@@ -221,17 +267,8 @@ impl<'a> Linear<'a> {
         grad_weight: &mut [f32],
         grad_bias: Option<&mut [f32]>,
     ) -> Vec<f32> {
-        let rows = self.rows(x);
-        check_len("linear dy", dy.len(), rows * self.d_out);
-        matmul_tn(dy, x, grad_weight, self.d_out, rows, self.d_in, true);
-        if let Some(gb) = grad_bias {
-            check_len("linear grad bias", gb.len(), self.d_out);
-            for row in dy.chunks_exact(self.d_out) {
-                add_assign(gb, row);
-            }
-        }
-        let mut dx = vec![0.0; rows * self.d_in];
-        matmul(dy, self.weight, &mut dx, rows, self.d_out, self.d_in, false);
+        let mut dx = vec![0.0; self.rows(x) * self.d_in];
+        self.backward_into(x, dy, grad_weight, grad_bias, &mut dx);
         dx
     }
 }
@@ -244,45 +281,146 @@ impl<'a> Linear<'a> {
 pub const LN_EPS: f64 = 1e-5;
 
 /// LayerNorm over the last dimension (`weight.len()`), biased variance like PyTorch.
+///
+/// The `*_into` forms take a `stats` buffer of `2 · rows` (mean, 1/std per row): the forward
+/// writes it and the backward reads it, so a backward that has just recomputed the forward does
+/// not recompute the statistics.
 #[derive(Clone, Copy, Debug)]
 pub struct LayerNorm<'a> {
     pub weight: &'a [f32],
     pub bias: &'a [f32],
 }
 
-/// Mean and 1/std of one row; two passes in f64 so the variance does not cancel.
+/// Mean and 1/std of one row; two passes in f64 (fixed lanes) so the variance does not cancel.
+#[inline(always)]
 fn row_stats(row: &[f32]) -> (f32, f32) {
     let n = row.len() as f64;
-    let mean = row.iter().map(|&v| v as f64).sum::<f64>() / n;
-    let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n;
+    let mean = lane_sum(row.len(), 0.0f64, |i| row[i] as f64) / n;
+    let var = lane_sum(row.len(), 0.0f64, |i| {
+        let c = row[i] as f64 - mean;
+        c * c
+    }) / n;
     (mean as f32, (1.0 / (var + LN_EPS).sqrt()) as f32)
 }
+
+#[inline(always)]
+fn ln_forward_body(x: &[f32], w: &[f32], b: &[f32], y: &mut [f32], stats: &mut [f32]) {
+    let d = w.len();
+    for ((xr, yr), st) in x
+        .chunks_exact(d)
+        .zip(y.chunks_exact_mut(d))
+        .zip(stats.chunks_exact_mut(2))
+    {
+        let (mean, rstd) = row_stats(xr);
+        (st[0], st[1]) = (mean, rstd);
+        for i in 0..d {
+            yr[i] = (xr[i] - mean) * rstd * w[i] + b[i];
+        }
+    }
+}
+
+#[inline(always)]
+fn ln_backward_body(
+    x: &[f32],
+    stats: &[f32],
+    dy: &[f32],
+    w: &[f32],
+    grads: (&mut [f32], &mut [f32]),
+    dx: &mut [f32],
+) {
+    let (grad_weight, grad_bias) = grads;
+    let d = w.len();
+    for (((xr, dyr), dxr), st) in x
+        .chunks_exact(d)
+        .zip(dy.chunks_exact(d))
+        .zip(dx.chunks_exact_mut(d))
+        .zip(stats.chunks_exact(2))
+    {
+        let (mean, rstd) = (st[0], st[1]);
+        let xhat = |i: usize| (xr[i] - mean) * rstd;
+        for i in 0..d {
+            grad_weight[i] += dyr[i] * xhat(i);
+            grad_bias[i] += dyr[i];
+        }
+        let sum_g = lane_sum(d, 0.0f64, |i| (dyr[i] * w[i]) as f64);
+        let sum_gx = lane_sum(d, 0.0f64, |i| (dyr[i] * w[i]) as f64 * xhat(i) as f64);
+        // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)): the two mean terms are the
+        // gradient flowing through the row mean and the row variance.
+        let (mg, mgx) = ((sum_g / d as f64) as f32, (sum_gx / d as f64) as f32);
+        for i in 0..d {
+            dxr[i] = rstd * (dyr[i] * w[i] - mg - xhat(i) * mgx);
+        }
+    }
+}
+
+multiversion!(fn ln_forward_kernel(
+    x: &[f32],
+    w: &[f32],
+    b: &[f32],
+    y: &mut [f32],
+    stats: &mut [f32],
+) => ln_forward_body);
+multiversion!(fn ln_backward_kernel(
+    x: &[f32],
+    stats: &[f32],
+    dy: &[f32],
+    w: &[f32],
+    grads: (&mut [f32], &mut [f32]),
+    dx: &mut [f32],
+) => ln_backward_body);
 
 impl<'a> LayerNorm<'a> {
     pub fn new(weight: &'a [f32], bias: &'a [f32]) -> Self {
         Self { weight, bias }
     }
 
-    fn dim(&self, x: &[f32]) -> usize {
+    /// Row width; checks `x` and, if given, the stats buffer against it.
+    fn dim(&self, x: &[f32], stats: Option<&[f32]>) -> usize {
         let d = self.weight.len();
         check_len("layernorm bias", self.bias.len(), d);
         assert!(
             d > 0 && x.len() % d == 0,
             "layernorm input not a multiple of {d}"
         );
+        if let Some(st) = stats {
+            check_len("layernorm stats", st.len(), 2 * (x.len() / d));
+        }
         d
     }
 
+    /// `y = LN(x)` (overwritten), and the row statistics into `stats` (`2 · rows`).
+    pub fn forward_into(&self, x: &[f32], y: &mut [f32], stats: &mut [f32]) {
+        self.dim(x, Some(stats));
+        check_len("layernorm output", y.len(), x.len());
+        ln_forward_kernel(Isa::best(), x, self.weight, self.bias, y, stats);
+    }
+
     pub fn forward(&self, x: &[f32]) -> Vec<f32> {
-        let d = self.dim(x);
-        let mut y = vec![0.0; x.len()];
-        for (xr, yr) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
-            let (mean, rstd) = row_stats(xr);
-            for i in 0..d {
-                yr[i] = (xr[i] - mean) * rstd * self.weight[i] + self.bias[i];
-            }
-        }
+        let d = self.dim(x, None);
+        let (mut y, mut stats) = (vec![0.0; x.len()], vec![0.0; 2 * (x.len() / d)]);
+        self.forward_into(x, &mut y, &mut stats);
         y
+    }
+
+    /// Adds the weight and bias gradients and writes `dL/dx` into `dx` (overwritten), given the
+    /// `stats` that [`forward_into`](Self::forward_into) wrote for this `x`.
+    pub fn backward_into(
+        &self,
+        x: &[f32],
+        stats: &[f32],
+        dy: &[f32],
+        grad_weight: &mut [f32],
+        grad_bias: &mut [f32],
+        dx: &mut [f32],
+    ) {
+        let d = self.dim(x, Some(stats));
+        check_len("layernorm dy", dy.len(), x.len());
+        check_len("layernorm dx", dx.len(), x.len());
+        check_len("layernorm grad weight", grad_weight.len(), d);
+        check_len("layernorm grad bias", grad_bias.len(), d);
+        let w = self.weight;
+        let grads = (grad_weight, grad_bias);
+        ln_backward_kernel(Isa::best(), x, stats, dy, w, grads, dx);
     }
 
     /// Adds the weight and bias gradients and returns `dL/dx`.
@@ -293,40 +431,17 @@ impl<'a> LayerNorm<'a> {
         grad_weight: &mut [f32],
         grad_bias: &mut [f32],
     ) -> Vec<f32> {
-        let d = self.dim(x);
-        check_len("layernorm dy", dy.len(), x.len());
-        check_len("layernorm grad weight", grad_weight.len(), d);
-        check_len("layernorm grad bias", grad_bias.len(), d);
-        let mut dx = vec![0.0; x.len()];
-        let mut xhat = vec![0.0f32; d];
-        for ((xr, dyr), dxr) in x
-            .chunks_exact(d)
-            .zip(dy.chunks_exact(d))
-            .zip(dx.chunks_exact_mut(d))
-        {
-            let (mean, rstd) = row_stats(xr);
-            let (mut sum_g, mut sum_gx) = (0.0f64, 0.0f64);
-            for i in 0..d {
-                xhat[i] = (xr[i] - mean) * rstd;
-                let g = (dyr[i] * self.weight[i]) as f64;
-                sum_g += g;
-                sum_gx += g * xhat[i] as f64;
-                grad_weight[i] += dyr[i] * xhat[i];
-                grad_bias[i] += dyr[i];
-            }
-            // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)): the two mean terms are the
-            // gradient flowing through the row mean and the row variance.
-            let (mg, mgx) = ((sum_g / d as f64) as f32, (sum_gx / d as f64) as f32);
-            for i in 0..d {
-                dxr[i] = rstd * (dyr[i] * self.weight[i] - mg - xhat[i] * mgx);
-            }
-        }
+        let d = self.dim(x, None);
+        let (mut h, mut stats) = (vec![0.0; x.len()], vec![0.0; 2 * (x.len() / d)]);
+        self.forward_into(x, &mut h, &mut stats);
+        let mut dx = h; // reused: forward_into only ran for the statistics
+        self.backward_into(x, &stats, dy, grad_weight, grad_bias, &mut dx);
         dx
     }
 }
 
 // ---------------------------------------------------------------------------------------------
-// GELU (exact, erf form: PyTorch's `nn.GELU()` / `F.gelu` default)
+// exp (f64, for sampling) and GELU
 // ---------------------------------------------------------------------------------------------
 
 /// `1/n!` for n = 0..=9: the Taylor coefficients of `e^r`.
@@ -343,12 +458,11 @@ const INV_FACTORIAL: [f64; 10] = [
     1.0 / 362_880.0,
 ];
 
-/// `e^x` from arithmetic alone: no libm, so the bits are the same on every machine whatever its
-/// C library, and the branch-free body lets GELU loops vectorise. Cody-Waite reduction
-/// `x = k ln2 + r`, `|r| <= ln2/2`, then a degree-9 Taylor polynomial: relative error below
-/// 1e-11, far below what the f32 results built from it can show. Below -708 (where `e^x` stops
-/// being a normal f64) it returns 0; above 709 it saturates at `e^709` (callers here only
-/// exponentiate values <= 0).
+/// `e^x` in f64 from arithmetic alone (the sampler's temperature softmax; the training ops use
+/// the `f32` [`exp_f32`](super::kernels::exp_f32)): no libm, so the bits are the same on every
+/// machine whatever its C library. Cody-Waite reduction `x = k ln2 + r`, `|r| <= ln2/2`, then a
+/// degree-9 Taylor polynomial: relative error below 1e-11. Below -708 (where `e^x` stops being a
+/// normal f64) it returns 0; above 709 it saturates at `e^709`.
 #[inline(always)]
 pub fn exp(x: f64) -> f64 {
     const LN2_HI: f64 = 0.693_147_180_369_123_8; // ln 2 to 32 bits: k · LN2_HI is exact
@@ -368,74 +482,18 @@ pub fn exp(x: f64) -> f64 {
     }
 }
 
-/// Complementary error function with relative error below 1.2e-7 wherever the result is a
-/// normal f64 (x < 26.5; beyond, it returns 0), i.e. adequate for f32 results. It is the
-/// Chebyshev fit `erfcc` of Numerical Recipes in C (2nd ed., §6.2). Relative accuracy in the tail
-/// is what GELU needs: for negative inputs it is `x/2 · erfc(|x|/√2)`.
-#[inline(always)]
-pub fn erfc(x: f64) -> f64 {
-    let z = x.abs();
-    let t = 1.0 / (1.0 + 0.5 * z);
-    let poly = -1.265_512_23
-        + t * (1.000_023_68
-            + t * (0.374_091_96
-                + t * (0.096_784_18
-                    + t * (-0.186_288_06
-                        + t * (0.278_868_07
-                            + t * (-1.135_203_98
-                                + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77))))))));
-    let r = t * exp(-z * z + poly);
-    if x >= 0.0 {
-        r
-    } else {
-        2.0 - r
-    }
-}
-
-/// Error function, f32-adequate everywhere: a Taylor series near 0 (where `1 - erfc` would
-/// lose the relative accuracy of small results), `1 - erfc` elsewhere.
-pub fn erf(x: f64) -> f64 {
-    if x.abs() >= 0.5 {
-        return x.signum() * (1.0 - erfc(x.abs()));
-    }
-    // erf(x) = 2/√π · Σ (-1)^n x^(2n+1) / (n! (2n+1)); 9 terms reach 1e-12 at |x| = 0.5.
-    let (x2, mut term, mut sum) = (x * x, x, x);
-    for n in 1..9 {
-        term *= -x2 / n as f64;
-        sum += term / (2 * n + 1) as f64;
-    }
-    sum * std::f64::consts::FRAC_2_SQRT_PI
-}
-
-/// Standard normal CDF Φ(x), through `erfc` so the left tail keeps its relative accuracy.
-#[inline(always)]
-fn normal_cdf(x: f64) -> f64 {
-    0.5 * erfc(-x * std::f64::consts::FRAC_1_SQRT_2)
-}
-
-/// `x · Φ(x)`; the one formula shared by forward and backward so recomputation is bit-exact.
-fn gelu_value(x: f32, cdf: f64) -> f32 {
-    (x as f64 * cdf) as f32
-}
-
+/// GELU, exact erf form (PyTorch's `nn.GELU()` default), in `f32`; see `kernels.rs`.
 pub fn gelu_forward(x: &[f32]) -> Vec<f32> {
     let mut y = vec![0.0; x.len()];
-    for (o, &v) in y.iter_mut().zip(x) {
-        *o = gelu_value(v, normal_cdf(v as f64));
-    }
+    gelu_into(x, &mut y);
     y
 }
 
-/// GELU output and its derivative `Φ(x) + x φ(x)` in one pass, for backward's recomputation.
+/// GELU output and its derivative `Φ(x) + x φ(x)` in one pass, for backward's recomputation;
+/// the output has exactly [`gelu_forward`]'s bits.
 pub fn gelu_with_derivative(x: &[f32]) -> (Vec<f32>, Vec<f32>) {
-    const INV_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
     let (mut y, mut dydx) = (vec![0.0; x.len()], vec![0.0; x.len()]);
-    for ((o, d), &v) in y.iter_mut().zip(dydx.iter_mut()).zip(x) {
-        let xv = v as f64;
-        let cdf = normal_cdf(xv);
-        *o = gelu_value(v, cdf);
-        *d = (cdf + xv * exp(-0.5 * xv * xv) * INV_SQRT_2PI) as f32;
-    }
+    gelu_with_derivative_into(x, &mut y, &mut dydx);
     (y, dydx)
 }
 
@@ -444,147 +502,6 @@ pub fn gelu_backward(x: &[f32], dy: &[f32]) -> Vec<f32> {
     check_len("gelu dy", dy.len(), x.len());
     let (_, deriv) = gelu_with_derivative(x);
     deriv.iter().zip(dy).map(|(&g, &d)| g * d).collect()
-}
-
-// ---------------------------------------------------------------------------------------------
-// Causal multi-head self-attention
-// ---------------------------------------------------------------------------------------------
-
-/// Shape of a causal self-attention call. Its input is the fused `qkv` projection
-/// `[batch, seq, 3·d_model]` (q, k, v blocks in that order along the last axis, each split into
-/// `heads` contiguous head slices, as PyTorch's `split(C, dim=2)` + `view(B, T, h, C/h)`); its
-/// output is `[batch, seq, d_model]` with heads concatenated.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct AttnShape {
-    pub batch: usize,
-    pub seq: usize,
-    pub d_model: usize,
-    pub heads: usize,
-}
-
-impl AttnShape {
-    pub fn new(batch: usize, seq: usize, d_model: usize, heads: usize) -> Self {
-        Self {
-            batch,
-            seq,
-            d_model,
-            heads,
-        }
-    }
-
-    fn head_dim(&self) -> usize {
-        assert!(
-            self.heads > 0 && self.d_model % self.heads == 0,
-            "attention: heads {} must divide d_model {}",
-            self.heads,
-            self.d_model
-        );
-        self.d_model / self.heads
-    }
-
-    /// SDPA's default scale, 1/sqrt(head_dim).
-    fn scale(&self) -> f32 {
-        1.0 / (self.head_dim() as f32).sqrt()
-    }
-
-    /// The q, k and v matrices `[seq, head_dim]` of (batch row `b`, head `h`) inside `qkv`.
-    fn qkv_views(&self, b: usize, h: usize) -> [Layout; 3] {
-        let (d, hd) = (self.d_model, self.head_dim());
-        let row0 = b * self.seq * 3 * d + h * hd;
-        std::array::from_fn(|part| Layout::strided(row0 + part * d, self.seq, hd, 3 * d))
-    }
-
-    /// The `[seq, head_dim]` output block of (batch row `b`, head `h`).
-    fn out_view(&self, b: usize, h: usize) -> Layout {
-        let (d, hd) = (self.d_model, self.head_dim());
-        Layout::strided(b * self.seq * d + h * hd, self.seq, hd, d)
-    }
-}
-
-/// Row `i` of causal softmax: positions `j <= i` are live, the rest get probability 0.
-fn causal_softmax_row(row: &mut [f32], live: usize, scale: f32) {
-    let (live, masked) = row.split_at_mut(live);
-    let max = live
-        .iter()
-        .fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
-    for s in live.iter_mut() {
-        *s = exp((*s * scale - max) as f64) as f32;
-    }
-    // A separate sequential sum (fixed order), so the loop above stays vectorisable.
-    let sum: f64 = live.iter().map(|&e| e as f64).sum();
-    let inv = (1.0 / sum) as f32;
-    for p in live.iter_mut() {
-        *p *= inv;
-    }
-    masked.fill(0.0);
-}
-
-/// Attention probabilities `P = softmax(scale · q kᵀ)` (causal) of one (batch row, head).
-fn causal_probs(qkv: &[f32], q: Layout, k: Layout, scale: f32, p: &mut [f32]) {
-    let scores = Layout::row_major(q.rows, q.rows);
-    gemm(qkv, q, qkv, k.transposed(), p, scores, false);
-    for (i, row) in p.chunks_exact_mut(q.rows).enumerate() {
-        causal_softmax_row(row, i + 1, scale);
-    }
-}
-
-pub fn attention_forward(qkv: &[f32], s: AttnShape) -> Vec<f32> {
-    check_len("attention qkv", qkv.len(), s.batch * s.seq * 3 * s.d_model);
-    let (t, scale) = (s.seq, s.scale());
-    let sq = Layout::row_major(t, t);
-    let mut y = vec![0.0; s.batch * t * s.d_model];
-    let mut p = vec![0.0; t * t];
-    if t == 0 {
-        return y; // no rows (and chunks of zero length are not a thing)
-    }
-    for b in 0..s.batch {
-        for h in 0..s.heads {
-            let [q, k, v] = s.qkv_views(b, h);
-            causal_probs(qkv, q, k, scale, &mut p);
-            gemm(&p, sq, qkv, v, &mut y, s.out_view(b, h), false); // y = P v
-        }
-    }
-    y
-}
-
-/// `dL/dqkv` given the forward input `qkv` and `dL/dy`.
-pub fn attention_backward(qkv: &[f32], dy: &[f32], s: AttnShape) -> Vec<f32> {
-    check_len("attention qkv", qkv.len(), s.batch * s.seq * 3 * s.d_model);
-    check_len("attention dy", dy.len(), s.batch * s.seq * s.d_model);
-    let (t, scale) = (s.seq, s.scale());
-    let sq = Layout::row_major(t, t);
-    let mut dqkv = vec![0.0; qkv.len()];
-    let (mut p, mut dp) = (vec![0.0; t * t], vec![0.0; t * t]);
-    if t == 0 {
-        return dqkv;
-    }
-    for b in 0..s.batch {
-        for h in 0..s.heads {
-            let [q, k, v] = s.qkv_views(b, h);
-            let dyv = s.out_view(b, h);
-            causal_probs(qkv, q, k, scale, &mut p);
-            gemm(dy, dyv, qkv, v.transposed(), &mut dp, sq, false); // dP = dY vᵀ
-            gemm(&p, sq.transposed(), dy, dyv, &mut dqkv, v, false); // dv = Pᵀ dY
-            softmax_backward_rows(&p, &mut dp, t, scale); // dp becomes dS, scale included
-            gemm(&dp, sq, qkv, k, &mut dqkv, q, false); // dq = dS k
-            gemm(&dp, sq.transposed(), qkv, q, &mut dqkv, k, false); // dk = dSᵀ q
-        }
-    }
-    dqkv
-}
-
-/// In place `dP → dS = scale · P ⊙ (dP - rowsum(P ⊙ dP))`; masked entries have P = 0 → dS = 0.
-fn softmax_backward_rows(p: &[f32], dp: &mut [f32], t: usize, scale: f32) {
-    for (pr, dr) in p.chunks_exact(t).zip(dp.chunks_exact_mut(t)) {
-        let dot = pr
-            .iter()
-            .zip(dr.iter())
-            .map(|(&a, &b)| a as f64 * b as f64)
-            .sum::<f64>() as f32;
-        for (d, &pv) in dr.iter_mut().zip(pr) {
-            *d = scale * pv * (*d - dot);
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -636,23 +553,10 @@ pub fn cross_entropy(logits: &[f32], targets: &[u32], vocab: usize) -> (f32, Vec
     if targets.is_empty() {
         return (0.0, Vec::new());
     }
-    let inv_n = 1.0 / targets.len() as f64;
     let mut grad = vec![0.0; logits.len()];
     let mut total = 0.0f64;
-    for ((row, g), &t) in logits
-        .chunks_exact(vocab)
-        .zip(grad.chunks_exact_mut(vocab))
-        .zip(targets)
-    {
-        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
-        let sum: f64 = row.iter().map(|&v| exp(v as f64 - max)).sum();
-        total += max + sum.ln() - row[t as usize] as f64;
-        for (gv, &v) in g.iter_mut().zip(row) {
-            *gv = (exp(v as f64 - max) / sum * inv_n) as f32;
-        }
-        g[t as usize] -= inv_n as f32;
-    }
-    ((total * inv_n) as f32, grad)
+    cross_entropy_kernel(Isa::best(), logits, targets, vocab, &mut grad, &mut total);
+    ((total / targets.len() as f64) as f32, grad)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -808,47 +712,6 @@ mod tests {
     }
 
     #[test]
-    fn erf_matches_reference_values() {
-        // Values from CPython's math.erf / math.erfc.
-        let xs = [0.001, 0.1, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, -0.4, -2.5];
-        let erfs = [
-            0.0011283787909692365,
-            0.1124629160182849,
-            0.3286267594591274,
-            0.5204998778130465,
-            0.6778011938374184,
-            0.8427007929497149,
-            0.9661051464753108,
-            0.9953222650189527,
-            0.9999779095030014,
-            -0.42839235504666845,
-            -0.999593047982555,
-        ];
-        let cs = [-1.0, 0.2, 1.0, 3.0, 5.0, 8.0];
-        let erfcs = [
-            1.842700792949715,
-            0.7772974107895215,
-            0.15729920705028513,
-            2.2090496998585438e-05,
-            1.5374597944280351e-12,
-            1.1224297172982928e-29,
-        ];
-        let cases = xs.iter().zip(&erfs).map(|(&x, &w)| ("erf", x, erf(x), w));
-        let cases = cases.chain(
-            cs.iter()
-                .zip(&erfcs)
-                .map(|(&x, &w)| ("erfc", x, erfc(x), w)),
-        );
-        for (f, x, got, want) in cases {
-            assert!(
-                ((got - want) / want).abs() < 2e-7,
-                "{f}({x}) = {got}, want {want}"
-            );
-        }
-        assert_eq!(erf(0.0), 0.0);
-    }
-
-    #[test]
     fn gelu_values_and_gradient() {
         // x/2 · (1 + erf(x/√2)) from CPython.
         let xs = [-6.0, -3.0, -1.0, -0.1, 0.0, 0.1, 1.0, 3.0];
@@ -921,6 +784,25 @@ mod tests {
         assert_eq!(y[..4 * 6], y2[..4 * 6]);
         assert_eq!(y[5 * 6..], y2[5 * 6..]);
         assert_ne!(y[4 * 6..5 * 6], y2[4 * 6..5 * 6]);
+    }
+
+    #[test]
+    fn attention_matches_naive_across_causal_blocks() {
+        // 70 positions: three query blocks, the last one partial.
+        let s = AttnShape::new(2, 70, 4, 2);
+        let qkv = randn(2 * 70 * 12, 17, 1.0);
+        assert_close(&attention_forward(&qkv, s), &naive_attention(&qkv, s), 1e-5);
+    }
+
+    #[test]
+    fn attention_gradient_across_causal_blocks() {
+        let s = AttnShape::new(1, 70, 4, 2);
+        let qkv = randn(70 * 12, 18, 1.0);
+        let r = randn(70 * 4, 19, 1.0);
+        let g = attention_backward(&qkv, &r, s);
+        check_grad("attention qkv, 70 positions", &qkv, &g, 1e-2, 2e-3, &|v| {
+            dot(&attention_forward(v, s), &r)
+        });
     }
 
     #[test]

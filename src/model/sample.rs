@@ -219,7 +219,7 @@ pub(crate) mod test_util {
     }
 
     /// Bit patterns of everything a step computes.
-    fn fingerprint(model: &dyn Model, params: &[Vec<f32>], mb: &MicroBatch) -> Vec<Vec<u32>> {
+    pub fn fingerprint(model: &dyn Model, params: &[Vec<f32>], mb: &MicroBatch) -> Vec<Vec<u32>> {
         let s = step(model, params, mb);
         let all = [vec![vec![s.loss]], s.grads, s.inputs, s.input_grads].concat();
         all.iter().map(|v| bits(v)).collect()
