@@ -11,6 +11,7 @@ pub mod coord_actor;
 pub mod http;
 pub mod local;
 pub mod net_faults;
+pub mod parcel;
 pub mod rank_actor;
 pub mod rank_state;
 pub mod replica;

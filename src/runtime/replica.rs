@@ -9,8 +9,8 @@
 use std::collections::BTreeMap;
 
 use super::comm::{Comm, CommError};
+use super::parcel::{decode_parcel, encode_parcel};
 use super::rank_state::{ChunkState, RankState};
-use super::reshard::{decode_parcel, encode_parcel};
 use super::transport::{Tag, TagKind, Transport};
 use crate::plan::replica::{buddy, predecessor};
 
@@ -75,7 +75,7 @@ pub fn replicate<T: Transport>(
         }
     }
     if let Some(b) = buddy(map, me) {
-        comm.send(b, tag, encode_parcel(me, state.owned_chunk_states())?)?;
+        comm.send(b, tag, encode_parcel(&state.owned_chunk_states()))?;
     }
     let mut held = BTreeMap::new();
     if let Some(p) = predecessor(map, me) {

@@ -10,10 +10,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use bytes::Bytes;
-use serde::{Deserialize, Serialize};
-
 use super::comm::{Comm, CommError};
+use super::parcel::{decode_parcel, encode_parcel};
 use super::rank_state::{ChunkSource, ChunkState, OptimSettings, RankState};
 use super::transport::{Tag, TagKind, Transport};
 use crate::model::Model;
@@ -90,26 +88,6 @@ pub fn transfers(
     out
 }
 
-#[derive(Serialize, Deserialize)]
-struct Parcel {
-    chunks: Vec<ChunkState>,
-    crcs: Vec<u32>,
-}
-
-/// CRC-32 of a chunk's contents, as sent (so empty parts are covered as empty).
-pub fn chunk_crc(c: &ChunkState) -> u32 {
-    let mut h = crc32fast::Hasher::new();
-    h.update(&c.unit.to_le_bytes());
-    h.update(&c.index.to_le_bytes());
-    for part in [&c.params, &c.m, &c.v] {
-        h.update(&(part.len() as u64).to_le_bytes());
-        for x in part.iter() {
-            h.update(&x.to_le_bytes());
-        }
-    }
-    h.finalize()
-}
-
 /// Everything a rank needs to rebuild itself for the new map.
 pub struct Reshard<'a> {
     /// Who sends each chunk (see `transfers`).
@@ -146,7 +124,7 @@ impl Reshard<'_> {
                 .iter()
                 .map(|&(u, i, need)| pick(base, me, self.optim, u, i, need))
                 .collect::<Result<_, _>>()?;
-            comm.send(*to, tag, encode_parcel(me, chunks)?)?;
+            comm.send(*to, tag, encode_parcel(&chunks))?;
         }
         if !self.new.is_member(me) {
             return Ok(None);
@@ -188,39 +166,6 @@ impl Reshard<'_> {
         .map(Some)
         .map_err(|what| CommError::Protocol { from: me, what })
     }
-}
-
-/// A list of chunk states with a CRC each, as one frame payload.
-pub(crate) fn encode_parcel(me: RankId, chunks: Vec<ChunkState>) -> Result<Bytes, CommError> {
-    let crcs = chunks.iter().map(chunk_crc).collect();
-    bincode::serde::encode_to_vec(Parcel { chunks, crcs }, bincode::config::standard())
-        .map(Bytes::from)
-        .map_err(|e| CommError::Protocol {
-            from: me,
-            what: format!("encode: {e}"),
-        })
-}
-
-/// Decodes a parcel from `from` and checks it holds exactly the `expect`ed chunks, each
-/// matching its CRC: a corrupt or mismatched parcel is refused whole, never applied.
-pub(crate) fn decode_parcel(
-    from: RankId,
-    payload: &[u8],
-    expect: &[(usize, usize)],
-) -> Result<Vec<ChunkState>, CommError> {
-    let bad = |what: String| CommError::Protocol { from, what };
-    let config = bincode::config::standard().with_limit::<{ 1 << 31 }>();
-    let (parcel, _): (Parcel, usize) = bincode::serde::decode_from_slice(payload, config)
-        .map_err(|e| bad(format!("parcel: {e}")))?;
-    if parcel.chunks.len() != expect.len() || parcel.crcs.len() != expect.len() {
-        return Err(bad("parcel has the wrong chunks".into()));
-    }
-    for ((c, crc), &(u, i)) in parcel.chunks.iter().zip(&parcel.crcs).zip(expect) {
-        if (c.unit as usize, c.index as usize) != (u, i) || chunk_crc(c) != *crc {
-            return Err(bad(format!("chunk {u}/{i} failed verification")));
-        }
-    }
-    Ok(parcel.chunks)
 }
 
 fn pick(
