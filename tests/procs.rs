@@ -14,9 +14,31 @@ const DEADLINE: Duration = Duration::from_secs(120);
 /// The flags of `tests/common::small` (a 2-layer model, 3 steps).
 fn small(model: &str, stage: u8) -> Vec<String> {
     [
-        "--model", model, "--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16",
-        "--micro-batches", "6", "--micro-batch-size", "2", "--steps", "3", "--chunk-elems",
-        "1000", "--warmup-steps", "1", "--sample-tokens", "0", "--reduce", "exact", "--stage",
+        "--model",
+        model,
+        "--layers",
+        "2",
+        "--d-model",
+        "32",
+        "--heads",
+        "4",
+        "--seq-len",
+        "16",
+        "--micro-batches",
+        "6",
+        "--micro-batch-size",
+        "2",
+        "--steps",
+        "3",
+        "--chunk-elems",
+        "1000",
+        "--warmup-steps",
+        "1",
+        "--sample-tokens",
+        "0",
+        "--reduce",
+        "exact",
+        "--stage",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -41,7 +63,11 @@ fn run(cmd: &mut Command) -> (i32, String, String) {
     let (out, err) = (collect(child.stdout.take()), collect(child.stderr.take()));
     let status = wait_until(&mut child, Instant::now() + DEADLINE);
     let code = status.and_then(|s| s.code()).unwrap_or(-1);
-    (code, out.recv().unwrap_or_default(), err.recv().unwrap_or_default())
+    (
+        code,
+        out.recv().unwrap_or_default(),
+        err.recv().unwrap_or_default(),
+    )
 }
 
 fn collect(r: Option<impl Read + Send + 'static>) -> mpsc::Receiver<String> {
@@ -128,7 +154,9 @@ fn start_job(port_hint: &str) -> Job {
         }
     });
     let coord_err = collect(coord.stderr.take());
-    let first = coord_lines.recv_timeout(DEADLINE).expect("coordinator prints its address");
+    let first = coord_lines
+        .recv_timeout(DEADLINE)
+        .expect("coordinator prints its address");
     let addr = first
         .strip_prefix("ezero coordinator: listening on ")
         .expect("address line")
@@ -161,7 +189,10 @@ impl Job {
         let deadline = Instant::now() + DEADLINE;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let line = self.coord_lines.recv_timeout(left).expect("a step completes");
+            let line = self
+                .coord_lines
+                .recv_timeout(left)
+                .expect("a step completes");
             if line.starts_with("step ") {
                 return;
             }
@@ -218,7 +249,13 @@ fn a_silent_worker_is_declared_failed_after_the_heartbeat_timeout() {
 fn an_unanswering_coordinator_is_a_clear_error() {
     // Port 1 on loopback: nothing listens there.
     let (code, _, err) = run(Command::new(EZERO)
-        .args(["worker", "--join", "127.0.0.1:1", "--connect-timeout-ms", "300"])
+        .args([
+            "worker",
+            "--join",
+            "127.0.0.1:1",
+            "--connect-timeout-ms",
+            "300",
+        ])
         .env("EZERO_CLUSTER_TOKEN", "t"));
     assert_eq!(code, 1, "{err}");
     assert!(
@@ -240,7 +277,9 @@ fn a_worker_with_the_wrong_token_is_refused() {
         .unwrap();
     let mut lines = BufReader::new(coord.stdout.take().unwrap()).lines();
     let first = lines.next().unwrap().unwrap();
-    let addr = first.strip_prefix("ezero coordinator: listening on ").unwrap();
+    let addr = first
+        .strip_prefix("ezero coordinator: listening on ")
+        .unwrap();
     let (code, _, err) = run(Command::new(EZERO)
         .args(["worker", "--join", addr])
         .env("EZERO_CLUSTER_TOKEN", "wrong"));
@@ -254,11 +293,23 @@ fn a_worker_with_the_wrong_token_is_refused() {
 fn bad_launch_input_is_one_line_exit_2() {
     let cases: &[(&[&str], &str)] = &[
         (&["launch", "--nprocs", "0", "--"], "--nprocs"),
-        (&["launch", "--nprocs", "2", "--", "--ranks", "3"], "--ranks"),
+        (
+            &["launch", "--nprocs", "2", "--", "--ranks", "3"],
+            "--ranks",
+        ),
         (&["launch", "--nprocs", "2", "--", "--join", "1@2"], "join"),
         (&["launch", "--nprocs", "2", "--", "--stage", "7"], "stage"),
         (
-            &["launch", "--nprocs", "2", "--heartbeat-ms", "100", "--heartbeat-timeout-ms", "150", "--"],
+            &[
+                "launch",
+                "--nprocs",
+                "2",
+                "--heartbeat-ms",
+                "100",
+                "--heartbeat-timeout-ms",
+                "150",
+                "--",
+            ],
             "heartbeat_timeout_ms",
         ),
     ];
@@ -268,4 +319,41 @@ fn bad_launch_input_is_one_line_exit_2() {
         assert!(err.contains(field), "{args:?}: {err}");
         assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
     }
+}
+
+#[test]
+fn init_secrets_makes_a_cluster_ca_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca");
+    let (code, out, err) = run(Command::new(EZERO)
+        .args(["coordinator", "--init-secrets"])
+        .arg(&ca));
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("cluster CA written"), "{out}");
+    assert!(ca.join("ca.pem").exists());
+    // A second run must not overwrite the CA.
+    let (code, _, err) = run(Command::new(EZERO)
+        .args(["coordinator", "--init-secrets"])
+        .arg(&ca));
+    assert_eq!(code, 1, "{err}");
+}
+
+/// QUIC data plane: same digest. Ignored: connection setup between three or more workers
+/// sometimes stalls (an accepted connection is not registered; see the README), so this is
+/// run by hand: `cargo test --test procs -- --ignored`.
+#[test]
+#[ignore]
+fn launch_over_quic_gives_the_in_process_digest() {
+    let flags = small("mlp", 3);
+    let (code, out, err) = run(Command::new(EZERO)
+        .arg("train")
+        .args(["--ranks", "3"])
+        .args(&flags));
+    assert_eq!(code, 0, "{err}");
+    let reference = digest(&out).unwrap();
+    let (code, out, err) = run(Command::new(EZERO)
+        .args(["launch", "--transport", "quic", "--nprocs", "3", "--"])
+        .args(&flags));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(digest(&out), Some(reference));
 }

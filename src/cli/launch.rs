@@ -9,7 +9,11 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Parser};
 
-use super::procs::{check_train_args, ProcsArgs};
+use std::path::PathBuf;
+
+use elastic_zero::runtime::control::DataPlane;
+
+use super::procs::{check_train_args, parse_data_plane, ProcsArgs};
 use super::{CliError, TrainArgs};
 
 /// `ezero launch` flags.
@@ -21,6 +25,13 @@ pub struct LaunchArgs {
     /// The coordinator's control address (host:port; port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub control: String,
+    /// Data plane between workers: tcp or quic (mutual TLS with a CA made for this launch)
+    /// [default: tcp].
+    #[arg(long, value_parser = parse_data_plane)]
+    pub transport: Option<DataPlane>,
+    /// Use this secrets directory (an operator's CA) instead of a fresh CA made for this launch.
+    #[arg(long, value_name = "DIR")]
+    pub secrets: Option<PathBuf>,
     #[command(flatten)]
     pub procs: ProcsArgs,
     /// Train flags, as for `ezero train` (after `--`).
@@ -41,7 +52,9 @@ const LISTEN_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
     if a.nprocs == 0 || a.nprocs > 1024 {
-        return Err(CliError::Usage("--nprocs must be between 1 and 1024".into()));
+        return Err(CliError::Usage(
+            "--nprocs must be between 1 and 1024".into(),
+        ));
     }
     let flags = TrainFlags::try_parse_from(
         std::iter::once("ezero launch --".to_string()).chain(a.train.iter().cloned()),
@@ -62,12 +75,29 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
     check_train_args(&args, &cfg)?;
     let procs = a.procs.resolve()?;
     let token = new_token();
+    let transport = a.transport.unwrap_or(DataPlane::Tcp);
+    let secrets = match (transport, &a.secrets) {
+        (DataPlane::Tcp, _) => None,
+        (DataPlane::Quic, Some(dir)) => Some(Secrets {
+            dir: dir.clone(),
+            ours: false,
+        }),
+        (DataPlane::Quic, None) => Some(Secrets::fresh(&token)?),
+    };
     let exe = std::env::current_exe()
         .map_err(|e| CliError::Failed(format!("cannot find the ezero binary: {e}")))?;
     let (lines_tx, lines) = mpsc::channel::<Line>();
     let mut coord = Command::new(&exe)
         .arg("coordinator")
         .args(["--listen", &a.control, "--ranks", &a.nprocs.to_string()])
+        .args([
+            "--transport",
+            if transport == DataPlane::Quic {
+                "quic"
+            } else {
+                "tcp"
+            },
+        ])
         .args(a.procs.to_flags())
         .args(&a.train)
         .env("EZERO_CLUSTER_TOKEN", &token)
@@ -94,6 +124,11 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
         let child = Command::new(&exe)
             .args(["worker", "--join", &addr])
             .env("EZERO_RANK_HINT", i.to_string())
+            .args(
+                secrets
+                    .iter()
+                    .flat_map(|s| [std::ffi::OsStr::new("--secrets"), s.dir.as_os_str()]),
+            )
             .env("EZERO_CLUSTER_TOKEN", &token)
             .env_remove("EZERO_CLUSTER_TOKEN_FILE")
             .stdout(Stdio::piped())
@@ -133,7 +168,9 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
     }
     match coord_status.and_then(|s| s.code()) {
         Some(0) if stuck.is_empty() => Ok(()),
-        Some(2) => Err(CliError::Usage("the coordinator refused the job (see above)".into())),
+        Some(2) => Err(CliError::Usage(
+            "the coordinator refused the job (see above)".into(),
+        )),
         Some(code) => Err(CliError::Failed(format!(
             "the coordinator exited with code {code}"
         ))),
@@ -224,6 +261,33 @@ fn drain(lines: &mpsc::Receiver<Line>) {
     let deadline = Instant::now() + Duration::from_secs(2);
     while let Ok(line) = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
         print(line);
+    }
+}
+
+/// The cluster's secrets directory; a fresh one made for this launch is removed at the end.
+struct Secrets {
+    dir: PathBuf,
+    ours: bool,
+}
+
+impl Secrets {
+    fn fresh(token: &str) -> Result<Self, CliError> {
+        let dir = std::env::temp_dir().join(format!(
+            "ezero-launch-{}-{}",
+            std::process::id(),
+            &token[..8]
+        ));
+        elastic_zero::net::init_secrets(&dir)
+            .map_err(|e| CliError::Failed(format!("cannot make the cluster CA: {e}")))?;
+        Ok(Self { dir, ours: true })
+    }
+}
+
+impl Drop for Secrets {
+    fn drop(&mut self) {
+        if self.ours {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
 

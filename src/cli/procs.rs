@@ -14,7 +14,9 @@ use elastic_zero::config::TrainConfig;
 use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
 use elastic_zero::job::{build_dataset, build_model};
 use elastic_zero::model::param_count;
+use elastic_zero::net::init_secrets;
 use elastic_zero::runtime::cluster::Observer;
+use elastic_zero::runtime::control::DataPlane;
 use elastic_zero::runtime::heartbeat::ProcsConfig;
 use elastic_zero::runtime::proc_coord::{
     check_supported, run_coordinator, CoordinatorOptions, ProcError,
@@ -70,8 +72,15 @@ impl ProcsArgs {
 #[derive(Args)]
 pub struct CoordinatorArgs {
     /// Accept workers on this address only (host:port; port 0 picks a free one and prints it).
-    #[arg(long, env = "EZERO_LISTEN")]
-    pub listen: String,
+    #[arg(long, env = "EZERO_LISTEN", required_unless_present = "init_secrets")]
+    pub listen: Option<String>,
+    /// Make a fresh cluster CA in DIR (for `worker --secrets DIR`) and exit.
+    #[arg(long, value_name = "DIR")]
+    pub init_secrets: Option<PathBuf>,
+    /// Data plane between workers: tcp (token-authenticated, unencrypted) or quic (mutual TLS,
+    /// needs workers' --secrets; its connection setup is not yet reliable) [default: tcp].
+    #[arg(long, value_parser = parse_data_plane)]
+    pub transport: Option<DataPlane>,
     /// File holding the cluster token workers must present (or set EZERO_CLUSTER_TOKEN).
     #[arg(long, env = "EZERO_CLUSTER_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
@@ -90,9 +99,12 @@ pub struct WorkerArgs {
     /// The rank this worker would like; the coordinator gives the lowest free one otherwise.
     #[arg(long, env = "EZERO_RANK_HINT")]
     pub rank_hint: Option<u32>,
-    /// Where to accept peers' data connections (host:port; port 0 picks one).
+    /// Where to accept peers' data connections (ip:port; port 0 picks one).
     #[arg(long, env = "EZERO_DATA_ADDR", default_value = "127.0.0.1:0")]
     pub data_listen: String,
+    /// The cluster's secrets directory (its CA, or this worker's certificate and key).
+    #[arg(long, env = "EZERO_SECRETS_DIR")]
+    pub secrets: Option<PathBuf>,
     /// File holding the cluster token (or set EZERO_CLUSTER_TOKEN).
     #[arg(long, env = "EZERO_CLUSTER_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
@@ -145,7 +157,27 @@ fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
         .map_err(|e| CliError::Failed(format!("cannot start the tokio runtime: {e}")))
 }
 
+pub fn parse_data_plane(s: &str) -> Result<DataPlane, String> {
+    match s {
+        "quic" => Ok(DataPlane::Quic),
+        "tcp" => Ok(DataPlane::Tcp),
+        _ => Err(format!("unknown transport `{s}`: use quic or tcp")),
+    }
+}
+
 pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
+    if let Some(dir) = &args.init_secrets {
+        init_secrets(dir).map_err(|e| CliError::Failed(format!("--init-secrets: {e}")))?;
+        println!(
+            "cluster CA written to {}; give every worker --secrets {}",
+            dir.display(),
+            dir.display()
+        );
+        return Ok(());
+    }
+    let Some(listen) = &args.listen else {
+        return Err(CliError::Usage("--listen is required".into()));
+    };
     let cfg = args
         .train
         .resolve()
@@ -158,9 +190,10 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let psi = param_count(&model.units());
     let floor = data.entropy_floor_nats();
     let opts = CoordinatorOptions {
-        listen: args.listen.clone(),
+        listen: listen.clone(),
         token,
         procs,
+        data_plane: args.transport.unwrap_or(DataPlane::Tcp),
     };
     let started = Instant::now();
     let mut lines = StepLines {
@@ -275,10 +308,11 @@ pub fn run_worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
         token,
         rank_hint: args.rank_hint,
         data_listen: args.data_listen.clone(),
+        secrets: args.secrets.clone(),
         procs,
     };
     let on_welcome = |rank, world| println!("ezero worker: rank {rank} of {world}");
-    match runtime()?.block_on(run_worker(opts, on_welcome)) {
+    let result = match runtime()?.block_on(run_worker(opts, on_welcome)) {
         Ok(out) if out.ok => {
             println!("ezero worker: rank {}: {}", out.rank, out.reason);
             Ok(())
@@ -289,5 +323,18 @@ pub fn run_worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
         ))),
         Err(ProcError::Config(c)) => Err(CliError::Usage(c.to_string())),
         Err(e) => Err(CliError::Failed(e.to_string())),
-    }
+    };
+    // Exit here: the rank's threads and transport may still wait on peers, and the job is over.
+    let code = match &result {
+        Ok(()) => 0,
+        Err(CliError::Usage(m)) => {
+            eprintln!("error: {m}");
+            2
+        }
+        Err(CliError::Failed(m)) => {
+            eprintln!("error: {m}");
+            1
+        }
+    };
+    std::process::exit(code)
 }

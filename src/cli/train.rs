@@ -251,7 +251,10 @@ fn printable(t: u32) -> char {
 }
 
 /// Writes the summary to a temporary file and renames it, so no partial file is ever seen.
-pub(super) fn write_json_atomically(path: &std::path::Path, summary: &TrainSummary) -> Result<(), CliError> {
+pub(super) fn write_json_atomically(
+    path: &std::path::Path,
+    summary: &TrainSummary,
+) -> Result<(), CliError> {
     let text =
         serde_json::to_string_pretty(summary).map_err(|e| CliError::Failed(e.to_string()))?;
     let tmp = path.with_extension("json.tmp");

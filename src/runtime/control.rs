@@ -48,8 +48,8 @@ fn codec() -> bincode::config::Configuration {
 
 /// Encodes `msg` as one frame.
 pub fn encode<M: Serialize>(msg: &M) -> Result<Vec<u8>, WireError> {
-    let body =
-        bincode::serde::encode_to_vec(msg, codec()).map_err(|e| WireError::Decode(e.to_string()))?;
+    let body = bincode::serde::encode_to_vec(msg, codec())
+        .map_err(|e| WireError::Decode(e.to_string()))?;
     let len = u32::try_from(body.len())
         .ok()
         .filter(|l| *l <= CONTROL_FRAME_MAX_BYTES)
@@ -147,10 +147,13 @@ pub enum ToCoord {
         token: String,
         /// The rank this worker would like (an orchestrator's hint); the coordinator may differ.
         rank_hint: Option<RankId>,
-        /// Where this worker's data-plane listener accepts its peers.
+    },
+    /// The data plane is bound (after the welcome, which says which one): peers reach this
+    /// worker there.
+    Bound {
         data_addr: String,
     },
-    /// State built and the rank actor running: it can take steps.
+    /// Connected to every peer, state built, the rank actor running: it can take steps.
     Ready,
     Report(RankReport),
     CollectReply {
@@ -164,6 +167,10 @@ pub enum ToCoord {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum ToWorker {
     Welcome(Box<Welcome>),
+    /// Every member's data-plane address, once all are bound.
+    Peers {
+        peers: Vec<(RankId, String)>,
+    },
     /// The hello was refused (bad token, job full); the connection closes next.
     Refused {
         reason: String,
@@ -192,9 +199,18 @@ pub struct Welcome {
     /// The job's `TrainConfig` as JSON (it skips absent options, which bincode cannot).
     pub config_json: String,
     pub map: ShardMap,
-    /// Every member's data-plane address.
-    pub peers: Vec<(RankId, String)>,
+    pub world: u32,
+    pub data_plane: DataPlane,
     pub procs: ProcsConfig,
+}
+
+/// Which transport ranks use between themselves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DataPlane {
+    /// Plain TCP, peers authenticated by the cluster token (no encryption).
+    Tcp,
+    /// QUIC with mutual TLS against the cluster CA.
+    Quic,
 }
 
 /// The rank-bound commands of `RankMsg`, without reply ports or local handles.

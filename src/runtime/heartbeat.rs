@@ -82,6 +82,11 @@ impl Liveness {
         }
     }
 
+    /// A different silence bound from now on (e.g. the setup phase's longer one).
+    pub fn set_timeout(&mut self, timeout_ms: u64) {
+        self.timeout_ms = timeout_ms;
+    }
+
     /// Anything arrived from the peer.
     pub fn observe(&mut self, now_ms: u64) {
         self.last_seen_ms = self.last_seen_ms.max(now_ms);

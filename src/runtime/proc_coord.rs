@@ -19,7 +19,7 @@ use super::actors::{ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor};
 use super::clock::{Clock, SystemClock};
 use super::cluster::{consolidate, job_spec, Observer, TrainOutcome};
 use super::control::{
-    read_msg, write_msg, ToCoord, ToWorker, Welcome, CONTROL_FRAME_MAX_BYTES,
+    read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, CONTROL_FRAME_MAX_BYTES,
     HELLO_FRAME_MAX_BYTES,
 };
 use super::heartbeat::{Liveness, ProcsConfig};
@@ -56,6 +56,7 @@ pub struct CoordinatorOptions {
     /// Workers must present this token.
     pub token: String,
     pub procs: ProcsConfig,
+    pub data_plane: DataPlane,
 }
 
 /// A worker's control connection, split.
@@ -63,7 +64,6 @@ struct Joined {
     rank: RankId,
     reader: OwnedReadHalf,
     writer: OwnedWriteHalf,
-    data_addr: SocketAddr,
 }
 
 /// Sending ends of every live worker's connection, shared with the coordinator's callbacks.
@@ -113,7 +113,7 @@ pub async fn run_coordinator(
     let members: Vec<RankId> = (0..cfg.ranks).collect();
     let map = ShardMap::plan(&numels, &members, cfg.chunk_elems, 1)
         .map_err(|e| ProcError::Setup(e.to_string()))?;
-    let mut run = Run::start(cfg, opts.procs, map, joined, deadline).await?;
+    let mut run = Run::start(cfg, opts.procs, opts.data_plane, map, joined, deadline).await?;
     let result = run.drive(&mut observer).await;
     run.finish(&result).await;
     result
@@ -172,30 +172,34 @@ async fn hello(
     .map_err(|e| e.to_string())?;
     let checked = check_hello(msg, token, joined, world);
     match checked {
-        Ok((rank, data_addr)) => Ok(Joined {
+        Ok(rank) => Ok(Joined {
             rank,
             reader,
             writer,
-            data_addr,
         }),
         Err(reason) => {
-            let _ = write_msg(&mut writer, &ToWorker::Refused { reason: reason.clone() }).await;
+            let _ = write_msg(
+                &mut writer,
+                &ToWorker::Refused {
+                    reason: reason.clone(),
+                },
+            )
+            .await;
             Err(reason)
         }
     }
 }
 
-/// The rank and data address for a hello, or why it is refused.
+/// The rank for a hello, or why it is refused.
 fn check_hello(
     msg: ToCoord,
     token: &str,
     joined: &BTreeMap<RankId, Joined>,
     world: u32,
-) -> Result<(RankId, SocketAddr), String> {
+) -> Result<RankId, String> {
     let ToCoord::Hello {
         token: got,
         rank_hint,
-        data_addr,
     } = msg
     else {
         return Err("the first message was not a hello".into());
@@ -203,14 +207,10 @@ fn check_hello(
     if got != token {
         return Err("wrong cluster token".into());
     }
-    let Ok(data_addr) = data_addr.parse::<SocketAddr>() else {
-        return Err(format!("data address `{data_addr}` is not host:port"));
-    };
     let free = |r: &RankId| !joined.contains_key(r);
     rank_hint
         .filter(|r| *r < world && free(r))
         .or_else(|| (0..world).find(free))
-        .map(|rank| (rank, data_addr))
         .ok_or_else(|| "the job already has all its workers".to_string())
 }
 
@@ -227,16 +227,13 @@ impl Run {
     async fn start(
         cfg: TrainConfig,
         procs: ProcsConfig,
+        data_plane: DataPlane,
         map: ShardMap,
         joined: Vec<Joined>,
         deadline: Instant,
     ) -> Result<Run, ProcError> {
         let config_json =
             serde_json::to_string(&cfg).map_err(|e| ProcError::Setup(e.to_string()))?;
-        let peers: Vec<(RankId, String)> = joined
-            .iter()
-            .map(|j| (j.rank, j.data_addr.to_string()))
-            .collect();
         let links: Links = Arc::default();
         let mut writers = Vec::new();
         let mut readers = Vec::new();
@@ -247,34 +244,39 @@ impl Run {
                 rank: j.rank,
                 config_json: config_json.clone(),
                 map: map.clone(),
-                peers: peers.clone(),
+                world: cfg.ranks,
+                data_plane,
                 procs,
             };
             let _ = tx.try_send(Some(ToWorker::Welcome(Box::new(welcome))));
             lock(&links).insert(j.rank, tx);
             readers.push((j.rank, j.reader));
         }
+        let wait = deadline.max(Instant::now() + Duration::from_millis(procs.join_timeout_ms));
+        let mut peers = Vec::new();
         for (rank, reader) in &mut readers {
-            let ready = tokio::time::timeout_at(
-                deadline.max(Instant::now() + Duration::from_millis(procs.join_timeout_ms)),
-                read_msg::<_, ToCoord>(reader, HELLO_FRAME_MAX_BYTES),
-            )
-            .await;
-            match ready {
-                Ok(Ok(ToCoord::Ready)) => {}
-                Ok(Ok(other)) => {
+            match expect(*rank, reader, wait, "bound").await? {
+                ToCoord::Bound { data_addr } if data_addr.parse::<SocketAddr>().is_ok() => {
+                    peers.push((*rank, data_addr))
+                }
+                other => {
+                    return Err(ProcError::Setup(format!(
+                        "rank {rank} sent {other:?} instead of its data address"
+                    )))
+                }
+            }
+        }
+        for l in lock(&links).values() {
+            let _ = l.try_send(Some(ToWorker::Peers {
+                peers: peers.clone(),
+            }));
+        }
+        for (rank, reader) in &mut readers {
+            match expect(*rank, reader, wait, "ready").await? {
+                ToCoord::Ready => {}
+                other => {
                     return Err(ProcError::Setup(format!(
                         "rank {rank} sent {other:?} instead of ready"
-                    )))
-                }
-                Ok(Err(e)) => {
-                    return Err(ProcError::Setup(format!(
-                        "rank {rank} failed while building its state: {e}"
-                    )))
-                }
-                Err(_) => {
-                    return Err(ProcError::Setup(format!(
-                        "rank {rank} was not ready within join_timeout_ms"
                     )))
                 }
             }
@@ -394,7 +396,9 @@ impl Run {
         for t in &self.tasks {
             t.abort();
         }
-        let links: Vec<_> = std::mem::take(&mut *lock(&self.links)).into_values().collect();
+        let links: Vec<_> = std::mem::take(&mut *lock(&self.links))
+            .into_values()
+            .collect();
         for l in &links {
             let stop = ToWorker::Stop {
                 ok,
@@ -418,11 +422,31 @@ impl Run {
     }
 }
 
+/// The next setup message from `rank`, or why none came.
+async fn expect(
+    rank: RankId,
+    reader: &mut OwnedReadHalf,
+    deadline: Instant,
+    what: &str,
+) -> Result<ToCoord, ProcError> {
+    match tokio::time::timeout_at(
+        deadline,
+        read_msg::<_, ToCoord>(reader, HELLO_FRAME_MAX_BYTES),
+    )
+    .await
+    {
+        Ok(Ok(msg)) => Ok(msg),
+        Ok(Err(e)) => Err(ProcError::Setup(format!(
+            "rank {rank} failed before it was {what}: {e}"
+        ))),
+        Err(_) => Err(ProcError::Setup(format!(
+            "rank {rank} was not {what} within join_timeout_ms"
+        ))),
+    }
+}
+
 /// Writes queued messages until told to stop (`None`) or the connection fails.
-async fn write_loop<M: serde::Serialize>(
-    mut w: OwnedWriteHalf,
-    mut rx: mpsc::Receiver<Option<M>>,
-) {
+async fn write_loop<M: serde::Serialize>(mut w: OwnedWriteHalf, mut rx: mpsc::Receiver<Option<M>>) {
     while let Some(Some(msg)) = rx.recv().await {
         if let Err(e) = write_msg(&mut w, &msg).await {
             tracing::debug!("control connection write failed: {e}");
@@ -464,7 +488,7 @@ impl Conn {
                         let _ = port.send(chunks);
                     }
                 }
-                ToCoord::Heartbeat | ToCoord::Ready => {}
+                ToCoord::Heartbeat | ToCoord::Ready | ToCoord::Bound { .. } => {}
                 ToCoord::Hello { .. } => {
                     self.proxy.stop(Some(format!(
                         "rank {rank}: protocol error (a second hello)"

@@ -3,12 +3,13 @@
 //! `CoordProxy`, and executes what arrives until the coordinator says stop, the rank fails, or
 //! the coordinator goes silent past the heartbeat timeout.
 
-use std::collections::BTreeMap;
 use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::{Actor, ActorRef};
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -17,16 +18,19 @@ use super::clock::{Clock, SystemClock};
 use super::cluster::{exec_config, optim_settings};
 use super::comm::Comm;
 use super::control::{
-    read_msg, write_msg, ToCoord, ToWorker, Welcome, CONTROL_FRAME_MAX_BYTES,
+    read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, CONTROL_FRAME_MAX_BYTES,
 };
 use super::heartbeat::{Liveness, ProcsConfig};
 use super::proc_coord::{ProcError, LINK_QUEUE_MAX};
 use super::proxy::{CoordProxy, CoordProxyArgs, WorkerEnd};
+use super::quic::{QuicConfig, QuicTransport};
 use super::rank_actor::{RankActor, RankArgs, RankMsg, RankSetup, Work};
 use super::rank_state::RankState;
-use super::tcp::{Interrupter, TcpListenerHandle, TcpTransport};
+use super::tcp::TcpListenerHandle;
+use super::transport::Transport;
 use crate::config::TrainConfig;
 use crate::job::{build_dataset, build_model};
+use crate::net::secrets::Identity;
 use crate::plan::{RankId, Stage};
 
 pub struct WorkerOptions {
@@ -34,8 +38,10 @@ pub struct WorkerOptions {
     pub join: String,
     pub token: String,
     pub rank_hint: Option<RankId>,
-    /// Where to accept peers' data connections (`host:port`; port 0 picks one).
+    /// Where to accept peers' data connections (`ip:port`; port 0 picks one).
     pub data_listen: String,
+    /// The cluster's secrets directory (CA, or this process's certificate): QUIC needs it.
+    pub secrets: Option<PathBuf>,
     /// Only `connect_timeout_ms` and `join_timeout_ms` are used before the welcome; the
     /// coordinator's heartbeat settings apply after it.
     pub procs: ProcsConfig,
@@ -54,38 +60,20 @@ pub struct WorkerOutcome {
 /// and the world size once assigned.
 pub async fn run_worker(
     opts: WorkerOptions,
-    on_welcome: impl FnOnce(RankId, usize),
+    on_welcome: impl FnOnce(RankId, u32),
 ) -> Result<WorkerOutcome, ProcError> {
-    let data = TcpListenerHandle::bind(&opts.data_listen, &opts.token).map_err(|e| {
-        ProcError::Setup(format!(
-            "cannot listen for peers on {}: {e}",
-            opts.data_listen
-        ))
-    })?;
     let stream = connect(&opts.join, opts.procs.connect_timeout_ms).await?;
     let _ = stream.set_nodelay(true);
     let (mut reader, mut writer) = stream.into_split();
     let hello = ToCoord::Hello {
         token: opts.token.clone(),
         rank_hint: opts.rank_hint,
-        data_addr: data.local_addr().to_string(),
     };
     write_msg(&mut writer, &hello)
         .await
         .map_err(|e| ProcError::Setup(format!("coordinator at {}: {e}", opts.join)))?;
-    let reply = tokio::time::timeout(
-        Duration::from_millis(opts.procs.join_timeout_ms),
-        read_msg::<_, ToWorker>(&mut reader, CONTROL_FRAME_MAX_BYTES),
-    )
-    .await
-    .map_err(|_| {
-        ProcError::Setup(format!(
-            "the coordinator at {} did not welcome this worker within join_timeout_ms ({} ms)",
-            opts.join, opts.procs.join_timeout_ms
-        ))
-    })?
-    .map_err(|e| ProcError::Setup(format!("coordinator at {}: {e}", opts.join)))?;
-    let welcome = match reply {
+    let join_ms = opts.procs.join_timeout_ms;
+    let welcome = match next(&mut reader, join_ms, &opts.join).await? {
         ToWorker::Welcome(w) => *w,
         ToWorker::Refused { reason } => {
             return Err(ProcError::Setup(format!(
@@ -98,15 +86,111 @@ pub async fn run_worker(
             )))
         }
     };
-    on_welcome(welcome.rank, welcome.peers.len());
+    on_welcome(welcome.rank, welcome.world);
     let (link, rx) = mpsc::channel(LINK_QUEUE_MAX);
     let writer_task = tokio::spawn(write_loop(writer, rx));
-    let result = serve(welcome, data, &link, reader).await;
+    let result = match welcome.data_plane {
+        DataPlane::Tcp => {
+            let data = TcpListenerHandle::bind(&opts.data_listen, &opts.token).map_err(|e| {
+                ProcError::Setup(format!(
+                    "cannot listen for peers on {}: {e}",
+                    opts.data_listen
+                ))
+            })?;
+            let peers = exchange(data.local_addr(), &link, &mut reader, join_ms, &opts).await?;
+            let transport = data.into_transport(welcome.rank, peers.into_iter().collect());
+            let interrupter = transport.interrupter();
+            let interrupt = Box::new(move |e, s| interrupter.interrupt(e, s));
+            serve(welcome, transport, interrupt, &link, reader).await
+        }
+        DataPlane::Quic => {
+            let q = bind_quic(&welcome, &opts)?;
+            let peers = exchange(q.local_addr(), &link, &mut reader, join_ms, &opts).await?;
+            q.add_peers(&peers);
+            let ranks: Vec<RankId> = peers.iter().map(|(r, _)| *r).collect();
+            // A dialled peer learns who we are from our first stream: open it now, so that
+            // both sides see the connection before the first step.
+            let control = q.control();
+            for &r in ranks.iter().filter(|r| **r > welcome.rank) {
+                let _ = control.send_control(r, bytes::Bytes::from_static(b"hello"));
+            }
+            tokio::task::block_in_place(|| q.wait_connected(&ranks, join_ms))
+                .map_err(|e| ProcError::Setup(format!("rank {}: {e}", welcome.rank)))?;
+            let control = q.control();
+            let interrupt = Box::new(move |e, s| control.interrupt(e, s));
+            serve(welcome, q, interrupt, &link, reader).await
+        }
+    };
     // Let the last reports (a failure, a collect reply) leave before the process ends.
     let _ = link.try_send(None);
     drop(link);
     let _ = tokio::time::timeout(Duration::from_secs(2), writer_task).await;
     result
+}
+
+/// The next message from the coordinator within `timeout_ms`.
+async fn next(
+    reader: &mut OwnedReadHalf,
+    timeout_ms: u64,
+    addr: &str,
+) -> Result<ToWorker, ProcError> {
+    tokio::time::timeout(
+        Duration::from_millis(timeout_ms),
+        read_msg::<_, ToWorker>(reader, CONTROL_FRAME_MAX_BYTES),
+    )
+    .await
+    .map_err(|_| {
+        ProcError::Setup(format!(
+            "the coordinator at {addr} did not answer within join_timeout_ms ({timeout_ms} ms)"
+        ))
+    })?
+    .map_err(|e| ProcError::Setup(format!("coordinator at {addr}: {e}")))
+}
+
+/// Reports this worker's data address and waits for everyone's.
+async fn exchange(
+    bound: SocketAddr,
+    link: &mpsc::Sender<Option<ToCoord>>,
+    reader: &mut OwnedReadHalf,
+    join_ms: u64,
+    opts: &WorkerOptions,
+) -> Result<Vec<(RankId, SocketAddr)>, ProcError> {
+    let bound_msg = ToCoord::Bound {
+        data_addr: bound.to_string(),
+    };
+    let _ = link.send(Some(bound_msg)).await;
+    let ToWorker::Peers { peers } = next(reader, join_ms, &opts.join).await? else {
+        return Err(ProcError::Setup(
+            "the coordinator did not send the peer list".into(),
+        ));
+    };
+    peers
+        .into_iter()
+        .map(|(r, a)| {
+            a.parse::<SocketAddr>()
+                .map(|a| (r, a))
+                .map_err(|_| ProcError::Setup(format!("rank {r}'s data address `{a}` is invalid")))
+        })
+        .collect()
+}
+
+fn bind_quic(welcome: &Welcome, opts: &WorkerOptions) -> Result<QuicTransport, ProcError> {
+    let rank = welcome.rank;
+    let dir = opts.secrets.as_ref().ok_or_else(|| {
+        ProcError::Setup(
+            "the job uses QUIC with mutual TLS: give this worker the cluster's secrets directory (--secrets DIR or EZERO_SECRETS_DIR)".into(),
+        )
+    })?;
+    let identity = Identity::from_dir(dir, &format!("rank-{rank}"))
+        .map_err(|e| ProcError::Setup(format!("secrets in {}: {e}", dir.display())))?;
+    let addr: SocketAddr = opts.data_listen.parse().map_err(|_| {
+        ProcError::Setup(format!(
+            "data address `{}` is not ip:port",
+            opts.data_listen
+        ))
+    })?;
+    QuicTransport::bind(rank, addr, &identity, &QuicConfig::default())
+        .map_err(|e| ProcError::Setup(format!("rank {rank}: {e}")))
 }
 
 /// Dials until the coordinator answers or `timeout_ms` passes (it may start after us).
@@ -149,18 +233,21 @@ async fn write_loop(
 }
 
 /// Builds the rank from the welcome and runs it until the job ends for this worker.
-async fn serve(
+async fn serve<T: Transport>(
     welcome: Welcome,
-    data: TcpListenerHandle,
+    transport: T,
+    interrupt: Interrupt,
     link: &mpsc::Sender<Option<ToCoord>>,
-    mut reader: tokio::net::tcp::OwnedReadHalf,
+    mut reader: OwnedReadHalf,
 ) -> Result<WorkerOutcome, ProcError> {
     let rank = welcome.rank;
     let procs = welcome.procs;
-    let (rank_actor, interrupter, mut ended) = start_rank(welcome, data, link).await?;
+    let (rank_actor, mut ended) = start_rank(welcome, transport, link).await?;
     let _ = link.try_send(Some(ToCoord::Ready));
     let clock = SystemClock::default();
-    let mut live = Liveness::new(clock.now_ms(), procs.heartbeat_timeout_ms);
+    // Until the coordinator's first message after `Ready` (it waits for the slowest worker),
+    // silence is bounded by the join timeout; from then on by the heartbeat timeout.
+    let mut live = Liveness::new(clock.now_ms(), procs.join_timeout_ms);
     let mut every = tokio::time::interval(Duration::from_millis(procs.heartbeat_ms));
     // Reading a frame is not cancellation-safe, so it runs apart from the select below.
     let (inbox_tx, mut inbox) = mpsc::channel(LINK_QUEUE_MAX);
@@ -183,7 +270,8 @@ async fn serve(
                     ))),
                 };
                 live.observe(clock.now_ms());
-                if let Some(out) = execute(msg, rank, &rank_actor, &interrupter, link) {
+                live.set_timeout(procs.heartbeat_timeout_ms);
+                if let Some(out) = execute(msg, rank, &rank_actor, &interrupt, link) {
                     break Ok(out);
                 }
             }
@@ -201,17 +289,18 @@ async fn serve(
             }
         }
     };
+    // The rank actor is left running: the process ends next, and stopping it here could block
+    // on a step that waits for a peer.
     read_task.abort();
-    rank_actor.stop(None);
     outcome
 }
 
 /// Carries out one coordinator message; `Some` when it ends the job for this worker.
-fn execute<T: super::transport::Transport>(
+fn execute<T: Transport>(
     msg: ToWorker,
     rank: RankId,
     rank_actor: &ActorRef<RankMsg<T>>,
-    interrupter: &Interrupter,
+    interrupt: &Interrupt,
     link: &mpsc::Sender<Option<ToCoord>>,
 ) -> Option<WorkerOutcome> {
     match msg {
@@ -229,42 +318,34 @@ fn execute<T: super::transport::Transport>(
                 }
             });
         }
-        ToWorker::Interrupt { epoch, step } => interrupter.interrupt(epoch, step),
-        ToWorker::Heartbeat | ToWorker::Welcome(_) | ToWorker::Refused { .. } => {}
+        ToWorker::Interrupt { epoch, step } => interrupt(epoch, step),
+        ToWorker::Heartbeat
+        | ToWorker::Welcome(_)
+        | ToWorker::Peers { .. }
+        | ToWorker::Refused { .. } => {}
         ToWorker::Stop { ok, reason } => return Some(WorkerOutcome { rank, ok, reason }),
     }
     None
 }
 
-type Started = (
-    ActorRef<RankMsg<TcpTransport>>,
-    Interrupter,
-    mpsc::UnboundedReceiver<WorkerEnd>,
-);
+/// Wakes the rank from an abandoned (epoch, step).
+type Interrupt = Box<dyn Fn(u64, u64) + Send + Sync>;
 
-async fn start_rank(
+type Started<T> = (ActorRef<RankMsg<T>>, mpsc::UnboundedReceiver<WorkerEnd>);
+
+async fn start_rank<T: Transport>(
     welcome: Welcome,
-    data: TcpListenerHandle,
+    transport: T,
     link: &mpsc::Sender<Option<ToCoord>>,
-) -> Result<Started, ProcError> {
+) -> Result<Started<T>, ProcError> {
     let rank = welcome.rank;
     let cfg: TrainConfig = serde_json::from_str(&welcome.config_json)
         .map_err(|e| ProcError::Setup(format!("the coordinator sent an unreadable config: {e}")))?;
     cfg.validate()?;
     let model = build_model(&cfg)?;
     let dataset = build_dataset(&cfg)?;
-    let stage = Stage::from_u8(cfg.stage).ok_or_else(|| {
-        ProcError::Setup(format!("stage {} from the coordinator", cfg.stage))
-    })?;
-    let mut peers = BTreeMap::new();
-    for (r, a) in &welcome.peers {
-        let addr = a
-            .parse::<SocketAddr>()
-            .map_err(|_| ProcError::Setup(format!("rank {r}'s data address `{a}` is invalid")))?;
-        peers.insert(*r, addr);
-    }
-    let transport = data.into_transport(rank, peers);
-    let interrupter = transport.interrupter();
+    let stage = Stage::from_u8(cfg.stage)
+        .ok_or_else(|| ProcError::Setup(format!("stage {} from the coordinator", cfg.stage)))?;
     let optim = optim_settings(&cfg);
     let params: Vec<Vec<f32>> = (0..model.units().len())
         .map(|u| model.init_unit(u, cfg.seed))
@@ -297,27 +378,19 @@ async fn start_rank(
         link: link.clone(),
         ended: ended_tx,
     };
-    let (proxy, _) = Actor::spawn(None, CoordProxy::<TcpTransport>::default(), proxy_args)
+    let (proxy, _) = Actor::spawn(None, CoordProxy::<T>::default(), proxy_args)
         .await
         .map_err(|e| ProcError::Setup(e.to_string()))?;
     let args = RankArgs {
         rank,
-        work: Work::new(
-            Some(state),
-            Comm::new(transport, cfg.collective_timeout_ms),
-        ),
+        work: Work::new(Some(state), Comm::new(transport, cfg.collective_timeout_ms)),
         coordinator: proxy.clone(),
         setup,
         panic_at_step: None,
         kill_at_step: cfg.kill.iter().find(|k| k.value == rank).map(|k| k.step),
     };
-    let (actor, _) = Actor::spawn_linked(
-        None,
-        RankActor::<TcpTransport>::default(),
-        args,
-        proxy.get_cell(),
-    )
-    .await
-    .map_err(|e| ProcError::Setup(e.to_string()))?;
-    Ok((actor, interrupter, ended))
+    let (actor, _) = Actor::spawn_linked(None, RankActor::<T>::default(), args, proxy.get_cell())
+        .await
+        .map_err(|e| ProcError::Setup(e.to_string()))?;
+    Ok((actor, ended))
 }

@@ -119,7 +119,10 @@ fn read_loop(mut s: TcpStream, tx: Sender<Frame>, stats: Arc<DataStats>, token: 
             }
             Ok(Some(frame)) => {
                 stats.rejected_frames.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!("data plane: rank {from} sent a frame claiming rank {}", frame.from);
+                tracing::warn!(
+                    "data plane: rank {from} sent a frame claiming rank {}",
+                    frame.from
+                );
                 return;
             }
             Ok(None) => return,
@@ -133,7 +136,8 @@ fn read_loop(mut s: TcpStream, tx: Sender<Frame>, stats: Arc<DataStats>, token: 
 }
 
 fn read_hello(s: &mut TcpStream, token: &str) -> Result<RankId, String> {
-    s.set_read_timeout(Some(DIAL_TIMEOUT)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(DIAL_TIMEOUT))
+        .map_err(|e| e.to_string())?;
     let mut head = [0u8; 10];
     s.read_exact(&mut head).map_err(|e| e.to_string())?;
     if &head[..4] != HELLO_MAGIC {
@@ -218,7 +222,9 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, String> {
     }
     let len = u32_at(28);
     if len > DATA_FRAME_MAX_BYTES {
-        return Err(format!("payload of {len} bytes exceeds {DATA_FRAME_MAX_BYTES}"));
+        return Err(format!(
+            "payload of {len} bytes exceeds {DATA_FRAME_MAX_BYTES}"
+        ));
     }
     let mut payload = vec![0u8; len as usize];
     r.read_exact(&mut payload).map_err(|e| e.to_string())?;
@@ -285,7 +291,12 @@ impl TcpTransport {
         Arc::clone(&self.stats)
     }
 
-    fn write(&self, conn: &mut Option<TcpStream>, addr: SocketAddr, frame: &Frame) -> std::io::Result<()> {
+    fn write(
+        &self,
+        conn: &mut Option<TcpStream>,
+        addr: SocketAddr,
+        frame: &Frame,
+    ) -> std::io::Result<()> {
         if conn.is_none() {
             let mut s = TcpStream::connect_timeout(&addr, DIAL_TIMEOUT)?;
             s.set_nodelay(true)?;
@@ -294,8 +305,8 @@ impl TcpTransport {
         }
         // Invariant: set just above when it was empty.
         let s = conn.as_mut().expect("connected");
-        let header = encode_header(frame)
-            .map_err(|_| std::io::Error::other("frame over the size limit"))?;
+        let header =
+            encode_header(frame).map_err(|_| std::io::Error::other("frame over the size limit"))?;
         s.write_all(&header)?;
         s.write_all(&frame.payload)
     }
@@ -308,7 +319,10 @@ impl Transport for TcpTransport {
 
     fn send(&self, to: RankId, frame: Frame) -> Result<(), TransportError> {
         if to == self.rank {
-            return self.inbox_tx.send(frame).map_err(|_| TransportError::Closed);
+            return self
+                .inbox_tx
+                .send(frame)
+                .map_err(|_| TransportError::Closed);
         }
         let (addr, conn) = self.peers.get(&to).ok_or(TransportError::UnknownPeer(to))?;
         let mut conn = conn.lock().unwrap_or_else(|e| e.into_inner());
@@ -321,7 +335,10 @@ impl Transport for TcpTransport {
     }
 
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
-        match self.inbox_rx.recv_timeout(Duration::from_millis(timeout_ms)) {
+        match self
+            .inbox_rx
+            .recv_timeout(Duration::from_millis(timeout_ms))
+        {
             Ok(f) => Ok(f),
             Err(RecvTimeoutError::Timeout) => Err(TransportError::Timeout(timeout_ms)),
             Err(RecvTimeoutError::Disconnected) => Err(TransportError::Closed),
@@ -359,10 +376,16 @@ mod tests {
         let mut b = b.into_transport(1, peers);
         a.send(1, frame(0, 5, b"hello")).unwrap();
         let got = b.recv_timeout(5_000).unwrap();
-        assert_eq!((got.from, got.tag.unit, &got.payload[..]), (0, 5, &b"hello"[..]));
+        assert_eq!(
+            (got.from, got.tag.unit, &got.payload[..]),
+            (0, 5, &b"hello"[..])
+        );
         b.interrupter().interrupt(1, 2);
         assert_eq!(b.recv_timeout(5_000).unwrap().tag.kind, TagKind::Interrupt);
-        assert!(matches!(b.recv_timeout(10), Err(TransportError::Timeout(10))));
+        assert!(matches!(
+            b.recv_timeout(10),
+            Err(TransportError::Timeout(10))
+        ));
     }
 
     #[test]
@@ -374,7 +397,10 @@ mod tests {
         let mut b = b.into_transport(1, peers);
         // The write may succeed (the kernel buffers it) but nothing is delivered.
         let _ = wrong.send(1, frame(0, 1, b"x"));
-        assert!(matches!(b.recv_timeout(300), Err(TransportError::Timeout(_))));
+        assert!(matches!(
+            b.recv_timeout(300),
+            Err(TransportError::Timeout(_))
+        ));
         assert_eq!(b.stats().refused_peers.load(Ordering::Relaxed), 1);
     }
 
