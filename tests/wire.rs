@@ -130,6 +130,22 @@ proptest! {
         prop_assert!(stream(&bytes, &[]).is_err());
     }
 
+    /// A corrupted header with a valid checksum (a buggy or hostile peer, not line noise) is
+    /// either refused or decodes to a message that re-encodes to exactly those bytes.
+    #[test]
+    fn resealed_header_mutations_fail_or_decode_canonically(
+        m in arb_msg(), at in 6usize..40, x in 1u8..=255,
+    ) {
+        let mut bytes = encode_to_vec(&m);
+        let h = bytes[5] as usize;
+        let i = 6 + at % h;
+        bytes[i] ^= x;
+        reseal(&mut bytes);
+        if let Ok((back, used)) = decode(&bytes, MAX) {
+            prop_assert_eq!(encode_to_vec(&back), &bytes[..used]);
+        }
+    }
+
     #[test]
     fn every_truncation_is_reported(m in arb_msg(), at in any::<prop::sample::Index>()) {
         let bytes = encode_to_vec(&m);

@@ -2,6 +2,7 @@
 //! data) exit with code 2 and one line naming the field; run failures exit with code 1.
 
 mod checkpoint;
+mod collectives;
 mod launch;
 mod procs;
 mod train;
@@ -59,6 +60,9 @@ pub enum BenchCommand {
     /// Checkpoint save/load throughput vs the disk's direct-I/O bandwidth, and the training
     /// slowdown while background saves run (JSON lines).
     Checkpoint(Box<checkpoint::BenchCheckpointArgs>),
+    /// All-gather, reduce-scatter, all-reduce and broadcast bandwidth over the local or QUIC
+    /// transport (JSON lines, nccl-tests definitions).
+    Collectives(Box<collectives::CollectivesArgs>),
 }
 
 /// `ezero train` flags. Every flag overrides the same key of `--config FILE`.
@@ -298,6 +302,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Worker(args) => procs::run_worker_cmd(&args),
         Command::Launch(args) => launch::run(&args),
         Command::Bench(BenchCommand::Checkpoint(args)) => checkpoint::run_bench(&args),
+        Command::Bench(BenchCommand::Collectives(args)) => collectives::run(&args),
         Command::Bench(BenchCommand::Adam {
             numel,
             threads,

@@ -75,6 +75,7 @@ pub struct QuicTransport {
     runtime: Option<tokio::runtime::Runtime>,
     local_addr: SocketAddr,
     buffers: SocketBuffers,
+    linger_ms: u64,
 }
 
 /// A cloneable handle for the process layer (heartbeats, membership, interrupts), usable from
@@ -149,6 +150,7 @@ impl QuicTransport {
             runtime: Some(runtime),
             local_addr,
             buffers,
+            linger_ms: cfg.linger_ms,
         })
     }
 
@@ -211,8 +213,13 @@ impl QuicTransport {
     }
 
     /// Sends what is queued, waits (at most `timeout_ms`) until peers have it, and closes.
+    /// Dropping the transport does the same with `QuicConfig::linger_ms`.
     pub fn shutdown(mut self, timeout_ms: u64) {
-        let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+        self.linger_ms = timeout_ms;
+    }
+
+    fn close_gracefully(&mut self) {
+        let deadline = Instant::now() + Duration::from_millis(self.linger_ms);
         let s = &self.shared;
         s.closing.store(true, Ordering::Relaxed);
         let writers: Vec<_> = {
@@ -226,28 +233,32 @@ impl QuicTransport {
                 })
                 .collect()
         };
-        if let Some(rt) = &self.runtime {
+        // Blocking on our runtime is not allowed inside another one (an actor dropping the
+        // transport): there, close at once without lingering.
+        let nested = tokio::runtime::Handle::try_current().is_ok();
+        if nested {
+            s.endpoint.close(VarInt::from_u32(CLOSE_BYE), b"bye");
+        }
+        if let Some(rt) = self.runtime.as_ref().filter(|_| !nested) {
             let left = deadline.saturating_duration_since(Instant::now());
-            let _ = rt.block_on(tokio::time::timeout(left, async {
-                for w in writers {
-                    let _ = w.await;
-                }
-            }));
+            // Timers need the runtime's context: build them inside `block_on`.
+            rt.block_on(async {
+                let _ = tokio::time::timeout(left, async {
+                    for w in writers {
+                        let _ = w.await;
+                    }
+                })
+                .await;
+            });
             s.endpoint.close(VarInt::from_u32(CLOSE_BYE), b"bye");
             let left = deadline.saturating_duration_since(Instant::now());
             let ep = s.endpoint.clone();
-            let _ = rt.block_on(tokio::time::timeout(left, ep.wait_idle()));
+            rt.block_on(async {
+                let _ = tokio::time::timeout(left, ep.wait_idle()).await;
+            });
         }
-        self.close_now();
-    }
-
-    fn close_now(&mut self) {
-        self.shared.closing.store(true, Ordering::Relaxed);
-        self.shared.data.close();
-        self.shared.control.close();
-        self.shared
-            .endpoint
-            .close(VarInt::from_u32(CLOSE_BYE), b"closed");
+        s.data.close();
+        s.control.close();
         if let Some(rt) = self.runtime.take() {
             // Waiting for the runtime's tasks is not allowed inside another runtime (the
             // transport is often dropped by an actor); there, let them finish in the background.
@@ -261,8 +272,9 @@ impl QuicTransport {
 }
 
 impl Drop for QuicTransport {
+    /// Lingers (at most `linger_ms`) until peers have everything queued, then closes.
     fn drop(&mut self) {
-        self.close_now();
+        self.close_gracefully();
     }
 }
 

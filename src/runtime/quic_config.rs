@@ -34,6 +34,8 @@ pub struct QuicConfig {
     /// A connection with no packets for this long is closed (keep-alives go every third of
     /// it) [default: 10000].
     pub idle_timeout_ms: u64,
+    /// On drop, how long to wait for peers to acknowledge what is still queued [default: 2000].
+    pub linger_ms: u64,
     /// Threads of the transport's own tokio runtime (encryption is CPU-bound) [default: 1].
     pub io_threads: usize,
 }
@@ -51,6 +53,7 @@ impl Default for QuicConfig {
             stream_window_bytes: 16 << 20,
             connect_timeout_ms: 10_000,
             idle_timeout_ms: 10_000,
+            linger_ms: 2000,
             io_threads: 1,
         }
     }

@@ -52,11 +52,16 @@ pub(crate) struct Counters {
     pub queued_bytes: AtomicU64,
 }
 
+/// A lane's queue: messages with the wire bytes they count against `queued_bytes`.
+pub(crate) type LaneTx = mpsc::UnboundedSender<(WireMsg, u64)>;
+
 pub(crate) struct Peer {
     pub rank: RankId,
     pub conn: watch::Sender<Option<Connection>>,
-    pub lanes: Mutex<Option<[mpsc::UnboundedSender<(WireMsg, u64)>; 2]>>,
+    pub lanes: Mutex<Option<[LaneTx; 2]>>,
     pub lost: Mutex<Option<String>>,
+    /// The peer said goodbye: its loss is expected.
+    pub quiet: AtomicBool,
     pub writers: Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
@@ -101,6 +106,7 @@ impl Shared {
             conn: watch::Sender::new(None),
             lanes: Mutex::new(Some([ctl_tx, bulk_tx])),
             lost: Mutex::new(None),
+            quiet: AtomicBool::new(false),
             writers: Mutex::new(Vec::new()),
         });
         let w = [(Lane::Control, ctl_rx), (Lane::Bulk, bulk_rx)].map(|(lane, rx)| {
@@ -122,10 +128,15 @@ impl Shared {
         self.control.push_now(0, 0, e);
     }
 
+    /// Marks `peer` as leaving cleanly, so that its loss is not logged as a warning.
+    pub(crate) fn closing_peer(&self, peer: &Peer) {
+        peer.quiet.store(true, Ordering::Relaxed);
+    }
+
     pub(crate) fn mark_lost(&self, peer: &Peer, reason: String) {
         let mut lost = peer.lost.lock().unwrap_or_else(|e| e.into_inner());
         if lost.is_none() {
-            if !self.closing.load(Ordering::Relaxed) {
+            if !self.closing.load(Ordering::Relaxed) && !peer.quiet.load(Ordering::Relaxed) {
                 tracing::warn!(rank = self.rank, peer = peer.rank, "peer lost: {reason}");
             }
             *lost = Some(reason.clone());
@@ -246,6 +257,17 @@ async fn watch_closed(shared: Arc<Shared>, peer: Arc<Peer>, conn: Connection) {
     let why = conn.closed().await;
     let current = peer.conn.borrow().as_ref().map(Connection::stable_id);
     if current == Some(conn.stable_id()) {
+        // A peer that said goodbye is no failure worth a warning, but it is still gone.
+        let bye = matches!(&why, quinn::ConnectionError::ApplicationClosed(c)
+            if c.error_code == VarInt::from_u32(CLOSE_BYE));
+        if bye {
+            tracing::info!(
+                rank = shared.rank,
+                peer = peer.rank,
+                "peer closed the connection"
+            );
+            shared.closing_peer(&peer);
+        }
         shared.mark_lost(&peer, format!("connection closed: {why}"));
     }
 }

@@ -164,6 +164,14 @@ pub(super) fn decode_body(
             h - used
         )));
     }
+    // One message, one encoding: a header with non-minimal integers is refused, so that what
+    // decodes always re-encodes to the same bytes.
+    let mut canon = [0u8; MAX_HEADER_BYTES];
+    let n = bincode::encode_into_slice(&header, &mut canon, config())
+        .map_err(|e| WireError::Header(e.to_string()))?;
+    if canon[..n] != rest[..h] {
+        return Err(WireError::Header("non-canonical header encoding".into()));
+    }
     let payload = rest.slice(h..body);
     let empty = |kind: &'static str| {
         if payload.is_empty() {
