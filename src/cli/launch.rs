@@ -4,7 +4,8 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use clap::{Args, Parser};
@@ -146,14 +147,20 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
         }
     }
     drop(lines_tx);
-    let coord_status = wait_printing(&mut coord, &lines, None);
+    // SIGTERM or SIGINT to the launcher stops the coordinator; the workers then see its
+    // connection close and exit, so nothing is left running.
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        let _ = signal_hook::flag::register(sig, Arc::clone(&stop));
+    }
+    let coord_status = wait_printing(&mut coord, &lines, None, Some(&stop));
     // The coordinator told every worker to stop; a worker that has not stopped within the
     // heartbeat timeout (plus slack) is killed and reported.
     let grace = Duration::from_millis(procs.heartbeat_timeout_ms) + Duration::from_secs(5);
     let deadline = Instant::now() + grace;
     let mut stuck = Vec::new();
     for (i, w) in workers.iter_mut().enumerate() {
-        if wait_printing(w, &lines, Some(deadline)).is_none() {
+        if wait_printing(w, &lines, Some(deadline), None).is_none() {
             let _ = w.kill();
             let _ = w.wait();
             stuck.push(i);
@@ -238,14 +245,19 @@ fn wait_for_address(lines: &mpsc::Receiver<Line>) -> Result<String, String> {
 }
 
 /// Prints output while waiting for `child` to exit (until `deadline`, if any).
+/// A set `stop` flag kills the child.
 fn wait_printing(
     child: &mut Child,
     lines: &mpsc::Receiver<Line>,
     deadline: Option<Instant>,
+    stop: Option<&AtomicBool>,
 ) -> Option<ExitStatus> {
     loop {
         if let Ok(Some(status)) = child.try_wait() {
             return Some(status);
+        }
+        if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+            let _ = child.kill();
         }
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return None;

@@ -419,6 +419,8 @@ mod tests {
         let mut huge = wire.clone();
         huge[28..32].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(read_frame(&mut &huge[..]).unwrap_err().contains("exceeds"));
-        assert!(read_frame(&mut &wire[..20]).is_err());
+        // A payload cut short is an error; a clean end between frames is not.
+        assert!(read_frame(&mut &wire[..40]).is_err());
+        assert!(read_frame(&mut &wire[..0]).unwrap().is_none());
     }
 }
