@@ -2,6 +2,9 @@
 //! data) exit with code 2 and one line naming the field; run failures exit with code 1.
 
 mod checkpoint;
+mod collectives;
+mod launch;
+mod procs;
 mod train;
 
 use std::path::PathBuf;
@@ -32,6 +35,12 @@ pub enum Command {
     /// Verify, inspect or export a checkpoint.
     #[command(subcommand)]
     Checkpoint(checkpoint::CheckpointCommand),
+    /// Run a job's coordinator process: admit `--ranks` workers, then drive the training.
+    Coordinator(Box<procs::CoordinatorArgs>),
+    /// Run one rank as a worker process of the coordinator at `--join`.
+    Worker(procs::WorkerArgs),
+    /// Start a coordinator and N worker processes on this machine and show their progress.
+    Launch(launch::LaunchArgs),
 }
 
 #[derive(Subcommand)]
@@ -51,6 +60,9 @@ pub enum BenchCommand {
     /// Checkpoint save/load throughput vs the disk's direct-I/O bandwidth, and the training
     /// slowdown while background saves run (JSON lines).
     Checkpoint(Box<checkpoint::BenchCheckpointArgs>),
+    /// All-gather, reduce-scatter, all-reduce and broadcast bandwidth over the local or QUIC
+    /// transport (JSON lines, nccl-tests definitions).
+    Collectives(Box<collectives::CollectivesArgs>),
 }
 
 /// `ezero train` flags. Every flag overrides the same key of `--config FILE`.
@@ -299,7 +311,11 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::Train(args) => train::run(&args),
         Command::Checkpoint(cmd) => checkpoint::run(cmd),
+        Command::Coordinator(args) => procs::run_coordinator_cmd(&args),
+        Command::Worker(args) => procs::run_worker_cmd(&args),
+        Command::Launch(args) => launch::run(&args),
         Command::Bench(BenchCommand::Checkpoint(args)) => checkpoint::run_bench(&args),
+        Command::Bench(BenchCommand::Collectives(args)) => collectives::run(&args),
         Command::Bench(BenchCommand::Adam {
             numel,
             threads,

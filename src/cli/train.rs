@@ -276,7 +276,7 @@ fn progress_bar(steps: u64) -> ProgressBar {
     bar
 }
 
-fn summarize(
+pub(super) fn summarize(
     cfg: &TrainConfig,
     psi: usize,
     floor: Option<f64>,
@@ -330,7 +330,10 @@ fn printable(t: u32) -> char {
 }
 
 /// Writes the summary to a temporary file and renames it, so no partial file is ever seen.
-fn write_json_atomically(path: &std::path::Path, summary: &TrainSummary) -> Result<(), CliError> {
+pub(super) fn write_json_atomically(
+    path: &std::path::Path,
+    summary: &TrainSummary,
+) -> Result<(), CliError> {
     let text =
         serde_json::to_string_pretty(summary).map_err(|e| CliError::Failed(e.to_string()))?;
     let tmp = path.with_extension("json.tmp");

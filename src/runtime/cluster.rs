@@ -156,6 +156,22 @@ pub fn lr_schedule(cfg: &TrainConfig) -> LrSchedule {
     }
 }
 
+/// The coordinator engine's job description for a config.
+pub fn job_spec(cfg: &TrainConfig, snapshot_every: u64) -> JobSpec {
+    JobSpec {
+        steps: cfg.steps,
+        micro_batches: cfg.micro_batches,
+        lr: lr_schedule(cfg),
+        step_timeout_ms: cfg.collective_timeout_ms.saturating_mul(4),
+        initial_grad_bound: cfg.initial_grad_bound,
+        snapshot_every,
+        script: membership_script(cfg),
+        min_ranks: cfg.min_ranks,
+        max_ranks: cfg.max_ranks,
+        replicate_every: cfg.replicate_every,
+    }
+}
+
 /// Per-step execution settings of a config.
 pub fn exec_config(cfg: &TrainConfig) -> ExecConfig {
     ExecConfig {
@@ -214,18 +230,7 @@ impl Cluster {
             LocalNetwork::new()
         };
         let (tx, events) = unbounded_channel();
-        let job = JobSpec {
-            steps: cfg.steps,
-            micro_batches: cfg.micro_batches,
-            lr: lr_schedule(cfg),
-            step_timeout_ms: cfg.collective_timeout_ms.saturating_mul(4),
-            initial_grad_bound: cfg.initial_grad_bound,
-            snapshot_every: spec.snapshot_every,
-            script: membership_script(cfg),
-            min_ranks: cfg.min_ranks,
-            max_ranks: cfg.max_ranks,
-            replicate_every: cfg.replicate_every,
-        };
+        let job = job_spec(cfg, spec.snapshot_every);
         let optim = optim_settings(cfg);
         let setup = Arc::new(RankSetup {
             stage,
@@ -246,13 +251,15 @@ impl Cluster {
             cfg.collective_timeout_ms,
             cfg.kill.clone(),
         );
-        let factory: RankFactory<LocalEndpoint> = Box::new(move |rank, coordinator| RankArgs {
-            rank,
-            work: Work::new(None, Comm::new(join_net.endpoint(rank), timeout_ms)),
-            coordinator,
-            setup: Arc::clone(&join_setup),
-            panic_at_step: None,
-            kill_at_step: kills.iter().find(|k| k.value == rank).map(|k| k.step),
+        let factory: RankFactory<LocalEndpoint> = Box::new(move |rank, coordinator| {
+            Ok(RankArgs {
+                rank,
+                work: Work::new(None, Comm::new(join_net.endpoint(rank), timeout_ms)),
+                coordinator,
+                setup: Arc::clone(&join_setup),
+                panic_at_step: None,
+                kill_at_step: kills.iter().find(|k| k.value == rank).map(|k| k.step),
+            })
         });
         let args = CoordArgs {
             engine: match &spec.resume {

@@ -19,7 +19,9 @@ use crate::engine::messages::StepReport;
 use crate::plan::{RankId, ShardMap};
 
 /// Builds the arguments of a new rank actor (a joiner): its endpoint, shared setup, no state.
-pub type RankFactory<T> = Box<dyn Fn(RankId, ActorRef<CoordMsg<T>>) -> RankArgs<T> + Send + Sync>;
+/// Refuses with a reason where the runtime cannot start ranks itself (worker processes).
+pub type RankFactory<T> =
+    Box<dyn Fn(RankId, ActorRef<CoordMsg<T>>) -> Result<RankArgs<T>, String> + Send + Sync>;
 
 /// Messages to the coordinator. Expected failures arrive as `RankFailed`, never as errors.
 pub enum CoordMsg<T: Transport> {
@@ -186,7 +188,17 @@ impl<T: Transport> CoordState<T> {
             Command::Spawn { ranks } => {
                 let mut out = Vec::new();
                 for rank in ranks {
-                    let args = (self.factory)(rank, me.clone());
+                    let args = match (self.factory)(rank, me.clone()) {
+                        Ok(args) => args,
+                        Err(reason) => {
+                            out.push(Event::RankFailed {
+                                rank,
+                                reason: format!("could not start: {reason}"),
+                                now_ms: self.clock.now_ms(),
+                            });
+                            continue;
+                        }
+                    };
                     match Actor::spawn_linked(None, RankActor::<T>::default(), args, me.get_cell())
                         .await
                     {

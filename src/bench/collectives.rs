@@ -1,0 +1,381 @@
+//! Collective bandwidth over any `Transport`: all-gather, reduce-scatter, all-reduce and
+//! broadcast as the runtime runs them (`runtime::collectives`, direct sends to every peer), on
+//! f32 buffers.
+//!
+//! Definitions follow nccl-tests (and `../shared/peers/collectives.py`, the gloo baseline):
+//! `bytes` is the largest buffer (all-gather output, reduce-scatter input, the all-reduce or
+//! broadcast tensor); `algbw = bytes / t`; `busbw = algbw * (n-1)/n` for all-gather and
+//! reduce-scatter, `* 2(n-1)/n` for all-reduce, `* 1` for broadcast; GB = 1e9 bytes. `t` is the
+//! mean time per op of a back-to-back loop, the maximum over ranks.
+
+use std::time::Instant;
+
+use bytes::Bytes;
+use serde::Serialize;
+
+use crate::plan::{RankId, ShardMap};
+use crate::reduce::GradBuf;
+use crate::runtime::collectives::{
+    broadcast, decode_f32_into, encode_f32, exchange_small, post_owned, reduce_scatter, wait_owned,
+};
+use crate::runtime::comm::{Comm, CommError};
+use crate::runtime::transport::{Tag, TagKind, Transport};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    AllGather,
+    ReduceScatter,
+    AllReduce,
+    Broadcast,
+}
+
+pub const ALL_OPS: [Op; 4] = [
+    Op::AllGather,
+    Op::ReduceScatter,
+    Op::AllReduce,
+    Op::Broadcast,
+];
+
+impl Op {
+    pub fn parse(s: &str) -> Option<Op> {
+        Some(match s {
+            "all_gather" => Op::AllGather,
+            "reduce_scatter" => Op::ReduceScatter,
+            "all_reduce" => Op::AllReduce,
+            "broadcast" => Op::Broadcast,
+            _ => return None,
+        })
+    }
+
+    pub fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Op::AllGather | Op::ReduceScatter => (n - 1.0) / n,
+            Op::AllReduce => 2.0 * (n - 1.0) / n,
+            Op::Broadcast => 1.0,
+        }
+    }
+}
+
+/// One measured op and size (one JSON line).
+#[derive(Clone, Debug, Serialize)]
+pub struct CollResult {
+    pub op: Op,
+    pub bytes: usize,
+    pub time_s: f64,
+    pub algbw_gbps: f64,
+    pub busbw_gbps: f64,
+    pub transport: String,
+    pub nprocs: usize,
+    /// `processes` (one OS process per rank) or `threads` (ranks as threads of one process).
+    pub mode: String,
+    pub iters: usize,
+    /// CPU seconds used by all ranks during the timed loop, divided by its wall time (2.0 = two
+    /// cores busy).
+    pub cpu_util: f64,
+}
+
+/// Timed loop length for `bytes`: about 512 MiB per op, 3..=50 iterations.
+pub fn default_iters(bytes: usize) -> usize {
+    ((512usize << 20) / bytes.max(1)).clamp(3, 50)
+}
+
+/// CPU seconds this process has used (user + system), from /proc; 0 where unavailable.
+pub fn process_cpu_s() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return 0.0;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|s| s.parse::<f64>().ok()).unwrap_or(0.0);
+    // USER_HZ is 100 on every Linux configuration we run on.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+fn tag(kind: TagKind, iter: usize) -> Tag {
+    Tag {
+        kind,
+        attempt: 0,
+        unit: iter as u32,
+        pass: 0,
+    }
+}
+
+/// State for one op and size on one rank: buffers are allocated once, outside the timing.
+struct Bufs {
+    map: ShardMap,
+    mine: Bytes,
+    out: Vec<f32>,
+    acc: GradBuf,
+    root_payload: Bytes,
+}
+
+fn one<T: Transport>(
+    comm: &mut Comm<T>,
+    op: Op,
+    b: &mut Bufs,
+    members: &[RankId],
+    iter: usize,
+) -> Result<(), CommError> {
+    let map = &b.map;
+    match op {
+        Op::AllGather => {
+            let t = tag(TagKind::Gather, iter);
+            let n = b.mine.len() as u64 / 4;
+            post_owned(comm, map, 0, t, b.mine.clone(), n, true)?;
+            let out = &mut b.out;
+            wait_owned(comm, map, 0, t, 4, |r, bytes| {
+                decode_f32_into(bytes, &mut out[r])
+            })
+        }
+        Op::ReduceScatter => reduce_scatter(
+            comm,
+            map,
+            0,
+            tag(TagKind::ReduceScatter, iter),
+            &mut b.acc,
+            0,
+        ),
+        Op::AllReduce => {
+            let me = comm.rank();
+            reduce_scatter(
+                comm,
+                map,
+                0,
+                tag(TagKind::ReduceScatter, iter),
+                &mut b.acc,
+                0,
+            )?;
+            let mut reduced = Vec::new();
+            for i in map.owned_in_unit(0, me) {
+                reduced.extend(b.acc.encode(map.chunk_range(0, i)));
+            }
+            let t = tag(TagKind::GatherGrads, iter);
+            let n = reduced.len() as u64 / 4;
+            post_owned(comm, map, 0, t, Bytes::from(reduced), n, false)?;
+            let acc = &mut b.acc;
+            wait_owned(comm, map, 0, t, 4, |r, bytes| {
+                acc.set_encoded(r.start, bytes);
+            })
+        }
+        Op::Broadcast => {
+            let got = broadcast(
+                comm,
+                members,
+                members[0],
+                tag(TagKind::Broadcast, iter),
+                b.root_payload.clone(),
+            )?;
+            if got.len() != b.out.len() * 4 {
+                return Err(CommError::Protocol {
+                    from: members[0],
+                    what: format!(
+                        "broadcast of {} bytes, expected {}",
+                        got.len(),
+                        b.out.len() * 4
+                    ),
+                });
+            }
+            // Receivers land the bytes in their tensor, as a real broadcast would.
+            decode_f32_into(&got, &mut b.out);
+            Ok(())
+        }
+    }
+}
+
+/// Runs `op` on `bytes` (a multiple of 4 * members) on this rank: `warmup` untimed and `iters`
+/// timed iterations. Every member calls this with the same arguments. Returns (max over ranks
+/// of the mean seconds per op, sum over ranks of CPU seconds in the timed loop, max wall).
+pub fn run_op<T: Transport>(
+    comm: &mut Comm<T>,
+    members: &[RankId],
+    op: Op,
+    bytes: usize,
+    warmup: usize,
+    iters: usize,
+    step: u64,
+) -> Result<(f64, f64, f64), CommError> {
+    let n = members.len();
+    let numel = bytes / 4;
+    let me = comm.rank();
+    let map = ShardMap::plan(&[numel], members, numel.div_ceil(n).max(1), 0).map_err(|e| {
+        CommError::Protocol {
+            from: me,
+            what: e.to_string(),
+        }
+    })?;
+    let full: Vec<f32> = (0..numel).map(|i| (i % 1024) as f32).collect();
+    let mut b = Bufs {
+        mine: encode_f32(
+            &full,
+            map.owned_in_unit(0, me).map(|i| map.chunk_range(0, i)),
+        ),
+        out: vec![0.0; numel],
+        acc: GradBuf::Fast(full.clone()),
+        root_payload: if me == members[0] {
+            encode_f32(&full, std::iter::once(0..numel))
+        } else {
+            Bytes::new()
+        },
+        map,
+    };
+    drop(full);
+    comm.begin_step(0, step);
+    for i in 0..warmup {
+        one(comm, op, &mut b, members, i)?;
+    }
+    crate::runtime::collectives::barrier(comm, members, tag(TagKind::Barrier, 0))?;
+    let cpu0 = process_cpu_s();
+    let t0 = Instant::now();
+    for i in warmup..warmup + iters {
+        one(comm, op, &mut b, members, i)?;
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    let cpu = process_cpu_s() - cpu0;
+    let mut mine = wall.to_le_bytes().to_vec();
+    mine.extend_from_slice(&cpu.to_le_bytes());
+    let all = exchange_small(comm, members, tag(TagKind::Agree, 0), Bytes::from(mine))?;
+    let (mut max_wall, mut cpu_sum) = (0f64, 0f64);
+    for (_, b) in all {
+        if b.len() == 16 {
+            max_wall = max_wall.max(f64::from_le_bytes(b[..8].try_into().expect("8 bytes")));
+            cpu_sum += f64::from_le_bytes(b[8..].try_into().expect("8 bytes"));
+        }
+    }
+    Ok((max_wall / iters as f64, cpu_sum, max_wall))
+}
+
+/// Builds the JSON record from `run_op`'s numbers.
+#[allow(clippy::too_many_arguments)]
+pub fn result(
+    op: Op,
+    bytes: usize,
+    time_s: f64,
+    cpu_s: f64,
+    wall_s: f64,
+    transport: &str,
+    nprocs: usize,
+    mode: &str,
+    iters: usize,
+) -> CollResult {
+    let algbw = bytes as f64 / time_s / 1e9;
+    CollResult {
+        op,
+        bytes,
+        time_s,
+        algbw_gbps: algbw,
+        busbw_gbps: algbw * op.bus_factor(nprocs),
+        transport: transport.into(),
+        nprocs,
+        mode: mode.into(),
+        iters,
+        cpu_util: if wall_s > 0.0 { cpu_s / wall_s } else { 0.0 },
+    }
+}
+
+/// Single-core throughput of the AEAD that QUIC uses for every packet (AES-256-GCM, rustls'
+/// first TLS 1.3 choice with ring), sealing and opening `packet_bytes` records: the floor of the
+/// CPU cost of encryption per byte moved, for comparing with `cpu_util`.
+#[derive(Clone, Debug, Serialize)]
+pub struct AeadBench {
+    pub op: &'static str,
+    pub packet_bytes: usize,
+    pub seal_gbps: f64,
+    pub open_gbps: f64,
+}
+
+pub fn bench_aead(packet_bytes: usize, total_bytes: usize) -> AeadBench {
+    use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
+    let key = LessSafeKey::new(UnboundKey::new(&AES_256_GCM, &[7u8; 32]).expect("32-byte key"));
+    let packets = (total_bytes / packet_bytes).max(1);
+    let mut bufs: Vec<Vec<u8>> = (0..64).map(|i| vec![i as u8; packet_bytes]).collect();
+    let mut tags = Vec::with_capacity(bufs.len());
+    let nonce = |i: usize| {
+        let mut n = [0u8; 12];
+        n[4..].copy_from_slice(&(i as u64).to_be_bytes());
+        Nonce::assume_unique_for_key(n)
+    };
+    let t0 = Instant::now();
+    for i in 0..packets {
+        let b = &mut bufs[i % 64];
+        let tag = key
+            .seal_in_place_separate_tag(nonce(i), Aad::empty(), b)
+            .expect("in-memory seal");
+        if i + 64 >= packets {
+            tags.push((i, tag));
+        }
+    }
+    let seal = t0.elapsed().as_secs_f64();
+    // Open the last 64 sealed packets over and over (each open needs a valid tag); the copy
+    // into the scratch buffer is a memcpy, an order of magnitude cheaper than the cipher.
+    let mut scratch = Vec::with_capacity(packet_bytes + 16);
+    let t0 = Instant::now();
+    let mut opened = 0;
+    while opened < packets {
+        for (i, tag) in &tags {
+            scratch.clear();
+            scratch.extend_from_slice(&bufs[i % 64]);
+            scratch.extend_from_slice(tag.as_ref());
+            let ok = key
+                .open_in_place(nonce(*i), Aad::empty(), &mut scratch)
+                .is_ok();
+            assert!(ok, "a freshly sealed packet opens");
+            opened += 1;
+        }
+    }
+    let open = t0.elapsed().as_secs_f64();
+    let gb = |n: usize, t: f64| (n * packet_bytes) as f64 / t / 1e9;
+    AeadBench {
+        op: "aead_aes256gcm",
+        packet_bytes,
+        seal_gbps: gb(packets, seal),
+        open_gbps: gb(opened, open),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::local::LocalNetwork;
+
+    /// Every op completes over the local transport and the reductions are right.
+    #[test]
+    fn every_op_runs_on_three_local_ranks() {
+        let net = LocalNetwork::new();
+        let members = [0u32, 1, 2];
+        let mut eps: Vec<_> = members.iter().map(|&r| net.endpoint(r)).collect();
+        let hs: Vec<_> = members
+            .iter()
+            .map(|_| {
+                let ep = eps.remove(0);
+                std::thread::spawn(move || {
+                    let mut comm = Comm::new(ep, 10_000);
+                    for (s, op) in ALL_OPS.into_iter().enumerate() {
+                        let (t, _, _) =
+                            run_op(&mut comm, &members, op, 4 * 3 * 100, 1, 2, s as u64).unwrap();
+                        assert!(t > 0.0);
+                    }
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+        let r = result(
+            Op::AllReduce,
+            1000,
+            1e-6,
+            0.0,
+            1.0,
+            "local",
+            4,
+            "threads",
+            1,
+        );
+        assert!((r.busbw_gbps - r.algbw_gbps * 1.5).abs() < 1e-9);
+    }
+}

@@ -1,0 +1,414 @@
+//! `ezero bench collectives`: collective bandwidth over the local or the QUIC transport.
+//!
+//! `--transport quic` (the default mode) starts `--nprocs` child `ezero` processes on loopback,
+//! one rank each, with certificates from a throwaway cluster CA: the honest setup, with
+//! encryption and the kernel's UDP path in every byte. `--threads` runs the ranks as threads of
+//! this process instead (each with its own endpoint), labelled `"mode": "threads"`.
+//!
+//! Children talk to the parent over their stdin/stdout: each prints `ADDR <rank> <addr>` once
+//! bound, the parent answers with every rank's address on one line, and rank 0 prints the JSON
+//! result lines, which the parent passes through.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+
+use clap::Args;
+
+use elastic_zero::bench::collectives::{default_iters, result, run_op, Op, ALL_OPS};
+use elastic_zero::net::{init_secrets, Identity};
+use elastic_zero::plan::RankId;
+use elastic_zero::runtime::comm::Comm;
+use elastic_zero::runtime::local::LocalNetwork;
+use elastic_zero::runtime::quic::{QuicConfig, QuicTransport};
+use elastic_zero::runtime::transport::Transport;
+
+use super::CliError;
+
+#[derive(Args, Clone)]
+pub struct CollectivesArgs {
+    /// local|quic.
+    #[arg(long, default_value = "quic")]
+    pub transport: String,
+    /// Ranks (processes for quic, threads for local).
+    #[arg(long, default_value_t = 2)]
+    pub nprocs: usize,
+    /// Total sizes, comma-separated, with optional K/M/G (binary) suffix [e.g. 1M,16M,64M].
+    #[arg(long, default_value = "1M,16M,64M")]
+    pub bytes: String,
+    /// Ops, comma-separated: all_gather, reduce_scatter, all_reduce, broadcast, or all.
+    #[arg(long, default_value = "all")]
+    pub ops: String,
+    /// Timed iterations per op and size (0: about 512 MiB of buffer, 3..=50).
+    #[arg(long, default_value_t = 0)]
+    pub iters: usize,
+    /// quic: run the ranks as threads of this process instead of child processes.
+    #[arg(long)]
+    pub threads: bool,
+    /// quic: the initial MTU (1200..=max; loopback default 4000).
+    #[arg(long, default_value_t = 4000)]
+    pub initial_mtu: u16,
+    /// quic: UDP socket buffers in bytes (0 = kernel default).
+    #[arg(long, default_value_t = 4 << 20)]
+    pub socket_buffer_bytes: usize,
+    /// quic: disable generic segmentation offload.
+    #[arg(long)]
+    pub no_gso: bool,
+    /// quic: the largest UDP payload (upper bound of MTU discovery).
+    #[arg(long, default_value_t = 4000)]
+    pub max_udp_payload_bytes: u16,
+    /// Deadline for any one collective, in ms.
+    #[arg(long, default_value_t = 120_000)]
+    pub timeout_ms: u64,
+    /// Only measure the single-core AES-256-GCM seal/open rate QUIC pays per byte (one line).
+    #[arg(long)]
+    pub aead: bool,
+    /// Internal: run as this rank of a parent's benchmark.
+    #[arg(long, hide = true)]
+    pub worker_rank: Option<u32>,
+    /// Internal: the parent's secrets directory.
+    #[arg(long, hide = true)]
+    pub secrets: Option<PathBuf>,
+}
+
+struct Plan {
+    sizes: Vec<usize>,
+    ops: Vec<Op>,
+}
+
+fn parse_size(s: &str) -> Option<usize> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last()? {
+        'K' | 'k' => (&s[..s.len() - 1], 1 << 10),
+        'M' | 'm' => (&s[..s.len() - 1], 1 << 20),
+        'G' | 'g' => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>().ok()?.checked_mul(mult)
+}
+
+fn plan(a: &CollectivesArgs) -> Result<Plan, CliError> {
+    let usage = |m: String| Err(CliError::Usage(m));
+    if !matches!(a.transport.as_str(), "local" | "quic") {
+        return usage(format!(
+            "--transport: `{}` is not local or quic",
+            a.transport
+        ));
+    }
+    if !(2..=64).contains(&a.nprocs) {
+        return usage("--nprocs must be in 2..=64".into());
+    }
+    let mut sizes = Vec::new();
+    for s in a.bytes.split(',') {
+        let align = 4 * a.nprocs;
+        match parse_size(s) {
+            Some(b) if b >= align && b <= 4 << 30 => sizes.push(b / align * align),
+            _ => {
+                return usage(format!(
+                    "--bytes: `{s}` must be a size from {align} bytes to 4G (e.g. 16M)"
+                ))
+            }
+        }
+    }
+    let ops = if a.ops == "all" {
+        ALL_OPS.to_vec()
+    } else {
+        let mut v = Vec::new();
+        for s in a.ops.split(',') {
+            match Op::parse(s.trim()) {
+                Some(op) => v.push(op),
+                None => {
+                    return usage(format!(
+                    "--ops: `{s}` is not all_gather, reduce_scatter, all_reduce, broadcast or all"
+                ))
+                }
+            }
+        }
+        v
+    };
+    Ok(Plan { sizes, ops })
+}
+
+fn quic_config(a: &CollectivesArgs) -> Result<QuicConfig, CliError> {
+    let largest = plan(a)?.sizes.into_iter().max().unwrap_or(0) as u64;
+    let c = QuicConfig {
+        initial_mtu: a.initial_mtu,
+        max_udp_payload_bytes: a.max_udp_payload_bytes,
+        socket_buffer_bytes: a.socket_buffer_bytes,
+        gso: !a.no_gso,
+        max_frame_bytes: (largest + 1024).min(u32::MAX as u64 / 2) as u32,
+        recv_buffer_bytes: (2 * largest + 2048).max(64 << 20),
+        connect_timeout_ms: 30_000,
+        ..QuicConfig::default()
+    };
+    c.validate().map_err(|e| CliError::Usage(e.to_string()))?;
+    Ok(c)
+}
+
+/// Every op and size on one rank; rank 0 prints the lines.
+fn run_rank<T: Transport>(
+    t: T,
+    members: &[RankId],
+    a: &CollectivesArgs,
+    mode: &str,
+) -> Result<(), CliError> {
+    let p = plan(a)?;
+    let rank = t.rank();
+    let mut comm = Comm::new(t, a.timeout_ms);
+    let mut step = 0;
+    for &bytes in &p.sizes {
+        for &op in &p.ops {
+            let iters = if a.iters == 0 {
+                default_iters(bytes)
+            } else {
+                a.iters
+            };
+            let (time_s, cpu, wall) = run_op(&mut comm, members, op, bytes, 1, iters, step)
+                .map_err(|e| {
+                    CliError::Failed(format!("rank {rank}: {op:?} of {bytes} bytes: {e}"))
+                })?;
+            step += 1;
+            if rank == members[0] {
+                // Threads of one process share its CPU counter: count it once.
+                let cpu = if mode == "threads" {
+                    cpu / members.len() as f64
+                } else {
+                    cpu
+                };
+                let r = result(
+                    op,
+                    bytes,
+                    time_s,
+                    cpu,
+                    wall,
+                    &a.transport,
+                    members.len(),
+                    mode,
+                    iters,
+                );
+                let line =
+                    serde_json::to_string(&r).map_err(|e| CliError::Failed(e.to_string()))?;
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(out, "{line}");
+                let _ = out.flush();
+            }
+        }
+    }
+    comm.flush();
+    Ok(())
+}
+
+pub fn run(a: &CollectivesArgs) -> Result<(), CliError> {
+    plan(a)?;
+    if a.aead {
+        let r = elastic_zero::bench::collectives::bench_aead(4000, 1 << 30);
+        println!(
+            "{}",
+            serde_json::to_string(&r).map_err(|e| CliError::Failed(e.to_string()))?
+        );
+        return Ok(());
+    }
+    if let Some(rank) = a.worker_rank {
+        return worker(rank, a);
+    }
+    let members: Vec<RankId> = (0..a.nprocs as u32).collect();
+    if a.transport == "local" {
+        let net = LocalNetwork::new();
+        let eps: Vec<_> = members.iter().map(|&r| net.endpoint(r)).collect();
+        return run_threads(eps, &members, a, "threads");
+    }
+    let cfg = quic_config(a)?;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let dir = std::env::temp_dir().join(format!("ezero-bench-{}-{nanos}", std::process::id()));
+    let ca = init_secrets(&dir).map_err(|e| CliError::Failed(e.to_string()))?;
+    let res = run_quic(a, &members, &cfg, &ca, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    res
+}
+
+fn run_quic(
+    a: &CollectivesArgs,
+    members: &[RankId],
+    cfg: &QuicConfig,
+    ca: &elastic_zero::net::ClusterCa,
+    dir: &std::path::Path,
+) -> Result<(), CliError> {
+    if a.threads {
+        let mut ts = Vec::new();
+        for &r in members {
+            let id = ca
+                .issue(&format!("rank-{r}"))
+                .map_err(|e| CliError::Failed(e.to_string()))?;
+            let t = QuicTransport::bind(r, loopback(), &id, cfg)
+                .map_err(|e| CliError::Failed(e.to_string()))?;
+            ts.push(t);
+        }
+        let addrs: Vec<_> = ts.iter().map(|t| (t.rank(), t.local_addr())).collect();
+        for t in &ts {
+            t.add_peers(&addrs);
+        }
+        for t in &ts {
+            t.wait_connected(members, cfg.connect_timeout_ms)
+                .map_err(|e| CliError::Failed(e.to_string()))?;
+        }
+        return run_threads(ts, members, a, "threads");
+    }
+    spawn_children(a, dir)
+}
+
+fn loopback() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 0))
+}
+
+fn run_threads<T: Transport>(
+    eps: Vec<T>,
+    members: &[RankId],
+    a: &CollectivesArgs,
+    mode: &str,
+) -> Result<(), CliError> {
+    let hs: Vec<_> = eps
+        .into_iter()
+        .map(|t| {
+            let (members, a, mode) = (members.to_vec(), a.clone(), mode.to_string());
+            std::thread::spawn(move || run_rank(t, &members, &a, &mode))
+        })
+        .collect();
+    let mut first_err = None;
+    for h in hs {
+        let r = h
+            .join()
+            .unwrap_or_else(|_| Err(CliError::Failed("a rank thread panicked".into())));
+        if let (Err(e), None) = (r, &first_err) {
+            first_err = Some(e);
+        }
+    }
+    first_err.map_or(Ok(()), Err)
+}
+
+fn spawn_children(a: &CollectivesArgs, secrets: &std::path::Path) -> Result<(), CliError> {
+    let exe = std::env::current_exe().map_err(|e| CliError::Failed(e.to_string()))?;
+    let fail = |m: String| CliError::Failed(m);
+    let mut children = Vec::new();
+    for r in 0..a.nprocs {
+        let mut cmd = Command::new(&exe);
+        cmd.args(["bench", "collectives", "--transport", "quic"])
+            .args([
+                "--nprocs",
+                &a.nprocs.to_string(),
+                "--bytes",
+                &a.bytes,
+                "--ops",
+                &a.ops,
+            ])
+            .args(["--iters", &a.iters.to_string()])
+            .args(["--initial-mtu", &a.initial_mtu.to_string()])
+            .args([
+                "--max-udp-payload-bytes",
+                &a.max_udp_payload_bytes.to_string(),
+            ])
+            .args(["--socket-buffer-bytes", &a.socket_buffer_bytes.to_string()])
+            .args(["--timeout-ms", &a.timeout_ms.to_string()])
+            .args(["--worker-rank", &r.to_string()])
+            .arg("--secrets")
+            .arg(secrets)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
+        if a.no_gso {
+            cmd.arg("--no-gso");
+        }
+        children.push(
+            cmd.spawn()
+                .map_err(|e| fail(format!("spawning rank {r}: {e}")))?,
+        );
+    }
+    let result = drive_children(&mut children);
+    if result.is_err() {
+        for c in &mut children {
+            let _ = c.kill();
+        }
+    }
+    let mut failed = Vec::new();
+    for (r, c) in children.iter_mut().enumerate() {
+        match c.wait() {
+            Ok(s) if s.success() => {}
+            Ok(s) => failed.push(format!("rank {r} exited with {s}")),
+            Err(e) => failed.push(format!("rank {r}: {e}")),
+        }
+    }
+    result?;
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(fail(failed.join("; ")))
+    }
+}
+
+fn drive_children(children: &mut [std::process::Child]) -> Result<(), CliError> {
+    let fail = |m: String| CliError::Failed(m);
+    let mut readers = Vec::new();
+    let mut addrs = Vec::new();
+    for (r, c) in children.iter_mut().enumerate() {
+        let mut out = BufReader::new(c.stdout.take().ok_or_else(|| fail("no stdout".into()))?);
+        let mut line = String::new();
+        out.read_line(&mut line)
+            .map_err(|e| fail(format!("rank {r}: {e}")))?;
+        let addr = line
+            .strip_prefix(&format!("ADDR {r} "))
+            .ok_or_else(|| {
+                fail(format!(
+                    "rank {r} did not report its address (got `{}`)",
+                    line.trim()
+                ))
+            })?
+            .trim()
+            .to_string();
+        addrs.push(format!("{r}={addr}"));
+        readers.push(out);
+    }
+    let all = addrs.join(",");
+    for (r, c) in children.iter_mut().enumerate() {
+        let mut stdin = c.stdin.take().ok_or_else(|| fail("no stdin".into()))?;
+        writeln!(stdin, "{all}").map_err(|e| fail(format!("rank {r}: {e}")))?;
+    }
+    // Rank 0's lines are the results; other ranks print nothing more.
+    let mut lines = readers.remove(0).lines();
+    let stdout = std::io::stdout();
+    while let Some(Ok(l)) = lines.next() {
+        let mut o = stdout.lock();
+        let _ = writeln!(o, "{l}");
+        let _ = o.flush();
+    }
+    Ok(())
+}
+
+fn worker(rank: u32, a: &CollectivesArgs) -> Result<(), CliError> {
+    let fail = |m: String| CliError::Failed(format!("rank {rank}: {m}"));
+    let dir = a
+        .secrets
+        .as_ref()
+        .ok_or_else(|| fail("--secrets is required".into()))?;
+    let id = Identity::from_dir(dir, &format!("rank-{rank}")).map_err(|e| fail(e.to_string()))?;
+    let cfg = quic_config(a)?;
+    let t = QuicTransport::bind(rank, loopback(), &id, &cfg).map_err(|e| fail(e.to_string()))?;
+    println!("ADDR {rank} {}", t.local_addr());
+    let mut line = String::new();
+    std::io::stdin()
+        .read_line(&mut line)
+        .map_err(|e| fail(e.to_string()))?;
+    let mut peers = Vec::new();
+    for item in line.trim().split(',') {
+        let parsed = item
+            .split_once('=')
+            .and_then(|(r, ad)| Some((r.parse::<u32>().ok()?, ad.parse::<SocketAddr>().ok()?)));
+        peers.push(parsed.ok_or_else(|| fail(format!("bad peer list entry `{item}`")))?);
+    }
+    let members: Vec<RankId> = peers.iter().map(|p| p.0).collect();
+    t.add_peers(&peers);
+    t.wait_connected(&members, cfg.connect_timeout_ms)
+        .map_err(|e| fail(e.to_string()))?;
+    // Dropping the transport at the end lingers until peers have every byte.
+    run_rank(t, &members, a, "processes")
+}

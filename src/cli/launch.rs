@@ -1,0 +1,318 @@
+//! `ezero launch --nprocs N -- <train flags>`: a coordinator and N worker processes on this
+//! machine, their output streamed into one view (the coordinator's lines as they are, each
+//! worker's prefixed with its launch index), and the coordinator's exit code as ours.
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use clap::{Args, Parser};
+
+use std::path::PathBuf;
+
+use elastic_zero::runtime::control_plane::DataPlane;
+
+use super::procs::{check_train_args, parse_data_plane, ProcsArgs};
+use super::{CliError, TrainArgs};
+
+/// `ezero launch` flags.
+#[derive(Args)]
+pub struct LaunchArgs {
+    /// Worker processes (one rank each).
+    #[arg(long)]
+    pub nprocs: u32,
+    /// The coordinator's control address (host:port; port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub control: String,
+    /// Data plane between workers: tcp or quic (mutual TLS with a CA made for this launch)
+    /// [default: tcp].
+    #[arg(long, value_parser = parse_data_plane)]
+    pub transport: Option<DataPlane>,
+    /// Use this secrets directory (an operator's CA) instead of a fresh CA made for this launch.
+    #[arg(long, value_name = "DIR")]
+    pub secrets: Option<PathBuf>,
+    #[command(flatten)]
+    pub procs: ProcsArgs,
+    /// Train flags, as for `ezero train` (after `--`).
+    #[arg(last = true)]
+    pub train: Vec<String>,
+}
+
+/// Parses the train flags after `--` exactly as `ezero train` would.
+#[derive(Parser)]
+#[command(name = "ezero launch --")]
+struct TrainFlags {
+    #[command(flatten)]
+    args: TrainArgs,
+}
+
+/// How long the coordinator has to print its address.
+const LISTEN_TIMEOUT: Duration = Duration::from_secs(30);
+
+pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
+    if a.nprocs == 0 || a.nprocs > 1024 {
+        return Err(CliError::Usage(
+            "--nprocs must be between 1 and 1024".into(),
+        ));
+    }
+    let flags = TrainFlags::try_parse_from(
+        std::iter::once("ezero launch --".to_string()).chain(a.train.iter().cloned()),
+    )
+    .map_err(|e| {
+        let text = e.to_string();
+        CliError::Usage(text.lines().next().unwrap_or("bad train flags").to_string())
+    })?;
+    if let Some(r) = flags.args.ranks.filter(|r| *r != a.nprocs) {
+        return Err(CliError::Usage(format!(
+            "--ranks {r} disagrees with --nprocs {}: leave --ranks out",
+            a.nprocs
+        )));
+    }
+    let mut args = flags.args;
+    args.ranks = Some(a.nprocs);
+    let cfg = args.resolve().map_err(|e| CliError::Usage(e.to_string()))?;
+    check_train_args(&args, &cfg)?;
+    let procs = a.procs.resolve()?;
+    let token = new_token();
+    let transport = a.transport.unwrap_or(DataPlane::Tcp);
+    let secrets = match (transport, &a.secrets) {
+        (DataPlane::Tcp, _) => None,
+        (DataPlane::Quic, Some(dir)) => Some(Secrets {
+            dir: dir.clone(),
+            ours: false,
+        }),
+        (DataPlane::Quic, None) => Some(Secrets::fresh(&token)?),
+    };
+    let exe = std::env::current_exe()
+        .map_err(|e| CliError::Failed(format!("cannot find the ezero binary: {e}")))?;
+    let (lines_tx, lines) = mpsc::channel::<Line>();
+    let mut coord = Command::new(&exe)
+        .arg("coordinator")
+        .args(["--listen", &a.control, "--ranks", &a.nprocs.to_string()])
+        .args([
+            "--transport",
+            if transport == DataPlane::Quic {
+                "quic"
+            } else {
+                "tcp"
+            },
+        ])
+        .args(a.procs.to_flags())
+        .args(&a.train)
+        .env("EZERO_CLUSTER_TOKEN", &token)
+        .env_remove("EZERO_CLUSTER_TOKEN_FILE")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| CliError::Failed(format!("cannot start the coordinator: {e}")))?;
+    relay(&mut coord, None, &lines_tx);
+    let addr = match wait_for_address(&lines) {
+        Ok(addr) => addr,
+        Err(why) => {
+            let _ = coord.kill();
+            let status = coord.wait().ok();
+            drain(&lines);
+            return Err(match status.and_then(|s| s.code()) {
+                Some(2) => CliError::Usage(why),
+                _ => CliError::Failed(why),
+            });
+        }
+    };
+    let mut workers = Vec::new();
+    for i in 0..a.nprocs {
+        let child = Command::new(&exe)
+            .args(["worker", "--join", &addr])
+            .env("EZERO_RANK_HINT", i.to_string())
+            .args(
+                secrets
+                    .iter()
+                    .flat_map(|s| [std::ffi::OsStr::new("--secrets"), s.dir.as_os_str()]),
+            )
+            .env("EZERO_CLUSTER_TOKEN", &token)
+            .env_remove("EZERO_CLUSTER_TOKEN_FILE")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn();
+        match child {
+            Ok(mut c) => {
+                relay(&mut c, Some(i), &lines_tx);
+                workers.push(c);
+            }
+            Err(e) => {
+                eprintln!("ezero launch: cannot start worker {i}: {e}");
+                break;
+            }
+        }
+    }
+    drop(lines_tx);
+    // SIGTERM or SIGINT to the launcher stops the coordinator; the workers then see its
+    // connection close and exit, so nothing is left running.
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        let _ = signal_hook::flag::register(sig, Arc::clone(&stop));
+    }
+    let coord_status = wait_printing(&mut coord, &lines, None, Some(&stop));
+    // The coordinator told every worker to stop; a worker that has not stopped within the
+    // heartbeat timeout (plus slack) is killed and reported.
+    let grace = Duration::from_millis(procs.heartbeat_timeout_ms) + Duration::from_secs(5);
+    let deadline = Instant::now() + grace;
+    let mut stuck = Vec::new();
+    for (i, w) in workers.iter_mut().enumerate() {
+        if wait_printing(w, &lines, Some(deadline), None).is_none() {
+            let _ = w.kill();
+            let _ = w.wait();
+            stuck.push(i);
+        }
+    }
+    drain(&lines);
+    if !stuck.is_empty() {
+        eprintln!(
+            "ezero launch: workers {stuck:?} had not exited {} ms after the coordinator; killed",
+            grace.as_millis()
+        );
+    }
+    match coord_status.and_then(|s| s.code()) {
+        Some(0) if stuck.is_empty() => Ok(()),
+        Some(2) => Err(CliError::Usage(
+            "the coordinator refused the job (see above)".into(),
+        )),
+        Some(code) => Err(CliError::Failed(format!(
+            "the coordinator exited with code {code}"
+        ))),
+        None => Err(CliError::Failed(
+            "the coordinator was killed by a signal".into(),
+        )),
+    }
+}
+
+/// A line of a child's output: (worker index or `None` for the coordinator, stderr?, text).
+type Line = (Option<u32>, bool, String);
+
+/// Forwards a child's stdout and stderr line by line into `tx`.
+fn relay(child: &mut Child, who: Option<u32>, tx: &mpsc::Sender<Line>) {
+    fn pump(r: impl Read + Send + 'static, who: Option<u32>, err: bool, tx: mpsc::Sender<Line>) {
+        std::thread::spawn(move || {
+            for line in BufReader::new(r).lines().map_while(Result::ok) {
+                if tx.send((who, err, line)).is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    if let Some(out) = child.stdout.take() {
+        pump(out, who, false, tx.clone());
+    }
+    if let Some(err) = child.stderr.take() {
+        pump(err, who, true, tx.clone());
+    }
+}
+
+fn print((who, err, text): Line) {
+    let line = match who {
+        None => text,
+        Some(i) => format!("[worker {i}] {text}"),
+    };
+    if err {
+        eprintln!("{line}");
+    } else {
+        println!("{line}");
+    }
+}
+
+/// Prints the coordinator's output until it says where it listens.
+fn wait_for_address(lines: &mpsc::Receiver<Line>) -> Result<String, String> {
+    const PREFIX: &str = "ezero coordinator: listening on ";
+    let deadline = Instant::now() + LISTEN_TIMEOUT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok((None, false, text)) if text.starts_with(PREFIX) => {
+                let addr = text[PREFIX.len()..].trim().to_string();
+                println!("{text}");
+                return Ok(addr);
+            }
+            Ok(line) => print(line),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                return Err("the coordinator did not start listening within 30 s".into())
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                return Err("the coordinator exited before listening".into())
+            }
+        }
+    }
+}
+
+/// Prints output while waiting for `child` to exit (until `deadline`, if any).
+/// A set `stop` flag kills the child.
+fn wait_printing(
+    child: &mut Child,
+    lines: &mpsc::Receiver<Line>,
+    deadline: Option<Instant>,
+    stop: Option<&AtomicBool>,
+) -> Option<ExitStatus> {
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+            let _ = child.kill();
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return None;
+        }
+        if let Ok(line) = lines.recv_timeout(Duration::from_millis(50)) {
+            print(line);
+        }
+    }
+}
+
+/// Prints what is left once every child has exited (the pumps end at EOF), for a bounded time.
+fn drain(lines: &mpsc::Receiver<Line>) {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while let Ok(line) = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        print(line);
+    }
+}
+
+/// The cluster's secrets directory; a fresh one made for this launch is removed at the end.
+struct Secrets {
+    dir: PathBuf,
+    ours: bool,
+}
+
+impl Secrets {
+    fn fresh(token: &str) -> Result<Self, CliError> {
+        let dir = std::env::temp_dir().join(format!(
+            "ezero-launch-{}-{}",
+            std::process::id(),
+            &token[..8]
+        ));
+        elastic_zero::net::init_secrets(&dir)
+            .map_err(|e| CliError::Failed(format!("cannot make the cluster CA: {e}")))?;
+        Ok(Self { dir, ours: true })
+    }
+}
+
+impl Drop for Secrets {
+    fn drop(&mut self) {
+        if self.ours {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// A fresh cluster token: 128 random bits from the OS, hex.
+fn new_token() -> String {
+    let mut bytes = [0u8; 16];
+    let read = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut bytes));
+    if read.is_err() {
+        // No /dev/urandom: fall back to time and pid, hashed (unguessable enough for a launch
+        // whose processes all run on this machine).
+        use sha2::Digest;
+        let seed = format!("{:?}{}", std::time::SystemTime::now(), std::process::id());
+        bytes.copy_from_slice(&sha2::Sha256::digest(seed.as_bytes())[..16]);
+    }
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

@@ -1,0 +1,340 @@
+//! `ezero coordinator` and `ezero worker`: one job with each rank in its own process.
+//!
+//! The coordinator owns the job (the same train flags and config file as `ezero train`, with
+//! `--ranks` the number of workers) and prints the same progress and final `param-sha256:`
+//! line; workers only need the coordinator's address and the cluster token.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Args;
+
+use elastic_zero::config::TrainConfig;
+use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
+use elastic_zero::job::{build_dataset, build_model};
+use elastic_zero::model::param_count;
+use elastic_zero::net::init_secrets;
+use elastic_zero::runtime::cluster::Observer;
+use elastic_zero::runtime::control_plane::DataPlane;
+use elastic_zero::runtime::heartbeat::ProcsConfig;
+use elastic_zero::runtime::proc_coord::{
+    check_supported, run_coordinator, CoordinatorOptions, ProcError,
+};
+use elastic_zero::runtime::proc_worker::{run_worker, WorkerOptions};
+
+use super::{CliError, TrainArgs};
+
+/// Heartbeat and join timing, shared by `coordinator` and `launch`.
+#[derive(Args, Clone, Default)]
+pub struct ProcsArgs {
+    /// Heartbeat interval on every control connection [default: 500].
+    #[arg(long)]
+    pub heartbeat_ms: Option<u64>,
+    /// A process silent this long is declared failed [default: 5000].
+    #[arg(long)]
+    pub heartbeat_timeout_ms: Option<u64>,
+    /// How long the coordinator waits for all workers to join [default: 60000].
+    #[arg(long)]
+    pub join_timeout_ms: Option<u64>,
+}
+
+impl ProcsArgs {
+    pub fn resolve(&self) -> Result<ProcsConfig, CliError> {
+        let d = ProcsConfig::default();
+        let c = ProcsConfig {
+            heartbeat_ms: self.heartbeat_ms.unwrap_or(d.heartbeat_ms),
+            heartbeat_timeout_ms: self.heartbeat_timeout_ms.unwrap_or(d.heartbeat_timeout_ms),
+            join_timeout_ms: self.join_timeout_ms.unwrap_or(d.join_timeout_ms),
+            connect_timeout_ms: d.connect_timeout_ms,
+        };
+        c.validate().map_err(|e| CliError::Usage(e.to_string()))?;
+        Ok(c)
+    }
+
+    /// The flags again, for a child process.
+    pub fn to_flags(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (name, v) in [
+            ("--heartbeat-ms", self.heartbeat_ms),
+            ("--heartbeat-timeout-ms", self.heartbeat_timeout_ms),
+            ("--join-timeout-ms", self.join_timeout_ms),
+        ] {
+            if let Some(v) = v {
+                out.extend([name.to_string(), v.to_string()]);
+            }
+        }
+        out
+    }
+}
+
+/// `ezero coordinator` flags.
+#[derive(Args)]
+pub struct CoordinatorArgs {
+    /// Accept workers on this address only (host:port; port 0 picks a free one and prints it).
+    #[arg(long, env = "EZERO_LISTEN", required_unless_present = "init_secrets")]
+    pub listen: Option<String>,
+    /// Make a fresh cluster CA in DIR (for `worker --secrets DIR`) and exit.
+    #[arg(long, value_name = "DIR")]
+    pub init_secrets: Option<PathBuf>,
+    /// Data plane between workers: tcp (token-authenticated, unencrypted) or quic (mutual TLS,
+    /// needs workers' --secrets; its connection setup is not yet reliable) [default: tcp].
+    #[arg(long, value_parser = parse_data_plane)]
+    pub transport: Option<DataPlane>,
+    /// File holding the cluster token workers must present (or set EZERO_CLUSTER_TOKEN).
+    #[arg(long, env = "EZERO_CLUSTER_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub procs: ProcsArgs,
+    #[command(flatten)]
+    pub train: TrainArgs,
+}
+
+/// `ezero worker` flags.
+#[derive(Args)]
+pub struct WorkerArgs {
+    /// The coordinator's address (host:port).
+    #[arg(long, env = "EZERO_COORDINATOR")]
+    pub join: String,
+    /// The rank this worker would like; the coordinator gives the lowest free one otherwise.
+    #[arg(long, env = "EZERO_RANK_HINT")]
+    pub rank_hint: Option<u32>,
+    /// Where to accept peers' data connections (ip:port; port 0 picks one).
+    #[arg(long, env = "EZERO_DATA_ADDR", default_value = "127.0.0.1:0")]
+    pub data_listen: String,
+    /// The cluster's secrets directory (its CA, or this worker's certificate and key).
+    #[arg(long, env = "EZERO_SECRETS_DIR")]
+    pub secrets: Option<PathBuf>,
+    /// File holding the cluster token (or set EZERO_CLUSTER_TOKEN).
+    #[arg(long, env = "EZERO_CLUSTER_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+    /// Keep trying an unanswering coordinator this long [default: 10000].
+    #[arg(long)]
+    pub connect_timeout_ms: Option<u64>,
+}
+
+/// The cluster token from a file or `EZERO_CLUSTER_TOKEN`.
+fn token(file: Option<&PathBuf>) -> Result<String, CliError> {
+    let token = match file {
+        Some(p) => std::fs::read_to_string(p)
+            .map_err(|e| CliError::Usage(format!("--token-file {}: {e}", p.display())))?
+            .trim()
+            .to_string(),
+        None => std::env::var("EZERO_CLUSTER_TOKEN").unwrap_or_default(),
+    };
+    if token.is_empty() || token.len() > 256 {
+        return Err(CliError::Usage(
+            "cluster token: set EZERO_CLUSTER_TOKEN or --token-file to 1-256 bytes (ezero launch makes one)"
+                .into(),
+        ));
+    }
+    Ok(token)
+}
+
+/// Train flags the process runtime does not support yet, as a usage error naming the flag.
+pub fn check_train_args(args: &TrainArgs, cfg: &TrainConfig) -> Result<(), CliError> {
+    let unsupported = [
+        ("--resume", args.resume.is_some()),
+        ("--init", args.init.is_some()),
+        ("--save-dir", cfg.save_dir.is_some()),
+        ("--panic-rank", args.panic_rank.is_some()),
+        ("--checkpoint-crash", args.checkpoint_crash.is_some()),
+        ("--signal-at", args.signal_at.is_some()),
+    ];
+    if let Some((flag, _)) = unsupported.iter().find(|(_, on)| *on) {
+        return Err(CliError::Usage(format!(
+            "{flag} is not supported with worker processes yet (use ezero train)"
+        )));
+    }
+    check_supported(cfg).map_err(|e| CliError::Usage(e.to_string()))
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| CliError::Failed(format!("cannot start the tokio runtime: {e}")))
+}
+
+pub fn parse_data_plane(s: &str) -> Result<DataPlane, String> {
+    match s {
+        "quic" => Ok(DataPlane::Quic),
+        "tcp" => Ok(DataPlane::Tcp),
+        _ => Err(format!("unknown transport `{s}`: use quic or tcp")),
+    }
+}
+
+pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
+    if let Some(dir) = &args.init_secrets {
+        init_secrets(dir).map_err(|e| CliError::Failed(format!("--init-secrets: {e}")))?;
+        println!(
+            "cluster CA written to {}; give every worker --secrets {}",
+            dir.display(),
+            dir.display()
+        );
+        return Ok(());
+    }
+    let Some(listen) = &args.listen else {
+        return Err(CliError::Usage("--listen is required".into()));
+    };
+    let cfg = args
+        .train
+        .resolve()
+        .map_err(|e| CliError::Usage(e.to_string()))?;
+    check_train_args(&args.train, &cfg)?;
+    let procs = args.procs.resolve()?;
+    let token = token(args.token_file.as_ref())?;
+    let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
+    let data = build_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
+    let psi = param_count(&model.units());
+    let floor = data.entropy_floor_nats();
+    let opts = CoordinatorOptions {
+        listen: listen.clone(),
+        token,
+        procs,
+        data_plane: args.transport.unwrap_or(DataPlane::Tcp),
+    };
+    let started = Instant::now();
+    let mut lines = StepLines {
+        cfg: &cfg,
+        floor,
+        last_step: None,
+    };
+    let on_listen = |addr: SocketAddr| {
+        // `ezero launch` reads this line to learn the address; keep its shape.
+        println!("ezero coordinator: listening on {addr}");
+        println!(
+            "ezero coordinator: ZeRO-{} with {} worker processes, {} parameters, data: {}",
+            cfg.stage,
+            cfg.ranks,
+            psi,
+            data.describe()
+        );
+    };
+    let outcome = runtime()?.block_on(run_coordinator(cfg.clone(), opts, on_listen, &mut lines));
+    let outcome = match outcome {
+        Ok(o) => o,
+        Err(e) => return Err(failure(e, lines.last_step)),
+    };
+    let summary = super::train::summarize(&cfg, psi, floor, &outcome.records, &outcome.params);
+    println!(
+        "done: {} steps in {:.1} s, loss {:.4} -> {:.4}, median step {:.3} s, {:.0} tokens/s",
+        cfg.steps,
+        started.elapsed().as_secs_f64(),
+        summary.first_loss,
+        summary.final_loss,
+        summary.step_time_median_s,
+        summary.tokens_per_s
+    );
+    if let Some(path) = &cfg.json {
+        super::train::write_json_atomically(path, &summary)?;
+    }
+    println!("param-sha256: {}", summary.param_sha256);
+    Ok(())
+}
+
+/// The run's failure, naming what was lost with it.
+fn failure(e: ProcError, last_step: Option<u64>) -> CliError {
+    match e {
+        ProcError::Config(c) => CliError::Usage(c.to_string()),
+        ProcError::Setup(s) => CliError::Failed(s),
+        other => {
+            let lost = match last_step {
+                Some(s) => format!(
+                    "not saved: the parameters and optimizer state after step {} lived only in the workers and are lost (no checkpoint is written in process mode)",
+                    s + 1
+                ),
+                None => "not saved: no step had completed".to_string(),
+            };
+            CliError::Failed(format!("{other}\n{lost}"))
+        }
+    }
+}
+
+/// Prints step lines as `ezero train` does.
+struct StepLines<'a> {
+    cfg: &'a TrainConfig,
+    floor: Option<f64>,
+    last_step: Option<u64>,
+}
+
+impl Observer for &mut StepLines<'_> {
+    fn on_step(&mut self, rec: &StepRecord) {
+        self.last_step = Some(rec.step);
+        let cfg = self.cfg;
+        let log_every = (cfg.steps / 10).max(1);
+        if rec.step % log_every == 0 || rec.step + 1 == cfg.steps {
+            let tps = cfg.tokens_per_step() as f64 / (rec.duration_ms.max(1) as f64 / 1e3);
+            println!(
+                "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s{}",
+                rec.step + 1,
+                cfg.steps,
+                rec.loss,
+                self.floor
+                    .map(|f| format!(" (floor {f:.4})"))
+                    .unwrap_or_default(),
+                rec.grad_norm,
+                tps,
+                if rec.skipped {
+                    "  [skipped: non-finite gradient]"
+                } else {
+                    ""
+                },
+            );
+        }
+    }
+
+    fn on_membership(&mut self, m: &MembershipRecord) {
+        println!(
+            "membership epoch {}: ranks {:?} -> {:?}, lost {:?}",
+            m.epoch, m.before, m.after, m.lost
+        );
+    }
+}
+
+pub fn run_worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
+    let token = token(args.token_file.as_ref())?;
+    let d = ProcsConfig::default();
+    let procs = ProcsConfig {
+        connect_timeout_ms: args.connect_timeout_ms.unwrap_or(d.connect_timeout_ms),
+        ..d
+    };
+    procs
+        .validate()
+        .map_err(|e| CliError::Usage(e.to_string()))?;
+    let opts = WorkerOptions {
+        join: args.join.clone(),
+        token,
+        rank_hint: args.rank_hint,
+        data_listen: args.data_listen.clone(),
+        secrets: args.secrets.clone(),
+        procs,
+    };
+    let on_welcome = |rank, world| println!("ezero worker: rank {rank} of {world}");
+    let result = match runtime()?.block_on(run_worker(opts, on_welcome)) {
+        Ok(out) if out.ok => {
+            println!("ezero worker: rank {}: {}", out.rank, out.reason);
+            Ok(())
+        }
+        Ok(out) => Err(CliError::Failed(format!(
+            "rank {}: stopped by the coordinator: {}",
+            out.rank, out.reason
+        ))),
+        Err(ProcError::Config(c)) => Err(CliError::Usage(c.to_string())),
+        Err(e) => Err(CliError::Failed(e.to_string())),
+    };
+    // Exit here: the rank's threads and transport may still wait on peers, and the job is over.
+    let code = match &result {
+        Ok(()) => 0,
+        Err(CliError::Usage(m)) => {
+            eprintln!("error: {m}");
+            2
+        }
+        Err(CliError::Failed(m)) => {
+            eprintln!("error: {m}");
+            1
+        }
+    };
+    std::process::exit(code)
+}

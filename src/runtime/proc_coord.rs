@@ -1,0 +1,521 @@
+//! The coordinator process: admits worker processes, hands each its rank, the shard map and its
+//! peers' data addresses, then drives the unchanged coordinator actor with one `RankProxy` per
+//! worker. A worker whose connection closes, or which stays silent past the heartbeat timeout,
+//! is stopped as a proxy, which the coordinator actor sees as that rank failing.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ractor::{Actor, ActorRef};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use super::actors::{ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor};
+use super::clock::{Clock, SystemClock};
+use super::cluster::{consolidate, job_spec, Observer, TrainOutcome};
+use super::control_plane::{
+    read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, CONTROL_FRAME_MAX_BYTES,
+    HELLO_FRAME_MAX_BYTES,
+};
+use super::heartbeat::{Liveness, ProcsConfig};
+use super::proxy::{lock, Detached, PendingCollects, RankProxy, RankProxyArgs};
+use crate::config::{ConfigError, TrainConfig};
+use crate::engine::coordinator::Coordinator;
+use crate::job::build_model;
+use crate::plan::{RankId, ShardMap};
+
+/// Messages queued per connection before the peer counts as not draining.
+pub const LINK_QUEUE_MAX: usize = 1024;
+/// How long a new connection may take to say hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long final messages get to leave before the process stops.
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Why a process-mode run did not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Could not listen, workers did not join, a coordinator did not answer.
+    #[error("{0}")]
+    Setup(String),
+    #[error("the run stopped: {0}")]
+    Aborted(String),
+    #[error("consolidating parameters failed: {0}")]
+    Collect(String),
+}
+
+pub struct CoordinatorOptions {
+    /// Where to accept workers (`host:port`; port 0 picks one). Nothing else is listened on.
+    pub listen: String,
+    /// Workers must present this token.
+    pub token: String,
+    pub procs: ProcsConfig,
+    pub data_plane: DataPlane,
+}
+
+/// A worker's control connection, split.
+struct Joined {
+    rank: RankId,
+    reader: OwnedReadHalf,
+    writer: OwnedWriteHalf,
+}
+
+/// Sending ends of every live worker's connection, shared with the coordinator's callbacks.
+type Links = Arc<Mutex<BTreeMap<RankId, mpsc::Sender<Option<ToWorker>>>>>;
+
+/// What is not supported with worker processes yet: a clear error rather than a surprise.
+pub fn check_supported(cfg: &TrainConfig) -> Result<(), ConfigError> {
+    if !cfg.join.is_empty() {
+        return Err(ConfigError::new(
+            "join",
+            "ranks joining a running job are not supported with worker processes yet",
+        ));
+    }
+    if !cfg.leave.is_empty() {
+        return Err(ConfigError::new(
+            "leave",
+            "ranks leaving a running job are not supported with worker processes yet",
+        ));
+    }
+    Ok(())
+}
+
+/// Runs one job with `cfg.ranks` worker processes; `on_listen` hears the bound address first.
+pub async fn run_coordinator(
+    cfg: TrainConfig,
+    opts: CoordinatorOptions,
+    on_listen: impl FnOnce(SocketAddr),
+    mut observer: impl Observer,
+) -> Result<TrainOutcome, ProcError> {
+    cfg.validate()?;
+    check_supported(&cfg)?;
+    opts.procs
+        .validate()
+        .map_err(|e| ConfigError::new(e.field, e.message))?;
+    let listener = TcpListener::bind(&opts.listen)
+        .await
+        .map_err(|e| ProcError::Setup(format!("cannot listen on {}: {e}", opts.listen)))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| ProcError::Setup(format!("cannot read the bound address: {e}")))?;
+    on_listen(addr);
+    let deadline = Instant::now() + Duration::from_millis(opts.procs.join_timeout_ms);
+    let joined = admit(&listener, &cfg, &opts, deadline).await?;
+    drop(listener);
+    let model = build_model(&cfg)?;
+    let numels: Vec<usize> = model.units().iter().map(|u| u.numel()).collect();
+    let members: Vec<RankId> = (0..cfg.ranks).collect();
+    let map = ShardMap::plan(&numels, &members, cfg.chunk_elems, 1)
+        .map_err(|e| ProcError::Setup(e.to_string()))?;
+    let mut run = Run::start(cfg, opts.procs, opts.data_plane, map, joined, deadline).await?;
+    let result = run.drive(&mut observer).await;
+    run.finish(&result).await;
+    result
+}
+
+/// Accepts connections until every rank has a worker, refusing bad hellos.
+async fn admit(
+    listener: &TcpListener,
+    cfg: &TrainConfig,
+    opts: &CoordinatorOptions,
+    deadline: Instant,
+) -> Result<Vec<Joined>, ProcError> {
+    let mut joined: BTreeMap<RankId, Joined> = BTreeMap::new();
+    while joined.len() < cfg.ranks as usize {
+        let accepted = tokio::time::timeout_at(deadline, listener.accept()).await;
+        let Ok(accepted) = accepted else {
+            return Err(ProcError::Setup(format!(
+                "{} of {} workers joined within join_timeout_ms ({} ms)",
+                joined.len(),
+                cfg.ranks,
+                opts.procs.join_timeout_ms
+            )));
+        };
+        let (stream, peer) = match accepted {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("accepting a worker failed: {e}");
+                continue;
+            }
+        };
+        match hello(stream, &opts.token, &joined, cfg.ranks).await {
+            Ok(j) => {
+                tracing::info!("rank {} joined from {peer}", j.rank);
+                joined.insert(j.rank, j);
+            }
+            Err(why) => tracing::warn!("refused a connection from {peer}: {why}"),
+        }
+    }
+    Ok(joined.into_values().collect())
+}
+
+async fn hello(
+    stream: TcpStream,
+    token: &str,
+    joined: &BTreeMap<RankId, Joined>,
+    world: u32,
+) -> Result<Joined, String> {
+    let _ = stream.set_nodelay(true);
+    let (mut reader, mut writer) = stream.into_split();
+    let msg = tokio::time::timeout(
+        HELLO_TIMEOUT,
+        read_msg::<_, ToCoord>(&mut reader, HELLO_FRAME_MAX_BYTES),
+    )
+    .await
+    .map_err(|_| "no hello within 5 s".to_string())?
+    .map_err(|e| e.to_string())?;
+    let checked = check_hello(msg, token, joined, world);
+    match checked {
+        Ok(rank) => Ok(Joined {
+            rank,
+            reader,
+            writer,
+        }),
+        Err(reason) => {
+            let _ = write_msg(
+                &mut writer,
+                &ToWorker::Refused {
+                    reason: reason.clone(),
+                },
+            )
+            .await;
+            Err(reason)
+        }
+    }
+}
+
+/// The rank for a hello, or why it is refused.
+fn check_hello(
+    msg: ToCoord,
+    token: &str,
+    joined: &BTreeMap<RankId, Joined>,
+    world: u32,
+) -> Result<RankId, String> {
+    let ToCoord::Hello {
+        token: got,
+        rank_hint,
+    } = msg
+    else {
+        return Err("the first message was not a hello".into());
+    };
+    if got != token {
+        return Err("wrong cluster token".into());
+    }
+    let free = |r: &RankId| !joined.contains_key(r);
+    rank_hint
+        .filter(|r| *r < world && free(r))
+        .or_else(|| (0..world).find(free))
+        .ok_or_else(|| "the job already has all its workers".to_string())
+}
+
+/// A started job: the coordinator actor, its proxies and the connection tasks.
+struct Run {
+    coordinator: ActorRef<CoordMsg<Detached>>,
+    events: mpsc::UnboundedReceiver<ClusterEvent>,
+    links: Links,
+    writers: Vec<JoinHandle<()>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Run {
+    async fn start(
+        cfg: TrainConfig,
+        procs: ProcsConfig,
+        data_plane: DataPlane,
+        map: ShardMap,
+        joined: Vec<Joined>,
+        deadline: Instant,
+    ) -> Result<Run, ProcError> {
+        let config_json =
+            serde_json::to_string(&cfg).map_err(|e| ProcError::Setup(e.to_string()))?;
+        let links: Links = Arc::default();
+        let mut writers = Vec::new();
+        let mut readers = Vec::new();
+        for j in joined {
+            let (tx, rx) = mpsc::channel(LINK_QUEUE_MAX);
+            writers.push(tokio::spawn(write_loop(j.writer, rx)));
+            let welcome = Welcome {
+                rank: j.rank,
+                config_json: config_json.clone(),
+                map: map.clone(),
+                world: cfg.ranks,
+                data_plane,
+                procs,
+            };
+            let _ = tx.try_send(Some(ToWorker::Welcome(Box::new(welcome))));
+            lock(&links).insert(j.rank, tx);
+            readers.push((j.rank, j.reader));
+        }
+        let wait = deadline.max(Instant::now() + Duration::from_millis(procs.join_timeout_ms));
+        let mut peers = Vec::new();
+        for (rank, reader) in &mut readers {
+            match expect(*rank, reader, wait, "bound").await? {
+                ToCoord::Bound { data_addr } if data_addr.parse::<SocketAddr>().is_ok() => {
+                    peers.push((*rank, data_addr))
+                }
+                other => {
+                    return Err(ProcError::Setup(format!(
+                        "rank {rank} sent {other:?} instead of its data address"
+                    )))
+                }
+            }
+        }
+        for l in lock(&links).values() {
+            let _ = l.try_send(Some(ToWorker::Peers {
+                peers: peers.clone(),
+            }));
+        }
+        for (rank, reader) in &mut readers {
+            match expect(*rank, reader, wait, "ready").await? {
+                ToCoord::Ready => {}
+                other => {
+                    return Err(ProcError::Setup(format!(
+                        "rank {rank} sent {other:?} instead of ready"
+                    )))
+                }
+            }
+        }
+        let (tx, events) = mpsc::unbounded_channel();
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
+        let link_to = |links: &Links| {
+            let links = Arc::clone(links);
+            move |r: RankId, msg: ToWorker| {
+                if let Some(l) = lock(&links).get(&r) {
+                    let _ = l.try_send(Some(msg));
+                }
+            }
+        };
+        let (interrupt, retire) = (link_to(&links), link_to(&links));
+        let args = CoordArgs::<Detached> {
+            engine: Coordinator::new(job_spec(&cfg, 0), map),
+            events: tx,
+            clock: Arc::clone(&clock),
+            tick_ms: 200,
+            // The driver tells every worker why when it sees the abort event.
+            on_abort: Box::new(|| {}),
+            on_retire: Box::new(move |r| {
+                retire(
+                    r,
+                    ToWorker::Stop {
+                        ok: true,
+                        reason: "left the job".into(),
+                    },
+                )
+            }),
+            on_interrupt: Box::new(move |r, epoch, step| {
+                interrupt(r, ToWorker::Interrupt { epoch, step })
+            }),
+            factory: Box::new(|_, _| {
+                Err("the coordinator process cannot start ranks; start a worker process".into())
+            }),
+        };
+        let (coordinator, _) = Actor::spawn(None, CoordinatorActor::<Detached>::default(), args)
+            .await
+            .map_err(|e| ProcError::Setup(e.to_string()))?;
+        let mut ranks = Vec::new();
+        let mut tasks = Vec::new();
+        for (rank, reader) in readers {
+            let link = lock(&links).get(&rank).cloned();
+            let Some(link) = link else { continue };
+            let pending = PendingCollects::default();
+            let args = RankProxyArgs {
+                rank,
+                link: link.clone(),
+                pending: Arc::clone(&pending),
+            };
+            let (proxy, _) = Actor::spawn_linked(None, RankProxy, args, coordinator.get_cell())
+                .await
+                .map_err(|e| ProcError::Setup(e.to_string()))?;
+            let live = Arc::new(Mutex::new(Liveness::new(
+                clock.now_ms(),
+                procs.heartbeat_timeout_ms,
+            )));
+            let conn = Conn {
+                rank,
+                proxy: proxy.clone(),
+                coordinator: coordinator.clone(),
+                live: Arc::clone(&live),
+                clock: Arc::clone(&clock),
+            };
+            tasks.push(tokio::spawn(conn.clone().read_loop(reader, pending)));
+            tasks.push(tokio::spawn(conn.heartbeat_loop(link, procs)));
+            ranks.push((rank, proxy));
+        }
+        let _ = coordinator.cast(CoordMsg::Start { ranks });
+        Ok(Run {
+            coordinator,
+            events,
+            links,
+            writers,
+            tasks,
+        })
+    }
+
+    async fn drive(&mut self, observer: &mut impl Observer) -> Result<TrainOutcome, ProcError> {
+        let mut records = Vec::new();
+        loop {
+            match self.events.recv().await {
+                Some(ClusterEvent::Step(rec)) => {
+                    observer.on_step(&rec);
+                    records.push(*rec);
+                }
+                Some(ClusterEvent::Snapshot(snap)) => observer.on_snapshot(*snap),
+                Some(ClusterEvent::Membership(rec)) => observer.on_membership(&rec),
+                Some(ClusterEvent::Finished) => break,
+                Some(ClusterEvent::Aborted(reason)) => return Err(ProcError::Aborted(reason)),
+                None => return Err(ProcError::Aborted("the coordinator stopped".into())),
+            }
+        }
+        let reply = self
+            .coordinator
+            .call(CoordMsg::Collect, Some(Duration::from_secs(120)))
+            .await;
+        let (map, chunks) = match reply {
+            Ok(ractor::rpc::CallResult::Success(r)) => r.map_err(ProcError::Collect)?,
+            Ok(_) => return Err(ProcError::Collect("the coordinator did not answer".into())),
+            Err(e) => return Err(ProcError::Collect(e.to_string())),
+        };
+        Ok(TrainOutcome {
+            records,
+            params: consolidate(&map, &chunks),
+            // Process mode refuses --resume, and faults are not injected into real links.
+            resume_reads: Vec::new(),
+            net: Default::default(),
+        })
+    }
+
+    /// Tells every worker the outcome, lets the messages leave, and stops the actors.
+    async fn finish(self, result: &Result<TrainOutcome, ProcError>) {
+        let (ok, reason) = match result {
+            Ok(_) => (true, "the job finished".to_string()),
+            Err(e) => (false, e.to_string()),
+        };
+        for t in &self.tasks {
+            t.abort();
+        }
+        let links: Vec<_> = std::mem::take(&mut *lock(&self.links))
+            .into_values()
+            .collect();
+        for l in &links {
+            let stop = ToWorker::Stop {
+                ok,
+                reason: reason.clone(),
+            };
+            let _ = l.try_send(Some(stop));
+            let _ = l.try_send(None);
+        }
+        drop(links);
+        let _ = tokio::time::timeout(FLUSH_TIMEOUT, async {
+            for w in self.writers {
+                let _ = w.await;
+            }
+        })
+        .await;
+        self.coordinator.stop_children(None);
+        let _ = self
+            .coordinator
+            .stop_and_wait(None, Some(Duration::from_secs(5)))
+            .await;
+    }
+}
+
+/// The next setup message from `rank`, or why none came.
+async fn expect(
+    rank: RankId,
+    reader: &mut OwnedReadHalf,
+    deadline: Instant,
+    what: &str,
+) -> Result<ToCoord, ProcError> {
+    match tokio::time::timeout_at(
+        deadline,
+        read_msg::<_, ToCoord>(reader, HELLO_FRAME_MAX_BYTES),
+    )
+    .await
+    {
+        Ok(Ok(msg)) => Ok(msg),
+        Ok(Err(e)) => Err(ProcError::Setup(format!(
+            "rank {rank} failed before it was {what}: {e}"
+        ))),
+        Err(_) => Err(ProcError::Setup(format!(
+            "rank {rank} was not {what} within join_timeout_ms"
+        ))),
+    }
+}
+
+/// Writes queued messages until told to stop (`None`) or the connection fails.
+async fn write_loop<M: serde::Serialize>(mut w: OwnedWriteHalf, mut rx: mpsc::Receiver<Option<M>>) {
+    while let Some(Some(msg)) = rx.recv().await {
+        if let Err(e) = write_msg(&mut w, &msg).await {
+            tracing::debug!("control connection write failed: {e}");
+            return;
+        }
+    }
+}
+
+/// One worker's connection as the coordinator process sees it.
+#[derive(Clone)]
+struct Conn {
+    rank: RankId,
+    proxy: ActorRef<super::rank_actor::RankMsg<Detached>>,
+    coordinator: ActorRef<CoordMsg<Detached>>,
+    live: Arc<Mutex<Liveness>>,
+    clock: Arc<dyn Clock>,
+}
+
+impl Conn {
+    async fn read_loop(self, mut r: OwnedReadHalf, pending: PendingCollects) {
+        let rank = self.rank;
+        loop {
+            let msg = match read_msg::<_, ToCoord>(&mut r, CONTROL_FRAME_MAX_BYTES).await {
+                Ok(m) => m,
+                Err(e) => {
+                    self.proxy.stop(Some(format!(
+                        "rank {rank}: control connection lost ({e}); its process exited or the link broke"
+                    )));
+                    return;
+                }
+            };
+            lock(&self.live).observe(self.clock.now_ms());
+            match msg {
+                ToCoord::Report(rep) => {
+                    let _ = self.coordinator.cast(rep.into_msg(rank));
+                }
+                ToCoord::CollectReply { id, chunks } => {
+                    if let Some(port) = lock(&pending).remove(&id) {
+                        let _ = port.send(chunks);
+                    }
+                }
+                ToCoord::Heartbeat | ToCoord::Ready | ToCoord::Bound { .. } => {}
+                ToCoord::Hello { .. } => {
+                    self.proxy.stop(Some(format!(
+                        "rank {rank}: protocol error (a second hello)"
+                    )));
+                    return;
+                }
+            }
+        }
+    }
+
+    async fn heartbeat_loop(self, link: mpsc::Sender<Option<ToWorker>>, procs: ProcsConfig) {
+        let mut every = tokio::time::interval(Duration::from_millis(procs.heartbeat_ms));
+        loop {
+            every.tick().await;
+            // A full queue is caught by the silence check or by the proxy's next send.
+            let _ = link.try_send(Some(ToWorker::Heartbeat));
+            let silent = lock(&self.live).silent(self.clock.now_ms());
+            if let Some(ms) = silent {
+                self.proxy.stop(Some(format!(
+                    "rank {}: silent for {ms} ms (heartbeat_timeout_ms is {}); its process is hung or its link is down",
+                    self.rank, procs.heartbeat_timeout_ms
+                )));
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,396 @@
+//! A worker process: one rank. It joins the coordinator, builds its rank from the welcome (rank,
+//! config, shard map, peers' data addresses), runs the unchanged rank actor behind a
+//! `CoordProxy`, and executes what arrives until the coordinator says stop, the rank fails, or
+//! the coordinator goes silent past the heartbeat timeout.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::{Actor, ActorRef};
+use tokio::net::tcp::OwnedReadHalf;
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::clock::{Clock, SystemClock};
+use super::cluster::{exec_config, optim_settings};
+use super::comm::Comm;
+use super::control_plane::{
+    read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, CONTROL_FRAME_MAX_BYTES,
+};
+use super::heartbeat::{Liveness, ProcsConfig};
+use super::proc_coord::{ProcError, LINK_QUEUE_MAX};
+use super::proxy::{CoordProxy, CoordProxyArgs, WorkerEnd};
+use super::quic::{QuicConfig, QuicTransport};
+use super::rank_actor::{RankActor, RankArgs, RankMsg, RankSetup, Work};
+use super::rank_state::RankState;
+use super::tcp::TcpListenerHandle;
+use super::transport::Transport;
+use crate::config::TrainConfig;
+use crate::job::{build_dataset, build_model};
+use crate::net::secrets::Identity;
+use crate::plan::{RankId, Stage};
+
+pub struct WorkerOptions {
+    /// The coordinator's `host:port`.
+    pub join: String,
+    pub token: String,
+    pub rank_hint: Option<RankId>,
+    /// Where to accept peers' data connections (`ip:port`; port 0 picks one).
+    pub data_listen: String,
+    /// The cluster's secrets directory (CA, or this process's certificate): QUIC needs it.
+    pub secrets: Option<PathBuf>,
+    /// Only `connect_timeout_ms` and `join_timeout_ms` are used before the welcome; the
+    /// coordinator's heartbeat settings apply after it.
+    pub procs: ProcsConfig,
+}
+
+/// How a worker's job ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerOutcome {
+    pub rank: RankId,
+    /// The coordinator's stop was a success (job finished or this rank left).
+    pub ok: bool,
+    pub reason: String,
+}
+
+/// Joins, runs the rank, returns when the job ends for this worker. `on_welcome` hears the rank
+/// and the world size once assigned.
+pub async fn run_worker(
+    opts: WorkerOptions,
+    on_welcome: impl FnOnce(RankId, u32),
+) -> Result<WorkerOutcome, ProcError> {
+    let stream = connect(&opts.join, opts.procs.connect_timeout_ms).await?;
+    let _ = stream.set_nodelay(true);
+    let (mut reader, mut writer) = stream.into_split();
+    let hello = ToCoord::Hello {
+        token: opts.token.clone(),
+        rank_hint: opts.rank_hint,
+    };
+    write_msg(&mut writer, &hello)
+        .await
+        .map_err(|e| ProcError::Setup(format!("coordinator at {}: {e}", opts.join)))?;
+    let join_ms = opts.procs.join_timeout_ms;
+    let welcome = match next(&mut reader, join_ms, &opts.join).await? {
+        ToWorker::Welcome(w) => *w,
+        ToWorker::Refused { reason } => {
+            return Err(ProcError::Setup(format!(
+                "the coordinator refused this worker: {reason}"
+            )))
+        }
+        other => {
+            return Err(ProcError::Setup(format!(
+                "the coordinator sent {other:?} before a welcome"
+            )))
+        }
+    };
+    on_welcome(welcome.rank, welcome.world);
+    let (link, rx) = mpsc::channel(LINK_QUEUE_MAX);
+    let writer_task = tokio::spawn(write_loop(writer, rx));
+    let result = match welcome.data_plane {
+        DataPlane::Tcp => {
+            let data = TcpListenerHandle::bind(&opts.data_listen, &opts.token).map_err(|e| {
+                ProcError::Setup(format!(
+                    "cannot listen for peers on {}: {e}",
+                    opts.data_listen
+                ))
+            })?;
+            let peers = exchange(data.local_addr(), &link, &mut reader, join_ms, &opts).await?;
+            let transport = data.into_transport(welcome.rank, peers.into_iter().collect());
+            let interrupter = transport.interrupter();
+            let interrupt = Box::new(move |e, s| interrupter.interrupt(e, s));
+            serve(welcome, transport, interrupt, &link, reader).await
+        }
+        DataPlane::Quic => {
+            let q = bind_quic(&welcome, &opts)?;
+            let peers = exchange(q.local_addr(), &link, &mut reader, join_ms, &opts).await?;
+            q.add_peers(&peers);
+            let ranks: Vec<RankId> = peers.iter().map(|(r, _)| *r).collect();
+            // A dialled peer learns who we are from our first stream: open it now, so that
+            // both sides see the connection before the first step.
+            let control = q.control();
+            for &r in ranks.iter().filter(|r| **r > welcome.rank) {
+                let _ = control.send_control(r, bytes::Bytes::from_static(b"hello"));
+            }
+            tokio::task::block_in_place(|| q.wait_connected(&ranks, join_ms))
+                .map_err(|e| ProcError::Setup(format!("rank {}: {e}", welcome.rank)))?;
+            let control = q.control();
+            let interrupt = Box::new(move |e, s| control.interrupt(e, s));
+            serve(welcome, q, interrupt, &link, reader).await
+        }
+    };
+    // Let the last reports (a failure, a collect reply) leave before the process ends.
+    let _ = link.try_send(None);
+    drop(link);
+    let _ = tokio::time::timeout(Duration::from_secs(2), writer_task).await;
+    result
+}
+
+/// The next message from the coordinator within `timeout_ms`.
+async fn next(
+    reader: &mut OwnedReadHalf,
+    timeout_ms: u64,
+    addr: &str,
+) -> Result<ToWorker, ProcError> {
+    tokio::time::timeout(
+        Duration::from_millis(timeout_ms),
+        read_msg::<_, ToWorker>(reader, CONTROL_FRAME_MAX_BYTES),
+    )
+    .await
+    .map_err(|_| {
+        ProcError::Setup(format!(
+            "the coordinator at {addr} did not answer within join_timeout_ms ({timeout_ms} ms)"
+        ))
+    })?
+    .map_err(|e| ProcError::Setup(format!("coordinator at {addr}: {e}")))
+}
+
+/// Reports this worker's data address and waits for everyone's.
+async fn exchange(
+    bound: SocketAddr,
+    link: &mpsc::Sender<Option<ToCoord>>,
+    reader: &mut OwnedReadHalf,
+    join_ms: u64,
+    opts: &WorkerOptions,
+) -> Result<Vec<(RankId, SocketAddr)>, ProcError> {
+    let bound_msg = ToCoord::Bound {
+        data_addr: bound.to_string(),
+    };
+    let _ = link.send(Some(bound_msg)).await;
+    let ToWorker::Peers { peers } = next(reader, join_ms, &opts.join).await? else {
+        return Err(ProcError::Setup(
+            "the coordinator did not send the peer list".into(),
+        ));
+    };
+    peers
+        .into_iter()
+        .map(|(r, a)| {
+            a.parse::<SocketAddr>()
+                .map(|a| (r, a))
+                .map_err(|_| ProcError::Setup(format!("rank {r}'s data address `{a}` is invalid")))
+        })
+        .collect()
+}
+
+fn bind_quic(welcome: &Welcome, opts: &WorkerOptions) -> Result<QuicTransport, ProcError> {
+    let rank = welcome.rank;
+    let dir = opts.secrets.as_ref().ok_or_else(|| {
+        ProcError::Setup(
+            "the job uses QUIC with mutual TLS: give this worker the cluster's secrets directory (--secrets DIR or EZERO_SECRETS_DIR)".into(),
+        )
+    })?;
+    let identity = Identity::from_dir(dir, &format!("rank-{rank}"))
+        .map_err(|e| ProcError::Setup(format!("secrets in {}: {e}", dir.display())))?;
+    let addr: SocketAddr = opts.data_listen.parse().map_err(|_| {
+        ProcError::Setup(format!(
+            "data address `{}` is not ip:port",
+            opts.data_listen
+        ))
+    })?;
+    QuicTransport::bind(rank, addr, &identity, &QuicConfig::default())
+        .map_err(|e| ProcError::Setup(format!("rank {rank}: {e}")))
+}
+
+/// Dials until the coordinator answers or `timeout_ms` passes (it may start after us).
+async fn connect(addr: &str, timeout_ms: u64) -> Result<TcpStream, ProcError> {
+    let target: SocketAddr = addr
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| {
+            ProcError::Setup(format!(
+                "coordinator address `{addr}` is not a reachable host:port"
+            ))
+        })?;
+    let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let err = match tokio::time::timeout(left, TcpStream::connect(target)).await {
+            Ok(Ok(s)) => return Ok(s),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "no answer".to_string(),
+        };
+        if Instant::now() + Duration::from_millis(200) >= deadline {
+            return Err(ProcError::Setup(format!(
+                "cannot reach the coordinator at {addr} within connect_timeout_ms ({timeout_ms} ms): {err}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn write_loop(
+    mut w: tokio::net::tcp::OwnedWriteHalf,
+    mut rx: mpsc::Receiver<Option<ToCoord>>,
+) {
+    while let Some(Some(msg)) = rx.recv().await {
+        if write_msg(&mut w, &msg).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Builds the rank from the welcome and runs it until the job ends for this worker.
+async fn serve<T: Transport>(
+    welcome: Welcome,
+    transport: T,
+    interrupt: Interrupt,
+    link: &mpsc::Sender<Option<ToCoord>>,
+    mut reader: OwnedReadHalf,
+) -> Result<WorkerOutcome, ProcError> {
+    let rank = welcome.rank;
+    let procs = welcome.procs;
+    let (rank_actor, mut ended) = start_rank(welcome, transport, link).await?;
+    let _ = link.try_send(Some(ToCoord::Ready));
+    let clock = SystemClock::default();
+    // Until the coordinator's first message after `Ready` (it waits for the slowest worker),
+    // silence is bounded by the join timeout; from then on by the heartbeat timeout.
+    let mut live = Liveness::new(clock.now_ms(), procs.join_timeout_ms);
+    let mut every = tokio::time::interval(Duration::from_millis(procs.heartbeat_ms));
+    // Reading a frame is not cancellation-safe, so it runs apart from the select below.
+    let (inbox_tx, mut inbox) = mpsc::channel(LINK_QUEUE_MAX);
+    let read_task = tokio::spawn(async move {
+        loop {
+            let msg = read_msg::<_, ToWorker>(&mut reader, CONTROL_FRAME_MAX_BYTES).await;
+            let failed = msg.is_err();
+            if inbox_tx.send(msg).await.is_err() || failed {
+                return;
+            }
+        }
+    });
+    let outcome = loop {
+        tokio::select! {
+            Some(msg) = inbox.recv() => {
+                let msg = match msg {
+                    Ok(m) => m,
+                    Err(e) => break Err(ProcError::Aborted(format!(
+                        "rank {rank}: lost the coordinator ({e})"
+                    ))),
+                };
+                live.observe(clock.now_ms());
+                live.set_timeout(procs.heartbeat_timeout_ms);
+                if let Some(out) = execute(msg, rank, &rank_actor, &interrupt, link) {
+                    break Ok(out);
+                }
+            }
+            Some(WorkerEnd::RankFailed(reason)) = ended.recv() => {
+                break Err(ProcError::Aborted(format!("rank {rank} failed: {reason}")));
+            }
+            _ = every.tick() => {
+                let _ = link.try_send(Some(ToCoord::Heartbeat));
+                if let Some(ms) = live.silent(clock.now_ms()) {
+                    break Err(ProcError::Aborted(format!(
+                        "rank {rank}: the coordinator has been silent for {ms} ms (heartbeat_timeout_ms is {})",
+                        procs.heartbeat_timeout_ms
+                    )));
+                }
+            }
+        }
+    };
+    // The rank actor is left running: the process ends next, and stopping it here could block
+    // on a step that waits for a peer.
+    read_task.abort();
+    outcome
+}
+
+/// Carries out one coordinator message; `Some` when it ends the job for this worker.
+fn execute<T: Transport>(
+    msg: ToWorker,
+    rank: RankId,
+    rank_actor: &ActorRef<RankMsg<T>>,
+    interrupt: &Interrupt,
+    link: &mpsc::Sender<Option<ToCoord>>,
+) -> Option<WorkerOutcome> {
+    match msg {
+        ToWorker::Command(cmd) => {
+            let _ = rank_actor.cast(cmd.into_msg());
+        }
+        ToWorker::Collect { id } => {
+            let (actor, link) = (rank_actor.clone(), link.clone());
+            tokio::spawn(async move {
+                let reply = actor
+                    .call(RankMsg::Collect, Some(Duration::from_secs(60)))
+                    .await;
+                if let Ok(ractor::rpc::CallResult::Success(chunks)) = reply {
+                    let _ = link.send(Some(ToCoord::CollectReply { id, chunks })).await;
+                }
+            });
+        }
+        ToWorker::Interrupt { epoch, step } => interrupt(epoch, step),
+        ToWorker::Heartbeat
+        | ToWorker::Welcome(_)
+        | ToWorker::Peers { .. }
+        | ToWorker::Refused { .. } => {}
+        ToWorker::Stop { ok, reason } => return Some(WorkerOutcome { rank, ok, reason }),
+    }
+    None
+}
+
+/// Wakes the rank from an abandoned (epoch, step).
+type Interrupt = Box<dyn Fn(u64, u64) + Send + Sync>;
+
+type Started<T> = (ActorRef<RankMsg<T>>, mpsc::UnboundedReceiver<WorkerEnd>);
+
+async fn start_rank<T: Transport>(
+    welcome: Welcome,
+    transport: T,
+    link: &mpsc::Sender<Option<ToCoord>>,
+) -> Result<Started<T>, ProcError> {
+    let rank = welcome.rank;
+    let cfg: TrainConfig = serde_json::from_str(&welcome.config_json)
+        .map_err(|e| ProcError::Setup(format!("the coordinator sent an unreadable config: {e}")))?;
+    cfg.validate()?;
+    let model = build_model(&cfg)?;
+    let dataset = build_dataset(&cfg)?;
+    let stage = Stage::from_u8(cfg.stage)
+        .ok_or_else(|| ProcError::Setup(format!("stage {} from the coordinator", cfg.stage)))?;
+    let optim = optim_settings(&cfg);
+    let params: Vec<Vec<f32>> = (0..model.units().len())
+        .map(|u| model.init_unit(u, cfg.seed))
+        .collect();
+    let state = RankState::from_full_params(
+        rank,
+        stage,
+        cfg.reduce,
+        Arc::clone(&model),
+        welcome.map.clone(),
+        optim,
+        &params,
+    );
+    let setup = Arc::new(RankSetup {
+        stage,
+        mode: cfg.reduce,
+        model,
+        optim,
+        data: dataset,
+        exec: exec_config(&cfg),
+        // An injected kill ends this process abruptly, as a crash would.
+        disconnect: Box::new(|r| {
+            eprintln!("rank {r}: injected kill, exiting");
+            std::process::exit(137)
+        }),
+    });
+    let (ended_tx, ended) = mpsc::unbounded_channel();
+    let proxy_args = CoordProxyArgs {
+        rank,
+        link: link.clone(),
+        ended: ended_tx,
+    };
+    let (proxy, _) = Actor::spawn(None, CoordProxy::<T>::default(), proxy_args)
+        .await
+        .map_err(|e| ProcError::Setup(e.to_string()))?;
+    let args = RankArgs {
+        rank,
+        work: Work::new(Some(state), Comm::new(transport, cfg.collective_timeout_ms)),
+        coordinator: proxy.clone(),
+        setup,
+        panic_at_step: None,
+        kill_at_step: cfg.kill.iter().find(|k| k.value == rank).map(|k| k.step),
+    };
+    let (actor, _) = Actor::spawn_linked(None, RankActor::<T>::default(), args, proxy.get_cell())
+        .await
+        .map_err(|e| ProcError::Setup(e.to_string()))?;
+    Ok((actor, ended))
+}

@@ -1,0 +1,119 @@
+//! Settings of the QUIC transport, validated once. Defaults are safe on any network; the
+//! loopback-tuned values measured in BENCHMARKS.md are noted per field.
+
+use crate::wire::{DEFAULT_MAX_FRAME_BYTES, MAX_HEADER_BYTES};
+
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct QuicConfig {
+    /// Hard limit on one frame's payload; larger frames are refused on send and on receive
+    /// [default: 256 MiB].
+    pub max_frame_bytes: u32,
+    /// Received bytes that may wait for the consumer before reads stop and flow control pushes
+    /// back on senders; bulk frames share this, control frames get a separate 1/16th
+    /// [default: 512 MiB; at least max_frame_bytes].
+    pub recv_buffer_bytes: u64,
+    /// Control events (messages, peer up/down) held for the process layer; older ones beyond
+    /// this are dropped and counted [default: 4096].
+    pub control_queue: usize,
+    /// UDP socket SO_RCVBUF and SO_SNDBUF; 0 keeps the kernel default (about 208 KiB, which
+    /// drops packets under bulk load) [default: 4 MiB].
+    pub socket_buffer_bytes: usize,
+    /// MTU before path discovery; a value above the path's real MTU stalls the handshake, so
+    /// the default is QUIC's minimum. Loopback runs use 4000 [default: 1200].
+    pub initial_mtu: u16,
+    /// Largest UDP payload accepted and the upper bound of MTU discovery (quinn's default 1472
+    /// caps it at Ethernet) [default: 4000].
+    pub max_udp_payload_bytes: u16,
+    /// Generic segmentation offload: several packets per syscall [default: true].
+    pub gso: bool,
+    /// Per-stream and per-connection flow-control window [default: 16 MiB].
+    pub stream_window_bytes: u64,
+    /// Giving up on reaching a peer [default: 10000].
+    pub connect_timeout_ms: u64,
+    /// A connection with no packets for this long is closed (keep-alives go every third of
+    /// it) [default: 10000].
+    pub idle_timeout_ms: u64,
+    /// On drop, how long to wait for peers to acknowledge what is still queued [default: 2000].
+    pub linger_ms: u64,
+    /// Threads of the transport's own tokio runtime (encryption is CPU-bound) [default: 1].
+    pub io_threads: usize,
+}
+
+impl Default for QuicConfig {
+    fn default() -> Self {
+        Self {
+            max_frame_bytes: DEFAULT_MAX_FRAME_BYTES,
+            recv_buffer_bytes: 2 * DEFAULT_MAX_FRAME_BYTES as u64,
+            control_queue: 4096,
+            socket_buffer_bytes: 4 << 20,
+            initial_mtu: 1200,
+            max_udp_payload_bytes: 4000,
+            gso: true,
+            stream_window_bytes: 16 << 20,
+            connect_timeout_ms: 10_000,
+            idle_timeout_ms: 10_000,
+            linger_ms: 2000,
+            io_threads: 1,
+        }
+    }
+}
+
+/// A setting out of range: names the field and what is valid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("quic.{field}: {what}")]
+pub struct QuicConfigError {
+    pub field: &'static str,
+    pub what: String,
+}
+
+impl QuicConfig {
+    /// The loopback tuning measured in BENCHMARKS.md: start at MTU 4000.
+    pub fn loopback() -> Self {
+        Self {
+            initial_mtu: 4000,
+            ..Self::default()
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), QuicConfigError> {
+        let bad = |field, what: String| Err(QuicConfigError { field, what });
+        if self.max_frame_bytes == 0 || self.max_frame_bytes > u32::MAX - MAX_HEADER_BYTES as u32 {
+            return bad("max_frame_bytes", "must be between 1 and 4 GiB - 64".into());
+        }
+        if self.recv_buffer_bytes < self.max_frame_bytes as u64 {
+            return bad(
+                "recv_buffer_bytes",
+                format!(
+                    "must be at least max_frame_bytes ({})",
+                    self.max_frame_bytes
+                ),
+            );
+        }
+        if self.control_queue == 0 {
+            return bad("control_queue", "must be at least 1".into());
+        }
+        if !(1200..=65527).contains(&self.max_udp_payload_bytes) {
+            return bad("max_udp_payload_bytes", "must be in 1200..=65527".into());
+        }
+        if self.initial_mtu < 1200 || self.initial_mtu > self.max_udp_payload_bytes {
+            return bad(
+                "initial_mtu",
+                "must be in 1200..=max_udp_payload_bytes".into(),
+            );
+        }
+        if !(64 << 10..=1 << 30).contains(&self.stream_window_bytes) {
+            return bad("stream_window_bytes", "must be in 64 KiB..=1 GiB".into());
+        }
+        if self.connect_timeout_ms == 0 || self.idle_timeout_ms < 30 {
+            return bad(
+                "idle_timeout_ms",
+                "connect_timeout_ms must be at least 1 and idle_timeout_ms at least 30".into(),
+            );
+        }
+        if !(1..=64).contains(&self.io_threads) {
+            return bad("io_threads", "must be in 1..=64".into());
+        }
+        Ok(())
+    }
+}

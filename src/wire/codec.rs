@@ -1,0 +1,237 @@
+//! Encoding and one-shot decoding of wire frames (layout in `mod.rs`).
+
+use bincode::{Decode, Encode};
+use bytes::Bytes;
+
+use super::{WireError, CHECKSUM_BYTES, MAX_HEADER_BYTES, PREFIX_BYTES, WIRE_VERSION};
+use crate::plan::RankId;
+use crate::runtime::transport::{Frame, Tag, TagKind};
+
+/// Which of a connection's two streams a message travels on. Control (heartbeats, small
+/// agreement frames) has its own stream so that a bulk transfer never delays it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Lane {
+    Control = 0,
+    Bulk = 1,
+}
+
+/// One message on the wire.
+#[derive(Clone, Debug)]
+pub enum WireMsg {
+    /// First message on every stream: who is speaking and which lane this stream is.
+    Hello { rank: RankId, lane: Lane },
+    /// A rank-to-rank frame of the `Transport` seam.
+    Frame(Frame),
+    /// An opaque message for the process layer (heartbeats, membership), on the control lane.
+    Control { from: RankId, payload: Bytes },
+}
+
+#[derive(Encode, Decode)]
+enum Header {
+    Hello {
+        rank: u32,
+        lane: u8,
+    },
+    Frame {
+        epoch: u64,
+        step: u64,
+        from: u32,
+        kind: u8,
+        attempt: u8,
+        unit: u32,
+        pass: u8,
+    },
+    Control {
+        from: u32,
+    },
+}
+
+fn config() -> impl bincode::config::Config {
+    bincode::config::standard().with_limit::<MAX_HEADER_BYTES>()
+}
+
+fn tag_kind(b: u8) -> Result<TagKind, WireError> {
+    Ok(match b {
+        1 => TagKind::Gather,
+        2 => TagKind::ReduceScatter,
+        3 => TagKind::GatherGrads,
+        4 => TagKind::GatherParams,
+        5 => TagKind::Agree,
+        6 => TagKind::Reshard,
+        7 => TagKind::Replica,
+        8 => TagKind::Interrupt,
+        9 => TagKind::Broadcast,
+        10 => TagKind::Barrier,
+        _ => return Err(WireError::UnknownTagKind(b)),
+    })
+}
+
+fn lane(b: u8) -> Result<Lane, WireError> {
+    match b {
+        0 => Ok(Lane::Control),
+        1 => Ok(Lane::Bulk),
+        _ => Err(WireError::UnknownLane(b)),
+    }
+}
+
+/// The frame as chunks to write in order (prefix+header, payload, checksum), so that the
+/// payload `Bytes` goes to the socket layer without a copy.
+pub fn encode(msg: &WireMsg) -> [Bytes; 3] {
+    let (header, payload) = match msg {
+        WireMsg::Hello { rank, lane } => (
+            Header::Hello {
+                rank: *rank,
+                lane: *lane as u8,
+            },
+            Bytes::new(),
+        ),
+        WireMsg::Frame(f) => (
+            Header::Frame {
+                epoch: f.epoch,
+                step: f.step,
+                from: f.from,
+                kind: f.tag.kind as u8,
+                attempt: f.tag.attempt,
+                unit: f.tag.unit,
+                pass: f.tag.pass,
+            },
+            f.payload.clone(),
+        ),
+        WireMsg::Control { from, payload } => (Header::Control { from: *from }, payload.clone()),
+    };
+    let mut head = vec![0u8; PREFIX_BYTES + MAX_HEADER_BYTES];
+    // Every header variant is far below the limit, so encoding into the slice cannot fail.
+    let h = bincode::encode_into_slice(&header, &mut head[PREFIX_BYTES..], config())
+        .expect("headers are at most 33 bytes");
+    head.truncate(PREFIX_BYTES + h);
+    let body = (h + payload.len()) as u32;
+    head[0] = WIRE_VERSION;
+    head[1..5].copy_from_slice(&body.to_le_bytes());
+    head[5] = h as u8;
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&head);
+    crc.update(&payload);
+    let sum = crc.finalize().to_le_bytes();
+    [Bytes::from(head), payload, Bytes::copy_from_slice(&sum)]
+}
+
+/// The frame as one contiguous buffer (tests, fuzzing, small messages).
+pub fn encode_to_vec(msg: &WireMsg) -> Vec<u8> {
+    encode(msg).iter().flat_map(|b| b.iter().copied()).collect()
+}
+
+/// Checks a 6-byte prefix; returns (body length, header length).
+pub(super) fn check_prefix(
+    prefix: &[u8; PREFIX_BYTES],
+    max_frame_bytes: u32,
+) -> Result<(usize, usize), WireError> {
+    if prefix[0] != WIRE_VERSION {
+        return Err(WireError::Version { got: prefix[0] });
+    }
+    let body = u32::from_le_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as u64;
+    let max = max_frame_bytes as u64 + MAX_HEADER_BYTES as u64;
+    if body > max {
+        return Err(WireError::Oversize { len: body, max });
+    }
+    let (body, h) = (body as usize, prefix[5] as usize);
+    if h == 0 || h > MAX_HEADER_BYTES || h > body {
+        return Err(WireError::HeaderLength { len: h, body });
+    }
+    Ok((body, h))
+}
+
+/// Decodes a complete frame whose prefix was checked: `rest` is header, payload and checksum.
+pub(super) fn decode_body(
+    prefix: &[u8; PREFIX_BYTES],
+    h: usize,
+    rest: Bytes,
+) -> Result<WireMsg, WireError> {
+    let body = rest.len() - CHECKSUM_BYTES;
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(prefix);
+    crc.update(&rest[..body]);
+    let got = crc.finalize();
+    let c = &rest[body..];
+    let expected = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    if got != expected {
+        return Err(WireError::Checksum { expected, got });
+    }
+    let (header, used): (Header, usize) = bincode::decode_from_slice(&rest[..h], config())
+        .map_err(|e| WireError::Header(e.to_string()))?;
+    if used != h {
+        return Err(WireError::Header(format!(
+            "{} stray bytes after the header",
+            h - used
+        )));
+    }
+    // One message, one encoding: a header with non-minimal integers is refused, so that what
+    // decodes always re-encodes to the same bytes.
+    let mut canon = [0u8; MAX_HEADER_BYTES];
+    let n = bincode::encode_into_slice(&header, &mut canon, config())
+        .map_err(|e| WireError::Header(e.to_string()))?;
+    if canon[..n] != rest[..h] {
+        return Err(WireError::Header("non-canonical header encoding".into()));
+    }
+    let payload = rest.slice(h..body);
+    let empty = |kind: &'static str| {
+        if payload.is_empty() {
+            Ok(())
+        } else {
+            Err(WireError::UnexpectedPayload {
+                kind,
+                len: payload.len(),
+            })
+        }
+    };
+    Ok(match header {
+        Header::Hello { rank, lane: l } => {
+            empty("hello")?;
+            WireMsg::Hello {
+                rank,
+                lane: lane(l)?,
+            }
+        }
+        Header::Frame {
+            epoch,
+            step,
+            from,
+            kind,
+            attempt,
+            unit,
+            pass,
+        } => WireMsg::Frame(Frame {
+            epoch,
+            step,
+            from,
+            tag: Tag {
+                kind: tag_kind(kind)?,
+                attempt,
+                unit,
+                pass,
+            },
+            payload,
+        }),
+        Header::Control { from } => WireMsg::Control { from, payload },
+    })
+}
+
+/// Decodes the frame at the start of `buf`; returns it and the bytes it used.
+pub fn decode(buf: &[u8], max_frame_bytes: u32) -> Result<(WireMsg, usize), WireError> {
+    if buf.len() < PREFIX_BYTES {
+        return Err(WireError::Truncated {
+            have: buf.len(),
+            need: PREFIX_BYTES,
+        });
+    }
+    let prefix: [u8; PREFIX_BYTES] = buf[..PREFIX_BYTES].try_into().expect("length checked");
+    let (body, h) = check_prefix(&prefix, max_frame_bytes)?;
+    let total = PREFIX_BYTES + body + CHECKSUM_BYTES;
+    if buf.len() < total {
+        return Err(WireError::Truncated {
+            have: buf.len(),
+            need: total,
+        });
+    }
+    let rest = Bytes::copy_from_slice(&buf[PREFIX_BYTES..total]);
+    Ok((decode_body(&prefix, h, rest)?, total))
+}
