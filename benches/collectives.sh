@@ -20,8 +20,8 @@ $EZ bench collectives --aead | tee "$OUT/aead.jsonl"
 for round in $(seq 1 "${1:-2}"); do
   echo "round $round, load: $(cut -d' ' -f1-3 /proc/loadavg)"
   for n in $NPROCS; do
-    $EZ bench collectives --transport quic --nprocs "$n" --bytes "$bytes" | tee -a "$OUT/quic.jsonl"
-    $EZ bench collectives --transport local --nprocs "$n" --bytes "$bytes" >> "$OUT/local.jsonl"
+    $EZ bench collectives --transport quic --nprocs "$n" --bytes "$bytes" >> "$OUT/quic.jsonl" || echo "quic n=$n failed"
+    $EZ bench collectives --transport local --nprocs "$n" --bytes "$bytes" >> "$OUT/local.jsonl" || echo "local n=$n failed"
   done
   # shellcheck disable=SC2086
   "$PY" ../shared/peers/collectives.py --world-sizes $NPROCS --sizes-mib $SIZES_MIB --repeats 3 \
@@ -39,7 +39,7 @@ if [ "${TUNING:-1}" = 1 ]; then
     for round in 1 2; do
       args=(); [ "$variant" = tuned ] || read -r -a args <<< "$variant"
       $EZ bench collectives --transport quic --nprocs 2 --bytes 64M --ops broadcast,all_gather "${args[@]}" |
-        sed "s/^{/{\"variant\":\"$variant\",/" >> "$OUT/tuning.jsonl"
+        sed "s/^{/{\"variant\":\"$variant\",/" >> "$OUT/tuning.jsonl" || echo "variant $variant failed"
     done
   done
 fi

@@ -96,11 +96,13 @@ pub fn process_cpu_s() -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
-fn tag(kind: TagKind, iter: usize) -> Tag {
+/// Tags are unique per (op run, iteration): the whole benchmark is one Comm step, because
+/// `Comm::begin_step` drops frames that a faster rank already sent for the next step.
+fn tag(kind: TagKind, run: u64, iter: usize) -> Tag {
     Tag {
         kind,
         attempt: 0,
-        unit: iter as u32,
+        unit: (run as u32) << 12 | iter as u32,
         pass: 0,
     }
 }
@@ -119,8 +121,10 @@ fn one<T: Transport>(
     op: Op,
     b: &mut Bufs,
     members: &[RankId],
+    run: u64,
     iter: usize,
 ) -> Result<(), CommError> {
+    let tag = |kind, iter| tag(kind, run, iter);
     let map = &b.map;
     match op {
         Op::AllGather => {
@@ -188,8 +192,10 @@ fn one<T: Transport>(
 }
 
 /// Runs `op` on `bytes` (a multiple of 4 * members) on this rank: `warmup` untimed and `iters`
-/// timed iterations. Every member calls this with the same arguments. Returns (max over ranks
-/// of the mean seconds per op, sum over ranks of CPU seconds in the timed loop, max wall).
+/// timed iterations (at most 4000 in all). Every member calls this with the same arguments, in
+/// the same order, with a distinct `run` per call (below 2^20) and the same `comm` step.
+/// Returns (max over ranks of the mean seconds per op, sum over ranks of CPU seconds in the
+/// timed loop, max wall).
 pub fn run_op<T: Transport>(
     comm: &mut Comm<T>,
     members: &[RankId],
@@ -197,7 +203,7 @@ pub fn run_op<T: Transport>(
     bytes: usize,
     warmup: usize,
     iters: usize,
-    step: u64,
+    run: u64,
 ) -> Result<(f64, f64, f64), CommError> {
     let n = members.len();
     let numel = bytes / 4;
@@ -224,21 +230,27 @@ pub fn run_op<T: Transport>(
         map,
     };
     drop(full);
-    comm.begin_step(0, step);
+    // Iteration numbers live in 12 bits of the tag.
+    let (warmup, iters) = (warmup.min(95), iters.clamp(1, 4000));
     for i in 0..warmup {
-        one(comm, op, &mut b, members, i)?;
+        one(comm, op, &mut b, members, run, i)?;
     }
-    crate::runtime::collectives::barrier(comm, members, tag(TagKind::Barrier, 0))?;
+    crate::runtime::collectives::barrier(comm, members, tag(TagKind::Barrier, run, 0))?;
     let cpu0 = process_cpu_s();
     let t0 = Instant::now();
     for i in warmup..warmup + iters {
-        one(comm, op, &mut b, members, i)?;
+        one(comm, op, &mut b, members, run, i)?;
     }
     let wall = t0.elapsed().as_secs_f64();
     let cpu = process_cpu_s() - cpu0;
     let mut mine = wall.to_le_bytes().to_vec();
     mine.extend_from_slice(&cpu.to_le_bytes());
-    let all = exchange_small(comm, members, tag(TagKind::Agree, 0), Bytes::from(mine))?;
+    let all = exchange_small(
+        comm,
+        members,
+        tag(TagKind::Agree, run, 0),
+        Bytes::from(mine),
+    )?;
     let (mut max_wall, mut cpu_sum) = (0f64, 0f64);
     for (_, b) in all {
         if b.len() == 16 {
@@ -354,6 +366,7 @@ mod tests {
                 let ep = eps.remove(0);
                 std::thread::spawn(move || {
                     let mut comm = Comm::new(ep, 10_000);
+                    comm.begin_step(0, 0);
                     for (s, op) in ALL_OPS.into_iter().enumerate() {
                         let (t, _, _) =
                             run_op(&mut comm, &members, op, 4 * 3 * 100, 1, 2, s as u64).unwrap();

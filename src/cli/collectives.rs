@@ -156,7 +156,8 @@ fn run_rank<T: Transport>(
     let p = plan(a)?;
     let rank = t.rank();
     let mut comm = Comm::new(t, a.timeout_ms);
-    let mut step = 0;
+    comm.begin_step(0, 0);
+    let mut run = 0;
     for &bytes in &p.sizes {
         for &op in &p.ops {
             let iters = if a.iters == 0 {
@@ -164,11 +165,11 @@ fn run_rank<T: Transport>(
             } else {
                 a.iters
             };
-            let (time_s, cpu, wall) = run_op(&mut comm, members, op, bytes, 1, iters, step)
+            let (time_s, cpu, wall) = run_op(&mut comm, members, op, bytes, 1, iters, run)
                 .map_err(|e| {
                     CliError::Failed(format!("rank {rank}: {op:?} of {bytes} bytes: {e}"))
                 })?;
-            step += 1;
+            run += 1;
             if rank == members[0] {
                 // Threads of one process share its CPU counter: count it once.
                 let cpu = if mode == "threads" {
@@ -373,14 +374,34 @@ fn drive_children(children: &mut [std::process::Child]) -> Result<(), CliError> 
         let mut stdin = c.stdin.take().ok_or_else(|| fail("no stdin".into()))?;
         writeln!(stdin, "{all}").map_err(|e| fail(format!("rank {r}: {e}")))?;
     }
-    // Rank 0's lines are the results; other ranks print nothing more.
-    let mut lines = readers.remove(0).lines();
-    let stdout = std::io::stdout();
-    while let Some(Ok(l)) = lines.next() {
-        let mut o = stdout.lock();
-        let _ = writeln!(o, "{l}");
-        let _ = o.flush();
+    // Rank 0's lines are the results; other ranks print nothing more. A thread passes them
+    // through while this one watches for a rank that fails, so that the others are stopped
+    // instead of waiting out their collective deadline.
+    let rank0 = readers.remove(0);
+    let pass = std::thread::spawn(move || {
+        let stdout = std::io::stdout();
+        for l in rank0.lines().map_while(Result::ok) {
+            let mut o = stdout.lock();
+            let _ = writeln!(o, "{l}");
+            let _ = o.flush();
+        }
+    });
+    let mut running = vec![true; children.len()];
+    while running.iter().any(|&r| r) {
+        for (r, c) in children.iter_mut().enumerate() {
+            if !running[r] {
+                continue;
+            }
+            match c.try_wait() {
+                Ok(None) => {}
+                Ok(Some(s)) if s.success() => running[r] = false,
+                Ok(Some(s)) => return Err(fail(format!("rank {r} exited with {s}"))),
+                Err(e) => return Err(fail(format!("rank {r}: {e}"))),
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
+    let _ = pass.join();
     Ok(())
 }
 

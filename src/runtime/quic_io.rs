@@ -220,7 +220,8 @@ pub(crate) async fn dial(shared: Arc<Shared>, peer: Arc<Peer>, addr: SocketAddr)
         };
         match tokio::time::timeout_at(deadline, connecting).await {
             Ok(Ok(conn)) => {
-                let _ = peer.conn.send(Some(conn.clone()));
+                // send_replace stores the value even before any writer has subscribed.
+                peer.conn.send_replace(Some(conn.clone()));
                 shared.event(ControlEvent::Connected(peer.rank));
                 shared
                     .handle
@@ -406,7 +407,8 @@ fn register(shared: &Arc<Shared>, rank: RankId, conn: &Connection) {
         return; // the second stream's hello
     }
     *peer.lost.lock().unwrap_or_else(|e| e.into_inner()) = None;
-    let _ = peer.conn.send(Some(conn.clone()));
+    // send_replace stores the value even before any writer has subscribed.
+    peer.conn.send_replace(Some(conn.clone()));
     shared.event(ControlEvent::Connected(rank));
     shared
         .handle
