@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 
 use super::codec::decode_chunk;
 use super::error::{CheckpointError, IoContext};
-use super::manifest::{crc_hex, ChunkEntry, Manifest};
-use super::read::read_manifest;
+use super::manifest::{ChunkEntry, Manifest};
+use super::read::{check_record, read_manifest};
 use super::store;
 use crate::engine::coordinator::Progress;
 use crate::plan::{ChunkId, ShardMap};
@@ -108,20 +108,7 @@ impl CheckpointSource {
                     .read_exact_at(&mut record, c.offset)
                     .at(&path, "read")?;
                 bytes_read += record.len() as u64;
-                let crc = crc_hex(crc32fast::hash(&record));
-                if crc != c.crc32 {
-                    return Err(CheckpointError::corrupt(
-                        &path,
-                        format!(
-                            "checksum mismatch in chunk {}/{} (bytes {}..{}): CRC-32 {crc}, the manifest records {}",
-                            c.unit,
-                            c.index,
-                            c.offset,
-                            c.offset + c.bytes(),
-                            c.crc32
-                        ),
-                    ));
-                }
+                check_record(&path, c, crc32fast::hash(&record))?;
                 out.push(decode_chunk(c, &record));
             }
         }

@@ -13,7 +13,7 @@ use sha2::{Digest, Sha256};
 
 use super::codec::decode_chunk;
 use super::error::{CheckpointError, IoContext};
-use super::manifest::{crc_hex, FileEntry, Manifest, MANIFEST_FILE, TMP_SUFFIX};
+use super::manifest::{crc_hex, ChunkEntry, FileEntry, Manifest, MANIFEST_FILE, TMP_SUFFIX};
 use super::store;
 use crate::runtime::actors::Snapshot;
 use crate::runtime::rank_state::ChunkState;
@@ -203,20 +203,7 @@ fn decode_file(
         let mut h = crc32fast::Hasher::new();
         h.update(record);
         whole.combine(&h);
-        let crc = crc_hex(h.finalize());
-        if crc != c.crc32 {
-            return Err(CheckpointError::corrupt(
-                path,
-                format!(
-                    "checksum mismatch in chunk {}/{} (bytes {}..{}): CRC-32 {crc}, the manifest records {}",
-                    c.unit,
-                    c.index,
-                    c.offset,
-                    c.offset + c.bytes(),
-                    c.crc32
-                ),
-            ));
-        }
+        check_record(path, c, h.finalize())?;
         out.push(decode_chunk(c, record));
     }
     let crc = crc_hex(whole.finalize());
@@ -230,6 +217,25 @@ fn decode_file(
         ));
     }
     Ok(out)
+}
+
+/// Refuses a chunk record whose CRC-32 (`crc`) is not the one the manifest records for it.
+pub(crate) fn check_record(path: &Path, c: &ChunkEntry, crc: u32) -> Result<(), CheckpointError> {
+    let crc = crc_hex(crc);
+    if crc == c.crc32 {
+        return Ok(());
+    }
+    Err(CheckpointError::corrupt(
+        path,
+        format!(
+            "checksum mismatch in chunk {}/{} (bytes {}..{}): CRC-32 {crc}, the manifest records {}",
+            c.unit,
+            c.index,
+            c.offset,
+            c.offset + c.bytes(),
+            c.crc32
+        ),
+    ))
 }
 
 /// What `verify` found, for `ezero checkpoint verify`.
