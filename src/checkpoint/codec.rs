@@ -3,25 +3,14 @@
 //! no headers and any chunk (or element range) can be read with one seek.
 
 use super::manifest::ChunkEntry;
+use crate::runtime::parcel::{get_f32s, put_f32s};
 use crate::runtime::rank_state::ChunkState;
 
 /// Appends `c`'s record to `out`.
 pub fn encode_chunk(c: &ChunkState, out: &mut Vec<u8>) {
     for v in [&c.params, &c.m, &c.v] {
-        let start = out.len();
-        out.resize(start + 4 * v.len(), 0);
-        for (dst, x) in out[start..].chunks_exact_mut(4).zip(v.iter()) {
-            dst.copy_from_slice(&x.to_le_bytes());
-        }
+        put_f32s(out, v);
     }
-}
-
-/// Little-endian f32 values of `bytes` (whose length is a multiple of 4).
-pub fn decode_f32(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect()
 }
 
 /// The chunk state in `record`, the bytes `entry` describes.
@@ -33,9 +22,9 @@ pub fn decode_chunk(entry: &ChunkEntry, record: &[u8]) -> ChunkState {
     ChunkState {
         unit: entry.unit,
         index: entry.index,
-        params: decode_f32(&record[..p]),
-        m: decode_f32(&record[p..m]),
-        v: decode_f32(&record[m..]),
+        params: get_f32s(&record[..p]),
+        m: get_f32s(&record[p..m]),
+        v: get_f32s(&record[m..]),
     }
 }
 

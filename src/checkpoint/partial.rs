@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use super::codec::decode_chunk;
 use super::error::{CheckpointError, IoContext};
 use super::manifest::{ChunkEntry, Manifest};
-use super::read::{check_record, read_manifest};
+use super::read::{check_len, check_record, read_manifest};
 use super::store;
 use crate::engine::coordinator::Progress;
 use crate::plan::{ChunkId, ShardMap};
@@ -49,17 +49,7 @@ impl CheckpointSource {
                     ))
                 }
             };
-            if len != f.bytes {
-                let what = if len < f.bytes {
-                    "truncated"
-                } else {
-                    "longer than recorded"
-                };
-                return Err(CheckpointError::corrupt(
-                    &path,
-                    format!("{what}: {len} bytes, the manifest records {}", f.bytes),
-                ));
-            }
+            check_len(&path, f, len)?;
             for c in &f.chunks {
                 let id = ChunkId {
                     unit: c.unit,

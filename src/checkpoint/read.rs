@@ -161,6 +161,22 @@ pub fn load_latest_valid(path: &Path) -> Result<(Loaded, Vec<CheckpointError>), 
         }))
 }
 
+/// Refuses a chunk file whose length `len` is not the one the manifest records.
+pub(crate) fn check_len(path: &Path, f: &FileEntry, len: u64) -> Result<(), CheckpointError> {
+    if len == f.bytes {
+        return Ok(());
+    }
+    let what = if len < f.bytes {
+        "truncated"
+    } else {
+        "longer than recorded"
+    };
+    Err(CheckpointError::corrupt(
+        path,
+        format!("{what}: {len} bytes, the manifest records {}", f.bytes),
+    ))
+}
+
 /// One chunk file read whole, its length checked against the manifest.
 fn read_bytes(dir: &Path, f: &FileEntry) -> Result<Vec<u8>, CheckpointError> {
     let path = dir.join(&f.name);
@@ -171,21 +187,7 @@ fn read_bytes(dir: &Path, f: &FileEntry) -> Result<Vec<u8>, CheckpointError> {
         ));
     }
     let bytes = std::fs::read(&path).at(&path, "read")?;
-    if bytes.len() as u64 != f.bytes {
-        let what = if (bytes.len() as u64) < f.bytes {
-            "truncated"
-        } else {
-            "longer than recorded"
-        };
-        return Err(CheckpointError::corrupt(
-            &path,
-            format!(
-                "{what}: {} bytes, the manifest records {}",
-                bytes.len(),
-                f.bytes
-            ),
-        ));
-    }
+    check_len(&path, f, bytes.len() as u64)?;
     Ok(bytes)
 }
 
