@@ -338,11 +338,8 @@ fn init_secrets_makes_a_cluster_ca_once() {
     assert_eq!(code, 1, "{err}");
 }
 
-/// QUIC data plane: same digest. Ignored: connection setup between three or more workers
-/// sometimes stalls (an accepted connection is not registered; see the README), so this is
-/// run by hand: `cargo test --test procs -- --ignored`.
+/// QUIC data plane (mutual TLS between workers): same digest.
 #[test]
-#[ignore]
 fn launch_over_quic_gives_the_in_process_digest() {
     let flags = small("mlp", 3);
     let (code, out, err) = run(Command::new(EZERO)

@@ -188,7 +188,7 @@ impl QuicTransport {
                         {
                             return Err(QuicError::PeerLost { rank: r, reason });
                         }
-                        if p.conn.borrow().is_none() {
+                        if !p.ready.load(Ordering::Acquire) {
                             missing.push(r);
                         }
                     }
@@ -418,7 +418,7 @@ impl QuicControl {
         let mut v: Vec<RankId> = peers
             .values()
             .filter(|p| {
-                p.conn.borrow().is_some()
+                p.ready.load(Ordering::Acquire)
                     && p.lost.lock().unwrap_or_else(|e| e.into_inner()).is_none()
             })
             .map(|p| p.rank)

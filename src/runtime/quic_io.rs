@@ -58,6 +58,10 @@ pub(crate) type LaneTx = mpsc::UnboundedSender<(WireMsg, u64)>;
 pub(crate) struct Peer {
     pub rank: RankId,
     pub conn: watch::Sender<Option<Connection>>,
+    /// The peer has proven it accepted us: the acceptor saw our certificate at the handshake;
+    /// the dialler waits for the acceptor's hello, because a TLS 1.3 client finishes its
+    /// handshake before the server has checked the client's certificate.
+    pub ready: AtomicBool,
     pub lanes: Mutex<Option<[LaneTx; 2]>>,
     pub lost: Mutex<Option<String>>,
     /// The peer said goodbye: its loss is expected.
@@ -104,6 +108,7 @@ impl Shared {
         let peer = Arc::new(Peer {
             rank,
             conn: watch::Sender::new(None),
+            ready: AtomicBool::new(false),
             lanes: Mutex::new(Some([ctl_tx, bulk_tx])),
             lost: Mutex::new(None),
             quiet: AtomicBool::new(false),
@@ -222,7 +227,6 @@ pub(crate) async fn dial(shared: Arc<Shared>, peer: Arc<Peer>, addr: SocketAddr)
             Ok(Ok(conn)) => {
                 // send_replace stores the value even before any writer has subscribed.
                 peer.conn.send_replace(Some(conn.clone()));
-                shared.event(ControlEvent::Connected(peer.rank));
                 shared
                     .handle
                     .spawn(serve(Arc::clone(&shared), conn.clone(), Some(peer.rank)));
@@ -355,8 +359,9 @@ async fn read_stream(
                         return violation(&shared, &conn, CLOSE_PROTOCOL, what);
                     }
                     who = Some((rank, lane));
-                    if dialled.is_none() {
-                        register(&shared, rank, &conn);
+                    match dialled {
+                        None => register(&shared, rank, &conn),
+                        Some(_) => accepted_us(&shared, rank),
                     }
                 }
                 (WireMsg::Frame(f), Some((rank, lane))) if f.from == rank => {
@@ -409,8 +414,18 @@ fn register(shared: &Arc<Shared>, rank: RankId, conn: &Connection) {
     *peer.lost.lock().unwrap_or_else(|e| e.into_inner()) = None;
     // send_replace stores the value even before any writer has subscribed.
     peer.conn.send_replace(Some(conn.clone()));
+    peer.ready.store(true, Ordering::Release);
     shared.event(ControlEvent::Connected(rank));
     shared
         .handle
         .spawn(watch_closed(Arc::clone(shared), peer, conn.clone()));
+}
+
+/// The rank we dialled said hello: it checked our certificate and registered us.
+fn accepted_us(shared: &Shared, rank: RankId) {
+    if let Some(peer) = shared.peer(rank) {
+        if !peer.ready.swap(true, Ordering::AcqRel) {
+            shared.event(ControlEvent::Connected(rank));
+        }
+    }
 }
