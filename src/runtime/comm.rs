@@ -3,7 +3,7 @@
 //!
 //! Frames can arrive early (a peer already posted a later phase), late (from an aborted attempt
 //! or an old step) or twice (a duplicating network). Early frames wait in a bounded pending set
-//! keyed by (sender, tag); late and duplicate frames are dropped and counted, never applied.
+//! keyed by (epoch, step, sender, tag); late and duplicate frames are dropped and counted, never applied.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -67,7 +67,8 @@ pub struct Comm<T: Transport> {
     epoch: u64,
     step: u64,
     timeout_ms: u64,
-    pending: BTreeMap<(RankId, Tag), Bytes>,
+    /// Early frames by (epoch, step, sender, tag): a fast peer may already be one step ahead.
+    pending: BTreeMap<(u64, u64, RankId, Tag), Bytes>,
     stats: CommStats,
 }
 
@@ -91,12 +92,15 @@ impl<T: Transport> Comm<T> {
         self.stats
     }
 
-    /// Enters (epoch, step): frames of earlier steps still pending are now stale.
+    /// Enters (epoch, step): frames of earlier steps still pending are now stale; frames a
+    /// faster peer already sent for this step stay.
     pub fn begin_step(&mut self, epoch: u64, step: u64) {
         self.epoch = epoch;
         self.step = step;
-        let stale_dropped = self.stats.stale_dropped + self.pending.len() as u64;
-        self.pending.clear();
+        let before = self.pending.len();
+        self.pending
+            .retain(|&(e, s, _, _), _| (e, s) >= (epoch, step));
+        let stale_dropped = self.stats.stale_dropped + (before - self.pending.len()) as u64;
         self.stats = CommStats {
             stale_dropped,
             ..CommStats::default()
@@ -129,7 +133,7 @@ impl<T: Transport> Comm<T> {
 
     /// Waits for the frame `tag` from `from` in the current (epoch, step).
     pub fn recv(&mut self, from: RankId, tag: Tag) -> Result<Bytes, CommError> {
-        if let Some(p) = self.pending.remove(&(from, tag)) {
+        if let Some(p) = self.pending.remove(&(self.epoch, self.step, from, tag)) {
             return Ok(p);
         }
         let deadline = Instant::now() + std::time::Duration::from_millis(self.timeout_ms);
@@ -157,7 +161,10 @@ impl<T: Transport> Comm<T> {
                 // Whatever we were waiting for is not coming: a peer died.
                 return Err(CommError::Interrupted);
             }
-            if frame.from == from && frame.tag == tag && frame.step == self.step {
+            if frame.from == from
+                && frame.tag == tag
+                && (frame.epoch, frame.step) == (self.epoch, self.step)
+            {
                 return Ok(frame.payload);
             }
             self.hold(frame)?;
@@ -179,7 +186,7 @@ impl<T: Transport> Comm<T> {
                 what: format!("more than {MAX_PENDING_FRAMES} frames pending"),
             });
         }
-        let key = (frame.from, frame.tag);
+        let key = (frame.epoch, frame.step, frame.from, frame.tag);
         match self.pending.entry(key) {
             std::collections::btree_map::Entry::Occupied(_) => self.stats.duplicates_dropped += 1,
             std::collections::btree_map::Entry::Vacant(v) => {
@@ -223,6 +230,25 @@ mod tests {
         a.begin_step(0, 2);
         assert!(matches!(a.recv(1, tag(9)), Err(CommError::Timeout { .. })));
         assert_eq!(a.stats().stale_dropped, 2);
+    }
+
+    /// A peer that finished step 1 first sends its step-2 frame while we still wait in step 1:
+    /// it is kept for step 2, not dropped when step 2 begins.
+    #[test]
+    fn a_frame_for_the_next_step_survives_begin_step() {
+        let net = LocalNetwork::new();
+        let mut a = Comm::new(net.endpoint(0), 100);
+        let mut b = Comm::new(net.endpoint(1), 100);
+        let mut c = Comm::new(net.endpoint(2), 100);
+        a.begin_step(0, 1);
+        b.begin_step(0, 2);
+        c.begin_step(0, 1);
+        b.send(0, tag(1), Bytes::from_static(b"b2")).unwrap();
+        c.send(0, tag(1), Bytes::from_static(b"c1")).unwrap();
+        assert_eq!(&a.recv(2, tag(1)).unwrap()[..], b"c1");
+        a.begin_step(0, 2);
+        assert_eq!(&a.recv(1, tag(1)).unwrap()[..], b"b2");
+        assert_eq!(a.stats().stale_dropped, 0);
     }
 
     #[test]
