@@ -132,6 +132,14 @@ fn scenario(seed: u64) -> (TrainConfig, Expect) {
             cfg.net_slow_rank = Some(pick(&mut rng, ranks as u64) as u32);
             cfg.net_slow_ms = 1 + pick(&mut rng, 4);
         }
+        // Half of those also cut the network in two for a stretch of every rank's sends.
+        if pick(&mut rng, 2) == 0 {
+            let side = 1 + pick(&mut rng, (1u64 << ranks) - 2);
+            cfg.net_partition_ranks = (0..ranks).filter(|r| side >> r & 1 == 1).collect();
+            cfg.net_partition_from_frame = pick(&mut rng, 50);
+            cfg.net_partition_frames = 1 + pick(&mut rng, 200);
+            cfg.net_partition_ms = 1 + pick(&mut rng, 4);
+        }
     }
     (cfg, expect)
 }
@@ -218,13 +226,14 @@ fn seeds() -> Vec<u64> {
 #[test]
 fn chaos_seeds_end_bit_identical_or_with_the_documented_error() {
     let mut failures = Vec::new();
-    let (mut corrupted, mut rejected, mut retransmitted) = (0, 0, 0);
+    let (mut corrupted, mut rejected, mut retransmitted, mut partitioned) = (0, 0, 0, 0);
     for seed in seeds() {
         match check(seed) {
             Ok((_, net)) => {
                 corrupted += net.corrupted;
                 rejected += net.rejected;
                 retransmitted += net.retransmitted;
+                partitioned += net.partitioned;
             }
             Err(why) => {
                 eprintln!("seed {seed} failed: {why}\n  replay: CHAOS_SEED={seed} cargo test --test chaos -- --nocapture");
@@ -233,13 +242,13 @@ fn chaos_seeds_end_bit_identical_or_with_the_documented_error() {
         }
     }
     eprintln!(
-        "network faults over all seeds: {corrupted} frames damaged, {rejected} rejected by checksum, {retransmitted} retransmitted"
+        "network faults over all seeds: {corrupted} frames damaged, {rejected} rejected by checksum, {retransmitted} retransmitted, {partitioned} held by a partition"
     );
     assert!(failures.is_empty(), "failing seeds: {failures:?}");
     if seeds().len() >= 50 {
         assert!(
-            rejected > 0 && retransmitted > 0,
-            "the scenarios must damage and lose frames"
+            rejected > 0 && retransmitted > 0 && partitioned > 0,
+            "the scenarios must damage, lose and partition frames"
         );
     }
 }

@@ -188,6 +188,17 @@ pub struct TrainConfig {
     pub net_slow_rank: Option<u32>,
     /// Fault injection: the extra latency of `net_slow_rank`'s frames (default 0).
     pub net_slow_ms: u64,
+    /// Fault injection: the ranks on one side of a network partition (default none). While it
+    /// lasts, frames between the two sides wait `net_partition_ms` for the link to heal.
+    pub net_partition_ranks: Vec<u32>,
+    /// Fault injection: the partition covers each rank's sends numbered
+    /// `net_partition_from_frame ..` (counted per sender, so a seed replays it exactly)
+    /// (default 0).
+    pub net_partition_from_frame: u64,
+    /// Fault injection: how many of each rank's sends the partition covers (default 0).
+    pub net_partition_frames: u64,
+    /// Fault injection: how long a frame across the partition waits (default 0).
+    pub net_partition_ms: u64,
 }
 
 impl Default for TrainConfig {
@@ -240,6 +251,10 @@ impl Default for TrainConfig {
             net_retransmit_ms: 5,
             net_slow_rank: None,
             net_slow_ms: 0,
+            net_partition_ranks: Vec::new(),
+            net_partition_from_frame: 0,
+            net_partition_frames: 0,
+            net_partition_ms: 0,
         }
     }
 }
@@ -354,6 +369,7 @@ impl TrainConfig {
             ("net_delay_max_ms", self.net_delay_max_ms),
             ("net_retransmit_ms", self.net_retransmit_ms),
             ("net_slow_ms", self.net_slow_ms),
+            ("net_partition_ms", self.net_partition_ms),
         ] {
             if ms > self.collective_timeout_ms / 4 {
                 return Err(ConfigError::new(
@@ -365,6 +381,7 @@ impl TrainConfig {
                 ));
             }
         }
+        self.validate_partition()?;
         if self.collective_timeout_ms == 0 {
             return Err(ConfigError::new(
                 "collective_timeout_ms",
@@ -392,6 +409,24 @@ impl TrainConfig {
     /// Plays the membership script forward and refuses one that names a rank that is not a
     /// member at that step, leaves the world outside [min_ranks, max_ranks], or acts after the
     /// last step.
+    fn validate_partition(&self) -> Result<(), ConfigError> {
+        let r = &self.net_partition_ranks;
+        if let Some(&big) = r.iter().find(|&&x| x >= 64) {
+            return Err(ConfigError::new(
+                "net_partition_ranks",
+                format!("rank {big}: the simulated partition takes ranks 0 to 63"),
+            ));
+        }
+        let on = !r.is_empty() || self.net_partition_frames > 0 || self.net_partition_ms > 0;
+        if on && (r.is_empty() || self.net_partition_frames == 0 || self.net_partition_ms == 0) {
+            return Err(ConfigError::new(
+                "net_partition_ranks",
+                "a partition needs net_partition_ranks (one side), net_partition_frames and net_partition_ms, all non-empty/non-zero",
+            ));
+        }
+        Ok(())
+    }
+
     fn validate_membership(&self) -> Result<(), ConfigError> {
         if self.min_ranks == 0 || self.min_ranks > self.max_ranks {
             return Err(ConfigError::new(
@@ -555,6 +590,26 @@ mod tests {
                 c.kill = vec!["0@3".parse().unwrap()]
             }),
             "leave"
+        );
+        assert_eq!(
+            bad(|c| c.net_partition_ranks = vec![1]),
+            "net_partition_ranks"
+        );
+        assert_eq!(
+            bad(|c| {
+                c.net_partition_ranks = vec![64];
+                c.net_partition_frames = 10;
+                c.net_partition_ms = 2;
+            }),
+            "net_partition_ranks"
+        );
+        assert_eq!(
+            bad(|c| {
+                c.net_partition_ranks = vec![1];
+                c.net_partition_frames = 10;
+                c.net_partition_ms = 60_000;
+            }),
+            "net_partition_ms"
         );
     }
 

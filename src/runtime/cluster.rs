@@ -15,7 +15,7 @@ use super::actors::{
 };
 use super::clock::SystemClock;
 use super::comm::Comm;
-use super::local::{LocalEndpoint, LocalNetwork, NetCounts, NetFaults};
+use super::local::{LocalEndpoint, LocalNetwork, NetCounts, NetFaults, Partition};
 use super::rank_actor::RankMsg;
 use super::rank_state::{ChunkState, OptimSettings, RankState};
 use super::resume::{read_owned_chunks, ResumeSource};
@@ -114,6 +114,12 @@ pub fn net_faults(cfg: &TrainConfig) -> NetFaults {
         retransmit_ms: cfg.net_retransmit_ms,
         slow_rank: cfg.net_slow_rank,
         slow_ms: cfg.net_slow_ms,
+        partition: Partition::new(
+            &cfg.net_partition_ranks,
+            cfg.net_partition_from_frame,
+            cfg.net_partition_frames,
+            cfg.net_partition_ms,
+        ),
     }
 }
 

@@ -9,7 +9,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-pub use super::net_faults::{NetCounts, NetFaults, NetStats};
+pub use super::net_faults::{NetCounts, NetFaults, NetStats, Partition};
 use super::transport::{Frame, Tag, TagKind, Transport, TransportError};
 use crate::model::rng::{mix, SplitMix64};
 use crate::plan::RankId;
@@ -109,6 +109,7 @@ impl LocalNetwork {
                 rng: SplitMix64::new(mix(f.seed, rank as u64)),
                 held: Vec::new(),
                 seq: 0,
+                sent: 0,
             })
         });
         LocalEndpoint {
@@ -219,6 +220,8 @@ struct Chaos {
     rng: SplitMix64,
     held: Vec<(RankId, Parcel)>,
     seq: u64,
+    /// Frames this endpoint has sent: the partition window counts them.
+    sent: u64,
 }
 
 impl LocalEndpoint {
@@ -234,8 +237,12 @@ impl LocalEndpoint {
         if !self.net.is_up(to) {
             return Err(TransportError::UnknownPeer(to));
         }
-        let fate = c.faults.draw(&mut c.rng, self.rank);
+        let fate = c.faults.draw(&mut c.rng, self.rank, to, c.sent);
+        c.sent += 1;
         let stats = &self.net.stats;
+        if fate.partitioned {
+            NetStats::bump(&stats.partitioned);
+        }
         let crc = c.faults.checksums().then(|| frame_crc(&frame));
         let now = Instant::now();
         let later = |c: &mut Chaos, ms: u64, parcel: Parcel| {

@@ -7,8 +7,10 @@
 //! The faults model what a reliable, checksummed transport (QUIC with our wire codec) shows the
 //! layers above it: a lost packet is retransmitted, so it arrives late; a damaged frame fails
 //! its checksum, is rejected and counted, and the intact retransmission follows; links add
-//! latency, and one slow rank adds it to everything it sends. A link that stays silent is not a
-//! network fault here: it is the loss of a rank (`kill`), which the coordinator recovers from.
+//! latency, and one slow rank adds it to everything it sends. A partition cuts the links between
+//! two sides for a while; the transport keeps retrying, so what crosses the cut arrives when it
+//! heals. A link that stays silent past the deadlines is not a network fault here: it is the loss
+//! of a rank (`kill`), which the coordinator recovers from.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -36,6 +38,44 @@ pub struct NetFaults {
     /// A rank whose every frame is `slow_ms` late (a slow host or a congested link).
     pub slow_rank: Option<RankId>,
     pub slow_ms: u64,
+    pub partition: Partition,
+}
+
+/// A network partition: `side` (a bitmask of ranks 0..64) against everyone else, over each
+/// sender's frames numbered `from_frame .. from_frame + frames`. Counting a sender's own frames
+/// rather than the clock keeps the cut at the same point of every rank's program on replay.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Partition {
+    pub side: u64,
+    pub from_frame: u64,
+    pub frames: u64,
+    /// How long a frame across the cut waits for the link to heal.
+    pub heal_ms: u64,
+}
+
+impl Partition {
+    /// Ranks at or above 64 are ignored (the config refuses them).
+    pub fn new(side: &[u32], from_frame: u64, frames: u64, heal_ms: u64) -> Self {
+        Self {
+            side: side.iter().filter(|&&r| r < 64).fold(0, |m, &r| m | 1 << r),
+            from_frame,
+            frames,
+            heal_ms,
+        }
+    }
+
+    fn on(&self) -> bool {
+        self.side != 0 && self.frames > 0 && self.heal_ms > 0
+    }
+
+    /// Whether the `index`-th frame `from` sends to `to` crosses the cut while it is open.
+    fn cuts(&self, from: RankId, to: RankId, index: u64) -> bool {
+        let side = |r: RankId| r < 64 && self.side >> r & 1 == 1;
+        self.on()
+            && side(from) != side(to)
+            && index >= self.from_frame
+            && index - self.from_frame < self.frames
+    }
 }
 
 impl NetFaults {
@@ -48,6 +88,7 @@ impl NetFaults {
             > 0
             || self.delay_max_ms > 0
             || (self.slow_rank.is_some() && self.slow_ms > 0)
+            || self.partition.on()
     }
 
     /// Whether frames must carry a checksum (only when some will be damaged).
@@ -55,9 +96,9 @@ impl NetFaults {
         self.corrupt_per_mille > 0
     }
 
-    /// The fate of the next frame `from` sends, drawn from its stream. Always draws the same
-    /// number of values, so one fault's rate does not shift the others' draws.
-    pub(crate) fn draw(&self, rng: &mut SplitMix64, from: RankId) -> Fate {
+    /// The fate of the `index`-th frame `from` sends (to `to`), drawn from its stream. Always
+    /// draws the same number of values, so one fault's rate does not shift the others' draws.
+    pub(crate) fn draw(&self, rng: &mut SplitMix64, from: RankId, to: RankId, index: u64) -> Fate {
         let mut roll = || rng.next_u64();
         let (dup, hold, drop, corrupt, delay, bit) =
             (roll(), roll(), roll(), roll(), roll(), roll());
@@ -67,12 +108,15 @@ impl NetFaults {
         } else {
             0
         };
+        let cut = self.partition.cuts(from, to, index);
+        let heal = if cut { self.partition.heal_ms } else { 0 };
         Fate {
+            partitioned: cut,
             duplicate: per_mille(dup, self.duplicate_per_mille),
             hold: per_mille(hold, self.reorder_per_mille),
             lost_first: per_mille(drop, self.drop_per_mille),
             corrupt: per_mille(corrupt, self.corrupt_per_mille).then_some(bit),
-            delay_ms: delay % (self.delay_max_ms + 1) + slow,
+            delay_ms: delay % (self.delay_max_ms + 1) + slow + heal,
         }
     }
 }
@@ -80,6 +124,8 @@ impl NetFaults {
 /// What happens to one frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Fate {
+    /// Crossed an open partition (its delay includes the wait for the heal).
+    pub partitioned: bool,
     pub duplicate: bool,
     pub hold: bool,
     pub lost_first: bool,
@@ -98,6 +144,8 @@ pub struct NetStats {
     /// Frames a receiver rejected because their checksum failed (never applied).
     pub rejected: AtomicU64,
     pub delayed: AtomicU64,
+    /// Frames that waited for a partition to heal.
+    pub partitioned: AtomicU64,
 }
 
 /// A copy of [`NetStats`] at one moment.
@@ -109,6 +157,7 @@ pub struct NetCounts {
     pub corrupted: u64,
     pub rejected: u64,
     pub delayed: u64,
+    pub partitioned: u64,
 }
 
 impl NetStats {
@@ -121,6 +170,7 @@ impl NetStats {
             corrupted: get(&self.corrupted),
             rejected: get(&self.rejected),
             delayed: get(&self.delayed),
+            partitioned: get(&self.partitioned),
         }
     }
 
@@ -147,7 +197,7 @@ mod tests {
         let draw = |from| {
             let mut rng = SplitMix64::new(11);
             (0..10_000)
-                .map(|_| f.draw(&mut rng, from))
+                .map(|i| f.draw(&mut rng, from, 0, i))
                 .collect::<Vec<_>>()
         };
         let a = draw(1);
@@ -159,5 +209,29 @@ mod tests {
         assert!(a.iter().all(|x| x.delay_ms <= 3 && !x.duplicate && !x.hold));
         assert!(draw(2).iter().all(|x| (10..=13).contains(&x.delay_ms)));
         assert!(f.any() && f.checksums() && !NetFaults::default().any());
+    }
+
+    #[test]
+    fn a_partition_delays_only_frames_across_the_cut_inside_its_window() {
+        let f = NetFaults {
+            partition: Partition::new(&[0, 2], 10, 5, 40),
+            ..NetFaults::default()
+        };
+        assert!(f.any());
+        let mut rng = SplitMix64::new(3);
+        let mut fate = |from, to, i| f.draw(&mut rng, from, to, i);
+        // Across the cut, inside the window: waits for the heal.
+        for (from, to) in [(0, 1), (1, 0), (2, 3), (3, 2)] {
+            for i in 10..15 {
+                let x = fate(from, to, i);
+                assert!(x.partitioned && x.delay_ms == 40, "{from}->{to} #{i}");
+            }
+        }
+        // Same side, or outside the window: untouched.
+        for (from, to, i) in [(0, 2, 12), (1, 3, 12), (0, 1, 9), (0, 1, 15)] {
+            let x = fate(from, to, i);
+            assert!(!x.partitioned && x.delay_ms == 0, "{from}->{to} #{i}");
+        }
+        assert!(!Partition::new(&[1], 0, 0, 40).on());
     }
 }
