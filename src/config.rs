@@ -141,6 +141,9 @@ pub struct TrainConfig {
     pub chunk_elems: usize,
     /// ZeRO-3: units whose full parameters may be live at once (current + prefetched) (default 2).
     pub max_live_units: usize,
+    /// Keep each unit's forward intermediates until its backward instead of recomputing them
+    /// from the unit's input (memory for time; the same bits either way) (default false).
+    pub keep_activations: bool,
     /// Deadline for any single receive inside a collective (default 30000).
     pub collective_timeout_ms: u64,
     /// Bound on |gradient| for the first step's fixed-point scale; later steps derive it from the
@@ -230,6 +233,7 @@ impl Default for TrainConfig {
             json: None,
             chunk_elems: 8192,
             max_live_units: 2,
+            keep_activations: false,
             collective_timeout_ms: 30_000,
             initial_grad_bound: 65536.0,
             optimizer_threads: 1,

@@ -156,3 +156,40 @@ fn an_overflowing_first_step_is_redone_on_every_rank_and_still_matches() {
         );
     }
 }
+
+/// Keeping activations instead of recomputing them trades memory for compute, never bits: the
+/// oracle's parameters at stages 1 and 3, with more activation memory in the ledger's peak.
+#[test]
+fn kept_activations_match_the_oracle_and_cost_memory() {
+    let base = elastic_zero::config::TrainConfig {
+        ranks: 2,
+        ..small(ModelKind::Gpt)
+    };
+    let want = oracle(&base);
+    for stage in [1, 3] {
+        let recompute = elastic_zero::config::TrainConfig {
+            stage,
+            ..base.clone()
+        };
+        let keep = elastic_zero::config::TrainConfig {
+            keep_activations: true,
+            ..recompute.clone()
+        };
+        let peak = |out: &elastic_zero::runtime::cluster::TrainOutcome| {
+            out.records
+                .iter()
+                .flat_map(|r| &r.reports)
+                .map(|r| r.peak_bytes)
+                .max()
+                .unwrap()
+        };
+        let (a, b) = (run_cfg(&recompute).unwrap(), run_cfg(&keep).unwrap());
+        assert_eq!(param_sha256(&b.params), want, "stage {stage}");
+        assert!(
+            peak(&b) > peak(&a),
+            "stage {stage}: {} vs {}",
+            peak(&b),
+            peak(&a)
+        );
+    }
+}

@@ -18,6 +18,7 @@ pub const MAY_CHANGE: &[&str] = &[
     "stage",
     "chunk_elems",
     "max_live_units",
+    "keep_activations",
     "collective_timeout_ms",
     "optimizer_threads",
     "sample_tokens",
@@ -37,6 +38,16 @@ pub const MAY_CHANGE: &[&str] = &[
     // Fault injection in the in-process network never changes the numbers either.
     "net_duplicate_per_mille",
     "net_reorder_per_mille",
+    "net_drop_per_mille",
+    "net_corrupt_per_mille",
+    "net_delay_max_ms",
+    "net_retransmit_ms",
+    "net_slow_rank",
+    "net_slow_ms",
+    "net_partition_ranks",
+    "net_partition_from_frame",
+    "net_partition_frames",
+    "net_partition_ms",
 ];
 
 /// Refuses, naming the first difference, unless `manifest` can resume a run of `cfg` on a model

@@ -125,6 +125,10 @@ pub struct TrainArgs {
     /// ZeRO-3: units whose full parameters may be live at once.
     #[arg(long)]
     pub max_live_units: Option<usize>,
+    /// Keep forward intermediates for the backward instead of recomputing them (more memory,
+    /// less compute; same result) [default: off].
+    #[arg(long)]
+    pub keep_activations: bool,
     #[arg(long)]
     pub collective_timeout_ms: Option<u64>,
     #[arg(long)]
@@ -277,6 +281,9 @@ impl TrainArgs {
             min_ranks,
             max_ranks
         );
+        if self.keep_activations {
+            c.keep_activations = true;
+        }
         if self.save_dir.is_some() {
             c.save_dir = self.save_dir.clone();
         }

@@ -18,8 +18,8 @@ use super::ops::{
     split_params_mut, LayerNorm, Linear,
 };
 use super::rng::{init_unit_buffer, unit_spec, Init};
-use super::workspace::Scratch;
-use super::{MicroBatch, Model, UnitSpec};
+use super::workspace::{carve, Scratch};
+use super::{Kept, MicroBatch, Model, UnitSpec};
 
 /// Shape of a [`Gpt`].
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -81,6 +81,7 @@ impl GptConfig {
 }
 
 /// What a unit index refers to.
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum UnitKind {
     Embed,
     Block,
@@ -328,14 +329,105 @@ impl<'a> Block<'a> {
     }
 
     /// Recomputes the forward from `x` (activation checkpointing: nothing was kept between
-    /// calls), keeping what the backward reads (LayerNorm statistics, attention probabilities,
-    /// the GELU derivative), then runs the backward. Buffers are reused once their value is dead.
+    /// calls), keeping what the backward reads, then runs the backward.
     fn backward(&self, x: &[f32], dout: &[f32], s: AttnShape, grads: &mut [f32]) -> Vec<f32> {
+        let rd = x.len();
+        let mut ws = Scratch::take();
+        let [acts, dh, dx2, dp] = ws.carve([Acts::len(rd, s), rd, rd, s.seq * s.seq]);
+        let mut a = Acts::carve(acts, rd, s);
+        self.forward_acts(x, s, &mut a);
+        self.backward_acts(x, dout, s, grads, a, [dh, dx2, dp])
+    }
+
+    /// The forward up to the MLP's activation, into `a`: everything the backward reads.
+    fn forward_acts(&self, x: &[f32], s: AttnShape, a: &mut Acts) {
+        self.ln1.forward_into(x, a.h1, a.st1);
+        self.qkv.forward_into(a.h1, a.qkv);
+        attention_forward_keep(a.qkv, s, a.att, a.probs);
+        self.proj.forward_into(a.att, a.x2);
+        add_assign(a.x2, x);
+        self.ln2.forward_into(a.x2, a.h2, a.st2);
+        self.fc1.forward_into(a.h2, a.f);
+        gelu_with_derivative_into(a.f, a.g, a.g_deriv);
+    }
+
+    /// The forward with its activations kept (`keep_activations`): the output equals
+    /// `forward`'s, and `backward_acts` can run on `acts` without recomputing.
+    fn forward_keep(&self, x: &[f32], s: AttnShape) -> (Vec<f32>, Vec<f32>) {
+        let rd = x.len();
+        let mut acts = vec![0.0; Acts::len(rd, s)];
+        let mut a = Acts::carve(&mut acts, rd, s);
+        self.forward_acts(x, s, &mut a);
+        let mut out = vec![0.0; rd];
+        self.fc2.forward_into(a.g, &mut out);
+        add_assign(&mut out, a.x2);
+        (out, acts)
+    }
+
+    /// The backward from the forward's activations `a`, which it overwrites once each is dead.
+    /// `tmp` is scratch: two activation-sized buffers and one of `seq²`.
+    fn backward_acts(
+        &self,
+        x: &[f32],
+        dout: &[f32],
+        s: AttnShape,
+        grads: &mut [f32],
+        a: Acts,
+        tmp: [&mut [f32]; 3],
+    ) -> Vec<f32> {
         let [g_ln1_w, g_ln1_b, g_qkv_w, g_qkv_b, g_proj_w, g_proj_b, g_ln2_w, g_ln2_b, g_fc1_w, g_fc1_b, g_fc2_w, g_fc2_b] =
             split_params_mut(grads, block_lens(s.d_model));
-        let (rd, rows) = (x.len(), x.len() / s.d_model);
-        let mut ws = Scratch::take();
-        let [st1, st2, h1, qkv, att, x2, h2, f, g, g_deriv, probs, dh, dx2, dp] = ws.carve([
+        let [dh, dx2, dp] = tmp;
+        let rd = x.len();
+        // MLP half: out = x2 + fc2(gelu(fc1(ln2(x2)))). The pre-activation `f` is dead now.
+        let df = a.f;
+        self.fc2
+            .backward_into(a.g, dout, g_fc2_w, Some(g_fc2_b), df);
+        for (d, &gd) in df.iter_mut().zip(a.g_deriv.iter()) {
+            *d *= gd;
+        }
+        let dh2 = &mut *dh;
+        self.fc1
+            .backward_into(a.h2, df, g_fc1_w, Some(g_fc1_b), dh2);
+        self.ln2
+            .backward_into(a.x2, a.st2, dh2, g_ln2_w, g_ln2_b, dx2);
+        add_assign(dx2, dout);
+        // Attention half: x2 = x + proj(attn(qkv(ln1(x)))). `h2` and `df` are dead now.
+        let datt = a.h2;
+        self.proj
+            .backward_into(a.att, dx2, g_proj_w, Some(g_proj_b), datt);
+        let dqkv = &mut df[..3 * rd];
+        attention_backward_from_probs(a.qkv, a.probs, datt, s, dqkv, dp);
+        let dh1 = dh;
+        self.qkv
+            .backward_into(a.h1, dqkv, g_qkv_w, Some(g_qkv_b), dh1);
+        let mut dx = vec![0.0; rd];
+        self.ln1
+            .backward_into(x, a.st1, dh1, g_ln1_w, g_ln1_b, &mut dx);
+        add_assign(&mut dx, dx2);
+        dx
+    }
+}
+
+/// A block's forward intermediates that its backward reads, carved from one buffer.
+struct Acts<'b> {
+    st1: &'b mut [f32],
+    st2: &'b mut [f32],
+    h1: &'b mut [f32],
+    qkv: &'b mut [f32],
+    att: &'b mut [f32],
+    x2: &'b mut [f32],
+    h2: &'b mut [f32],
+    f: &'b mut [f32],
+    g: &'b mut [f32],
+    g_deriv: &'b mut [f32],
+    probs: &'b mut [f32],
+}
+
+impl<'b> Acts<'b> {
+    fn lens(rd: usize, s: AttnShape) -> [usize; 11] {
+        let rows = rd / s.d_model;
+        [
             2 * rows,
             2 * rows,
             rd,
@@ -347,42 +439,28 @@ impl<'a> Block<'a> {
             4 * rd,
             4 * rd,
             s.probs_len(),
-            rd,
-            rd,
-            s.seq * s.seq,
-        ]);
-        self.ln1.forward_into(x, h1, st1);
-        self.qkv.forward_into(h1, qkv);
-        attention_forward_keep(qkv, s, att, probs);
-        self.proj.forward_into(att, x2);
-        add_assign(x2, x);
-        self.ln2.forward_into(x2, h2, st2);
-        self.fc1.forward_into(h2, f);
-        gelu_with_derivative_into(f, g, g_deriv);
-        // MLP half: out = x2 + fc2(gelu(fc1(ln2(x2)))). The pre-activation `f` is dead now.
-        let df = f;
-        self.fc2.backward_into(g, dout, g_fc2_w, Some(g_fc2_b), df);
-        for (d, &gd) in df.iter_mut().zip(g_deriv.iter()) {
-            *d *= gd;
+        ]
+    }
+
+    fn len(rd: usize, s: AttnShape) -> usize {
+        Self::lens(rd, s).iter().sum()
+    }
+
+    fn carve(buf: &'b mut [f32], rd: usize, s: AttnShape) -> Self {
+        let [st1, st2, h1, qkv, att, x2, h2, f, g, g_deriv, probs] = carve(buf, Self::lens(rd, s));
+        Self {
+            st1,
+            st2,
+            h1,
+            qkv,
+            att,
+            x2,
+            h2,
+            f,
+            g,
+            g_deriv,
+            probs,
         }
-        let dh2 = &mut *dh;
-        self.fc1.backward_into(h2, df, g_fc1_w, Some(g_fc1_b), dh2);
-        self.ln2.backward_into(x2, st2, dh2, g_ln2_w, g_ln2_b, dx2);
-        add_assign(dx2, dout);
-        // Attention half: x2 = x + proj(attn(qkv(ln1(x)))). `h2` and `df` are dead now.
-        let datt = h2;
-        self.proj
-            .backward_into(att, dx2, g_proj_w, Some(g_proj_b), datt);
-        let dqkv = &mut df[..3 * rd];
-        attention_backward_from_probs(qkv, probs, datt, s, dqkv, dp);
-        let dh1 = dh;
-        self.qkv
-            .backward_into(h1, dqkv, g_qkv_w, Some(g_qkv_b), dh1);
-        let mut dx = vec![0.0; rd];
-        self.ln1
-            .backward_into(x, st1, dh1, g_ln1_w, g_ln1_b, &mut dx);
-        add_assign(&mut dx, dx2);
-        dx
     }
 }
 
@@ -440,6 +518,59 @@ impl Model for Gpt {
             UnitKind::Block => Block::new(params, s.d_model).backward(x, grad_out, s, grad_params),
             UnitKind::Head => self.head_backward(params, x, grad_out, grad_params),
         }
+    }
+
+    /// Blocks keep their activations; the embedding and the head have little to recompute.
+    fn forward_keep(
+        &self,
+        unit: usize,
+        params: &[f32],
+        x: &[f32],
+        mb: &MicroBatch,
+    ) -> (Vec<f32>, Option<Kept>) {
+        let (kind, s) = self.check(unit, params, x, mb);
+        if kind != UnitKind::Block {
+            return (self.forward(unit, params, x, mb), None);
+        }
+        let (out, acts) = Block::new(params, s.d_model).forward_keep(x, s);
+        let kept = Kept {
+            bytes: 4 * acts.len() as u64,
+            data: Box::new(acts),
+        };
+        (out, Some(kept))
+    }
+
+    fn backward_kept(
+        &self,
+        unit: usize,
+        params: &[f32],
+        x: &[f32],
+        kept: Option<Kept>,
+        grad_out: &[f32],
+        mb: &MicroBatch,
+        grad_params: &mut [f32],
+    ) -> Vec<f32> {
+        let mut acts = match kept.map(|k| k.data.downcast::<Vec<f32>>()) {
+            Some(Ok(acts)) => acts,
+            // Nothing kept (or not ours): recompute.
+            _ => return self.backward(unit, params, x, grad_out, mb, grad_params),
+        };
+        let (kind, s) = self.check(unit, params, x, mb);
+        let rd = x.len();
+        assert!(
+            kind == UnitKind::Block && acts.len() == Acts::len(rd, s),
+            "unit {unit}: kept activations do not fit this call"
+        );
+        assert_eq!(grad_out.len(), rd, "unit {unit}: grad_out length");
+        assert_eq!(
+            grad_params.len(),
+            params.len(),
+            "unit {unit}: gradient buffer length"
+        );
+        let mut ws = Scratch::take();
+        let [dh, dx2, dp] = ws.carve([rd, rd, s.seq * s.seq]);
+        let a = Acts::carve(&mut acts, rd, s);
+        Block::new(params, s.d_model).backward_acts(x, grad_out, s, grad_params, a, [dh, dx2, dp])
     }
 
     fn loss(&self, out: &[f32], mb: &MicroBatch) -> (f32, Vec<f32>) {
@@ -671,6 +802,35 @@ mod tests {
                 (t - 2.0 * g).abs() <= 1e-6 * g.abs().max(1e-3),
                 "{t} vs 2 * {g}"
             );
+        }
+    }
+
+    /// `keep_activations` trades memory for compute only: the same bits as recomputing.
+    #[test]
+    fn kept_activations_give_the_recomputed_bits() {
+        let gpt = tiny();
+        let params = perturbed(&gpt, 3, 0.3);
+        let mb = batch_of(11, 2, 5, 1);
+        let s = step(&gpt, &params, &mb);
+        for u in 0..gpt.units().len() - 1 {
+            let x = &s.inputs[u];
+            let (out, kept) = gpt.forward_keep(u, &params[u], x, &mb);
+            assert_eq!(
+                bits(&out),
+                bits(&gpt.forward(u, &params[u], x, &mb)),
+                "unit {u}"
+            );
+            // Blocks keep; the embedding recomputes (it has nothing worth keeping).
+            assert_eq!(kept.is_some(), u >= 1, "unit {u}");
+            let bytes = kept.as_ref().map_or(0, |k| k.bytes);
+            assert!(
+                u == 0 || bytes > 4 * x.len() as u64,
+                "unit {u}: {bytes} bytes"
+            );
+            let mut g = vec![0.0; params[u].len()];
+            let dx = gpt.backward_kept(u, &params[u], x, kept, &s.input_grads[u + 1], &mb, &mut g);
+            assert_eq!(bits(&dx), bits(&s.input_grads[u]), "unit {u}");
+            assert_eq!(bits(&g), bits(&s.grads[u]), "unit {u}");
         }
     }
 

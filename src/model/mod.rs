@@ -54,6 +54,13 @@ pub struct MicroBatch {
     pub seq: usize,
 }
 
+/// Intermediates a unit's forward kept for its backward (`Model::forward_keep`), opaque to the
+/// runtime except for their size, which the memory ledger counts as activations.
+pub struct Kept {
+    pub bytes: u64,
+    pub data: Box<dyn std::any::Any + Send>,
+}
+
 /// A model the runtime can train with any ZeRO stage.
 ///
 /// Activations between units are flat `f32` buffers whose layout is the model's business. The
@@ -83,6 +90,36 @@ pub trait Model: Send + Sync + 'static {
         mb: &MicroBatch,
         grad_params: &mut [f32],
     ) -> Vec<f32>;
+
+    /// `forward`, also returning what `backward_kept` needs so that it does not recompute the
+    /// forward (`keep_activations`: memory for time). The output must equal `forward`'s bit for
+    /// bit. The default keeps nothing.
+    fn forward_keep(
+        &self,
+        unit: usize,
+        params: &[f32],
+        x: &[f32],
+        mb: &MicroBatch,
+    ) -> (Vec<f32>, Option<Kept>) {
+        (self.forward(unit, params, x, mb), None)
+    }
+
+    /// `backward` given what `forward_keep` kept for this unit and micro-batch (`None`: it kept
+    /// nothing). Must give the same bits as `backward`. The default recomputes.
+    #[allow(clippy::too_many_arguments)]
+    fn backward_kept(
+        &self,
+        unit: usize,
+        params: &[f32],
+        x: &[f32],
+        kept: Option<Kept>,
+        grad_out: &[f32],
+        mb: &MicroBatch,
+        grad_params: &mut [f32],
+    ) -> Vec<f32> {
+        let _ = kept;
+        self.backward(unit, params, x, grad_out, mb, grad_params)
+    }
 
     /// Mean cross-entropy (nats per token) of the last unit's output, and its gradient.
     fn loss(&self, out: &[f32], mb: &MicroBatch) -> (f32, Vec<f32>);

@@ -41,13 +41,22 @@ impl Scratch {
             // Growing zero-fills only the new part; it happens on the first calls only.
             self.buf.resize(total, 0.0);
         }
-        let mut rest = &mut self.buf[..total];
-        std::array::from_fn(|i| {
-            let (head, tail) = std::mem::take(&mut rest).split_at_mut(lens[i]);
-            rest = tail;
-            head
-        })
+        carve(&mut self.buf, lens)
     }
+}
+
+/// `N` disjoint consecutive pieces of `buf` of the given lengths.
+///
+/// # Panics
+/// If `buf` is shorter than their sum.
+pub fn carve<const N: usize>(buf: &mut [f32], lens: [usize; N]) -> [&mut [f32]; N] {
+    let total: usize = lens.iter().sum();
+    let mut rest = &mut buf[..total];
+    std::array::from_fn(|i| {
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(lens[i]);
+        rest = tail;
+        head
+    })
 }
 
 impl Drop for Scratch {

@@ -185,6 +185,7 @@ pub fn exec_config(cfg: &TrainConfig) -> ExecConfig {
         seq_len: cfg.seq_len,
         seed: cfg.seed,
         max_live_units: cfg.max_live_units,
+        keep_activations: cfg.keep_activations,
         grad_clip: cfg.grad_clip as f64,
     }
 }

@@ -19,7 +19,7 @@ use super::transport::{Tag, TagKind, Transport};
 use crate::data::Dataset;
 use crate::engine::ledger::Category;
 use crate::engine::messages::{StepPlan, StepReport};
-use crate::model::MicroBatch;
+use crate::model::{Kept, MicroBatch};
 use crate::plan::schedule::{phases, Phase};
 use crate::plan::volume::Volume;
 use crate::plan::Stage;
@@ -33,6 +33,8 @@ pub struct ExecConfig {
     pub seq_len: usize,
     pub seed: u64,
     pub max_live_units: usize,
+    /// Keep forward intermediates for the backward (`Model::forward_keep`).
+    pub keep_activations: bool,
     /// Global-norm clipping threshold; 0 disables.
     pub grad_clip: f64,
 }
@@ -143,6 +145,9 @@ struct Pass<'a> {
     exps: Vec<i32>,
     /// Input activation of each unit (index u >= 1) per local micro-batch.
     saved: Vec<Vec<Vec<f32>>>,
+    /// What each unit's forward kept for its backward, per local micro-batch
+    /// (`keep_activations`).
+    kept: Vec<Vec<Option<Kept>>>,
     /// Gradient flowing backward, per local micro-batch.
     grad_out: Vec<Vec<f32>>,
     losses: Vec<(u32, f32)>,
@@ -174,6 +179,7 @@ impl<'a> Pass<'a> {
             attempt,
             exps,
             saved: vec![Vec::new(); units],
+            kept: (0..units).map(|_| Vec::new()).collect(),
             grad_out: vec![Vec::new(); mbs.len()],
             losses: Vec::new(),
             gathered: BTreeMap::new(),
@@ -318,9 +324,16 @@ impl<'a> Pass<'a> {
     fn forward(&mut self, u: usize) {
         let last = u + 1 == self.st.units();
         let mut outs = Vec::with_capacity(self.mbs.len());
+        let mut kept = Vec::with_capacity(self.mbs.len());
         for (j, (idx, mb)) in self.mbs.iter().enumerate() {
             let x: &[f32] = if u == 0 { &[] } else { &self.saved[u][j] };
-            let out = self.st.model.forward(u, self.params(u), x, mb);
+            let out = if self.cfg.keep_activations {
+                let (out, k) = self.st.model.forward_keep(u, self.params(u), x, mb);
+                kept.push(k);
+                out
+            } else {
+                self.st.model.forward(u, self.params(u), x, mb)
+            };
             if last {
                 let (loss, g) = self.st.model.loss(&out, mb);
                 self.losses.push((*idx, loss));
@@ -329,8 +342,10 @@ impl<'a> Pass<'a> {
                 outs.push(out);
             }
         }
-        let bytes = 4 * outs.iter().map(Vec::len).sum::<usize>() as u64;
+        let kept_bytes: u64 = kept.iter().flatten().map(|k| k.bytes).sum();
+        let bytes = 4 * outs.iter().map(Vec::len).sum::<usize>() as u64 + kept_bytes;
         self.st.ledger.alloc(Category::Activations, bytes);
+        self.kept[u] = kept;
         if last {
             self.grad_out = outs;
         } else {
@@ -353,17 +368,22 @@ impl<'a> Pass<'a> {
         };
         let mut gp = vec![0f32; numel];
         self.st.ledger.alloc(Category::Transient, 4 * numel as u64);
+        let mut kept = std::mem::take(&mut self.kept[u]).into_iter();
         for j in 0..self.mbs.len() {
             gp.fill(0.0);
             let x: &[f32] = if u == 0 { &[] } else { &self.saved[u][j] };
-            let gx = self.st.model.backward(
+            let k = kept.next().flatten();
+            let kept_bytes = k.as_ref().map_or(0, |k| k.bytes);
+            let gx = self.st.model.backward_kept(
                 u,
                 self.params(u),
                 x,
+                k,
                 &self.grad_out[j],
                 &self.mbs[j].1,
                 &mut gp,
             );
+            self.st.ledger.free(Category::Activations, kept_bytes);
             self.stats[u] = self.stats[u].merge(acc.accumulate(0, &gp, s, m));
             let old = std::mem::replace(&mut self.grad_out[j], gx);
             let freed = old.len() as i64 - self.grad_out[j].len() as i64;
@@ -587,7 +607,10 @@ impl<'a> Pass<'a> {
     fn release(self) {
         let act: usize = self.saved.iter().flatten().map(Vec::len).sum::<usize>()
             + self.grad_out.iter().map(Vec::len).sum::<usize>();
-        self.st.ledger.free(Category::Activations, 4 * act as u64);
+        let kept: u64 = self.kept.iter().flatten().flatten().map(|k| k.bytes).sum();
+        self.st
+            .ledger
+            .free(Category::Activations, 4 * act as u64 + kept);
         for buf in self.gathered.values() {
             self.st
                 .ledger
