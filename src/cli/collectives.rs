@@ -21,7 +21,7 @@ use elastic_zero::net::{init_secrets, Identity};
 use elastic_zero::plan::RankId;
 use elastic_zero::runtime::comm::Comm;
 use elastic_zero::runtime::local::LocalNetwork;
-use elastic_zero::runtime::quic::{QuicConfig, QuicTransport};
+use elastic_zero::runtime::quic::{Congestion, QuicConfig, QuicTransport};
 use elastic_zero::runtime::transport::Transport;
 
 use super::CliError;
@@ -58,6 +58,21 @@ pub struct CollectivesArgs {
     /// quic: the largest UDP payload (upper bound of MTU discovery).
     #[arg(long, default_value_t = 4000)]
     pub max_udp_payload_bytes: u16,
+    /// quic: per-stream flow-control window in bytes (connection windows are twice it).
+    #[arg(long, default_value_t = QuicConfig::default().stream_window_bytes)]
+    pub stream_window_bytes: u64,
+    /// quic: congestion controller (cubic, new_reno, bbr).
+    #[arg(long, default_value = "cubic")]
+    pub congestion: String,
+    /// quic: the congestion controller's initial window in bytes (0: quinn's default).
+    #[arg(long, default_value_t = 0)]
+    pub initial_window_bytes: u64,
+    /// quic: threads of each rank's transport runtime.
+    #[arg(long, default_value_t = QuicConfig::default().io_threads)]
+    pub io_threads: usize,
+    /// quic: each rank prints its paths (rtt, cwnd, mtu, losses, UDP bytes) to stderr at the end.
+    #[arg(long)]
+    pub path_stats: bool,
     /// Deadline for any one collective, in ms.
     #[arg(long, default_value_t = 120_000)]
     pub timeout_ms: u64,
@@ -140,6 +155,15 @@ fn quic_config(a: &CollectivesArgs) -> Result<QuicConfig, CliError> {
         max_frame_bytes: (largest + 1024).min(u32::MAX as u64 / 2) as u32,
         recv_buffer_bytes: (2 * largest + 2048).max(64 << 20),
         connect_timeout_ms: 30_000,
+        stream_window_bytes: a.stream_window_bytes,
+        congestion: Congestion::parse(&a.congestion).ok_or_else(|| {
+            CliError::Usage(format!(
+                "--congestion: `{}` is not cubic, new_reno or bbr",
+                a.congestion
+            ))
+        })?,
+        initial_window_bytes: a.initial_window_bytes,
+        io_threads: a.io_threads,
         ..QuicConfig::default()
     };
     c.validate().map_err(|e| CliError::Usage(e.to_string()))?;
@@ -152,6 +176,7 @@ fn run_rank<T: Transport>(
     members: &[RankId],
     a: &CollectivesArgs,
     mode: &str,
+    report: &dyn Fn(),
 ) -> Result<(), CliError> {
     let p = plan(a)?;
     let rank = t.rank();
@@ -197,6 +222,7 @@ fn run_rank<T: Transport>(
         }
     }
     comm.flush();
+    report();
     Ok(())
 }
 
@@ -274,7 +300,7 @@ fn run_threads<T: Transport>(
         .into_iter()
         .map(|t| {
             let (members, a, mode) = (members.to_vec(), a.clone(), mode.to_string());
-            std::thread::spawn(move || run_rank(t, &members, &a, &mode))
+            std::thread::spawn(move || run_rank(t, &members, &a, &mode, &|| ()))
         })
         .collect();
     let mut first_err = None;
@@ -312,6 +338,13 @@ fn spawn_children(a: &CollectivesArgs, secrets: &std::path::Path) -> Result<(), 
             ])
             .args(["--socket-buffer-bytes", &a.socket_buffer_bytes.to_string()])
             .args(["--timeout-ms", &a.timeout_ms.to_string()])
+            .args(["--stream-window-bytes", &a.stream_window_bytes.to_string()])
+            .args(["--congestion", &a.congestion])
+            .args([
+                "--initial-window-bytes",
+                &a.initial_window_bytes.to_string(),
+            ])
+            .args(["--io-threads", &a.io_threads.to_string()])
             .args(["--worker-rank", &r.to_string()])
             .arg("--secrets")
             .arg(secrets)
@@ -319,6 +352,9 @@ fn spawn_children(a: &CollectivesArgs, secrets: &std::path::Path) -> Result<(), 
             .stdout(Stdio::piped());
         if a.no_gso {
             cmd.arg("--no-gso");
+        }
+        if a.path_stats {
+            cmd.arg("--path-stats");
         }
         children.push(
             cmd.spawn()
@@ -430,6 +466,13 @@ fn worker(rank: u32, a: &CollectivesArgs) -> Result<(), CliError> {
     t.add_peers(&peers);
     t.wait_connected(&members, cfg.connect_timeout_ms)
         .map_err(|e| fail(e.to_string()))?;
+    let ctl = t.control();
+    let report = || {
+        if a.path_stats {
+            let paths = serde_json::to_string(&ctl.paths()).unwrap_or_default();
+            eprintln!("PATHS {rank} {paths}");
+        }
+    };
     // Dropping the transport at the end lingers until peers have every byte.
-    run_rank(t, &members, a, "processes")
+    run_rank(t, &members, a, "processes", &report)
 }

@@ -27,8 +27,14 @@ pub struct QuicConfig {
     pub max_udp_payload_bytes: u16,
     /// Generic segmentation offload: several packets per syscall [default: true].
     pub gso: bool,
-    /// Per-stream and per-connection flow-control window [default: 16 MiB].
+    /// Per-stream flow-control window; the connection's receive and send windows are twice
+    /// it [default: 16 MiB].
     pub stream_window_bytes: u64,
+    /// Congestion controller [default: cubic].
+    pub congestion: Congestion,
+    /// The controller's window before the first ack, and after an idle period; 0 keeps
+    /// quinn's (about 10 packets) [default: 0].
+    pub initial_window_bytes: u64,
     /// Giving up on reaching a peer [default: 10000].
     pub connect_timeout_ms: u64,
     /// A connection with no packets for this long is closed (keep-alives go every third of
@@ -51,10 +57,33 @@ impl Default for QuicConfig {
             max_udp_payload_bytes: 4000,
             gso: true,
             stream_window_bytes: 16 << 20,
+            congestion: Congestion::Cubic,
+            initial_window_bytes: 0,
             connect_timeout_ms: 10_000,
             idle_timeout_ms: 10_000,
             linger_ms: 2000,
             io_threads: 1,
+        }
+    }
+}
+
+/// The QUIC congestion controllers quinn offers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Congestion {
+    #[default]
+    Cubic,
+    NewReno,
+    Bbr,
+}
+
+impl Congestion {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "cubic" => Some(Self::Cubic),
+            "new_reno" | "newreno" => Some(Self::NewReno),
+            "bbr" => Some(Self::Bbr),
+            _ => None,
         }
     }
 }
@@ -104,6 +133,9 @@ impl QuicConfig {
         }
         if !(64 << 10..=1 << 30).contains(&self.stream_window_bytes) {
             return bad("stream_window_bytes", "must be in 64 KiB..=1 GiB".into());
+        }
+        if self.initial_window_bytes > 1 << 30 {
+            return bad("initial_window_bytes", "must be at most 1 GiB".into());
         }
         if self.connect_timeout_ms == 0 || self.idle_timeout_ms < 30 {
             return bad(
