@@ -9,6 +9,7 @@
 //! bound, the parent answers with every rank's address on one line, and rank 0 prints the JSON
 //! result lines, which the parent passes through.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -22,13 +23,14 @@ use elastic_zero::plan::RankId;
 use elastic_zero::runtime::comm::Comm;
 use elastic_zero::runtime::local::LocalNetwork;
 use elastic_zero::runtime::quic::{Congestion, QuicConfig, QuicTransport};
+use elastic_zero::runtime::tcp::TcpListenerHandle;
 use elastic_zero::runtime::transport::Transport;
 
 use super::CliError;
 
 #[derive(Args, Clone)]
 pub struct CollectivesArgs {
-    /// local|quic.
+    /// local|quic|tcp (tcp: the plaintext TCP data plane, ranks as threads of this process).
     #[arg(long, default_value = "quic")]
     pub transport: String,
     /// Ranks (processes for quic, threads for local).
@@ -105,9 +107,9 @@ fn parse_size(s: &str) -> Option<usize> {
 
 fn plan(a: &CollectivesArgs) -> Result<Plan, CliError> {
     let usage = |m: String| Err(CliError::Usage(m));
-    if !matches!(a.transport.as_str(), "local" | "quic") {
+    if !matches!(a.transport.as_str(), "local" | "quic" | "tcp") {
         return usage(format!(
-            "--transport: `{}` is not local or quic",
+            "--transport: `{}` is not local, quic or tcp",
             a.transport
         ));
     }
@@ -245,6 +247,9 @@ pub fn run(a: &CollectivesArgs) -> Result<(), CliError> {
         let eps: Vec<_> = members.iter().map(|&r| net.endpoint(r)).collect();
         return run_threads(eps, &members, a, "threads");
     }
+    if a.transport == "tcp" {
+        return run_tcp(&members, a);
+    }
     let cfg = quic_config(a)?;
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -284,6 +289,33 @@ fn run_quic(
         return run_threads(ts, members, a, "threads");
     }
     spawn_children(a, dir)
+}
+
+/// The TCP data plane (plaintext, one connection per peer pair), ranks as threads: the
+/// reference for what encryption and QUIC cost per byte.
+fn run_tcp(members: &[RankId], a: &CollectivesArgs) -> Result<(), CliError> {
+    let token = "ezero-bench-collectives";
+    let mut listeners = Vec::new();
+    for _ in members {
+        listeners.push(
+            TcpListenerHandle::bind("127.0.0.1:0", token)
+                .map_err(|e| CliError::Failed(format!("tcp bind: {e}")))?,
+        );
+    }
+    let addrs: BTreeMap<RankId, SocketAddr> = members
+        .iter()
+        .zip(&listeners)
+        .map(|(&r, l)| (r, l.local_addr()))
+        .collect();
+    let ts: Vec<_> = members
+        .iter()
+        .zip(listeners)
+        .map(|(&r, l)| {
+            let peers = addrs.clone().into_iter().filter(|(p, _)| *p != r).collect();
+            l.into_transport(r, peers)
+        })
+        .collect();
+    run_threads(ts, members, a, "threads")
 }
 
 fn loopback() -> SocketAddr {
