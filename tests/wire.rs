@@ -250,3 +250,58 @@ fn hello_with_a_payload_is_rejected() {
         })
     ));
 }
+
+fn big_frame(fill: u8) -> WireMsg {
+    WireMsg::Frame(Frame {
+        epoch: 1,
+        step: 2,
+        from: 3,
+        tag: Tag {
+            kind: TagKind::Gather,
+            attempt: 0,
+            unit: 0,
+            pass: 0,
+        },
+        payload: Bytes::from(vec![fill; 3 << 20]),
+    })
+}
+
+fn payload_of(m: WireMsg) -> Bytes {
+    match m {
+        WireMsg::Frame(f) => f.payload,
+        other => panic!("expected a frame, got {other:?}"),
+    }
+}
+
+/// Large frames reuse an earlier large frame's allocation once it was dropped, and never while
+/// it is still held (a held frame keeps its bytes).
+#[test]
+fn large_frames_reuse_a_dropped_allocation_only() {
+    let mut dec = StreamDecoder::new(8 << 20);
+    let mut next = |fill: u8| {
+        let mut b = Bytes::from(encode_to_vec(&big_frame(fill)));
+        let m = dec.next(&mut b).expect("decodes").expect("complete");
+        assert!(b.is_empty());
+        payload_of(m)
+    };
+    let first = next(1);
+    let second = next(2);
+    let third = next(3);
+    let held = [first.as_ptr(), second.as_ptr(), third.as_ptr()];
+    assert!(held[0] != held[1] && held[1] != held[2] && held[0] != held[2]);
+    assert!(first.iter().all(|&x| x == 1));
+    assert!(second.iter().all(|&x| x == 2));
+    let third_ptr = third.as_ptr();
+    drop(third);
+    let fourth = next(4);
+    assert_eq!(
+        fourth.as_ptr(),
+        third_ptr,
+        "the dropped allocation is reused"
+    );
+    assert!(fourth.iter().all(|&x| x == 4));
+    assert!(
+        second.iter().all(|&x| x == 2),
+        "a held frame is never overwritten"
+    );
+}

@@ -9,6 +9,7 @@
 //! bound, the parent answers with every rank's address on one line, and rank 0 prints the JSON
 //! result lines, which the parent passes through.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -21,14 +22,15 @@ use elastic_zero::net::{init_secrets, Identity};
 use elastic_zero::plan::RankId;
 use elastic_zero::runtime::comm::Comm;
 use elastic_zero::runtime::local::LocalNetwork;
-use elastic_zero::runtime::quic::{QuicConfig, QuicTransport};
+use elastic_zero::runtime::quic::{Congestion, QuicConfig, QuicTransport};
+use elastic_zero::runtime::tcp::TcpListenerHandle;
 use elastic_zero::runtime::transport::Transport;
 
 use super::CliError;
 
 #[derive(Args, Clone)]
 pub struct CollectivesArgs {
-    /// local|quic.
+    /// local|quic|tcp (tcp: the plaintext TCP data plane, ranks as threads of this process).
     #[arg(long, default_value = "quic")]
     pub transport: String,
     /// Ranks (processes for quic, threads for local).
@@ -58,6 +60,21 @@ pub struct CollectivesArgs {
     /// quic: the largest UDP payload (upper bound of MTU discovery).
     #[arg(long, default_value_t = 4000)]
     pub max_udp_payload_bytes: u16,
+    /// quic: per-stream flow-control window in bytes (connection windows are twice it).
+    #[arg(long, default_value_t = QuicConfig::default().stream_window_bytes)]
+    pub stream_window_bytes: u64,
+    /// quic: congestion controller (cubic, new_reno, bbr).
+    #[arg(long, default_value = "cubic")]
+    pub congestion: String,
+    /// quic: the congestion controller's initial window in bytes (0: quinn's default).
+    #[arg(long, default_value_t = 0)]
+    pub initial_window_bytes: u64,
+    /// quic: threads of each rank's transport runtime.
+    #[arg(long, default_value_t = QuicConfig::default().io_threads)]
+    pub io_threads: usize,
+    /// quic: each rank prints its paths (rtt, cwnd, mtu, losses, UDP bytes) to stderr at the end.
+    #[arg(long)]
+    pub path_stats: bool,
     /// Deadline for any one collective, in ms.
     #[arg(long, default_value_t = 120_000)]
     pub timeout_ms: u64,
@@ -90,9 +107,9 @@ fn parse_size(s: &str) -> Option<usize> {
 
 fn plan(a: &CollectivesArgs) -> Result<Plan, CliError> {
     let usage = |m: String| Err(CliError::Usage(m));
-    if !matches!(a.transport.as_str(), "local" | "quic") {
+    if !matches!(a.transport.as_str(), "local" | "quic" | "tcp") {
         return usage(format!(
-            "--transport: `{}` is not local or quic",
+            "--transport: `{}` is not local, quic or tcp",
             a.transport
         ));
     }
@@ -140,6 +157,15 @@ fn quic_config(a: &CollectivesArgs) -> Result<QuicConfig, CliError> {
         max_frame_bytes: (largest + 1024).min(u32::MAX as u64 / 2) as u32,
         recv_buffer_bytes: (2 * largest + 2048).max(64 << 20),
         connect_timeout_ms: 30_000,
+        stream_window_bytes: a.stream_window_bytes,
+        congestion: Congestion::parse(&a.congestion).ok_or_else(|| {
+            CliError::Usage(format!(
+                "--congestion: `{}` is not cubic, new_reno or bbr",
+                a.congestion
+            ))
+        })?,
+        initial_window_bytes: a.initial_window_bytes,
+        io_threads: a.io_threads,
         ..QuicConfig::default()
     };
     c.validate().map_err(|e| CliError::Usage(e.to_string()))?;
@@ -152,6 +178,7 @@ fn run_rank<T: Transport>(
     members: &[RankId],
     a: &CollectivesArgs,
     mode: &str,
+    report: &dyn Fn(),
 ) -> Result<(), CliError> {
     let p = plan(a)?;
     let rank = t.rank();
@@ -197,6 +224,7 @@ fn run_rank<T: Transport>(
         }
     }
     comm.flush();
+    report();
     Ok(())
 }
 
@@ -218,6 +246,9 @@ pub fn run(a: &CollectivesArgs) -> Result<(), CliError> {
         let net = LocalNetwork::new();
         let eps: Vec<_> = members.iter().map(|&r| net.endpoint(r)).collect();
         return run_threads(eps, &members, a, "threads");
+    }
+    if a.transport == "tcp" {
+        return run_tcp(&members, a);
     }
     let cfg = quic_config(a)?;
     let nanos = std::time::SystemTime::now()
@@ -260,6 +291,33 @@ fn run_quic(
     spawn_children(a, dir)
 }
 
+/// The TCP data plane (plaintext, one connection per peer pair), ranks as threads: the
+/// reference for what encryption and QUIC cost per byte.
+fn run_tcp(members: &[RankId], a: &CollectivesArgs) -> Result<(), CliError> {
+    let token = "ezero-bench-collectives";
+    let mut listeners = Vec::new();
+    for _ in members {
+        listeners.push(
+            TcpListenerHandle::bind("127.0.0.1:0", token)
+                .map_err(|e| CliError::Failed(format!("tcp bind: {e}")))?,
+        );
+    }
+    let addrs: BTreeMap<RankId, SocketAddr> = members
+        .iter()
+        .zip(&listeners)
+        .map(|(&r, l)| (r, l.local_addr()))
+        .collect();
+    let ts: Vec<_> = members
+        .iter()
+        .zip(listeners)
+        .map(|(&r, l)| {
+            let peers = addrs.clone().into_iter().filter(|(p, _)| *p != r).collect();
+            l.into_transport(r, peers)
+        })
+        .collect();
+    run_threads(ts, members, a, "threads")
+}
+
 fn loopback() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 0))
 }
@@ -274,7 +332,7 @@ fn run_threads<T: Transport>(
         .into_iter()
         .map(|t| {
             let (members, a, mode) = (members.to_vec(), a.clone(), mode.to_string());
-            std::thread::spawn(move || run_rank(t, &members, &a, &mode))
+            std::thread::spawn(move || run_rank(t, &members, &a, &mode, &|| ()))
         })
         .collect();
     let mut first_err = None;
@@ -312,6 +370,13 @@ fn spawn_children(a: &CollectivesArgs, secrets: &std::path::Path) -> Result<(), 
             ])
             .args(["--socket-buffer-bytes", &a.socket_buffer_bytes.to_string()])
             .args(["--timeout-ms", &a.timeout_ms.to_string()])
+            .args(["--stream-window-bytes", &a.stream_window_bytes.to_string()])
+            .args(["--congestion", &a.congestion])
+            .args([
+                "--initial-window-bytes",
+                &a.initial_window_bytes.to_string(),
+            ])
+            .args(["--io-threads", &a.io_threads.to_string()])
             .args(["--worker-rank", &r.to_string()])
             .arg("--secrets")
             .arg(secrets)
@@ -319,6 +384,9 @@ fn spawn_children(a: &CollectivesArgs, secrets: &std::path::Path) -> Result<(), 
             .stdout(Stdio::piped());
         if a.no_gso {
             cmd.arg("--no-gso");
+        }
+        if a.path_stats {
+            cmd.arg("--path-stats");
         }
         children.push(
             cmd.spawn()
@@ -430,6 +498,13 @@ fn worker(rank: u32, a: &CollectivesArgs) -> Result<(), CliError> {
     t.add_peers(&peers);
     t.wait_connected(&members, cfg.connect_timeout_ms)
         .map_err(|e| fail(e.to_string()))?;
+    let ctl = t.control();
+    let report = || {
+        if a.path_stats {
+            let paths = serde_json::to_string(&ctl.paths()).unwrap_or_default();
+            eprintln!("PATHS {rank} {paths}");
+        }
+    };
     // Dropping the transport at the end lingers until peers have every byte.
-    run_rank(t, &members, a, "processes")
+    run_rank(t, &members, a, "processes", &report)
 }

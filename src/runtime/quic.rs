@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use quinn::{IdleTimeout, MtuDiscoveryConfig, VarInt};
+use quinn::{congestion, IdleTimeout, MtuDiscoveryConfig, VarInt};
 
 use super::quic_inbox::{Inbox, PopError};
 pub use super::quic_io::ControlEvent;
@@ -30,7 +30,7 @@ use crate::net::tls;
 use crate::plan::RankId;
 use crate::wire::{Lane, WireCounts, WireMsg, WireStats, CHECKSUM_BYTES, PREFIX_BYTES};
 
-pub use super::quic_config::{QuicConfig, QuicConfigError};
+pub use super::quic_config::{Congestion, QuicConfig, QuicConfigError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum QuicError {
@@ -67,6 +67,54 @@ pub struct QuicStats {
     pub control_dropped: u64,
     /// Frames rejected by the decoder, by reason.
     pub rejected: WireCounts,
+    /// What quinn put on and took off the wire (UDP payload bytes: QUIC headers, encryption
+    /// tags, acks and retransmissions included), over open and closed connections.
+    pub udp: UdpTotals,
+}
+
+/// quinn's per-connection counters, summed over connections.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct UdpTotals {
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    pub datagrams_sent: u64,
+    /// Send system calls; fewer than datagrams when segmentation offload batches them.
+    pub send_calls: u64,
+    pub lost_packets: u64,
+    pub congestion_events: u64,
+}
+
+impl UdpTotals {
+    pub(crate) fn of(s: &quinn::ConnectionStats) -> Self {
+        Self {
+            bytes_sent: s.udp_tx.bytes,
+            bytes_received: s.udp_rx.bytes,
+            datagrams_sent: s.udp_tx.datagrams,
+            send_calls: s.udp_tx.ios,
+            lost_packets: s.path.lost_packets,
+            congestion_events: s.path.congestion_events,
+        }
+    }
+
+    pub(crate) fn add(&mut self, o: &Self) {
+        self.bytes_sent += o.bytes_sent;
+        self.bytes_received += o.bytes_received;
+        self.datagrams_sent += o.datagrams_sent;
+        self.send_calls += o.send_calls;
+        self.lost_packets += o.lost_packets;
+        self.congestion_events += o.congestion_events;
+    }
+}
+
+/// The path to one peer right now (for diagnosing throughput).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct QuicPathStats {
+    pub peer: RankId,
+    pub rtt_us: u64,
+    pub min_rtt_us: u64,
+    pub cwnd_bytes: u64,
+    pub mtu_bytes: u16,
+    pub udp: UdpTotals,
 }
 
 /// One rank's QUIC endpoint. Owns the runtime; dropping it closes everything.
@@ -143,6 +191,7 @@ impl QuicTransport {
             counters: Counters::default(),
             wire: WireStats::default(),
             closing: Default::default(),
+            retired: Default::default(),
         });
         runtime.spawn(accept_loop(Arc::clone(&shared)));
         Ok(Self {
@@ -221,6 +270,19 @@ impl QuicTransport {
     fn close_gracefully(&mut self) {
         let deadline = Instant::now() + Duration::from_millis(self.linger_ms);
         let s = &self.shared;
+        // Totals for the operator (process mode has no other place that sees them): what the
+        // rank handed to the transport and what quinn put on the wire for it.
+        let st = self.stats();
+        tracing::info!(
+            rank = s.rank,
+            frames_sent = st.frames_sent,
+            frame_bytes_sent = st.bytes_sent,
+            udp_bytes_sent = st.udp.bytes_sent,
+            udp_bytes_received = st.udp.bytes_received,
+            udp_datagrams_sent = st.udp.datagrams_sent,
+            lost_packets = st.udp.lost_packets,
+            "quic transport totals"
+        );
         s.closing.store(true, Ordering::Relaxed);
         let writers: Vec<_> = {
             let peers = s.peers.lock().unwrap_or_else(|e| e.into_inner());
@@ -297,6 +359,30 @@ fn transport_config(cfg: &QuicConfig) -> Result<quinn::TransportConfig, QuicConf
         .enable_segmentation_offload(cfg.gso)
         .max_idle_timeout(Some(idle))
         .keep_alive_interval(Some(Duration::from_millis(cfg.idle_timeout_ms / 3)));
+    let iw = cfg.initial_window_bytes;
+    t.congestion_controller_factory(match cfg.congestion {
+        Congestion::Cubic => {
+            let mut c = congestion::CubicConfig::default();
+            if iw > 0 {
+                c.initial_window(iw);
+            }
+            Arc::new(c) as Arc<dyn congestion::ControllerFactory + Send + Sync>
+        }
+        Congestion::NewReno => {
+            let mut c = congestion::NewRenoConfig::default();
+            if iw > 0 {
+                c.initial_window(iw);
+            }
+            Arc::new(c)
+        }
+        Congestion::Bbr => {
+            let mut c = congestion::BbrConfig::default();
+            if iw > 0 {
+                c.initial_window(iw);
+            }
+            Arc::new(c)
+        }
+    });
     let mut mtu = MtuDiscoveryConfig::default();
     mtu.upper_bound(cfg.max_udp_payload_bytes);
     t.mtu_discovery_config(Some(mtu));
@@ -439,7 +525,50 @@ impl QuicControl {
             protocol_violations: g(&c.protocol_violations),
             control_dropped: g(&c.control_dropped),
             rejected: self.shared.wire.snapshot(),
+            udp: self.udp_totals(),
         }
+    }
+
+    fn open_connections(&self) -> Vec<(RankId, quinn::Connection)> {
+        let peers = self.shared.peers.lock().unwrap_or_else(|e| e.into_inner());
+        peers
+            .values()
+            .filter_map(|p| Some((p.rank, p.conn.borrow().clone()?)))
+            .filter(|(_, c)| c.close_reason().is_none())
+            .collect()
+    }
+
+    fn udp_totals(&self) -> UdpTotals {
+        let mut t = *self
+            .shared
+            .retired
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for (_, c) in self.open_connections() {
+            t.add(&UdpTotals::of(&c.stats()));
+        }
+        t
+    }
+
+    /// Each open connection's path, by peer rank.
+    pub fn paths(&self) -> Vec<QuicPathStats> {
+        let mut v: Vec<_> = self
+            .open_connections()
+            .into_iter()
+            .map(|(peer, c)| {
+                let s = c.stats();
+                QuicPathStats {
+                    peer,
+                    rtt_us: s.path.rtt.as_micros() as u64,
+                    min_rtt_us: s.path.min_rtt.as_micros() as u64,
+                    cwnd_bytes: s.path.cwnd,
+                    mtu_bytes: s.path.current_mtu,
+                    udp: UdpTotals::of(&s),
+                }
+            })
+            .collect();
+        v.sort_by_key(|p| p.peer);
+        v
     }
 }
 

@@ -34,6 +34,9 @@ pub enum ControlEvent {
     Lost { rank: RankId, reason: String },
 }
 
+/// Chunks taken from a stream per read.
+const READ_BATCH: usize = 32;
+
 /// QUIC application error codes we close connections with.
 pub(crate) const CLOSE_BYE: u32 = 0;
 pub(crate) const CLOSE_BAD_FRAME: u32 = 1;
@@ -82,6 +85,8 @@ pub(crate) struct Shared {
     pub counters: Counters,
     pub wire: WireStats,
     pub closing: AtomicBool,
+    /// quinn's counters of connections that have closed.
+    pub retired: Mutex<super::quic::UdpTotals>,
 }
 
 fn add(c: &AtomicU64, n: u64) {
@@ -260,6 +265,11 @@ pub(crate) async fn dial(shared: Arc<Shared>, peer: Arc<Peer>, addr: SocketAddr)
 /// Waits for the connection to end and reports it, unless it was already replaced.
 async fn watch_closed(shared: Arc<Shared>, peer: Arc<Peer>, conn: Connection) {
     let why = conn.closed().await;
+    shared
+        .retired
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .add(&super::quic::UdpTotals::of(&conn.stats()));
     let current = peer.conn.borrow().as_ref().map(Connection::stable_id);
     if current == Some(conn.stable_id()) {
         // A peer that said goodbye is no failure worth a warning, but it is still gone.
@@ -333,9 +343,12 @@ async fn read_stream(
 ) {
     let mut dec = StreamDecoder::new(shared.max_frame_bytes);
     let mut who: Option<(RankId, Lane)> = None;
+    // Several chunks per read: each read takes the connection's lock and a wake-up, and a
+    // chunk is one packet's worth (a few KiB) under bulk load.
+    let mut bufs: [Bytes; READ_BATCH] = Default::default();
     loop {
-        let mut chunk = match stream.read_chunk(1 << 20, true).await {
-            Ok(Some(c)) => c.bytes,
+        let n = match stream.read_chunks(&mut bufs).await {
+            Ok(Some(n)) => n,
             Ok(None) => {
                 if let Err(e) = dec.finish() {
                     reject(&shared, &conn, e);
@@ -344,42 +357,45 @@ async fn read_stream(
             }
             Err(_) => return, // the connection ended; its watcher reports it
         };
-        add(&shared.counters.bytes_received, chunk.len() as u64);
-        while !chunk.is_empty() {
-            let msg = match dec.next(&mut chunk) {
-                Ok(Some(m)) => m,
-                Ok(None) => continue,
-                Err(e) => return reject(&shared, &conn, e),
-            };
-            match (msg, who) {
-                (WireMsg::Hello { rank, lane }, None) => {
-                    if dialled.is_some_and(|d| d != rank) {
+        for chunk in bufs.iter_mut().take(n) {
+            let mut chunk = std::mem::take(chunk);
+            add(&shared.counters.bytes_received, chunk.len() as u64);
+            while !chunk.is_empty() {
+                let msg = match dec.next(&mut chunk) {
+                    Ok(Some(m)) => m,
+                    Ok(None) => continue,
+                    Err(e) => return reject(&shared, &conn, e),
+                };
+                match (msg, who) {
+                    (WireMsg::Hello { rank, lane }, None) => {
+                        if dialled.is_some_and(|d| d != rank) {
+                            add(&shared.counters.protocol_violations, 1);
+                            let what = format!("dialled rank {dialled:?} but it says it is {rank}");
+                            return violation(&shared, &conn, CLOSE_PROTOCOL, what);
+                        }
+                        who = Some((rank, lane));
+                        match dialled {
+                            None => register(&shared, rank, &conn),
+                            Some(_) => accepted_us(&shared, rank),
+                        }
+                    }
+                    (WireMsg::Frame(f), Some((rank, lane))) if f.from == rank => {
+                        add(&shared.counters.frames_received, 1);
+                        if !shared.data.push(lane as usize, f.payload.len(), f).await {
+                            return;
+                        }
+                    }
+                    (WireMsg::Control { from, payload }, Some((rank, _))) if from == rank => {
+                        shared.event(ControlEvent::Message { from, payload });
+                    }
+                    (m, w) => {
                         add(&shared.counters.protocol_violations, 1);
-                        let what = format!("dialled rank {dialled:?} but it says it is {rank}");
+                        let what = match w {
+                            None => "a stream must start with a hello".to_string(),
+                            Some((r, _)) => format!("rank {r} sent {}", describe(&m)),
+                        };
                         return violation(&shared, &conn, CLOSE_PROTOCOL, what);
                     }
-                    who = Some((rank, lane));
-                    match dialled {
-                        None => register(&shared, rank, &conn),
-                        Some(_) => accepted_us(&shared, rank),
-                    }
-                }
-                (WireMsg::Frame(f), Some((rank, lane))) if f.from == rank => {
-                    add(&shared.counters.frames_received, 1);
-                    if !shared.data.push(lane as usize, f.payload.len(), f).await {
-                        return;
-                    }
-                }
-                (WireMsg::Control { from, payload }, Some((rank, _))) if from == rank => {
-                    shared.event(ControlEvent::Message { from, payload });
-                }
-                (m, w) => {
-                    add(&shared.counters.protocol_violations, 1);
-                    let what = match w {
-                        None => "a stream must start with a hello".to_string(),
-                        Some((r, _)) => format!("rank {r} sent {}", describe(&m)),
-                    };
-                    return violation(&shared, &conn, CLOSE_PROTOCOL, what);
                 }
             }
         }
