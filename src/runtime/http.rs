@@ -323,8 +323,18 @@ pub async fn serve(
 ) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
+    Ok((local, serve_on(listener, handle, limits)))
+}
+
+/// Serves on a bound listener until the returned task is aborted (a caller that must print
+/// the address before the job exists binds first; requests wait in the backlog until then).
+pub fn serve_on(
+    listener: TcpListener,
+    handle: ControlHandle,
+    limits: HttpLimits,
+) -> JoinHandle<()> {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
-    let task = tokio::spawn(async move {
+    tokio::spawn(async move {
         loop {
             let sock = match listener.accept().await {
                 Ok((sock, _)) => sock,
@@ -346,8 +356,7 @@ pub async fn serve(
                 drop(permit);
             });
         }
-    });
-    Ok((local, task))
+    })
 }
 
 async fn connection(mut sock: TcpStream, handle: &ControlHandle, limits: &HttpLimits) {
