@@ -335,12 +335,35 @@ fn bad_launch_input_is_one_line_exit_2() {
             ],
             "heartbeat_timeout_ms",
         ),
+        (
+            &[
+                "launch",
+                "--nprocs",
+                "2",
+                "--control",
+                "127.0.0.1:0",
+                "--",
+                "--control",
+                "127.0.0.1:0",
+            ],
+            "--control is given twice",
+        ),
     ];
     for (args, field) in cases {
         let (code, _, err) = run(Command::new(EZERO).args(*args));
         assert_eq!(code, 2, "{args:?}: {err}");
         assert!(err.contains(field), "{args:?}: {err}");
         assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
+    }
+    // Flag syntax errors come from the argument parser, with its usage hint after the line.
+    let syntax: &[&[&str]] = &[
+        &["launch", "--nprocs", "2", "--control", "nope", "--"],
+        &["launch", "--nprocs", "2", "--control-allow-kill", "--"],
+    ];
+    for args in syntax {
+        let (code, _, err) = run(Command::new(EZERO).args(*args));
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains("--control"), "{args:?}: {err}");
     }
 }
 

@@ -29,7 +29,7 @@ pub struct LaunchArgs {
     /// Serve the HTTP control endpoint on the coordinator (GET /status, GET /metrics,
     /// POST /ranks/{id}/drain, POST /ranks/{id}/kill with --control-allow-kill); port 0 picks
     /// a free one and prints it. Off unless given.
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = super::parse_control_addr)]
     pub control: Option<std::net::SocketAddr>,
     /// With --control: allow POST /ranks/{id}/kill (the worker ends its own process with
     /// SIGKILL halfway through the next step; for tests and demos).
