@@ -313,6 +313,32 @@ fn a_worker_with_the_wrong_token_is_refused() {
 }
 
 #[test]
+fn the_endpoint_answers_503_until_every_worker_has_joined() {
+    let mut coord = Command::new(EZERO)
+        .args(["coordinator", "--listen", "127.0.0.1:0", "--ranks", "2"])
+        .args(["--control", "127.0.0.1:0"])
+        .args(small("mlp", 1))
+        .env("EZERO_CLUSTER_TOKEN", "t")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let lines = BufReader::new(coord.stdout.take().unwrap()).lines();
+    let line = lines
+        .map_while(Result::ok)
+        .find(|l| l.starts_with("control endpoint: "));
+    let answer = line.map(|l| http(&control_addr(&l), "GET", "/status"));
+    let _ = coord.kill();
+    let _ = coord.wait();
+    let (code, body) = answer.expect("the coordinator prints its endpoint");
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        body.contains("not_started") && body.contains("0 of 2 workers"),
+        "{body}"
+    );
+}
+
+#[test]
 fn bad_launch_input_is_one_line_exit_2() {
     let cases: &[(&[&str], &str)] = &[
         (&["launch", "--nprocs", "0", "--"], "--nprocs"),
@@ -420,10 +446,18 @@ fn http(addr: &str, method: &str, target: &str) -> (u16, String) {
     (status, body.to_string())
 }
 
+/// `GET /status`, once every worker has joined (503 `not_started` before).
 fn status(addr: &str) -> serde_json::Value {
-    let (code, body) = http(addr, "GET", "/status");
-    assert_eq!(code, 200, "{body}");
-    serde_json::from_str(&body).expect("status is JSON")
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let (code, body) = http(addr, "GET", "/status");
+        if code == 503 && body.contains("not_started") && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+            continue;
+        }
+        assert_eq!(code, 200, "{body}");
+        return serde_json::from_str(&body).expect("status is JSON");
+    }
 }
 
 /// The address in a `control endpoint: http://ADDR (...)` line.

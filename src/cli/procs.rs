@@ -209,7 +209,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         if let Some(addr) = at.control {
             // The same line as `ezero train --control`: scripts read it to find a :0 port.
             println!(
-                "control endpoint: http://{addr} (GET /status, GET /metrics, POST /ranks/{{id}}/drain{}; it answers once every worker has joined)",
+                "control endpoint: http://{addr} (GET /status, GET /metrics, POST /ranks/{{id}}/drain{}; 503 until every worker has joined)",
                 if allow_kill { ", POST /ranks/{id}/kill" } else { "" }
             );
         }

@@ -9,6 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -63,8 +64,8 @@ pub struct CoordinatorOptions {
     pub token: String,
     pub procs: ProcsConfig,
     pub data_plane: DataPlane,
-    /// Serve the HTTP control endpoint here (`None`: off). It answers once every worker has
-    /// joined; requests made earlier wait.
+    /// Serve the HTTP control endpoint here (`None`: off). Until every worker has joined it
+    /// answers 503 `not_started`, saying how many have.
     pub control: Option<SocketAddr>,
     /// Let `POST /ranks/{id}/kill` through.
     pub allow_kill: bool,
@@ -135,8 +136,18 @@ pub async fn run_coordinator(
         workers: addr,
         control: control_addr,
     });
+    let count = Arc::new(AtomicU32::new(0));
+    let (ready, ready_rx) = tokio::sync::oneshot::channel();
+    let held = control.map(|l| {
+        let (count, world) = (Arc::clone(&count), cfg.ranks);
+        let why = move || {
+            let n = count.load(Ordering::Relaxed);
+            format!("the job has not started: {n} of {world} workers have joined")
+        };
+        tokio::spawn(http::hold(l, HttpLimits::default(), why, ready_rx))
+    });
     let deadline = Instant::now() + Duration::from_millis(opts.procs.join_timeout_ms);
-    let joined = admit(&listener, &cfg, &opts, deadline).await?;
+    let joined = admit(&listener, &cfg, &opts, deadline, &count).await?;
     drop(listener);
     let model = build_model(&cfg)?;
     let numels: Vec<usize> = model.units().iter().map(|u| u.numel()).collect();
@@ -155,7 +166,18 @@ pub async fn run_coordinator(
     .await?;
     let (handle, mut monitor) =
         ControlHandle::for_processes(run.coordinator.clone(), initial, &cfg, opts.allow_kill);
-    let server = control.map(|l| http::serve_on(l, handle, HttpLimits::default()));
+    let _ = ready.send(());
+    let server = match held {
+        Some(task) => match task.await {
+            Ok(listener) => Some(http::serve_on(listener, handle, HttpLimits::default())),
+            // The job runs on without its endpoint rather than leave the workers hanging.
+            Err(e) => {
+                tracing::error!("the control endpoint stopped: {e}");
+                None
+            }
+        },
+        None => None,
+    };
     let result = run.drive(&mut observer, &mut monitor).await;
     run.finish(&result).await;
     if let Some(s) = server {
@@ -170,6 +192,7 @@ async fn admit(
     cfg: &TrainConfig,
     opts: &CoordinatorOptions,
     deadline: Instant,
+    count: &AtomicU32,
 ) -> Result<Vec<Joined>, ProcError> {
     let mut joined: BTreeMap<RankId, Joined> = BTreeMap::new();
     while joined.len() < cfg.ranks as usize {
@@ -193,6 +216,7 @@ async fn admit(
             Ok(j) => {
                 tracing::info!("rank {} joined from {peer}", j.rank);
                 joined.insert(j.rank, j);
+                count.store(joined.len() as u32, Ordering::Relaxed);
             }
             Err(why) => tracing::warn!("refused a connection from {peer}: {why}"),
         }
