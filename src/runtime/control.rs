@@ -433,6 +433,9 @@ impl ClusterBuilder {
         let (tx, events) = unbounded_channel();
         let (done_tx, outcome) = oneshot::channel();
         let (go, go_rx) = oneshot::channel();
+        // Subscribed before the run starts, so `drive` prices every change, even one that
+        // completes before it is called.
+        let changes = handle.subscribe();
         let pump = tokio::spawn(pump(cluster, monitor, tx, done_tx, go_rx));
         let mut job = ElasticJob {
             handle,
@@ -442,6 +445,7 @@ impl ClusterBuilder {
             server: server.map(|s| s.1),
             pump,
             go: Some(go),
+            changes: Some(changes),
         };
         if !self.paused {
             job.run();
@@ -460,6 +464,8 @@ pub struct ElasticJob {
     pump: JoinHandle<()>,
     /// Starts training (see `ClusterBuilder::paused`); `None` once sent.
     go: Option<oneshot::Sender<()>>,
+    /// Changes since the start, for `drive`.
+    changes: Option<broadcast::Receiver<ChangeRecord>>,
 }
 
 impl ElasticJob {
@@ -505,7 +511,10 @@ impl ElasticJob {
         mut self,
         mut observer: impl Observer,
     ) -> Result<TrainOutcome, ClusterError> {
-        let mut changes = self.handle.subscribe();
+        let mut changes = match self.changes.take() {
+            Some(c) => c,
+            None => self.handle.subscribe(),
+        };
         self.run();
         while let Some(event) = self.next_event().await {
             match event {
