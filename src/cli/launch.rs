@@ -23,9 +23,18 @@ pub struct LaunchArgs {
     /// Worker processes (one rank each).
     #[arg(long)]
     pub nprocs: u32,
-    /// The coordinator's control address (host:port; port 0 picks a free one).
+    /// Where the coordinator accepts workers (host:port; port 0 picks a free one).
     #[arg(long, default_value = "127.0.0.1:0")]
-    pub control: String,
+    pub listen: String,
+    /// Serve the HTTP control endpoint on the coordinator (GET /status, GET /metrics,
+    /// POST /ranks/{id}/drain, POST /ranks/{id}/kill with --control-allow-kill); port 0 picks
+    /// a free one and prints it. Off unless given.
+    #[arg(long, value_name = "ADDR", value_parser = super::parse_control_addr)]
+    pub control: Option<std::net::SocketAddr>,
+    /// With --control: allow POST /ranks/{id}/kill (the worker ends its own process with
+    /// SIGKILL halfway through the next step; for tests and demos).
+    #[arg(long, requires = "control")]
+    pub control_allow_kill: bool,
     /// Data plane between workers: tcp or quic (mutual TLS with a CA made for this launch)
     /// [default: tcp].
     #[arg(long, value_parser = parse_data_plane)]
@@ -70,6 +79,11 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
             a.nprocs
         )));
     }
+    if a.control.is_some() && flags.args.control.is_some() {
+        return Err(CliError::Usage(
+            "--control is given twice (before and after --): give it once".into(),
+        ));
+    }
     let mut args = flags.args;
     args.ranks = Some(a.nprocs);
     let cfg = args.resolve().map_err(|e| CliError::Usage(e.to_string()))?;
@@ -90,7 +104,13 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
     let (lines_tx, lines) = mpsc::channel::<Line>();
     let mut coord = Command::new(&exe)
         .arg("coordinator")
-        .args(["--listen", &a.control, "--ranks", &a.nprocs.to_string()])
+        .args(["--listen", &a.listen, "--ranks", &a.nprocs.to_string()])
+        .args(
+            a.control
+                .iter()
+                .flat_map(|c| ["--control".to_string(), c.to_string()]),
+        )
+        .args(a.control_allow_kill.then_some("--control-allow-kill"))
         .args([
             "--transport",
             if transport == DataPlane::Quic {

@@ -183,6 +183,7 @@ pub struct TrainArgs {
     pub signal_at: Option<u64>,
     /// Serve the HTTP control endpoint (GET /status, GET /metrics, POST /ranks/{id}/drain,
     /// POST /join, POST /checkpoint) on this address, e.g. 127.0.0.1:7070 [default: off].
+    /// `ezero coordinator` serves it from the coordinator process (no join or checkpoint).
     #[arg(long, value_name = "ADDR", value_parser = parse_control_addr)]
     pub control: Option<std::net::SocketAddr>,
     /// With --control: allow POST /ranks/{id}/kill (abrupt loss, for tests and demos).

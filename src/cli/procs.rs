@@ -4,7 +4,6 @@
 //! `--ranks` the number of workers) and prints the same progress and final `param-sha256:`
 //! line; workers only need the coordinator's address and the cluster token.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -19,7 +18,7 @@ use elastic_zero::runtime::cluster::Observer;
 use elastic_zero::runtime::control_plane::DataPlane;
 use elastic_zero::runtime::heartbeat::ProcsConfig;
 use elastic_zero::runtime::proc_coord::{
-    check_supported, run_coordinator, CoordinatorOptions, ProcError,
+    check_supported, run_coordinator, CoordinatorOptions, Listening, ProcError,
 };
 use elastic_zero::runtime::proc_worker::{run_worker, WorkerOptions};
 
@@ -194,6 +193,8 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         token,
         procs,
         data_plane: args.transport.unwrap_or(DataPlane::Tcp),
+        control: args.train.control,
+        allow_kill: args.train.control_allow_kill,
     };
     let started = Instant::now();
     let mut lines = StepLines {
@@ -201,9 +202,17 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         floor,
         last_step: None,
     };
-    let on_listen = |addr: SocketAddr| {
+    let allow_kill = args.train.control_allow_kill;
+    let on_listen = |at: Listening| {
         // `ezero launch` reads this line to learn the address; keep its shape.
-        println!("ezero coordinator: listening on {addr}");
+        println!("ezero coordinator: listening on {}", at.workers);
+        if let Some(addr) = at.control {
+            // The same line as `ezero train --control`: scripts read it to find a :0 port.
+            println!(
+                "control endpoint: http://{addr} (GET /status, GET /metrics, POST /ranks/{{id}}/drain{}; 503 until every worker has joined)",
+                if allow_kill { ", POST /ranks/{id}/kill" } else { "" }
+            );
+        }
         println!(
             "ezero coordinator: ZeRO-{} with {} worker processes, {} parameters, data: {}",
             cfg.stage,

@@ -5,6 +5,10 @@
 //! A task (the pump) owns the cluster: it reads the coordinator's events, keeps the counters
 //! behind `status()` and `/metrics`, forwards every event to the job's stream, and at the end
 //! consolidates the parameters and shuts the actors down.
+//!
+//! With worker processes (`proc_coord.rs`) the process coordinator drives the run itself and
+//! feeds a `Monitor`; its handle (`ControlHandle::for_processes`) refuses what process mode
+//! cannot do (joins, checkpoints) with `ControlError::Unsupported`.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,7 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use ractor::rpc::CallResult;
-use ractor::ActorRef;
+use ractor::{ActorRef, RpcReplyPort};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{broadcast, oneshot};
 use tokio::task::JoinHandle;
@@ -22,10 +26,12 @@ use super::cluster::{optim_settings, Cluster, ClusterError, ClusterSpec, Observe
 use super::coord_actor::CoordView;
 use super::http::{self, HttpLimits};
 use super::local::LocalEndpoint;
+use super::proxy::Detached;
 use super::status::{ChangeRecord, MapTracker, RunState, StateLayout, Status, Telemetry};
+use super::transport::Transport;
 use crate::config::TrainConfig;
 use crate::engine::coordinator::{Change, Refusal};
-use crate::plan::{RankId, Stage};
+use crate::plan::{RankId, ShardMap, Stage};
 
 /// How long a control call waits for the coordinator.
 pub const CONTROL_DEADLINE_MS: u64 = 5_000;
@@ -47,6 +53,9 @@ pub enum ControlError {
     Ended,
     #[error("the coordinator did not answer: {0}")]
     Unavailable(String),
+    /// The request needs something this kind of job does not have (worker processes).
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 impl ControlError {
@@ -58,6 +67,7 @@ impl ControlError {
             ControlError::KillDisabled => 403,
             ControlError::BadRequest(_) => 400,
             ControlError::Unavailable(_) => 503,
+            ControlError::Unsupported(_) => 501,
         }
     }
 
@@ -73,6 +83,7 @@ impl ControlError {
             ControlError::BadRequest(_) => "bad_request",
             ControlError::Ended => "run_ended",
             ControlError::Unavailable(_) => "unavailable",
+            ControlError::Unsupported(_) => "not_supported",
         }
     }
 }
@@ -98,15 +109,84 @@ impl Shared {
     }
 }
 
+/// The coordinator actor a handle talks to.
+#[derive(Clone)]
+enum CoordRef {
+    /// In-process ranks.
+    Local(ActorRef<CoordMsg<LocalEndpoint>>),
+    /// Worker processes behind proxies.
+    Procs(ActorRef<CoordMsg<Detached>>),
+}
+
+/// Calls the coordinator actor whichever transport it runs on.
+macro_rules! ask {
+    ($handle:expr, $port:ident => $msg:expr) => {
+        match &$handle.coordinator {
+            CoordRef::Local(a) => call_actor(a, |$port| $msg).await,
+            CoordRef::Procs(a) => call_actor(a, |$port| $msg).await,
+        }
+    };
+}
+
 /// Operates a running job. Cheap to clone; every method may be called from any task while the
 /// run proceeds.
 #[derive(Clone)]
 pub struct ControlHandle {
-    coordinator: ActorRef<CoordMsg<LocalEndpoint>>,
+    coordinator: CoordRef,
     shared: Arc<Shared>,
     layout: StateLayout,
     allow_kill: bool,
     snapshots: bool,
+    /// Ranks are worker processes: no joins (nothing starts a process) and no checkpoints.
+    processes: bool,
+}
+
+/// Feeds a handle's counters from the run's events: the in-process pump and the process
+/// coordinator both drive one.
+pub struct Monitor {
+    shared: Arc<Shared>,
+    tracker: MapTracker,
+}
+
+impl Monitor {
+    /// Counts one event; membership changes are priced and published to `subscribe`rs.
+    pub fn observe(&mut self, event: &ClusterEvent) {
+        match event {
+            ClusterEvent::Step(rec) => self.shared.telemetry().on_step(rec),
+            ClusterEvent::Membership(rec) => {
+                let change = ChangeRecord {
+                    moved_bytes: self.tracker.apply(rec),
+                    record: (**rec).clone(),
+                };
+                self.shared.telemetry().on_change(change.clone());
+                // No subscriber is no error.
+                let _ = self.shared.changes.send(change);
+            }
+            ClusterEvent::Snapshot(_) => self.shared.telemetry().on_snapshot(),
+            ClusterEvent::Finished | ClusterEvent::Aborted(_) => {}
+        }
+    }
+
+    /// The run ended: keep the coordinator's last view for `status()` (the actors go next).
+    pub fn ended(&self, view: Option<CoordView>, result: Result<(), String>) {
+        if view.is_some() {
+            *self.shared.final_view() = view;
+        }
+        self.shared.telemetry().run = match result {
+            Ok(()) => RunState::Finished,
+            Err(e) => RunState::Failed(e),
+        };
+    }
+}
+
+fn new_shared() -> Arc<Shared> {
+    let (changes, _) = broadcast::channel(SUBSCRIBE_CAPACITY);
+    Arc::new(Shared {
+        telemetry: Mutex::new(Telemetry::default()),
+        final_view: Mutex::new(None),
+        changes,
+        snapshot_wanted: AtomicBool::new(false),
+    })
 }
 
 impl ControlHandle {
@@ -116,6 +196,31 @@ impl ControlHandle {
         self.request(Change::Leave(rank)).await
     }
 
+    /// A handle on a process coordinator's actor (see `proc_coord.rs`), and the monitor that
+    /// the coordinator feeds with the run's events. `map` is the initial shard map.
+    pub fn for_processes(
+        coordinator: ActorRef<CoordMsg<Detached>>,
+        map: ShardMap,
+        config: &TrainConfig,
+        allow_kill: bool,
+    ) -> (ControlHandle, Monitor) {
+        let shared = new_shared();
+        let layout = layout_of(config);
+        let handle = ControlHandle {
+            coordinator: CoordRef::Procs(coordinator),
+            shared: Arc::clone(&shared),
+            layout,
+            allow_kill,
+            snapshots: false,
+            processes: true,
+        };
+        let monitor = Monitor {
+            shared,
+            tracker: MapTracker::new(map, layout),
+        };
+        (handle, monitor)
+    }
+
     /// `count` new ranks join at the next step boundary (they take the next unused ids).
     pub async fn join(&self, count: u32) -> Result<(), ControlError> {
         if count == 0 {
@@ -123,13 +228,16 @@ impl ControlHandle {
                 "join count must be at least 1".into(),
             ));
         }
+        if self.processes {
+            return Err(ControlError::Unsupported(
+                "ranks joining a running job are not supported with worker processes yet: nothing here starts a process".into(),
+            ));
+        }
         self.request(Change::Join(count)).await
     }
 
     async fn request(&self, change: Change) -> Result<(), ControlError> {
-        self.call(|p| CoordMsg::Request(change, p))
-            .await?
-            .map_err(Into::into)
+        ask!(self, p => CoordMsg::Request(change, p))?.map_err(Into::into)
     }
 
     /// Fault injection for tests and demos: `rank` vanishes halfway through the next step that
@@ -138,14 +246,17 @@ impl ControlHandle {
         if !self.allow_kill {
             return Err(ControlError::KillDisabled);
         }
-        self.call(|p| CoordMsg::Kill(rank, p))
-            .await?
-            .map_err(Into::into)
+        ask!(self, p => CoordMsg::Kill(rank, p))?.map_err(Into::into)
     }
 
     /// Asks for a snapshot at the next step boundary; it arrives as `ClusterEvent::Snapshot`
     /// (the CLI writes it under `--save-dir`).
     pub async fn request_snapshot(&self) -> Result<(), ControlError> {
+        if self.processes {
+            return Err(ControlError::Unsupported(
+                "checkpoints are not written with worker processes yet".into(),
+            ));
+        }
         if !self.snapshots {
             return Err(ControlError::NoSnapshotSink);
         }
@@ -153,9 +264,11 @@ impl ControlHandle {
             return Err(ControlError::Ended);
         }
         self.shared.snapshot_wanted.store(true, Ordering::SeqCst);
-        self.coordinator
-            .cast(CoordMsg::SnapshotNow)
-            .map_err(|_| ControlError::Ended)
+        let sent = match &self.coordinator {
+            CoordRef::Local(a) => a.cast(CoordMsg::SnapshotNow).is_ok(),
+            CoordRef::Procs(a) => a.cast(CoordMsg::SnapshotNow).is_ok(),
+        };
+        sent.then_some(()).ok_or(ControlError::Ended)
     }
 
     /// Where the run stands (also after it ended).
@@ -163,7 +276,7 @@ impl ControlHandle {
         let kept = self.shared.final_view().clone();
         let view = match kept {
             Some(v) => v,
-            None => self.call(CoordMsg::View).await?,
+            None => ask!(self, p => CoordMsg::View(p))?,
         };
         Ok(Status::build(&view, &self.shared.telemetry(), self.layout))
     }
@@ -178,19 +291,19 @@ impl ControlHandle {
     pub fn subscribe(&self) -> broadcast::Receiver<ChangeRecord> {
         self.shared.changes.subscribe()
     }
+}
 
-    async fn call<R: Send + 'static>(
-        &self,
-        msg: impl FnOnce(ractor::RpcReplyPort<R>) -> CoordMsg<LocalEndpoint>,
-    ) -> Result<R, ControlError> {
-        let deadline = Duration::from_millis(CONTROL_DEADLINE_MS);
-        match self.coordinator.call(msg, Some(deadline)).await {
-            Ok(CallResult::Success(r)) => Ok(r),
-            Ok(CallResult::Timeout) => Err(ControlError::Unavailable(format!(
-                "no answer within {CONTROL_DEADLINE_MS} ms"
-            ))),
-            Ok(CallResult::SenderError) | Err(_) => Err(ControlError::Ended),
-        }
+async fn call_actor<T: Transport, R: Send + 'static>(
+    coordinator: &ActorRef<CoordMsg<T>>,
+    msg: impl FnOnce(RpcReplyPort<R>) -> CoordMsg<T>,
+) -> Result<R, ControlError> {
+    let deadline = Duration::from_millis(CONTROL_DEADLINE_MS);
+    match coordinator.call(msg, Some(deadline)).await {
+        Ok(CallResult::Success(r)) => Ok(r),
+        Ok(CallResult::Timeout) => Err(ControlError::Unavailable(format!(
+            "no answer within {CONTROL_DEADLINE_MS} ms"
+        ))),
+        Ok(CallResult::SenderError) | Err(_) => Err(ControlError::Ended),
     }
 }
 
@@ -289,19 +402,14 @@ impl ClusterBuilder {
             }
             Source::Started(cluster, layout) => (*cluster, layout),
         };
-        let (changes, _) = broadcast::channel(SUBSCRIBE_CAPACITY);
-        let shared = Arc::new(Shared {
-            telemetry: Mutex::new(Telemetry::default()),
-            final_view: Mutex::new(None),
-            changes,
-            snapshot_wanted: AtomicBool::new(false),
-        });
+        let shared = new_shared();
         let handle = ControlHandle {
-            coordinator: cluster.coordinator().clone(),
+            coordinator: CoordRef::Local(cluster.coordinator().clone()),
             shared: Arc::clone(&shared),
             layout,
             allow_kill: self.allow_kill,
             snapshots: self.snapshots,
+            processes: false,
         };
         let server = match self.control_addr {
             Some(addr) => {
@@ -318,11 +426,17 @@ impl ClusterBuilder {
             }
             None => None,
         };
-        let tracker = MapTracker::new(cluster.shard_map().clone(), layout);
+        let monitor = Monitor {
+            tracker: MapTracker::new(cluster.shard_map().clone(), layout),
+            shared,
+        };
         let (tx, events) = unbounded_channel();
         let (done_tx, outcome) = oneshot::channel();
         let (go, go_rx) = oneshot::channel();
-        let pump = tokio::spawn(pump(cluster, shared, tracker, tx, done_tx, go_rx));
+        // Subscribed before the run starts, so `drive` prices every change, even one that
+        // completes before it is called.
+        let changes = handle.subscribe();
+        let pump = tokio::spawn(pump(cluster, monitor, tx, done_tx, go_rx));
         let mut job = ElasticJob {
             handle,
             events,
@@ -331,6 +445,7 @@ impl ClusterBuilder {
             server: server.map(|s| s.1),
             pump,
             go: Some(go),
+            changes: Some(changes),
         };
         if !self.paused {
             job.run();
@@ -349,6 +464,8 @@ pub struct ElasticJob {
     pump: JoinHandle<()>,
     /// Starts training (see `ClusterBuilder::paused`); `None` once sent.
     go: Option<oneshot::Sender<()>>,
+    /// Changes since the start, for `drive`.
+    changes: Option<broadcast::Receiver<ChangeRecord>>,
 }
 
 impl ElasticJob {
@@ -394,7 +511,10 @@ impl ElasticJob {
         mut self,
         mut observer: impl Observer,
     ) -> Result<TrainOutcome, ClusterError> {
-        let mut changes = self.handle.subscribe();
+        let mut changes = match self.changes.take() {
+            Some(c) => c,
+            None => self.handle.subscribe(),
+        };
         self.run();
         while let Some(event) = self.next_event().await {
             match event {
@@ -454,8 +574,7 @@ fn layout_of(config: &TrainConfig) -> StateLayout {
 /// Owns the cluster: keeps the counters, forwards events, and finishes the run.
 async fn pump(
     mut cluster: Cluster,
-    shared: Arc<Shared>,
-    mut tracker: MapTracker,
+    mut monitor: Monitor,
     tx: UnboundedSender<ClusterEvent>,
     done: oneshot::Sender<Result<TrainOutcome, ClusterError>>,
     go: oneshot::Receiver<()>,
@@ -471,26 +590,13 @@ async fn pump(
         let Some(event) = cluster.next_event().await else {
             break Err(ClusterError::Aborted("the coordinator stopped".into()));
         };
+        monitor.observe(&event);
         let end = match &event {
             ClusterEvent::Step(rec) => {
-                shared.telemetry().on_step(rec);
                 records.push((**rec).clone());
                 None
             }
-            ClusterEvent::Membership(rec) => {
-                let change = ChangeRecord {
-                    moved_bytes: tracker.apply(rec),
-                    record: (**rec).clone(),
-                };
-                shared.telemetry().on_change(change.clone());
-                // No subscriber is no error.
-                let _ = shared.changes.send(change);
-                None
-            }
-            ClusterEvent::Snapshot(_) => {
-                shared.telemetry().on_snapshot();
-                None
-            }
+            ClusterEvent::Membership(_) | ClusterEvent::Snapshot(_) => None,
             ClusterEvent::Finished => Some(Ok(())),
             ClusterEvent::Aborted(reason) => Some(Err(ClusterError::Aborted(reason.clone()))),
         };
@@ -503,13 +609,11 @@ async fn pump(
                     Some(Duration::from_millis(CONTROL_DEADLINE_MS)),
                 )
                 .await;
-            if let Ok(CallResult::Success(v)) = view {
-                *shared.final_view() = Some(v);
-            }
-            shared.telemetry().run = match &end {
-                Ok(()) => RunState::Finished,
-                Err(e) => RunState::Failed(e.to_string()),
+            let view = match view {
+                Ok(CallResult::Success(v)) => Some(v),
+                _ => None,
             };
+            monitor.ended(view, end.as_ref().map(|_| ()).map_err(|e| e.to_string()));
             let _ = tx.send(event);
             break end;
         }

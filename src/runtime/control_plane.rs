@@ -18,7 +18,7 @@ use crate::engine::messages::{StepPlan, StepReport};
 use crate::plan::{RankId, ShardMap};
 
 /// Version of the control protocol; a peer speaking another is refused.
-pub const CONTROL_VERSION: u8 = 1;
+pub const CONTROL_VERSION: u8 = 2;
 /// Largest control frame after the handshake (chunk states for consolidation travel here).
 pub const CONTROL_FRAME_MAX_BYTES: u32 = 1 << 30;
 /// Largest frame accepted before a peer has authenticated.
@@ -231,6 +231,9 @@ pub enum RankCommand {
     Replicate {
         step: u64,
     },
+    /// An operator's kill (`POST /ranks/{id}/kill`): the worker ends its own process abruptly
+    /// halfway through this step.
+    KillAt(u64),
 }
 
 /// What a rank tells the coordinator: the rank-sent variants of `CoordMsg`.
@@ -295,6 +298,7 @@ impl RankCommand {
                 lost,
             },
             RankMsg::Replicate { step } => Self::Replicate { step },
+            RankMsg::KillAt(step) => Self::KillAt(step),
             _ => return None,
         })
     }
@@ -315,6 +319,7 @@ impl RankCommand {
                 lost,
             },
             Self::Replicate { step } => RankMsg::Replicate { step },
+            Self::KillAt(step) => RankMsg::KillAt(step),
         }
     }
 }

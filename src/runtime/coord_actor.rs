@@ -2,7 +2,7 @@
 //! time, and carries out the commands it returns (hand out step plans, spawn and retire ranks,
 //! start reshards, take snapshots, report events).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -74,6 +74,38 @@ pub struct CoordView {
     /// The step before which the newest complete buddy backup was taken.
     pub backup_step: Option<u64>,
     pub pending_kills: Vec<RankId>,
+    /// What the ranks were last told to do.
+    pub activity: Activity,
+    /// Ranks that were told and have not answered yet (sorted).
+    pub awaiting: Vec<RankId>,
+}
+
+/// What the ranks were last told to do, as the coordinator actor sent it. A rank listed in
+/// `CoordView::awaiting` has not answered, so the activity cannot end before it does (or
+/// fails): an operator, or a test, can tell a loss inside a step from one between steps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(tag = "phase", rename_all = "snake_case")]
+pub enum Activity {
+    #[default]
+    Starting,
+    /// Training step `step`.
+    Running {
+        step: u64,
+    },
+    /// Taking the buddy backup before step `step`.
+    Replicating {
+        step: u64,
+    },
+    /// Moving chunks for a membership change before step `step`.
+    Resharding {
+        step: u64,
+    },
+    /// Rolling back to the backup before step `step` after a loss.
+    Restoring {
+        step: u64,
+    },
+    Finished,
+    Failed,
 }
 
 pub struct CoordArgs<T: Transport> {
@@ -102,6 +134,8 @@ pub struct CoordState<T: Transport> {
     factory: RankFactory<T>,
     /// Operator kills waiting for the next step to start.
     pending_kills: Vec<RankId>,
+    activity: Activity,
+    awaiting: BTreeSet<RankId>,
 }
 
 impl<T: Transport> CoordState<T> {
@@ -116,7 +150,20 @@ impl<T: Transport> CoordState<T> {
             finished: self.engine.is_finished(),
             backup_step: self.engine.backup_step(),
             pending_kills: self.pending_kills.clone(),
+            activity: self.activity,
+            awaiting: self.awaiting.iter().copied().collect(),
         }
+    }
+
+    /// Records a new activity and the ranks it waits for.
+    fn begin(&mut self, activity: Activity, ranks: impl IntoIterator<Item = RankId>) {
+        self.activity = activity;
+        self.awaiting = ranks.into_iter().collect();
+    }
+
+    /// A rank answered the current activity (done, aborted or failed).
+    fn answered(&mut self, rank: RankId) {
+        self.awaiting.remove(&rank);
     }
 
     fn kill(&mut self, rank: RankId) -> Result<(), Refusal> {
@@ -162,6 +209,8 @@ impl<T: Transport> CoordState<T> {
                 for r in self.ranks.values() {
                     let _ = r.cast(RankMsg::RunStep(Box::new(plan.clone())));
                 }
+                let members = self.engine.map().members.clone();
+                self.begin(Activity::Running { step: plan.step }, members);
             }
             Command::Snapshot(progress) => {
                 // Ranks are idle between steps, so their chunks are consistent.
@@ -219,6 +268,13 @@ impl<T: Transport> CoordState<T> {
                 return out;
             }
             Command::Reshard { old, new, step } => {
+                let told = self
+                    .ranks
+                    .keys()
+                    .copied()
+                    .filter(|r| old.is_member(*r) || new.is_member(*r));
+                let told: Vec<RankId> = told.collect();
+                self.begin(Activity::Resharding { step }, told);
                 for (r, a) in &self.ranks {
                     if old.is_member(*r) || new.is_member(*r) {
                         let _ = a.cast(RankMsg::Reshard {
@@ -238,6 +294,8 @@ impl<T: Transport> CoordState<T> {
                 }
             }
             Command::Replicate { step } => {
+                let members = self.engine.map().members.clone();
+                self.begin(Activity::Replicating { step }, members);
                 for a in self.ranks.values() {
                     let _ = a.cast(RankMsg::Replicate { step });
                 }
@@ -253,6 +311,8 @@ impl<T: Transport> CoordState<T> {
                 step,
                 lost,
             } => {
+                let told: Vec<RankId> = new.members.clone();
+                self.begin(Activity::Restoring { step }, told);
                 for (r, a) in &self.ranks {
                     if new.is_member(*r) {
                         let msg = RankMsg::Restore {
@@ -272,9 +332,11 @@ impl<T: Transport> CoordState<T> {
                 let _ = self.events.send(ClusterEvent::Step(rec));
             }
             Command::Finish => {
+                self.begin(Activity::Finished, []);
                 let _ = self.events.send(ClusterEvent::Finished);
             }
             Command::Abort { reason } => {
+                self.begin(Activity::Failed, []);
                 (self.on_abort)();
                 let _ = self.events.send(ClusterEvent::Aborted(reason));
             }
@@ -312,6 +374,8 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             on_interrupt: args.on_interrupt,
             factory: args.factory,
             pending_kills: Vec::new(),
+            activity: Activity::Starting,
+            awaiting: BTreeSet::new(),
         })
     }
 
@@ -328,8 +392,12 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                 me.send_interval(Duration::from_millis(st.tick_ms), || CoordMsg::Tick);
                 st.feed(&me, Event::Start { now_ms }).await
             }
-            CoordMsg::StepDone(report) => st.feed(&me, Event::StepDone { report, now_ms }).await,
+            CoordMsg::StepDone(report) => {
+                st.answered(report.rank);
+                st.feed(&me, Event::StepDone { report, now_ms }).await
+            }
             CoordMsg::RankFailed { rank, reason } => {
+                st.answered(rank);
                 st.feed(
                     &me,
                     Event::RankFailed {
@@ -341,6 +409,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                 .await
             }
             CoordMsg::ReshardDone { rank, epoch } => {
+                st.answered(rank);
                 st.feed(
                     &me,
                     Event::ReshardDone {
@@ -352,6 +421,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                 .await
             }
             CoordMsg::StepAborted { rank, reason } => {
+                st.answered(rank);
                 st.feed(
                     &me,
                     Event::StepAborted {
@@ -363,6 +433,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                 .await
             }
             CoordMsg::ReplicateDone { rank, epoch, step } => {
+                st.answered(rank);
                 st.feed(
                     &me,
                     Event::ReplicateDone {
@@ -419,6 +490,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             .map(|(r, _)| *r)
         {
             if !st.engine.is_finished() {
+                st.answered(rank);
                 let now_ms = st.clock.now_ms();
                 st.feed(
                     &me,

@@ -323,8 +323,18 @@ pub async fn serve(
 ) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
+    Ok((local, serve_on(listener, handle, limits)))
+}
+
+/// Serves on a bound listener until the returned task is aborted (a caller that must print
+/// the address before the job exists binds first; requests wait in the backlog until then).
+pub fn serve_on(
+    listener: TcpListener,
+    handle: ControlHandle,
+    limits: HttpLimits,
+) -> JoinHandle<()> {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
-    let task = tokio::spawn(async move {
+    tokio::spawn(async move {
         loop {
             let sock = match listener.accept().await {
                 Ok((sock, _)) => sock,
@@ -346,17 +356,60 @@ pub async fn serve(
                 drop(permit);
             });
         }
-    });
-    Ok((local, task))
+    })
 }
 
-async fn connection(mut sock: TcpStream, handle: &ControlHandle, limits: &HttpLimits) {
-    let deadline = Instant::now() + Duration::from_millis(limits.read_timeout_ms);
-    let response = match read_request(&mut sock, limits, deadline).await {
-        Ok(Some(req)) => match route(&req) {
+/// Answers every request on `listener` with 503 `not_started` and `why()` until `ready`
+/// fires (or its sender goes), then hands the listener back for `serve_on`: a process
+/// coordinator's endpoint exists before the job it controls.
+pub async fn hold(
+    listener: TcpListener,
+    limits: HttpLimits,
+    why: impl Fn() -> String + Send + 'static,
+    mut ready: tokio::sync::oneshot::Receiver<()>,
+) -> TcpListener {
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    loop {
+        let sock = tokio::select! {
+            _ = &mut ready => return listener,
+            accepted = listener.accept() => match accepted {
+                Ok((sock, _)) => sock,
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
+            continue;
+        };
+        let answer = Response::error(503, "not_started", why());
+        tokio::spawn(async move {
+            respond(sock, &limits, |_| async { answer }).await;
+            drop(permit);
+        });
+    }
+}
+
+async fn connection(sock: TcpStream, handle: &ControlHandle, limits: &HttpLimits) {
+    respond(sock, limits, |req: Request| async move {
+        match route(&req) {
             Ok(r) => dispatch(r, handle).await,
             Err(resp) => resp,
-        },
+        }
+    })
+    .await
+}
+
+/// Reads one request, answers it with `answer`'s response (or the reading error), and closes.
+async fn respond<F, Fut>(mut sock: TcpStream, limits: &HttpLimits, answer: F)
+where
+    F: FnOnce(Request) -> Fut,
+    Fut: std::future::Future<Output = Response>,
+{
+    let deadline = Instant::now() + Duration::from_millis(limits.read_timeout_ms);
+    let response = match read_request(&mut sock, limits, deadline).await {
+        Ok(Some(req)) => answer(req).await,
         Ok(None) => return,
         Err(resp) => resp,
     };

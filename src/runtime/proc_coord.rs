@@ -2,9 +2,14 @@
 //! peers' data addresses, then drives the unchanged coordinator actor with one `RankProxy` per
 //! worker. A worker whose connection closes, or which stays silent past the heartbeat timeout,
 //! is stopped as a proxy, which the coordinator actor sees as that rank failing.
+//!
+//! With `control` set it also serves the HTTP control endpoint of `ezero train --control` over
+//! the same coordinator actor. A kill there is carried out by the worker itself: told over its
+//! control connection, it ends its own process with SIGKILL halfway through the next step.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -18,11 +23,13 @@ use tokio::time::Instant;
 use super::actors::{ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor};
 use super::clock::{Clock, SystemClock};
 use super::cluster::{consolidate, job_spec, Observer, TrainOutcome};
+use super::control::{ControlHandle, Monitor};
 use super::control_plane::{
     read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, CONTROL_FRAME_MAX_BYTES,
     HELLO_FRAME_MAX_BYTES,
 };
 use super::heartbeat::{Liveness, ProcsConfig};
+use super::http::{self, HttpLimits};
 use super::proxy::{lock, Detached, PendingCollects, RankProxy, RankProxyArgs};
 use crate::config::{ConfigError, TrainConfig};
 use crate::engine::coordinator::Coordinator;
@@ -57,6 +64,20 @@ pub struct CoordinatorOptions {
     pub token: String,
     pub procs: ProcsConfig,
     pub data_plane: DataPlane,
+    /// Serve the HTTP control endpoint here (`None`: off). Until every worker has joined it
+    /// answers 503 `not_started`, saying how many have.
+    pub control: Option<SocketAddr>,
+    /// Let `POST /ranks/{id}/kill` through.
+    pub allow_kill: bool,
+}
+
+/// Where a coordinator listens.
+#[derive(Clone, Copy, Debug)]
+pub struct Listening {
+    /// Workers join here.
+    pub workers: SocketAddr,
+    /// The HTTP control endpoint, if asked for.
+    pub control: Option<SocketAddr>,
 }
 
 /// A worker's control connection, split.
@@ -77,20 +98,14 @@ pub fn check_supported(cfg: &TrainConfig) -> Result<(), ConfigError> {
             "ranks joining a running job are not supported with worker processes yet",
         ));
     }
-    if !cfg.leave.is_empty() {
-        return Err(ConfigError::new(
-            "leave",
-            "ranks leaving a running job are not supported with worker processes yet",
-        ));
-    }
     Ok(())
 }
 
-/// Runs one job with `cfg.ranks` worker processes; `on_listen` hears the bound address first.
+/// Runs one job with `cfg.ranks` worker processes; `on_listen` hears the bound addresses first.
 pub async fn run_coordinator(
     cfg: TrainConfig,
     opts: CoordinatorOptions,
-    on_listen: impl FnOnce(SocketAddr),
+    on_listen: impl FnOnce(Listening),
     mut observer: impl Observer,
 ) -> Result<TrainOutcome, ProcError> {
     cfg.validate()?;
@@ -104,18 +119,70 @@ pub async fn run_coordinator(
     let addr = listener
         .local_addr()
         .map_err(|e| ProcError::Setup(format!("cannot read the bound address: {e}")))?;
-    on_listen(addr);
+    let control = match opts.control {
+        Some(at) => Some(TcpListener::bind(at).await.map_err(|e| {
+            ProcError::Setup(format!("cannot serve the control endpoint on {at}: {e}"))
+        })?),
+        None => None,
+    };
+    let control_addr = match &control {
+        Some(l) => Some(
+            l.local_addr()
+                .map_err(|e| ProcError::Setup(format!("cannot read the bound address: {e}")))?,
+        ),
+        None => None,
+    };
+    on_listen(Listening {
+        workers: addr,
+        control: control_addr,
+    });
+    let count = Arc::new(AtomicU32::new(0));
+    let (ready, ready_rx) = tokio::sync::oneshot::channel();
+    let held = control.map(|l| {
+        let (count, world) = (Arc::clone(&count), cfg.ranks);
+        let why = move || {
+            let n = count.load(Ordering::Relaxed);
+            format!("the job has not started: {n} of {world} workers have joined")
+        };
+        tokio::spawn(http::hold(l, HttpLimits::default(), why, ready_rx))
+    });
     let deadline = Instant::now() + Duration::from_millis(opts.procs.join_timeout_ms);
-    let joined = admit(&listener, &cfg, &opts, deadline).await?;
+    let joined = admit(&listener, &cfg, &opts, deadline, &count).await?;
     drop(listener);
     let model = build_model(&cfg)?;
     let numels: Vec<usize> = model.units().iter().map(|u| u.numel()).collect();
     let members: Vec<RankId> = (0..cfg.ranks).collect();
     let map = ShardMap::plan(&numels, &members, cfg.chunk_elems, 1)
         .map_err(|e| ProcError::Setup(e.to_string()))?;
-    let mut run = Run::start(cfg, opts.procs, opts.data_plane, map, joined, deadline).await?;
-    let result = run.drive(&mut observer).await;
+    let initial = map.clone();
+    let mut run = Run::start(
+        cfg.clone(),
+        opts.procs,
+        opts.data_plane,
+        map,
+        joined,
+        deadline,
+    )
+    .await?;
+    let (handle, mut monitor) =
+        ControlHandle::for_processes(run.coordinator.clone(), initial, &cfg, opts.allow_kill);
+    let _ = ready.send(());
+    let server = match held {
+        Some(task) => match task.await {
+            Ok(listener) => Some(http::serve_on(listener, handle, HttpLimits::default())),
+            // The job runs on without its endpoint rather than leave the workers hanging.
+            Err(e) => {
+                tracing::error!("the control endpoint stopped: {e}");
+                None
+            }
+        },
+        None => None,
+    };
+    let result = run.drive(&mut observer, &mut monitor).await;
     run.finish(&result).await;
+    if let Some(s) = server {
+        s.abort();
+    }
     result
 }
 
@@ -125,6 +192,7 @@ async fn admit(
     cfg: &TrainConfig,
     opts: &CoordinatorOptions,
     deadline: Instant,
+    count: &AtomicU32,
 ) -> Result<Vec<Joined>, ProcError> {
     let mut joined: BTreeMap<RankId, Joined> = BTreeMap::new();
     while joined.len() < cfg.ranks as usize {
@@ -148,6 +216,7 @@ async fn admit(
             Ok(j) => {
                 tracing::info!("rank {} joined from {peer}", j.rank);
                 joined.insert(j.rank, j);
+                count.store(joined.len() as u32, Ordering::Relaxed);
             }
             Err(why) => tracing::warn!("refused a connection from {peer}: {why}"),
         }
@@ -357,21 +426,40 @@ impl Run {
         })
     }
 
-    async fn drive(&mut self, observer: &mut impl Observer) -> Result<TrainOutcome, ProcError> {
+    async fn drive(
+        &mut self,
+        observer: &mut impl Observer,
+        monitor: &mut Monitor,
+    ) -> Result<TrainOutcome, ProcError> {
         let mut records = Vec::new();
-        loop {
-            match self.events.recv().await {
-                Some(ClusterEvent::Step(rec)) => {
+        let end = loop {
+            let Some(event) = self.events.recv().await else {
+                break Err("the coordinator stopped".to_string());
+            };
+            monitor.observe(&event);
+            match event {
+                ClusterEvent::Step(rec) => {
                     observer.on_step(&rec);
                     records.push(*rec);
                 }
-                Some(ClusterEvent::Snapshot(snap)) => observer.on_snapshot(*snap),
-                Some(ClusterEvent::Membership(rec)) => observer.on_membership(&rec),
-                Some(ClusterEvent::Finished) => break,
-                Some(ClusterEvent::Aborted(reason)) => return Err(ProcError::Aborted(reason)),
-                None => return Err(ProcError::Aborted("the coordinator stopped".into())),
+                ClusterEvent::Snapshot(snap) => observer.on_snapshot(*snap),
+                ClusterEvent::Membership(rec) => observer.on_membership(&rec),
+                ClusterEvent::Finished => break Ok(()),
+                ClusterEvent::Aborted(reason) => break Err(reason),
             }
-        }
+        };
+        // Keep the coordinator's last word for `GET /status` before the actors go.
+        let view = self
+            .coordinator
+            .call(CoordMsg::View, Some(Duration::from_secs(5)))
+            .await;
+        let view = match view {
+            Ok(ractor::rpc::CallResult::Success(v)) => Some(v),
+            _ => None,
+        };
+        let end = end.map_err(ProcError::Aborted);
+        monitor.ended(view, end.as_ref().map(|_| ()).map_err(|e| e.to_string()));
+        end?;
         let reply = self
             .coordinator
             .call(CoordMsg::Collect, Some(Duration::from_secs(120)))

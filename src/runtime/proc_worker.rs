@@ -366,9 +366,11 @@ async fn start_rank<T: Transport>(
         optim,
         data: dataset,
         exec: exec_config(&cfg),
-        // An injected kill ends this process abruptly, as a crash would.
+        // An injected kill (`--kill`, or an operator's `POST /ranks/{id}/kill`) ends this
+        // process with SIGKILL, as `kill -9` would: no goodbye, the kernel closes its sockets.
         disconnect: Box::new(|r| {
             eprintln!("rank {r}: injected kill, exiting");
+            let _ = signal_hook::low_level::raise(signal_hook::consts::SIGKILL);
             std::process::exit(137)
         }),
     });

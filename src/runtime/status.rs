@@ -12,7 +12,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use super::coord_actor::CoordView;
+use super::coord_actor::{Activity, CoordView};
 use super::rank_state::OptimSettings;
 use super::reshard::transfers;
 use crate::engine::coordinator::{MembershipRecord, StepRecord};
@@ -206,6 +206,10 @@ pub struct Status {
     pub replica_lag_steps: Option<u64>,
     /// Operator kills that strike when the next step starts.
     pub pending_kills: Vec<RankId>,
+    /// What the ranks were last told to do: `{"phase": "running", "step": 4}`, ...
+    pub activity: Activity,
+    /// Ranks that have not answered `activity` yet.
+    pub awaiting: Vec<RankId>,
     pub telemetry: TelemetrySummary,
     /// Membership changes and recoveries, oldest first.
     pub membership: Vec<ChangeRecord>,
@@ -257,6 +261,8 @@ impl Status {
             backup_step: view.backup_step,
             replica_lag_steps: view.backup_step.map(|b| view.step.saturating_sub(b)),
             pending_kills: view.pending_kills.clone(),
+            activity: view.activity,
+            awaiting: view.awaiting.clone(),
             telemetry: TelemetrySummary {
                 steps_completed: t.steps_completed,
                 step_ms_last: t.step_ms_last,
