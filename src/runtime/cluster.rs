@@ -180,6 +180,7 @@ pub fn exec_config(cfg: &TrainConfig) -> ExecConfig {
         seed: cfg.seed,
         max_live_units: cfg.max_live_units,
         grad_clip: cfg.grad_clip as f64,
+        round_kills: cfg.kill_during.clone(),
     }
 }
 

@@ -237,9 +237,11 @@ impl<T: Transport> CoordState<T> {
                     (self.on_retire)(r);
                 }
             }
-            Command::Replicate { step } => {
-                for a in self.ranks.values() {
-                    let _ = a.cast(RankMsg::Replicate { step });
+            Command::Replicate { step, ranks } => {
+                for r in ranks {
+                    if let Some(a) = self.ranks.get(&r) {
+                        let _ = a.cast(RankMsg::Replicate { step });
+                    }
                 }
             }
             Command::Interrupt { ranks, epoch, step } => {
@@ -253,8 +255,9 @@ impl<T: Transport> CoordState<T> {
                 step,
                 lost,
             } => {
+                // Lost ranks were retired; every other rank of either map takes part.
                 for (r, a) in &self.ranks {
-                    if new.is_member(*r) {
+                    if old.is_member(*r) || new.is_member(*r) {
                         let msg = RankMsg::Restore {
                             old: Box::new(old.clone()),
                             new: Box::new(new.clone()),
