@@ -444,6 +444,19 @@ impl Coordinator {
         if self.is_finished() {
             return Vec::new();
         }
+        if let Phase::Recovering { waiting, .. } = &mut self.phase {
+            // A rank that finished its part of the abandoned work anyway is idle too.
+            let idle = match &event {
+                Event::StepDone { report, .. } => Some(report.rank),
+                Event::ReshardDone { rank, .. } | Event::ReplicateDone { rank, .. } => Some(*rank),
+                _ => None,
+            };
+            if let Some(rank) = idle {
+                let now_ms = event_time(&event);
+                waiting.remove(&rank);
+                return self.try_restore(now_ms);
+            }
+        }
         match event {
             Event::Start { now_ms } => self.start_step(now_ms),
             Event::StepDone { report, now_ms } => self.on_report(*report, now_ms),
@@ -1055,6 +1068,20 @@ impl Coordinator {
     fn fail(&mut self, reason: String) -> Vec<Command> {
         self.phase = Phase::Failed;
         vec![Command::Abort { reason }]
+    }
+}
+
+fn event_time(e: &Event) -> u64 {
+    match e {
+        Event::Start { now_ms }
+        | Event::StepDone { now_ms, .. }
+        | Event::RankFailed { now_ms, .. }
+        | Event::Tick { now_ms }
+        | Event::Spawned { now_ms, .. }
+        | Event::ReshardDone { now_ms, .. }
+        | Event::StepAborted { now_ms, .. }
+        | Event::ReplicateDone { now_ms, .. } => *now_ms,
+        Event::SnapshotRequested => 0,
     }
 }
 
