@@ -145,8 +145,8 @@ pub enum Event {
         epoch: u64,
         now_ms: u64,
     },
-    /// A rank is alive and idle but did not finish the step (a peer vanished, or it was
-    /// interrupted).
+    /// A rank is alive and idle but did not finish the step or round (a peer vanished, or it
+    /// was interrupted).
     StepAborted {
         rank: RankId,
         reason: String,

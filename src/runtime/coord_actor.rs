@@ -37,7 +37,8 @@ pub enum CoordMsg<T: Transport> {
         rank: RankId,
         epoch: u64,
     },
-    /// Alive and idle, but the step did not finish (a peer vanished or it was interrupted).
+    /// Alive and idle, but the step or round did not finish (a peer vanished or it was
+    /// interrupted).
     StepAborted {
         rank: RankId,
         reason: String,
