@@ -1,5 +1,7 @@
 //! The chaos harness: seeded scenarios of world size, model shape, ZeRO stage, membership
-//! changes, abrupt rank losses and a misbehaving network: duplicated, reordered, lost (and
+//! changes, abrupt rank losses (during a step, or mid-round: while a leave's or join's chunks
+//! move, during a buddy backup, or while the survivors restore from an earlier loss) and a
+//! misbehaving network: duplicated, reordered, lost (and
 //! retransmitted), damaged (rejected by checksum, then retransmitted) and delayed frames, and a
 //! slow rank.
 //!
@@ -15,7 +17,7 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use elastic_zero::config::{At, ModelKind, TrainConfig};
+use elastic_zero::config::{At, ModelKind, Round, RoundKill, TrainConfig};
 use elastic_zero::engine::coordinator::MembershipRecord;
 use elastic_zero::job::build_model;
 use elastic_zero::model::rng::SplitMix64;
@@ -36,6 +38,33 @@ struct Expect {
 
 fn pick(rng: &mut SplitMix64, n: u64) -> u64 {
     rng.next_u64() % n.max(1)
+}
+
+/// Sometimes a rank vanishes while a change's chunks move (any member or joiner), or during
+/// the backup that commits it (a member of the new map). One reshard then goes from the old map
+/// to the new membership without the lost rank, so `members` loses it.
+fn lose_mid_change(
+    rng: &mut SplitMix64,
+    kill_during: &mut impl FnMut(u32, u64, Round),
+    step: u64,
+    before: &[u32],
+    members: &mut Vec<u32>,
+) {
+    if before.len() < 2 || members.len() < 2 || pick(rng, 3) != 0 {
+        return;
+    }
+    if pick(rng, 2) == 0 {
+        let mut all: Vec<u32> = before.iter().chain(members.iter()).copied().collect();
+        all.sort_unstable();
+        all.dedup();
+        let r = all[pick(rng, all.len() as u64) as usize];
+        kill_during(r, step, Round::Reshard);
+        members.retain(|&m| m != r);
+    } else {
+        let r = members[pick(rng, members.len() as u64) as usize];
+        kill_during(r, step, Round::Replicate);
+        members.retain(|&m| m != r);
+    }
 }
 
 /// A random but valid scenario for `seed`, with what it should do.
@@ -82,6 +111,11 @@ fn scenario(seed: u64) -> (TrainConfig, Expect) {
         memberships: Vec::new(),
         unrecoverable: false,
     };
+    let mut during: Vec<RoundKill> = Vec::new();
+    let mut kill_during = |rank: u32, step: u64, round: Round| {
+        during.push(RoundKill { rank, step, round });
+    };
+    let every_step = cfg.replicate_every == 1;
     for step in 1..steps {
         if expect.unrecoverable {
             break;
@@ -90,14 +124,18 @@ fn scenario(seed: u64) -> (TrainConfig, Expect) {
         if roll < 2 && members.len() > 1 {
             let r = members[pick(&mut rng, members.len() as u64) as usize];
             cfg.leave.push(At { value: r, step });
+            let before = members.clone();
             members.retain(|&m| m != r);
+            lose_mid_change(&mut rng, &mut kill_during, step, &before, &mut members);
             map = rebalance(&map, &members).expect("valid").0;
             expect.memberships.push(members.clone());
         } else if roll < 4 && members.len() < 6 {
             let n = 1 + pick(&mut rng, 2) as u32;
             cfg.join.push(At { value: n, step });
+            let before = members.clone();
             members.extend(next..next + n);
             next += n;
+            lose_mid_change(&mut rng, &mut kill_during, step, &before, &mut members);
             map = rebalance(&map, &members).expect("valid").0;
             expect.memberships.push(members.clone());
         } else if roll < 7 && members.len() > 1 {
@@ -109,8 +147,23 @@ fn scenario(seed: u64) -> (TrainConfig, Expect) {
             }
             lost.sort_unstable();
             lost.dedup();
+            // With a backup before every step, the loss can also strike mid-backup, or a
+            // second rank can vanish while the survivors restore from the first loss.
+            let how = if every_step { pick(&mut rng, 4) } else { 3 };
             for &r in &lost {
-                cfg.kill.push(At { value: r, step });
+                if how == 0 {
+                    kill_during(r, step, Round::Replicate);
+                } else {
+                    cfg.kill.push(At { value: r, step });
+                }
+            }
+            if how == 1 && lost.len() == 1 && members.len() >= 3 {
+                let rest: Vec<u32> = members.iter().copied().filter(|m| *m != lost[0]).collect();
+                let r = rest[pick(&mut rng, rest.len() as u64) as usize];
+                // The restore rolls back to the backup before this very step.
+                kill_during(r, step, Round::Restore);
+                lost.push(r);
+                lost.sort_unstable();
             }
             if holders(&map, &lost).is_err() {
                 expect.unrecoverable = true;
@@ -121,6 +174,7 @@ fn scenario(seed: u64) -> (TrainConfig, Expect) {
             }
         }
     }
+    cfg.kill_during = during;
     // A third of the scenarios also get a lossy, damaging, slow network. Latencies stay a few
     // ms so that hundreds of seeds fit in CI; their effect on ordering is what matters.
     if pick(&mut rng, 3) == 0 {
@@ -244,8 +298,26 @@ fn chaos_seeds_end_bit_identical_or_with_the_documented_error() {
     eprintln!(
         "network faults over all seeds: {corrupted} frames damaged, {rejected} rejected by checksum, {retransmitted} retransmitted, {partitioned} held by a partition"
     );
+    let rounds: Vec<Round> = seeds()
+        .into_iter()
+        .flat_map(|s| scenario(s).0.kill_during)
+        .map(|k| k.round)
+        .collect();
+    let count = |r: Round| rounds.iter().filter(|&&x| x == r).count();
+    let (reshard, replicate, restore) = (
+        count(Round::Reshard),
+        count(Round::Replicate),
+        count(Round::Restore),
+    );
+    eprintln!(
+        "kills mid-round over all seeds: {reshard} mid-reshard, {replicate} mid-backup, {restore} mid-restore"
+    );
     assert!(failures.is_empty(), "failing seeds: {failures:?}");
     if seeds().len() >= 50 {
+        assert!(
+            reshard > 0 && replicate > 0 && restore > 0,
+            "the scenarios must kill ranks in every kind of round"
+        );
         assert!(
             rejected > 0 && retransmitted > 0 && partitioned > 0,
             "the scenarios must damage, lose and partition frames"

@@ -69,6 +69,75 @@ impl<'de> Deserialize<'de> for At {
     }
 }
 
+/// A round between steps, where an injected kill can strike (`--kill-during`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Round {
+    /// The chunk moves of a membership change (`--leave`, `--join`).
+    Reshard,
+    /// A buddy backup (every `replicate_every` steps, and after each reshard).
+    Replicate,
+    /// The rebuild from backups after a loss (its STEP is the step rolled back to).
+    Restore,
+}
+
+/// `RANK@STEP:ROUND`: the rank vanishes halfway through its part of the first such round
+/// before STEP, e.g. `2@5:reshard`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct RoundKill {
+    pub rank: u32,
+    pub step: u64,
+    pub round: Round,
+}
+
+impl std::str::FromStr for RoundKill {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (at, round) = s
+            .split_once(':')
+            .ok_or_else(|| format!("`{s}` is not RANK@STEP:ROUND (e.g. 2@5:reshard)"))?;
+        let at: At = at.parse()?;
+        let round = match round.trim() {
+            "reshard" => Round::Reshard,
+            "replicate" => Round::Replicate,
+            "restore" => Round::Restore,
+            r => {
+                return Err(format!(
+                    "`{r}` in `{s}` is not reshard, replicate or restore"
+                ))
+            }
+        };
+        Ok(RoundKill {
+            rank: at.value,
+            step: at.step,
+            round,
+        })
+    }
+}
+
+impl std::fmt::Display for RoundKill {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let round = match self.round {
+            Round::Reshard => "reshard",
+            Round::Replicate => "replicate",
+            Round::Restore => "restore",
+        };
+        write!(f, "{}@{}:{round}", self.rank, self.step)
+    }
+}
+
+impl Serialize for RoundKill {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for RoundKill {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// A configuration error: which field, and what would be valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid `{field}`: {message}")]
@@ -159,6 +228,10 @@ pub struct TrainConfig {
     pub join: Vec<At>,
     /// Ranks that die abruptly during a step (`RANK@STEP`).
     pub kill: Vec<At>,
+    /// Fault injection: ranks that die abruptly halfway through a round between steps
+    /// (`RANK@STEP:ROUND`, ROUND one of reshard, replicate, restore).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub kill_during: Vec<RoundKill>,
     /// The world never shrinks below this many ranks (default 1).
     pub min_ranks: u32,
     /// Nor grows beyond this many (default 64).
@@ -241,6 +314,7 @@ impl Default for TrainConfig {
             leave: Vec::new(),
             join: Vec::new(),
             kill: Vec::new(),
+            kill_during: Vec::new(),
             min_ranks: 1,
             max_ranks: 64,
             replicate_every: 1,
@@ -393,6 +467,12 @@ impl TrainConfig {
             ));
         }
         self.validate_membership()?;
+        if let Some(k) = self.kill_during.iter().find(|k| k.step >= self.steps) {
+            return Err(ConfigError::new(
+                "kill_during",
+                format!("{k}: the run has only {} steps", self.steps),
+            ));
+        }
         if self.save_every > 0 && self.save_dir.is_none() {
             return Err(ConfigError::new(
                 "save_every",

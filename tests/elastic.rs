@@ -182,3 +182,133 @@ fn losses_without_a_live_copy_stop_the_run_and_say_so() {
         "{err}"
     );
 }
+
+fn round_kill(s: &str) -> elastic_zero::config::RoundKill {
+    s.parse().unwrap()
+}
+
+/// A rank vanishes in the middle of a round between steps: the reshard of a leave or a join,
+/// the backup that commits a change, a periodic backup, or the restore of an earlier loss. The
+/// round is abandoned, the survivors rebuild from the committed map's backups, and the result
+/// is bit-identical to the run without faults.
+#[test]
+fn a_loss_mid_reshard_mid_backup_or_mid_restore_loses_nothing() {
+    let base = TrainConfig {
+        steps: 5,
+        ranks: 4,
+        collective_timeout_ms: 10_000,
+        ..small(ModelKind::Mlp)
+    };
+    let want = param_sha256(&run_cfg(&base).unwrap().params);
+    // (leave, join, kill mid-step, kill mid-round, members after, lost, rolled back to)
+    type Case = (
+        Vec<At>,
+        Vec<At>,
+        Vec<At>,
+        Vec<&'static str>,
+        Vec<u32>,
+        Vec<u32>,
+        u64,
+    );
+    let cases: Vec<Case> = vec![
+        // A staying member dies while the leave's chunks move: one reshard does both.
+        (
+            vec![at(1, 2)],
+            vec![],
+            vec![],
+            vec!["2@2:reshard"],
+            vec![0, 3],
+            vec![2],
+            1,
+        ),
+        // The leaver itself dies halfway through handing over its chunks.
+        (
+            vec![at(1, 2)],
+            vec![],
+            vec![],
+            vec!["1@2:reshard"],
+            vec![0, 2, 3],
+            vec![1],
+            1,
+        ),
+        // The joiner dies while receiving: the run goes on without it.
+        (
+            vec![],
+            vec![at(1, 2)],
+            vec![],
+            vec!["4@2:reshard"],
+            vec![0, 1, 2, 3],
+            vec![4],
+            1,
+        ),
+        // A member dies in the backup that commits the join.
+        (
+            vec![],
+            vec![at(1, 2)],
+            vec![],
+            vec!["0@2:replicate"],
+            vec![1, 2, 3, 4],
+            vec![0],
+            1,
+        ),
+        // A member dies in a periodic backup.
+        (
+            vec![],
+            vec![],
+            vec![],
+            vec!["3@2:replicate"],
+            vec![0, 1, 2],
+            vec![3],
+            1,
+        ),
+        // A second rank dies while the survivors restore from the first loss.
+        (
+            vec![],
+            vec![],
+            vec![at(1, 2)],
+            vec!["3@2:restore"],
+            vec![0, 2],
+            vec![1, 3],
+            2,
+        ),
+    ];
+    for stage in [1u8, 2, 3] {
+        for (leave, join, kill, during, after, lost, back) in &cases {
+            let cfg = TrainConfig {
+                stage,
+                leave: leave.clone(),
+                join: join.clone(),
+                kill: kill.clone(),
+                kill_during: during.iter().map(|s| round_kill(s)).collect(),
+                ..base.clone()
+            };
+            let what = format!("stage {stage} kill during {during:?}");
+            let (out, log) = run_logged(&cfg).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(param_sha256(&out.params), want, "{what}");
+            let rec = log.last().unwrap_or_else(|| panic!("{what}: no change"));
+            assert_eq!(
+                (&rec.after, &rec.lost, rec.rolled_back_to),
+                (after, lost, Some(*back)),
+                "{what}: {log:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_loss_mid_reshard_that_leaves_chunks_without_a_copy_stops_the_run() {
+    let cfg = TrainConfig {
+        steps: 4,
+        ranks: 4,
+        stage: 3,
+        leave: vec![at(0, 2)],
+        // Rank 1 and its buddy, rank 2, die while rank 0's chunks move.
+        kill_during: vec![round_kill("1@2:reshard"), round_kill("2@2:reshard")],
+        ..small(ModelKind::Mlp)
+    };
+    let err = run_cfg(&cfg).err().expect("must stop").to_string();
+    assert!(
+        err.contains("no other copy") && err.contains("checkpoint"),
+        "{err}"
+    );
+}

@@ -342,6 +342,7 @@ pub fn resolve_train(
     for list in [&mut base.leave, &mut base.join, &mut base.kill] {
         list.retain(|a| a.step >= step);
     }
+    base.kill_during.retain(|k| k.step >= step);
     let cfg = args
         .resolve_over(Some(&base))
         .map_err(|e| CliError::Usage(e.to_string()))?;

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-use elastic_zero::config::{At, ConfigError, ModelKind, OptimizerChoice, TrainConfig};
+use elastic_zero::config::{At, ConfigError, ModelKind, OptimizerChoice, RoundKill, TrainConfig};
 use elastic_zero::reduce::ReduceMode;
 
 #[derive(Parser)]
@@ -145,6 +145,10 @@ pub struct TrainArgs {
     /// A rank dies abruptly halfway through a step: RANK@STEP (repeatable).
     #[arg(long, value_name = "RANK@STEP")]
     pub kill: Vec<At>,
+    /// A rank dies abruptly halfway through a round between steps: RANK@STEP:ROUND, ROUND one
+    /// of reshard, replicate, restore (repeatable; fault injection).
+    #[arg(long, value_name = "RANK@STEP:ROUND")]
+    pub kill_during: Vec<RoundKill>,
     /// Buddy backups at least every this many steps (0: off; a lost rank then stops the run).
     #[arg(long)]
     pub replicate_every: Option<u64>,
@@ -296,6 +300,9 @@ impl TrainArgs {
             if !flag.is_empty() {
                 list.clone_from(flag);
             }
+        }
+        if !self.kill_during.is_empty() {
+            c.kill_during.clone_from(&self.kill_during);
         }
         if self.data.is_some() {
             c.data = self.data.clone();

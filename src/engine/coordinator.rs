@@ -145,8 +145,8 @@ pub enum Event {
         epoch: u64,
         now_ms: u64,
     },
-    /// A rank is alive and idle but did not finish the step (a peer vanished, or it was
-    /// interrupted).
+    /// A rank is alive and idle but did not finish the step or round (a peer vanished, or it
+    /// was interrupted).
     StepAborted {
         rank: RankId,
         reason: String,
@@ -196,9 +196,11 @@ pub enum Command {
     Retire {
         ranks: Vec<RankId>,
     },
-    /// Every member takes a backup before `step` (own copy plus buddy replicas).
+    /// These ranks (the members of the map they hold) take a backup before `step` (own copy
+    /// plus buddy replicas).
     Replicate {
         step: u64,
+        ranks: Vec<RankId>,
     },
     /// Wake these ranks from the abandoned (epoch, step): a peer is gone.
     Interrupt {
@@ -206,7 +208,8 @@ pub enum Command {
         epoch: u64,
         step: u64,
     },
-    /// Survivors roll back to their backups under `old` and rebuild onto `new` without `lost`.
+    /// Survivors (every live rank of `old` or `new`) roll back to their backups under `old`,
+    /// taken before `step`, and rebuild onto `new` without `lost`.
     Restore {
         old: ShardMap,
         new: ShardMap,
@@ -232,12 +235,17 @@ enum Phase {
         waiting: BTreeSet<RankId>,
         next: Vec<RankId>,
     },
-    /// Waiting for every participant of a reshard to report its new state. `rollback` is the
-    /// backup's progress and the lost ranks when this reshard is a recovery.
+    /// A reshard round (a membership change, or a recovery when `rollback` holds the backup's
+    /// progress and the lost ranks), then, when backups are on, a backup round under `new`.
+    /// The new epoch commits only after both, so a loss at any point in either leaves the
+    /// committed map and its backup intact. `waiting`: participants yet to report this part.
     Resharding {
         started_ms: u64,
         new: ShardMap,
+        /// The step the round runs at (the rollback step for a recovery).
+        step: u64,
         waiting: BTreeSet<RankId>,
+        backing_up: bool,
         rollback: Option<(Progress, Vec<RankId>)>,
     },
     /// Waiting for every member's backup.
@@ -245,11 +253,13 @@ enum Phase {
         started_ms: u64,
         waiting: BTreeSet<RankId>,
     },
-    /// A rank was lost: waiting for the survivors to be idle.
+    /// Ranks were lost: waiting for the survivors to be idle, then rebuilding onto `target`.
     Recovering {
         started_ms: u64,
         lost: BTreeSet<RankId>,
         waiting: BTreeSet<RankId>,
+        /// The membership after recovery: the one the abandoned round aimed at, without `lost`.
+        target: Vec<RankId>,
     },
     Done,
     Failed,
@@ -270,11 +280,15 @@ pub struct Coordinator {
     /// Rank ids handed out so far (joiners take the next ones).
     next_rank: RankId,
     membership_log: Vec<MembershipRecord>,
-    /// The step whose scripted changes were already applied.
+    /// Scripted changes of steps up to this one were already applied (a recovery may fold a
+    /// change into its reshard and then replay the steps before it).
     script_applied: Option<u64>,
+    /// The highest epoch any round used, committed or abandoned: each new round takes the next,
+    /// so frames of an abandoned round are stale for every later one.
+    epoch_used: u64,
     /// The newest complete backup: its epoch and progress.
     backup: Option<(u64, Progress)>,
-    /// Ranks that reported an aborted step in the current step.
+    /// Ranks that reported an aborted step or round in the current one: alive and idle.
     aborted: BTreeSet<RankId>,
 }
 
@@ -291,6 +305,7 @@ impl Coordinator {
     /// A coordinator that continues a job from `progress` (a restored snapshot).
     pub fn resume(job: JobSpec, map: ShardMap, progress: Progress) -> Self {
         let next_rank = map.members.iter().max().map_or(0, |m| m + 1);
+        let epoch_used = map.epoch;
         Self {
             job,
             map,
@@ -303,6 +318,7 @@ impl Coordinator {
             requested: Vec::new(),
             next_rank,
             script_applied: None,
+            epoch_used,
             backup: None,
             aborted: BTreeSet::new(),
             membership_log: Vec::new(),
@@ -428,6 +444,19 @@ impl Coordinator {
         if self.is_finished() {
             return Vec::new();
         }
+        if let Phase::Recovering { waiting, .. } = &mut self.phase {
+            // A rank that finished its part of the abandoned work anyway is idle too.
+            let idle = match &event {
+                Event::StepDone { report, .. } => Some(report.rank),
+                Event::ReshardDone { rank, .. } | Event::ReplicateDone { rank, .. } => Some(*rank),
+                _ => None,
+            };
+            if let Some(rank) = idle {
+                let now_ms = event_time(&event);
+                waiting.remove(&rank);
+                return self.try_restore(now_ms);
+            }
+        }
         match event {
             Event::Start { now_ms } => self.start_step(now_ms),
             Event::StepDone { report, now_ms } => self.on_report(*report, now_ms),
@@ -467,7 +496,7 @@ impl Coordinator {
             return vec![Command::Finish];
         }
         let mut changes: Vec<Change> = Vec::new();
-        if self.script_applied != Some(self.step) {
+        if self.script_applied.is_none_or(|s| self.step > s) {
             self.script_applied = Some(self.step);
             changes.extend(
                 self.job
@@ -481,16 +510,19 @@ impl Coordinator {
         if !changes.is_empty() {
             return self.change_membership(changes, now_ms);
         }
+        self.aborted.clear();
         if self.backup_due() {
             self.phase = Phase::Replicating {
                 started_ms: now_ms,
                 waiting: self.map.members.iter().copied().collect(),
             };
-            return vec![Command::Replicate { step: self.step }];
+            return vec![Command::Replicate {
+                step: self.step,
+                ranks: self.map.members.clone(),
+            }];
         }
         self.phase = Phase::Running { started_ms: now_ms };
         self.reports.clear();
-        self.aborted.clear();
         vec![Command::RunStep(StepPlan {
             epoch: self.map.epoch,
             step: self.step,
@@ -532,12 +564,25 @@ impl Coordinator {
         vec![Command::Spawn { ranks: joiners }]
     }
 
+    /// The map for `members` planned from the committed one, under a fresh epoch.
+    fn plan_next(&mut self, members: &[RankId]) -> Result<ShardMap, String> {
+        let (mut new, _) = rebalance(&self.map, members).map_err(|e| e.to_string())?;
+        new.epoch = self.epoch_used + 1;
+        self.epoch_used = new.epoch;
+        Ok(new)
+    }
+
+    /// Whether a commit onto `new` takes a backup under it first.
+    fn backs_up(&self, new: &ShardMap) -> bool {
+        self.job.replicate_every > 0 && new.world_size() >= 2
+    }
+
     fn begin_reshard(&mut self, members: Vec<RankId>, now_ms: u64) -> Vec<Command> {
         if members == self.map.members {
             return self.start_step(now_ms);
         }
-        match rebalance(&self.map, &members) {
-            Ok((new, _)) => {
+        match self.plan_next(&members) {
+            Ok(new) => {
                 let waiting = self
                     .map
                     .members
@@ -545,10 +590,13 @@ impl Coordinator {
                     .chain(&new.members)
                     .copied()
                     .collect();
+                self.aborted.clear();
                 self.phase = Phase::Resharding {
                     started_ms: now_ms,
                     new: new.clone(),
+                    step: self.step,
                     waiting,
+                    backing_up: false,
                     rollback: None,
                 };
                 vec![Command::Reshard {
@@ -563,6 +611,10 @@ impl Coordinator {
 
     fn on_spawned(&mut self, rank: RankId, now_ms: u64) -> Vec<Command> {
         let Phase::Spawning { waiting, next, .. } = &mut self.phase else {
+            // A joiner that comes up after its change was abandoned holds nothing.
+            if !self.map.is_member(rank) {
+                return vec![Command::Retire { ranks: vec![rank] }];
+            }
             return Vec::new();
         };
         waiting.remove(&rank);
@@ -574,27 +626,62 @@ impl Coordinator {
     }
 
     fn on_reshard_done(&mut self, rank: RankId, epoch: u64, now_ms: u64) -> Vec<Command> {
+        let backs_up = match &self.phase {
+            Phase::Resharding { new, .. } => self.backs_up(new),
+            _ => return Vec::new(),
+        };
         let Phase::Resharding {
-            started_ms,
             new,
+            step,
             waiting,
-            rollback,
+            backing_up,
+            ..
         } = &mut self.phase
         else {
             return Vec::new();
         };
-        if epoch != new.epoch {
+        if epoch != new.epoch || *backing_up {
             return Vec::new();
         }
         waiting.remove(&rank);
         if !waiting.is_empty() {
             return Vec::new();
         }
-        let (started_ms, new, rollback) = (*started_ms, new.clone(), rollback.take());
+        if !backs_up {
+            return self.commit(now_ms);
+        }
+        // The backup under the new map is part of the change: until every member holds it,
+        // a loss rolls back to the committed map's backup.
+        *backing_up = true;
+        *waiting = new.members.iter().copied().collect();
+        vec![Command::Replicate {
+            step: *step,
+            ranks: new.members.clone(),
+        }]
+    }
+
+    /// Every participant holds its state (and backup) under the new map: it becomes the map.
+    fn commit(&mut self, now_ms: u64) -> Vec<Command> {
+        let Phase::Resharding {
+            started_ms,
+            new,
+            backing_up,
+            rollback,
+            ..
+        } = &mut self.phase
+        else {
+            return Vec::new();
+        };
+        let (started_ms, new, backing_up, rollback) =
+            (*started_ms, new.clone(), *backing_up, rollback.take());
         let moved: usize = crate::plan::rebalance::diff(&self.map, &new)
             .iter()
             .map(|m| m.elems)
             .sum();
+        let lost = rollback
+            .as_ref()
+            .map(|(_, l)| l.clone())
+            .unwrap_or_default();
         let record = MembershipRecord {
             step: self.step,
             epoch: new.epoch,
@@ -603,27 +690,26 @@ impl Coordinator {
             moved_chunk_elems: moved,
             min_chunk_elems: min_move_elems(&self.map, &new.members),
             duration_ms: now_ms.saturating_sub(started_ms),
-            lost: rollback
-                .as_ref()
-                .map(|(_, l)| l.clone())
-                .unwrap_or_default(),
+            lost: lost.clone(),
             rolled_back_to: rollback.as_ref().map(|(p, _)| p.step),
         };
         if let Some((p, _)) = rollback {
             self.step = p.step;
             self.opt_step = p.opt_step;
             self.bounds = p.grad_bounds;
-            // Scripted changes of the steps being replayed already happened.
-            self.script_applied = Some(self.step);
         }
+        // Lost ranks were retired when they were lost.
         let leavers: Vec<RankId> = self
             .map
             .members
             .iter()
             .copied()
-            .filter(|r| !new.is_member(*r))
+            .filter(|r| !new.is_member(*r) && !lost.contains(r))
             .collect();
         self.map = new;
+        if backing_up {
+            self.backup = Some((self.map.epoch, self.progress()));
+        }
         self.membership_log.push(record.clone());
         let mut out = Vec::new();
         if !leavers.is_empty() {
@@ -633,7 +719,6 @@ impl Coordinator {
         out.extend(self.start_step(now_ms));
         out
     }
-
     fn on_report(&mut self, report: StepReport, now_ms: u64) -> Vec<Command> {
         let Phase::Running { started_ms } = self.phase else {
             return Vec::new();
@@ -726,24 +811,42 @@ impl Coordinator {
     }
 
     fn on_replicated(&mut self, rank: RankId, epoch: u64, step: u64, now_ms: u64) -> Vec<Command> {
-        let Phase::Replicating { waiting, .. } = &mut self.phase else {
-            return Vec::new();
-        };
-        if epoch != self.map.epoch || step != self.step {
-            return Vec::new();
+        match &mut self.phase {
+            Phase::Replicating { waiting, .. } => {
+                if epoch != self.map.epoch || step != self.step {
+                    return Vec::new();
+                }
+                waiting.remove(&rank);
+                if !waiting.is_empty() {
+                    return Vec::new();
+                }
+                self.backup = Some((self.map.epoch, self.progress()));
+                self.start_step(now_ms)
+            }
+            Phase::Resharding {
+                new,
+                step: at,
+                waiting,
+                backing_up: true,
+                ..
+            } => {
+                if epoch != new.epoch || step != *at {
+                    return Vec::new();
+                }
+                waiting.remove(&rank);
+                if !waiting.is_empty() {
+                    return Vec::new();
+                }
+                self.commit(now_ms)
+            }
+            _ => Vec::new(),
         }
-        waiting.remove(&rank);
-        if !waiting.is_empty() {
-            return Vec::new();
-        }
-        self.backup = Some((self.map.epoch, self.progress()));
-        self.start_step(now_ms)
     }
 
     fn on_aborted(&mut self, rank: RankId, reason: String, now_ms: u64) -> Vec<Command> {
         match &mut self.phase {
             // Alive but stuck on a vanished peer: wait for the failure itself (or the deadline).
-            Phase::Running { .. } => {
+            Phase::Running { .. } | Phase::Resharding { .. } | Phase::Replicating { .. } => {
                 self.aborted.insert(rank);
                 Vec::new()
             }
@@ -755,19 +858,110 @@ impl Coordinator {
         }
     }
 
-    /// A rank is gone. With a backup that still covers every chunk, roll back and go on;
-    /// otherwise stop and say what was lost.
+    /// A rank is gone, in any phase. The unfinished step or round is abandoned; with a backup
+    /// that still covers every chunk of the committed map, the survivors roll back to it and
+    /// rebuild onto the membership the round aimed at, less the lost ranks. Otherwise stop and
+    /// say what was lost.
     fn on_failure(&mut self, rank: RankId, reason: String, now_ms: u64) -> Vec<Command> {
-        let lost: BTreeSet<RankId> = match &self.phase {
-            Phase::Running { .. } => [rank].into(),
-            Phase::Recovering { lost, .. } => lost.iter().copied().chain([rank]).collect(),
-            _ => {
-                return self.fail(format!(
-                    "rank {rank} failed at step {}: {reason}",
-                    self.step
-                ))
-            }
+        let known = match &self.phase {
+            Phase::Recovering { lost, .. } => lost.contains(&rank),
+            Phase::Resharding {
+                rollback: Some((_, lost)),
+                ..
+            } => lost.contains(&rank),
+            _ => false,
         };
+        if known {
+            return Vec::new(); // already lost and retired
+        }
+        let step = self.step;
+        let fail_plain =
+            |c: &mut Self| c.fail(format!("rank {rank} failed at step {step}: {reason}"));
+        // What the abandoned work aimed at, who is still busy in it, and the round's
+        // (epoch, step) to interrupt them in.
+        let (mut lost, target, busy, round): (BTreeSet<RankId>, Vec<RankId>, Vec<RankId>, _) =
+            match &self.phase {
+                Phase::Running { .. } => {
+                    if !self.map.is_member(rank) {
+                        return fail_plain(self);
+                    }
+                    let busy = self
+                        .map
+                        .members
+                        .iter()
+                        .copied()
+                        .filter(|r| !self.reports.contains_key(r) && !self.aborted.contains(r))
+                        .collect();
+                    (
+                        BTreeSet::new(),
+                        self.map.members.clone(),
+                        busy,
+                        Some((self.map.epoch, self.step)),
+                    )
+                }
+                Phase::Replicating { waiting, .. } => {
+                    if !self.map.is_member(rank) {
+                        return fail_plain(self);
+                    }
+                    let busy = waiting.difference(&self.aborted).copied().collect();
+                    (
+                        BTreeSet::new(),
+                        self.map.members.clone(),
+                        busy,
+                        Some((self.map.epoch, self.step)),
+                    )
+                }
+                Phase::Resharding {
+                    new,
+                    step,
+                    waiting,
+                    rollback,
+                    ..
+                } => {
+                    if !self.map.is_member(rank) && !new.is_member(rank) {
+                        return fail_plain(self);
+                    }
+                    let lost: BTreeSet<RankId> = rollback
+                        .as_ref()
+                        .map(|(_, l)| l.iter().copied().collect())
+                        .unwrap_or_default();
+                    let busy = waiting.difference(&self.aborted).copied().collect();
+                    (lost, new.members.clone(), busy, Some((new.epoch, *step)))
+                }
+                // Joiners are coming up and members are idle; a joiner that cannot start is
+                // not a loss but a failed change.
+                Phase::Spawning { waiting, next, .. } => {
+                    if waiting.contains(&rank) || !self.map.is_member(rank) {
+                        return fail_plain(self);
+                    }
+                    let target = next
+                        .iter()
+                        .copied()
+                        .filter(|r| !waiting.contains(r))
+                        .collect();
+                    (BTreeSet::new(), target, Vec::new(), None)
+                }
+                Phase::Recovering { lost, target, .. } => {
+                    // A leaver still to send its chunks counts too.
+                    if !self.map.is_member(rank) && !target.contains(&rank) {
+                        return fail_plain(self);
+                    }
+                    (lost.clone(), target.clone(), Vec::new(), None)
+                }
+                Phase::Idle | Phase::Done | Phase::Failed => return fail_plain(self),
+            };
+        let (started_ms, mut waiting) = match &self.phase {
+            Phase::Recovering {
+                started_ms,
+                waiting,
+                ..
+            } => (*started_ms, waiting.clone()),
+            _ => (now_ms, busy.iter().copied().collect::<BTreeSet<_>>()),
+        };
+        lost.insert(rank);
+        waiting.remove(&rank);
+        let target: Vec<RankId> = target.into_iter().filter(|r| !lost.contains(r)).collect();
+        let lost_list: Vec<RankId> = lost.iter().copied().collect();
         let Some((epoch, _)) = &self.backup else {
             return self.fail(format!(
                 "rank {rank} failed at step {}: {reason}; no in-memory backup exists (replicate_every is 0 or the world has one rank): resume from your newest checkpoint",
@@ -775,56 +969,43 @@ impl Coordinator {
             ));
         };
         if *epoch != self.map.epoch {
-            return self.fail(format!("rank {rank} failed at step {}: {reason}; the backup predates the current shard map", self.step));
+            return self.fail(format!(
+                "rank {rank} failed at step {}: {reason}; the backup predates the current shard map",
+                self.step
+            ));
         }
-        let lost_list: Vec<RankId> = lost.iter().copied().collect();
-        let missing = crate::plan::replica::holders(&self.map, &lost_list).err();
+        // Only members of the committed map hold backups; a lost joiner held nothing.
+        let lost_members: Vec<RankId> = lost_list
+            .iter()
+            .copied()
+            .filter(|r| self.map.is_member(*r))
+            .collect();
+        let missing = crate::plan::replica::holders(&self.map, &lost_members).err();
         if let Some(missing) = missing {
             return self.fail(format!(
                 "ranks {lost_list:?} are lost at step {} ({reason}); chunks {missing:?} (unit/index) had no other copy. Resume from your newest checkpoint",
                 self.step
             ));
         }
-        let survivors: Vec<RankId> = self
-            .map
-            .members
-            .iter()
-            .copied()
-            .filter(|r| !lost.contains(r))
-            .collect();
-        if let Err(e) = self.check_world(survivors.len()) {
+        if let Err(e) = self.check_world(target.len()) {
             return self.fail(format!(
                 "ranks {lost_list:?} are lost at step {}: {e}",
                 self.step
             ));
         }
-        let first = !matches!(self.phase, Phase::Recovering { .. });
-        let started_ms = match self.phase {
-            Phase::Recovering { started_ms, .. } => started_ms,
-            _ => now_ms,
-        };
-        let waiting: BTreeSet<RankId> = survivors
-            .iter()
-            .copied()
-            .filter(|r| !self.reports.contains_key(r) && !self.aborted.contains(r))
-            .filter(|r| match &self.phase {
-                Phase::Recovering { waiting, .. } => waiting.contains(r),
-                _ => true,
-            })
-            .collect();
+        let mut out = vec![Command::Retire { ranks: vec![rank] }];
+        if let Some((epoch, step)) = round {
+            let ranks: Vec<RankId> = waiting.iter().copied().collect();
+            if !ranks.is_empty() {
+                out.push(Command::Interrupt { ranks, epoch, step });
+            }
+        }
         self.phase = Phase::Recovering {
             started_ms,
             lost,
-            waiting: waiting.clone(),
+            waiting,
+            target,
         };
-        let mut out = Vec::new();
-        if first {
-            out.push(Command::Interrupt {
-                ranks: waiting.into_iter().collect(),
-                epoch: self.map.epoch,
-                step: self.step,
-            });
-        }
         out.extend(self.try_restore(now_ms));
         out
     }
@@ -834,6 +1015,7 @@ impl Coordinator {
             started_ms,
             lost,
             waiting,
+            target,
         } = &self.phase
         else {
             return Vec::new();
@@ -841,26 +1023,35 @@ impl Coordinator {
         if !waiting.is_empty() {
             return Vec::new();
         }
-        let (started_ms, lost) = (*started_ms, lost.iter().copied().collect::<Vec<_>>());
+        let (started_ms, lost, target) = (
+            *started_ms,
+            lost.iter().copied().collect::<Vec<_>>(),
+            target.clone(),
+        );
+        let _ = now_ms;
         let Some((_, progress)) = self.backup.clone() else {
             return self.fail("recovery without a backup".into());
         };
-        let survivors: Vec<RankId> = self
-            .map
-            .members
-            .iter()
-            .copied()
-            .filter(|r| !lost.contains(r))
-            .collect();
-        match rebalance(&self.map, &survivors) {
-            Ok((new, _)) => {
-                let _ = now_ms;
-                let waiting = survivors.into_iter().collect();
+        match self.plan_next(&target) {
+            Ok(new) => {
+                // Every live rank of either map takes part: old members (a leaver too) send
+                // what they hold, new members (a joiner too) receive.
+                let waiting: BTreeSet<RankId> = self
+                    .map
+                    .members
+                    .iter()
+                    .chain(&new.members)
+                    .copied()
+                    .filter(|r| !lost.contains(r))
+                    .collect();
                 let step = progress.step;
+                self.aborted.clear();
                 self.phase = Phase::Resharding {
                     started_ms,
                     new: new.clone(),
+                    step,
                     waiting,
+                    backing_up: false,
                     rollback: Some((progress, lost.clone())),
                 };
                 vec![Command::Restore {
@@ -877,6 +1068,20 @@ impl Coordinator {
     fn fail(&mut self, reason: String) -> Vec<Command> {
         self.phase = Phase::Failed;
         vec![Command::Abort { reason }]
+    }
+}
+
+fn event_time(e: &Event) -> u64 {
+    match e {
+        Event::Start { now_ms }
+        | Event::StepDone { now_ms, .. }
+        | Event::RankFailed { now_ms, .. }
+        | Event::Tick { now_ms }
+        | Event::Spawned { now_ms, .. }
+        | Event::ReshardDone { now_ms, .. }
+        | Event::StepAborted { now_ms, .. }
+        | Event::ReplicateDone { now_ms, .. } => *now_ms,
+        Event::SnapshotRequested => 0,
     }
 }
 

@@ -187,6 +187,7 @@ pub fn exec_config(cfg: &TrainConfig) -> ExecConfig {
         max_live_units: cfg.max_live_units,
         keep_activations: cfg.keep_activations,
         grad_clip: cfg.grad_clip as f64,
+        round_kills: cfg.kill_during.clone(),
     }
 }
 

@@ -37,7 +37,8 @@ pub enum CoordMsg<T: Transport> {
         rank: RankId,
         epoch: u64,
     },
-    /// Alive and idle, but the step did not finish (a peer vanished or it was interrupted).
+    /// Alive and idle, but the step or round did not finish (a peer vanished or it was
+    /// interrupted).
     StepAborted {
         rank: RankId,
         reason: String,
@@ -293,11 +294,12 @@ impl<T: Transport> CoordState<T> {
                     (self.on_retire)(r);
                 }
             }
-            Command::Replicate { step } => {
-                let members = self.engine.map().members.clone();
-                self.begin(Activity::Replicating { step }, members);
-                for a in self.ranks.values() {
-                    let _ = a.cast(RankMsg::Replicate { step });
+            Command::Replicate { step, ranks } => {
+                self.begin(Activity::Replicating { step }, ranks.iter().copied());
+                for r in ranks {
+                    if let Some(a) = self.ranks.get(&r) {
+                        let _ = a.cast(RankMsg::Replicate { step });
+                    }
                 }
             }
             Command::Interrupt { ranks, epoch, step } => {
@@ -311,10 +313,16 @@ impl<T: Transport> CoordState<T> {
                 step,
                 lost,
             } => {
-                let told: Vec<RankId> = new.members.clone();
+                // Lost ranks were retired; every other rank of either map takes part.
+                let told: Vec<RankId> = self
+                    .ranks
+                    .keys()
+                    .copied()
+                    .filter(|r| old.is_member(*r) || new.is_member(*r))
+                    .collect();
                 self.begin(Activity::Restoring { step }, told);
                 for (r, a) in &self.ranks {
-                    if new.is_member(*r) {
+                    if old.is_member(*r) || new.is_member(*r) {
                         let msg = RankMsg::Restore {
                             old: Box::new(old.clone()),
                             new: Box::new(new.clone()),

@@ -17,6 +17,7 @@ use super::replica::{replicate, Backup};
 use super::reshard::Reshard;
 use super::step::{run_step, ExecConfig};
 use super::transport::Transport;
+use crate::config::{Round, RoundKill};
 use crate::data::Dataset;
 use crate::engine::messages::{StepPlan, StepReport};
 use crate::model::Model;
@@ -24,12 +25,26 @@ use crate::plan::replica::holders;
 use crate::plan::{RankId, ShardMap, Stage};
 use crate::reduce::ReduceMode;
 
-/// A rank's state (none yet for a joiner), its backup and its communicator, moved to the
+/// A rank's state (none yet for a joiner), its backups and its communicator, moved to the
 /// worker thread for each job.
 pub struct Work<T: Transport> {
     pub state: Option<RankState>,
+    /// The newest backup the coordinator committed (as far as this rank knows).
     pub backup: Option<Backup>,
+    /// A backup taken since, kept apart until the next step under its (epoch, step) shows the
+    /// coordinator committed it: if its round is abandoned, recovery uses `backup`.
+    pub fresh: Option<Backup>,
     pub comm: Comm<T>,
+}
+
+impl<T: Transport> Work<T> {
+    /// The backup taken under `epoch` before `step`, committed or fresh.
+    fn backup_at(&self, epoch: u64, step: u64) -> Option<&Backup> {
+        [self.backup.as_ref(), self.fresh.as_ref()]
+            .into_iter()
+            .flatten()
+            .find(|b| (b.epoch, b.step) == (epoch, step))
+    }
 }
 
 impl<T: Transport> Work<T> {
@@ -37,6 +52,7 @@ impl<T: Transport> Work<T> {
         Self {
             state,
             backup: None,
+            fresh: None,
             comm,
         }
     }
@@ -177,6 +193,14 @@ impl<T: Transport> Actor for RankActor<T> {
                 let Some(mut work) = slot.take_work(&format!("step {}", plan.step)) else {
                     return Ok(());
                 };
+                // The coordinator runs a step only once the backup before it is complete.
+                if work
+                    .fresh
+                    .as_ref()
+                    .is_some_and(|f| (f.epoch, f.step) == (plan.epoch, plan.step))
+                {
+                    work.backup = work.fresh.take();
+                }
                 let panic_at = slot.panic_at_step;
                 // An injected kill stops the rank halfway through the step's phases.
                 let vanish_at = (slot.kill_at_step == Some(plan.step)).then_some(usize::MAX / 2);
@@ -230,16 +254,20 @@ impl<T: Transport> Actor for RankActor<T> {
                 let Some(mut work) = slot.take_work("a reshard") else {
                     return Ok(());
                 };
+                let vanish = dooms(&setup, rank, step, Round::Reshard);
                 on_thread(me, format!("rank-{rank}-reshard"), move || {
                     let owner = |u: usize, i: usize| old.owner(u, i);
                     let current = work.state.take();
                     let base =
                         |u: usize, i: usize| current.as_ref().and_then(|s| s.chunk_state(u, i));
-                    let res = reshard_job(&setup, &owner, &old, &new, step).run(
+                    let res = reshard_job(&setup, &owner, &old, &new, step, vanish).run(
                         rank,
                         &base,
                         &mut work.comm,
                     );
+                    if vanish {
+                        return vanished(&setup, rank, "reshard", step);
+                    }
                     let res = match res {
                         Ok(state) => {
                             work.state = state;
@@ -263,25 +291,35 @@ impl<T: Transport> Actor for RankActor<T> {
                 let Some(mut work) = slot.take_work("a restore") else {
                     return Ok(());
                 };
+                let vanish = dooms(&setup, rank, step, Round::Restore);
                 on_thread(me, format!("rank-{rank}-restore"), move || {
-                    let res = match (work.backup.take(), holders(&old, &lost)) {
-                        (Some(backup), Ok(holder)) if backup.epoch == old.epoch => {
+                    // A joiner holds nothing; every other rank rolls back to its backup under
+                    // `old` (its current state may be half-way into an abandoned round).
+                    let backup = match old.is_member(rank) {
+                        true => work.backup_at(old.epoch, step).cloned(),
+                        false => Some(Backup::default()),
+                    };
+                    let res = match (backup, holders(&old, &lost)) {
+                        (Some(backup), Ok(holder)) => {
                             let base = |u: usize, i: usize| backup.chunk(u, i);
-                            reshard_job(&setup, &holder, &old, &new, step).run(
+                            reshard_job(&setup, &holder, &old, &new, step, vanish).run(
                                 rank,
                                 &base,
                                 &mut work.comm,
                             )
                         }
-                        (Some(_), Ok(_)) | (None, Ok(_)) => Err(CommError::Protocol {
+                        (None, Ok(_)) => Err(CommError::Protocol {
                             from: rank,
-                            what: format!("no backup under epoch {}", old.epoch),
+                            what: format!("no backup under epoch {} before step {step}", old.epoch),
                         }),
                         (_, Err(missing)) => Err(CommError::Protocol {
                             from: rank,
                             what: format!("chunks {missing:?} have no live copy"),
                         }),
                     };
+                    if vanish {
+                        return vanished(&setup, rank, "restore", step);
+                    }
                     let res = res.map(|state| {
                         work.state = state;
                         new.epoch
@@ -294,27 +332,28 @@ impl<T: Transport> Actor for RankActor<T> {
                 slot.work = Some(*work);
                 slot.report(match result {
                     Ok(epoch) => CoordMsg::ReshardDone { rank, epoch },
-                    Err(e) => CoordMsg::RankFailed {
-                        rank,
-                        reason: format!("reshard: {e}"),
-                    },
+                    Err(e) => round_failed(rank, "reshard", e),
                 });
             }
             RankMsg::Replicate { step } => {
                 let Some(mut work) = slot.take_work("a replication") else {
                     return Ok(());
                 };
+                let vanish = dooms(&setup, rank, step, Round::Replicate);
                 on_thread(me, format!("rank-{rank}-replicate"), move || {
                     let res = match work.state.as_ref() {
-                        Some(st) => replicate(st, &mut work.comm, step),
+                        Some(st) => replicate(st, &mut work.comm, step, vanish),
                         None => Err(CommError::Protocol {
                             from: rank,
                             what: "no state to replicate".into(),
                         }),
                     };
+                    if vanish {
+                        return vanished(&setup, rank, "replicate", step);
+                    }
                     let res = res.map(|b| {
                         let done = (b.epoch, b.step);
-                        work.backup = Some(b);
+                        work.fresh = Some(b);
                         done
                     });
                     work.comm.flush();
@@ -325,10 +364,7 @@ impl<T: Transport> Actor for RankActor<T> {
                 slot.work = Some(*work);
                 slot.report(match result {
                     Ok((epoch, step)) => CoordMsg::ReplicateDone { rank, epoch, step },
-                    Err(e) => CoordMsg::RankFailed {
-                        rank,
-                        reason: format!("replication: {e}"),
-                    },
+                    Err(e) => round_failed(rank, "replication", e),
                 });
             }
             RankMsg::KillAt(step) => slot.kill_at_step = Some(step),
@@ -349,12 +385,47 @@ impl<T: Transport> Actor for RankActor<T> {
     }
 }
 
+/// A round that a vanished peer (or the coordinator's interrupt) cut short leaves this rank
+/// alive and idle with its committed state; anything else means its state cannot be trusted,
+/// so it counts as lost.
+fn round_failed<T: Transport>(rank: RankId, what: &str, e: CommError) -> CoordMsg<T> {
+    match e {
+        CommError::Interrupted | CommError::PeerGone(_) | CommError::Timeout { .. } => {
+            CoordMsg::StepAborted {
+                rank,
+                reason: format!("{what}: {e}"),
+            }
+        }
+        _ => CoordMsg::RankFailed {
+            rank,
+            reason: format!("{what}: {e}"),
+        },
+    }
+}
+
+/// Whether an injected kill strikes this rank in this round.
+fn dooms(setup: &RankSetup, rank: RankId, step: u64, round: Round) -> bool {
+    setup
+        .exec
+        .round_kills
+        .contains(&RoundKill { rank, step, round })
+}
+
+/// The rank disconnects and its actor dies, as a killed process would.
+fn vanished<T: Transport>(setup: &RankSetup, rank: RankId, what: &str, step: u64) -> RankMsg<T> {
+    (setup.disconnect)(rank);
+    RankMsg::ComputePanicked(format!(
+        "rank {rank} vanished during the {what} before step {step} (injected kill)"
+    ))
+}
+
 fn reshard_job<'a>(
     setup: &RankSetup,
     sender: &'a dyn Fn(usize, usize) -> RankId,
     old: &'a ShardMap,
     new: &'a ShardMap,
     step: u64,
+    vanish: bool,
 ) -> Reshard<'a> {
     Reshard {
         sender,
@@ -365,6 +436,7 @@ fn reshard_job<'a>(
         model: Arc::clone(&setup.model),
         optim: setup.optim,
         step,
+        vanish,
     }
 }
 

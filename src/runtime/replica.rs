@@ -51,11 +51,12 @@ impl Backup {
 }
 
 /// Takes this rank's backup before step `step`: keeps a local copy and exchanges replicas with
-/// its buddy and predecessor.
+/// its buddy and predecessor. With `vanish` (fault injection) the rank stops after sending.
 pub fn replicate<T: Transport>(
     state: &RankState,
     comm: &mut Comm<T>,
     step: u64,
+    vanish: bool,
 ) -> Result<Backup, CommError> {
     let map = &state.map;
     let me = state.rank;
@@ -76,6 +77,9 @@ pub fn replicate<T: Transport>(
     }
     if let Some(b) = buddy(map, me) {
         comm.send(b, tag, encode_parcel(&state.owned_chunk_states()))?;
+    }
+    if vanish {
+        return Err(CommError::Vanished);
     }
     let mut held = BTreeMap::new();
     if let Some(p) = predecessor(map, me) {

@@ -99,6 +99,8 @@ pub struct Reshard<'a> {
     pub model: Arc<dyn Model>,
     pub optim: OptimSettings,
     pub step: u64,
+    /// Fault injection: the rank vanishes after sending half of what it owes.
+    pub vanish: bool,
 }
 
 impl Reshard<'_> {
@@ -119,12 +121,20 @@ impl Reshard<'_> {
             unit: 0,
             pass: 0,
         };
-        for ((_, to), list) in plan.iter().filter(|((f, _), _)| *f == me) {
+        let owed = plan.keys().filter(|(f, _)| *f == me).count();
+        let vanish_after = self.vanish.then_some(owed / 2);
+        for (sent, ((_, to), list)) in plan.iter().filter(|((f, _), _)| *f == me).enumerate() {
+            if vanish_after == Some(sent) {
+                return Err(CommError::Vanished);
+            }
             let chunks: Vec<ChunkState> = list
                 .iter()
                 .map(|&(u, i, need)| pick(base, me, self.optim, u, i, need))
                 .collect::<Result<_, _>>()?;
             comm.send(*to, tag, encode_parcel(&chunks))?;
+        }
+        if vanish_after.is_some() {
+            return Err(CommError::Vanished);
         }
         if !self.new.is_member(me) {
             return Ok(None);

@@ -37,6 +37,8 @@ pub struct ExecConfig {
     pub keep_activations: bool,
     /// Global-norm clipping threshold; 0 disables.
     pub grad_clip: f64,
+    /// Fault injection: ranks that vanish halfway through a round between steps.
+    pub round_kills: Vec<crate::config::RoundKill>,
 }
 
 /// The most passes a step takes (the first may overflow the fixed-point range).

@@ -316,3 +316,246 @@ fn failure_aborts_with_the_rank() {
     };
     assert!(reason.contains("rank 1") && reason.contains("boom"));
 }
+
+// --- Losses in any phase: the abandoned round is dropped and the run recovers from the
+// committed map's backup, or stops naming the chunks nobody holds.
+
+fn backed_up(steps: u64, script: Vec<ScriptedChange>) -> JobSpec {
+    JobSpec {
+        replicate_every: 1,
+        script,
+        ..job(steps)
+    }
+}
+
+fn report_at(rank: RankId, epoch: u64, step: u64) -> StepReport {
+    StepReport {
+        epoch,
+        ..report(rank, step)
+    }
+}
+
+/// Feeds every rank's event and returns the commands of the last one (earlier ones must be
+/// empty: the phase waits for everyone).
+fn all(c: &mut Coordinator, ranks: &[RankId], ev: impl Fn(RankId) -> Event) -> Vec<Command> {
+    let (last, rest) = ranks.split_last().unwrap();
+    for &r in rest {
+        let out = c.handle(ev(r));
+        assert!(out.is_empty(), "rank {r}: {:?}", kinds(&out));
+    }
+    c.handle(ev(*last))
+}
+
+fn replicated(epoch: u64, step: u64) -> impl Fn(RankId) -> Event {
+    move |rank| Event::ReplicateDone {
+        rank,
+        epoch,
+        step,
+        now_ms: 1,
+    }
+}
+
+fn resharded(epoch: u64) -> impl Fn(RankId) -> Event {
+    move |rank| Event::ReshardDone {
+        rank,
+        epoch,
+        now_ms: 2,
+    }
+}
+
+fn aborted(rank: RankId) -> Event {
+    Event::StepAborted {
+        rank,
+        reason: "interrupted".into(),
+        now_ms: 3,
+    }
+}
+
+fn lost(rank: RankId) -> Event {
+    Event::RankFailed {
+        rank,
+        reason: "vanished".into(),
+        now_ms: 3,
+    }
+}
+
+/// Starts `c` on `members` (epoch 0) and completes step 0 with its backup.
+fn through_step0(c: &mut Coordinator, members: &[RankId]) -> Vec<Command> {
+    assert_eq!(kinds(&c.handle(Event::Start { now_ms: 0 })), ["replicate"]);
+    assert_eq!(kinds(&all(c, members, replicated(0, 0))), ["run"]);
+    all(c, members, |r| done(report_at(r, 0, 0), 1))
+}
+
+fn restore_of(cmds: &[Command]) -> (ShardMap, ShardMap, u64, Vec<RankId>) {
+    match cmds.last() {
+        Some(Command::Restore {
+            old,
+            new,
+            step,
+            lost,
+        }) => (old.clone(), new.clone(), *step, lost.clone()),
+        _ => panic!("{:?}", kinds(cmds)),
+    }
+}
+
+fn interrupt_of(cmds: &[Command]) -> (Vec<RankId>, u64, u64) {
+    cmds.iter()
+        .find_map(|c| match c {
+            Command::Interrupt { ranks, epoch, step } => Some((ranks.clone(), *epoch, *step)),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("{:?}", kinds(cmds)))
+}
+
+fn last_record(c: &Coordinator) -> &MembershipRecord {
+    c.membership_log().last().unwrap()
+}
+
+#[test]
+fn a_loss_mid_reshard_of_a_leave_rolls_back_and_still_applies_the_leave() {
+    let map = ShardMap::plan(&[100], &[0, 1, 2, 3], 10, 0).unwrap();
+    let leave = ScriptedChange {
+        step: 1,
+        change: Change::Leave(1),
+    };
+    let mut c = Coordinator::new(backed_up(3, vec![leave]), map.clone());
+    let cmds = through_step0(&mut c, &[0, 1, 2, 3]);
+    assert_eq!(kinds(&cmds), ["done", "reshard"]);
+    assert!(c.handle(resharded(1)(0)).is_empty());
+    // Rank 2 vanishes while the others still move chunks.
+    let cmds = c.handle(lost(2));
+    assert_eq!(kinds(&cmds), ["retire", "interrupt"]);
+    assert_eq!(interrupt_of(&cmds), (vec![1, 3], 1, 1));
+    assert!(c.handle(aborted(1)).is_empty());
+    // Rank 3 finished its part despite the interrupt: it is idle all the same.
+    let cmds = c.handle(resharded(1)(3));
+    let (old, new, step, lost_ranks) = restore_of(&cmds);
+    assert_eq!(old, map, "from the committed map");
+    assert_eq!(step, 0, "to the committed backup");
+    assert_eq!(lost_ranks, vec![2]);
+    assert_eq!(new.members, vec![0, 3], "the leave still happens");
+    assert_eq!(new.epoch, 2, "a fresh epoch: the abandoned round used 1");
+    // The leaver is alive and sends what it holds.
+    assert!(all(&mut c, &[0, 1], resharded(2)).is_empty());
+    let cmds = c.handle(resharded(2)(3));
+    let [Command::Replicate { step: 0, ranks }] = &cmds[..] else {
+        panic!("{:?}", kinds(&cmds))
+    };
+    assert_eq!(ranks, &vec![0, 3]);
+    let cmds = all(&mut c, &[0, 3], replicated(2, 0));
+    assert_eq!(kinds(&cmds), ["retire", "membership", "run"]);
+    let Command::Retire { ranks } = &cmds[0] else {
+        unreachable!()
+    };
+    assert_eq!(ranks, &vec![1], "the leaver; rank 2 was retired when lost");
+    let rec = last_record(&c);
+    assert_eq!(
+        (rec.lost.clone(), rec.rolled_back_to, rec.after.clone()),
+        (vec![2], Some(0), vec![0, 3])
+    );
+    assert_eq!((c.step(), c.backup_step()), (0, Some(0)));
+}
+
+#[test]
+fn a_joiner_lost_mid_reshard_is_dropped_and_a_member_lost_mid_backup_is_recovered() {
+    let map = ShardMap::plan(&[100], &[0, 1], 10, 0).unwrap();
+    let join = ScriptedChange {
+        step: 1,
+        change: Change::Join(1),
+    };
+    let mut c = Coordinator::new(backed_up(3, vec![join]), map.clone());
+    assert_eq!(kinds(&through_step0(&mut c, &[0, 1])), ["done", "spawn"]);
+    assert_eq!(
+        kinds(&c.handle(Event::Spawned { rank: 2, now_ms: 1 })),
+        ["reshard"]
+    );
+    let cmds = c.handle(lost(2));
+    assert_eq!(interrupt_of(&cmds), (vec![0, 1], 1, 1));
+    c.handle(aborted(0));
+    let (_, new, step, lost_ranks) = restore_of(&c.handle(aborted(1)));
+    assert_eq!((new.members.clone(), new.epoch, step), (vec![0, 1], 2, 0));
+    assert_eq!(lost_ranks, vec![2]);
+    all(&mut c, &[0, 1], resharded(2));
+    assert_eq!(
+        kinds(&all(&mut c, &[0, 1], replicated(2, 0))),
+        ["membership", "run"]
+    );
+    assert_eq!(last_record(&c).lost, vec![2]);
+
+    // Again with a join at step 1: this time a member dies during the backup that commits
+    // the new map, after the joiner already took its share.
+    let join = ScriptedChange {
+        step: 1,
+        change: Change::Join(1),
+    };
+    let mut c = Coordinator::new(backed_up(3, vec![join]), map.clone());
+    through_step0(&mut c, &[0, 1]);
+    c.handle(Event::Spawned { rank: 2, now_ms: 1 });
+    assert_eq!(kinds(&all(&mut c, &[0, 1, 2], resharded(1))), ["replicate"]);
+    assert!(c.handle(replicated(1, 1)(2)).is_empty());
+    let cmds = c.handle(lost(0));
+    assert_eq!(interrupt_of(&cmds), (vec![1], 1, 1));
+    let (old, new, step, _) = restore_of(&c.handle(aborted(1)));
+    assert_eq!((old.epoch, new.epoch, step), (0, 2, 0));
+    assert_eq!(new.members, vec![1, 2], "the joiner stays, rank 0 is gone");
+    all(&mut c, &[1, 2], resharded(2));
+    all(&mut c, &[1, 2], replicated(2, 0));
+    assert_eq!(c.map().members, vec![1, 2]);
+    assert_eq!(c.map().epoch, 2);
+}
+
+#[test]
+fn a_loss_mid_backup_rolls_back_to_the_previous_backup() {
+    let map = ShardMap::plan(&[100], &[0, 1, 2], 10, 0).unwrap();
+    let mut c = Coordinator::new(backed_up(3, Vec::new()), map.clone());
+    assert_eq!(
+        kinds(&through_step0(&mut c, &[0, 1, 2])),
+        ["done", "replicate"]
+    );
+    assert!(c.handle(replicated(0, 1)(0)).is_empty());
+    let cmds = c.handle(lost(2));
+    assert_eq!(kinds(&cmds), ["retire", "interrupt"]);
+    assert_eq!(interrupt_of(&cmds), (vec![1], 0, 1));
+    let (old, new, step, _) = restore_of(&c.handle(aborted(1)));
+    assert_eq!((old.epoch, new.epoch, step), (0, 1, 0));
+    assert_eq!(new.members, vec![0, 1]);
+}
+
+#[test]
+fn a_loss_mid_recovery_restarts_it_without_the_new_loss_or_stops_naming_chunks() {
+    let map = ShardMap::plan(&[100], &[0, 1, 2, 3], 10, 0).unwrap();
+    let start = |c: &mut Coordinator| {
+        through_step0(c, &[0, 1, 2, 3]);
+        all(c, &[0, 1, 2, 3], replicated(0, 1));
+        let cmds = c.handle(lost(1));
+        assert_eq!(interrupt_of(&cmds), (vec![0, 2, 3], 0, 1));
+        all(c, &[0, 2, 3], aborted);
+        // One restore participant finishes before the next loss.
+        assert!(c.handle(resharded(1)(0)).is_empty());
+    };
+    let mut c = Coordinator::new(backed_up(3, Vec::new()), map.clone());
+    start(&mut c);
+    // Rank 3 vanishes during the restore: rank 1's buddy (2) and rank 3's buddy (0) live.
+    let cmds = c.handle(lost(3));
+    assert_eq!(interrupt_of(&cmds), (vec![2], 1, 1));
+    let (old, new, step, lost_ranks) = restore_of(&c.handle(aborted(2)));
+    assert_eq!((old.epoch, new.epoch, step), (0, 2, 1));
+    assert_eq!((new.members.clone(), lost_ranks), (vec![0, 2], vec![1, 3]));
+    all(&mut c, &[0, 2], resharded(2));
+    all(&mut c, &[0, 2], replicated(2, 1));
+    assert_eq!(last_record(&c).lost, vec![1, 3]);
+
+    // Rank 2 instead: rank 1 and its buddy are both gone, so rank 1's chunks are lost.
+    let mut c = Coordinator::new(backed_up(3, Vec::new()), map.clone());
+    start(&mut c);
+    let cmds = c.handle(lost(2));
+    let Some(Command::Abort { reason }) = cmds.last() else {
+        panic!("{:?}", kinds(&cmds))
+    };
+    let rank1: Vec<usize> = map.owned_in_unit(0, 1).collect();
+    assert!(
+        reason.contains("no other copy") && reason.contains(&format!("(0, {})", rank1[0])),
+        "{reason}"
+    );
+    assert!(c.is_finished());
+}
