@@ -323,11 +323,15 @@ fn the_endpoint_answers_503_until_every_worker_has_joined() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let lines = BufReader::new(coord.stdout.take().unwrap()).lines();
+    // Keep reading stdout alive until the request is answered: a closed pipe would kill the
+    // coordinator at its next line.
+    let mut lines = BufReader::new(coord.stdout.take().unwrap()).lines();
     let line = lines
+        .by_ref()
         .map_while(Result::ok)
         .find(|l| l.starts_with("control endpoint: "));
     let answer = line.map(|l| http(&control_addr(&l), "GET", "/status"));
+    drop(lines);
     let _ = coord.kill();
     let _ = coord.wait();
     let (code, body) = answer.expect("the coordinator prints its endpoint");
