@@ -812,14 +812,11 @@ mod tests {
         let params = perturbed(&gpt, 3, 0.3);
         let mb = batch_of(11, 2, 5, 1);
         let s = step(&gpt, &params, &mb);
-        for u in 0..gpt.units().len() - 1 {
+        // Every unit but the head (whose output gradient comes from the loss).
+        for (u, p) in params.iter().enumerate().take(gpt.units().len() - 1) {
             let x = &s.inputs[u];
-            let (out, kept) = gpt.forward_keep(u, &params[u], x, &mb);
-            assert_eq!(
-                bits(&out),
-                bits(&gpt.forward(u, &params[u], x, &mb)),
-                "unit {u}"
-            );
+            let (out, kept) = gpt.forward_keep(u, p, x, &mb);
+            assert_eq!(bits(&out), bits(&gpt.forward(u, p, x, &mb)), "unit {u}");
             // Blocks keep; the embedding recomputes (it has nothing worth keeping).
             assert_eq!(kept.is_some(), u >= 1, "unit {u}");
             let bytes = kept.as_ref().map_or(0, |k| k.bytes);
@@ -827,8 +824,8 @@ mod tests {
                 u == 0 || bytes > 4 * x.len() as u64,
                 "unit {u}: {bytes} bytes"
             );
-            let mut g = vec![0.0; params[u].len()];
-            let dx = gpt.backward_kept(u, &params[u], x, kept, &s.input_grads[u + 1], &mb, &mut g);
+            let mut g = vec![0.0; p.len()];
+            let dx = gpt.backward_kept(u, p, x, kept, &s.input_grads[u + 1], &mb, &mut g);
             assert_eq!(bits(&dx), bits(&s.input_grads[u]), "unit {u}");
             assert_eq!(bits(&g), bits(&s.grads[u]), "unit {u}");
         }
