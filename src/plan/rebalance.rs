@@ -27,6 +27,7 @@ pub fn rebalance(old: &ShardMap, members: &[RankId]) -> Result<(ShardMap, Vec<Mo
         members: members.clone(),
         ..old.clone()
     };
+    map.hosts.retain(|r, _| members.binary_search(r).is_ok());
     let slot = |r: RankId| members.binary_search(&r).ok();
     let mut load = vec![0usize; members.len()];
     let mut orphans = Vec::new();

@@ -1,20 +1,51 @@
-//! Who backs up whom: each member's buddy is the next member in id order (wrapping), and holds
-//! copies of the chunks that member owns. Pure functions of the shard map.
+//! Who backs up whom: the members form a ring, each member's buddy is the next one on it
+//! (wrapping) and holds copies of the chunks that member owns. Pure functions of the shard map.
+//!
+//! The ring is id order, unless the map knows the members' hosts and there are several: then it
+//! deals the members out host by host (the largest host first), so that a buddy sits on another
+//! host wherever the numbers allow and losing one host loses no chunk's last copy.
+
+use std::collections::BTreeMap;
 
 use super::shard_map::{RankId, ShardMap};
 
-/// The member after `rank` in id order (wrapping), or `None` in a world of one.
-pub fn buddy(map: &ShardMap, rank: RankId) -> Option<RankId> {
-    let n = map.members.len();
-    let at = map.members.iter().position(|&m| m == rank)?;
-    (n > 1).then(|| map.members[(at + 1) % n])
+/// The backup ring: every member once, each backed up by the next.
+pub fn ring(map: &ShardMap) -> Vec<RankId> {
+    let m = &map.members;
+    let host = |r: &RankId| map.hosts.get(r);
+    if m.iter().any(|r| host(r).is_none()) {
+        return m.clone();
+    }
+    let mut by_host: BTreeMap<&String, Vec<RankId>> = BTreeMap::new();
+    for r in m {
+        by_host.entry(&map.hosts[r]).or_default().push(*r);
+    }
+    if by_host.len() < 2 {
+        return m.clone();
+    }
+    let mut groups: Vec<Vec<RankId>> = by_host.into_values().collect();
+    // Largest host first (ties: the host name order kept by the stable sort).
+    groups.sort_by_key(|g| std::cmp::Reverse(g.len()));
+    let rounds = groups[0].len();
+    (0..rounds)
+        .flat_map(|i| groups.iter().filter_map(move |g| g.get(i).copied()))
+        .collect()
 }
 
-/// The member before `rank` in id order (wrapping): the one whose chunks `rank` holds.
+/// The member after `rank` on the ring, or `None` in a world of one.
+pub fn buddy(map: &ShardMap, rank: RankId) -> Option<RankId> {
+    let ring = ring(map);
+    let n = ring.len();
+    let at = ring.iter().position(|&m| m == rank)?;
+    (n > 1).then(|| ring[(at + 1) % n])
+}
+
+/// The member before `rank` on the ring: the one whose chunks `rank` holds.
 pub fn predecessor(map: &ShardMap, rank: RankId) -> Option<RankId> {
-    let n = map.members.len();
-    let at = map.members.iter().position(|&m| m == rank)?;
-    (n > 1).then(|| map.members[(at + n - 1) % n])
+    let ring = ring(map);
+    let n = ring.len();
+    let at = ring.iter().position(|&m| m == rank)?;
+    (n > 1).then(|| ring[(at + n - 1) % n])
 }
 
 /// For a rollback after losing `lost`: who holds each chunk's backup (its owner, or the owner's
@@ -46,6 +77,33 @@ pub fn holders<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// With hosts known, buddies sit on other hosts, so losing a whole host loses nothing; in
+    /// id order the same loss would.
+    #[test]
+    fn buddies_go_to_other_hosts_when_hosts_are_known() {
+        let mut map = ShardMap::plan(&[64], &[0, 1, 2, 3, 4], 4, 1).unwrap();
+        assert!(holders(&map, &[0, 1]).is_err(), "id order: 1 backs up 0");
+        for (r, h) in [(0, "a"), (1, "a"), (2, "b"), (3, "b"), (4, "a")] {
+            map.hosts.insert(r, h.to_string());
+        }
+        assert_eq!(ring(&map), vec![0, 2, 1, 3, 4]);
+        for r in [0, 1, 2, 3] {
+            let b = buddy(&map, r).unwrap();
+            assert_ne!(map.hosts[&r], map.hosts[&b], "rank {r} -> {b}");
+            assert_eq!(predecessor(&map, b), Some(r));
+        }
+        // Host b goes: every chunk keeps a copy. (Host a holds 3 of 5, so one a->a pair is
+        // unavoidable: 4 backs up to 0.)
+        assert!(holders(&map, &[2, 3]).is_ok());
+        assert_eq!(buddy(&map, 4), Some(0));
+        // One host, or a member of unknown host: id order.
+        let mut one = map.clone();
+        one.hosts.values_mut().for_each(|h| *h = "a".into());
+        assert_eq!(ring(&one), vec![0, 1, 2, 3, 4]);
+        map.hosts.remove(&4);
+        assert_eq!(ring(&map), vec![0, 1, 2, 3, 4]);
+    }
 
     #[test]
     fn buddies_form_a_ring_and_holders_cover_single_losses() {

@@ -5,6 +5,7 @@
 //! and nothing else. The map is plain data: tensors never carry shard attributes, they are indexed
 //! by this map, and a new membership produces a new map with a larger epoch.
 
+use std::collections::BTreeMap;
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
@@ -45,6 +46,10 @@ pub struct ShardMap {
     /// Members, sorted ascending.
     pub members: Vec<RankId>,
     pub units: Vec<UnitChunks>,
+    /// The host of each member, where known (worker processes): buddy backups go to another
+    /// host when the hosts allow it (`plan::replica`). Empty in-process.
+    #[serde(default)]
+    pub hosts: BTreeMap<RankId, String>,
 }
 
 impl ShardMap {
@@ -89,6 +94,7 @@ impl ShardMap {
             chunk_elems,
             members,
             units,
+            hosts: BTreeMap::new(),
         })
     }
 

@@ -152,8 +152,13 @@ pub async fn run_coordinator(
     let model = build_model(&cfg)?;
     let numels: Vec<usize> = model.units().iter().map(|u| u.numel()).collect();
     let members: Vec<RankId> = (0..cfg.ranks).collect();
-    let map = ShardMap::plan(&numels, &members, cfg.chunk_elems, 1)
+    let mut map = ShardMap::plan(&numels, &members, cfg.chunk_elems, 1)
         .map_err(|e| ProcError::Setup(e.to_string()))?;
+    // Workers' addresses tell their hosts: buddy backups then go to another host where possible.
+    map.hosts = joined
+        .iter()
+        .filter_map(|j| Some((j.rank, j.reader.peer_addr().ok()?.ip().to_string())))
+        .collect();
     let initial = map.clone();
     let mut run = Run::start(
         cfg.clone(),

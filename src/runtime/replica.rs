@@ -1,7 +1,8 @@
 //! Buddy replication: every few steps each rank keeps a copy of its own state and sends a copy
-//! of the chunks it owns to its buddy (the next member in id order). When a rank vanishes, the
-//! survivors roll back to that backup, take the lost rank's chunks from its buddy, and replay
-//! the steps since: micro-batches are pure functions of the step, so nothing is lost.
+//! of the chunks it owns to its buddy (the next member on the backup ring, `plan::replica`).
+//! When a rank vanishes, the survivors roll back to that backup, take the lost rank's chunks
+//! from its buddy, and replay the steps since: micro-batches are pure functions of the step,
+//! so nothing is lost.
 //!
 //! A rank and its buddy dying together loses the chunks only they held; recovery then refuses
 //! and names them, rather than continuing with wrong state.
