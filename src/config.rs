@@ -80,6 +80,19 @@ pub enum Round {
     Restore,
 }
 
+impl Round {
+    const ALL: [Round; 3] = [Round::Reshard, Round::Replicate, Round::Restore];
+
+    /// The round's name in `RANK@STEP:ROUND`.
+    fn name(self) -> &'static str {
+        match self {
+            Round::Reshard => "reshard",
+            Round::Replicate => "replicate",
+            Round::Restore => "restore",
+        }
+    }
+}
+
 /// `RANK@STEP:ROUND`: the rank vanishes halfway through its part of the first such round
 /// before STEP, e.g. `2@5:reshard`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -96,16 +109,11 @@ impl std::str::FromStr for RoundKill {
             .split_once(':')
             .ok_or_else(|| format!("`{s}` is not RANK@STEP:ROUND (e.g. 2@5:reshard)"))?;
         let at: At = at.parse()?;
-        let round = match round.trim() {
-            "reshard" => Round::Reshard,
-            "replicate" => Round::Replicate,
-            "restore" => Round::Restore,
-            r => {
-                return Err(format!(
-                    "`{r}` in `{s}` is not reshard, replicate or restore"
-                ))
-            }
-        };
+        let round = round.trim();
+        let round = Round::ALL
+            .into_iter()
+            .find(|r| r.name() == round)
+            .ok_or_else(|| format!("`{round}` in `{s}` is not reshard, replicate or restore"))?;
         Ok(RoundKill {
             rank: at.value,
             step: at.step,
@@ -116,12 +124,7 @@ impl std::str::FromStr for RoundKill {
 
 impl std::fmt::Display for RoundKill {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let round = match self.round {
-            Round::Reshard => "reshard",
-            Round::Replicate => "replicate",
-            Round::Restore => "restore",
-        };
-        write!(f, "{}@{}:{round}", self.rank, self.step)
+        write!(f, "{}@{}:{}", self.rank, self.step, self.round.name())
     }
 }
 

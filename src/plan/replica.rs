@@ -32,20 +32,22 @@ pub fn ring(map: &ShardMap) -> Vec<RankId> {
         .collect()
 }
 
-/// The member after `rank` on the ring, or `None` in a world of one.
-pub fn buddy(map: &ShardMap, rank: RankId) -> Option<RankId> {
-    let ring = ring(map);
+/// The member `ahead` places after `rank` on `ring` (wrapping), or `None` in a world of one.
+fn neighbour(ring: &[RankId], rank: RankId, ahead: usize) -> Option<RankId> {
     let n = ring.len();
     let at = ring.iter().position(|&m| m == rank)?;
-    (n > 1).then(|| ring[(at + 1) % n])
+    (n > 1).then(|| ring[(at + ahead) % n])
+}
+
+/// The member after `rank` on the ring, or `None` in a world of one.
+pub fn buddy(map: &ShardMap, rank: RankId) -> Option<RankId> {
+    neighbour(&ring(map), rank, 1)
 }
 
 /// The member before `rank` on the ring: the one whose chunks `rank` holds.
 pub fn predecessor(map: &ShardMap, rank: RankId) -> Option<RankId> {
     let ring = ring(map);
-    let n = ring.len();
-    let at = ring.iter().position(|&m| m == rank)?;
-    (n > 1).then(|| ring[(at + n - 1) % n])
+    neighbour(&ring, rank, ring.len().saturating_sub(1))
 }
 
 /// For a rollback after losing `lost`: who holds each chunk's backup (its owner, or the owner's
@@ -55,12 +57,14 @@ pub fn holders<'a>(
     lost: &'a [RankId],
 ) -> Result<impl Fn(usize, usize) -> RankId + 'a, Vec<(usize, usize)>> {
     let alive = |r: RankId| !lost.contains(&r);
+    // The ring once, not once per chunk.
+    let ring = ring(map);
     let holder = move |u: usize, i: usize| -> Option<RankId> {
         let o = map.owner(u, i);
         if alive(o) {
             Some(o)
         } else {
-            buddy(map, o).filter(|&b| alive(b))
+            neighbour(&ring, o, 1).filter(|&b| alive(b))
         }
     };
     let missing: Vec<(usize, usize)> = (0..map.units.len())

@@ -3,7 +3,8 @@
 //!
 //! Frames can arrive early (a peer already posted a later phase), late (from an aborted attempt
 //! or an old step) or twice (a duplicating network). Early frames wait in a bounded pending set
-//! keyed by (epoch, step, sender, tag); late and duplicate frames are dropped and counted, never applied.
+//! keyed by (epoch, step, sender, tag); late and duplicate frames are dropped and counted, never
+//! applied.
 
 use std::collections::BTreeMap;
 use std::time::Instant;

@@ -162,6 +162,15 @@ impl<T: Transport> CoordState<T> {
         self.awaiting = ranks.into_iter().collect();
     }
 
+    /// Live ranks that are members of `old` or `new`: those a reshard or a restore involves.
+    fn in_either(&self, old: &ShardMap, new: &ShardMap) -> Vec<RankId> {
+        self.ranks
+            .keys()
+            .copied()
+            .filter(|r| old.is_member(*r) || new.is_member(*r))
+            .collect()
+    }
+
     /// A rank answered the current activity (done, aborted or failed).
     fn answered(&mut self, rank: RankId) {
         self.awaiting.remove(&rank);
@@ -269,21 +278,14 @@ impl<T: Transport> CoordState<T> {
                 return out;
             }
             Command::Reshard { old, new, step } => {
-                let told = self
-                    .ranks
-                    .keys()
-                    .copied()
-                    .filter(|r| old.is_member(*r) || new.is_member(*r));
-                let told: Vec<RankId> = told.collect();
-                self.begin(Activity::Resharding { step }, told);
-                for (r, a) in &self.ranks {
-                    if old.is_member(*r) || new.is_member(*r) {
-                        let _ = a.cast(RankMsg::Reshard {
-                            old: Box::new(old.clone()),
-                            new: Box::new(new.clone()),
-                            step,
-                        });
-                    }
+                let told = self.in_either(&old, &new);
+                self.begin(Activity::Resharding { step }, told.iter().copied());
+                for a in told.iter().filter_map(|r| self.ranks.get(r)) {
+                    let _ = a.cast(RankMsg::Reshard {
+                        old: Box::new(old.clone()),
+                        new: Box::new(new.clone()),
+                        step,
+                    });
                 }
             }
             Command::Retire { ranks } => {
@@ -314,23 +316,15 @@ impl<T: Transport> CoordState<T> {
                 lost,
             } => {
                 // Lost ranks were retired; every other rank of either map takes part.
-                let told: Vec<RankId> = self
-                    .ranks
-                    .keys()
-                    .copied()
-                    .filter(|r| old.is_member(*r) || new.is_member(*r))
-                    .collect();
-                self.begin(Activity::Restoring { step }, told);
-                for (r, a) in &self.ranks {
-                    if old.is_member(*r) || new.is_member(*r) {
-                        let msg = RankMsg::Restore {
-                            old: Box::new(old.clone()),
-                            new: Box::new(new.clone()),
-                            step,
-                            lost: lost.clone(),
-                        };
-                        let _ = a.cast(msg);
-                    }
+                let told = self.in_either(&old, &new);
+                self.begin(Activity::Restoring { step }, told.iter().copied());
+                for a in told.iter().filter_map(|r| self.ranks.get(r)) {
+                    let _ = a.cast(RankMsg::Restore {
+                        old: Box::new(old.clone()),
+                        new: Box::new(new.clone()),
+                        step,
+                        lost: lost.clone(),
+                    });
                 }
             }
             Command::MembershipChanged(rec) => {
