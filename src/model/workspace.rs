@@ -12,8 +12,11 @@
 
 use std::sync::Mutex;
 
-/// Arenas kept for reuse; more concurrent callers than this allocate and drop their own.
-const POOL_MAX: usize = 16;
+/// Arenas kept for reuse; more concurrent callers than this allocate and drop their own. With
+/// `keep_activations` every block of every local micro-batch holds one arena from its forward
+/// to its backward, so the pool must cover layers × micro-batches × ranks in this process plus
+/// one per computing rank; it only ever holds as many as were live at once.
+const POOL_MAX: usize = 64;
 
 static POOL: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
 
@@ -32,6 +35,11 @@ impl Scratch {
             .flatten()
             .unwrap_or_default();
         Self { buf }
+    }
+
+    /// Elements the arena holds now.
+    pub fn elems(&self) -> usize {
+        self.buf.len()
     }
 
     /// `N` disjoint buffers of the given lengths, with unspecified contents.

@@ -15,6 +15,8 @@
 //! with the bound taken from the maximum actually seen, which is itself exact (max is
 //! associative). A non-finite gradient cannot be represented and skips the step.
 
+use crate::optim::{multiversion, Isa};
+
 /// Largest magnitude one micro-batch term may reach: M terms then sum below 2^62 < i64::MAX.
 const SUM_BITS: i32 = 62;
 
@@ -78,6 +80,23 @@ pub fn quantize_add(acc: &mut [i64], g: &[f32], s: i32, micro_batches: u32) -> Q
     debug_assert_eq!(acc.len(), g.len());
     let scale = f64::powi(2.0, s);
     let limit = f64::powi(2.0, SUM_BITS - ceil_log2(micro_batches.max(1)));
+    let mut st = QuantStats::default();
+    // Multiversioned so that `round` is inlined (SSE4.1 and later round in registers; the
+    // x86-64 baseline calls the C library once per element). `round` is exactly specified, so
+    // every version gives the same bits.
+    quantize_add_kernel(Isa::best(), acc, g, (scale, limit), &mut st);
+    st
+}
+
+multiversion!(fn quantize_add_kernel(
+    acc: &mut [i64],
+    g: &[f32],
+    scale_limit: (f64, f64),
+    st: &mut QuantStats,
+) => quantize_add_body);
+
+#[inline(always)]
+fn quantize_add_body(acc: &mut [i64], g: &[f32], (scale, limit): (f64, f64), st: &mut QuantStats) {
     let mut max_abs = 0.0f32;
     let mut overflow = false;
     for (a, &x) in acc.iter_mut().zip(g) {
@@ -90,7 +109,7 @@ pub fn quantize_add(acc: &mut [i64], g: &[f32], s: i32, micro_batches: u32) -> Q
             overflow = true; // also catches NaN and inf
         }
     }
-    QuantStats { max_abs, overflow }
+    *st = QuantStats { max_abs, overflow };
 }
 
 /// Factor that turns a fixed-point sum into the mean gradient, times the clip coefficient.

@@ -20,10 +20,7 @@ use crate::reduce::GradBuf;
 pub fn encode_f32(src: &[f32], ranges: impl Iterator<Item = Range<usize>>) -> Bytes {
     let mut out = Vec::new();
     for r in ranges {
-        out.reserve(r.len() * 4);
-        for x in &src[r] {
-            out.extend_from_slice(&x.to_le_bytes());
-        }
+        super::parcel::put_f32s(&mut out, &src[r]);
     }
     Bytes::from(out)
 }
