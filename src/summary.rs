@@ -30,6 +30,9 @@ pub struct RankSummary {
     pub bytes_sent_per_step: u64,
     /// Median over steps of parameter and gradient elements sent.
     pub elems_sent_per_step: u64,
+    /// Median over steps of the seconds the rank spent in model compute (forward, backward and
+    /// loss); the rest of its step went to communication, the optimizer and waiting for peers.
+    pub compute_s_per_step: f64,
 }
 
 /// The `--json` summary of a run.
@@ -74,20 +77,20 @@ pub fn rank_summaries(records: &[StepRecord]) -> Vec<RankSummary> {
     last.reports
         .iter()
         .map(|r| {
-            let of = |f: &dyn Fn(&crate::engine::messages::StepReport) -> u64| {
+            let of = |f: &dyn Fn(&crate::engine::messages::StepReport) -> f64| {
                 let xs: Vec<f64> = records
                     .iter()
                     .flat_map(|rec| rec.reports.iter().filter(|x| x.rank == r.rank).map(f))
-                    .map(|v| v as f64)
                     .collect();
-                median(xs) as u64
+                median(xs)
             };
             RankSummary {
                 rank: r.rank,
                 resident_bytes: r.resident,
                 peak_bytes: r.peak_bytes,
-                bytes_sent_per_step: of(&|x| x.bytes_sent),
-                elems_sent_per_step: of(&|x| x.sent.elems()),
+                bytes_sent_per_step: of(&|x| x.bytes_sent as f64) as u64,
+                elems_sent_per_step: of(&|x| x.sent.elems() as f64) as u64,
+                compute_s_per_step: of(&|x| x.compute_s),
             }
         })
         .collect()

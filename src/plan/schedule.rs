@@ -50,8 +50,12 @@ pub enum Phase {
     Backward { unit: u32 },
     /// Drop a unit's gathered parameters.
     Free { unit: u32 },
-    /// Reduce-scatter one unit's accumulated gradient to the chunk owners, then free it.
+    /// Send my partial sums of one unit's accumulated gradient to the owners of its chunks.
     ReduceScatterUnit { unit: u32 },
+    /// Add the peers' partial sums into my chunks of the unit's gradient, then free the unit's
+    /// accumulator. Placed one unit after its `ReduceScatterUnit`, so the peers' sums arrive
+    /// while this rank computes the next unit's backward instead of while it waits.
+    WaitReduceScatter { unit: u32 },
     /// Reduce-scatter the whole-model accumulator (stages 0 and 1).
     ReduceScatterAll,
     /// All-gather the reduced whole-model gradient (stage 0: completes the all-reduce).
@@ -92,6 +96,7 @@ pub fn phases(stage: Stage, units: u32, max_live_units: usize) -> Vec<Phase> {
                 }
             }
         }
+        let mut out = lag_reduce_scatter_waits(out);
         out.extend([Phase::Agree, Phase::Optimizer]);
         return out;
     }
@@ -102,6 +107,7 @@ pub fn phases(stage: Stage, units: u32, max_live_units: usize) -> Vec<Phase> {
             p.push(Phase::ReduceScatterUnit { unit: u });
         }
     }
+    let mut p = lag_reduce_scatter_waits(p);
     match stage {
         Stage::Zero0 => p.extend([Phase::ReduceScatterAll, Phase::AllGatherGrads]),
         Stage::Zero1 => p.push(Phase::ReduceScatterAll),
@@ -112,6 +118,24 @@ pub fn phases(stage: Stage, units: u32, max_live_units: usize) -> Vec<Phase> {
         p.push(Phase::GatherParams);
     }
     p
+}
+
+/// Inserts each unit's `WaitReduceScatter` right after the next unit's `ReduceScatterUnit`, and
+/// the last one at the end: at most two unit accumulators are live, and a rank waits for a
+/// unit's sums only after a whole further backward.
+fn lag_reduce_scatter_waits(p: Vec<Phase>) -> Vec<Phase> {
+    let mut out = Vec::with_capacity(p.len() * 2);
+    let mut pending = None;
+    for ph in p {
+        out.push(ph);
+        if let Phase::ReduceScatterUnit { unit } = ph {
+            if let Some(prev) = pending.replace(unit) {
+                out.push(Phase::WaitReduceScatter { unit: prev });
+            }
+        }
+    }
+    out.extend(pending.map(|unit| Phase::WaitReduceScatter { unit }));
+    out
 }
 
 /// A pass over `order` where each unit is gathered before `compute` and freed after it, with up
@@ -202,6 +226,47 @@ mod tests {
                 if let Phase::ReduceScatterUnit { unit } = ph {
                     assert!(p[..i].contains(&Phase::Backward { unit: *unit }));
                 }
+            }
+        }
+    }
+
+    /// Each unit's reduce-scatter is posted once and completed once, later, before `Agree`;
+    /// no more than two accumulators are ever live; and all ranks wait only for sends that come
+    /// earlier in the same program.
+    #[test]
+    fn reduce_scatter_waits_lag_one_unit() {
+        for (stage, units) in [(Stage::Zero2, 1), (Stage::Zero2, 4), (Stage::Zero3, 5)] {
+            let p = phases(stage, units, 2);
+            let agree = p.iter().position(|x| *x == Phase::Agree).unwrap();
+            let mut live = 0usize;
+            for u in 0..units {
+                let post = p
+                    .iter()
+                    .position(|x| *x == Phase::ReduceScatterUnit { unit: u });
+                let wait = p
+                    .iter()
+                    .position(|x| *x == Phase::WaitReduceScatter { unit: u });
+                let (post, wait) = (post.unwrap(), wait.unwrap());
+                assert!(post < wait && wait < agree, "{stage:?} unit {u}");
+                assert_eq!(count(&p, |x| *x == Phase::WaitReduceScatter { unit: u }), 1);
+            }
+            for ph in &p {
+                match ph {
+                    Phase::ReduceScatterUnit { .. } => live += 1,
+                    Phase::WaitReduceScatter { .. } => live -= 1,
+                    _ => {}
+                }
+                assert!(live <= 2, "{stage:?}: {live} accumulators live");
+            }
+            assert_eq!(live, 0);
+            // A unit's wait comes after the next unit's backward has run (the overlap).
+            if units > 1 {
+                let first_wait = p
+                    .iter()
+                    .position(|x| matches!(x, Phase::WaitReduceScatter { .. }))
+                    .unwrap();
+                let backwards = count(&p[..first_wait], |x| matches!(x, Phase::Backward { .. }));
+                assert_eq!(backwards, 2, "{stage:?}");
             }
         }
     }

@@ -101,6 +101,20 @@ pub fn reduce_scatter<T: Transport>(
     acc: &mut GradBuf,
     base: usize,
 ) -> Result<(), CommError> {
+    post_reduce_scatter(comm, map, unit, tag, acc, base)?;
+    wait_reduce_scatter(comm, map, unit, tag, acc, base)
+}
+
+/// The sending half of `reduce_scatter`: every peer gets my partial sums of the chunks it owns.
+/// Sends never block, so the receiving half can run later (after more compute).
+pub fn post_reduce_scatter<T: Transport>(
+    comm: &mut Comm<T>,
+    map: &ShardMap,
+    unit: usize,
+    tag: Tag,
+    acc: &GradBuf,
+    base: usize,
+) -> Result<(), CommError> {
     let me = comm.rank();
     for &owner in map.members.iter().filter(|&&r| r != me) {
         let ranges: Vec<Range<usize>> = map
@@ -118,6 +132,20 @@ pub fn reduce_scatter<T: Transport>(
         comm.send(owner, tag, Bytes::from(payload))?;
         comm.count_elems(0, elems as u64);
     }
+    Ok(())
+}
+
+/// The receiving half of `reduce_scatter`: adds every peer's partial sums into the chunks this
+/// rank owns, in member order (so `fast` mode's `f32` sums do not depend on arrival order).
+pub fn wait_reduce_scatter<T: Transport>(
+    comm: &mut Comm<T>,
+    map: &ShardMap,
+    unit: usize,
+    tag: Tag,
+    acc: &mut GradBuf,
+    base: usize,
+) -> Result<(), CommError> {
+    let me = comm.rank();
     let mine: Vec<Range<usize>> = map
         .owned_in_unit(unit, me)
         .map(|i| map.chunk_range(unit, i))

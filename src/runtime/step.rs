@@ -254,7 +254,8 @@ impl<'a> Pass<'a> {
                 }
                 Ok(())
             }
-            Phase::ReduceScatterUnit { unit } => self.reduce_scatter_unit(comm, unit),
+            Phase::ReduceScatterUnit { unit } => self.post_reduce_scatter(comm, unit),
+            Phase::WaitReduceScatter { unit } => self.wait_reduce_scatter(comm, unit),
             Phase::ReduceScatterAll => {
                 for u in 0..self.st.units() {
                     let tag = self.tag(TagKind::ReduceScatter, u as u32, 0);
@@ -415,7 +416,20 @@ impl<'a> Pass<'a> {
         }
     }
 
-    fn reduce_scatter_unit<T: Transport>(
+    fn post_reduce_scatter<T: Transport>(
+        &mut self,
+        comm: &mut Comm<T>,
+        unit: u32,
+    ) -> Result<(), CommError> {
+        let acc = self
+            .unit_acc
+            .get(&unit)
+            .expect("backward ran before reduce-scatter");
+        let tag = self.tag(TagKind::ReduceScatter, unit, 0);
+        collectives::post_reduce_scatter(comm, &self.st.map, unit as usize, tag, acc, 0)
+    }
+
+    fn wait_reduce_scatter<T: Transport>(
         &mut self,
         comm: &mut Comm<T>,
         unit: u32,
@@ -424,9 +438,9 @@ impl<'a> Pass<'a> {
         let mut acc = self
             .unit_acc
             .remove(&unit)
-            .expect("backward ran before reduce-scatter");
+            .expect("reduce-scatter posted before its wait");
         let tag = self.tag(TagKind::ReduceScatter, unit, 0);
-        let res = collectives::reduce_scatter(comm, &self.st.map, u, tag, &mut acc, 0);
+        let res = collectives::wait_reduce_scatter(comm, &self.st.map, u, tag, &mut acc, 0);
         let shard = &mut self.st.shards[u];
         let sg = shard
             .grads
