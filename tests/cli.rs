@@ -224,39 +224,43 @@ fn the_default_job_trains_and_its_loss_falls() {
     );
 }
 
-/// `bench collectives --transport tcp` runs every op over the TCP data plane and reports each.
+/// `bench collectives --transport tcp` runs every op over the TCP data plane (mutual TLS, or
+/// without it with `--plaintext`, labelled so) and reports each.
 #[test]
 fn bench_collectives_over_tcp_reports_every_op() {
-    let out = ezero()
-        .args([
-            "bench",
-            "collectives",
-            "--transport",
-            "tcp",
-            "--nprocs",
-            "2",
-        ])
-        .args(["--bytes", "64K", "--iters", "2"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    let ops: Vec<String> = text
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            assert_eq!(v["transport"], "tcp");
-            assert!(v["busbw_gbps"].as_f64().unwrap() > 0.0);
-            v["op"].as_str().unwrap().to_string()
-        })
-        .collect();
-    assert_eq!(
-        ops,
-        ["all_gather", "reduce_scatter", "all_reduce", "broadcast"]
-    );
+    for (extra, label) in [(&[][..], "tcp"), (&["--plaintext"][..], "tcp-plaintext")] {
+        let out = ezero()
+            .args([
+                "bench",
+                "collectives",
+                "--transport",
+                "tcp",
+                "--nprocs",
+                "2",
+            ])
+            .args(["--bytes", "64K", "--iters", "2"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout);
+        let ops: Vec<String> = text
+            .lines()
+            .filter(|l| l.starts_with('{'))
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                assert_eq!(v["transport"], label);
+                assert!(v["busbw_gbps"].as_f64().unwrap() > 0.0);
+                v["op"].as_str().unwrap().to_string()
+            })
+            .collect();
+        assert_eq!(
+            ops,
+            ["all_gather", "reduce_scatter", "all_reduce", "broadcast"]
+        );
+    }
 }

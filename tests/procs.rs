@@ -7,6 +7,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use elastic_zero::runtime::control_plane::ToCoord;
+
 const EZERO: &str = env!("CARGO_BIN_EXE_ezero");
 /// Generous bound for any one process-level test step on a loaded 2-core machine.
 const DEADLINE: Duration = Duration::from_secs(120);
@@ -44,6 +46,13 @@ fn small(model: &str, stage: u8) -> Vec<String> {
     .map(|s| s.to_string())
     .chain([stage.to_string()])
     .collect()
+}
+
+/// A fresh cluster CA in a temporary directory (removed when dropped), for `--secrets`.
+fn secrets() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    elastic_zero::net::init_secrets(dir.path()).unwrap();
+    dir
 }
 
 fn digest(stdout: &str) -> Option<String> {
@@ -128,6 +137,7 @@ struct Job {
     coord_lines: mpsc::Receiver<String>,
     coord_err: mpsc::Receiver<String>,
     workers: Vec<(Child, mpsc::Receiver<String>)>,
+    _secrets: tempfile::TempDir,
 }
 
 /// `small` with another step count and extra train flags.
@@ -148,11 +158,13 @@ fn start_job(port_hint: &str) -> Job {
 
 fn start_job_with(port_hint: &str, flags: &[String], coord_flags: &[&str]) -> Job {
     let token = format!("test-token-{port_hint}");
+    let dir = secrets();
     let mut coord = Command::new(EZERO)
         .args(["coordinator", "--listen", "127.0.0.1:0", "--ranks", "3"])
         .args(coord_flags)
         .args(flags)
         .env("EZERO_CLUSTER_TOKEN", &token)
+        .env("EZERO_SECRETS_DIR", dir.path())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -178,6 +190,7 @@ fn start_job_with(port_hint: &str, flags: &[String], coord_flags: &[&str]) -> Jo
                 .args(["worker", "--join", &addr])
                 .env("EZERO_RANK_HINT", i.to_string())
                 .env("EZERO_CLUSTER_TOKEN", &token)
+                .env("EZERO_SECRETS_DIR", dir.path())
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -191,6 +204,7 @@ fn start_job_with(port_hint: &str, flags: &[String], coord_flags: &[&str]) -> Jo
         coord_lines,
         coord_err,
         workers,
+        _secrets: dir,
     }
 }
 
@@ -271,7 +285,9 @@ fn a_silent_worker_is_declared_failed_after_the_heartbeat_timeout() {
 #[test]
 fn an_unanswering_coordinator_is_a_clear_error() {
     // Port 1 on loopback: nothing listens there.
+    let dir = secrets();
     let (code, _, err) = run(Command::new(EZERO)
+        .env("EZERO_SECRETS_DIR", dir.path())
         .args([
             "worker",
             "--join",
@@ -289,11 +305,13 @@ fn an_unanswering_coordinator_is_a_clear_error() {
 
 #[test]
 fn a_worker_with_the_wrong_token_is_refused() {
+    let dir = secrets();
     let mut coord = Command::new(EZERO)
         .args(["coordinator", "--listen", "127.0.0.1:0", "--ranks", "1"])
         .args(["--join-timeout-ms", "100000"])
         .args(small("mlp", 1))
         .env("EZERO_CLUSTER_TOKEN", "right")
+        .env("EZERO_SECRETS_DIR", dir.path())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -305,6 +323,7 @@ fn a_worker_with_the_wrong_token_is_refused() {
         .unwrap();
     let (code, _, err) = run(Command::new(EZERO)
         .args(["worker", "--join", addr])
+        .env("EZERO_SECRETS_DIR", dir.path())
         .env("EZERO_CLUSTER_TOKEN", "wrong"));
     let _ = coord.kill();
     let _ = coord.wait();
@@ -312,13 +331,154 @@ fn a_worker_with_the_wrong_token_is_refused() {
     assert!(err.contains("refused") && err.contains("token"), "{err}");
 }
 
+/// A TLS client of the control port: completes what it can of the handshake with `config` and
+/// sends a hello with the right token; true when the coordinator answered anything.
+fn control_client(addr: &str, config: rustls::ClientConfig) -> bool {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(addr).expect("the coordinator accepts");
+    s.set_read_timeout(Some(DEADLINE)).unwrap();
+    let name = rustls::pki_types::ServerName::try_from("ezero-peer").unwrap();
+    let mut conn = rustls::ClientConnection::new(std::sync::Arc::new(config), name).unwrap();
+    while conn.is_handshaking() {
+        if conn.complete_io(&mut s).is_err() {
+            return false;
+        }
+    }
+    let mut tls = rustls::StreamOwned::new(conn, s);
+    let hello = ToCoord::Hello {
+        token: "t".into(),
+        rank_hint: None,
+    };
+    let frame = elastic_zero::runtime::control_plane::encode(&hello).unwrap();
+    if tls.write_all(&frame).and_then(|_| tls.flush()).is_err() {
+        return false;
+    }
+    let mut got = [0u8; 1];
+    matches!(tls.read(&mut got), Ok(1))
+}
+
+fn client_config(
+    roots: &[rustls::pki_types::CertificateDer<'static>],
+    id: Option<&elastic_zero::net::Identity>,
+    alpn: &[u8],
+) -> rustls::ClientConfig {
+    let mut r = rustls::RootCertStore::empty();
+    for c in roots {
+        r.add(c.clone()).unwrap();
+    }
+    let b = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(&[&rustls::version::TLS13])
+    .unwrap()
+    .with_root_certificates(r);
+    let mut c = match id {
+        Some(id) => b
+            .with_client_auth_cert(vec![id.cert.clone()], id.key.clone_key())
+            .unwrap(),
+        None => b.with_no_client_auth(),
+    };
+    c.alpn_protocols = vec![alpn.to_vec()];
+    c
+}
+
+/// The control port refuses (and logs) clients without a certificate of the cluster CA, or
+/// speaking another protocol, and still admits a real worker: the job runs to the end.
+#[test]
+fn the_control_port_refuses_peers_without_a_cluster_certificate() {
+    use elastic_zero::net::{ClusterCa, Identity};
+    let dir = secrets();
+    let mut coord = Command::new(EZERO)
+        .args(["coordinator", "--listen", "127.0.0.1:0", "--ranks", "1"])
+        .args(small("mlp", 1))
+        .env("EZERO_CLUSTER_TOKEN", "t")
+        .env("EZERO_SECRETS_DIR", dir.path())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let coord_err = collect(coord.stderr.take());
+    let (tx, lines) = mpsc::channel();
+    let stdout = coord.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let first = lines.recv_timeout(DEADLINE).expect("the address line");
+    let addr = first
+        .strip_prefix("ezero coordinator: listening on ")
+        .expect("the address line")
+        .to_string();
+    let ca_pem = dir.path().join("ca.pem");
+    let cluster_ca = {
+        use rustls::pki_types::pem::PemObject;
+        rustls::pki_types::CertificateDer::from_pem_file(&ca_pem).unwrap()
+    };
+    let foreign = ClusterCa::generate("someone else").unwrap();
+    let stolen = foreign.issue("rank-0").unwrap();
+    let member = Identity::from_dir(dir.path(), "rank-0").unwrap();
+    let refused = [
+        // A certificate from another CA (trusting the cluster's public CA cert).
+        client_config(
+            std::slice::from_ref(&cluster_ca),
+            Some(&stolen),
+            b"ezero-control/1",
+        ),
+        // No client certificate.
+        client_config(std::slice::from_ref(&cluster_ca), None, b"ezero-control/1"),
+        // A cluster certificate on the data plane's protocol.
+        client_config(
+            std::slice::from_ref(&cluster_ca),
+            Some(&member),
+            b"ezero-data/1",
+        ),
+    ];
+    let answered: Vec<bool> = refused
+        .into_iter()
+        .map(|c| control_client(&addr, c))
+        .collect();
+    // A real worker still joins, and the job finishes.
+    let (code, _, werr) = run(Command::new(EZERO)
+        .args(["worker", "--join", &addr])
+        .env("EZERO_CLUSTER_TOKEN", "t")
+        .env("EZERO_SECRETS_DIR", dir.path()));
+    let status = wait_until(&mut coord, Instant::now() + DEADLINE);
+    let err = coord_err.recv().unwrap_or_default();
+    assert_eq!(answered, [false, false, false], "{err}");
+    assert_eq!(code, 0, "worker: {werr}");
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{err}");
+    let refusals = err.matches("refused a connection from").count();
+    assert_eq!(refusals, 3, "{err}");
+    assert!(err.contains("TLS handshake failed"), "{err}");
+}
+
+/// Without a secrets directory a process does not start: one line, exit 2, saying what to pass.
+#[test]
+fn a_missing_secrets_directory_is_a_usage_error() {
+    for args in [
+        &["coordinator", "--listen", "127.0.0.1:0", "--ranks", "1"][..],
+        &["worker", "--join", "127.0.0.1:1"][..],
+    ] {
+        let (code, _, err) = run(Command::new(EZERO)
+            .args(args)
+            .env("EZERO_CLUSTER_TOKEN", "t")
+            .env_remove("EZERO_SECRETS_DIR"));
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(err.contains("--secrets DIR"), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: {err}");
+    }
+}
+
 #[test]
 fn the_endpoint_answers_503_until_every_worker_has_joined() {
+    let dir = secrets();
     let mut coord = Command::new(EZERO)
         .args(["coordinator", "--listen", "127.0.0.1:0", "--ranks", "2"])
         .args(["--control", "127.0.0.1:0"])
         .args(small("mlp", 1))
         .env("EZERO_CLUSTER_TOKEN", "t")
+        .env("EZERO_SECRETS_DIR", dir.path())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()

@@ -18,7 +18,8 @@ use std::process::{Command, Stdio};
 use clap::Args;
 
 use elastic_zero::bench::collectives::{default_iters, result, run_op, Op, ALL_OPS};
-use elastic_zero::net::{init_secrets, Identity};
+use elastic_zero::net::tls::ClusterTls;
+use elastic_zero::net::{init_secrets, ClusterCa, Identity};
 use elastic_zero::plan::RankId;
 use elastic_zero::runtime::comm::Comm;
 use elastic_zero::runtime::local::LocalNetwork;
@@ -30,7 +31,7 @@ use super::CliError;
 
 #[derive(Args, Clone)]
 pub struct CollectivesArgs {
-    /// local|quic|tcp (tcp: the plaintext TCP data plane, ranks as threads of this process).
+    /// local|quic|tcp (tcp: the TCP data plane, mutual TLS, ranks as threads of this process).
     #[arg(long, default_value = "quic")]
     pub transport: String,
     /// Ranks (processes for quic, threads for local).
@@ -48,6 +49,9 @@ pub struct CollectivesArgs {
     /// quic: run the ranks as threads of this process instead of child processes.
     #[arg(long)]
     pub threads: bool,
+    /// tcp: without TLS, to measure what encryption costs (jobs always use TLS).
+    #[arg(long)]
+    pub plaintext: bool,
     /// quic: the initial MTU (1200..=max; loopback default 4000).
     #[arg(long, default_value_t = 4000)]
     pub initial_mtu: u16,
@@ -112,6 +116,9 @@ fn plan(a: &CollectivesArgs) -> Result<Plan, CliError> {
             "--transport: `{}` is not local, quic or tcp",
             a.transport
         ));
+    }
+    if a.plaintext && a.transport != "tcp" {
+        return usage("--plaintext is for --transport tcp only".into());
     }
     if !(2..=64).contains(&a.nprocs) {
         return usage("--nprocs must be in 2..=64".into());
@@ -210,7 +217,11 @@ fn run_rank<T: Transport>(
                     time_s,
                     cpu,
                     wall,
-                    &a.transport,
+                    if a.plaintext {
+                        "tcp-plaintext"
+                    } else {
+                        &a.transport
+                    },
                     members.len(),
                     mode,
                     iters,
@@ -250,6 +261,7 @@ pub fn run(a: &CollectivesArgs) -> Result<(), CliError> {
     if a.transport == "tcp" {
         return run_tcp(&members, a);
     }
+
     let cfg = quic_config(a)?;
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -291,16 +303,24 @@ fn run_quic(
     spawn_children(a, dir)
 }
 
-/// The TCP data plane (plaintext, one connection per peer pair), ranks as threads: the
-/// reference for what encryption and QUIC cost per byte.
+/// The TCP data plane (mutual TLS as in a job, or `--plaintext`; one connection per peer
+/// pair), ranks as threads: with `--plaintext`, the reference for what encryption and QUIC
+/// cost per byte.
 fn run_tcp(members: &[RankId], a: &CollectivesArgs) -> Result<(), CliError> {
     let token = "ezero-bench-collectives";
+    let ca = ClusterCa::generate("ezero bench CA").map_err(|e| CliError::Failed(e.to_string()))?;
     let mut listeners = Vec::new();
-    for _ in members {
-        listeners.push(
-            TcpListenerHandle::bind("127.0.0.1:0", token)
-                .map_err(|e| CliError::Failed(format!("tcp bind: {e}")))?,
-        );
+    for &r in members {
+        let bound = if a.plaintext {
+            TcpListenerHandle::bind_plaintext_for_bench("127.0.0.1:0", token)
+        } else {
+            let id = ca
+                .issue(&format!("rank-{r}"))
+                .map_err(|e| CliError::Failed(e.to_string()))?;
+            let tls = ClusterTls::new(&id).map_err(|e| CliError::Failed(e.to_string()))?;
+            TcpListenerHandle::bind("127.0.0.1:0", token, &tls)
+        };
+        listeners.push(bound.map_err(|e| CliError::Failed(format!("tcp bind: {e}")))?);
     }
     let addrs: BTreeMap<RankId, SocketAddr> = members
         .iter()

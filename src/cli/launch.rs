@@ -35,8 +35,8 @@ pub struct LaunchArgs {
     /// SIGKILL halfway through the next step; for tests and demos).
     #[arg(long, requires = "control")]
     pub control_allow_kill: bool,
-    /// Data plane between workers: tcp or quic (mutual TLS with a CA made for this launch)
-    /// [default: tcp].
+    /// Data plane between workers: tcp or quic [default: tcp]. Every connection of the launch
+    /// (data plane and control) is mutual TLS with a CA made for this launch.
     #[arg(long, value_parser = parse_data_plane)]
     pub transport: Option<DataPlane>,
     /// Use this secrets directory (an operator's CA) instead of a fresh CA made for this launch.
@@ -91,13 +91,12 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
     let procs = a.procs.resolve()?;
     let token = new_token();
     let transport = a.transport.unwrap_or(DataPlane::Tcp);
-    let secrets = match (transport, &a.secrets) {
-        (DataPlane::Tcp, _) => None,
-        (DataPlane::Quic, Some(dir)) => Some(Secrets {
+    let secrets = match &a.secrets {
+        Some(dir) => Secrets {
             dir: dir.clone(),
             ours: false,
-        }),
-        (DataPlane::Quic, None) => Some(Secrets::fresh(&token)?),
+        },
+        None => Secrets::fresh(&token)?,
     };
     let exe = std::env::current_exe()
         .map_err(|e| CliError::Failed(format!("cannot find the ezero binary: {e}")))?;
@@ -120,6 +119,8 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
             },
         ])
         .args(a.procs.to_flags())
+        .arg("--secrets")
+        .arg(&secrets.dir)
         .args(&a.train)
         .env("EZERO_CLUSTER_TOKEN", &token)
         .env_remove("EZERO_CLUSTER_TOKEN_FILE")
@@ -145,11 +146,8 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
         let child = Command::new(&exe)
             .args(["worker", "--join", &addr])
             .env("EZERO_RANK_HINT", i.to_string())
-            .args(
-                secrets
-                    .iter()
-                    .flat_map(|s| [std::ffi::OsStr::new("--secrets"), s.dir.as_os_str()]),
-            )
+            .arg("--secrets")
+            .arg(&secrets.dir)
             .env("EZERO_CLUSTER_TOKEN", &token)
             .env_remove("EZERO_CLUSTER_TOKEN_FILE")
             .stdout(Stdio::piped())

@@ -2,7 +2,8 @@
 //!
 //! The coordinator owns the job (the same train flags and config file as `ezero train`, with
 //! `--ranks` the number of workers) and prints the same progress and final `param-sha256:`
-//! line; workers only need the coordinator's address and the cluster token.
+//! line; workers only need the coordinator's address, the cluster token and the cluster's
+//! secrets directory. Every connection between them is mutual TLS against the cluster CA.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -13,7 +14,8 @@ use elastic_zero::config::TrainConfig;
 use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
 use elastic_zero::job::{build_dataset, build_model};
 use elastic_zero::model::param_count;
-use elastic_zero::net::init_secrets;
+use elastic_zero::net::tls::ClusterTls;
+use elastic_zero::net::{init_secrets, Identity};
 use elastic_zero::runtime::cluster::Observer;
 use elastic_zero::runtime::control_plane::DataPlane;
 use elastic_zero::runtime::heartbeat::ProcsConfig;
@@ -73,11 +75,15 @@ pub struct CoordinatorArgs {
     /// Accept workers on this address only (host:port; port 0 picks a free one and prints it).
     #[arg(long, env = "EZERO_LISTEN", required_unless_present = "init_secrets")]
     pub listen: Option<String>,
-    /// Make a fresh cluster CA in DIR (for `worker --secrets DIR`) and exit.
+    /// Make a fresh cluster CA in DIR (for `--secrets DIR` here and on every worker) and exit.
     #[arg(long, value_name = "DIR")]
     pub init_secrets: Option<PathBuf>,
-    /// Data plane between workers: tcp (token-authenticated, unencrypted) or quic (mutual TLS,
-    /// needs workers' --secrets; its connection setup is not yet reliable) [default: tcp].
+    /// The cluster's secrets directory (its CA, or this process's `coordinator.pem` and key):
+    /// every worker connection is mutual TLS against that CA. Required.
+    #[arg(long, env = "EZERO_SECRETS_DIR", value_name = "DIR")]
+    pub secrets: Option<PathBuf>,
+    /// Data plane between workers: tcp or quic, both mutual TLS against the cluster CA (quic's
+    /// connection setup is not yet reliable) [default: tcp].
     #[arg(long, value_parser = parse_data_plane)]
     pub transport: Option<DataPlane>,
     /// File holding the cluster token workers must present (or set EZERO_CLUSTER_TOKEN).
@@ -101,8 +107,10 @@ pub struct WorkerArgs {
     /// Where to accept peers' data connections (ip:port; port 0 picks one).
     #[arg(long, env = "EZERO_DATA_ADDR", default_value = "127.0.0.1:0")]
     pub data_listen: String,
-    /// The cluster's secrets directory (its CA, or this worker's certificate and key).
-    #[arg(long, env = "EZERO_SECRETS_DIR")]
+    /// The cluster's secrets directory (its CA, or this worker's `rank-HINT.pem` and key, or
+    /// `worker.pem` without --rank-hint): every connection is mutual TLS against that CA.
+    /// Required.
+    #[arg(long, env = "EZERO_SECRETS_DIR", value_name = "DIR")]
     pub secrets: Option<PathBuf>,
     /// File holding the cluster token (or set EZERO_CLUSTER_TOKEN).
     #[arg(long, env = "EZERO_CLUSTER_TOKEN_FILE")]
@@ -128,6 +136,19 @@ fn token(file: Option<&PathBuf>) -> Result<String, CliError> {
         ));
     }
     Ok(token)
+}
+
+/// This process's TLS configs from the cluster's secrets directory, as `name`; a missing or
+/// unusable directory is a usage error saying what to pass.
+pub fn cluster_tls(dir: Option<&PathBuf>, name: &str) -> Result<ClusterTls, CliError> {
+    let Some(dir) = dir else {
+        return Err(CliError::Usage(
+            "every connection is mutual TLS: pass the cluster's secrets directory with --secrets DIR or EZERO_SECRETS_DIR (make one with `ezero coordinator --init-secrets DIR`)".into(),
+        ));
+    };
+    let bad = |e: String| CliError::Usage(format!("--secrets {}: {e}", dir.display()));
+    let id = Identity::from_dir(dir, name).map_err(|e| bad(e.to_string()))?;
+    ClusterTls::new(&id).map_err(|e| bad(e.to_string()))
 }
 
 /// Train flags the process runtime does not support yet, as a usage error naming the flag.
@@ -168,7 +189,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     if let Some(dir) = &args.init_secrets {
         init_secrets(dir).map_err(|e| CliError::Failed(format!("--init-secrets: {e}")))?;
         println!(
-            "cluster CA written to {}; give every worker --secrets {}",
+            "cluster CA written to {}; give the coordinator and every worker --secrets {}",
             dir.display(),
             dir.display()
         );
@@ -184,6 +205,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     check_train_args(&args.train, &cfg)?;
     let procs = args.procs.resolve()?;
     let token = token(args.token_file.as_ref())?;
+    let tls = cluster_tls(args.secrets.as_ref(), "coordinator")?;
     let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     let data = build_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     let psi = param_count(&model.units());
@@ -191,6 +213,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let opts = CoordinatorOptions {
         listen: listen.clone(),
         token,
+        tls,
         procs,
         data_plane: args.transport.unwrap_or(DataPlane::Tcp),
         control: args.train.control,
@@ -303,36 +326,7 @@ impl Observer for &mut StepLines<'_> {
 }
 
 pub fn run_worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
-    let token = token(args.token_file.as_ref())?;
-    let d = ProcsConfig::default();
-    let procs = ProcsConfig {
-        connect_timeout_ms: args.connect_timeout_ms.unwrap_or(d.connect_timeout_ms),
-        ..d
-    };
-    procs
-        .validate()
-        .map_err(|e| CliError::Usage(e.to_string()))?;
-    let opts = WorkerOptions {
-        join: args.join.clone(),
-        token,
-        rank_hint: args.rank_hint,
-        data_listen: args.data_listen.clone(),
-        secrets: args.secrets.clone(),
-        procs,
-    };
-    let on_welcome = |rank, world| println!("ezero worker: rank {rank} of {world}");
-    let result = match runtime()?.block_on(run_worker(opts, on_welcome)) {
-        Ok(out) if out.ok => {
-            println!("ezero worker: rank {}: {}", out.rank, out.reason);
-            Ok(())
-        }
-        Ok(out) => Err(CliError::Failed(format!(
-            "rank {}: stopped by the coordinator: {}",
-            out.rank, out.reason
-        ))),
-        Err(ProcError::Config(c)) => Err(CliError::Usage(c.to_string())),
-        Err(e) => Err(CliError::Failed(e.to_string())),
-    };
+    let result = worker_cmd(args);
     // Exit here: the rank's threads and transport may still wait on peers, and the job is over.
     let code = match &result {
         Ok(()) => 0,
@@ -346,4 +340,41 @@ pub fn run_worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
         }
     };
     std::process::exit(code)
+}
+
+fn worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
+    let token = token(args.token_file.as_ref())?;
+    let name = args
+        .rank_hint
+        .map_or_else(|| "worker".to_string(), |r| format!("rank-{r}"));
+    let tls = cluster_tls(args.secrets.as_ref(), &name)?;
+    let d = ProcsConfig::default();
+    let procs = ProcsConfig {
+        connect_timeout_ms: args.connect_timeout_ms.unwrap_or(d.connect_timeout_ms),
+        ..d
+    };
+    procs
+        .validate()
+        .map_err(|e| CliError::Usage(e.to_string()))?;
+    let opts = WorkerOptions {
+        join: args.join.clone(),
+        token,
+        rank_hint: args.rank_hint,
+        data_listen: args.data_listen.clone(),
+        tls,
+        procs,
+    };
+    let on_welcome = |rank, world| println!("ezero worker: rank {rank} of {world}");
+    match runtime()?.block_on(run_worker(opts, on_welcome)) {
+        Ok(out) if out.ok => {
+            println!("ezero worker: rank {}: {}", out.rank, out.reason);
+            Ok(())
+        }
+        Ok(out) => Err(CliError::Failed(format!(
+            "rank {}: stopped by the coordinator: {}",
+            out.rank, out.reason
+        ))),
+        Err(ProcError::Config(c)) => Err(CliError::Usage(c.to_string())),
+        Err(e) => Err(CliError::Failed(e.to_string())),
+    }
 }

@@ -1,15 +1,42 @@
-//! Mutual-TLS configs for quinn: both sides present a cluster certificate and verify the
-//! other's against the cluster CA only (no system roots). TLS 1.3, ring provider.
+//! The cluster's mutual-TLS configs, built once per process and shared by every connection
+//! kind: QUIC data plane, TCP data plane and the coordinator's control connections. Both sides
+//! present a cluster certificate and verify the other's against the cluster CA only (no system
+//! roots). TLS 1.3, ring provider.
+//!
+//! Each connection kind has its own ALPN id, and a server refuses a client that offers another
+//! or none: a data-plane client cannot talk to the control port, nor the other way round.
 
 use std::sync::Arc;
 
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rustls::server::WebPkiClientVerifier;
-use rustls::RootCertStore;
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use rustls_pki_types::ServerName;
 
-use super::secrets::Identity;
+use super::secrets::{Identity, PEER_SERVER_NAME};
 
-/// ALPN protocol id: a peer speaking anything else fails the handshake.
+/// The connection kinds of a cluster; each speaks its own ALPN id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    /// The QUIC data plane between workers.
+    Quic,
+    /// The TCP data plane between workers.
+    Data,
+    /// A worker's control connection to the coordinator.
+    Control,
+}
+
+impl Protocol {
+    pub fn alpn(self) -> &'static [u8] {
+        match self {
+            Self::Quic => ALPN,
+            Self::Data => b"ezero-data/1",
+            Self::Control => b"ezero-control/1",
+        }
+    }
+}
+
+/// ALPN id of the QUIC data plane: a peer speaking anything else fails the handshake.
 pub const ALPN: &[u8] = b"ezero/1";
 
 #[derive(Debug, thiserror::Error)]
@@ -30,29 +57,149 @@ fn roots(id: &Identity) -> Result<Arc<RootCertStore>, TlsError> {
     Ok(Arc::new(r))
 }
 
-/// Server side: requires a client certificate from the cluster CA.
-pub fn server_crypto(id: &Identity) -> Result<Arc<QuicServerConfig>, TlsError> {
+/// One process's TLS configs, per protocol; cheap to clone.
+#[derive(Clone)]
+pub struct ClusterTls {
+    quic_server: Arc<ServerConfig>,
+    quic_client: Arc<ClientConfig>,
+    data_server: Arc<ServerConfig>,
+    data_client: Arc<ClientConfig>,
+    control_server: Arc<ServerConfig>,
+    control_client: Arc<ClientConfig>,
+}
+
+impl std::fmt::Debug for ClusterTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClusterTls")
+    }
+}
+
+impl ClusterTls {
+    /// Verifies and loads `id` once; every config shares its certificate, key and CA.
+    pub fn new(id: &Identity) -> Result<Self, TlsError> {
+        let server = server_base(id)?;
+        let client = client_base(id)?;
+        let with_server = |p: Protocol| {
+            let mut c = server.clone();
+            c.alpn_protocols = vec![p.alpn().to_vec()];
+            Arc::new(c)
+        };
+        let with_client = |p: Protocol| {
+            let mut c = client.clone();
+            c.alpn_protocols = vec![p.alpn().to_vec()];
+            Arc::new(c)
+        };
+        Ok(Self {
+            quic_server: with_server(Protocol::Quic),
+            quic_client: with_client(Protocol::Quic),
+            data_server: with_server(Protocol::Data),
+            data_client: with_client(Protocol::Data),
+            control_server: with_server(Protocol::Control),
+            control_client: with_client(Protocol::Control),
+        })
+    }
+
+    /// Server side of `p`: requires a client certificate from the cluster CA.
+    pub fn server(&self, p: Protocol) -> Arc<ServerConfig> {
+        Arc::clone(match p {
+            Protocol::Quic => &self.quic_server,
+            Protocol::Data => &self.data_server,
+            Protocol::Control => &self.control_server,
+        })
+    }
+
+    /// Client side of `p`: verifies the server against the cluster CA, presents our cert.
+    pub fn client(&self, p: Protocol) -> Arc<ClientConfig> {
+        Arc::clone(match p {
+            Protocol::Quic => &self.quic_client,
+            Protocol::Data => &self.data_client,
+            Protocol::Control => &self.control_client,
+        })
+    }
+
+    pub fn quic_server(&self) -> Result<Arc<QuicServerConfig>, TlsError> {
+        let c = QuicServerConfig::try_from(self.server(Protocol::Quic)).map_err(err)?;
+        Ok(Arc::new(c))
+    }
+
+    pub fn quic_client(&self) -> Result<Arc<QuicClientConfig>, TlsError> {
+        let c = QuicClientConfig::try_from(self.client(Protocol::Quic)).map_err(err)?;
+        Ok(Arc::new(c))
+    }
+}
+
+/// The name every client checks (trust comes from the CA, not from the name).
+pub fn peer_server_name() -> ServerName<'static> {
+    // Invariant: a constant, valid DNS name.
+    ServerName::try_from(PEER_SERVER_NAME).expect("a valid DNS name")
+}
+
+/// Why a completed handshake is still refused: the client negotiated another protocol (or
+/// none; a rustls server lets a client that offers no ALPN through).
+pub fn check_alpn(got: Option<&[u8]>, want: Protocol) -> Result<(), String> {
+    if got == Some(want.alpn()) {
+        return Ok(());
+    }
+    Err(format!(
+        "the client did not negotiate {}",
+        String::from_utf8_lossy(want.alpn())
+    ))
+}
+
+fn server_base(id: &Identity) -> Result<ServerConfig, TlsError> {
     let verifier = WebPkiClientVerifier::builder_with_provider(roots(id)?, provider())
         .build()
         .map_err(err)?;
-    let mut c = rustls::ServerConfig::builder_with_provider(provider())
+    let mut c = ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(err)?
         .with_client_cert_verifier(verifier)
         .with_single_cert(vec![id.cert.clone()], id.key.clone_key())
         .map_err(err)?;
-    c.alpn_protocols = vec![ALPN.to_vec()];
-    Ok(Arc::new(QuicServerConfig::try_from(c).map_err(err)?))
+    // Data-plane dialers only write: tickets they never read would pile up unread, and
+    // connections are long-lived, so resumption buys nothing.
+    c.send_tls13_tickets = 0;
+    Ok(c)
 }
 
-/// Client side: verifies the server against the cluster CA and presents our certificate.
-pub fn client_crypto(id: &Identity) -> Result<Arc<QuicClientConfig>, TlsError> {
-    let mut c = rustls::ClientConfig::builder_with_provider(provider())
+fn client_base(id: &Identity) -> Result<ClientConfig, TlsError> {
+    let mut c = ClientConfig::builder_with_provider(provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(err)?
         .with_root_certificates(roots(id)?)
         .with_client_auth_cert(vec![id.cert.clone()], id.key.clone_key())
         .map_err(err)?;
-    c.alpn_protocols = vec![ALPN.to_vec()];
-    Ok(Arc::new(QuicClientConfig::try_from(c).map_err(err)?))
+    c.resumption = rustls::client::Resumption::disabled();
+    Ok(c)
+}
+
+/// QUIC server side (kept for callers that hold only an identity).
+pub fn server_crypto(id: &Identity) -> Result<Arc<QuicServerConfig>, TlsError> {
+    ClusterTls::new(id)?.quic_server()
+}
+
+/// QUIC client side (kept for callers that hold only an identity).
+pub fn client_crypto(id: &Identity) -> Result<Arc<QuicClientConfig>, TlsError> {
+    ClusterTls::new(id)?.quic_client()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::ClusterCa;
+
+    #[test]
+    fn each_protocol_has_its_own_alpn() {
+        let ca = ClusterCa::generate("t").unwrap();
+        let tls = ClusterTls::new(&ca.issue("x").unwrap()).unwrap();
+        let ps = [Protocol::Quic, Protocol::Data, Protocol::Control];
+        for p in ps {
+            assert_eq!(tls.server(p).alpn_protocols, vec![p.alpn().to_vec()]);
+            assert_eq!(tls.client(p).alpn_protocols, vec![p.alpn().to_vec()]);
+            for q in ps {
+                assert_eq!(check_alpn(Some(q.alpn()), p).is_ok(), p == q);
+            }
+            assert!(check_alpn(None, p).is_err());
+        }
+    }
 }

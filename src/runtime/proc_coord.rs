@@ -3,6 +3,11 @@
 //! worker. A worker whose connection closes, or which stays silent past the heartbeat timeout,
 //! is stopped as a proxy, which the coordinator actor sees as that rank failing.
 //!
+//! Every worker connection is mutual TLS against the cluster CA (ALPN `ezero-control/1`), with
+//! the cluster token inside as defence in depth. Handshakes and hellos run concurrently, each
+//! under a timeout: a peer without a cluster certificate is refused and logged, and never holds
+//! up the admission of others.
+//!
 //! With `control` set it also serves the HTTP control endpoint of `ezero train --control` over
 //! the same coordinator actor. A kill there is carried out by the worker itself: told over its
 //! control connection, it ends its own process with SIGKILL halfway through the next step.
@@ -14,11 +19,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ractor::{Actor, ActorRef};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
+use tokio_rustls::TlsAcceptor;
 
 use super::actors::{ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor};
 use super::clock::{Clock, SystemClock};
@@ -34,6 +40,7 @@ use super::proxy::{lock, Detached, PendingCollects, RankProxy, RankProxyArgs};
 use crate::config::{ConfigError, TrainConfig};
 use crate::engine::coordinator::Coordinator;
 use crate::job::build_model;
+use crate::net::tls::{check_alpn, ClusterTls, Protocol};
 use crate::plan::{RankId, ShardMap};
 
 /// Messages queued per connection before the peer counts as not draining.
@@ -60,8 +67,11 @@ pub enum ProcError {
 pub struct CoordinatorOptions {
     /// Where to accept workers (`host:port`; port 0 picks one). Nothing else is listened on.
     pub listen: String,
-    /// Workers must present this token.
+    /// Workers must present this token (inside TLS, as defence in depth).
     pub token: String,
+    /// This process's cluster certificate and CA: workers must present a certificate of the
+    /// same CA.
+    pub tls: ClusterTls,
     pub procs: ProcsConfig,
     pub data_plane: DataPlane,
     /// Serve the HTTP control endpoint here (`None`: off). Until every worker has joined it
@@ -80,11 +90,25 @@ pub struct Listening {
     pub control: Option<SocketAddr>,
 }
 
+/// A worker's control connection, after the TLS handshake.
+type ControlStream = tokio_rustls::server::TlsStream<TcpStream>;
+type ControlReader = ReadHalf<ControlStream>;
+type ControlWriter = WriteHalf<ControlStream>;
+
 /// A worker's control connection, split.
 struct Joined {
     rank: RankId,
-    reader: OwnedReadHalf,
-    writer: OwnedWriteHalf,
+    peer: SocketAddr,
+    reader: ControlReader,
+    writer: ControlWriter,
+}
+
+/// A connection that completed the handshake and sent its first message.
+struct Greeted {
+    peer: SocketAddr,
+    msg: ToCoord,
+    reader: ControlReader,
+    writer: ControlWriter,
 }
 
 /// Sending ends of every live worker's connection, shared with the coordinator's callbacks.
@@ -157,7 +181,7 @@ pub async fn run_coordinator(
     // Workers' addresses tell their hosts: buddy backups then go to another host where possible.
     map.hosts = joined
         .iter()
-        .filter_map(|j| Some((j.rank, j.reader.peer_addr().ok()?.ip().to_string())))
+        .map(|j| (j.rank, j.peer.ip().to_string()))
         .collect();
     let initial = map.clone();
     let mut run = Run::start(
@@ -191,7 +215,8 @@ pub async fn run_coordinator(
     result
 }
 
-/// Accepts connections until every rank has a worker, refusing bad hellos.
+/// Accepts connections until every rank has a worker, refusing failed handshakes and bad
+/// hellos. Handshakes run as tasks, so a slow or hostile peer holds up only itself.
 async fn admit(
     listener: &TcpListener,
     cfg: &TrainConfig,
@@ -199,66 +224,105 @@ async fn admit(
     deadline: Instant,
     count: &AtomicU32,
 ) -> Result<Vec<Joined>, ProcError> {
+    let acceptor = TlsAcceptor::from(opts.tls.server(Protocol::Control));
     let mut joined: BTreeMap<RankId, Joined> = BTreeMap::new();
+    let mut greeting = JoinSet::new();
     while joined.len() < cfg.ranks as usize {
-        let accepted = tokio::time::timeout_at(deadline, listener.accept()).await;
-        let Ok(accepted) = accepted else {
-            return Err(ProcError::Setup(format!(
-                "{} of {} workers joined within join_timeout_ms ({} ms)",
-                joined.len(),
-                cfg.ranks,
-                opts.procs.join_timeout_ms
-            )));
-        };
-        let (stream, peer) = match accepted {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!("accepting a worker failed: {e}");
-                continue;
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    greeting.spawn(greet(acceptor.clone(), stream, peer));
+                }
+                Err(e) => tracing::warn!("accepting a worker failed: {e}"),
+            },
+            Some(done) = greeting.join_next(), if !greeting.is_empty() => {
+                let g = match done {
+                    Ok(Some(g)) => g,
+                    Ok(None) => continue,
+                    Err(e) => {
+                        tracing::warn!("a connection's handshake task failed: {e}");
+                        continue;
+                    }
+                };
+                let peer = g.peer;
+                match check_in(g, &opts.token, &joined, cfg.ranks).await {
+                    Ok(j) => {
+                        tracing::info!("rank {} joined from {peer}", j.rank);
+                        joined.insert(j.rank, j);
+                        count.store(joined.len() as u32, Ordering::Relaxed);
+                    }
+                    Err(why) => tracing::warn!("refused a connection from {peer}: {why}"),
+                }
             }
-        };
-        match hello(stream, &opts.token, &joined, cfg.ranks).await {
-            Ok(j) => {
-                tracing::info!("rank {} joined from {peer}", j.rank);
-                joined.insert(j.rank, j);
-                count.store(joined.len() as u32, Ordering::Relaxed);
+            _ = tokio::time::sleep_until(deadline) => {
+                return Err(ProcError::Setup(format!(
+                    "{} of {} workers joined within join_timeout_ms ({} ms)",
+                    joined.len(),
+                    cfg.ranks,
+                    opts.procs.join_timeout_ms
+                )));
             }
-            Err(why) => tracing::warn!("refused a connection from {peer}: {why}"),
         }
     }
+    greeting.abort_all();
     Ok(joined.into_values().collect())
 }
 
-async fn hello(
-    stream: TcpStream,
+/// The TLS handshake and the first message, within `HELLO_TIMEOUT`. A failure is logged here,
+/// so that it is on record even when the job is complete before the task is joined.
+async fn greet(acceptor: TlsAcceptor, stream: TcpStream, peer: SocketAddr) -> Option<Greeted> {
+    let _ = stream.set_nodelay(true);
+    let greeted = async {
+        let tls = acceptor
+            .accept(stream)
+            .await
+            .map_err(|e| format!("TLS handshake failed: {e}"))?;
+        check_alpn(tls.get_ref().1.alpn_protocol(), Protocol::Control)?;
+        let (mut reader, writer) = tokio::io::split(tls);
+        let msg = read_msg::<_, ToCoord>(&mut reader, HELLO_FRAME_MAX_BYTES)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<_, String>(Greeted {
+            peer,
+            msg,
+            reader,
+            writer,
+        })
+    };
+    let why = match tokio::time::timeout(HELLO_TIMEOUT, greeted).await {
+        Ok(Ok(g)) => return Some(g),
+        Ok(Err(why)) => why,
+        Err(_) => "no TLS handshake and hello within 5 s".to_string(),
+    };
+    tracing::warn!("refused a connection from {peer}: {why}");
+    None
+}
+
+/// Admits an authenticated connection's hello, or tells it why not.
+async fn check_in(
+    g: Greeted,
     token: &str,
     joined: &BTreeMap<RankId, Joined>,
     world: u32,
 ) -> Result<Joined, String> {
-    let _ = stream.set_nodelay(true);
-    let (mut reader, mut writer) = stream.into_split();
-    let msg = tokio::time::timeout(
-        HELLO_TIMEOUT,
-        read_msg::<_, ToCoord>(&mut reader, HELLO_FRAME_MAX_BYTES),
-    )
-    .await
-    .map_err(|_| "no hello within 5 s".to_string())?
-    .map_err(|e| e.to_string())?;
-    let checked = check_hello(msg, token, joined, world);
-    match checked {
+    let Greeted {
+        peer,
+        msg,
+        reader,
+        mut writer,
+    } = g;
+    match check_hello(msg, token, joined, world) {
         Ok(rank) => Ok(Joined {
             rank,
+            peer,
             reader,
             writer,
         }),
         Err(reason) => {
-            let _ = write_msg(
-                &mut writer,
-                &ToWorker::Refused {
-                    reason: reason.clone(),
-                },
-            )
-            .await;
+            let refused = ToWorker::Refused {
+                reason: reason.clone(),
+            };
+            let _ = tokio::time::timeout(HELLO_TIMEOUT, write_msg(&mut writer, &refused)).await;
             Err(reason)
         }
     }
@@ -521,7 +585,7 @@ impl Run {
 /// The next setup message from `rank`, or why none came.
 async fn expect(
     rank: RankId,
-    reader: &mut OwnedReadHalf,
+    reader: &mut ControlReader,
     deadline: Instant,
     what: &str,
 ) -> Result<ToCoord, ProcError> {
@@ -542,7 +606,10 @@ async fn expect(
 }
 
 /// Writes queued messages until told to stop (`None`) or the connection fails.
-async fn write_loop<M: serde::Serialize>(mut w: OwnedWriteHalf, mut rx: mpsc::Receiver<Option<M>>) {
+async fn write_loop<M: serde::Serialize>(
+    mut w: impl AsyncWrite + Unpin,
+    mut rx: mpsc::Receiver<Option<M>>,
+) {
     while let Some(Some(msg)) = rx.recv().await {
         if let Err(e) = write_msg(&mut w, &msg).await {
             tracing::debug!("control connection write failed: {e}");
@@ -562,7 +629,7 @@ struct Conn {
 }
 
 impl Conn {
-    async fn read_loop(self, mut r: OwnedReadHalf, pending: PendingCollects) {
+    async fn read_loop(self, mut r: impl AsyncRead + Unpin, pending: PendingCollects) {
         let rank = self.rank;
         loop {
             let msg = match read_msg::<_, ToCoord>(&mut r, CONTROL_FRAME_MAX_BYTES).await {

@@ -2,17 +2,21 @@
 //! config, shard map, peers' data addresses), runs the unchanged rank actor behind a
 //! `CoordProxy`, and executes what arrives until the coordinator says stop, the rank fails, or
 //! the coordinator goes silent past the heartbeat timeout.
+//!
+//! Both its connections are mutual TLS against the cluster CA: the control connection to the
+//! coordinator (it checks the coordinator's certificate and presents its own) and the data plane
+//! to its peers.
 
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use ractor::{Actor, ActorRef};
-use tokio::net::tcp::OwnedReadHalf;
+use tokio::io::{ReadHalf, WriteHalf};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
+use tokio_rustls::TlsConnector;
 
 use super::clock::{Clock, SystemClock};
 use super::cluster::{exec_config, optim_settings};
@@ -30,8 +34,12 @@ use super::tcp::TcpListenerHandle;
 use super::transport::Transport;
 use crate::config::TrainConfig;
 use crate::job::{build_dataset, build_model};
-use crate::net::secrets::Identity;
+use crate::net::tls::{check_alpn, peer_server_name, ClusterTls, Protocol};
 use crate::plan::{RankId, Stage};
+
+/// The control connection to the coordinator, after the TLS handshake.
+type ControlStream = tokio_rustls::client::TlsStream<TcpStream>;
+type ControlReader = ReadHalf<ControlStream>;
 
 pub struct WorkerOptions {
     /// The coordinator's `host:port`.
@@ -40,8 +48,8 @@ pub struct WorkerOptions {
     pub rank_hint: Option<RankId>,
     /// Where to accept peers' data connections (`ip:port`; port 0 picks one).
     pub data_listen: String,
-    /// The cluster's secrets directory (CA, or this process's certificate): QUIC needs it.
-    pub secrets: Option<PathBuf>,
+    /// This process's cluster certificate and CA, for every connection it makes or accepts.
+    pub tls: ClusterTls,
     /// Only `connect_timeout_ms` and `join_timeout_ms` are used before the welcome; the
     /// coordinator's heartbeat settings apply after it.
     pub procs: ProcsConfig,
@@ -64,7 +72,8 @@ pub async fn run_worker(
 ) -> Result<WorkerOutcome, ProcError> {
     let stream = connect(&opts.join, opts.procs.connect_timeout_ms).await?;
     let _ = stream.set_nodelay(true);
-    let (mut reader, mut writer) = stream.into_split();
+    let stream = handshake(stream, &opts).await?;
+    let (mut reader, mut writer) = tokio::io::split(stream);
     let hello = ToCoord::Hello {
         token: opts.token.clone(),
         rank_hint: opts.rank_hint,
@@ -91,12 +100,14 @@ pub async fn run_worker(
     let writer_task = tokio::spawn(write_loop(writer, rx));
     let result = match welcome.data_plane {
         DataPlane::Tcp => {
-            let data = TcpListenerHandle::bind(&opts.data_listen, &opts.token).map_err(|e| {
-                ProcError::Setup(format!(
-                    "cannot listen for peers on {}: {e}",
-                    opts.data_listen
-                ))
-            })?;
+            let data = TcpListenerHandle::bind(&opts.data_listen, &opts.token, &opts.tls).map_err(
+                |e| {
+                    ProcError::Setup(format!(
+                        "cannot listen for peers on {}: {e}",
+                        opts.data_listen
+                    ))
+                },
+            )?;
             let peers = exchange(data.local_addr(), &link, &mut reader, join_ms, &opts).await?;
             let transport = data.into_transport(welcome.rank, peers.into_iter().collect());
             let interrupter = transport.interrupter();
@@ -130,7 +141,7 @@ pub async fn run_worker(
 
 /// The next message from the coordinator within `timeout_ms`.
 async fn next(
-    reader: &mut OwnedReadHalf,
+    reader: &mut ControlReader,
     timeout_ms: u64,
     addr: &str,
 ) -> Result<ToWorker, ProcError> {
@@ -151,7 +162,7 @@ async fn next(
 async fn exchange(
     bound: SocketAddr,
     link: &mpsc::Sender<Option<ToCoord>>,
-    reader: &mut OwnedReadHalf,
+    reader: &mut ControlReader,
     join_ms: u64,
     opts: &WorkerOptions,
 ) -> Result<Vec<(RankId, SocketAddr)>, ProcError> {
@@ -176,20 +187,13 @@ async fn exchange(
 
 fn bind_quic(welcome: &Welcome, opts: &WorkerOptions) -> Result<QuicTransport, ProcError> {
     let rank = welcome.rank;
-    let dir = opts.secrets.as_ref().ok_or_else(|| {
-        ProcError::Setup(
-            "the job uses QUIC with mutual TLS: give this worker the cluster's secrets directory (--secrets DIR or EZERO_SECRETS_DIR)".into(),
-        )
-    })?;
-    let identity = Identity::from_dir(dir, &format!("rank-{rank}"))
-        .map_err(|e| ProcError::Setup(format!("secrets in {}: {e}", dir.display())))?;
     let addr: SocketAddr = opts.data_listen.parse().map_err(|_| {
         ProcError::Setup(format!(
             "data address `{}` is not ip:port",
             opts.data_listen
         ))
     })?;
-    QuicTransport::bind(rank, addr, &identity, &QuicConfig::default())
+    QuicTransport::bind_tls(rank, addr, &opts.tls, &QuicConfig::default())
         .map_err(|e| ProcError::Setup(format!("rank {rank}: {e}")))
 }
 
@@ -221,10 +225,31 @@ async fn connect(addr: &str, timeout_ms: u64) -> Result<TcpStream, ProcError> {
     }
 }
 
-async fn write_loop(
-    mut w: tokio::net::tcp::OwnedWriteHalf,
-    mut rx: mpsc::Receiver<Option<ToCoord>>,
-) {
+/// The TLS handshake with the coordinator: it must show a certificate of our cluster CA, and
+/// we show ours.
+async fn handshake(stream: TcpStream, opts: &WorkerOptions) -> Result<ControlStream, ProcError> {
+    let connector = TlsConnector::from(opts.tls.client(Protocol::Control));
+    let addr = &opts.join;
+    let tls = tokio::time::timeout(
+        Duration::from_millis(opts.procs.connect_timeout_ms),
+        connector.connect(peer_server_name(), stream),
+    )
+    .await
+    .map_err(|_| ProcError::Setup(format!("no TLS handshake with the coordinator at {addr} within connect_timeout_ms")))?
+    .map_err(|e| {
+        ProcError::Setup(format!(
+            "TLS handshake with the coordinator at {addr} failed: {e} (do both use the same cluster CA in --secrets?)"
+        ))
+    })?;
+    check_alpn(tls.get_ref().1.alpn_protocol(), Protocol::Control).map_err(|e| {
+        ProcError::Setup(format!(
+            "coordinator at {addr}: {e}; is this its worker port?"
+        ))
+    })?;
+    Ok(tls)
+}
+
+async fn write_loop(mut w: WriteHalf<ControlStream>, mut rx: mpsc::Receiver<Option<ToCoord>>) {
     while let Some(Some(msg)) = rx.recv().await {
         if write_msg(&mut w, &msg).await.is_err() {
             return;
@@ -238,7 +263,7 @@ async fn serve<T: Transport>(
     transport: T,
     interrupt: Interrupt,
     link: &mpsc::Sender<Option<ToCoord>>,
-    mut reader: OwnedReadHalf,
+    mut reader: ControlReader,
 ) -> Result<WorkerOutcome, ProcError> {
     let rank = welcome.rank;
     let procs = welcome.procs;

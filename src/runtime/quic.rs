@@ -149,6 +149,16 @@ impl QuicTransport {
         identity: &Identity,
         cfg: &QuicConfig,
     ) -> Result<Self, QuicError> {
+        Self::bind_tls(rank, addr, &tls::ClusterTls::new(identity)?, cfg)
+    }
+
+    /// As `bind`, with the process's TLS configs already built.
+    pub fn bind_tls(
+        rank: RankId,
+        addr: SocketAddr,
+        tls: &tls::ClusterTls,
+        cfg: &QuicConfig,
+    ) -> Result<Self, QuicError> {
         cfg.validate()?;
         let bind_err = |what: String| QuicError::Bind { addr, what };
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -160,10 +170,10 @@ impl QuicTransport {
         let (socket, buffers) =
             bind_udp(addr, cfg.socket_buffer_bytes).map_err(|e| bind_err(e.to_string()))?;
         let transport = Arc::new(transport_config(cfg)?);
-        let mut server = quinn::ServerConfig::with_crypto(tls::server_crypto(identity)?);
+        let mut server = quinn::ServerConfig::with_crypto(tls.quic_server()?);
         server.transport_config(Arc::clone(&transport));
         server.migration(false);
-        let mut client = quinn::ClientConfig::new(tls::client_crypto(identity)?);
+        let mut client = quinn::ClientConfig::new(tls.quic_client()?);
         client.transport_config(transport);
         let mut ep_cfg = quinn::EndpointConfig::default();
         ep_cfg

@@ -3,13 +3,17 @@
 //! a reader thread per accepted connection moves frames into the rank's inbox, so a sender never
 //! waits on the receiving rank's compute.
 //!
-//! A connection starts with a hello carrying the cluster token and the sender's rank; a peer
-//! with the wrong token is refused and counted. A data frame is a fixed header (version, tag,
-//! epoch, step, sender, length, crc32) and the payload; a frame failing any check closes that
-//! connection and is counted, never delivered.
+//! Every connection is mutual TLS against the cluster CA (ALPN `ezero-data/1`): the dialer
+//! presents its cluster certificate and checks the listener's. Inside TLS, a connection starts
+//! with a hello carrying the cluster token (defence in depth) and the sender's rank. A failed
+//! handshake (another CA, no certificate, not TLS) or a bad hello is refused, logged with the
+//! peer's address and counted; it happens on the connection's own thread, under a timeout, so
+//! it never holds up the accept loop. A data frame is a fixed header (version, tag, epoch, step,
+//! sender, length, crc32) and the payload; a frame failing any check closes that connection and
+//! is counted, never delivered.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
+use std::io::{BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -17,8 +21,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use rustls::{ClientConnection, ServerConnection, StreamOwned};
 
 use super::transport::{Frame, Tag, TagKind, Transport, TransportError};
+use crate::net::tls::{check_alpn, peer_server_name, ClusterTls, Protocol};
 use crate::plan::RankId;
 
 pub const DATA_VERSION: u8 = 1;
@@ -27,13 +33,17 @@ pub const DATA_FRAME_MAX_BYTES: u32 = 1 << 30;
 const HEADER_BYTES: usize = 36;
 const HELLO_MAGIC: &[u8; 4] = b"EZD1";
 const TOKEN_MAX_BYTES: usize = 256;
-/// How long dialing a peer may take before it counts as unreachable.
+/// How long dialing a peer (TCP connect, then each read or write of the TLS handshake and the
+/// hello) may take before it counts as unreachable, or, on the accepting side, as refused.
 const DIAL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Received bytes read from the socket per syscall: rustls alone reads 4 KiB at a time.
+const READ_BUFFER_BYTES: usize = 256 << 10;
 
 /// Counted rejections on this endpoint.
 #[derive(Default, Debug)]
 pub struct DataStats {
-    /// Connections refused for a bad hello (wrong token, garbage).
+    /// Connections refused: failed TLS handshake (another CA, no certificate, another
+    /// protocol, not TLS) or a bad hello (wrong token, garbage).
     pub refused_peers: AtomicU64,
     /// Frames rejected for a bad version, size, tag or checksum.
     pub rejected_frames: AtomicU64,
@@ -47,25 +57,55 @@ pub struct TcpListenerHandle {
     inbox_rx: Receiver<Frame>,
     stats: Arc<DataStats>,
     token: Arc<str>,
+    security: Security,
 }
 
+/// How a connection is secured. Jobs always use TLS; plaintext exists only so that
+/// `ezero bench collectives --plaintext` can show what encryption costs.
+#[derive(Clone, Debug)]
+enum Security {
+    Tls(ClusterTls),
+    Plaintext,
+}
+
+/// Where a connection's bytes go: a TLS stream, or (benchmark only) the bare socket.
+type Writer = Box<dyn Write + Send>;
+type Reader = Box<dyn Read + Send>;
+
 impl TcpListenerHandle {
-    pub fn bind(addr: &str, token: &str) -> std::io::Result<Self> {
+    /// Binds `addr` (that address only); peers must present a certificate of the cluster CA
+    /// behind `tls` and the cluster `token`.
+    pub fn bind(addr: &str, token: &str, tls: &ClusterTls) -> std::io::Result<Self> {
+        Self::bind_with(addr, token, Security::Tls(tls.clone()))
+    }
+
+    /// Without TLS: for measuring what encryption costs, never for a job.
+    pub fn bind_plaintext_for_bench(addr: &str, token: &str) -> std::io::Result<Self> {
+        Self::bind_with(addr, token, Security::Plaintext)
+    }
+
+    fn bind_with(addr: &str, token: &str, security: Security) -> std::io::Result<Self> {
         let listener = TcpListener::bind(addr)?;
         let addr = listener.local_addr()?;
         let (inbox_tx, inbox_rx) = mpsc::channel();
         let stats = Arc::new(DataStats::default());
         let token: Arc<str> = token.into();
-        let (tx, st, tk) = (inbox_tx.clone(), Arc::clone(&stats), Arc::clone(&token));
+        let accepting = Accepting {
+            tx: inbox_tx.clone(),
+            stats: Arc::clone(&stats),
+            token: Arc::clone(&token),
+            security: security.clone(),
+        };
         std::thread::Builder::new()
             .name("data-accept".into())
-            .spawn(move || accept_loop(listener, tx, st, tk))?;
+            .spawn(move || accept_loop(listener, accepting))?;
         Ok(Self {
             addr,
             inbox_tx,
             inbox_rx,
             stats,
             token,
+            security,
         })
     }
 
@@ -84,41 +124,54 @@ impl TcpListenerHandle {
             inbox_rx: self.inbox_rx,
             stats: self.stats,
             token: self.token,
+            security: self.security,
         }
     }
 }
 
-fn accept_loop(listener: TcpListener, tx: Sender<Frame>, stats: Arc<DataStats>, token: Arc<str>) {
+/// What every reader thread of one listener shares.
+#[derive(Clone)]
+struct Accepting {
+    tx: Sender<Frame>,
+    stats: Arc<DataStats>,
+    token: Arc<str>,
+    security: Security,
+}
+
+fn accept_loop(listener: TcpListener, a: Accepting) {
     for stream in listener.incoming() {
         let Ok(stream) = stream else { continue };
-        let (tx, stats, token) = (tx.clone(), Arc::clone(&stats), Arc::clone(&token));
+        let a = a.clone();
+        // The handshake runs on the connection's thread: a slow or hostile peer holds up only
+        // its own connection.
         let spawned = std::thread::Builder::new()
             .name("data-read".into())
-            .spawn(move || read_loop(stream, tx, stats, &token));
+            .spawn(move || read_loop(stream, a));
         if spawned.is_err() {
             tracing::warn!("data plane: cannot start a reader thread; connection dropped");
         }
     }
 }
 
-fn read_loop(mut s: TcpStream, tx: Sender<Frame>, stats: Arc<DataStats>, token: &str) {
-    let from = match read_hello(&mut s, token) {
-        Ok(from) => from,
+fn read_loop(s: TcpStream, a: Accepting) {
+    let peer = s.peer_addr().ok();
+    let (from, mut r) = match accept(s, &a.security, &a.token) {
+        Ok(ok) => ok,
         Err(why) => {
-            stats.refused_peers.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(peer = ?s.peer_addr().ok(), "data plane: refused a connection: {why}");
+            a.stats.refused_peers.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(?peer, "data plane: refused a connection: {why}");
             return;
         }
     };
     loop {
-        match read_frame(&mut s) {
+        match read_frame(&mut r) {
             Ok(Some(frame)) if frame.from == from => {
-                if tx.send(frame).is_err() {
+                if a.tx.send(frame).is_err() {
                     return;
                 }
             }
             Ok(Some(frame)) => {
-                stats.rejected_frames.fetch_add(1, Ordering::Relaxed);
+                a.stats.rejected_frames.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(
                     "data plane: rank {from} sent a frame claiming rank {}",
                     frame.from
@@ -127,7 +180,7 @@ fn read_loop(mut s: TcpStream, tx: Sender<Frame>, stats: Arc<DataStats>, token: 
             }
             Ok(None) => return,
             Err(why) => {
-                stats.rejected_frames.fetch_add(1, Ordering::Relaxed);
+                a.stats.rejected_frames.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!("data plane: rejected a frame from rank {from}: {why}");
                 return;
             }
@@ -135,9 +188,60 @@ fn read_loop(mut s: TcpStream, tx: Sender<Frame>, stats: Arc<DataStats>, token: 
     }
 }
 
-fn read_hello(s: &mut TcpStream, token: &str) -> Result<RankId, String> {
-    s.set_read_timeout(Some(DIAL_TIMEOUT))
-        .map_err(|e| e.to_string())?;
+/// The socket under a TLS stream on the receiving side: reads are buffered (fewer syscalls
+/// than rustls's 4 KiB reads), writes (handshake and alerts only) go straight through.
+struct BufferedSocket(BufReader<TcpStream>);
+
+impl Read for BufferedSocket {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.0.read(buf)
+    }
+}
+
+impl Write for BufferedSocket {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.get_mut().write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.get_mut().flush()
+    }
+}
+
+fn set_timeouts(s: &TcpStream, t: Option<Duration>) -> std::io::Result<()> {
+    s.set_read_timeout(t)?;
+    s.set_write_timeout(t)
+}
+
+/// The accepting side of a connection: TLS handshake, then the hello, each step bounded by
+/// `DIAL_TIMEOUT`. The peer's rank and the stream to read its frames from, or why it is refused.
+fn accept(s: TcpStream, security: &Security, token: &str) -> Result<(RankId, Reader), String> {
+    set_timeouts(&s, Some(DIAL_TIMEOUT)).map_err(|e| e.to_string())?;
+    match security {
+        Security::Plaintext => {
+            let mut r = BufReader::with_capacity(READ_BUFFER_BYTES, s);
+            let from = read_hello(&mut r, token)?;
+            set_timeouts(r.get_ref(), None).map_err(|e| e.to_string())?;
+            Ok((from, Box::new(r)))
+        }
+        Security::Tls(tls) => {
+            let mut conn =
+                ServerConnection::new(tls.server(Protocol::Data)).map_err(|e| e.to_string())?;
+            let mut sock = BufferedSocket(BufReader::with_capacity(READ_BUFFER_BYTES, s));
+            while conn.is_handshaking() {
+                conn.complete_io(&mut sock)
+                    .map_err(|e| format!("TLS handshake failed: {e}"))?;
+            }
+            check_alpn(conn.alpn_protocol(), Protocol::Data)?;
+            let mut stream = StreamOwned::new(conn, sock);
+            let from = read_hello(&mut stream, token)?;
+            set_timeouts(stream.sock.0.get_ref(), None).map_err(|e| e.to_string())?;
+            Ok((from, Box::new(stream)))
+        }
+    }
+}
+
+fn read_hello(s: &mut impl Read, token: &str) -> Result<RankId, String> {
     let mut head = [0u8; 10];
     s.read_exact(&mut head).map_err(|e| e.to_string())?;
     if &head[..4] != HELLO_MAGIC {
@@ -153,8 +257,36 @@ fn read_hello(s: &mut TcpStream, token: &str) -> Result<RankId, String> {
     if got != token.as_bytes() {
         return Err("wrong cluster token".into());
     }
-    s.set_read_timeout(None).map_err(|e| e.to_string())?;
     Ok(from)
+}
+
+/// Dials `addr`: TCP, the TLS handshake (checking the peer's certificate against the cluster
+/// CA) and the hello, each bounded by `DIAL_TIMEOUT`.
+fn dial(
+    addr: SocketAddr,
+    security: &Security,
+    token: &str,
+    rank: RankId,
+) -> std::io::Result<Writer> {
+    let mut s = TcpStream::connect_timeout(&addr, DIAL_TIMEOUT)?;
+    s.set_nodelay(true)?;
+    set_timeouts(&s, Some(DIAL_TIMEOUT))?;
+    let mut out: Writer = match security {
+        Security::Plaintext => Box::new(s.try_clone()?),
+        Security::Tls(tls) => {
+            let mut conn = ClientConnection::new(tls.client(Protocol::Data), peer_server_name())
+                .map_err(std::io::Error::other)?;
+            while conn.is_handshaking() {
+                conn.complete_io(&mut s)?;
+            }
+            check_alpn(conn.alpn_protocol(), Protocol::Data).map_err(std::io::Error::other)?;
+            Box::new(StreamOwned::new(conn, s.try_clone()?))
+        }
+    };
+    out.write_all(&hello(token, rank))?;
+    // Sends block as long as the peer's window is full, as before TLS.
+    set_timeouts(&s, None)?;
+    Ok(out)
 }
 
 fn hello(token: &str, from: RankId) -> Vec<u8> {
@@ -248,11 +380,12 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, String> {
 /// One rank's endpoint on the TCP data plane.
 pub struct TcpTransport {
     rank: RankId,
-    peers: BTreeMap<RankId, (SocketAddr, Mutex<Option<TcpStream>>)>,
+    peers: BTreeMap<RankId, (SocketAddr, Mutex<Option<Writer>>)>,
     inbox_tx: Sender<Frame>,
     inbox_rx: Receiver<Frame>,
     stats: Arc<DataStats>,
     token: Arc<str>,
+    security: Security,
 }
 
 /// Wakes a rank from its current receive: the runtime's side door into the inbox.
@@ -293,15 +426,12 @@ impl TcpTransport {
 
     fn write(
         &self,
-        conn: &mut Option<TcpStream>,
+        conn: &mut Option<Writer>,
         addr: SocketAddr,
         frame: &Frame,
     ) -> std::io::Result<()> {
         if conn.is_none() {
-            let mut s = TcpStream::connect_timeout(&addr, DIAL_TIMEOUT)?;
-            s.set_nodelay(true)?;
-            s.write_all(&hello(&self.token, self.rank))?;
-            *conn = Some(s);
+            *conn = Some(dial(addr, &self.security, &self.token, self.rank)?);
         }
         // Invariant: set just above when it was empty.
         let s = conn.as_mut().expect("connected");
@@ -349,6 +479,7 @@ impl Transport for TcpTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::net::ClusterCa;
 
     fn frame(from: RankId, unit: u32, payload: &'static [u8]) -> Frame {
         Frame {
@@ -365,43 +496,148 @@ mod tests {
         }
     }
 
+    fn cluster_tls(ca: &ClusterCa, name: &str) -> ClusterTls {
+        ClusterTls::new(&ca.issue(name).unwrap()).unwrap()
+    }
+
+    /// Waits (bounded) until `b` has refused `n` connections.
+    fn wait_refused(b: &TcpTransport, n: u64) -> u64 {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        let count = || b.stats().refused_peers.load(Ordering::Relaxed);
+        while count() < n && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        count()
+    }
+
     #[test]
     fn frames_cross_between_two_endpoints() {
+        let ca = ClusterCa::generate("t").unwrap();
         let (a, b) = (
-            TcpListenerHandle::bind("127.0.0.1:0", "t").unwrap(),
-            TcpListenerHandle::bind("127.0.0.1:0", "t").unwrap(),
+            TcpListenerHandle::bind("127.0.0.1:0", "t", &cluster_tls(&ca, "rank-0")).unwrap(),
+            TcpListenerHandle::bind("127.0.0.1:0", "t", &cluster_tls(&ca, "rank-1")).unwrap(),
         );
         let peers: BTreeMap<_, _> = [(0, a.local_addr()), (1, b.local_addr())].into();
         let a = a.into_transport(0, peers.clone());
         let mut b = b.into_transport(1, peers);
         a.send(1, frame(0, 5, b"hello")).unwrap();
+        let big = vec![7u8; 3 << 20];
+        let mut f = frame(0, 6, b"");
+        f.payload = Bytes::from(big.clone());
+        a.send(1, f).unwrap();
+        a.send(1, frame(0, 7, b"")).unwrap();
         let got = b.recv_timeout(5_000).unwrap();
         assert_eq!(
             (got.from, got.tag.unit, &got.payload[..]),
             (0, 5, &b"hello"[..])
         );
+        let got = b.recv_timeout(5_000).unwrap();
+        assert_eq!((got.tag.unit, &got.payload[..]), (6, &big[..]));
+        let got = b.recv_timeout(5_000).unwrap();
+        assert_eq!((got.tag.unit, got.payload.len()), (7, 0));
         b.interrupter().interrupt(1, 2);
         assert_eq!(b.recv_timeout(5_000).unwrap().tag.kind, TagKind::Interrupt);
         assert!(matches!(
             b.recv_timeout(10),
             Err(TransportError::Timeout(10))
         ));
+        assert_eq!(b.stats().refused_peers.load(Ordering::Relaxed), 0);
     }
 
     #[test]
     fn a_peer_with_the_wrong_token_is_refused_and_counted() {
-        let b = TcpListenerHandle::bind("127.0.0.1:0", "right").unwrap();
-        let wrong = TcpListenerHandle::bind("127.0.0.1:0", "wrong").unwrap();
+        let ca = ClusterCa::generate("t").unwrap();
+        let b = TcpListenerHandle::bind("127.0.0.1:0", "right", &cluster_tls(&ca, "b")).unwrap();
+        let wrong =
+            TcpListenerHandle::bind("127.0.0.1:0", "wrong", &cluster_tls(&ca, "w")).unwrap();
         let peers: BTreeMap<_, _> = [(0, wrong.local_addr()), (1, b.local_addr())].into();
         let wrong = wrong.into_transport(0, peers.clone());
         let mut b = b.into_transport(1, peers);
         // The write may succeed (the kernel buffers it) but nothing is delivered.
         let _ = wrong.send(1, frame(0, 1, b"x"));
+        assert_eq!(wait_refused(&b, 1), 1);
         assert!(matches!(
             b.recv_timeout(300),
             Err(TransportError::Timeout(_))
         ));
-        assert_eq!(b.stats().refused_peers.load(Ordering::Relaxed), 1);
+    }
+
+    /// Dials `addr` with `config`, completes what it can of the handshake and writes a hello
+    /// and a frame; errors are ignored (the listener decides).
+    fn raw_tls_client(addr: SocketAddr, config: Arc<rustls::ClientConfig>) {
+        let Ok(mut s) = TcpStream::connect(addr) else {
+            return;
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+        let mut conn = ClientConnection::new(config, peer_server_name()).unwrap();
+        while conn.is_handshaking() {
+            if conn.complete_io(&mut s).is_err() {
+                return;
+            }
+        }
+        let mut tls = StreamOwned::new(conn, s);
+        let f = frame(0, 1, b"intruder");
+        let _ = tls.write_all(&hello("t", 0));
+        let _ = tls.write_all(&encode_header(&f).unwrap());
+        let _ = tls.write_all(&f.payload);
+        let _ = tls.flush();
+    }
+
+    #[test]
+    fn peers_without_a_cluster_certificate_are_refused_and_counted() {
+        let ca = ClusterCa::generate("cluster").unwrap();
+        let foreign = ClusterCa::generate("someone else").unwrap();
+        let b = TcpListenerHandle::bind("127.0.0.1:0", "t", &cluster_tls(&ca, "b")).unwrap();
+        let addr = b.local_addr();
+        let mut b = b.into_transport(1, BTreeMap::new());
+        let good = TcpListenerHandle::bind("127.0.0.1:0", "t", &cluster_tls(&ca, "a")).unwrap();
+        let good = good.into_transport(0, [(1, addr)].into());
+        // A member of the cluster gets through: the refusals below are not a broken listener.
+        good.send(1, frame(0, 1, b"member")).unwrap();
+        assert_eq!(&b.recv_timeout(20_000).unwrap().payload[..], b"member");
+
+        // 1. A certificate from another CA (the intruder knows the cluster CA's public cert).
+        let mut stolen = foreign.issue("rank-0").unwrap();
+        stolen.ca = ca.cert().clone();
+        let intruder =
+            TcpListenerHandle::bind("127.0.0.1:0", "t", &ClusterTls::new(&stolen).unwrap())
+                .unwrap()
+                .into_transport(0, [(1, addr)].into());
+        let _ = intruder.send(1, frame(0, 1, b"foreign"));
+        // 2. No client certificate at all.
+        let no_cert = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates({
+            let mut r = rustls::RootCertStore::empty();
+            r.add(ca.cert().clone()).unwrap();
+            r
+        })
+        .with_no_client_auth();
+        let mut no_cert = no_cert;
+        no_cert.alpn_protocols = vec![Protocol::Data.alpn().to_vec()];
+        raw_tls_client(addr, Arc::new(no_cert));
+        // 3. A cluster certificate, but the control protocol's ALPN.
+        raw_tls_client(addr, cluster_tls(&ca, "c").client(Protocol::Control));
+        // 4. No TLS: the plaintext hello of the bench-only mode.
+        let plain = TcpListenerHandle::bind_plaintext_for_bench("127.0.0.1:0", "t")
+            .unwrap()
+            .into_transport(0, [(1, addr)].into());
+        let _ = plain.send(1, frame(0, 1, b"plaintext"));
+
+        assert_eq!(wait_refused(&b, 4), 4);
+        assert!(matches!(
+            b.recv_timeout(300),
+            Err(TransportError::Timeout(_))
+        ));
+        assert_eq!(b.stats().rejected_frames.load(Ordering::Relaxed), 0);
+        // The listener still accepts members after the refusals.
+        let again = TcpListenerHandle::bind("127.0.0.1:0", "t", &cluster_tls(&ca, "d")).unwrap();
+        let again = again.into_transport(0, [(1, addr)].into());
+        again.send(1, frame(0, 2, b"still here")).unwrap();
+        assert_eq!(&b.recv_timeout(20_000).unwrap().payload[..], b"still here");
     }
 
     #[test]
