@@ -10,7 +10,6 @@
 //! must not use thread pools whose reduction order depends on the number of threads.
 
 pub mod attention;
-mod gemm;
 pub mod gpt;
 pub mod kernels;
 pub mod mlp;

@@ -3,9 +3,8 @@
 //!
 //! Everything here is a pure function of its arguments, bit for bit, so that ranks that recompute
 //! the same unit agree exactly (see the determinism contract in `model/mod.rs`):
-//! - matrix products go through our single-threaded AVX2/FMA kernel (`gemm.rs`), or
-//!   `matrixmultiply::sgemm` (no `threading` feature) on CPUs without it; both block and sum in
-//!   an order that depends only on the shapes;
+//! - matrix products go through single-threaded `matrixmultiply::sgemm` (no `threading`
+//!   feature), whose blocking and summation order depend only on the shapes;
 //! - every other reduction (layernorm statistics, softmax sums, cross-entropy) runs over a fixed
 //!   number of lanes in a fixed order (`kernels::lane_sum`), in `f64` where it sums many terms;
 //!   bias and embedding gradients add row after row;
@@ -16,9 +15,7 @@
 //! The `*_into` forms write into caller-provided buffers (the models carve them from a reused
 //! `workspace::Scratch`); the allocating forms wrap them for tests and simple callers.
 
-use super::gemm::Strided;
 use super::kernels::{cross_entropy_kernel, gelu_into, gelu_with_derivative_into, lane_sum};
-use super::workspace::Scratch;
 use crate::optim::{multiversion, Isa};
 
 pub use super::attention::{attention_backward, attention_forward, AttnShape};
@@ -61,15 +58,6 @@ impl Layout {
             row_stride: self.col_stride,
             col_stride: self.row_stride,
             ..self
-        }
-    }
-
-    /// This layout's strides over `ptr`, which points at element (0, 0).
-    fn over<P>(&self, ptr: P) -> Strided<P> {
-        Strided {
-            ptr,
-            rs: self.row_stride as isize,
-            cs: self.col_stride as isize,
         }
     }
 
@@ -120,26 +108,11 @@ pub(super) fn gemm(
         }
         return;
     }
-    #[cfg(target_arch = "x86_64")]
-    if super::gemm::available() {
-        let mut ws = Scratch::take();
-        let pack = ws.carve(super::gemm::PACK_LENS);
-        let (pa, pb) = (
-            a.as_ptr().wrapping_add(la.offset),
-            b.as_ptr().wrapping_add(lb.offset),
-        );
-        let pc = c.as_mut_ptr().wrapping_add(lc.offset);
-        // SAFETY: the kernel is available; the `fits` checks above bound every element it
-        // touches inside the three slices; `c` is a unique borrow, so it aliases neither `a`
-        // nor `b`; and `lc` maps distinct (i, j) to distinct slots.
-        unsafe {
-            super::gemm::sgemm(m, k, n, la.over(pa), lb.over(pb), lc.over(pc), acc, pack);
-        }
-        return;
-    }
     // With beta = 0 sgemm never reads C, so stale or NaN contents cannot leak in.
     let beta = if acc { 1.0 } else { 0.0 };
-    // SAFETY: as above.
+    // SAFETY: the `fits` checks above bound every element sgemm touches (offset plus strides
+    // times indices below rows/cols) inside the three slices; `c` is a unique borrow, so it
+    // aliases neither `a` nor `b`; and `lc` maps distinct (i, j) to distinct slots.
     unsafe {
         matrixmultiply::sgemm(
             m,
