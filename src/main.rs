@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    elastic_zero::runtime::alloc::keep_freed_memory();
     let args = cli::Cli::parse();
     let filter =
         tracing_subscriber::EnvFilter::try_from_env("EZERO_LOG").unwrap_or_else(|_| "warn".into());

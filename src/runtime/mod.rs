@@ -2,6 +2,7 @@
 //! engines decide. Nothing above this layer imports it.
 
 pub mod actors;
+pub mod alloc;
 pub mod clock;
 pub mod cluster;
 pub mod collectives;
