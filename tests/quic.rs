@@ -212,7 +212,10 @@ fn damaged_bytes_on_a_stream_are_counted_and_dropped() {
     rt.block_on(async move {
         let mut ep = quinn::Endpoint::client(loopback()).unwrap();
         ep.set_default_client_config(quinn::ClientConfig::new(
-            elastic_zero::net::tls::client_crypto(&id).unwrap(),
+            elastic_zero::net::tls::ClusterTls::new(&id)
+                .unwrap()
+                .quic_client()
+                .unwrap(),
         ));
         let conn = ep.connect(addr, "ezero-peer").unwrap().await.unwrap();
         let mut s = conn.open_uni().await.unwrap();

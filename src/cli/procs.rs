@@ -82,8 +82,8 @@ pub struct CoordinatorArgs {
     /// every worker connection is mutual TLS against that CA. Required.
     #[arg(long, env = "EZERO_SECRETS_DIR", value_name = "DIR")]
     pub secrets: Option<PathBuf>,
-    /// Data plane between workers: tcp or quic, both mutual TLS against the cluster CA (quic's
-    /// connection setup is not yet reliable) [default: tcp].
+    /// Data plane between workers: tcp or quic, both mutual TLS against the cluster CA
+    /// [default: tcp].
     #[arg(long, value_parser = parse_data_plane)]
     pub transport: Option<DataPlane>,
     /// File holding the cluster token workers must present (or set EZERO_CLUSTER_TOKEN).

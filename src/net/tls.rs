@@ -60,12 +60,9 @@ fn roots(id: &Identity) -> Result<Arc<RootCertStore>, TlsError> {
 /// One process's TLS configs, per protocol; cheap to clone.
 #[derive(Clone)]
 pub struct ClusterTls {
-    quic_server: Arc<ServerConfig>,
-    quic_client: Arc<ClientConfig>,
-    data_server: Arc<ServerConfig>,
-    data_client: Arc<ClientConfig>,
-    control_server: Arc<ServerConfig>,
-    control_client: Arc<ClientConfig>,
+    /// Indexed by `Protocol as usize`.
+    servers: [Arc<ServerConfig>; 3],
+    clients: [Arc<ClientConfig>; 3],
 }
 
 impl std::fmt::Debug for ClusterTls {
@@ -75,46 +72,33 @@ impl std::fmt::Debug for ClusterTls {
 }
 
 impl ClusterTls {
+    const PROTOCOLS: [Protocol; 3] = [Protocol::Quic, Protocol::Data, Protocol::Control];
+
     /// Verifies and loads `id` once; every config shares its certificate, key and CA.
     pub fn new(id: &Identity) -> Result<Self, TlsError> {
-        let server = server_base(id)?;
-        let client = client_base(id)?;
-        let with_server = |p: Protocol| {
-            let mut c = server.clone();
-            c.alpn_protocols = vec![p.alpn().to_vec()];
-            Arc::new(c)
-        };
-        let with_client = |p: Protocol| {
-            let mut c = client.clone();
-            c.alpn_protocols = vec![p.alpn().to_vec()];
-            Arc::new(c)
-        };
+        let (server, client) = (server_base(id)?, client_base(id)?);
         Ok(Self {
-            quic_server: with_server(Protocol::Quic),
-            quic_client: with_client(Protocol::Quic),
-            data_server: with_server(Protocol::Data),
-            data_client: with_client(Protocol::Data),
-            control_server: with_server(Protocol::Control),
-            control_client: with_client(Protocol::Control),
+            servers: Self::PROTOCOLS.map(|p| {
+                let mut c = server.clone();
+                c.alpn_protocols = vec![p.alpn().to_vec()];
+                Arc::new(c)
+            }),
+            clients: Self::PROTOCOLS.map(|p| {
+                let mut c = client.clone();
+                c.alpn_protocols = vec![p.alpn().to_vec()];
+                Arc::new(c)
+            }),
         })
     }
 
     /// Server side of `p`: requires a client certificate from the cluster CA.
     pub fn server(&self, p: Protocol) -> Arc<ServerConfig> {
-        Arc::clone(match p {
-            Protocol::Quic => &self.quic_server,
-            Protocol::Data => &self.data_server,
-            Protocol::Control => &self.control_server,
-        })
+        Arc::clone(&self.servers[p as usize])
     }
 
     /// Client side of `p`: verifies the server against the cluster CA, presents our cert.
     pub fn client(&self, p: Protocol) -> Arc<ClientConfig> {
-        Arc::clone(match p {
-            Protocol::Quic => &self.quic_client,
-            Protocol::Data => &self.data_client,
-            Protocol::Control => &self.control_client,
-        })
+        Arc::clone(&self.clients[p as usize])
     }
 
     pub fn quic_server(&self) -> Result<Arc<QuicServerConfig>, TlsError> {
@@ -171,16 +155,6 @@ fn client_base(id: &Identity) -> Result<ClientConfig, TlsError> {
         .map_err(err)?;
     c.resumption = rustls::client::Resumption::disabled();
     Ok(c)
-}
-
-/// QUIC server side (kept for callers that hold only an identity).
-pub fn server_crypto(id: &Identity) -> Result<Arc<QuicServerConfig>, TlsError> {
-    ClusterTls::new(id)?.quic_server()
-}
-
-/// QUIC client side (kept for callers that hold only an identity).
-pub fn client_crypto(id: &Identity) -> Result<Arc<QuicClientConfig>, TlsError> {
-    ClusterTls::new(id)?.quic_client()
 }
 
 #[cfg(test)]
