@@ -52,8 +52,8 @@ pub struct CollectivesArgs {
     /// tcp: without TLS, to measure what encryption costs (jobs always use TLS).
     #[arg(long)]
     pub plaintext: bool,
-    /// quic: the initial MTU (1200..=max; loopback default 4000).
-    #[arg(long, default_value_t = 4000)]
+    /// quic: the initial MTU (1200..=max).
+    #[arg(long, default_value_t = QuicConfig::loopback().initial_mtu)]
     pub initial_mtu: u16,
     /// quic: UDP socket buffers in bytes (0 = kernel default).
     #[arg(long, default_value_t = 4 << 20)]
@@ -62,7 +62,7 @@ pub struct CollectivesArgs {
     #[arg(long)]
     pub no_gso: bool,
     /// quic: the largest UDP payload (upper bound of MTU discovery).
-    #[arg(long, default_value_t = 4000)]
+    #[arg(long, default_value_t = QuicConfig::loopback().max_udp_payload_bytes)]
     pub max_udp_payload_bytes: u16,
     /// quic: per-stream flow-control window in bytes (connection windows are twice it).
     #[arg(long, default_value_t = QuicConfig::default().stream_window_bytes)]
@@ -82,7 +82,7 @@ pub struct CollectivesArgs {
     /// Deadline for any one collective, in ms.
     #[arg(long, default_value_t = 120_000)]
     pub timeout_ms: u64,
-    /// Only measure the single-core AES-256-GCM seal/open rate QUIC pays per byte (one line).
+    /// Only measure the single-core AES-128-GCM and AES-256-GCM seal/open rates (one line each).
     #[arg(long)]
     pub aead: bool,
     /// Internal: run as this rank of a parent's benchmark.
@@ -242,11 +242,13 @@ fn run_rank<T: Transport>(
 pub fn run(a: &CollectivesArgs) -> Result<(), CliError> {
     plan(a)?;
     if a.aead {
-        let r = elastic_zero::bench::collectives::bench_aead(4000, 1 << 30);
-        println!(
-            "{}",
-            serde_json::to_string(&r).map_err(|e| CliError::Failed(e.to_string()))?
-        );
+        for aes_256 in [false, true] {
+            let r = elastic_zero::bench::collectives::bench_aead(aes_256, 16_000, 1 << 30);
+            println!(
+                "{}",
+                serde_json::to_string(&r).map_err(|e| CliError::Failed(e.to_string()))?
+            );
+        }
         return Ok(());
     }
     if let Some(rank) = a.worker_rank {
