@@ -22,6 +22,7 @@ pub mod quic;
 mod quic_config;
 mod quic_inbox;
 mod quic_io;
+mod quic_socket;
 pub mod rank_actor;
 pub mod rank_state;
 pub mod replica;

@@ -193,7 +193,8 @@ fn bind_quic(welcome: &Welcome, opts: &WorkerOptions) -> Result<QuicTransport, P
             opts.data_listen
         ))
     })?;
-    QuicTransport::bind_tls(rank, addr, &opts.tls, &QuicConfig::default())
+    // Peers of a loopback address are on this machine: large datagrams are safe there.
+    QuicTransport::bind_tls(rank, addr, &opts.tls, &QuicConfig::for_bind(addr))
         .map_err(|e| ProcError::Setup(format!("rank {rank}: {e}")))
 }
 

@@ -23,6 +23,7 @@ use quinn::{congestion, IdleTimeout, MtuDiscoveryConfig, VarInt};
 use super::quic_inbox::{Inbox, PopError};
 pub use super::quic_io::ControlEvent;
 use super::quic_io::{accept_loop, dial, Counters, Shared, CLOSE_BYE};
+use super::quic_socket::CappedSocket;
 use super::transport::{Frame, Tag, TagKind, Transport, TransportError};
 use crate::net::secrets::Identity;
 use crate::net::socket::{bind_udp, SocketBuffers};
@@ -181,7 +182,11 @@ impl QuicTransport {
             .map_err(|e| bind_err(e.to_string()))?;
         let endpoint = {
             let _guard = runtime.enter();
-            quinn::Endpoint::new(ep_cfg, Some(server), socket, Arc::new(quinn::TokioRuntime))
+            let rt = Arc::new(quinn::TokioRuntime);
+            let socket = quinn::Runtime::wrap_udp_socket(&*rt, socket)
+                .map_err(|e| bind_err(e.to_string()))?;
+            let socket = Arc::new(CappedSocket::new(socket, cfg.max_udp_payload_bytes));
+            quinn::Endpoint::new_with_abstract_socket(ep_cfg, Some(server), socket, rt)
                 .map_err(|e| bind_err(e.to_string()))?
         };
         let mut endpoint = endpoint;
@@ -369,27 +374,27 @@ fn transport_config(cfg: &QuicConfig) -> Result<quinn::TransportConfig, QuicConf
         .enable_segmentation_offload(cfg.gso)
         .max_idle_timeout(Some(idle))
         .keep_alive_interval(Some(Duration::from_millis(cfg.idle_timeout_ms / 3)));
-    let iw = cfg.initial_window_bytes;
+    // quinn's default window (12000 bytes) is sized for 1200-byte packets: with a larger
+    // initial MTU the first packet never fits and the handshake stalls. Use RFC 9002's
+    // formula for the initial MTU instead.
+    let iw = match cfg.initial_window_bytes {
+        0 => rfc9002_initial_window(cfg.initial_mtu),
+        n => n,
+    };
     t.congestion_controller_factory(match cfg.congestion {
         Congestion::Cubic => {
             let mut c = congestion::CubicConfig::default();
-            if iw > 0 {
-                c.initial_window(iw);
-            }
+            c.initial_window(iw);
             Arc::new(c) as Arc<dyn congestion::ControllerFactory + Send + Sync>
         }
         Congestion::NewReno => {
             let mut c = congestion::NewRenoConfig::default();
-            if iw > 0 {
-                c.initial_window(iw);
-            }
+            c.initial_window(iw);
             Arc::new(c)
         }
         Congestion::Bbr => {
             let mut c = congestion::BbrConfig::default();
-            if iw > 0 {
-                c.initial_window(iw);
-            }
+            c.initial_window(iw);
             Arc::new(c)
         }
     });
@@ -397,6 +402,12 @@ fn transport_config(cfg: &QuicConfig) -> Result<quinn::TransportConfig, QuicConf
     mtu.upper_bound(cfg.max_udp_payload_bytes);
     t.mtu_discovery_config(Some(mtu));
     Ok(t)
+}
+
+/// RFC 9002 §7.2: min(10 × max_datagram_size, max(14720, 2 × max_datagram_size)).
+fn rfc9002_initial_window(mtu: u16) -> u64 {
+    let d = u64::from(mtu);
+    (10 * d).min(14_720u64.max(2 * d))
 }
 
 impl QuicControl {
@@ -441,11 +452,13 @@ impl QuicControl {
         {
             return Err(TransportError::UnknownPeer(to));
         }
+        // Checksummed here, outside the lock, on the sending thread.
+        let chunks = crate::wire::encode(&msg);
         let lanes = peer.lanes.lock().unwrap_or_else(|e| e.into_inner());
         let tx = lanes.as_ref().ok_or(TransportError::Closed)?;
         let wire = (payload + PREFIX_BYTES + CHECKSUM_BYTES + 32) as u64;
         s.counters.queued_bytes.fetch_add(wire, Ordering::Relaxed);
-        if tx[lane as usize].send((msg, wire)).is_err() {
+        if tx[lane as usize].send((chunks, wire)).is_err() {
             s.counters.queued_bytes.fetch_sub(wire, Ordering::Relaxed);
             return Err(TransportError::UnknownPeer(to));
         }

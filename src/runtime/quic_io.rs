@@ -56,7 +56,10 @@ pub(crate) struct Counters {
 }
 
 /// A lane's queue: messages with the wire bytes they count against `queued_bytes`.
-pub(crate) type LaneTx = mpsc::UnboundedSender<(WireMsg, u64)>;
+/// A frame already encoded (by the sending thread, which also pays for its checksum, so the
+/// transport's I/O thread only copies and encrypts), with its queued-bytes charge.
+pub(crate) type Encoded = ([Bytes; 3], u64);
+pub(crate) type LaneTx = mpsc::UnboundedSender<Encoded>;
 
 pub(crate) struct Peer {
     pub rank: RankId,
@@ -163,7 +166,7 @@ async fn writer(
     shared: Arc<Shared>,
     peer: Arc<Peer>,
     lane: Lane,
-    mut rx: mpsc::UnboundedReceiver<(WireMsg, u64)>,
+    mut rx: mpsc::UnboundedReceiver<Encoded>,
 ) {
     let mut conn_rx = peer.conn.subscribe();
     let conn = match conn_rx.wait_for(Option::is_some).await {
@@ -191,8 +194,7 @@ async fn writer(
         shared.mark_lost(&peer, format!("write failed: {e}"));
         return drain(&shared, &mut rx).await;
     }
-    while let Some((msg, n)) = rx.recv().await {
-        let mut chunks = crate::wire::encode(&msg);
+    while let Some((mut chunks, n)) = rx.recv().await {
         let res = s.write_all_chunks(&mut chunks).await;
         shared.counters.queued_bytes.fetch_sub(n, Ordering::Relaxed);
         if let Err(e) = res {
@@ -208,7 +210,7 @@ async fn writer(
 }
 
 /// Drops what a dead writer still holds, keeping the queued-bytes count right.
-async fn drain(shared: &Shared, rx: &mut mpsc::UnboundedReceiver<(WireMsg, u64)>) {
+async fn drain(shared: &Shared, rx: &mut mpsc::UnboundedReceiver<Encoded>) {
     rx.close();
     while let Some((_, n)) = rx.recv().await {
         shared.counters.queued_bytes.fetch_sub(n, Ordering::Relaxed);

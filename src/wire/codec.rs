@@ -140,17 +140,19 @@ pub(super) fn check_prefix(
     Ok((body, h))
 }
 
-/// Decodes a complete frame whose prefix was checked: `rest` is header, payload and checksum.
-pub(super) fn decode_body(
-    prefix: &[u8; PREFIX_BYTES],
-    h: usize,
-    rest: Bytes,
-) -> Result<WireMsg, WireError> {
-    let body = rest.len() - CHECKSUM_BYTES;
+/// The checksum of a frame's prefix and body (everything before the trailing checksum).
+pub(super) fn checksum(prefix: &[u8; PREFIX_BYTES], body: &[u8]) -> u32 {
     let mut crc = crc32fast::Hasher::new();
     crc.update(prefix);
-    crc.update(&rest[..body]);
-    let got = crc.finalize();
+    crc.update(body);
+    crc.finalize()
+}
+
+/// Decodes a complete frame whose prefix was checked: `rest` is header, payload and checksum,
+/// and `got` the checksum the receiver computed over the prefix and `rest` less its last 4
+/// bytes.
+pub(super) fn decode_body(h: usize, rest: Bytes, got: u32) -> Result<WireMsg, WireError> {
+    let body = rest.len() - CHECKSUM_BYTES;
     let c = &rest[body..];
     let expected = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
     if got != expected {
@@ -232,6 +234,7 @@ pub fn decode(buf: &[u8], max_frame_bytes: u32) -> Result<(WireMsg, usize), Wire
             need: total,
         });
     }
+    let got = checksum(&prefix, &buf[PREFIX_BYTES..total - CHECKSUM_BYTES]);
     let rest = Bytes::copy_from_slice(&buf[PREFIX_BYTES..total]);
-    Ok((decode_body(&prefix, h, rest)?, total))
+    Ok((decode_body(h, rest, got)?, total))
 }

@@ -16,6 +16,12 @@ pub struct StreamDecoder {
     header_len: usize,
     need: usize,
     body: BytesMut,
+    /// Checksum of the prefix and of the body so far, up to the trailing checksum: each piece
+    /// is summed right after it is copied, while it is in cache. Summing the whole frame at
+    /// the end read it back from memory (a 64 MiB frame does not fit in L3).
+    crc: crc32fast::Hasher,
+    /// Body bytes the checksum covers (all but the trailing checksum).
+    summed_len: usize,
     /// Whether `body` is a large frame's (see `spares`).
     large: bool,
     /// The allocations of the last large frames, reused for the next one once their consumer
@@ -41,6 +47,8 @@ impl StreamDecoder {
             header_len: 0,
             need: 0,
             body: BytesMut::new(),
+            crc: crc32fast::Hasher::new(),
+            summed_len: 0,
             large: false,
             spares: Vec::new(),
         }
@@ -60,6 +68,9 @@ impl StreamDecoder {
             let (body, h) = check_prefix(&self.prefix, self.max_frame_bytes)?;
             self.header_len = h;
             self.need = body + CHECKSUM_BYTES;
+            self.summed_len = body;
+            self.crc = crc32fast::Hasher::new();
+            self.crc.update(&self.prefix);
             self.large = self.need >= REUSE_MIN_BYTES;
             self.body = if self.large {
                 self.reuse(self.need)
@@ -68,7 +79,9 @@ impl StreamDecoder {
             };
         }
         let n = self.need.min(input.len());
+        let summed = self.summed_len.saturating_sub(self.body.len()).min(n);
         self.body.extend_from_slice(&input[..n]);
+        self.crc.update(&input[..summed]);
         input.advance(n);
         self.need -= n;
         if self.need > 0 {
@@ -82,7 +95,8 @@ impl StreamDecoder {
             }
             self.spares.push(body.clone());
         }
-        decode_body(&self.prefix, self.header_len, body).map(Some)
+        let got = std::mem::replace(&mut self.crc, crc32fast::Hasher::new()).finalize();
+        decode_body(self.header_len, body, got).map(Some)
     }
 
     /// An empty buffer of at least `need` bytes, in a spare allocation nobody else holds if
