@@ -35,7 +35,7 @@ for round in $(seq 1 "${1:-2}"); do
 done
 if [ "${TUNING:-1}" = 1 ]; then
   # One knob at a time off the tuned default, broadcast and all_gather at 2 processes, 64 MiB.
-  for variant in tuned "--socket-buffer-bytes 0" "--no-gso" "--initial-mtu 1200 --max-udp-payload-bytes 1472"; do
+  for variant in tuned "--socket-buffer-bytes 0" "--no-gso" "--initial-mtu 4000 --max-udp-payload-bytes 4000" "--initial-mtu 1200 --max-udp-payload-bytes 1472"; do
     for round in 1 2; do
       args=(); [ "$variant" = tuned ] || read -r -a args <<< "$variant"
       $EZ bench collectives --transport quic --nprocs 2 --bytes 64M --ops broadcast,all_gather "${args[@]}" |

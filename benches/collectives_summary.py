@@ -48,7 +48,8 @@ for p in sorted(glob.glob(os.path.join(out, "iperf-*.json"))):
     except (KeyError, ValueError):
         pass
 for r in lines("aead.jsonl"):
-    print(f"AES-256-GCM one core, {r['packet_bytes']} B packets: seal {r['seal_gbps']:.2f} GB/s, open {r['open_gbps']:.2f} GB/s")
+    alg = {"aead_aes128gcm": "AES-128-GCM", "aead_aes256gcm": "AES-256-GCM"}.get(r["op"], r["op"])
+    print(f"{alg} one core, {r['packet_bytes']} B packets: seal {r['seal_gbps']:.2f} GB/s, open {r['open_gbps']:.2f} GB/s")
 tun = defaultdict(list)
 for r in lines("tuning.jsonl"):
     tun[(r["variant"], r["op"])].append(r["busbw_gbps"])
