@@ -366,3 +366,33 @@ fn large_datagrams_connect_keep_their_mtu_and_stay_segmented() {
         );
     }
 }
+
+/// One frame to several ranks (a broadcast root's or an all-gather's send) is encoded once and
+/// reaches each of them, this rank included, whole.
+#[test]
+fn send_to_each_reaches_every_rank_once() {
+    let mut ts = cluster(3);
+    let payload: Vec<u8> = (0..1usize << 20).map(|i| (i * 11 + 7) as u8).collect();
+    let frame = Frame {
+        epoch: 0,
+        step: 1,
+        from: 0,
+        tag: tag(TagKind::Broadcast, 4),
+        payload: Bytes::from(payload.clone()),
+    };
+    ts[0].send_to_each(&[1, 0, 2], frame).unwrap();
+    assert_eq!(ts[0].stats().frames_sent, 2, "the self-send stays local");
+    for t in ts.iter_mut() {
+        let got = t.recv_timeout(WAIT_MS).unwrap();
+        assert_eq!((got.from, got.tag.unit), (0, 4));
+        assert!(
+            got.payload[..] == payload[..],
+            "rank {}: bytes differ",
+            t.rank()
+        );
+        assert!(matches!(
+            t.recv_timeout(200),
+            Err(TransportError::Timeout(_))
+        ));
+    }
+}

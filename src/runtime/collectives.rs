@@ -46,13 +46,13 @@ pub fn post_owned<T: Transport>(
     if map.owned_elems_in_unit(unit, me) == 0 {
         return Ok(());
     }
-    for &peer in map.members.iter().filter(|&&r| r != me) {
-        comm.send(peer, tag, payload.clone())?;
-        if is_param {
-            comm.count_elems(elems, 0);
-        } else {
-            comm.count_elems(0, elems);
-        }
+    let peers: Vec<RankId> = map.members.iter().copied().filter(|&r| r != me).collect();
+    comm.send_to_each(&peers, tag, payload)?;
+    let sent = elems * peers.len() as u64;
+    if is_param {
+        comm.count_elems(sent, 0);
+    } else {
+        comm.count_elems(0, sent);
     }
     Ok(())
 }
@@ -190,9 +190,8 @@ pub fn broadcast<T: Transport>(
 ) -> Result<Bytes, CommError> {
     let me = comm.rank();
     if me == root {
-        for &peer in members.iter().filter(|&&r| r != me) {
-            comm.send(peer, tag, payload.clone())?;
-        }
+        let peers: Vec<RankId> = members.iter().copied().filter(|&r| r != me).collect();
+        comm.send_to_each(&peers, tag, payload.clone())?;
         Ok(payload)
     } else {
         comm.recv(root, tag)

@@ -132,6 +132,28 @@ impl<T: Transport> Comm<T> {
         Ok(self.transport.send(to, frame)?)
     }
 
+    /// `send` of one payload to each of `to`; the transport may encode it once.
+    pub fn send_to_each(
+        &mut self,
+        to: &[RankId],
+        tag: Tag,
+        payload: Bytes,
+    ) -> Result<(), CommError> {
+        if to.is_empty() {
+            return Ok(());
+        }
+        self.stats.frames_sent += to.len() as u64;
+        self.stats.bytes_sent += (payload.len() as u64 + FRAME_HEADER_BYTES) * to.len() as u64;
+        let frame = Frame {
+            epoch: self.epoch,
+            step: self.step,
+            from: self.rank(),
+            tag,
+            payload,
+        };
+        Ok(self.transport.send_to_each(to, frame)?)
+    }
+
     /// Waits for the frame `tag` from `from` in the current (epoch, step).
     pub fn recv(&mut self, from: RankId, tag: Tag) -> Result<Bytes, CommError> {
         if let Some(p) = self.pending.remove(&(self.epoch, self.step, from, tag)) {

@@ -433,6 +433,12 @@ impl QuicControl {
         msg: WireMsg,
         payload: usize,
     ) -> Result<(), TransportError> {
+        self.check_size(to, payload)?;
+        // Checksummed here, on the sending thread, not on the transport's I/O thread.
+        self.queue_encoded(to, lane, crate::wire::encode(&msg), payload)
+    }
+
+    fn check_size(&self, to: RankId, payload: usize) -> Result<(), TransportError> {
         let s = &self.shared;
         if payload > s.max_frame_bytes as usize {
             tracing::error!(
@@ -443,6 +449,18 @@ impl QuicControl {
             );
             return Err(TransportError::UnknownPeer(to));
         }
+        Ok(())
+    }
+
+    /// Queues an encoded frame (its chunks are shared, not copied) for `to`'s lane.
+    fn queue_encoded(
+        &self,
+        to: RankId,
+        lane: Lane,
+        chunks: [Bytes; 3],
+        payload: usize,
+    ) -> Result<(), TransportError> {
+        let s = &self.shared;
         let peer = s.peer(to).ok_or(TransportError::UnknownPeer(to))?;
         if peer
             .lost
@@ -452,8 +470,6 @@ impl QuicControl {
         {
             return Err(TransportError::UnknownPeer(to));
         }
-        // Checksummed here, outside the lock, on the sending thread.
-        let chunks = crate::wire::encode(&msg);
         let lanes = peer.lanes.lock().unwrap_or_else(|e| e.into_inner());
         let tx = lanes.as_ref().ok_or(TransportError::Closed)?;
         let wire = (payload + PREFIX_BYTES + CHECKSUM_BYTES + 32) as u64;
@@ -608,6 +624,25 @@ impl Transport for QuicTransport {
         let lane = lane_of(&frame.tag);
         let n = frame.payload.len();
         self.control().queue(to, lane, WireMsg::Frame(frame), n)
+    }
+
+    fn send_to_each(&self, to: &[RankId], frame: Frame) -> Result<(), TransportError> {
+        let lane = lane_of(&frame.tag);
+        let n = frame.payload.len();
+        let ctl = self.control();
+        if let Some(&r) = to.iter().find(|&&r| r != self.shared.rank) {
+            ctl.check_size(r, n)?;
+        }
+        // One encoding and one checksum for every peer: the header names no receiver.
+        let chunks = crate::wire::encode(&WireMsg::Frame(frame.clone()));
+        for &r in to {
+            if r == self.shared.rank {
+                self.shared.data.push_now(0, 0, frame.clone());
+            } else {
+                ctl.queue_encoded(r, lane, chunks.clone(), n)?;
+            }
+        }
+        Ok(())
     }
 
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {

@@ -75,6 +75,12 @@ pub trait Transport: Send + 'static {
     fn rank(&self) -> RankId;
     /// Queues `frame` for `to`; never waits for the receiver.
     fn send(&self, to: RankId, frame: Frame) -> Result<(), TransportError>;
+    /// Queues the same `frame` for each of `to`, in order, stopping at the first failure. A
+    /// wire transport may encode and checksum it once for all of them (a broadcast root or an
+    /// all-gather sends one buffer to every peer).
+    fn send_to_each(&self, to: &[RankId], frame: Frame) -> Result<(), TransportError> {
+        to.iter().try_for_each(|&r| self.send(r, frame.clone()))
+    }
     /// The next frame addressed to this rank, waiting at most `timeout_ms`.
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError>;
     /// Delivers anything the transport is still holding back (called when a rank finishes a
