@@ -89,10 +89,15 @@ mod tests {
 
     #[test]
     fn batches_stay_within_one_ipv4_datagram() {
-        for mtu in [1200u16, 1472, 4000, 6500, 9000, 16_000, 32_000, 65_507, 65_527] {
+        for mtu in [
+            1200u16, 1472, 4000, 6500, 9000, 16_000, 32_000, 65_507, 65_527,
+        ] {
             let n = gso_segments_for(mtu);
             assert!(n >= 1);
-            assert!(n == 1 || n * usize::from(mtu) <= MAX_GSO_PAYLOAD_BYTES, "{mtu}: {n}");
+            assert!(
+                n == 1 || n * usize::from(mtu) <= MAX_GSO_PAYLOAD_BYTES,
+                "{mtu}: {n}"
+            );
         }
         assert_eq!(gso_segments_for(9000), 7);
         assert_eq!(gso_segments_for(16_000), 4);
