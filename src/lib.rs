@@ -7,7 +7,8 @@
 //!
 //! Leaf numerics the runtime and the oracle share: [`model`] (the model boundary and the built-in
 //! GPT and MLP), [`optim`] (Adam, AdamW, SGD on flat shards), [`reduce`] (exact fixed-point
-//! reduction), [`data`] (micro-batches as pure functions of seed, step and index).
+//! reduction), [`data`] (micro-batches as pure functions of seed, step and index),
+//! [`param_digest`] (the `param-sha256` every layer compares).
 //!
 //! [`checkpoint`] sits above the runtime: it saves, verifies and restores what the runtime
 //! snapshots at step boundaries.
@@ -21,6 +22,7 @@ pub mod job;
 pub mod model;
 pub mod net;
 pub mod optim;
+pub mod param_digest;
 pub mod plan;
 pub mod reduce;
 pub mod reference;

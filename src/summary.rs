@@ -1,21 +1,14 @@
 //! What a finished run reports: the parameter digest and the JSON summary.
 
 use serde::Serialize;
-use sha2::{Digest, Sha256};
 
 use crate::engine::coordinator::StepRecord;
 use crate::plan::memory::Resident;
 
-/// SHA-256 of the consolidated fp32 parameters in canonical order (units in order, each unit's
-/// flat buffer, little-endian), as lowercase hex. Equal digests mean bit-identical models.
+/// The [`param_digest`](crate::param_digest) of the consolidated parameters, one buffer per
+/// unit. Equal digests mean bit-identical models.
 pub fn param_sha256(params: &[Vec<f32>]) -> String {
-    let mut h = Sha256::new();
-    for unit in params {
-        for x in unit {
-            h.update(x.to_le_bytes());
-        }
-    }
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    crate::param_digest::param_sha256(params.iter().map(Vec::as_slice))
 }
 
 /// Per-rank figures in the JSON summary.

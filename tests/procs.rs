@@ -2,120 +2,23 @@
 //! Bit-for-bit parity with the in-process run, failure detection (kill -9, a silent process),
 //! and clear errors. Every wait has a deadline; no test asserts on wall-clock durations.
 
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
+mod common;
+
+use std::io::Read;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::procs::{
+    coordinator, digest, flags_with, reference_digest, run, secrets, small, worker, Coordinator,
+    Proc, DEADLINE, EZERO,
+};
 use elastic_zero::runtime::control_plane::ToCoord;
-
-const EZERO: &str = env!("CARGO_BIN_EXE_ezero");
-/// Generous bound for any one process-level test step on a loaded 2-core machine.
-const DEADLINE: Duration = Duration::from_secs(120);
-
-/// The flags of `tests/common::small` (a 2-layer model, 3 steps).
-fn small(model: &str, stage: u8) -> Vec<String> {
-    [
-        "--model",
-        model,
-        "--layers",
-        "2",
-        "--d-model",
-        "32",
-        "--heads",
-        "4",
-        "--seq-len",
-        "16",
-        "--micro-batches",
-        "6",
-        "--micro-batch-size",
-        "2",
-        "--steps",
-        "3",
-        "--chunk-elems",
-        "1000",
-        "--warmup-steps",
-        "1",
-        "--sample-tokens",
-        "0",
-        "--reduce",
-        "exact",
-        "--stage",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain([stage.to_string()])
-    .collect()
-}
-
-/// A fresh cluster CA in a temporary directory (removed when dropped), for `--secrets`.
-fn secrets() -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    elastic_zero::net::init_secrets(dir.path()).unwrap();
-    dir
-}
-
-fn digest(stdout: &str) -> Option<String> {
-    stdout
-        .lines()
-        .find_map(|l| l.strip_prefix("param-sha256: "))
-        .map(str::to_string)
-}
-
-/// Runs to completion within the deadline; (code, stdout, stderr).
-fn run(cmd: &mut Command) -> (i32, String, String) {
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("ezero starts");
-    let (out, err) = (collect(child.stdout.take()), collect(child.stderr.take()));
-    let status = wait_until(&mut child, Instant::now() + DEADLINE);
-    let code = status.and_then(|s| s.code()).unwrap_or(-1);
-    (
-        code,
-        out.recv().unwrap_or_default(),
-        err.recv().unwrap_or_default(),
-    )
-}
-
-fn collect(r: Option<impl Read + Send + 'static>) -> mpsc::Receiver<String> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut s = String::new();
-        if let Some(mut r) = r {
-            let _ = r.read_to_string(&mut s);
-        }
-        let _ = tx.send(s);
-    });
-    rx
-}
-
-/// Waits for `child` until `deadline`; kills it and returns `None` past it.
-fn wait_until(child: &mut Child, deadline: Instant) -> Option<ExitStatus> {
-    loop {
-        if let Ok(Some(s)) = child.try_wait() {
-            return Some(s);
-        }
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 #[test]
 fn launch_gives_the_in_process_digest_with_2_and_3_processes() {
     for (nprocs, stage, model) in [(2, 1, "mlp"), (3, 1, "gpt"), (2, 3, "gpt"), (3, 3, "mlp")] {
         let flags = small(model, stage);
-        let (code, out, err) = run(Command::new(EZERO)
-            .arg("train")
-            .args(["--ranks", &nprocs.to_string()])
-            .args(&flags));
-        assert_eq!(code, 0, "train: {err}");
-        let reference = digest(&out).expect("train prints a digest");
+        let reference = reference_digest(nprocs as u32, &flags);
         let (code, out, err) = run(Command::new(EZERO)
             .args(["launch", "--nprocs", &nprocs.to_string(), "--"])
             .args(&flags));
@@ -133,20 +36,9 @@ fn launch_gives_the_in_process_digest_with_2_and_3_processes() {
 
 /// A coordinator and three workers.
 struct Job {
-    coord: Child,
-    coord_lines: mpsc::Receiver<String>,
-    coord_err: mpsc::Receiver<String>,
-    workers: Vec<(Child, mpsc::Receiver<String>)>,
+    coord: Proc,
+    workers: Vec<Proc>,
     _secrets: tempfile::TempDir,
-}
-
-/// `small` with another step count and extra train flags.
-fn flags_with(model: &str, stage: u8, steps: u64, extra: &[&str]) -> Vec<String> {
-    let mut flags = small(model, stage);
-    let at = flags.iter().position(|f| f == "--steps").unwrap() + 1;
-    flags[at] = steps.to_string();
-    flags.extend(extra.iter().map(|s| s.to_string()));
-    flags
 }
 
 /// Fast heartbeats and no in-memory backups, training long enough that a fault lands mid-run.
@@ -159,103 +51,42 @@ fn start_job(port_hint: &str) -> Job {
 fn start_job_with(port_hint: &str, flags: &[String], coord_flags: &[&str]) -> Job {
     let token = format!("test-token-{port_hint}");
     let dir = secrets();
-    let mut coord = Command::new(EZERO)
-        .args(["coordinator", "--listen", "127.0.0.1:0", "--ranks", "3"])
-        .args(coord_flags)
-        .args(flags)
-        .env("EZERO_CLUSTER_TOKEN", &token)
-        .env("EZERO_SECRETS_DIR", dir.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("coordinator starts");
-    let (tx, coord_lines) = mpsc::channel();
-    let stdout = coord.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let coord_err = collect(coord.stderr.take());
-    let first = coord_lines
-        .recv_timeout(DEADLINE)
-        .expect("coordinator prints its address");
-    let addr = first
-        .strip_prefix("ezero coordinator: listening on ")
-        .expect("address line")
-        .to_string();
+    let Coordinator { proc: coord, addr } = Coordinator::spawn(
+        coordinator(3, &token, dir.path())
+            .args(coord_flags)
+            .args(flags),
+    );
     let workers = (0..3)
         .map(|i| {
-            let mut w = Command::new(EZERO)
-                .args(["worker", "--join", &addr])
-                .env("EZERO_RANK_HINT", i.to_string())
-                .env("EZERO_CLUSTER_TOKEN", &token)
-                .env("EZERO_SECRETS_DIR", dir.path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("worker starts");
-            let err = collect(w.stderr.take());
-            (w, err)
+            Proc::spawn(worker(&addr, &token, dir.path()).env("EZERO_RANK_HINT", i.to_string()))
         })
         .collect();
     Job {
         coord,
-        coord_lines,
-        coord_err,
         workers,
         _secrets: dir,
     }
 }
 
 impl Job {
-    /// The coordinator's next stdout line starting with `prefix` (earlier ones are skipped).
-    fn wait_for_line(&self, prefix: &str) -> String {
-        let deadline = Instant::now() + DEADLINE;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = self.coord_lines.recv_timeout(left).expect("the line comes");
-            if line.starts_with(prefix) {
-                return line;
-            }
-        }
-    }
-
-    /// Blocks until the coordinator has reported a finished step.
-    fn wait_for_a_step(&self) {
-        let deadline = Instant::now() + DEADLINE;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = self
-                .coord_lines
-                .recv_timeout(left)
-                .expect("a step completes");
-            if line.starts_with("step ") {
-                return;
-            }
-        }
-    }
-
     /// After rank 1 was hit: the coordinator and the other workers exit within the deadline,
     /// non-zero, naming rank 1.
     fn assert_rank_1_reported(mut self, expect: &str) {
         let deadline = Instant::now() + DEADLINE;
-        let status = wait_until(&mut self.coord, deadline);
-        let err = self.coord_err.recv().unwrap_or_default();
+        let status = self.coord.wait_until(deadline);
+        let err = self.coord.stderr();
         let status = status.expect("the coordinator exits in time (it did not: killed)");
         assert_eq!(status.code(), Some(1), "{err}");
         assert!(err.contains("rank 1"), "{err}");
         assert!(err.contains(expect), "{err}");
         assert!(err.contains("not saved"), "{err}");
-        for (i, (mut w, werr)) in self.workers.into_iter().enumerate() {
+        for (i, mut w) in self.workers.into_iter().enumerate() {
             if i == 1 {
-                // Killed already, or stopped and never coming back.
-                let _ = w.kill();
-                let _ = w.wait();
+                // Killed already, or stopped and never coming back: dropping it kills it.
                 continue;
             }
-            let status = wait_until(&mut w, deadline);
-            let werr = werr.recv().unwrap_or_default();
+            let status = w.wait_until(deadline);
+            let werr = w.stderr();
             let status = status.expect("a surviving worker exits in time (it did not: killed)");
             assert_eq!(status.code(), Some(1), "worker {i}: {werr}");
             assert!(werr.contains("rank 1"), "worker {i}: {werr}");
@@ -266,16 +97,16 @@ impl Job {
 #[test]
 fn kill_9_of_a_worker_mid_run_is_reported_and_the_others_exit() {
     let mut job = start_job("kill");
-    job.wait_for_a_step();
-    job.workers[1].0.kill().expect("SIGKILL worker 1");
+    job.coord.wait_for_line("step ");
+    job.workers[1].kill().expect("SIGKILL worker 1");
     job.assert_rank_1_reported("control connection lost");
 }
 
 #[test]
 fn a_silent_worker_is_declared_failed_after_the_heartbeat_timeout() {
     let job = start_job("stop");
-    job.wait_for_a_step();
-    let pid = job.workers[1].0.id().to_string();
+    job.coord.wait_for_line("step ");
+    let pid = job.workers[1].id().to_string();
     let stopped = Command::new("kill").args(["-STOP", &pid]).status();
     assert!(stopped.is_ok_and(|s| s.success()), "kill -STOP works here");
     // Its socket stays open: only the missing heartbeats can reveal it.
@@ -286,16 +117,8 @@ fn a_silent_worker_is_declared_failed_after_the_heartbeat_timeout() {
 fn an_unanswering_coordinator_is_a_clear_error() {
     // Port 1 on loopback: nothing listens there.
     let dir = secrets();
-    let (code, _, err) = run(Command::new(EZERO)
-        .env("EZERO_SECRETS_DIR", dir.path())
-        .args([
-            "worker",
-            "--join",
-            "127.0.0.1:1",
-            "--connect-timeout-ms",
-            "300",
-        ])
-        .env("EZERO_CLUSTER_TOKEN", "t"));
+    let (code, _, err) =
+        run(worker("127.0.0.1:1", "t", dir.path()).args(["--connect-timeout-ms", "300"]));
     assert_eq!(code, 1, "{err}");
     assert!(
         err.contains("cannot reach the coordinator at 127.0.0.1:1"),
@@ -306,27 +129,13 @@ fn an_unanswering_coordinator_is_a_clear_error() {
 #[test]
 fn a_worker_with_the_wrong_token_is_refused() {
     let dir = secrets();
-    let mut coord = Command::new(EZERO)
-        .args(["coordinator", "--listen", "127.0.0.1:0", "--ranks", "1"])
-        .args(["--join-timeout-ms", "100000"])
-        .args(small("mlp", 1))
-        .env("EZERO_CLUSTER_TOKEN", "right")
-        .env("EZERO_SECRETS_DIR", dir.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(coord.stdout.take().unwrap()).lines();
-    let first = lines.next().unwrap().unwrap();
-    let addr = first
-        .strip_prefix("ezero coordinator: listening on ")
-        .unwrap();
-    let (code, _, err) = run(Command::new(EZERO)
-        .args(["worker", "--join", addr])
-        .env("EZERO_SECRETS_DIR", dir.path())
-        .env("EZERO_CLUSTER_TOKEN", "wrong"));
-    let _ = coord.kill();
-    let _ = coord.wait();
+    let coord = Coordinator::spawn(
+        coordinator(1, "right", dir.path())
+            .args(["--join-timeout-ms", "100000"])
+            .args(small("mlp", 1)),
+    );
+    let (code, _, err) = run(&mut worker(&coord.addr, "wrong", dir.path()));
+    drop(coord);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("refused") && err.contains("token"), "{err}");
 }
@@ -388,28 +197,10 @@ fn client_config(
 fn the_control_port_refuses_peers_without_a_cluster_certificate() {
     use elastic_zero::net::{ClusterCa, Identity};
     let dir = secrets();
-    let mut coord = Command::new(EZERO)
-        .args(["coordinator", "--listen", "127.0.0.1:0", "--ranks", "1"])
-        .args(small("mlp", 1))
-        .env("EZERO_CLUSTER_TOKEN", "t")
-        .env("EZERO_SECRETS_DIR", dir.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let coord_err = collect(coord.stderr.take());
-    let (tx, lines) = mpsc::channel();
-    let stdout = coord.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let first = lines.recv_timeout(DEADLINE).expect("the address line");
-    let addr = first
-        .strip_prefix("ezero coordinator: listening on ")
-        .expect("the address line")
-        .to_string();
+    let Coordinator {
+        proc: mut coord,
+        addr,
+    } = Coordinator::spawn(coordinator(1, "t", dir.path()).args(small("mlp", 1)));
     let ca_pem = dir.path().join("ca.pem");
     let cluster_ca = {
         use rustls::pki_types::pem::PemObject;
@@ -439,12 +230,9 @@ fn the_control_port_refuses_peers_without_a_cluster_certificate() {
         .map(|c| control_client(&addr, c))
         .collect();
     // A real worker still joins, and the job finishes.
-    let (code, _, werr) = run(Command::new(EZERO)
-        .args(["worker", "--join", &addr])
-        .env("EZERO_CLUSTER_TOKEN", "t")
-        .env("EZERO_SECRETS_DIR", dir.path()));
-    let status = wait_until(&mut coord, Instant::now() + DEADLINE);
-    let err = coord_err.recv().unwrap_or_default();
+    let (code, _, werr) = run(&mut worker(&addr, "t", dir.path()));
+    let status = coord.wait_until(Instant::now() + DEADLINE);
+    let err = coord.stderr();
     assert_eq!(answered, [false, false, false], "{err}");
     assert_eq!(code, 0, "worker: {werr}");
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{err}");
@@ -473,28 +261,15 @@ fn a_missing_secrets_directory_is_a_usage_error() {
 #[test]
 fn the_endpoint_answers_503_until_every_worker_has_joined() {
     let dir = secrets();
-    let mut coord = Command::new(EZERO)
-        .args(["coordinator", "--listen", "127.0.0.1:0", "--ranks", "2"])
-        .args(["--control", "127.0.0.1:0"])
-        .args(small("mlp", 1))
-        .env("EZERO_CLUSTER_TOKEN", "t")
-        .env("EZERO_SECRETS_DIR", dir.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    // Keep reading stdout alive until the request is answered: a closed pipe would kill the
-    // coordinator at its next line.
-    let mut lines = BufReader::new(coord.stdout.take().unwrap()).lines();
-    let line = lines
-        .by_ref()
-        .map_while(Result::ok)
-        .find(|l| l.starts_with("control endpoint: "));
-    let answer = line.map(|l| http(&control_addr(&l), "GET", "/status"));
-    drop(lines);
-    let _ = coord.kill();
-    let _ = coord.wait();
-    let (code, body) = answer.expect("the coordinator prints its endpoint");
+    let coord = Coordinator::spawn(
+        coordinator(2, "t", dir.path())
+            .args(["--control", "127.0.0.1:0"])
+            .args(small("mlp", 1)),
+    );
+    // `Proc` reads stdout until the coordinator exits, so it never writes to a closed pipe.
+    let line = coord.proc.wait_for_line("control endpoint: ");
+    let (code, body) = http(&control_addr(&line), "GET", "/status");
+    drop(coord);
     assert_eq!(code, 503, "{body}");
     assert!(
         body.contains("not_started") && body.contains("0 of 2 workers"),
@@ -578,12 +353,7 @@ fn init_secrets_makes_a_cluster_ca_once() {
 #[test]
 fn launch_over_quic_gives_the_in_process_digest() {
     let flags = small("mlp", 3);
-    let (code, out, err) = run(Command::new(EZERO)
-        .arg("train")
-        .args(["--ranks", "3"])
-        .args(&flags));
-    assert_eq!(code, 0, "{err}");
-    let reference = digest(&out).unwrap();
+    let reference = reference_digest(3, &flags);
     let (code, out, err) = run(Command::new(EZERO)
         .args(["launch", "--transport", "quic", "--nprocs", "3", "--"])
         .args(&flags));
@@ -650,15 +420,6 @@ fn signal(pid: u32, sig: &str) {
     assert!(ok.is_ok_and(|s| s.success()), "kill {sig} {pid}");
 }
 
-fn reference_digest(ranks: u32, flags: &[String]) -> String {
-    let (code, out, err) = run(Command::new(EZERO)
-        .arg("train")
-        .args(["--ranks", &ranks.to_string()])
-        .args(flags));
-    assert_eq!(code, 0, "train: {err}");
-    digest(&out).expect("train prints a digest")
-}
-
 /// kill -9 of a worker while a step runs: the survivors roll back to the buddy backup taken
 /// before the step, finish the job, and end with the digest of the same run without the fault.
 ///
@@ -681,11 +442,11 @@ fn kill_9_of_a_worker_inside_a_step_is_recovered_with_the_fault_free_digest() {
         "127.0.0.1:0",
     ];
     let mut job = start_job_with("chaos", &flags, &timing);
-    let addr = control_addr(&job.wait_for_line("control endpoint: "));
+    let addr = control_addr(&job.coord.wait_for_line("control endpoint: "));
     poll(&addr, "three completed steps", |s| {
         s["telemetry"]["steps_completed"].as_u64() >= Some(3)
     });
-    let pid = job.workers[1].0.id();
+    let pid = job.workers[1].id();
     let waits_for_1 = |s: &serde_json::Value| {
         s["activity"]["phase"] == "running"
             && s["awaiting"]
@@ -716,29 +477,24 @@ fn kill_9_of_a_worker_inside_a_step_is_recovered_with_the_fault_free_digest() {
         poll(&addr, "progress", |s| s["step"].as_u64() != step);
     }
     let struck = struck.expect("worker 1 was frozen inside a step within 50 tries");
-    let _ = job.workers[1].0.wait();
     let deadline = Instant::now() + DEADLINE;
-    let status = wait_until(&mut job.coord, deadline);
-    let rest: Vec<String> = job.coord_lines.iter().collect();
+    let _ = job.workers[1].wait_until(deadline);
+    let status = job.coord.wait_until(deadline);
+    let rest: Vec<String> = job.coord.lines.iter().collect();
     let out = rest.join("\n");
-    let err = job.coord_err.recv().unwrap_or_default();
+    let err = job.coord.stderr();
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{out}\n{err}");
     assert!(
         out.contains("ranks [0, 1, 2] -> [0, 2], lost [1]"),
         "killed inside step {struck}: {out}"
     );
     assert_eq!(digest(&out), Some(reference), "{out}");
-    for (i, (mut w, werr)) in job.workers.into_iter().enumerate() {
+    for (i, mut w) in job.workers.into_iter().enumerate() {
         if i == 1 {
             continue;
         }
-        let code = wait_until(&mut w, deadline).and_then(|s| s.code());
-        assert_eq!(
-            code,
-            Some(0),
-            "worker {i}: {}",
-            werr.recv().unwrap_or_default()
-        );
+        let code = w.wait_until(deadline).and_then(|s| s.code());
+        assert_eq!(code, Some(0), "worker {i}: {}", w.stderr());
     }
 }
 
@@ -748,31 +504,15 @@ fn kill_9_of_a_worker_inside_a_step_is_recovered_with_the_fault_free_digest() {
 fn launch_control_endpoint_reports_refuses_kills_and_drains() {
     let flags = flags_with("mlp", 3, 600, &["--replicate-every", "1"]);
     let reference = reference_digest(3, &flags);
-    let mut launch = Command::new(EZERO)
-        .args(["launch", "--nprocs", "3", "--control", "127.0.0.1:0"])
-        .arg("--control-allow-kill")
-        .arg("--")
-        .args(&flags)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("launch starts");
-    let (tx, lines) = mpsc::channel();
-    let stdout = launch.stdout.take().unwrap();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let err = collect(launch.stderr.take());
-    let mut seen = Vec::new();
-    let addr = loop {
-        let line = lines.recv_timeout(DEADLINE).expect("the endpoint line");
-        seen.push(line.clone());
-        if line.starts_with("control endpoint: ") {
-            break control_addr(&line);
-        }
-    };
+    let mut launch = Proc::spawn(
+        Command::new(EZERO)
+            .args(["launch", "--nprocs", "3", "--control", "127.0.0.1:0"])
+            .arg("--control-allow-kill")
+            .arg("--")
+            .args(&flags),
+    );
+    let mut seen = launch.lines_until("control endpoint: ");
+    let addr = control_addr(seen.last().unwrap());
 
     let s = status(&addr);
     assert_eq!(s["members"], serde_json::json!([0, 1, 2]), "{s}");
@@ -809,10 +549,10 @@ fn launch_control_endpoint_reports_refuses_kills_and_drains() {
     let s = poll(&addr, "the drain", |s| s["telemetry"]["rebalances"] == 1);
     assert_eq!(s["members"], serde_json::json!([0]), "{s}");
 
-    let status = wait_until(&mut launch, Instant::now() + DEADLINE);
-    seen.extend(lines.iter());
+    let status = launch.wait_until(Instant::now() + DEADLINE);
+    seen.extend(launch.lines.iter());
     let out = seen.join("\n");
-    let err = err.recv().unwrap_or_default();
+    let err = launch.stderr();
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{out}\n{err}");
     assert!(
         out.contains("[worker 2] ezero worker: rank 2: left the job"),

@@ -9,12 +9,11 @@
 
 use std::path::{Path, PathBuf};
 
-use sha2::{Digest, Sha256};
-
 use super::codec::decode_chunk;
 use super::error::{CheckpointError, IoContext};
 use super::manifest::{crc_hex, ChunkEntry, FileEntry, Manifest, MANIFEST_FILE, TMP_SUFFIX};
 use super::store;
+use crate::param_digest::ParamDigest;
 use crate::runtime::actors::Snapshot;
 use crate::runtime::rank_state::ChunkState;
 
@@ -114,8 +113,8 @@ fn join<T>(
     })
 }
 
-/// SHA-256 of the parameters in (unit, index) order, hashed from the records' bytes (which are
-/// the little-endian fp32 values `summary::param_sha256` hashes).
+/// The [`param_digest`](crate::param_digest) of the parameters in (unit, index) order, hashed
+/// straight from the records' bytes (the little-endian fp32 values it is defined on).
 fn params_sha256_of_records(
     files: &[FileEntry],
     blobs: &[Vec<u8>],
@@ -132,11 +131,11 @@ fn params_sha256_of_records(
         })
         .collect();
     parts.sort_by_key(|p| (p.0, p.1));
-    let mut h = Sha256::new();
+    let mut d = ParamDigest::new();
     for (_, _, bytes) in parts {
-        h.update(bytes);
+        d.update_le_bytes(bytes);
     }
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    Ok(d.finish())
 }
 
 /// Resolves a user's path (see [`store::resolve`]) and loads it.
@@ -264,4 +263,145 @@ pub fn verify(path: &Path) -> Result<VerifyReport, CheckpointError> {
         param_sha256: l.manifest.param_sha256.clone(),
         dir: l.dir,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use sha2::{Digest, Sha256};
+
+    use super::super::codec::encode_chunk;
+    use super::*;
+    use crate::plan::{ChunkId, ShardMap};
+    use crate::runtime::cluster::consolidate;
+
+    /// Parameters with the bit patterns a careless digest could fold together: both zeros,
+    /// subnormals, infinities and NaNs with different payloads.
+    fn awkward_params(numels: &[usize]) -> Vec<Vec<f32>> {
+        let special = [
+            -0.0,
+            0.0,
+            f32::MIN_POSITIVE / 4.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::from_bits(0x7fc0_0001),
+            f32::from_bits(0xffc0_0002),
+            1.0 + f32::EPSILON,
+        ];
+        numels
+            .iter()
+            .enumerate()
+            .map(|(u, &n)| {
+                (0..n)
+                    .map(|k| match k % 11 {
+                        j if j < special.len() => special[(j + u) % special.len()],
+                        _ => (u * 1000 + k) as f32 * 0.37,
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The digest as the README defines it, written out independently of the crate's code:
+    /// SHA-256 of every unit's flat fp32 buffer, units in order, little-endian, as lowercase hex.
+    fn spec_digest(params: &[Vec<f32>]) -> String {
+        let bytes: Vec<u8> = params
+            .iter()
+            .flatten()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        Sha256::digest(&bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// Each owner rank's chunk file as `save` lays it out (records with their optimizer state,
+    /// so that offsets matter), listed in reverse rank order so the reader has to sort.
+    fn files_of(map: &ShardMap, chunks: &[ChunkState]) -> (Vec<FileEntry>, Vec<Vec<u8>>) {
+        let mut files = Vec::new();
+        let mut blobs = Vec::new();
+        for &rank in map.members.iter().rev() {
+            let mut bytes = Vec::new();
+            let mut entries = Vec::new();
+            for id in map.owned_chunks(rank) {
+                let c = chunks
+                    .iter()
+                    .find(|c| (c.unit, c.index) == (id.unit, id.index))
+                    .unwrap();
+                let offset = bytes.len() as u64;
+                encode_chunk(c, &mut bytes);
+                entries.push(ChunkEntry {
+                    unit: c.unit,
+                    index: c.index,
+                    offset,
+                    params: c.params.len() as u64,
+                    m: c.m.len() as u64,
+                    v: c.v.len() as u64,
+                    crc32: String::new(),
+                });
+            }
+            files.push(FileEntry {
+                name: format!("rank-{rank}"),
+                rank,
+                bytes: bytes.len() as u64,
+                crc32: String::new(),
+                chunks: entries,
+            });
+            blobs.push(bytes);
+        }
+        (files, blobs)
+    }
+
+    /// Every place that computes `param-sha256` (the run summary, the resume check, the save and
+    /// the load) gives the same digest for the same parameters, whatever the chunking.
+    #[test]
+    fn every_param_sha256_path_gives_the_same_digest() {
+        let numels = [10, 0, 7, 33, 1];
+        let params = awkward_params(&numels);
+        let want = spec_digest(&params);
+        for chunk_elems in [1, 3, 4, 100] {
+            let map = ShardMap::plan(&numels, &[0, 1, 2], chunk_elems, 1).unwrap();
+            let mut chunks = Vec::new();
+            for (u, unit) in map.units.iter().enumerate() {
+                for i in 0..unit.owners.len() {
+                    let p = params[u][map.chunk_range(u, i)].to_vec();
+                    chunks.push(ChunkState {
+                        unit: u as u32,
+                        index: i as u32,
+                        m: p.iter().map(|x| x * 0.5).collect(),
+                        v: vec![0.25; p.len()],
+                        params: p,
+                    });
+                }
+            }
+            let by_id: BTreeMap<ChunkId, ChunkState> = chunks
+                .iter()
+                .map(|c| {
+                    let id = ChunkId {
+                        unit: c.unit,
+                        index: c.index,
+                    };
+                    (id, c.clone())
+                })
+                .collect();
+            let (files, blobs) = files_of(&map, &chunks);
+            let got = [
+                (
+                    "summary",
+                    crate::summary::param_sha256(&consolidate(&map, &chunks)),
+                ),
+                ("resume", crate::runtime::resume::params_sha256(&by_id)),
+                ("save", super::super::write::params_sha256(&chunks)),
+                ("load", params_sha256_of_records(&files, &blobs).unwrap()),
+            ];
+            for (path, digest) in got {
+                assert_eq!(digest, want, "{path}, chunk_elems {chunk_elems}");
+            }
+        }
+        let mut flipped = params.clone();
+        flipped[3][5] = f32::from_bits(flipped[3][5].to_bits() ^ 1);
+        assert_ne!(crate::summary::param_sha256(&flipped), want);
+    }
 }

@@ -21,8 +21,6 @@ use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use sha2::{Digest, Sha256};
-
 use super::codec::encode_chunk;
 use super::error::{CheckpointError, IoContext};
 use super::manifest::{
@@ -265,20 +263,14 @@ fn write_rank_file(
     })
 }
 
-/// SHA-256 of the parameters of chunks in (unit, index) order: `summary::param_sha256` of the
-/// consolidated model, without consolidating it.
+/// The [`param_digest`](crate::param_digest) of `chunks`, which are in (unit, index) order (as a
+/// [`Snapshot`]'s are): the digest of the consolidated model, without consolidating it.
 pub fn params_sha256(chunks: &[ChunkState]) -> String {
-    let mut h = Sha256::new();
-    let mut buf = Vec::new();
-    for c in chunks {
-        buf.clear();
-        buf.resize(4 * c.params.len(), 0);
-        for (dst, x) in buf.chunks_exact_mut(4).zip(&c.params) {
-            dst.copy_from_slice(&x.to_le_bytes());
-        }
-        h.update(&buf);
-    }
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    debug_assert!(
+        chunks.is_sorted_by_key(|c| (c.unit, c.index)),
+        "chunks out of (unit, index) order would hash another digest"
+    );
+    crate::param_digest::param_sha256(chunks.iter().map(|c| c.params.as_slice()))
 }
 
 /// `path` + `.tmp`.

@@ -301,31 +301,7 @@ impl<'a> Block<'a> {
     }
 
     fn forward(&self, x: &[f32], s: AttnShape) -> Vec<f32> {
-        let (rd, rows) = (x.len(), x.len() / s.d_model);
-        let mut ws = Scratch::take();
-        let [st, h1, qkv, att, x2, h2, f, g, p] = ws.carve([
-            2 * rows,
-            rd,
-            3 * rd,
-            rd,
-            rd,
-            rd,
-            4 * rd,
-            4 * rd,
-            s.seq * s.seq,
-        ]);
-        self.ln1.forward_into(x, h1, st);
-        self.qkv.forward_into(h1, qkv);
-        attention_forward_into(qkv, s, att, p);
-        self.proj.forward_into(att, x2);
-        add_assign(x2, x);
-        self.ln2.forward_into(x2, h2, st);
-        self.fc1.forward_into(h2, f);
-        gelu_into(f, g);
-        let mut out = vec![0.0; rd];
-        self.fc2.forward_into(g, &mut out);
-        add_assign(&mut out, x2);
-        out
+        self.forward_in_arena(x, s, Keep::OutputOnly).0
     }
 
     /// Recomputes the forward from `x` (activation checkpointing: nothing was kept between
@@ -333,22 +309,35 @@ impl<'a> Block<'a> {
     fn backward(&self, x: &[f32], dout: &[f32], s: AttnShape, grads: &mut [f32]) -> Vec<f32> {
         let rd = x.len();
         let mut ws = Scratch::take();
-        let [acts, dh, dx2, dp] = ws.carve([Acts::len(rd, s), rd, rd, s.seq * s.seq]);
-        let mut a = Acts::carve(acts, rd, s);
+        let keep = Keep::ForBackward;
+        let [acts, dh, dx2, dp] = ws.carve([Acts::len(rd, s, keep), rd, rd, s.seq * s.seq]);
+        let mut a = Acts::carve(acts, rd, s, keep);
         self.forward_acts(x, s, &mut a);
         self.backward_acts(x, dout, s, grads, a, [dh, dx2, dp])
     }
 
-    /// The forward up to the MLP's activation, into `a`: everything the backward reads.
+    /// The forward up to the MLP's activation, into `a`: with [`Keep::ForBackward`], everything
+    /// the backward reads.
     fn forward_acts(&self, x: &[f32], s: AttnShape, a: &mut Acts) {
         self.ln1.forward_into(x, a.h1, a.st1);
         self.qkv.forward_into(a.h1, a.qkv);
-        attention_forward_keep(a.qkv, s, a.att, a.probs);
+        match a.keep {
+            Keep::ForBackward => attention_forward_keep(a.qkv, s, a.att, a.probs),
+            Keep::OutputOnly => attention_forward_into(a.qkv, s, a.att, a.probs),
+        }
         self.proj.forward_into(a.att, a.x2);
         add_assign(a.x2, x);
-        self.ln2.forward_into(a.x2, a.h2, a.st2);
+        let st2 = match a.keep {
+            Keep::ForBackward => &mut *a.st2,
+            // ln1's statistics are dead once ln1 has run.
+            Keep::OutputOnly => &mut *a.st1,
+        };
+        self.ln2.forward_into(a.x2, a.h2, st2);
         self.fc1.forward_into(a.h2, a.f);
-        gelu_with_derivative_into(a.f, a.g, a.g_deriv);
+        match a.keep {
+            Keep::ForBackward => gelu_with_derivative_into(a.f, a.g, a.g_deriv),
+            Keep::OutputOnly => gelu_into(a.f, a.g),
+        }
     }
 
     /// The forward with its activations kept (`keep_activations`): the output equals
@@ -356,10 +345,16 @@ impl<'a> Block<'a> {
     /// activations live in a pooled scratch arena rather than a fresh buffer: a fresh ~17 MiB
     /// per block per micro-batch was zero-filled and page-faulted in every step.
     fn forward_keep(&self, x: &[f32], s: AttnShape) -> (Vec<f32>, Scratch) {
+        self.forward_in_arena(x, s, Keep::ForBackward)
+    }
+
+    /// The block's output, computed in a pooled arena laid out by [`Acts`] for `keep`; the
+    /// arena is returned with it.
+    fn forward_in_arena(&self, x: &[f32], s: AttnShape, keep: Keep) -> (Vec<f32>, Scratch) {
         let rd = x.len();
         let mut ws = Scratch::take();
-        let [acts] = ws.carve([Acts::len(rd, s)]);
-        let mut a = Acts::carve(acts, rd, s);
+        let [acts] = ws.carve([Acts::len(rd, s, keep)]);
+        let mut a = Acts::carve(acts, rd, s, keep);
         self.forward_acts(x, s, &mut a);
         let mut out = vec![0.0; rd];
         self.fc2.forward_into(a.g, &mut out);
@@ -378,6 +373,11 @@ impl<'a> Block<'a> {
         a: Acts,
         tmp: [&mut [f32]; 3],
     ) -> Vec<f32> {
+        assert_eq!(
+            a.keep,
+            Keep::ForBackward,
+            "the backward needs the activations a forward kept"
+        );
         let [g_ln1_w, g_ln1_b, g_qkv_w, g_qkv_b, g_proj_w, g_proj_b, g_ln2_w, g_ln2_b, g_fc1_w, g_fc1_b, g_fc2_w, g_fc2_b] =
             split_params_mut(grads, block_lens(s.d_model));
         let [dh, dx2, dp] = tmp;
@@ -412,8 +412,22 @@ impl<'a> Block<'a> {
     }
 }
 
-/// A block's forward intermediates that its backward reads, carved from one buffer.
+/// What a block's forward keeps in its [`Acts`] arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Keep {
+    /// Everything `backward_acts` reads: both layer norms' statistics, every head's attention
+    /// probabilities and the GELU derivative.
+    ForBackward,
+    /// Only what the output needs: the second layer norm reuses the first one's statistics, the
+    /// GELU derivative is not computed (its buffer is empty) and attention holds one head's
+    /// probabilities at a time. The buffers before `probs` sit at the same offsets either way.
+    OutputOnly,
+}
+
+/// A block's forward intermediates, carved from one buffer: the one statement of the block's
+/// activation layout, for the plain forward and for the one that keeps its activations.
 struct Acts<'b> {
+    keep: Keep,
     st1: &'b mut [f32],
     st2: &'b mut [f32],
     h1: &'b mut [f32],
@@ -428,11 +442,15 @@ struct Acts<'b> {
 }
 
 impl<'b> Acts<'b> {
-    fn lens(rd: usize, s: AttnShape) -> [usize; 11] {
+    fn lens(rd: usize, s: AttnShape, keep: Keep) -> [usize; 11] {
         let rows = rd / s.d_model;
+        let (st2, g_deriv, probs) = match keep {
+            Keep::ForBackward => (2 * rows, 4 * rd, s.probs_len()),
+            Keep::OutputOnly => (0, 0, s.seq * s.seq),
+        };
         [
             2 * rows,
-            2 * rows,
+            st2,
             rd,
             3 * rd,
             rd,
@@ -440,18 +458,20 @@ impl<'b> Acts<'b> {
             rd,
             4 * rd,
             4 * rd,
-            4 * rd,
-            s.probs_len(),
+            g_deriv,
+            probs,
         ]
     }
 
-    fn len(rd: usize, s: AttnShape) -> usize {
-        Self::lens(rd, s).iter().sum()
+    fn len(rd: usize, s: AttnShape, keep: Keep) -> usize {
+        Self::lens(rd, s, keep).iter().sum()
     }
 
-    fn carve(buf: &'b mut [f32], rd: usize, s: AttnShape) -> Self {
-        let [st1, st2, h1, qkv, att, x2, h2, f, g, g_deriv, probs] = carve(buf, Self::lens(rd, s));
+    fn carve(buf: &'b mut [f32], rd: usize, s: AttnShape, keep: Keep) -> Self {
+        let [st1, st2, h1, qkv, att, x2, h2, f, g, g_deriv, probs] =
+            carve(buf, Self::lens(rd, s, keep));
         Self {
+            keep,
             st1,
             st2,
             h1,
@@ -537,7 +557,7 @@ impl Model for Gpt {
         }
         let (out, acts) = Block::new(params, s.d_model).forward_keep(x, s);
         let kept = Kept {
-            bytes: 4 * Acts::len(x.len(), s) as u64,
+            bytes: 4 * Acts::len(x.len(), s, Keep::ForBackward) as u64,
             data: Box::new(acts),
         };
         (out, Some(kept))
@@ -561,10 +581,10 @@ impl Model for Gpt {
         let (kind, s) = self.check(unit, params, x, mb);
         let rd = x.len();
         assert!(
-            kind == UnitKind::Block && kept_ws.elems() >= Acts::len(rd, s),
+            kind == UnitKind::Block && kept_ws.elems() >= Acts::len(rd, s, Keep::ForBackward),
             "unit {unit}: kept activations do not fit this call"
         );
-        let [acts] = kept_ws.carve([Acts::len(rd, s)]);
+        let [acts] = kept_ws.carve([Acts::len(rd, s, Keep::ForBackward)]);
         assert_eq!(grad_out.len(), rd, "unit {unit}: grad_out length");
         assert_eq!(
             grad_params.len(),
@@ -573,7 +593,7 @@ impl Model for Gpt {
         );
         let mut ws = Scratch::take();
         let [dh, dx2, dp] = ws.carve([rd, rd, s.seq * s.seq]);
-        let a = Acts::carve(acts, rd, s);
+        let a = Acts::carve(acts, rd, s, Keep::ForBackward);
         Block::new(params, s.d_model).backward_acts(x, grad_out, s, grad_params, a, [dh, dx2, dp])
     }
 

@@ -8,8 +8,6 @@
 
 use std::collections::BTreeMap;
 
-use sha2::{Digest, Sha256};
-
 use super::actors::Snapshot;
 use super::rank_state::ChunkState;
 use crate::engine::coordinator::Progress;
@@ -138,17 +136,10 @@ pub fn recut(
     })
 }
 
-/// SHA-256 of the parameters of every chunk in `chunks`, hashed in (unit, index) order: the
-/// same digest as `summary::param_sha256` of the consolidated parameters when every chunk of a
-/// map is present.
+/// The [`param_digest`](crate::param_digest) of every chunk in `chunks`, hashed in (unit,
+/// index) order: the digest of the consolidated parameters when every chunk of a map is present.
 pub fn params_sha256(chunks: &BTreeMap<ChunkId, ChunkState>) -> String {
-    let mut h = Sha256::new();
-    for c in chunks.values() {
-        for x in &c.params {
-            h.update(x.to_le_bytes());
-        }
-    }
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+    crate::param_digest::param_sha256(chunks.values().map(|c| c.params.as_slice()))
 }
 
 /// Every chunk of the new map, each read by the rank that owns it (one thread per rank, as

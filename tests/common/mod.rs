@@ -1,6 +1,8 @@
 //! Shared helpers for the integration tests.
 #![allow(dead_code)]
 
+pub mod procs;
+
 use elastic_zero::config::{ModelKind, TrainConfig};
 use elastic_zero::runtime::cluster::Observer;
 use elastic_zero::runtime::{train, ClusterError, ClusterSpec, TrainOutcome};
