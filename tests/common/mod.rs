@@ -1,6 +1,7 @@
 //! Shared helpers for the integration tests.
 #![allow(dead_code)]
 
+pub mod ezero;
 pub mod procs;
 
 use elastic_zero::config::{ModelKind, TrainConfig};

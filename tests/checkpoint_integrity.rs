@@ -1,0 +1,143 @@
+//! What checkpoint verification refuses, each with exit 2 and one line naming the file: damaged,
+//! incomplete or foreign checkpoints, and sound ones that do not fit the run.
+
+mod common;
+
+use common::ezero::{copy_dir, edit, ezero, ok, refused, s, step_dir, train_cli};
+
+#[test]
+fn damaged_incomplete_or_foreign_checkpoints_are_refused_with_exit_2() {
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("ck");
+    let want = ok(&train_cli(&["--steps", "4"])).sha();
+    ok(&train_cli(&[
+        "--steps",
+        "4",
+        "--ranks",
+        "4",
+        "--save-dir",
+        s(&root),
+        "--save-every",
+        "2",
+    ]));
+    let good = step_dir(&root, 4);
+    type Damage = fn(&Path);
+    let cases: Vec<(&str, Damage, &str, &str)> = vec![
+        (
+            "truncated",
+            |d| edit(&d.join("rank-00001.bin"), |b| b.truncate(b.len() - 4)),
+            "rank-00001.bin",
+            "truncated",
+        ),
+        (
+            "flipped",
+            |d| {
+                edit(&d.join("rank-00002.bin"), |b| {
+                    let n = b.len() / 2;
+                    b[n] ^= 0x10
+                })
+            },
+            "rank-00002.bin",
+            "checksum mismatch in chunk",
+        ),
+        (
+            "missing-file",
+            |d| std::fs::remove_file(d.join("rank-00000.bin")).unwrap(),
+            "rank-00000.bin",
+            "missing",
+        ),
+        (
+            "manifest-edit",
+            |d| {
+                edit(&d.join("manifest.json"), |b| {
+                    let text = String::from_utf8(b.clone()).unwrap().replacen(
+                        "\"step\": 4",
+                        "\"step\": 5",
+                        1,
+                    );
+                    *b = text.into_bytes();
+                })
+            },
+            "manifest.json",
+            "manifest checksum mismatch",
+        ),
+        (
+            "manifest-garbage",
+            |d| edit(&d.join("manifest.json"), |b| b.truncate(b.len() / 2)),
+            "manifest.json",
+            "not a valid manifest",
+        ),
+        (
+            "in-progress",
+            |d| std::fs::rename(d.join("manifest.json"), d.join("manifest.json.tmp")).unwrap(),
+            "step-00000004",
+            "incomplete checkpoint",
+        ),
+    ];
+    for (name, damage, file, what) in cases {
+        let dir = t.path().join(name).join("step-00000004");
+        copy_dir(&good, &dir);
+        damage(&dir);
+        refused(&ezero(&["checkpoint", "verify", s(&dir)]), file, what);
+        refused(&ezero(&["train", "--resume", s(&dir)]), file, what);
+        refused(
+            &ezero(&[
+                "checkpoint",
+                "export",
+                s(&dir),
+                "--out",
+                s(&t.path().join("x.safetensors")),
+            ]),
+            file,
+            what,
+        );
+    }
+    refused(
+        &ezero(&["checkpoint", "verify", s(&t.path().join("nope"))]),
+        "nope",
+        "does not exist",
+    );
+    refused(
+        &ezero(&["train", "--resume", s(&t.path().join("nope"))]),
+        "nope",
+        "does not exist",
+    );
+    // Sound checkpoints that do not fit the run.
+    refused(
+        &ezero(&["train", "--resume", s(&good), "--d-model", "32"]),
+        "manifest.json",
+        "another model",
+    );
+    refused(
+        &ezero(&["train", "--resume", s(&good), "--steps", "8"]),
+        "manifest.json",
+        "`steps` is 4",
+    );
+    refused(
+        &ezero(&["train", "--resume", s(&good), "--seed", "1"]),
+        "manifest.json",
+        "`seed`",
+    );
+    // The newest checkpoint damaged: refused, unless falling back is asked for.
+    edit(&good.join("rank-00003.bin"), |b| b[0] ^= 1);
+    refused(
+        &ezero(&["train", "--resume", s(&root)]),
+        "rank-00003.bin",
+        "checksum mismatch",
+    );
+    let r = ezero(&[
+        "train",
+        "--resume",
+        s(&root),
+        "--latest-valid",
+        "--ranks",
+        "3",
+    ]);
+    assert!(ok(&r).stdout.contains("at step 2 "), "{}", r.stdout);
+    assert!(
+        r.stderr.contains("skipped") && r.stderr.contains("rank-00003.bin"),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(r.sha(), want);
+}

@@ -1,0 +1,231 @@
+//! The checkpoint tools: `ezero checkpoint inspect`, retention of the newest checkpoints, and
+//! the safetensors export (read back by the `safetensors` crate and, if installed, Python).
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::ezero::{ezero, ok, refused, s, train_cli};
+use elastic_zero::checkpoint::interchange::{bf16_to_f32, f32_to_bf16};
+use elastic_zero::checkpoint::{self, store};
+use elastic_zero::job::build_model;
+use elastic_zero::summary::param_sha256;
+
+#[test]
+fn inspect_reports_the_layout_and_retention_keeps_the_newest() {
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("ck");
+    let r = train_cli(&[
+        "--steps",
+        "5",
+        "--ranks",
+        "4",
+        "--stage",
+        "2",
+        "--save-dir",
+        s(&root),
+        "--save-every",
+        "1",
+        "--keep-checkpoints",
+        "2",
+    ]);
+    let sha = ok(&r).sha();
+    let left: Vec<u64> = store::list(&root).unwrap().iter().map(|e| e.step).collect();
+    assert_eq!(left, vec![4, 5]);
+    let ins = ezero(&["checkpoint", "inspect", s(&root), "--json"]);
+    let v: serde_json::Value = serde_json::from_str(ok(&ins).stdout.trim()).unwrap();
+    assert_eq!(v["step"], 5);
+    assert_eq!(
+        (v["world_size"].as_u64(), v["stage"].as_u64()),
+        (Some(4), Some(2))
+    );
+    assert_eq!(
+        v["param_sha256"],
+        sha.as_str(),
+        "the last checkpoint holds the final model"
+    );
+    let ranks = v["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 4);
+    let per_rank: u64 = ranks.iter().map(|r| r["bytes"].as_u64().unwrap()).sum();
+    assert_eq!(per_rank, v["bytes"].as_u64().unwrap());
+    assert_eq!(
+        per_rank,
+        12 * v["param_count"].as_u64().unwrap(),
+        "params + Adam m and v"
+    );
+    let human = ok(&ezero(&["checkpoint", "inspect", s(&root)]))
+        .stdout
+        .clone();
+    assert!(human.contains("saved by 4 ranks, ZeRO-2") && human.contains("rank 3: rank-00003.bin"));
+    // A fresh run may not save over another run's checkpoints, and saving needs a directory.
+    let fresh = train_cli(&["--steps", "2", "--save-dir", s(&root)]);
+    refused(&fresh, "save_dir", "already holds checkpoints");
+    refused(
+        &train_cli(&["--steps", "2", "--save-every", "1"]),
+        "save_every",
+        "save_dir",
+    );
+}
+
+#[test]
+fn export_round_trips_through_safetensors_and_init_starts_from_it() {
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("ck");
+    let gpt = [
+        "train",
+        "--model",
+        "gpt",
+        "--layers",
+        "1",
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--seq-len",
+        "8",
+        "--micro-batches",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--sample-tokens",
+        "0",
+        "--chunk-elems",
+        "500",
+    ];
+    let with = |extra: &[&str]| ezero(&[&gpt[..], extra].concat());
+    ok(&with(&[
+        "--steps",
+        "3",
+        "--ranks",
+        "3",
+        "--save-dir",
+        s(&root),
+        "--save-every",
+        "3",
+    ]));
+    let loaded = checkpoint::load_path(&root).unwrap();
+    let cfg = &loaded.manifest.config;
+    let units = build_model(cfg).unwrap().units();
+    let params =
+        elastic_zero::runtime::cluster::consolidate(&loaded.snapshot.map, &loaded.snapshot.chunks);
+    let fp32 = t.path().join("model.safetensors");
+    let bf16 = t.path().join("half.safetensors");
+    ok(&ezero(&[
+        "checkpoint",
+        "export",
+        s(&root),
+        "--out",
+        s(&fp32),
+    ]));
+    ok(&ezero(&[
+        "checkpoint",
+        "export",
+        s(&root),
+        "--out",
+        s(&bf16),
+        "--bf16",
+        "--with-optimizer",
+    ]));
+
+    // Read back with the safetensors crate: names, shapes and values.
+    let bytes = std::fs::read(&fp32).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let half_bytes = std::fs::read(&bf16).unwrap();
+    let half = safetensors::SafeTensors::deserialize(&half_bytes).unwrap();
+    let opt_bytes = std::fs::read(t.path().join("half.optimizer.safetensors")).unwrap();
+    let opt = safetensors::SafeTensors::deserialize(&opt_bytes).unwrap();
+    let named: usize = units.iter().map(|u| u.params.len()).sum();
+    assert_eq!((st.len(), half.len(), opt.len()), (named, named, 2 * named));
+    let m = elastic_zero::runtime::cluster::consolidate(
+        &loaded.snapshot.map,
+        &loaded
+            .snapshot
+            .chunks
+            .iter()
+            .map(|c| elastic_zero::runtime::rank_state::ChunkState {
+                params: c.m.clone(),
+                ..c.clone()
+            })
+            .collect::<Vec<_>>(),
+    );
+    for (u, unit) in units.iter().enumerate() {
+        let mut off = 0;
+        for p in &unit.params {
+            let want = &params[u][off..off + p.numel()];
+            let t32 = st.tensor(&p.name).unwrap();
+            assert_eq!(
+                (t32.dtype(), t32.shape()),
+                (safetensors::Dtype::F32, p.shape.as_slice())
+            );
+            let got: Vec<f32> = t32
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            assert_eq!(
+                got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "{}",
+                p.name
+            );
+            let t16 = half.tensor(&p.name).unwrap();
+            assert_eq!(t16.dtype(), safetensors::Dtype::BF16);
+            for (b, w) in t16.data().chunks_exact(2).zip(want) {
+                assert_eq!(u16::from_le_bytes([b[0], b[1]]), f32_to_bf16(*w));
+                assert!((bf16_to_f32(f32_to_bf16(*w)) - w).abs() <= w.abs() / 128.0);
+            }
+            let tm = opt.tensor(&format!("{}.exp_avg", p.name)).unwrap();
+            let got_m: Vec<f32> = tm
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            assert_eq!(got_m, m[u][off..off + p.numel()].to_vec());
+            off += p.numel();
+        }
+    }
+
+    // --init from the fp32 export reproduces the checkpoint's weights exactly.
+    let r = with(&["--steps", "0", "--init", s(&fp32)]);
+    assert_eq!(ok(&r).sha(), loaded.manifest.param_sha256);
+    assert_eq!(param_sha256(&params), loaded.manifest.param_sha256);
+    ok(&with(&["--steps", "2", "--init", s(&bf16)]));
+    // Weights of another model are refused, naming the tensor.
+    let mut wider = gpt.to_vec();
+    wider[6] = "32"; // --d-model 32
+    let other = ezero(&[&wider[..], &["--steps", "1", "--init", s(&fp32)]].concat());
+    refused(&other, "model.safetensors", "has shape");
+    refused(
+        &with(&["--resume", s(&root), "--init", s(&fp32)]),
+        "--init",
+        "--resume",
+    );
+
+    // An independent reader: the Python safetensors package, when installed.
+    let expect = serde_json::json!({
+        "fp32": fp32, "bf16": bf16, "optimizer": t.path().join("half.optimizer.safetensors"),
+        "param_sha256": loaded.manifest.param_sha256,
+        "params": units.iter().flat_map(|u| u.params.iter().map(|p| (p.name.clone(), p.shape.clone()))).collect::<Vec<_>>(),
+        "state": loaded.manifest.optimizer.state,
+    });
+    let expect_path = t.path().join("expect.json");
+    std::fs::write(&expect_path, expect.to_string()).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/checkpoint_safetensors.py");
+    match Command::new("python3")
+        .arg(&script)
+        .arg(&expect_path)
+        .output()
+    {
+        Ok(out) => {
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{text}\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            eprintln!("python safetensors: {}", text.trim());
+        }
+        Err(e) => eprintln!("skipped the Python safetensors check: no python3 ({e})"),
+    }
+}
