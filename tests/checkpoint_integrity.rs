@@ -1,9 +1,13 @@
-//! What checkpoint verification refuses, each with exit 2 and one line naming the file: damaged,
-//! incomplete or foreign checkpoints, and sound ones that do not fit the run.
+//! What checkpoint verification refuses, each with exit 2 and one line naming the file (damaged,
+//! incomplete or foreign checkpoints, and sound ones that do not fit the run), and what it must
+//! not refuse: an older build's manifest.
 
 mod common;
 
+use std::path::Path;
+
 use common::ezero::{copy_dir, edit, ezero, ok, refused, s, step_dir, train_cli};
+use elastic_zero::checkpoint::{self, CheckpointError, Manifest};
 
 #[test]
 fn damaged_incomplete_or_foreign_checkpoints_are_refused_with_exit_2() {
@@ -141,3 +145,71 @@ fn damaged_incomplete_or_foreign_checkpoints_are_refused_with_exit_2() {
     );
     assert_eq!(r.sha(), want);
 }
+
+/// Seals manifest text the way every build's writer does: `manifest_crc32` is the CRC-32 of the
+/// file's bytes with that value empty.
+fn reseal(text: &str) -> String {
+    let key = "\"manifest_crc32\": \"";
+    let start = text.find(key).expect("a manifest_crc32 field") + key.len();
+    let end = start + text[start..].find('"').unwrap();
+    let blank = format!("{}{}", &text[..start], &text[end..]);
+    let crc = crc32fast::hash(blank.as_bytes());
+    format!("{}{crc:08x}{}", &text[..start], &text[end..])
+}
+
+/// A 2-rank run of 4 steps saving at steps 2 and 4; returns the step-2 checkpoint.
+fn saved_run(root: &Path) -> std::path::PathBuf {
+    ok(&train_cli(&[
+        "--steps",
+        "4",
+        "--ranks",
+        "2",
+        "--save-dir",
+        s(root),
+        "--save-every",
+        "2",
+    ]));
+    step_dir(root, 2)
+}
+
+#[test]
+fn an_older_builds_manifest_without_a_newer_config_key_verifies_and_resumes() {
+    let t = tempfile::tempdir().unwrap();
+    let want = ok(&train_cli(&["--steps", "4"])).sha();
+    let dir = saved_run(&t.path().join("ck"));
+    let path = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert_eq!(
+        reseal(&text),
+        text,
+        "the writer hashes its file with the value blank"
+    );
+    // An older build did not know `keep_activations`; its default is what that build did.
+    let old = text.replacen("\n    \"keep_activations\": false,", "", 1);
+    assert_ne!(old, text, "no `keep_activations: false` line in:\n{text}");
+    std::fs::write(&path, reseal(&old)).unwrap();
+    ok(&ezero(&["checkpoint", "verify", s(&dir)]));
+    let loaded = checkpoint::load(&dir).unwrap();
+    assert!(!loaded.manifest.config.keep_activations);
+    let r = ezero(&[
+        "train",
+        "--resume",
+        s(&dir),
+        "--ranks",
+        "3",
+        "--save-every",
+        "0",
+    ]);
+    assert!(ok(&r).stdout.contains("at step 2 "), "{}", r.stdout);
+    assert_eq!(r.sha(), want);
+}
+
+#[test]
+fn a_manifest_with_any_bit_flipped_is_refused() {
+    let t = tempfile::tempdir().unwrap();
+    let path = saved_run(&t.path().join("ck")).join("manifest.json");
+    let bytes = std::fs::read(&path).unwrap();
+    Manifest::decode(&path, &bytes).unwrap();
+    for i in 0..bytes.len() {
+        for bit in [0x01u8, 0x04, 0x20, 0x80] {
+            let mut b = bytes.clone();

@@ -5,12 +5,15 @@
 //! optimizer hyper-parameters, data position, the model's parameter names and shapes) and a
 //! CRC-32 and byte length for every chunk file and every chunk in it, so a reader can verify a
 //! whole file or only the chunks it reads. The manifest carries a CRC-32 of itself
-//! (`manifest_crc32`, over its own serialization with that field empty), so an edited or
-//! damaged manifest is detected even when it still parses.
+//! (`manifest_crc32`, over the file's bytes with that field's value empty), so an edited or
+//! damaged manifest is detected even when it still parses. A reader hashes the bytes as read,
+//! never a re-serialization of what it parsed: a manifest written by an older build, which
+//! lacks config keys added since (they take their defaults), must still check out.
 //!
 //! CRC-32 detects accidental damage (bit rot, truncation, a torn write), not tampering.
 
 use std::collections::BTreeSet;
+use std::ops::Range;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -143,7 +146,7 @@ pub struct Manifest {
     pub param_sha256: String,
     pub shard_map: ShardMap,
     pub files: Vec<FileEntry>,
-    /// CRC-32 of this manifest serialized with this field empty.
+    /// CRC-32 of the manifest file's bytes with this field's value empty (`""`).
     pub manifest_crc32: String,
 }
 
@@ -201,17 +204,25 @@ impl Manifest {
                 ),
             ));
         }
-        let want = m
-            .body_crc()
-            .map_err(|e| CheckpointError::corrupt(path, e.to_string()))?;
-        if m.manifest_crc32 != crc_hex(want) {
+        let value = own_crc_span(bytes).ok_or_else(|| {
+            CheckpointError::corrupt(
+                path,
+                "cannot find the `manifest_crc32` value in the file's top-level object: the \
+                 manifest was edited or damaged; restore it or resume from another checkpoint",
+            )
+        })?;
+        // Exactly the bytes the writer hashed: the file with the value between the quotes cut out.
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&bytes[..value.start]);
+        hasher.update(&bytes[value.end..]);
+        let want = crc_hex(hasher.finalize());
+        if m.manifest_crc32 != want {
             return Err(CheckpointError::corrupt(
                 path,
                 format!(
-                    "manifest checksum mismatch (manifest_crc32 says {}, the content hashes to {}): \
-                     the manifest was edited or damaged",
-                    m.manifest_crc32,
-                    crc_hex(want)
+                    "manifest checksum mismatch (manifest_crc32 says {}, the file hashes to {want}): \
+                     the manifest was edited or damaged; restore it or resume from another checkpoint",
+                    m.manifest_crc32
                 ),
             ));
         }
@@ -346,6 +357,55 @@ impl Manifest {
     }
 }
 
+/// The byte range of the top-level `manifest_crc32` string's contents (between its quotes) in
+/// a manifest file that parsed as JSON, or `None` if the key is not spelled out plainly there.
+/// Strings are skipped whole, so the name inside a value or a nested object never matches.
+fn own_crc_span(bytes: &[u8]) -> Option<Range<usize>> {
+    const KEY: &[u8] = b"\"manifest_crc32\"";
+    let skip_ws = |mut i: usize| {
+        while bytes.get(i).is_some_and(|b| b.is_ascii_whitespace()) {
+            i += 1;
+        }
+        i
+    };
+    // The index just past the string that opens at `i`.
+    let string_end = |mut i: usize| {
+        i += 1;
+        while i < bytes.len() {
+            match bytes[i] {
+                b'\\' => i += 2,
+                b'"' => return Some(i + 1),
+                _ => i += 1,
+            }
+        }
+        None
+    };
+    let mut depth = 0usize;
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'{' | b'[' => depth += 1,
+            b'}' | b']' => depth = depth.checked_sub(1)?,
+            b'"' => {
+                let end = string_end(i)?;
+                let after = skip_ws(end);
+                if depth == 1 && &bytes[i..end] == KEY && bytes.get(after) == Some(&b':') {
+                    let open = skip_ws(after + 1);
+                    if bytes.get(open) != Some(&b'"') {
+                        return None;
+                    }
+                    return Some(open + 1..string_end(open)? - 1);
+                }
+                i = end;
+                continue;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -358,6 +418,23 @@ mod tests {
         assert_eq!(parse_checkpoint_dir_name("step-12.tmp"), None);
         assert_eq!(parse_checkpoint_dir_name("stop-1"), None);
         assert_eq!(rank_file_name(3), "rank-00003.bin");
+    }
+
+    #[test]
+    fn own_crc_span_finds_only_the_top_level_key() {
+        let text = r#"{"a": {"manifest_crc32": "nested"}, "b": ["manifest_crc32"],
+            "c": "\"manifest_crc32\": \"in a string\"", "manifest_crc32" : "0badf00d", "d": 1}"#;
+        let span = own_crc_span(text.as_bytes()).unwrap();
+        assert_eq!(&text[span], "0badf00d");
+        let blank = r#"{"manifest_crc32": ""}"#;
+        assert_eq!(own_crc_span(blank.as_bytes()), Some(20..20));
+        for missing in [
+            r#"{"a": {"manifest_crc32": "x"}}"#,
+            r#"{"manifest_crc32": 7}"#,
+            "{",
+        ] {
+            assert_eq!(own_crc_span(missing.as_bytes()), None, "{missing}");
+        }
     }
 
     #[test]
