@@ -1,6 +1,6 @@
 //! What checkpoint verification refuses, each with exit 2 and one line naming the file (damaged,
 //! incomplete or foreign checkpoints, and sound ones that do not fit the run), and what it must
-//! not refuse: an older build's manifest.
+//! not refuse: an older build's manifest, a resume that changes only fault injection.
 
 mod common;
 
@@ -213,3 +213,65 @@ fn a_manifest_with_any_bit_flipped_is_refused() {
     for i in 0..bytes.len() {
         for bit in [0x01u8, 0x04, 0x20, 0x80] {
             let mut b = bytes.clone();
+            b[i] ^= bit;
+            match Manifest::decode(&path, &b) {
+                Err(CheckpointError::Corrupt { .. }) => {}
+                other => panic!(
+                    "byte {i} ({:?}) ^ {bit:#04x}: {:?}",
+                    bytes[i] as char,
+                    other.map(|m| m.step)
+                ),
+            }
+        }
+    }
+}
+
+#[test]
+fn a_resume_may_drop_or_change_a_kill_during_a_round() {
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("ck");
+    let want = ok(&train_cli(&["--steps", "6", "--ranks", "2"])).sha();
+    let r = train_cli(&[
+        "--steps",
+        "6",
+        "--ranks",
+        "4",
+        "--kill-during",
+        "3@2:replicate",
+        "--save-dir",
+        s(&root),
+        "--save-every",
+        "4",
+    ]);
+    assert_eq!(
+        ok(&r).sha(),
+        want,
+        "the injected kill does not change the numbers"
+    );
+    assert!(r.stdout.contains("lost ranks [3]"), "{}", r.stdout);
+    let at4 = step_dir(&root, 4);
+    // The saved kill (step 2) is past, so a resume drops it; it may also inject another.
+    for (extra, lost) in [
+        (&[][..], false),
+        (&["--kill-during", "0@5:replicate"][..], true),
+    ] {
+        let mut args = vec![
+            "train",
+            "--resume",
+            s(&at4),
+            "--ranks",
+            "3",
+            "--save-every",
+            "0",
+        ];
+        args.extend_from_slice(extra);
+        let r = ezero(&args);
+        assert!(
+            ok(&r).stdout.contains("at step 4 "),
+            "{extra:?}: {}",
+            r.stdout
+        );
+        assert_eq!(r.sha(), want, "{extra:?}");
+        assert_eq!(r.stdout.contains("lost ranks [0]"), lost, "{}", r.stdout);
+    }
+}

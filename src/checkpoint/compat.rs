@@ -32,6 +32,9 @@ pub const MAY_CHANGE: &[&str] = &[
     "leave",
     "join",
     "kill",
+    // Kills inside a reshard, backup or restore round: the survivors redo it from committed
+    // state (tests/elastic.rs checks the result is the fault-free one).
+    "kill_during",
     "min_ranks",
     "max_ranks",
     "replicate_every",
@@ -166,6 +169,19 @@ mod tests {
             ..saved.clone()
         };
         check_config(p, &saved, &ok).unwrap();
+        // A run saved with an injected kill may resume with another or none (a resume drops
+        // kills of steps already run).
+        let killed = TrainConfig {
+            kill_during: vec!["1@2:reshard".parse().unwrap()],
+            ..saved.clone()
+        };
+        for other in [vec![], vec!["0@9:restore".parse().unwrap()]] {
+            let here = TrainConfig {
+                kill_during: other,
+                ..saved.clone()
+            };
+            check_config(p, &killed, &here).unwrap();
+        }
         let bad = TrainConfig {
             steps: saved.steps + 1,
             ..saved.clone()
