@@ -32,11 +32,16 @@ fn cfg() -> QuicConfig {
 
 /// `n` connected transports of one cluster.
 fn cluster(n: u32) -> Vec<QuicTransport> {
+    cluster_with(n, &cfg())
+}
+
+/// `n` connected transports of one cluster, with settings `c`.
+fn cluster_with(n: u32, c: &QuicConfig) -> Vec<QuicTransport> {
     let ca = ClusterCa::generate("test CA").unwrap();
     let ts: Vec<QuicTransport> = (0..n)
         .map(|r| {
             let id = ca.issue(&format!("rank-{r}")).unwrap();
-            QuicTransport::bind(r, loopback(), &id, &cfg()).unwrap()
+            QuicTransport::bind(r, loopback(), &id, c).unwrap()
         })
         .collect();
     let addrs: Vec<(RankId, SocketAddr)> = ts.iter().map(|t| (t.rank(), t.local_addr())).collect();
@@ -260,18 +265,7 @@ fn each_congestion_controller_delivers_and_wire_bytes_are_counted() {
             initial_window_bytes,
             ..cfg()
         };
-        let ca = ClusterCa::generate("test CA").unwrap();
-        let mut ts: Vec<QuicTransport> = (0..2)
-            .map(|r| {
-                let id = ca.issue(&format!("rank-{r}")).unwrap();
-                QuicTransport::bind(r, loopback(), &id, &c).unwrap()
-            })
-            .collect();
-        let addrs: Vec<_> = ts.iter().map(|t| (t.rank(), t.local_addr())).collect();
-        for t in &ts {
-            t.add_peers(&addrs);
-            t.wait_connected(&[0, 1], WAIT_MS).unwrap();
-        }
+        let mut ts = cluster_with(2, &c);
         // Two large frames: the second lands in the first's allocation if it was dropped.
         let payload: Vec<u8> = (0..2usize << 20).map(|i| (i * 13 + 1) as u8).collect();
         for unit in 0..2 {
@@ -329,18 +323,7 @@ fn large_datagrams_connect_keep_their_mtu_and_stay_segmented() {
             max_udp_payload_bytes: mtu,
             ..cfg()
         };
-        let ca = ClusterCa::generate("test CA").unwrap();
-        let mut ts: Vec<QuicTransport> = (0..2)
-            .map(|r| {
-                let id = ca.issue(&format!("rank-{r}")).unwrap();
-                QuicTransport::bind(r, loopback(), &id, &c).unwrap()
-            })
-            .collect();
-        let addrs: Vec<_> = ts.iter().map(|t| (t.rank(), t.local_addr())).collect();
-        for t in &ts {
-            t.add_peers(&addrs);
-            t.wait_connected(&[0, 1], WAIT_MS).unwrap();
-        }
+        let mut ts = cluster_with(2, &c);
         let payload: Vec<u8> = (0..8usize << 20).map(|i| (i * 31 + 5) as u8).collect();
         let frame = Frame {
             epoch: 0,

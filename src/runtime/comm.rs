@@ -122,13 +122,7 @@ impl<T: Transport> Comm<T> {
     pub fn send(&mut self, to: RankId, tag: Tag, payload: Bytes) -> Result<(), CommError> {
         self.stats.frames_sent += 1;
         self.stats.bytes_sent += payload.len() as u64 + FRAME_HEADER_BYTES;
-        let frame = Frame {
-            epoch: self.epoch,
-            step: self.step,
-            from: self.rank(),
-            tag,
-            payload,
-        };
+        let frame = self.frame(tag, payload);
         Ok(self.transport.send(to, frame)?)
     }
 
@@ -144,14 +138,19 @@ impl<T: Transport> Comm<T> {
         }
         self.stats.frames_sent += to.len() as u64;
         self.stats.bytes_sent += (payload.len() as u64 + FRAME_HEADER_BYTES) * to.len() as u64;
-        let frame = Frame {
+        let frame = self.frame(tag, payload);
+        Ok(self.transport.send_to_each(to, frame)?)
+    }
+
+    /// A frame of this rank in the current (epoch, step).
+    fn frame(&self, tag: Tag, payload: Bytes) -> Frame {
+        Frame {
             epoch: self.epoch,
             step: self.step,
             from: self.rank(),
             tag,
             payload,
-        };
-        Ok(self.transport.send_to_each(to, frame)?)
+        }
     }
 
     /// Waits for the frame `tag` from `from` in the current (epoch, step).
