@@ -65,7 +65,7 @@ pub struct CollectivesArgs {
     #[arg(long, default_value_t = QuicConfig::loopback().max_udp_payload_bytes)]
     pub max_udp_payload_bytes: u16,
     /// quic: per-stream flow-control window in bytes (connection windows are twice it).
-    #[arg(long, default_value_t = QuicConfig::default().stream_window_bytes)]
+    #[arg(long, default_value_t = QuicConfig::loopback().stream_window_bytes)]
     pub stream_window_bytes: u64,
     /// quic: congestion controller (cubic, new_reno, bbr).
     #[arg(long, default_value = "cubic")]

@@ -29,7 +29,8 @@ pub struct QuicConfig {
     /// Generic segmentation offload: several packets per syscall [default: true].
     pub gso: bool,
     /// Per-stream flow-control window; the connection's receive and send windows are twice
-    /// it. 64 MiB was no faster on loopback, where the CPU is the limit [default: 16 MiB].
+    /// it. 64 MiB was no faster on loopback, where the CPU is the limit [default: 16 MiB;
+    /// loopback 2 MiB].
     pub stream_window_bytes: u64,
     /// Congestion controller; NewReno and BBR were no faster on loopback [default: cubic].
     pub congestion: Congestion,
@@ -102,13 +103,18 @@ pub struct QuicConfigError {
 }
 
 impl QuicConfig {
-    /// The loopback tuning measured in BENCHMARKS.md: 16000-byte datagrams from the start
-    /// (loopback's MTU is 65536). Per-packet work in quinn and the kernel is most of QUIC's
-    /// CPU on loopback: 4× fewer packets than at 4000 gave 20–40% more busbw.
+    /// The loopback tuning measured in BENCHMARKS.md:
+    /// - 16000-byte datagrams from the start (loopback's MTU is 65536). Per-packet work in quinn
+    ///   and the kernel is a large share of QUIC's CPU: 4× fewer packets than at 4000 gave
+    ///   1.25–1.37× the busbw.
+    /// - A 2 MiB stream window. On loopback the receiver's socket buffer is the only queue, and
+    ///   16 MiB in flight overflowed it whenever the receiver was descheduled (thousands of
+    ///   losses a run, each a congestion event); 2 MiB lost none, at the same busbw.
     pub fn loopback() -> Self {
         Self {
             initial_mtu: LOOPBACK_MTU,
             max_udp_payload_bytes: LOOPBACK_MTU,
+            stream_window_bytes: 2 << 20,
             ..Self::default()
         }
     }
