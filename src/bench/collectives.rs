@@ -294,8 +294,9 @@ pub fn result(
 }
 
 /// Single-core throughput of an AEAD that QUIC may use for every packet (rustls with ring
-/// negotiates AES-256-GCM; AES-128-GCM for comparison), sealing and opening `packet_bytes` records: the floor of the
-/// CPU cost of encryption per byte moved, for comparing with `cpu_util`.
+/// negotiates AES-256-GCM; AES-128-GCM for comparison), sealing and opening `packet_bytes`
+/// records: the floor of the CPU cost of encryption per byte moved, for comparing with
+/// `cpu_util`.
 #[derive(Clone, Debug, Serialize)]
 pub struct AeadBench {
     pub op: &'static str,

@@ -20,8 +20,6 @@ pub struct StreamDecoder {
     /// is summed right after it is copied, while it is in cache. Summing the whole frame at
     /// the end read it back from memory (a 64 MiB frame does not fit in L3).
     crc: crc32fast::Hasher,
-    /// Body bytes the checksum covers (all but the trailing checksum).
-    summed_len: usize,
     /// Whether `body` is a large frame's (see `spares`).
     large: bool,
     /// The allocations of the last large frames, reused for the next one once their consumer
@@ -48,7 +46,6 @@ impl StreamDecoder {
             need: 0,
             body: BytesMut::new(),
             crc: crc32fast::Hasher::new(),
-            summed_len: 0,
             large: false,
             spares: Vec::new(),
         }
@@ -68,7 +65,6 @@ impl StreamDecoder {
             let (body, h) = check_prefix(&self.prefix, self.max_frame_bytes)?;
             self.header_len = h;
             self.need = body + CHECKSUM_BYTES;
-            self.summed_len = body;
             self.crc = crc32fast::Hasher::new();
             self.crc.update(&self.prefix);
             self.large = self.need >= REUSE_MIN_BYTES;
@@ -79,7 +75,8 @@ impl StreamDecoder {
             };
         }
         let n = self.need.min(input.len());
-        let summed = self.summed_len.saturating_sub(self.body.len()).min(n);
+        // Everything before the trailing checksum is summed.
+        let summed = self.need.saturating_sub(CHECKSUM_BYTES).min(n);
         self.body.extend_from_slice(&input[..n]);
         self.crc.update(&input[..summed]);
         input.advance(n);
