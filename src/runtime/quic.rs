@@ -617,30 +617,30 @@ impl Transport for QuicTransport {
     }
 
     fn send(&self, to: RankId, frame: Frame) -> Result<(), TransportError> {
-        if to == self.shared.rank {
-            self.shared.data.push_now(0, 0, frame);
-            return Ok(());
-        }
-        let lane = lane_of(&frame.tag);
-        let n = frame.payload.len();
-        self.control().queue(to, lane, WireMsg::Frame(frame), n)
+        self.send_to_each(std::slice::from_ref(&to), frame)
     }
 
     fn send_to_each(&self, to: &[RankId], frame: Frame) -> Result<(), TransportError> {
-        let lane = lane_of(&frame.tag);
-        let n = frame.payload.len();
+        let (lane, n) = (lane_of(&frame.tag), frame.payload.len());
         let ctl = self.control();
-        if let Some(&r) = to.iter().find(|&&r| r != self.shared.rank) {
-            ctl.check_size(r, n)?;
-        }
-        // One encoding and one checksum for every peer: the header names no receiver.
-        let chunks = crate::wire::encode(&WireMsg::Frame(frame.clone()));
+        // Encoded and checksummed once, for the first peer, and shared by the rest: the header
+        // names no receiver. A frame to this rank never touches the wire.
+        let mut encoded: Option<[Bytes; 3]> = None;
         for &r in to {
             if r == self.shared.rank {
                 self.shared.data.push_now(0, 0, frame.clone());
-            } else {
-                ctl.queue_encoded(r, lane, chunks.clone(), n)?;
+                continue;
             }
+            let chunks = match &encoded {
+                Some(c) => c.clone(),
+                None => {
+                    ctl.check_size(r, n)?;
+                    encoded
+                        .insert(crate::wire::encode(&WireMsg::Frame(frame.clone())))
+                        .clone()
+                }
+            };
+            ctl.queue_encoded(r, lane, chunks, n)?;
         }
         Ok(())
     }
