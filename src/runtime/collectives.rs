@@ -32,6 +32,11 @@ pub fn decode_f32_into(bytes: &[u8], dst: &mut [f32]) {
     }
 }
 
+/// `members` without `me`: the ranks a one-to-all send goes to.
+fn others(members: &[RankId], me: RankId) -> Vec<RankId> {
+    members.iter().copied().filter(|&r| r != me).collect()
+}
+
 /// Sends this rank's chunks of `unit` (already concatenated in `payload`) to every peer.
 pub fn post_owned<T: Transport>(
     comm: &mut Comm<T>,
@@ -46,7 +51,7 @@ pub fn post_owned<T: Transport>(
     if map.owned_elems_in_unit(unit, me) == 0 {
         return Ok(());
     }
-    let peers: Vec<RankId> = map.members.iter().copied().filter(|&r| r != me).collect();
+    let peers = others(&map.members, me);
     comm.send_to_each(&peers, tag, payload)?;
     let sent = elems * peers.len() as u64;
     if is_param {
@@ -190,8 +195,7 @@ pub fn broadcast<T: Transport>(
 ) -> Result<Bytes, CommError> {
     let me = comm.rank();
     if me == root {
-        let peers: Vec<RankId> = members.iter().copied().filter(|&r| r != me).collect();
-        comm.send_to_each(&peers, tag, payload.clone())?;
+        comm.send_to_each(&others(members, me), tag, payload.clone())?;
         Ok(payload)
     } else {
         comm.recv(root, tag)
