@@ -184,6 +184,9 @@ fn an_older_builds_manifest_without_a_newer_config_key_verifies_and_resumes() {
         text,
         "the writer hashes its file with the value blank"
     );
+    // And the file is the plain serialization of the sealed manifest, as every build wrote it.
+    let sealed: Manifest = serde_json::from_str(&text).unwrap();
+    assert_eq!(serde_json::to_string_pretty(&sealed).unwrap() + "\n", text);
     // An older build did not know `keep_activations`; its default is what that build did.
     let old = text.replacen("\n    \"keep_activations\": false,", "", 1);
     assert_ne!(old, text, "no `keep_activations: false` line in:\n{text}");

@@ -167,21 +167,20 @@ pub fn optimizer_state_names(cfg: &TrainConfig) -> Vec<String> {
 }
 
 impl Manifest {
-    /// The manifest as written: pretty JSON with `manifest_crc32` filled in.
+    /// The manifest as written: pretty JSON with `manifest_crc32` filled in. It is serialized
+    /// once with the field empty, hashed, and the checksum is put between the field's quotes:
+    /// the reader cuts the value out of the same span (`own_crc_span`) and hashes the rest.
     pub fn encode(&self) -> Result<Vec<u8>, serde_json::Error> {
-        let mut sealed = self.clone();
-        sealed.manifest_crc32 = crc_hex(self.body_crc()?);
-        let mut bytes = serde_json::to_vec_pretty(&sealed)?;
-        bytes.push(b'\n');
-        Ok(bytes)
-    }
-
-    fn body_crc(&self) -> Result<u32, serde_json::Error> {
         let mut body = self.clone();
         body.manifest_crc32 = String::new();
         let mut bytes = serde_json::to_vec_pretty(&body)?;
         bytes.push(b'\n');
-        Ok(crc32fast::hash(&bytes))
+        let at = own_crc_span(&bytes)
+            .expect("serde writes manifest_crc32 as a plain top-level string")
+            .start;
+        let crc = crc_hex(crc32fast::hash(&bytes));
+        bytes.splice(at..at, crc.into_bytes());
+        Ok(bytes)
     }
 
     /// Parses and checks a manifest file's bytes: JSON shape, its own checksum, the format and
