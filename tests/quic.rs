@@ -55,6 +55,17 @@ fn cluster_with(n: u32, c: &QuicConfig) -> Vec<QuicTransport> {
     ts
 }
 
+/// A frame of rank 0 in step 1 carrying a copy of `payload`.
+fn bulk_from_0(tag: Tag, payload: &[u8]) -> Frame {
+    Frame {
+        epoch: 0,
+        step: 1,
+        from: 0,
+        tag,
+        payload: Bytes::copy_from_slice(payload),
+    }
+}
+
 fn tag(kind: TagKind, unit: u32) -> Tag {
     Tag {
         kind,
@@ -269,13 +280,7 @@ fn each_congestion_controller_delivers_and_wire_bytes_are_counted() {
         // Two large frames: the second lands in the first's allocation if it was dropped.
         let payload: Vec<u8> = (0..2usize << 20).map(|i| (i * 13 + 1) as u8).collect();
         for unit in 0..2 {
-            let frame = Frame {
-                epoch: 0,
-                step: 1,
-                from: 0,
-                tag: tag(TagKind::Gather, unit),
-                payload: Bytes::from(payload.clone()),
-            };
+            let frame = bulk_from_0(tag(TagKind::Gather, unit), &payload);
             ts[0].send(1, frame).unwrap();
             let got = ts[1].recv_timeout(WAIT_MS).unwrap();
             assert_eq!(got.tag.unit, unit, "{congestion:?}");
@@ -325,13 +330,7 @@ fn large_datagrams_connect_keep_their_mtu_and_stay_segmented() {
         };
         let mut ts = cluster_with(2, &c);
         let payload: Vec<u8> = (0..8usize << 20).map(|i| (i * 31 + 5) as u8).collect();
-        let frame = Frame {
-            epoch: 0,
-            step: 1,
-            from: 0,
-            tag: tag(TagKind::Gather, 0),
-            payload: Bytes::from(payload.clone()),
-        };
+        let frame = bulk_from_0(tag(TagKind::Gather, 0), &payload);
         ts[0].send(1, frame).unwrap();
         let got = ts[1].recv_timeout(WAIT_MS).unwrap();
         assert!(got.payload[..] == payload[..], "mtu {mtu}: bytes differ");
@@ -356,13 +355,7 @@ fn large_datagrams_connect_keep_their_mtu_and_stay_segmented() {
 fn send_to_each_reaches_every_rank_once() {
     let mut ts = cluster(3);
     let payload: Vec<u8> = (0..1usize << 20).map(|i| (i * 11 + 7) as u8).collect();
-    let frame = Frame {
-        epoch: 0,
-        step: 1,
-        from: 0,
-        tag: tag(TagKind::Broadcast, 4),
-        payload: Bytes::from(payload.clone()),
-    };
+    let frame = bulk_from_0(tag(TagKind::Broadcast, 4), &payload);
     ts[0].send_to_each(&[1, 0, 2], frame).unwrap();
     assert_eq!(ts[0].stats().frames_sent, 2, "the self-send stays local");
     for t in ts.iter_mut() {
