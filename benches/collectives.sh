@@ -2,7 +2,8 @@
 # Collectives over QUIC (one process per rank, loopback, mTLS) vs gloo (torch.distributed, the
 # peer baseline in ../shared/peers/collectives.py) vs the in-process transport, at 2 and 4
 # ranks, same sizes, alternating in the same run; plus loopback TCP (iperf3, if installed), the
-# single-core AES-256-GCM rate, and the QUIC tuning knobs one at a time.
+# single-core AES-256-GCM rate, gloo's CPU per byte (benches/gloo_cpu.py, for the ceiling that
+# encryption sets), and the QUIC tuning knobs one at a time.
 #   bash benches/collectives.sh [ROUNDS]        (SIZES_MIB="1 16 64" NPROCS="2 4" TUNING=1)
 # Writes JSON lines under $OUT and prints a summary table (benches/collectives_summary.py).
 set -euo pipefail
@@ -26,6 +27,8 @@ for round in $(seq 1 "${1:-2}"); do
   # shellcheck disable=SC2086
   "$PY" ../shared/peers/collectives.py --world-sizes $NPROCS --sizes-mib $SIZES_MIB --repeats 3 \
     --json "$OUT/gloo-$round.json" > /dev/null
+  # shellcheck disable=SC2086
+  "$PY" benches/gloo_cpu.py --world-sizes $NPROCS --sizes-mib $SIZES_MIB --json "$OUT/gloo_cpu.jsonl" > /dev/null
   if command -v iperf3 > /dev/null; then
     iperf3 -s -1 -B 127.0.0.1 -p 5299 > /dev/null 2>&1 &
     sleep 0.5

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Summary of benches/collectives.sh output: median busbw per (op, ranks, size) for QUIC, gloo
-and in-process, the QUIC/gloo ratio, iperf3's loopback TCP rate and the tuning table."""
+and in-process, the QUIC/gloo ratio, iperf3's loopback TCP rate, the tuning table, and the CPU
+per byte of QUIC and gloo with the ceiling that encryption puts on any transport here."""
 import glob
 import json
 import os
@@ -57,3 +58,37 @@ if tun:
     print(f"\n{'variant (2 procs, 64 MiB)':<52}{'op':<12}{'busbw runs':>24}")
     for (v, op), xs in tun.items():
         print(f"{v:<52}{op:<12}{', '.join(f'{x:.3f}' for x in xs):>24}")
+
+# CPU per byte, and the ceiling encryption sets. Mutual TLS means every byte is sealed once and
+# opened once. The cheapest way gloo moved a byte through the kernel at a given rank count and
+# size (C_k: the lowest CPU-s per delivered GB over its four ops, from benches/gloo_cpu.py) is
+# taken as the cost of moving it at all; add one AEAD seal and open (C_a, from --aead, one
+# core) and let that transport use every core. Its busbw is then at most
+#   cores / (C_k + C_a) bytes per second delivered, expressed in the op's busbw.
+# "ceil/gloo" below 1: even a transport as lean as gloo's best op plus encryption, with no other
+# overhead, would not reach gloo in that cell on this machine. "quic/ceil" is how close we are.
+gcpu = defaultdict(list)
+for r in lines("gloo_cpu.jsonl"):
+    gcpu[(r["op"], r["nprocs"], r["bytes"])].append(r)
+aes = [r for r in lines("aead.jsonl") if r["op"] == "aead_aes256gcm"]
+if gcpu and aes:
+    cores = os.cpu_count()
+    c_a = med([1 / r["seal_gbps"] + 1 / r["open_gbps"] for r in aes])
+    moved = {"all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
+             "all_reduce": lambda n: 2 * (n - 1), "broadcast": lambda n: n - 1}
+    bus = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+           "all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0}
+    cost = {k: med([r["cpu_s_per_gb"] for r in rs]) for k, rs in gcpu.items()}
+    print(f"\nCPU-s per GB delivered (medians); AES-256-GCM seal+open {c_a:.3f} CPU-s/GB; {cores} cores")
+    print(f"{'op':<15}{'n':>3}{'MiB':>6}{'gloo bus':>9}{'gloo cpu':>9}{'gloo s/GB':>10}{'C_k':>7}"
+          f"{'quic s/GB':>10}{'ceiling':>9}{'ceil/gloo':>10}{'quic/ceil':>10}")
+    for (op, n, b), rs in sorted(gcpu.items()):
+        c_k = min(c for (o, m, s), c in cost.items() if (m, s) == (n, b))
+        g_bus = med([r["busbw_gbps"] for r in rs])
+        ceiling = cores / (c_k + c_a) / moved[op](n) * bus[op](n)
+        q = [r for r in lines("quic.jsonl") if (r["op"], r["nprocs"], r["bytes"]) == (op, n, b)]
+        q_cost = med([r["cpu_util"] / (r["algbw_gbps"] * moved[op](n)) for r in q])
+        q_bus = med([r["busbw_gbps"] for r in q])
+        print(f"{op:<15}{n:>3}{b / 2**20:>6.0f}{g_bus:>9.3f}{med([r['cpu_util'] for r in rs]):>9.2f}"
+              f"{cost[(op, n, b)]:>10.3f}{c_k:>7.3f}{q_cost:>10.3f}{ceiling:>9.3f}"
+              f"{ceiling / g_bus:>10.2f}{q_bus / ceiling:>10.2f}")
