@@ -6,9 +6,13 @@ mod common;
 
 use std::path::Path;
 use std::process::Command;
+use std::time::Instant;
 
 use common::ezero::{copy_dir, edit, ezero, ok, s, step_dir};
-use common::procs::{digest, flags_with, reference_digest, run, EZERO};
+use common::procs::{
+    coordinator, digest, flags_with, reference_digest, run, secrets, small, worker, Coordinator,
+    Proc, DEADLINE, EZERO,
+};
 
 /// `ezero launch --nprocs N -- FLAGS`, which must succeed; its stdout.
 fn launch(nprocs: u32, flags: &[String]) -> String {
@@ -172,4 +176,78 @@ fn a_missing_or_damaged_checkpoint_is_refused_before_any_worker_starts() {
         b.truncate(b.len() / 2)
     });
     refused_launch(&bad_manifest, "manifest.json");
+}
+
+/// `ezero coordinator` (with `coord_flags`) and `nprocs` workers, which must all succeed; the
+/// coordinator's stdout.
+fn coordinated(nprocs: u32, coord_flags: &[&str], flags: &[String]) -> String {
+    let token = "test-token-parts";
+    let dir = secrets();
+    let Coordinator {
+        proc: mut coord,
+        addr,
+    } = Coordinator::spawn(
+        coordinator(nprocs, token, dir.path())
+            .args(coord_flags)
+            .args(flags),
+    );
+    let mut workers: Vec<Proc> = (0..nprocs)
+        .map(|i| {
+            Proc::spawn(worker(&addr, token, dir.path()).env("EZERO_RANK_HINT", i.to_string()))
+        })
+        .collect();
+    let deadline = Instant::now() + DEADLINE;
+    let status = coord.wait_until(deadline);
+    let out: Vec<String> = coord.lines.iter().collect();
+    let out = out.join("\n");
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "coordinator {status:?}:\n{out}\n{}",
+        coord.stderr()
+    );
+    for (i, w) in workers.iter_mut().enumerate() {
+        let status = w.wait_until(deadline);
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "worker {i}: {}",
+            w.stderr()
+        );
+    }
+    out
+}
+
+/// A part size far below a rank's state (two ranks own about 200 KB of Adam state each here),
+/// so the saved and the resumed state cross the control connections in many parts, each chunk
+/// (12 KB with Adam, 4 KB of parameters alone) in a part of at most two.
+#[test]
+fn state_sent_in_many_small_parts_arrives_whole() {
+    let t = tempfile::tempdir().unwrap();
+    let want = reference_digest(2, &flags_with("mlp", 3, 4, &[]));
+    let parts = ["--state-part-max-bytes", "25000"];
+    let root = t.path().join("ck");
+    let saved = coordinated(
+        2,
+        &parts,
+        &flags_with("mlp", 3, 4, &["--save-dir", s(&root), "--save-every", "2"]),
+    );
+    assert_eq!(digest(&saved).as_deref(), Some(want.as_str()), "{saved}");
+    let at2 = step_dir(&root, 2);
+    ok(&ezero(&["checkpoint", "verify", s(&at2)]));
+    // Three workers at ZeRO-1: each is sent every chunk's parameters and its own chunks' state.
+    let resumed = coordinated(
+        3,
+        &parts,
+        &strings(&["--resume", s(&at2), "--stage", "1", "--save-every", "0"]),
+    );
+    assert_eq!(
+        digest(&resumed).as_deref(),
+        Some(want.as_str()),
+        "{resumed}"
+    );
+
+    let (code, _, err) = run(coordinator(2, "t", t.path())
+        .args(["--state-part-max-bytes", "0"])
+        .args(small("mlp", 3)));
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("state_part_max_bytes"), "{err}");
 }

@@ -22,6 +22,7 @@ use elastic_zero::runtime::heartbeat::ProcsConfig;
 use elastic_zero::runtime::proc_coord::{
     check_supported, run_coordinator, CoordinatorOptions, Listening, ProcError,
 };
+use elastic_zero::runtime::proc_state::{check_parts, STATE_PART_MAX_BYTES};
 use elastic_zero::runtime::proc_worker::{run_worker, WorkerOptions};
 
 use super::checkpoint::{self, SaveObserver, Saving};
@@ -92,6 +93,10 @@ pub struct CoordinatorArgs {
     pub token_file: Option<PathBuf>,
     #[command(flatten)]
     pub procs: ProcsArgs,
+    /// Tests: the largest part of chunk states in one control frame, to exercise transfers in
+    /// many parts with a small model.
+    #[arg(long, hide = true)]
+    pub state_part_max_bytes: Option<usize>,
     #[command(flatten)]
     pub train: TrainArgs,
 }
@@ -164,7 +169,9 @@ pub fn check_train_args(args: &TrainArgs, cfg: &TrainConfig) -> Result<(), CliEr
             "{flag} is not supported with worker processes yet (use ezero train)"
         )));
     }
-    check_supported(cfg).map_err(|e| CliError::Usage(e.to_string()))
+    check_supported(cfg)
+        .and_then(|_| check_parts(cfg, STATE_PART_MAX_BYTES))
+        .map_err(|e| CliError::Usage(e.to_string()))
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
@@ -198,6 +205,8 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     };
     let (cfg, resume) = checkpoint::resolve_train(&args.train)?;
     check_train_args(&args.train, &cfg)?;
+    let part_max_bytes = args.state_part_max_bytes.unwrap_or(STATE_PART_MAX_BYTES);
+    check_parts(&cfg, part_max_bytes).map_err(|e| CliError::Usage(e.to_string()))?;
     let procs = args.procs.resolve()?;
     let token = token(args.token_file.as_ref())?;
     let tls = cluster_tls(args.secrets.as_ref(), "coordinator")?;
@@ -233,6 +242,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         } else {
             0
         },
+        part_max_bytes,
     };
     let started = Instant::now();
     let mut lines = StepLines {

@@ -156,8 +156,8 @@ pub enum ToCoord {
     /// Connected to every peer, state built, the rank actor running: it can take steps.
     Ready,
     Report(RankReport),
-    /// A collect's chunks arrive in parts of at most `STATE_PART_MAX_BYTES`, so no frame nears
-    /// the frame limit: `CollectPart`s first, then the `CollectReply` with the last part.
+    /// A collect's chunks arrive in parts of at most `Welcome::part_max_bytes`, so no frame
+    /// nears the frame limit: `CollectPart`s first, then the `CollectReply` with the last part.
     CollectPart {
         id: u64,
         chunks: Vec<ChunkState>,
@@ -216,6 +216,8 @@ pub struct Welcome {
     /// `StatePart`s follow with the chunks this rank starts from (`--resume`, `--init`),
     /// instead of the model's initialisation.
     pub restore: bool,
+    /// Largest part of chunk states in one frame, both ways (`proc_state::parts`).
+    pub part_max_bytes: u64,
 }
 
 /// Which transport ranks use between themselves.

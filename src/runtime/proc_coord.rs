@@ -36,7 +36,7 @@ use super::control_plane::{
 };
 use super::heartbeat::{Liveness, ProcsConfig};
 use super::http::{self, HttpLimits};
-use super::proc_state::{parts, StartState, STATE_PART_MAX_BYTES};
+use super::proc_state::{check_parts, parts, StartState};
 use super::proxy::{lock, Detached, PendingCollects, RankProxy, RankProxyArgs};
 use super::rank_state::ChunkState;
 use crate::config::{ConfigError, TrainConfig};
@@ -85,6 +85,8 @@ pub struct CoordinatorOptions {
     pub start: Option<StartState>,
     /// Emit a snapshot after every this many steps (0: never).
     pub snapshot_every: u64,
+    /// Largest part of chunk states in one control frame (`proc_state::STATE_PART_MAX_BYTES`).
+    pub part_max_bytes: usize,
 }
 
 /// Where a coordinator listens.
@@ -140,6 +142,7 @@ pub async fn run_coordinator(
 ) -> Result<TrainOutcome, ProcError> {
     cfg.validate()?;
     check_supported(&cfg)?;
+    check_parts(&cfg, opts.part_max_bytes)?;
     opts.procs
         .validate()
         .map_err(|e| ConfigError::new(e.field, e.message))?;
@@ -391,9 +394,10 @@ impl Run {
                 data_plane,
                 procs,
                 restore: opts.start.is_some(),
+                part_max_bytes: opts.part_max_bytes as u64,
             };
             let welcome = ToWorker::Welcome(Box::new(welcome));
-            tokio::time::timeout_at(wait, send_start(&mut j, welcome, opts.start.as_ref(), &cfg))
+            tokio::time::timeout_at(wait, send_start(&mut j, welcome, opts, &cfg))
                 .await
                 .map_err(|_| {
                     ProcError::Setup(format!(
@@ -608,7 +612,7 @@ impl Run {
 async fn send_start(
     j: &mut Joined,
     welcome: ToWorker,
-    start: Option<&StartState>,
+    opts: &CoordinatorOptions,
     cfg: &TrainConfig,
 ) -> Result<(), ProcError> {
     let rank = j.rank;
@@ -616,10 +620,12 @@ async fn send_start(
         ProcError::Setup(format!("rank {rank}: sending its start failed: {e}"))
     };
     write_msg(&mut j.writer, &welcome).await.map_err(failed)?;
-    let Some(start) = start else { return Ok(()) };
+    let Some(start) = &opts.start else {
+        return Ok(());
+    };
     let stage = crate::plan::Stage::from_u8(cfg.stage)
         .ok_or_else(|| ProcError::Setup(format!("stage {}", cfg.stage)))?;
-    for (chunks, last) in parts(start.chunks_for(rank, stage), STATE_PART_MAX_BYTES) {
+    for (chunks, last) in parts(start.chunks_for(rank, stage), opts.part_max_bytes) {
         let part = ToWorker::StatePart { chunks, last };
         write_msg(&mut j.writer, &part).await.map_err(failed)?;
     }

@@ -17,12 +17,38 @@ use std::collections::BTreeMap;
 
 use super::rank_state::ChunkState;
 use super::resume::{read_owned_chunks, ResumeSource};
+use crate::config::{ConfigError, TrainConfig};
 use crate::engine::coordinator::Progress;
 use crate::optim::{OptimState, OptimizerKind};
 use crate::plan::{ChunkId, RankId, ShardMap, Stage};
 
-/// Largest part of chunk states in one control frame, by the bytes of its values.
+/// Default largest part of chunk states in one control frame, by the bytes of its values.
 pub const STATE_PART_MAX_BYTES: usize = 32 << 20;
+/// The most a part may be set to: far enough under `CONTROL_FRAME_MAX_BYTES` for the encoding.
+pub const STATE_PART_LIMIT_BYTES: usize = 256 << 20;
+
+/// Refuses a part size out of range, and chunks too large to cross a control connection in one
+/// frame (a chunk is never split: it is the unit the shard map assigns).
+pub fn check_parts(cfg: &TrainConfig, part_max_bytes: usize) -> Result<(), ConfigError> {
+    if part_max_bytes == 0 || part_max_bytes > STATE_PART_LIMIT_BYTES {
+        return Err(ConfigError::new(
+            "state_part_max_bytes",
+            format!("must be between 1 and {STATE_PART_LIMIT_BYTES}"),
+        ));
+    }
+    // Parameters, and Adam's m and v: 12 bytes an element at most.
+    let chunk_bytes = cfg.chunk_elems.saturating_mul(12);
+    if chunk_bytes > STATE_PART_LIMIT_BYTES {
+        return Err(ConfigError::new(
+            "chunk_elems",
+            format!(
+                "with worker processes a chunk's state must fit one control frame: at most {} elements",
+                STATE_PART_LIMIT_BYTES / 12
+            ),
+        ));
+    }
+    Ok(())
+}
 
 /// Where a process-mode job starts when it does not start from the model's initialisation.
 #[derive(Debug, Clone)]

@@ -27,7 +27,7 @@ use super::control_plane::{
 };
 use super::heartbeat::{Liveness, ProcsConfig};
 use super::proc_coord::{ProcError, LINK_QUEUE_MAX};
-use super::proc_state::{parts, STATE_PART_MAX_BYTES};
+use super::proc_state::{parts, STATE_PART_LIMIT_BYTES};
 use super::proxy::{CoordProxy, CoordProxyArgs, WorkerEnd};
 use super::quic::{QuicConfig, QuicTransport};
 use super::rank_actor::{RankActor, RankArgs, RankMsg, RankSetup, Work};
@@ -316,6 +316,7 @@ async fn serve<T: Transport>(
 ) -> Result<WorkerOutcome, ProcError> {
     let rank = welcome.rank;
     let procs = welcome.procs;
+    let part_max_bytes = (welcome.part_max_bytes as usize).clamp(1, STATE_PART_LIMIT_BYTES);
     let (rank_actor, mut ended) = start_rank(welcome, start, transport, link).await?;
     let _ = link.try_send(Some(ToCoord::Ready));
     let clock = SystemClock::default();
@@ -345,7 +346,7 @@ async fn serve<T: Transport>(
                 };
                 live.observe(clock.now_ms());
                 live.set_timeout(procs.heartbeat_timeout_ms);
-                if let Some(out) = execute(msg, rank, &rank_actor, &interrupt, link) {
+                if let Some(out) = execute(msg, rank, &rank_actor, &interrupt, link, part_max_bytes) {
                     break Ok(out);
                 }
             }
@@ -376,6 +377,7 @@ fn execute<T: Transport>(
     rank_actor: &ActorRef<RankMsg<T>>,
     interrupt: &Interrupt,
     link: &mpsc::Sender<Option<ToCoord>>,
+    part_max_bytes: usize,
 ) -> Option<WorkerOutcome> {
     match msg {
         ToWorker::Command(cmd) => {
@@ -389,7 +391,7 @@ fn execute<T: Transport>(
                     .await;
                 if let Ok(ractor::rpc::CallResult::Success(chunks)) = reply {
                     // In parts, each frame well under the frame limit; the reply ends it.
-                    for (chunks, last) in parts(chunks, STATE_PART_MAX_BYTES) {
+                    for (chunks, last) in parts(chunks, part_max_bytes) {
                         let msg = if last {
                             ToCoord::CollectReply { id, chunks }
                         } else {
