@@ -136,13 +136,24 @@ pub fn check_supported(cfg: &TrainConfig) -> Result<(), ConfigError> {
 /// Runs one job with `cfg.ranks` worker processes; `on_listen` hears the bound addresses first.
 pub async fn run_coordinator(
     cfg: TrainConfig,
-    opts: CoordinatorOptions,
+    mut opts: CoordinatorOptions,
     on_listen: impl FnOnce(Listening),
     mut observer: impl Observer,
 ) -> Result<TrainOutcome, ProcError> {
     cfg.validate()?;
     check_supported(&cfg)?;
     check_parts(&cfg, opts.part_max_bytes)?;
+    if let Some(start) = opts
+        .start
+        .as_ref()
+        .filter(|s| s.map.world_size() != cfg.ranks as usize)
+    {
+        return Err(ProcError::Setup(format!(
+            "the start state is planned for {} ranks, the job has {}",
+            start.map.world_size(),
+            cfg.ranks
+        )));
+    }
     opts.procs
         .validate()
         .map_err(|e| ConfigError::new(e.field, e.message))?;
@@ -199,6 +210,8 @@ pub async fn run_coordinator(
         .collect();
     let initial = map.clone();
     let mut run = Run::start(cfg.clone(), &opts, map, joined, deadline).await?;
+    // Every worker has its starting state: the coordinator need not hold it for the run.
+    let reads = opts.start.take().map(|s| s.reads).unwrap_or_default();
     let (handle, mut monitor) =
         ControlHandle::for_processes(run.coordinator.clone(), initial, &cfg, opts.allow_kill);
     let _ = ready.send(());
@@ -214,8 +227,8 @@ pub async fn run_coordinator(
         None => None,
     };
     let mut result = run.drive(&mut observer, &mut monitor).await;
-    if let (Ok(outcome), Some(start)) = (&mut result, &opts.start) {
-        outcome.resume_reads = start.reads.clone();
+    if let Ok(outcome) = &mut result {
+        outcome.resume_reads = reads;
     }
     run.finish(&result).await;
     if let Some(s) = server {
