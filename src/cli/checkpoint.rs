@@ -1,6 +1,6 @@
 //! `ezero checkpoint verify|inspect|export`, `ezero bench checkpoint`, and the checkpoint side of
-//! `ezero train`: `--resume`/`--latest-valid`/`--init` before the run, background saves and
-//! SIGTERM/SIGINT handling during it.
+//! `ezero train` and `ezero coordinator`: `--resume`/`--latest-valid`/`--init` before the run,
+//! background saves and SIGTERM/SIGINT handling during it.
 //!
 //! A damaged, incomplete or incompatible checkpoint is bad input: one line naming the file and
 //! what is wrong, exit code 2, and no training from partial state. A save that fails during a
@@ -26,7 +26,8 @@ use elastic_zero::data::Dataset;
 use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
 use elastic_zero::model::Model;
 use elastic_zero::runtime::actors::Snapshot;
-use elastic_zero::runtime::cluster::Observer;
+use elastic_zero::runtime::cluster::{optim_settings, Observer};
+use elastic_zero::runtime::proc_state::StartState;
 use elastic_zero::runtime::ChangeRecord;
 
 use super::{CliError, TrainArgs};
@@ -372,6 +373,33 @@ pub fn init_params(args: &TrainArgs, model: &dyn Model) -> Result<Option<Vec<Vec
         .as_deref()
         .map(|p| import_params(p, &model.units()).map_err(usage))
         .transpose()
+}
+
+/// The state a job with worker processes starts from: `--resume` (each rank's owned chunks,
+/// read now by one thread per rank, so damaged state is refused before any process starts) or
+/// `--init` (the file's parameters); `None` for the model's initialisation.
+pub fn start_state(
+    cfg: &TrainConfig,
+    model: &dyn Model,
+    resume: Option<&CheckpointSource>,
+    init: Option<Vec<Vec<f32>>>,
+) -> Result<Option<StartState>, CliError> {
+    let numels: Vec<usize> = model.units().iter().map(|u| u.numel()).collect();
+    if let Some(src) = resume {
+        return StartState::resume(src, &numels, cfg.ranks, cfg.chunk_elems)
+            .map(Some)
+            .map_err(|why| CliError::Usage(format!("--resume: {why}")));
+    }
+    init.map(|params| {
+        StartState::from_params(
+            &params,
+            cfg.ranks,
+            cfg.chunk_elems,
+            optim_settings(cfg).kind,
+        )
+        .map_err(|why| CliError::Usage(format!("--init: {why}")))
+    })
+    .transpose()
 }
 
 /// Saving during `ezero train`: a background writer, the save schedule, and the signal flag.

@@ -86,7 +86,9 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
     }
     let mut args = flags.args;
     args.ranks = Some(a.nprocs);
-    let cfg = args.resolve().map_err(|e| CliError::Usage(e.to_string()))?;
+    // With --resume the config is the checkpoint's: checked here too, so that a missing or
+    // damaged checkpoint is refused before any process starts.
+    let (cfg, _) = super::checkpoint::resolve_train(&args)?;
     check_train_args(&args, &cfg)?;
     let procs = a.procs.resolve()?;
     let token = new_token();
@@ -129,7 +131,7 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
         .spawn()
         .map_err(|e| CliError::Failed(format!("cannot start the coordinator: {e}")))?;
     relay(&mut coord, None, &lines_tx);
-    let addr = match wait_for_address(&lines) {
+    let addr = match wait_for_address(&mut coord, &lines) {
         Ok(addr) => addr,
         Err(why) => {
             let _ = coord.kill();
@@ -240,21 +242,27 @@ fn print((who, err, text): Line) {
 }
 
 /// Prints the coordinator's output until it says where it listens.
-fn wait_for_address(lines: &mpsc::Receiver<Line>) -> Result<String, String> {
+fn wait_for_address(coord: &mut Child, lines: &mpsc::Receiver<Line>) -> Result<String, String> {
     const PREFIX: &str = "ezero coordinator: listening on ";
     let deadline = Instant::now() + LISTEN_TIMEOUT;
     loop {
+        // Our own sender keeps the channel open: notice a coordinator that refused the job
+        // (bad saved state, say) by its exit, not by the timeout.
+        if let Ok(Some(_)) = coord.try_wait() {
+            return Err("the coordinator exited before listening".into());
+        }
         let left = deadline.saturating_duration_since(Instant::now());
-        match lines.recv_timeout(left) {
+        match lines.recv_timeout(left.min(Duration::from_millis(100))) {
             Ok((None, false, text)) if text.starts_with(PREFIX) => {
                 let addr = text[PREFIX.len()..].trim().to_string();
                 println!("{text}");
                 return Ok(addr);
             }
             Ok(line) => print(line),
-            Err(mpsc::RecvTimeoutError::Timeout) => {
+            Err(mpsc::RecvTimeoutError::Timeout) if left.is_zero() => {
                 return Err("the coordinator did not start listening within 30 s".into())
             }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
             Err(mpsc::RecvTimeoutError::Disconnected) => {
                 return Err("the coordinator exited before listening".into())
             }

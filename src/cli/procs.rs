@@ -5,7 +5,7 @@
 //! line; workers only need the coordinator's address, the cluster token and the cluster's
 //! secrets directory. Every connection between them is mutual TLS against the cluster CA.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Args;
@@ -22,8 +22,10 @@ use elastic_zero::runtime::heartbeat::ProcsConfig;
 use elastic_zero::runtime::proc_coord::{
     check_supported, run_coordinator, CoordinatorOptions, Listening, ProcError,
 };
+use elastic_zero::runtime::proc_state::{check_parts, STATE_PART_MAX_BYTES};
 use elastic_zero::runtime::proc_worker::{run_worker, WorkerOptions};
 
+use super::checkpoint::{self, SaveObserver, Saving};
 use super::{CliError, TrainArgs};
 
 /// Heartbeat and join timing, shared by `coordinator` and `launch`.
@@ -91,6 +93,10 @@ pub struct CoordinatorArgs {
     pub token_file: Option<PathBuf>,
     #[command(flatten)]
     pub procs: ProcsArgs,
+    /// Tests: the largest part of chunk states in one control frame, to exercise transfers in
+    /// many parts with a small model.
+    #[arg(long, hide = true)]
+    pub state_part_max_bytes: Option<usize>,
     #[command(flatten)]
     pub train: TrainArgs,
 }
@@ -154,9 +160,6 @@ pub fn cluster_tls(dir: Option<&PathBuf>, name: &str) -> Result<ClusterTls, CliE
 /// Train flags the process runtime does not support yet, as a usage error naming the flag.
 pub fn check_train_args(args: &TrainArgs, cfg: &TrainConfig) -> Result<(), CliError> {
     let unsupported = [
-        ("--resume", args.resume.is_some()),
-        ("--init", args.init.is_some()),
-        ("--save-dir", cfg.save_dir.is_some()),
         ("--panic-rank", args.panic_rank.is_some()),
         ("--checkpoint-crash", args.checkpoint_crash.is_some()),
         ("--signal-at", args.signal_at.is_some()),
@@ -166,7 +169,9 @@ pub fn check_train_args(args: &TrainArgs, cfg: &TrainConfig) -> Result<(), CliEr
             "{flag} is not supported with worker processes yet (use ezero train)"
         )));
     }
-    check_supported(cfg).map_err(|e| CliError::Usage(e.to_string()))
+    check_supported(cfg)
+        .and_then(|_| check_parts(cfg, STATE_PART_MAX_BYTES))
+        .map_err(|e| CliError::Usage(e.to_string()))
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
@@ -198,16 +203,29 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let Some(listen) = &args.listen else {
         return Err(CliError::Usage("--listen is required".into()));
     };
-    let cfg = args
-        .train
-        .resolve()
-        .map_err(|e| CliError::Usage(e.to_string()))?;
+    let (cfg, resume) = checkpoint::resolve_train(&args.train)?;
     check_train_args(&args.train, &cfg)?;
+    let part_max_bytes = args.state_part_max_bytes.unwrap_or(STATE_PART_MAX_BYTES);
+    check_parts(&cfg, part_max_bytes).map_err(|e| CliError::Usage(e.to_string()))?;
     let procs = args.procs.resolve()?;
     let token = token(args.token_file.as_ref())?;
     let tls = cluster_tls(args.secrets.as_ref(), "coordinator")?;
     let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     let data = build_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
+    if let Some(source) = &resume {
+        checkpoint::check_compatible(source, &cfg, model.as_ref())?;
+    }
+    let init = checkpoint::init_params(&args.train, model.as_ref())?;
+    // Read before the save directory is made: damaged saved state changes nothing.
+    let start = checkpoint::start_state(&cfg, model.as_ref(), resume.as_ref(), init)?;
+    let resumed_from = resume.as_ref().map(|l| l.dir.clone());
+    let saving = Saving::start(
+        &cfg,
+        model.as_ref(),
+        &data,
+        &args.train,
+        resumed_from.as_deref(),
+    )?;
     let psi = param_count(&model.units());
     let floor = data.entropy_floor_nats();
     let opts = CoordinatorOptions {
@@ -218,6 +236,13 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         data_plane: args.transport.unwrap_or(DataPlane::Tcp),
         control: args.train.control,
         allow_kill: args.train.control_allow_kill,
+        start,
+        snapshot_every: if saving.is_some() {
+            Saving::SNAPSHOT_EVERY
+        } else {
+            0
+        },
+        part_max_bytes,
     };
     let started = Instant::now();
     let mut lines = StepLines {
@@ -225,6 +250,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         floor,
         last_step: None,
     };
+    let save_dir = cfg.save_dir.clone().filter(|_| saving.is_some());
     let allow_kill = args.train.control_allow_kill;
     let on_listen = |at: Listening| {
         // `ezero launch` reads this line to learn the address; keep its shape.
@@ -243,12 +269,27 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
             psi,
             data.describe()
         );
+        if let Some(l) = &resume {
+            println!(
+                "resumed from {} at step {} (saved by {} ranks with ZeRO-{})",
+                l.dir.display(),
+                l.manifest.step,
+                l.manifest.world_size,
+                l.manifest.stage
+            );
+        }
     };
-    let outcome = runtime()?.block_on(run_coordinator(cfg.clone(), opts, on_listen, &mut lines));
+    let mut observer = SaveObserver {
+        inner: &mut lines,
+        saving,
+    };
+    let outcome = runtime()?.block_on(run_coordinator(cfg.clone(), opts, on_listen, &mut observer));
+    let saved = observer.saving.take().map_or(Ok(()), Saving::finish);
     let outcome = match outcome {
         Ok(o) => o,
-        Err(e) => return Err(failure(e, lines.last_step)),
+        Err(e) => return Err(failure(e, lines.last_step, save_dir.as_deref())),
     };
+    saved?;
     let summary = super::train::summarize(&cfg, psi, floor, &outcome.records, &outcome.params);
     println!(
         "done: {} steps in {:.1} s, loss {:.4} -> {:.4}, median step {:.3} s, {:.0} tokens/s",
@@ -259,6 +300,17 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         summary.step_time_median_s,
         summary.tokens_per_s
     );
+    if !outcome.resume_reads.is_empty() {
+        let reads: Vec<String> = outcome
+            .resume_reads
+            .iter()
+            .map(|(rank, bytes)| format!("rank {rank} {bytes} B"))
+            .collect();
+        println!(
+            "  resume: the coordinator read each rank's owned chunks ({}) and sent each worker the chunks its state is built from",
+            reads.join(", ")
+        );
+    }
     if let Some(path) = &cfg.json {
         super::train::write_json_atomically(path, &summary)?;
     }
@@ -267,17 +319,22 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
 }
 
 /// The run's failure, naming what was lost with it.
-fn failure(e: ProcError, last_step: Option<u64>) -> CliError {
+fn failure(e: ProcError, last_step: Option<u64>, save_dir: Option<&Path>) -> CliError {
     match e {
         ProcError::Config(c) => CliError::Usage(c.to_string()),
         ProcError::Setup(s) => CliError::Failed(s),
         other => {
-            let lost = match last_step {
-                Some(s) => format!(
-                    "not saved: the parameters and optimizer state after step {} lived only in the workers and are lost (no checkpoint is written in process mode)",
+            let lost = match (last_step, save_dir) {
+                (Some(s), Some(dir)) => format!(
+                    "not saved: the state after step {} lived only in the workers; continue from the newest checkpoint with --resume {}",
+                    s + 1,
+                    dir.display()
+                ),
+                (Some(s), None) => format!(
+                    "not saved: the parameters and optimizer state after step {} lived only in the workers and are lost (no --save-dir was given)",
                     s + 1
                 ),
-                None => "not saved: no step had completed".to_string(),
+                (None, _) => "not saved: no step had completed".to_string(),
             };
             CliError::Failed(format!("{other}\n{lost}"))
         }

@@ -18,7 +18,7 @@ use crate::engine::messages::{StepPlan, StepReport};
 use crate::plan::{RankId, ShardMap};
 
 /// Version of the control protocol; a peer speaking another is refused.
-pub const CONTROL_VERSION: u8 = 2;
+pub const CONTROL_VERSION: u8 = 3;
 /// Largest control frame after the handshake (chunk states for consolidation travel here).
 pub const CONTROL_FRAME_MAX_BYTES: u32 = 1 << 30;
 /// Largest frame accepted before a peer has authenticated.
@@ -156,6 +156,12 @@ pub enum ToCoord {
     /// Connected to every peer, state built, the rank actor running: it can take steps.
     Ready,
     Report(RankReport),
+    /// A collect's chunks arrive in parts of at most `Welcome::part_max_bytes`, so no frame
+    /// nears the frame limit: `CollectPart`s first, then the `CollectReply` with the last part.
+    CollectPart {
+        id: u64,
+        chunks: Vec<ChunkState>,
+    },
     CollectReply {
         id: u64,
         chunks: Vec<ChunkState>,
@@ -167,6 +173,11 @@ pub enum ToCoord {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum ToWorker {
     Welcome(Box<Welcome>),
+    /// With `Welcome::restore`: part of the saved state the rank starts from (`last` ends it).
+    StatePart {
+        chunks: Vec<ChunkState>,
+        last: bool,
+    },
     /// Every member's data-plane address, once all are bound.
     Peers {
         peers: Vec<(RankId, String)>,
@@ -202,6 +213,11 @@ pub struct Welcome {
     pub world: u32,
     pub data_plane: DataPlane,
     pub procs: ProcsConfig,
+    /// `StatePart`s follow with the chunks this rank starts from (`--resume`, `--init`),
+    /// instead of the model's initialisation.
+    pub restore: bool,
+    /// Largest part of chunk states in one frame, both ways (`proc_state::parts`).
+    pub part_max_bytes: u64,
 }
 
 /// Which transport ranks use between themselves.

@@ -16,6 +16,7 @@ pub mod local;
 pub mod net_faults;
 pub mod parcel;
 pub mod proc_coord;
+pub mod proc_state;
 pub mod proc_worker;
 pub mod proxy;
 pub mod quic;

@@ -36,7 +36,9 @@ use super::control_plane::{
 };
 use super::heartbeat::{Liveness, ProcsConfig};
 use super::http::{self, HttpLimits};
+use super::proc_state::{check_parts, parts, StartState};
 use super::proxy::{lock, Detached, PendingCollects, RankProxy, RankProxyArgs};
+use super::rank_state::ChunkState;
 use crate::config::{ConfigError, TrainConfig};
 use crate::engine::coordinator::Coordinator;
 use crate::job::build_model;
@@ -79,6 +81,12 @@ pub struct CoordinatorOptions {
     pub control: Option<SocketAddr>,
     /// Let `POST /ranks/{id}/kill` through.
     pub allow_kill: bool,
+    /// Start from this state (`--resume`, `--init`) instead of the model's initialisation.
+    pub start: Option<StartState>,
+    /// Emit a snapshot after every this many steps (0: never).
+    pub snapshot_every: u64,
+    /// Largest part of chunk states in one control frame (`proc_state::STATE_PART_MAX_BYTES`).
+    pub part_max_bytes: usize,
 }
 
 /// Where a coordinator listens.
@@ -128,12 +136,24 @@ pub fn check_supported(cfg: &TrainConfig) -> Result<(), ConfigError> {
 /// Runs one job with `cfg.ranks` worker processes; `on_listen` hears the bound addresses first.
 pub async fn run_coordinator(
     cfg: TrainConfig,
-    opts: CoordinatorOptions,
+    mut opts: CoordinatorOptions,
     on_listen: impl FnOnce(Listening),
     mut observer: impl Observer,
 ) -> Result<TrainOutcome, ProcError> {
     cfg.validate()?;
     check_supported(&cfg)?;
+    check_parts(&cfg, opts.part_max_bytes)?;
+    if let Some(start) = opts
+        .start
+        .as_ref()
+        .filter(|s| s.map.world_size() != cfg.ranks as usize)
+    {
+        return Err(ProcError::Setup(format!(
+            "the start state is planned for {} ranks, the job has {}",
+            start.map.world_size(),
+            cfg.ranks
+        )));
+    }
     opts.procs
         .validate()
         .map_err(|e| ConfigError::new(e.field, e.message))?;
@@ -173,26 +193,25 @@ pub async fn run_coordinator(
     let deadline = Instant::now() + Duration::from_millis(opts.procs.join_timeout_ms);
     let joined = admit(&listener, &cfg, &opts, deadline, &count).await?;
     drop(listener);
-    let model = build_model(&cfg)?;
-    let numels: Vec<usize> = model.units().iter().map(|u| u.numel()).collect();
-    let members: Vec<RankId> = (0..cfg.ranks).collect();
-    let mut map = ShardMap::plan(&numels, &members, cfg.chunk_elems, 1)
-        .map_err(|e| ProcError::Setup(e.to_string()))?;
+    let mut map = match &opts.start {
+        Some(start) => start.map.clone(),
+        None => {
+            let model = build_model(&cfg)?;
+            let numels: Vec<usize> = model.units().iter().map(|u| u.numel()).collect();
+            let members: Vec<RankId> = (0..cfg.ranks).collect();
+            ShardMap::plan(&numels, &members, cfg.chunk_elems, 1)
+                .map_err(|e| ProcError::Setup(e.to_string()))?
+        }
+    };
     // Workers' addresses tell their hosts: buddy backups then go to another host where possible.
     map.hosts = joined
         .iter()
         .map(|j| (j.rank, j.peer.ip().to_string()))
         .collect();
     let initial = map.clone();
-    let mut run = Run::start(
-        cfg.clone(),
-        opts.procs,
-        opts.data_plane,
-        map,
-        joined,
-        deadline,
-    )
-    .await?;
+    let mut run = Run::start(cfg.clone(), &opts, map, joined, deadline).await?;
+    // Every worker has its starting state: the coordinator need not hold it for the run.
+    let reads = opts.start.take().map(|s| s.reads).unwrap_or_default();
     let (handle, mut monitor) =
         ControlHandle::for_processes(run.coordinator.clone(), initial, &cfg, opts.allow_kill);
     let _ = ready.send(());
@@ -207,7 +226,10 @@ pub async fn run_coordinator(
         },
         None => None,
     };
-    let result = run.drive(&mut observer, &mut monitor).await;
+    let mut result = run.drive(&mut observer, &mut monitor).await;
+    if let Ok(outcome) = &mut result {
+        outcome.resume_reads = reads;
+    }
     run.finish(&result).await;
     if let Some(s) = server {
         s.abort();
@@ -364,20 +386,19 @@ struct Run {
 impl Run {
     async fn start(
         cfg: TrainConfig,
-        procs: ProcsConfig,
-        data_plane: DataPlane,
+        opts: &CoordinatorOptions,
         map: ShardMap,
         joined: Vec<Joined>,
         deadline: Instant,
     ) -> Result<Run, ProcError> {
+        let (procs, data_plane) = (opts.procs, opts.data_plane);
         let config_json =
             serde_json::to_string(&cfg).map_err(|e| ProcError::Setup(e.to_string()))?;
         let links: Links = Arc::default();
         let mut writers = Vec::new();
         let mut readers = Vec::new();
-        for j in joined {
-            let (tx, rx) = mpsc::channel(LINK_QUEUE_MAX);
-            writers.push(tokio::spawn(write_loop(j.writer, rx)));
+        let wait = deadline.max(Instant::now() + Duration::from_millis(procs.join_timeout_ms));
+        for mut j in joined {
             let welcome = Welcome {
                 rank: j.rank,
                 config_json: config_json.clone(),
@@ -385,12 +406,23 @@ impl Run {
                 world: cfg.ranks,
                 data_plane,
                 procs,
+                restore: opts.start.is_some(),
+                part_max_bytes: opts.part_max_bytes as u64,
             };
-            let _ = tx.try_send(Some(ToWorker::Welcome(Box::new(welcome))));
+            let welcome = ToWorker::Welcome(Box::new(welcome));
+            tokio::time::timeout_at(wait, send_start(&mut j, welcome, opts, &cfg))
+                .await
+                .map_err(|_| {
+                    ProcError::Setup(format!(
+                        "rank {} did not take its starting state within join_timeout_ms",
+                        j.rank
+                    ))
+                })??;
+            let (tx, rx) = mpsc::channel(LINK_QUEUE_MAX);
+            writers.push(tokio::spawn(write_loop(j.writer, rx)));
             lock(&links).insert(j.rank, tx);
             readers.push((j.rank, j.reader));
         }
-        let wait = deadline.max(Instant::now() + Duration::from_millis(procs.join_timeout_ms));
         let mut peers = Vec::new();
         for (rank, reader) in &mut readers {
             match expect(*rank, reader, wait, "bound").await? {
@@ -430,8 +462,13 @@ impl Run {
             }
         };
         let (interrupt, retire) = (link_to(&links), link_to(&links));
+        let job = job_spec(&cfg, opts.snapshot_every);
+        let engine = match opts.start.as_ref().and_then(|s| s.progress.clone()) {
+            Some(progress) => Coordinator::resume(job, map, progress),
+            None => Coordinator::new(job, map),
+        };
         let args = CoordArgs::<Detached> {
-            engine: Coordinator::new(job_spec(&cfg, 0), map),
+            engine,
             events: tx,
             clock: Arc::clone(&clock),
             tick_ms: 200,
@@ -541,7 +578,8 @@ impl Run {
         Ok(TrainOutcome {
             records,
             params: consolidate(&map, &chunks),
-            // Process mode refuses --resume, and faults are not injected into real links.
+            // Filled in by the caller, which holds the start state; faults are not injected
+            // into real links.
             resume_reads: Vec::new(),
             net: Default::default(),
         })
@@ -580,6 +618,31 @@ impl Run {
             .stop_and_wait(None, Some(Duration::from_secs(5)))
             .await;
     }
+}
+
+/// Writes the welcome and, with a start state, the chunks `j`'s rank is built from, in parts
+/// (one part in memory at a time), before the connection's writer task takes over.
+async fn send_start(
+    j: &mut Joined,
+    welcome: ToWorker,
+    opts: &CoordinatorOptions,
+    cfg: &TrainConfig,
+) -> Result<(), ProcError> {
+    let rank = j.rank;
+    let failed = |e: super::control_plane::WireError| {
+        ProcError::Setup(format!("rank {rank}: sending its start failed: {e}"))
+    };
+    write_msg(&mut j.writer, &welcome).await.map_err(failed)?;
+    let Some(start) = &opts.start else {
+        return Ok(());
+    };
+    let stage = crate::plan::Stage::from_u8(cfg.stage)
+        .ok_or_else(|| ProcError::Setup(format!("stage {}", cfg.stage)))?;
+    for (chunks, last) in parts(start.chunks_for(rank, stage), opts.part_max_bytes) {
+        let part = ToWorker::StatePart { chunks, last };
+        write_msg(&mut j.writer, &part).await.map_err(failed)?;
+    }
+    Ok(())
 }
 
 /// The next setup message from `rank`, or why none came.
@@ -631,6 +694,9 @@ struct Conn {
 impl Conn {
     async fn read_loop(self, mut r: impl AsyncRead + Unpin, pending: PendingCollects) {
         let rank = self.rank;
+        // Parts of collects in flight; only for a collect that was asked for, so a worker
+        // cannot make this process hold what nobody waits for.
+        let mut partial: BTreeMap<u64, Vec<ChunkState>> = BTreeMap::new();
         loop {
             let msg = match read_msg::<_, ToCoord>(&mut r, CONTROL_FRAME_MAX_BYTES).await {
                 Ok(m) => m,
@@ -646,9 +712,16 @@ impl Conn {
                 ToCoord::Report(rep) => {
                     let _ = self.coordinator.cast(rep.into_msg(rank));
                 }
+                ToCoord::CollectPart { id, chunks } => {
+                    if lock(&pending).contains_key(&id) {
+                        partial.entry(id).or_default().extend(chunks);
+                    }
+                }
                 ToCoord::CollectReply { id, chunks } => {
+                    let mut all = partial.remove(&id).unwrap_or_default();
+                    all.extend(chunks);
                     if let Some(port) = lock(&pending).remove(&id) {
-                        let _ = port.send(chunks);
+                        let _ = port.send(all);
                     }
                 }
                 ToCoord::Heartbeat | ToCoord::Ready | ToCoord::Bound { .. } => {}

@@ -7,6 +7,7 @@
 //! coordinator (it checks the coordinator's certificate and presents its own) and the data plane
 //! to its peers.
 
+use std::collections::BTreeMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,10 +27,11 @@ use super::control_plane::{
 };
 use super::heartbeat::{Liveness, ProcsConfig};
 use super::proc_coord::{ProcError, LINK_QUEUE_MAX};
+use super::proc_state::{parts, STATE_PART_LIMIT_BYTES};
 use super::proxy::{CoordProxy, CoordProxyArgs, WorkerEnd};
 use super::quic::{QuicConfig, QuicTransport};
 use super::rank_actor::{RankActor, RankArgs, RankMsg, RankSetup, Work};
-use super::rank_state::RankState;
+use super::rank_state::{ChunkState, RankState};
 use super::tcp::TcpListenerHandle;
 use super::transport::Transport;
 use crate::config::TrainConfig;
@@ -96,6 +98,11 @@ pub async fn run_worker(
         }
     };
     on_welcome(welcome.rank, welcome.world);
+    let start = if welcome.restore {
+        Some(receive_start(&mut reader, join_ms, &opts.join).await?)
+    } else {
+        None
+    };
     let (link, rx) = mpsc::channel(LINK_QUEUE_MAX);
     let writer_task = tokio::spawn(write_loop(writer, rx));
     let result = match welcome.data_plane {
@@ -112,7 +119,7 @@ pub async fn run_worker(
             let transport = data.into_transport(welcome.rank, peers.into_iter().collect());
             let interrupter = transport.interrupter();
             let interrupt = Box::new(move |e, s| interrupter.interrupt(e, s));
-            serve(welcome, transport, interrupt, &link, reader).await
+            serve(welcome, start, transport, interrupt, &link, reader).await
         }
         DataPlane::Quic => {
             let q = bind_quic(&welcome, &opts)?;
@@ -129,7 +136,7 @@ pub async fn run_worker(
                 .map_err(|e| ProcError::Setup(format!("rank {}: {e}", welcome.rank)))?;
             let control = q.control();
             let interrupt = Box::new(move |e, s| control.interrupt(e, s));
-            serve(welcome, q, interrupt, &link, reader).await
+            serve(welcome, start, q, interrupt, &link, reader).await
         }
     };
     // Let the last reports (a failure, a collect reply) leave before the process ends.
@@ -156,6 +163,46 @@ async fn next(
         ))
     })?
     .map_err(|e| ProcError::Setup(format!("coordinator at {addr}: {e}")))
+}
+
+/// The chunk states this rank starts from, sent in parts after the welcome.
+async fn receive_start(
+    reader: &mut ControlReader,
+    timeout_ms: u64,
+    addr: &str,
+) -> Result<Vec<ChunkState>, ProcError> {
+    let mut chunks = Vec::new();
+    loop {
+        match next(reader, timeout_ms, addr).await? {
+            ToWorker::StatePart { chunks: part, last } => {
+                chunks.extend(part);
+                if last {
+                    return Ok(chunks);
+                }
+            }
+            other => {
+                return Err(ProcError::Setup(format!(
+                    "the coordinator sent {} while sending this rank's starting state",
+                    kind(&other)
+                )))
+            }
+        }
+    }
+}
+
+/// A message's name, for errors (a part's chunks are too long to print).
+fn kind(msg: &ToWorker) -> &'static str {
+    match msg {
+        ToWorker::Welcome(_) => "a welcome",
+        ToWorker::StatePart { .. } => "a state part",
+        ToWorker::Peers { .. } => "the peer list",
+        ToWorker::Refused { .. } => "a refusal",
+        ToWorker::Command(_) => "a command",
+        ToWorker::Collect { .. } => "a collect",
+        ToWorker::Interrupt { .. } => "an interrupt",
+        ToWorker::Heartbeat => "a heartbeat",
+        ToWorker::Stop { .. } => "a stop",
+    }
 }
 
 /// Reports this worker's data address and waits for everyone's.
@@ -261,6 +308,7 @@ async fn write_loop(mut w: WriteHalf<ControlStream>, mut rx: mpsc::Receiver<Opti
 /// Builds the rank from the welcome and runs it until the job ends for this worker.
 async fn serve<T: Transport>(
     welcome: Welcome,
+    start: Option<Vec<ChunkState>>,
     transport: T,
     interrupt: Interrupt,
     link: &mpsc::Sender<Option<ToCoord>>,
@@ -268,7 +316,8 @@ async fn serve<T: Transport>(
 ) -> Result<WorkerOutcome, ProcError> {
     let rank = welcome.rank;
     let procs = welcome.procs;
-    let (rank_actor, mut ended) = start_rank(welcome, transport, link).await?;
+    let part_max_bytes = (welcome.part_max_bytes as usize).clamp(1, STATE_PART_LIMIT_BYTES);
+    let (rank_actor, mut ended) = start_rank(welcome, start, transport, link).await?;
     let _ = link.try_send(Some(ToCoord::Ready));
     let clock = SystemClock::default();
     // Until the coordinator's first message after `Ready` (it waits for the slowest worker),
@@ -297,7 +346,7 @@ async fn serve<T: Transport>(
                 };
                 live.observe(clock.now_ms());
                 live.set_timeout(procs.heartbeat_timeout_ms);
-                if let Some(out) = execute(msg, rank, &rank_actor, &interrupt, link) {
+                if let Some(out) = execute(msg, rank, &rank_actor, &interrupt, link, part_max_bytes) {
                     break Ok(out);
                 }
             }
@@ -328,6 +377,7 @@ fn execute<T: Transport>(
     rank_actor: &ActorRef<RankMsg<T>>,
     interrupt: &Interrupt,
     link: &mpsc::Sender<Option<ToCoord>>,
+    part_max_bytes: usize,
 ) -> Option<WorkerOutcome> {
     match msg {
         ToWorker::Command(cmd) => {
@@ -340,13 +390,24 @@ fn execute<T: Transport>(
                     .call(RankMsg::Collect, Some(Duration::from_secs(60)))
                     .await;
                 if let Ok(ractor::rpc::CallResult::Success(chunks)) = reply {
-                    let _ = link.send(Some(ToCoord::CollectReply { id, chunks })).await;
+                    // In parts, each frame well under the frame limit; the reply ends it.
+                    for (chunks, last) in parts(chunks, part_max_bytes) {
+                        let msg = if last {
+                            ToCoord::CollectReply { id, chunks }
+                        } else {
+                            ToCoord::CollectPart { id, chunks }
+                        };
+                        if link.send(Some(msg)).await.is_err() {
+                            return;
+                        }
+                    }
                 }
             });
         }
         ToWorker::Interrupt { epoch, step } => interrupt(epoch, step),
         ToWorker::Heartbeat
         | ToWorker::Welcome(_)
+        | ToWorker::StatePart { .. }
         | ToWorker::Peers { .. }
         | ToWorker::Refused { .. } => {}
         ToWorker::Stop { ok, reason } => return Some(WorkerOutcome { rank, ok, reason }),
@@ -361,6 +422,7 @@ type Started<T> = (ActorRef<RankMsg<T>>, mpsc::UnboundedReceiver<WorkerEnd>);
 
 async fn start_rank<T: Transport>(
     welcome: Welcome,
+    start: Option<Vec<ChunkState>>,
     transport: T,
     link: &mpsc::Sender<Option<ToCoord>>,
 ) -> Result<Started<T>, ProcError> {
@@ -373,18 +435,39 @@ async fn start_rank<T: Transport>(
     let stage = Stage::from_u8(cfg.stage)
         .ok_or_else(|| ProcError::Setup(format!("stage {} from the coordinator", cfg.stage)))?;
     let optim = optim_settings(&cfg);
-    let params: Vec<Vec<f32>> = (0..model.units().len())
-        .map(|u| model.init_unit(u, cfg.seed))
-        .collect();
-    let state = RankState::from_full_params(
-        rank,
-        stage,
-        cfg.reduce,
-        Arc::clone(&model),
-        welcome.map.clone(),
-        optim,
-        &params,
-    );
+    let state = match start {
+        Some(chunks) => {
+            let by_id: BTreeMap<(u32, u32), ChunkState> =
+                chunks.into_iter().map(|c| ((c.unit, c.index), c)).collect();
+            let source = |u: usize, i: usize| by_id.get(&(u as u32, i as u32)).cloned();
+            RankState::from_chunks(
+                rank,
+                stage,
+                cfg.reduce,
+                Arc::clone(&model),
+                welcome.map.clone(),
+                optim,
+                &source,
+            )
+            .map_err(|e| {
+                ProcError::Setup(format!("rank {rank}: the starting state does not fit: {e}"))
+            })?
+        }
+        None => {
+            let params: Vec<Vec<f32>> = (0..model.units().len())
+                .map(|u| model.init_unit(u, cfg.seed))
+                .collect();
+            RankState::from_full_params(
+                rank,
+                stage,
+                cfg.reduce,
+                Arc::clone(&model),
+                welcome.map.clone(),
+                optim,
+                &params,
+            )
+        }
+    };
     let setup = Arc::new(RankSetup {
         stage,
         mode: cfg.reduce,
