@@ -42,11 +42,16 @@ for key in sorted(k for k in ours if k[0] == "quic"):
     q, g, l = med(ours[key]), med(gloo.get((op, n, b), [])), med(ours.get(("local", op, n, b), []))
     print(f"{op:<15}{n:>3}{b / 2**20:>6.0f}{q:>9.3f}{g:>9.3f}{q / g if g == g else float('nan'):>10.2f}{l:>9.3f}{med(cpu[(op, n, b)]):>9.2f}")
 
+iperf_cost = []
 for p in sorted(glob.glob(os.path.join(out, "iperf-*.json"))):
     try:
         e = json.load(open(p))["end"]
-        print(f"iperf3 loopback TCP, 1 stream: {e['sum_received']['bits_per_second'] / 8e9:.3f} GB/s ({os.path.basename(p)})")
-    except (KeyError, ValueError):
+        rate = e["sum_received"]["bits_per_second"] / 8e9
+        cpu = (e["cpu_utilization_percent"]["host_total"] + e["cpu_utilization_percent"]["remote_total"]) / 100
+        iperf_cost.append(cpu / rate)
+        print(f"iperf3 loopback TCP, 1 stream: {rate:.3f} GB/s on {cpu:.2f} cores, "
+              f"{cpu / rate:.3f} CPU-s/GB ({os.path.basename(p)})")
+    except (KeyError, ValueError, ZeroDivisionError):
         pass
 for r in lines("aead.jsonl"):
     alg = {"aead_aes128gcm": "AES-128-GCM", "aead_aes256gcm": "AES-256-GCM"}.get(r["op"], r["op"])
@@ -60,9 +65,9 @@ if tun:
         print(f"{v:<52}{op:<12}{', '.join(f'{x:.3f}' for x in xs):>24}")
 
 # CPU per byte, and the ceiling encryption sets. Mutual TLS means every byte is sealed once and
-# opened once. The cheapest way gloo moved a byte through the kernel at a given rank count and
-# size (C_k: the lowest CPU-s per delivered GB over its four ops, from benches/gloo_cpu.py) is
-# taken as the cost of moving it at all; add one AEAD seal and open (C_a, from --aead, one
+# opened once. The cheapest way a byte was moved through the kernel (C_k: the lowest CPU-s per
+# delivered GB of gloo's four ops at that rank count and size, from benches/gloo_cpu.py, or of
+# iperf3's single TCP stream, whichever is lower) is taken as the cost of moving it at all; add one AEAD seal and open (C_a, from --aead, one
 # core) and let that transport use every core. Its busbw is then at most
 #   cores / (C_k + C_a) bytes per second delivered, expressed in the op's busbw.
 # "ceil/gloo" below 1: even a transport as lean as gloo's best op plus encryption, with no other
@@ -79,11 +84,12 @@ if gcpu and aes:
     bus = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
            "all_reduce": lambda n: 2 * (n - 1) / n, "broadcast": lambda n: 1.0}
     cost = {k: med([r["cpu_s_per_gb"] for r in rs]) for k, rs in gcpu.items()}
+    iperf_cost = [med(iperf_cost)] if iperf_cost else []
     print(f"\nCPU-s per GB delivered (medians); AES-256-GCM seal+open {c_a:.3f} CPU-s/GB; {cores} cores")
     print(f"{'op':<15}{'n':>3}{'MiB':>6}{'gloo bus':>9}{'gloo cpu':>9}{'gloo s/GB':>10}{'C_k':>7}"
           f"{'quic s/GB':>10}{'ceiling':>9}{'ceil/gloo':>10}{'quic/ceil':>10}")
     for (op, n, b), rs in sorted(gcpu.items()):
-        c_k = min(c for (o, m, s), c in cost.items() if (m, s) == (n, b))
+        c_k = min([c for (o, m, s), c in cost.items() if (m, s) == (n, b)] + iperf_cost)
         g_bus = med([r["busbw_gbps"] for r in rs])
         ceiling = cores / (c_k + c_a) / moved[op](n) * bus[op](n)
         q = [r for r in lines("quic.jsonl") if (r["op"], r["nprocs"], r["bytes"]) == (op, n, b)]
