@@ -157,6 +157,7 @@ fn control_client(addr: &str, config: rustls::ClientConfig) -> bool {
     let hello = ToCoord::Hello {
         token: "t".into(),
         rank_hint: None,
+        standby: false,
     };
     let frame = elastic_zero::runtime::control_plane::encode(&hello).unwrap();
     if tls.write_all(&frame).and_then(|_| tls.flush()).is_err() {
@@ -285,7 +286,10 @@ fn bad_launch_input_is_one_line_exit_2() {
             &["launch", "--nprocs", "2", "--", "--ranks", "3"],
             "--ranks",
         ),
-        (&["launch", "--nprocs", "2", "--", "--join", "1@2"], "join"),
+        (
+            &["launch", "--nprocs", "2", "--join-wait-ms", "0", "--"],
+            "join_wait_ms",
+        ),
         (&["launch", "--nprocs", "2", "--", "--stage", "7"], "stage"),
         (
             &[
@@ -527,13 +531,21 @@ fn launch_control_endpoint_reports_refuses_kills_and_drains() {
         ("POST", "/ranks/7/drain", 404, "unknown_rank"),
         ("POST", "/ranks/x/kill", 400, "bad_rank"),
         ("GET", "/ranks/1/kill", 405, "method_not_allowed"),
-        ("POST", "/join?count=1", 501, "not_supported"),
+        // No standby worker is connected: a join cannot take one.
+        ("POST", "/join?count=1", 409, "no_standby"),
         ("POST", "/checkpoint", 501, "not_supported"),
     ] {
         let (got, body) = http(&addr, method, target);
         assert_eq!(got, code, "{method} {target}: {body}");
         let body: serde_json::Value = serde_json::from_str(&body).unwrap();
         assert_eq!(body["error"], error, "{method} {target}: {body}");
+        if error == "no_standby" {
+            let m = body["message"].as_str().unwrap();
+            assert!(
+                m.contains("0 connected") && m.contains("ezero worker --join "),
+                "{m}"
+            );
+        }
     }
     let s = status(&addr);
     assert_eq!(s["members"], serde_json::json!([0, 1, 2]), "{s}");
@@ -579,4 +591,84 @@ fn launch_with_leave_gives_the_in_process_digest() {
             "{model} stage {stage}: {out}"
         );
     }
+}
+
+/// `--join` with worker processes: the launcher starts a standby worker per joining rank, the
+/// scripted join takes it at the step boundary, the reshard moves its chunks to it over the data
+/// plane (TCP, and QUIC in the second case), and the digest equals the in-process run's, with
+/// the join and without it.
+#[test]
+fn launch_with_join_gives_the_in_process_digest() {
+    for (model, stage, transport) in [("mlp", 3, "tcp"), ("gpt", 1, "quic")] {
+        let plain = flags_with(model, stage, 5, &[]);
+        let flags = flags_with(model, stage, 5, &["--join", "1@3"]);
+        let reference = reference_digest(2, &plain);
+        assert_eq!(
+            reference_digest(2, &flags),
+            reference,
+            "bitwise across membership"
+        );
+        let (code, out, err) = run(Command::new(EZERO)
+            .args(["launch", "--nprocs", "2", "--transport", transport, "--"])
+            .args(&flags));
+        let case = format!("{model} stage {stage} {transport}");
+        assert_eq!(code, 0, "{case}: {out}\n{err}");
+        assert!(
+            out.contains("[worker 2] ezero worker: rank 2 of 3"),
+            "{case}: {out}"
+        );
+        assert!(out.contains("ranks [0, 1] -> [0, 1, 2]"), "{case}: {out}");
+        assert_eq!(out.matches("the job finished").count(), 3, "{case}: {out}");
+        assert_eq!(digest(&out), Some(reference), "{case}: {out}");
+    }
+}
+
+/// The spot-instance story by hand: a coordinator and 2 workers start a job; a third worker
+/// started later is held as a standby; `POST /join` admits it at the next step boundary without
+/// a restart, and the job ends with the digest of the 2-rank run.
+#[test]
+fn a_worker_started_later_joins_through_the_endpoint() {
+    let flags = flags_with("mlp", 3, 600, &[]);
+    let reference = reference_digest(2, &flags);
+    let (token, dir) = ("join-token", secrets());
+    let Coordinator {
+        proc: mut coord,
+        addr,
+    } = Coordinator::spawn(
+        coordinator(2, token, dir.path())
+            .args(["--control", "127.0.0.1:0"])
+            .args(&flags),
+    );
+    let control = control_addr(&coord.wait_for_line("control endpoint: "));
+    let workers: Vec<Proc> = (0..2)
+        .map(|i| {
+            Proc::spawn(worker(&addr, token, dir.path()).env("EZERO_RANK_HINT", i.to_string()))
+        })
+        .collect();
+    assert_eq!(status(&control)["members"], serde_json::json!([0, 1]));
+    let mut late = Proc::spawn(&mut worker(&addr, token, dir.path()));
+    late.wait_for_line("ezero worker: connected to ");
+    let (code, body) = http(&control, "POST", "/join?count=1");
+    assert_eq!(code, 202, "{body}");
+    // The one standby is promised: a second join is refused and changes nothing.
+    let (code, body) = http(&control, "POST", "/join?count=1");
+    assert_eq!(code, 409, "{body}");
+    assert!(body.contains("no_standby"), "{body}");
+    poll(&control, "the join", |s| {
+        s["members"] == serde_json::json!([0, 1, 2]) && s["telemetry"]["rebalances"] == 1
+    });
+    late.wait_for_line("ezero worker: rank 2 of 3");
+    let status = coord.wait_until(Instant::now() + DEADLINE);
+    let out: Vec<String> = coord.lines.iter().collect();
+    let out = out.join("\n");
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(0),
+        "{out}\n{}",
+        coord.stderr()
+    );
+    assert_eq!(digest(&out), Some(reference), "{out}");
+    let status = late.wait_until(Instant::now() + DEADLINE);
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", late.stderr());
+    drop(workers);
 }

@@ -16,6 +16,8 @@ pub mod local;
 pub mod net_faults;
 pub mod parcel;
 pub mod proc_coord;
+mod proc_join;
+mod proc_standby;
 pub mod proc_worker;
 pub mod proxy;
 pub mod quic;

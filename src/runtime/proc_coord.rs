@@ -8,6 +8,9 @@
 //! under a timeout: a peer without a cluster certificate is refused and logged, and never holds
 //! up the admission of others.
 //!
+//! Workers that connect once the job has started (or say `standby` in their hello) are held as
+//! standbys (`proc_standby.rs`); a join takes one per new rank (`proc_join.rs`).
+//!
 //! With `control` set it also serves the HTTP control endpoint of `ezero train --control` over
 //! the same coordinator actor. A kill there is carried out by the worker itself: told over its
 //! control connection, it ends its own process with SIGKILL halfway through the next step.
@@ -19,23 +22,25 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ractor::{Actor, ActorRef};
-use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
+use tokio::io::{AsyncWrite, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
-use super::actors::{ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor};
+use super::actors::{ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank};
 use super::clock::{Clock, SystemClock};
 use super::cluster::{consolidate, job_spec, Observer, TrainOutcome};
 use super::control::{ControlHandle, Monitor};
 use super::control_plane::{
-    read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, CONTROL_FRAME_MAX_BYTES,
+    read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, WireError, CONTROL_FRAME_MAX_BYTES,
     HELLO_FRAME_MAX_BYTES,
 };
 use super::heartbeat::{Liveness, ProcsConfig};
 use super::http::{self, HttpLimits};
+use super::proc_join::Joining;
+use super::proc_standby::{self, Lobby};
 use super::proxy::{lock, Detached, PendingCollects, RankProxy, RankProxyArgs};
 use crate::config::{ConfigError, TrainConfig};
 use crate::engine::coordinator::Coordinator;
@@ -92,8 +97,8 @@ pub struct Listening {
 
 /// A worker's control connection, after the TLS handshake.
 type ControlStream = tokio_rustls::server::TlsStream<TcpStream>;
-type ControlReader = ReadHalf<ControlStream>;
-type ControlWriter = WriteHalf<ControlStream>;
+pub(super) type ControlReader = ReadHalf<ControlStream>;
+pub(super) type ControlWriter = WriteHalf<ControlStream>;
 
 /// A worker's control connection, split.
 struct Joined {
@@ -112,18 +117,9 @@ struct Greeted {
 }
 
 /// Sending ends of every live worker's connection, shared with the coordinator's callbacks.
-type Links = Arc<Mutex<BTreeMap<RankId, mpsc::Sender<Option<ToWorker>>>>>;
-
-/// What is not supported with worker processes yet: a clear error rather than a surprise.
-pub fn check_supported(cfg: &TrainConfig) -> Result<(), ConfigError> {
-    if !cfg.join.is_empty() {
-        return Err(ConfigError::new(
-            "join",
-            "ranks joining a running job are not supported with worker processes yet",
-        ));
-    }
-    Ok(())
-}
+pub(super) type Links = Arc<Mutex<BTreeMap<RankId, mpsc::Sender<Option<ToWorker>>>>>;
+/// Tasks to stop (or, for writers, to let finish) when the job ends; joiners add theirs.
+pub(super) type Tasks = Arc<Mutex<Vec<JoinHandle<()>>>>;
 
 /// Runs one job with `cfg.ranks` worker processes; `on_listen` hears the bound addresses first.
 pub async fn run_coordinator(
@@ -133,7 +129,6 @@ pub async fn run_coordinator(
     mut observer: impl Observer,
 ) -> Result<TrainOutcome, ProcError> {
     cfg.validate()?;
-    check_supported(&cfg)?;
     opts.procs
         .validate()
         .map_err(|e| ConfigError::new(e.field, e.message))?;
@@ -171,8 +166,22 @@ pub async fn run_coordinator(
         tokio::spawn(http::hold(l, HttpLimits::default(), why, ready_rx))
     });
     let deadline = Instant::now() + Duration::from_millis(opts.procs.join_timeout_ms);
-    let joined = admit(&listener, &cfg, &opts, deadline, &count).await?;
-    drop(listener);
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
+    let lobby = Arc::new(Lobby::new(Arc::clone(&clock), opts.procs, addr));
+    let acceptor = TlsAcceptor::from(opts.tls.server(Protocol::Control));
+    let (joined, greeting) =
+        admit(&listener, &acceptor, &cfg, &opts, deadline, &count, &lobby).await?;
+    // From now on every worker that connects is a standby, those still saying hello included.
+    let lobby_tasks = vec![
+        tokio::spawn(accept_standbys(
+            listener,
+            acceptor,
+            greeting,
+            opts.token.clone(),
+            Arc::clone(&lobby),
+        )),
+        tokio::spawn(Arc::clone(&lobby).keep_alive()),
+    ];
     let model = build_model(&cfg)?;
     let numels: Vec<usize> = model.units().iter().map(|u| u.numel()).collect();
     let members: Vec<RankId> = (0..cfg.ranks).collect();
@@ -184,17 +193,34 @@ pub async fn run_coordinator(
         .map(|j| (j.rank, j.peer.ip().to_string()))
         .collect();
     let initial = map.clone();
-    let mut run = Run::start(
+    let started = Run::start(
         cfg.clone(),
         opts.procs,
         opts.data_plane,
         map,
         joined,
         deadline,
+        clock,
+        Arc::clone(&lobby),
     )
-    .await?;
-    let (handle, mut monitor) =
-        ControlHandle::for_processes(run.coordinator.clone(), initial, &cfg, opts.allow_kill);
+    .await;
+    let mut run = match started {
+        Ok(run) => run,
+        Err(e) => {
+            for t in &lobby_tasks {
+                t.abort();
+            }
+            lobby.dismiss_all(false, &e.to_string());
+            return Err(e);
+        }
+    };
+    let (handle, mut monitor) = ControlHandle::for_processes(
+        run.coordinator.clone(),
+        initial,
+        &cfg,
+        opts.allow_kill,
+        lobby,
+    );
     let _ = ready.send(());
     let server = match held {
         Some(task) => match task.await {
@@ -208,6 +234,9 @@ pub async fn run_coordinator(
         None => None,
     };
     let result = run.drive(&mut observer, &mut monitor).await;
+    for t in lobby_tasks {
+        t.abort();
+    }
     run.finish(&result).await;
     if let Some(s) = server {
         s.abort();
@@ -216,15 +245,17 @@ pub async fn run_coordinator(
 }
 
 /// Accepts connections until every rank has a worker, refusing failed handshakes and bad
-/// hellos. Handshakes run as tasks, so a slow or hostile peer holds up only itself.
+/// hellos. Handshakes run as tasks, so a slow or hostile peer holds up only itself; those not
+/// done yet are returned with the workers.
 async fn admit(
     listener: &TcpListener,
+    acceptor: &TlsAcceptor,
     cfg: &TrainConfig,
     opts: &CoordinatorOptions,
     deadline: Instant,
     count: &AtomicU32,
-) -> Result<Vec<Joined>, ProcError> {
-    let acceptor = TlsAcceptor::from(opts.tls.server(Protocol::Control));
+    lobby: &Lobby,
+) -> Result<(Vec<Joined>, Greeting), ProcError> {
     let mut joined: BTreeMap<RankId, Joined> = BTreeMap::new();
     let mut greeting = JoinSet::new();
     while joined.len() < cfg.ranks as usize {
@@ -246,11 +277,12 @@ async fn admit(
                 };
                 let peer = g.peer;
                 match check_in(g, &opts.token, &joined, cfg.ranks).await {
-                    Ok(j) => {
+                    Ok(CheckedIn::Rank(j)) => {
                         tracing::info!("rank {} joined from {peer}", j.rank);
                         joined.insert(j.rank, j);
                         count.store(joined.len() as u32, Ordering::Relaxed);
                     }
+                    Ok(CheckedIn::Standby(reader, writer)) => lobby.hold(peer, reader, writer),
                     Err(why) => tracing::warn!("refused a connection from {peer}: {why}"),
                 }
             }
@@ -264,8 +296,41 @@ async fn admit(
             }
         }
     }
-    greeting.abort_all();
-    Ok(joined.into_values().collect())
+    Ok((joined.into_values().collect(), greeting))
+}
+
+/// Handshakes and hellos in progress.
+type Greeting = JoinSet<Option<Greeted>>;
+
+/// Once the job has started: holds every worker that connects (and authenticates) as a standby.
+async fn accept_standbys(
+    listener: TcpListener,
+    acceptor: TlsAcceptor,
+    mut greeting: Greeting,
+    token: String,
+    lobby: Arc<Lobby>,
+) {
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    greeting.spawn(greet(acceptor.clone(), stream, peer));
+                }
+                Err(e) => tracing::warn!("accepting a worker failed: {e}"),
+            },
+            Some(done) = greeting.join_next(), if !greeting.is_empty() => {
+                let Ok(Some(g)) = done else { continue };
+                let peer = g.peer;
+                let full = BTreeMap::new();
+                // World 0: there is no initial rank left to give, so a good hello is a standby.
+                match check_in(g, &token, &full, 0).await {
+                    Ok(CheckedIn::Standby(reader, writer)) => lobby.hold(peer, reader, writer),
+                    Ok(CheckedIn::Rank(_)) => {}
+                    Err(why) => tracing::warn!("refused a connection from {peer}: {why}"),
+                }
+            }
+        }
+    }
 }
 
 /// The TLS handshake and the first message, within `HELLO_TIMEOUT`. A failure is logged here,
@@ -298,13 +363,19 @@ async fn greet(acceptor: TlsAcceptor, stream: TcpStream, peer: SocketAddr) -> Op
     None
 }
 
+/// What an admitted hello becomes.
+enum CheckedIn {
+    Rank(Joined),
+    Standby(ControlReader, ControlWriter),
+}
+
 /// Admits an authenticated connection's hello, or tells it why not.
 async fn check_in(
     g: Greeted,
     token: &str,
     joined: &BTreeMap<RankId, Joined>,
     world: u32,
-) -> Result<Joined, String> {
+) -> Result<CheckedIn, String> {
     let Greeted {
         peer,
         msg,
@@ -312,12 +383,13 @@ async fn check_in(
         mut writer,
     } = g;
     match check_hello(msg, token, joined, world) {
-        Ok(rank) => Ok(Joined {
+        Ok(Some(rank)) => Ok(CheckedIn::Rank(Joined {
             rank,
             peer,
             reader,
             writer,
-        }),
+        })),
+        Ok(None) => Ok(CheckedIn::Standby(reader, writer)),
         Err(reason) => {
             let refused = ToWorker::Refused {
                 reason: reason.clone(),
@@ -328,16 +400,18 @@ async fn check_in(
     }
 }
 
-/// The rank for a hello, or why it is refused.
+/// The initial rank for a hello (`None`: a standby, for a standby hello or once every initial
+/// rank is taken), or why it is refused.
 fn check_hello(
     msg: ToCoord,
     token: &str,
     joined: &BTreeMap<RankId, Joined>,
     world: u32,
-) -> Result<RankId, String> {
+) -> Result<Option<RankId>, String> {
     let ToCoord::Hello {
         token: got,
         rank_hint,
+        standby,
     } = msg
     else {
         return Err("the first message was not a hello".into());
@@ -345,11 +419,13 @@ fn check_hello(
     if got != token {
         return Err("wrong cluster token".into());
     }
+    if standby {
+        return Ok(None);
+    }
     let free = |r: &RankId| !joined.contains_key(r);
-    rank_hint
+    Ok(rank_hint
         .filter(|r| *r < world && free(r))
-        .or_else(|| (0..world).find(free))
-        .ok_or_else(|| "the job already has all its workers".to_string())
+        .or_else(|| (0..world).find(free)))
 }
 
 /// A started job: the coordinator actor, its proxies and the connection tasks.
@@ -357,11 +433,13 @@ struct Run {
     coordinator: ActorRef<CoordMsg<Detached>>,
     events: mpsc::UnboundedReceiver<ClusterEvent>,
     links: Links,
-    writers: Vec<JoinHandle<()>>,
-    tasks: Vec<JoinHandle<()>>,
+    writers: Tasks,
+    tasks: Tasks,
+    lobby: Arc<Lobby>,
 }
 
 impl Run {
+    #[allow(clippy::too_many_arguments)]
     async fn start(
         cfg: TrainConfig,
         procs: ProcsConfig,
@@ -369,6 +447,8 @@ impl Run {
         map: ShardMap,
         joined: Vec<Joined>,
         deadline: Instant,
+        clock: Arc<dyn Clock>,
+        lobby: Arc<Lobby>,
     ) -> Result<Run, ProcError> {
         let config_json =
             serde_json::to_string(&cfg).map_err(|e| ProcError::Setup(e.to_string()))?;
@@ -409,6 +489,7 @@ impl Run {
                 peers: peers.clone(),
             }));
         }
+        let data_addrs = Arc::new(Mutex::new(peers.into_iter().collect()));
         for (rank, reader) in &mut readers {
             match expect(*rank, reader, wait, "ready").await? {
                 ToCoord::Ready => {}
@@ -420,7 +501,6 @@ impl Run {
             }
         }
         let (tx, events) = mpsc::unbounded_channel();
-        let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
         let link_to = |links: &Links| {
             let links = Arc::clone(links);
             move |r: RankId, msg: ToWorker| {
@@ -430,6 +510,7 @@ impl Run {
             }
         };
         let (interrupt, retire) = (link_to(&links), link_to(&links));
+        let (join_tx, join_rx) = mpsc::unbounded_channel();
         let args = CoordArgs::<Detached> {
             engine: Coordinator::new(job_spec(&cfg, 0), map),
             events: tx,
@@ -449,42 +530,50 @@ impl Run {
             on_interrupt: Box::new(move |r, epoch, step| {
                 interrupt(r, ToWorker::Interrupt { epoch, step })
             }),
-            factory: Box::new(|_, _| {
-                Err("the coordinator process cannot start ranks; start a worker process".into())
+            // A joiner is a standby worker process: the join task brings it up and answers
+            // with `CoordMsg::Joined`, so the coordinator actor never waits on a process.
+            factory: Box::new(move |rank, _| {
+                join_tx
+                    .send(rank)
+                    .map(|_| NewRank::Later)
+                    .map_err(|_| "the join task has stopped".to_string())
             }),
         };
         let (coordinator, _) = Actor::spawn(None, CoordinatorActor::<Detached>::default(), args)
             .await
             .map_err(|e| ProcError::Setup(e.to_string()))?;
+        let tasks: Tasks = Arc::default();
         let mut ranks = Vec::new();
-        let mut tasks = Vec::new();
         for (rank, reader) in readers {
             let link = lock(&links).get(&rank).cloned();
             let Some(link) = link else { continue };
-            let pending = PendingCollects::default();
-            let args = RankProxyArgs {
+            let proxy = start_proxy(
                 rank,
-                link: link.clone(),
-                pending: Arc::clone(&pending),
-            };
-            let (proxy, _) = Actor::spawn_linked(None, RankProxy, args, coordinator.get_cell())
-                .await
-                .map_err(|e| ProcError::Setup(e.to_string()))?;
-            let live = Arc::new(Mutex::new(Liveness::new(
-                clock.now_ms(),
-                procs.heartbeat_timeout_ms,
-            )));
-            let conn = Conn {
-                rank,
-                proxy: proxy.clone(),
-                coordinator: coordinator.clone(),
-                live: Arc::clone(&live),
-                clock: Arc::clone(&clock),
-            };
-            tasks.push(tokio::spawn(conn.clone().read_loop(reader, pending)));
-            tasks.push(tokio::spawn(conn.heartbeat_loop(link, procs)));
+                link,
+                Inbox::Stream(reader),
+                &coordinator,
+                &clock,
+                procs,
+                &tasks,
+            )
+            .await
+            .map_err(ProcError::Setup)?;
             ranks.push((rank, proxy));
         }
+        let writers: Tasks = Arc::new(Mutex::new(writers));
+        let joining = Joining {
+            config_json,
+            data_plane,
+            procs,
+            lobby: Arc::clone(&lobby),
+            links: Arc::clone(&links),
+            data_addrs,
+            coordinator: coordinator.clone(),
+            clock,
+            tasks: Arc::clone(&tasks),
+            writers: Arc::clone(&writers),
+        };
+        lock(&tasks).push(tokio::spawn(joining.serve(join_rx)));
         let _ = coordinator.cast(CoordMsg::Start { ranks });
         Ok(Run {
             coordinator,
@@ -492,6 +581,7 @@ impl Run {
             links,
             writers,
             tasks,
+            lobby,
         })
     }
 
@@ -553,9 +643,16 @@ impl Run {
             Ok(_) => (true, "the job finished".to_string()),
             Err(e) => (false, e.to_string()),
         };
-        for t in &self.tasks {
+        for t in lock(&self.tasks).iter() {
             t.abort();
         }
+        let mut writers = std::mem::take(&mut *lock(&self.writers));
+        let standby_end = if ok {
+            "the job finished before a join needed this standby"
+        } else {
+            "the job stopped before a join needed this standby"
+        };
+        writers.extend(self.lobby.dismiss_all(ok, standby_end));
         let links: Vec<_> = std::mem::take(&mut *lock(&self.links))
             .into_values()
             .collect();
@@ -569,7 +666,7 @@ impl Run {
         }
         drop(links);
         let _ = tokio::time::timeout(FLUSH_TIMEOUT, async {
-            for w in self.writers {
+            for w in writers {
                 let _ = w.await;
             }
         })
@@ -605,8 +702,60 @@ async fn expect(
     }
 }
 
+/// Starts the proxy of a worker that is ready, with its reader and heartbeat tasks.
+pub(super) async fn start_proxy(
+    rank: RankId,
+    link: mpsc::Sender<Option<ToWorker>>,
+    inbox: Inbox,
+    coordinator: &ActorRef<CoordMsg<Detached>>,
+    clock: &Arc<dyn Clock>,
+    procs: ProcsConfig,
+    tasks: &Tasks,
+) -> Result<ActorRef<super::rank_actor::RankMsg<Detached>>, String> {
+    let pending = PendingCollects::default();
+    let args = RankProxyArgs {
+        rank,
+        link: link.clone(),
+        pending: Arc::clone(&pending),
+    };
+    let (proxy, _) = Actor::spawn_linked(None, RankProxy, args, coordinator.get_cell())
+        .await
+        .map_err(|e| e.to_string())?;
+    let live = Arc::new(Mutex::new(Liveness::new(
+        clock.now_ms(),
+        procs.heartbeat_timeout_ms,
+    )));
+    let conn = Conn {
+        rank,
+        proxy: proxy.clone(),
+        coordinator: coordinator.clone(),
+        live,
+        clock: Arc::clone(clock),
+    };
+    let mut tasks = lock(tasks);
+    tasks.push(tokio::spawn(conn.clone().read_loop(inbox, pending)));
+    tasks.push(tokio::spawn(conn.heartbeat_loop(link, procs)));
+    Ok(proxy)
+}
+
+/// Where a worker's messages come from: its connection, or (a joiner, read since it was a
+/// standby) the channel its reader task fills.
+pub(super) enum Inbox {
+    Stream(ControlReader),
+    Pumped(proc_standby::Inbox),
+}
+
+impl Inbox {
+    async fn next(&mut self) -> Result<ToCoord, WireError> {
+        match self {
+            Inbox::Stream(r) => read_msg::<_, ToCoord>(r, CONTROL_FRAME_MAX_BYTES).await,
+            Inbox::Pumped(rx) => rx.recv().await.unwrap_or(Err(WireError::Closed)),
+        }
+    }
+}
+
 /// Writes queued messages until told to stop (`None`) or the connection fails.
-async fn write_loop<M: serde::Serialize>(
+pub(super) async fn write_loop<M: serde::Serialize>(
     mut w: impl AsyncWrite + Unpin,
     mut rx: mpsc::Receiver<Option<M>>,
 ) {
@@ -629,10 +778,10 @@ struct Conn {
 }
 
 impl Conn {
-    async fn read_loop(self, mut r: impl AsyncRead + Unpin, pending: PendingCollects) {
+    async fn read_loop(self, mut inbox: Inbox, pending: PendingCollects) {
         let rank = self.rank;
         loop {
-            let msg = match read_msg::<_, ToCoord>(&mut r, CONTROL_FRAME_MAX_BYTES).await {
+            let msg = match inbox.next().await {
                 Ok(m) => m,
                 Err(e) => {
                     self.proxy.stop(Some(format!(
