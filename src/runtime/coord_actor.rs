@@ -26,7 +26,7 @@ pub type RankFactory<T> =
 /// How a joiner comes up.
 pub enum NewRank<T: Transport> {
     /// The coordinator actor spawns a rank actor with these arguments.
-    Args(RankArgs<T>),
+    Args(Box<RankArgs<T>>),
     /// The runtime starts it (a worker process takes some time to come up) and answers with
     /// `CoordMsg::Joined`; the coordinator actor keeps handling messages meanwhile.
     Later,
@@ -263,7 +263,7 @@ impl<T: Transport> CoordState<T> {
                 let mut out = Vec::new();
                 for rank in ranks {
                     let args = match (self.factory)(rank, me.clone()) {
-                        Ok(NewRank::Args(args)) => args,
+                        Ok(NewRank::Args(args)) => *args,
                         Ok(NewRank::Later) => continue,
                         Err(reason) => {
                             out.push(Event::RankFailed {

@@ -594,7 +594,7 @@ mod tests {
         ));
         a.peer_book().add(1, j_addr);
         a.send(1, frame(0, 2, b"to joiner")).unwrap();
-        j.send(0, frame(0, 3, b"from joiner")).unwrap();
+        j.send(0, frame(1, 3, b"from joiner")).unwrap();
         let got = j.recv_timeout(5_000).unwrap();
         assert_eq!((got.from, &got.payload[..]), (0, &b"to joiner"[..]));
         let got = a.recv_timeout(5_000).unwrap();
