@@ -672,3 +672,37 @@ fn a_worker_started_later_joins_through_the_endpoint() {
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", late.stderr());
     drop(workers);
 }
+
+/// A scripted join with no standby worker connected: the joining rank waits `--join-wait-ms`,
+/// then the job stops (never hangs), saying why and what to start; every worker is told.
+#[test]
+fn a_join_without_a_standby_stops_the_job_with_the_reason() {
+    let (token, dir) = ("no-standby", secrets());
+    let mut coord = Coordinator::spawn(
+        coordinator(2, token, dir.path())
+            .args(["--join-wait-ms", "200"])
+            .args(flags_with("mlp", 1, 3, &["--join", "1@1"])),
+    );
+    let mut workers: Vec<Proc> = (0..2)
+        .map(|i| {
+            Proc::spawn(
+                worker(&coord.addr, token, dir.path()).env("EZERO_RANK_HINT", i.to_string()),
+            )
+        })
+        .collect();
+    let deadline = Instant::now() + DEADLINE;
+    let status = coord.proc.wait_until(deadline);
+    let err = coord.proc.stderr();
+    assert_eq!(status.and_then(|s| s.code()), Some(1), "{err}");
+    assert!(
+        err.contains("no standby worker connected within join_wait_ms (200 ms)")
+            && err.contains("ezero worker --join "),
+        "{err}"
+    );
+    for (i, w) in workers.iter_mut().enumerate() {
+        let status = w.wait_until(deadline);
+        let werr = w.stderr();
+        assert_eq!(status.and_then(|s| s.code()), Some(1), "worker {i}: {werr}");
+        assert!(werr.contains("no standby worker"), "worker {i}: {werr}");
+    }
+}
