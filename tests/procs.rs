@@ -645,18 +645,22 @@ fn a_worker_started_later_joins_through_the_endpoint() {
             Proc::spawn(worker(&addr, token, dir.path()).env("EZERO_RANK_HINT", i.to_string()))
         })
         .collect();
-    assert_eq!(status(&control)["members"], serde_json::json!([0, 1]));
+    let s = status(&control);
+    assert_eq!(s["members"], serde_json::json!([0, 1]), "{s}");
+    assert_eq!(s["standbys"], 0, "{s}");
     let mut late = Proc::spawn(&mut worker(&addr, token, dir.path()));
     late.wait_for_line("ezero worker: connected to ");
+    poll(&control, "the standby", |s| s["standbys"] == 1);
     let (code, body) = http(&control, "POST", "/join?count=1");
     assert_eq!(code, 202, "{body}");
     // The one standby is promised: a second join is refused and changes nothing.
     let (code, body) = http(&control, "POST", "/join?count=1");
     assert_eq!(code, 409, "{body}");
     assert!(body.contains("no_standby"), "{body}");
-    poll(&control, "the join", |s| {
+    let s = poll(&control, "the join", |s| {
         s["members"] == serde_json::json!([0, 1, 2]) && s["telemetry"]["rebalances"] == 1
     });
+    assert_eq!(s["standbys"], 0, "{s}");
     late.wait_for_line("ezero worker: rank 2 of 3");
     let status = coord.wait_until(Instant::now() + DEADLINE);
     let out: Vec<String> = coord.lines.iter().collect();

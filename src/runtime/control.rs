@@ -104,6 +104,8 @@ pub trait Standbys: Send + Sync {
     fn reserve(&self, count: u32) -> Result<(), String>;
     /// Gives back promises of a request the coordinator refused.
     fn release(&self, count: u32);
+    /// Standbys connected now.
+    fn connected(&self) -> usize;
 }
 
 /// What the pump and every handle share.
@@ -306,7 +308,9 @@ impl ControlHandle {
             Some(v) => v,
             None => ask!(self, p => CoordMsg::View(p))?,
         };
-        Ok(Status::build(&view, &self.shared.telemetry(), self.layout))
+        let mut status = Status::build(&view, &self.shared.telemetry(), self.layout);
+        status.standbys = self.standbys.as_ref().map(|s| s.connected());
+        Ok(status)
     }
 
     /// `status()` in the Prometheus text format.

@@ -233,6 +233,10 @@ impl Standbys for Lobby {
     fn release(&self, count: u32) {
         lock(&self.pool).promises.release(count as usize);
     }
+
+    fn connected(&self) -> usize {
+        lock(&self.pool).waiting.len()
+    }
 }
 
 /// Why a join cannot be accepted now, and what to do.
