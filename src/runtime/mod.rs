@@ -15,6 +15,7 @@ pub mod http;
 pub mod local;
 pub mod net_faults;
 pub mod parcel;
+mod proc_conn;
 pub mod proc_coord;
 mod proc_join;
 mod proc_standby;

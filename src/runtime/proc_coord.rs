@@ -1,7 +1,8 @@
 //! The coordinator process: admits worker processes, hands each its rank, the shard map and its
 //! peers' data addresses, then drives the unchanged coordinator actor with one `RankProxy` per
 //! worker. A worker whose connection closes, or which stays silent past the heartbeat timeout,
-//! is stopped as a proxy, which the coordinator actor sees as that rank failing.
+//! is stopped as a proxy, which the coordinator actor sees as that rank failing (the proxy and
+//! its connection's tasks: `proc_conn.rs`).
 //!
 //! Every worker connection is mutual TLS against the cluster CA (ALPN `ezero-control/1`), with
 //! the cluster token inside as defence in depth. Handshakes and hellos run concurrently, each
@@ -34,14 +35,14 @@ use super::clock::{Clock, SystemClock};
 use super::cluster::{consolidate, job_spec, Observer, TrainOutcome};
 use super::control::{ControlHandle, Monitor};
 use super::control_plane::{
-    read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, WireError, CONTROL_FRAME_MAX_BYTES,
-    HELLO_FRAME_MAX_BYTES,
+    read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, HELLO_FRAME_MAX_BYTES,
 };
-use super::heartbeat::{Liveness, ProcsConfig};
+use super::heartbeat::ProcsConfig;
 use super::http::{self, HttpLimits};
+use super::proc_conn::{start_proxy, Inbox};
 use super::proc_join::Joining;
-use super::proc_standby::{self, Lobby};
-use super::proxy::{lock, Detached, PendingCollects, RankProxy, RankProxyArgs};
+use super::proc_standby::Lobby;
+use super::proxy::{lock, Detached};
 use crate::config::{ConfigError, TrainConfig};
 use crate::engine::coordinator::Coordinator;
 use crate::job::build_model;
@@ -702,58 +703,6 @@ async fn expect(
     }
 }
 
-/// Starts the proxy of a worker that is ready, with its reader and heartbeat tasks.
-pub(super) async fn start_proxy(
-    rank: RankId,
-    link: mpsc::Sender<Option<ToWorker>>,
-    inbox: Inbox,
-    coordinator: &ActorRef<CoordMsg<Detached>>,
-    clock: &Arc<dyn Clock>,
-    procs: ProcsConfig,
-    tasks: &Tasks,
-) -> Result<ActorRef<super::rank_actor::RankMsg<Detached>>, String> {
-    let pending = PendingCollects::default();
-    let args = RankProxyArgs {
-        rank,
-        link: link.clone(),
-        pending: Arc::clone(&pending),
-    };
-    let (proxy, _) = Actor::spawn_linked(None, RankProxy, args, coordinator.get_cell())
-        .await
-        .map_err(|e| e.to_string())?;
-    let live = Arc::new(Mutex::new(Liveness::new(
-        clock.now_ms(),
-        procs.heartbeat_timeout_ms,
-    )));
-    let conn = Conn {
-        rank,
-        proxy: proxy.clone(),
-        coordinator: coordinator.clone(),
-        live,
-        clock: Arc::clone(clock),
-    };
-    let mut tasks = lock(tasks);
-    tasks.push(tokio::spawn(conn.clone().read_loop(inbox, pending)));
-    tasks.push(tokio::spawn(conn.heartbeat_loop(link, procs)));
-    Ok(proxy)
-}
-
-/// Where a worker's messages come from: its connection, or (a joiner, read since it was a
-/// standby) the channel its reader task fills.
-pub(super) enum Inbox {
-    Stream(ControlReader),
-    Pumped(proc_standby::Inbox),
-}
-
-impl Inbox {
-    async fn next(&mut self) -> Result<ToCoord, WireError> {
-        match self {
-            Inbox::Stream(r) => read_msg::<_, ToCoord>(r, CONTROL_FRAME_MAX_BYTES).await,
-            Inbox::Pumped(rx) => rx.recv().await.unwrap_or(Err(WireError::Closed)),
-        }
-    }
-}
-
 /// Writes queued messages until told to stop (`None`) or the connection fails.
 pub(super) async fn write_loop<M: serde::Serialize>(
     mut w: impl AsyncWrite + Unpin,
@@ -763,68 +712,6 @@ pub(super) async fn write_loop<M: serde::Serialize>(
         if let Err(e) = write_msg(&mut w, &msg).await {
             tracing::debug!("control connection write failed: {e}");
             return;
-        }
-    }
-}
-
-/// One worker's connection as the coordinator process sees it.
-#[derive(Clone)]
-struct Conn {
-    rank: RankId,
-    proxy: ActorRef<super::rank_actor::RankMsg<Detached>>,
-    coordinator: ActorRef<CoordMsg<Detached>>,
-    live: Arc<Mutex<Liveness>>,
-    clock: Arc<dyn Clock>,
-}
-
-impl Conn {
-    async fn read_loop(self, mut inbox: Inbox, pending: PendingCollects) {
-        let rank = self.rank;
-        loop {
-            let msg = match inbox.next().await {
-                Ok(m) => m,
-                Err(e) => {
-                    self.proxy.stop(Some(format!(
-                        "rank {rank}: control connection lost ({e}); its process exited or the link broke"
-                    )));
-                    return;
-                }
-            };
-            lock(&self.live).observe(self.clock.now_ms());
-            match msg {
-                ToCoord::Report(rep) => {
-                    let _ = self.coordinator.cast(rep.into_msg(rank));
-                }
-                ToCoord::CollectReply { id, chunks } => {
-                    if let Some(port) = lock(&pending).remove(&id) {
-                        let _ = port.send(chunks);
-                    }
-                }
-                ToCoord::Heartbeat | ToCoord::Ready | ToCoord::Bound { .. } => {}
-                ToCoord::Hello { .. } => {
-                    self.proxy.stop(Some(format!(
-                        "rank {rank}: protocol error (a second hello)"
-                    )));
-                    return;
-                }
-            }
-        }
-    }
-
-    async fn heartbeat_loop(self, link: mpsc::Sender<Option<ToWorker>>, procs: ProcsConfig) {
-        let mut every = tokio::time::interval(Duration::from_millis(procs.heartbeat_ms));
-        loop {
-            every.tick().await;
-            // A full queue is caught by the silence check or by the proxy's next send.
-            let _ = link.try_send(Some(ToWorker::Heartbeat));
-            let silent = lock(&self.live).silent(self.clock.now_ms());
-            if let Some(ms) = silent {
-                self.proxy.stop(Some(format!(
-                    "rank {}: silent for {ms} ms (heartbeat_timeout_ms is {}); its process is hung or its link is down",
-                    self.rank, procs.heartbeat_timeout_ms
-                )));
-                return;
-            }
         }
     }
 }
