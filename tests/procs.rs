@@ -594,14 +594,20 @@ fn launch_with_leave_gives_the_in_process_digest() {
 }
 
 /// `--join` with worker processes: the launcher starts a standby worker per joining rank, the
-/// scripted join takes it at the step boundary, the reshard moves its chunks to it over the data
-/// plane (TCP, and QUIC in the second case), and the digest equals the in-process run's, with
-/// the join and without it.
+/// scripted join takes them at the step boundary, the reshard moves their chunks to them over
+/// the data plane (TCP, and QUIC in the second case; two joiners, which must reach each other,
+/// in the third), and the digest equals the in-process run's, with the join and without it.
 #[test]
 fn launch_with_join_gives_the_in_process_digest() {
-    for (model, stage, transport) in [("mlp", 3, "tcp"), ("gpt", 1, "quic")] {
+    let cases = [
+        ("mlp", 3, "tcp", 1),
+        ("gpt", 1, "quic", 1),
+        ("mlp", 3, "quic", 2),
+    ];
+    for (model, stage, transport, count) in cases {
         let plain = flags_with(model, stage, 5, &[]);
-        let flags = flags_with(model, stage, 5, &["--join", "1@3"]);
+        let join = format!("{count}@3");
+        let flags = flags_with(model, stage, 5, &["--join", &join]);
         let reference = reference_digest(2, &plain);
         assert_eq!(
             reference_digest(2, &flags),
@@ -611,14 +617,19 @@ fn launch_with_join_gives_the_in_process_digest() {
         let (code, out, err) = run(Command::new(EZERO)
             .args(["launch", "--nprocs", "2", "--transport", transport, "--"])
             .args(&flags));
-        let case = format!("{model} stage {stage} {transport}");
+        let case = format!("{model} stage {stage} {transport} --join {join}");
         assert_eq!(code, 0, "{case}: {out}\n{err}");
+        let after: Vec<u32> = (0..2 + count).collect();
         assert!(
-            out.contains("[worker 2] ezero worker: rank 2 of 3"),
+            out.contains(&format!("ranks [0, 1] -> {after:?}")),
             "{case}: {out}"
         );
-        assert!(out.contains("ranks [0, 1] -> [0, 1, 2]"), "{case}: {out}");
-        assert_eq!(out.matches("the job finished").count(), 3, "{case}: {out}");
+        for r in 2..2 + count {
+            let line = format!("ezero worker: rank {r} of {}", r + 1);
+            assert!(out.contains(&line), "{case}: {out}");
+        }
+        let finished = out.matches("the job finished").count();
+        assert_eq!(finished, 2 + count as usize, "{case}: {out}");
         assert_eq!(digest(&out), Some(reference), "{case}: {out}");
     }
 }

@@ -573,6 +573,7 @@ impl Run {
             clock,
             tasks: Arc::clone(&tasks),
             writers: Arc::clone(&writers),
+            joined: Default::default(),
         };
         lock(&tasks).push(tokio::spawn(joining.serve(join_rx)));
         let _ = coordinator.cast(CoordMsg::Start { ranks });

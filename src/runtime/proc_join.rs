@@ -37,6 +37,8 @@ pub(super) struct Joining {
     pub clock: Arc<dyn Clock>,
     pub tasks: Tasks,
     pub writers: Tasks,
+    /// Ranks this task brought up, in order.
+    pub joined: std::sync::Mutex<Vec<RankId>>,
 }
 
 impl Joining {
@@ -77,6 +79,7 @@ impl Joining {
                 lock(&self.writers).push(writer);
                 lock(&self.links).insert(rank, link.clone());
                 lock(&self.data_addrs).insert(rank, data_addr);
+                lock(&self.joined).push(rank);
                 start_proxy(
                     rank,
                     link,
@@ -105,11 +108,11 @@ impl Joining {
             Ok(ractor::rpc::CallResult::Success(v)) => v.map,
             _ => return Err("the coordinator did not answer".into()),
         };
-        let members = map.members.clone();
+        let ranks = self.peers_of_joiner(&map.members);
         let welcome = Welcome {
             rank,
             config_json: self.config_json.clone(),
-            world: members.len() as u32 + 1,
+            world: ranks.len() as u32 + 1,
             map,
             data_plane: self.data_plane,
             procs: self.procs,
@@ -122,7 +125,7 @@ impl Joining {
         };
         let mut peers: Vec<(RankId, String)> = {
             let addrs = lock(&self.data_addrs);
-            members
+            ranks
                 .iter()
                 .filter_map(|r| addrs.get(r).map(|a| (*r, a.clone())))
                 .collect()
@@ -144,6 +147,24 @@ impl Joining {
             ToCoord::Ready => Ok(data_addr),
             other => Err(format!("sent {other:?} instead of ready")),
         }
+    }
+}
+
+impl Joining {
+    /// The ranks a joiner exchanges data with: the committed members, and the joiners of the
+    /// same change brought up before it (their ids follow every member's; a joiner of an
+    /// abandoned change that is still connected is included too, harmlessly).
+    fn peers_of_joiner(&self, members: &[RankId]) -> Vec<RankId> {
+        let links = lock(&self.links);
+        let live = |r: &RankId| links.get(r).is_some_and(|l| !l.is_closed());
+        let newest = members.iter().max().copied();
+        let mut ranks = members.to_vec();
+        ranks.extend(
+            lock(&self.joined)
+                .iter()
+                .filter(|r| newest.is_none_or(|m| **r > m) && live(r)),
+        );
+        ranks
     }
 }
 
