@@ -721,3 +721,20 @@ fn a_join_without_a_standby_stops_the_job_with_the_reason() {
         assert!(werr.contains("no standby worker"), "worker {i}: {werr}");
     }
 }
+
+/// A joiner that later leaves is no peer of the next joiner (over QUIC a joiner waits until
+/// every peer it was given has connected, so a stale one would fail the second join), and the
+/// digest still equals the in-process run's.
+#[test]
+fn a_joiner_that_left_is_not_a_peer_of_the_next_joiner() {
+    let script = ["--join", "1@2", "--leave", "2@3", "--join", "1@4"];
+    let flags = flags_with("mlp", 3, 6, &script);
+    let reference = reference_digest(2, &flags);
+    let (code, out, err) = run(Command::new(EZERO)
+        .args(["launch", "--nprocs", "2", "--transport", "quic", "--"])
+        .args(&flags));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("ezero worker: rank 2: left the job"), "{out}");
+    assert!(out.contains("ranks [0, 1] -> [0, 1, 3]"), "{out}");
+    assert_eq!(digest(&out), Some(reference), "{out}");
+}

@@ -510,7 +510,8 @@ impl Run {
                 }
             }
         };
-        let (interrupt, retire) = (link_to(&links), link_to(&links));
+        let interrupt = link_to(&links);
+        let retired = Arc::clone(&links);
         let (join_tx, join_rx) = mpsc::unbounded_channel();
         let args = CoordArgs::<Detached> {
             engine: Coordinator::new(job_spec(&cfg, 0), map),
@@ -519,14 +520,16 @@ impl Run {
             tick_ms: 200,
             // The driver tells every worker why when it sees the abort event.
             on_abort: Box::new(|| {}),
+            // The worker's link goes with its stop, so that a later joiner is not told to
+            // expect it as a peer.
             on_retire: Box::new(move |r| {
-                retire(
-                    r,
-                    ToWorker::Stop {
+                if let Some(l) = lock(&retired).remove(&r) {
+                    let _ = l.try_send(Some(ToWorker::Stop {
                         ok: true,
                         reason: "left the job".into(),
-                    },
-                )
+                    }));
+                    let _ = l.try_send(None);
+                }
             }),
             on_interrupt: Box::new(move |r, epoch, step| {
                 interrupt(r, ToWorker::Interrupt { epoch, step })
