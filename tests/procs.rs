@@ -157,6 +157,7 @@ fn control_client(addr: &str, config: rustls::ClientConfig) -> bool {
     let hello = ToCoord::Hello {
         token: "t".into(),
         rank_hint: None,
+        standby: false,
     };
     let frame = elastic_zero::runtime::control_plane::encode(&hello).unwrap();
     if tls.write_all(&frame).and_then(|_| tls.flush()).is_err() {
@@ -285,7 +286,10 @@ fn bad_launch_input_is_one_line_exit_2() {
             &["launch", "--nprocs", "2", "--", "--ranks", "3"],
             "--ranks",
         ),
-        (&["launch", "--nprocs", "2", "--", "--join", "1@2"], "join"),
+        (
+            &["launch", "--nprocs", "2", "--join-wait-ms", "0", "--"],
+            "join_wait_ms",
+        ),
         (&["launch", "--nprocs", "2", "--", "--stage", "7"], "stage"),
         (
             &[
@@ -527,13 +531,21 @@ fn launch_control_endpoint_reports_refuses_kills_and_drains() {
         ("POST", "/ranks/7/drain", 404, "unknown_rank"),
         ("POST", "/ranks/x/kill", 400, "bad_rank"),
         ("GET", "/ranks/1/kill", 405, "method_not_allowed"),
-        ("POST", "/join?count=1", 501, "not_supported"),
+        // No standby worker is connected: a join cannot take one.
+        ("POST", "/join?count=1", 409, "no_standby"),
         ("POST", "/checkpoint", 501, "not_supported"),
     ] {
         let (got, body) = http(&addr, method, target);
         assert_eq!(got, code, "{method} {target}: {body}");
         let body: serde_json::Value = serde_json::from_str(&body).unwrap();
         assert_eq!(body["error"], error, "{method} {target}: {body}");
+        if error == "no_standby" {
+            let m = body["message"].as_str().unwrap();
+            assert!(
+                m.contains("0 connected") && m.contains("ezero worker --join "),
+                "{m}"
+            );
+        }
     }
     let s = status(&addr);
     assert_eq!(s["members"], serde_json::json!([0, 1, 2]), "{s}");
@@ -579,4 +591,150 @@ fn launch_with_leave_gives_the_in_process_digest() {
             "{model} stage {stage}: {out}"
         );
     }
+}
+
+/// `--join` with worker processes: the launcher starts a standby worker per joining rank, the
+/// scripted join takes them at the step boundary, the reshard moves their chunks to them over
+/// the data plane (TCP, and QUIC in the second case; two joiners, which must reach each other,
+/// in the third), and the digest equals the in-process run's, with the join and without it.
+#[test]
+fn launch_with_join_gives_the_in_process_digest() {
+    let cases = [
+        ("mlp", 3, "tcp", 1),
+        ("gpt", 1, "quic", 1),
+        ("mlp", 3, "quic", 2),
+    ];
+    for (model, stage, transport, count) in cases {
+        let plain = flags_with(model, stage, 5, &[]);
+        let join = format!("{count}@3");
+        let flags = flags_with(model, stage, 5, &["--join", &join]);
+        let reference = reference_digest(2, &plain);
+        assert_eq!(
+            reference_digest(2, &flags),
+            reference,
+            "bitwise across membership"
+        );
+        let (code, out, err) = run(Command::new(EZERO)
+            .args(["launch", "--nprocs", "2", "--transport", transport, "--"])
+            .args(&flags));
+        let case = format!("{model} stage {stage} {transport} --join {join}");
+        assert_eq!(code, 0, "{case}: {out}\n{err}");
+        let after: Vec<u32> = (0..2 + count).collect();
+        assert!(
+            out.contains(&format!("ranks [0, 1] -> {after:?}")),
+            "{case}: {out}"
+        );
+        for r in 2..2 + count {
+            let line = format!("ezero worker: rank {r} of {}", r + 1);
+            assert!(out.contains(&line), "{case}: {out}");
+        }
+        let finished = out.matches("the job finished").count();
+        assert_eq!(finished, 2 + count as usize, "{case}: {out}");
+        assert_eq!(digest(&out), Some(reference), "{case}: {out}");
+    }
+}
+
+/// The spot-instance story by hand: a coordinator and 2 workers start a job; a third worker
+/// started later is held as a standby; `POST /join` admits it at the next step boundary without
+/// a restart, and the job ends with the digest of the 2-rank run.
+#[test]
+fn a_worker_started_later_joins_through_the_endpoint() {
+    let flags = flags_with("mlp", 3, 600, &[]);
+    let reference = reference_digest(2, &flags);
+    let (token, dir) = ("join-token", secrets());
+    let Coordinator {
+        proc: mut coord,
+        addr,
+    } = Coordinator::spawn(
+        coordinator(2, token, dir.path())
+            .args(["--control", "127.0.0.1:0"])
+            .args(&flags),
+    );
+    let control = control_addr(&coord.wait_for_line("control endpoint: "));
+    let workers: Vec<Proc> = (0..2)
+        .map(|i| {
+            Proc::spawn(worker(&addr, token, dir.path()).env("EZERO_RANK_HINT", i.to_string()))
+        })
+        .collect();
+    let s = status(&control);
+    assert_eq!(s["members"], serde_json::json!([0, 1]), "{s}");
+    assert_eq!(s["standbys"], 0, "{s}");
+    let mut late = Proc::spawn(&mut worker(&addr, token, dir.path()));
+    late.wait_for_line("ezero worker: connected to ");
+    poll(&control, "the standby", |s| s["standbys"] == 1);
+    let (code, body) = http(&control, "POST", "/join?count=1");
+    assert_eq!(code, 202, "{body}");
+    // The one standby is promised: a second join is refused and changes nothing.
+    let (code, body) = http(&control, "POST", "/join?count=1");
+    assert_eq!(code, 409, "{body}");
+    assert!(body.contains("no_standby"), "{body}");
+    let s = poll(&control, "the join", |s| {
+        s["members"] == serde_json::json!([0, 1, 2]) && s["telemetry"]["rebalances"] == 1
+    });
+    assert_eq!(s["standbys"], 0, "{s}");
+    late.wait_for_line("ezero worker: rank 2 of 3");
+    let status = coord.wait_until(Instant::now() + DEADLINE);
+    let out: Vec<String> = coord.lines.iter().collect();
+    let out = out.join("\n");
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(0),
+        "{out}\n{}",
+        coord.stderr()
+    );
+    assert_eq!(digest(&out), Some(reference), "{out}");
+    let status = late.wait_until(Instant::now() + DEADLINE);
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", late.stderr());
+    drop(workers);
+}
+
+/// A scripted join with no standby worker connected: the joining rank waits `--join-wait-ms`,
+/// then the job stops (never hangs), saying why and what to start; every worker is told.
+#[test]
+fn a_join_without_a_standby_stops_the_job_with_the_reason() {
+    let (token, dir) = ("no-standby", secrets());
+    let mut coord = Coordinator::spawn(
+        coordinator(2, token, dir.path())
+            .args(["--join-wait-ms", "200"])
+            .args(flags_with("mlp", 1, 3, &["--join", "1@1"])),
+    );
+    let mut workers: Vec<Proc> = (0..2)
+        .map(|i| {
+            Proc::spawn(
+                worker(&coord.addr, token, dir.path()).env("EZERO_RANK_HINT", i.to_string()),
+            )
+        })
+        .collect();
+    let deadline = Instant::now() + DEADLINE;
+    let status = coord.proc.wait_until(deadline);
+    let err = coord.proc.stderr();
+    assert_eq!(status.and_then(|s| s.code()), Some(1), "{err}");
+    assert!(
+        err.contains("no standby worker connected within join_wait_ms (200 ms)")
+            && err.contains("ezero worker --join "),
+        "{err}"
+    );
+    for (i, w) in workers.iter_mut().enumerate() {
+        let status = w.wait_until(deadline);
+        let werr = w.stderr();
+        assert_eq!(status.and_then(|s| s.code()), Some(1), "worker {i}: {werr}");
+        assert!(werr.contains("no standby worker"), "worker {i}: {werr}");
+    }
+}
+
+/// A joiner that later leaves is no peer of the next joiner (over QUIC a joiner waits until
+/// every peer it was given has connected, so a stale one would fail the second join), and the
+/// digest still equals the in-process run's.
+#[test]
+fn a_joiner_that_left_is_not_a_peer_of_the_next_joiner() {
+    let script = ["--join", "1@2", "--leave", "2@3", "--join", "1@4"];
+    let flags = flags_with("mlp", 3, 6, &script);
+    let reference = reference_digest(2, &flags);
+    let (code, out, err) = run(Command::new(EZERO)
+        .args(["launch", "--nprocs", "2", "--transport", "quic", "--"])
+        .args(&flags));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(out.contains("ezero worker: rank 2: left the job"), "{out}");
+    assert!(out.contains("ranks [0, 1] -> [0, 1, 3]"), "{out}");
+    assert_eq!(digest(&out), Some(reference), "{out}");
 }

@@ -1,6 +1,8 @@
 //! `ezero launch --nprocs N -- <train flags>`: a coordinator and N worker processes on this
 //! machine, their output streamed into one view (the coordinator's lines as they are, each
-//! worker's prefixed with its launch index), and the coordinator's exit code as ours.
+//! worker's prefixed with its launch index), and the coordinator's exit code as ours. With
+//! `--join COUNT@STEP` it also starts COUNT standby workers per join, which the scripted joins
+//! take.
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -144,10 +146,17 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
         }
     };
     let mut workers = Vec::new();
-    for i in 0..a.nprocs {
-        let child = Command::new(&exe)
-            .args(["worker", "--join", &addr])
-            .env("EZERO_RANK_HINT", i.to_string())
+    // Scripted joins find their worker processes waiting as standbys.
+    let standbys: u32 = cfg.join.iter().map(|j| j.value).sum();
+    for i in 0..a.nprocs + standbys {
+        let mut cmd = Command::new(&exe);
+        cmd.args(["worker", "--join", &addr]);
+        if i < a.nprocs {
+            cmd.env("EZERO_RANK_HINT", i.to_string());
+        } else {
+            cmd.arg("--standby");
+        }
+        let child = cmd
             .arg("--secrets")
             .arg(&secrets.dir)
             .env("EZERO_CLUSTER_TOKEN", &token)

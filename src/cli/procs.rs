@@ -20,7 +20,7 @@ use elastic_zero::runtime::cluster::Observer;
 use elastic_zero::runtime::control_plane::DataPlane;
 use elastic_zero::runtime::heartbeat::ProcsConfig;
 use elastic_zero::runtime::proc_coord::{
-    check_supported, run_coordinator, CoordinatorOptions, Listening, ProcError,
+    run_coordinator, CoordinatorOptions, Listening, ProcError,
 };
 use elastic_zero::runtime::proc_state::{check_parts, STATE_PART_MAX_BYTES};
 use elastic_zero::runtime::proc_worker::{run_worker, WorkerOptions};
@@ -40,6 +40,10 @@ pub struct ProcsArgs {
     /// How long the coordinator waits for all workers to join [default: 60000].
     #[arg(long)]
     pub join_timeout_ms: Option<u64>,
+    /// How long a rank joining the running job (`--join`, `POST /join`) waits for a standby
+    /// worker (`ezero worker --join ADDR` started after the job) [default: 10000].
+    #[arg(long)]
+    pub join_wait_ms: Option<u64>,
 }
 
 impl ProcsArgs {
@@ -50,6 +54,7 @@ impl ProcsArgs {
             heartbeat_timeout_ms: self.heartbeat_timeout_ms.unwrap_or(d.heartbeat_timeout_ms),
             join_timeout_ms: self.join_timeout_ms.unwrap_or(d.join_timeout_ms),
             connect_timeout_ms: d.connect_timeout_ms,
+            join_wait_ms: self.join_wait_ms.unwrap_or(d.join_wait_ms),
         };
         c.validate().map_err(|e| CliError::Usage(e.to_string()))?;
         Ok(c)
@@ -62,6 +67,7 @@ impl ProcsArgs {
             ("--heartbeat-ms", self.heartbeat_ms),
             ("--heartbeat-timeout-ms", self.heartbeat_timeout_ms),
             ("--join-timeout-ms", self.join_timeout_ms),
+            ("--join-wait-ms", self.join_wait_ms),
         ] {
             if let Some(v) = v {
                 out.extend([name.to_string(), v.to_string()]);
@@ -124,6 +130,10 @@ pub struct WorkerArgs {
     /// Keep trying an unanswering coordinator this long [default: 10000].
     #[arg(long)]
     pub connect_timeout_ms: Option<u64>,
+    /// Only join as a new rank of the running job (a standby until a join takes it), never as
+    /// one of its initial ranks. A worker that connects after the job started is one anyway.
+    #[arg(long, env = "EZERO_STANDBY")]
+    pub standby: bool,
 }
 
 /// The cluster token from a file or `EZERO_CLUSTER_TOKEN`.
@@ -169,9 +179,7 @@ pub fn check_train_args(args: &TrainArgs, cfg: &TrainConfig) -> Result<(), CliEr
             "{flag} is not supported with worker processes yet (use ezero train)"
         )));
     }
-    check_supported(cfg)
-        .and_then(|_| check_parts(cfg, STATE_PART_MAX_BYTES))
-        .map_err(|e| CliError::Usage(e.to_string()))
+    check_parts(cfg, STATE_PART_MAX_BYTES).map_err(|e| CliError::Usage(e.to_string()))
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime, CliError> {
@@ -258,7 +266,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         if let Some(addr) = at.control {
             // The same line as `ezero train --control`: scripts read it to find a :0 port.
             println!(
-                "control endpoint: http://{addr} (GET /status, GET /metrics, POST /ranks/{{id}}/drain{}; 503 until every worker has joined)",
+                "control endpoint: http://{addr} (GET /status, GET /metrics, POST /ranks/{{id}}/drain{}, POST /join?count=N with standby workers; 503 until every worker has joined)",
                 if allow_kill { ", POST /ranks/{id}/kill" } else { "" }
             );
         }
@@ -417,19 +425,24 @@ fn worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
         join: args.join.clone(),
         token,
         rank_hint: args.rank_hint,
+        standby: args.standby,
         data_listen: args.data_listen.clone(),
         tls,
         procs,
     };
     let on_welcome = |rank, world| println!("ezero worker: rank {rank} of {world}");
+    // A standby never taken by a join has no rank.
+    let who =
+        |rank: Option<u32>| rank.map_or_else(|| "standby".to_string(), |r| format!("rank {r}"));
     match runtime()?.block_on(run_worker(opts, on_welcome)) {
         Ok(out) if out.ok => {
-            println!("ezero worker: rank {}: {}", out.rank, out.reason);
+            println!("ezero worker: {}: {}", who(out.rank), out.reason);
             Ok(())
         }
         Ok(out) => Err(CliError::Failed(format!(
-            "rank {}: stopped by the coordinator: {}",
-            out.rank, out.reason
+            "{}: stopped by the coordinator: {}",
+            who(out.rank),
+            out.reason
         ))),
         Err(ProcError::Config(c)) => Err(CliError::Usage(c.to_string())),
         Err(e) => Err(CliError::Failed(e.to_string())),

@@ -10,7 +10,7 @@ use ractor::{Actor, ActorRef};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::actors::{
-    ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, RankActor, RankArgs, RankFactory,
+    ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank, RankActor, RankArgs, RankFactory,
     RankSetup, Snapshot, Work,
 };
 use super::clock::SystemClock;
@@ -260,14 +260,14 @@ impl Cluster {
             cfg.kill.clone(),
         );
         let factory: RankFactory<LocalEndpoint> = Box::new(move |rank, coordinator| {
-            Ok(RankArgs {
+            Ok(NewRank::Args(Box::new(RankArgs {
                 rank,
                 work: Work::new(None, Comm::new(join_net.endpoint(rank), timeout_ms)),
                 coordinator,
                 setup: Arc::clone(&join_setup),
                 panic_at_step: None,
                 kill_at_step: kills.iter().find(|k| k.value == rank).map(|k| k.step),
-            })
+            })))
         });
         let args = CoordArgs {
             engine: match &spec.resume {

@@ -8,7 +8,8 @@
 //!
 //! With worker processes (`proc_coord.rs`) the process coordinator drives the run itself and
 //! feeds a `Monitor`; its handle (`ControlHandle::for_processes`) refuses what process mode
-//! cannot do (joins, checkpoints) with `ControlError::Unsupported`.
+//! cannot do (checkpoints) with `ControlError::Unsupported`, and a join unless enough standby
+//! workers are connected (`ControlError::NoStandby`).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -56,6 +57,10 @@ pub enum ControlError {
     /// The request needs something this kind of job does not have (worker processes).
     #[error("{0}")]
     Unsupported(String),
+    /// A join with worker processes needs a standby worker per new rank, and too few are
+    /// connected (the message says how many, and how to start one).
+    #[error("{0}")]
+    NoStandby(String),
 }
 
 impl ControlError {
@@ -63,7 +68,10 @@ impl ControlError {
     pub fn http_status(&self) -> u16 {
         match self {
             ControlError::Refused(Refusal::UnknownRank { .. }) => 404,
-            ControlError::Refused(_) | ControlError::NoSnapshotSink | ControlError::Ended => 409,
+            ControlError::Refused(_)
+            | ControlError::NoSnapshotSink
+            | ControlError::Ended
+            | ControlError::NoStandby(_) => 409,
             ControlError::KillDisabled => 403,
             ControlError::BadRequest(_) => 400,
             ControlError::Unavailable(_) => 503,
@@ -84,8 +92,20 @@ impl ControlError {
             ControlError::Ended => "run_ended",
             ControlError::Unavailable(_) => "unavailable",
             ControlError::Unsupported(_) => "not_supported",
+            ControlError::NoStandby(_) => "no_standby",
         }
     }
+}
+
+/// Worker processes waiting to join (process mode): a join takes one per new rank.
+pub trait Standbys: Send + Sync {
+    /// Promises `count` connected standbys to a join request, or says why not (how many are
+    /// connected, how to start one).
+    fn reserve(&self, count: u32) -> Result<(), String>;
+    /// Gives back promises of a request the coordinator refused.
+    fn release(&self, count: u32);
+    /// Standbys connected now.
+    fn connected(&self) -> usize;
 }
 
 /// What the pump and every handle share.
@@ -137,8 +157,10 @@ pub struct ControlHandle {
     layout: StateLayout,
     allow_kill: bool,
     snapshots: bool,
-    /// Ranks are worker processes: no joins (nothing starts a process) and no checkpoints.
+    /// Ranks are worker processes: no checkpoints, and joins take standby workers.
     processes: bool,
+    /// Where joins find their worker processes (process mode only).
+    standbys: Option<Arc<dyn Standbys>>,
 }
 
 /// Feeds a handle's counters from the run's events: the in-process pump and the process
@@ -197,12 +219,14 @@ impl ControlHandle {
     }
 
     /// A handle on a process coordinator's actor (see `proc_coord.rs`), and the monitor that
-    /// the coordinator feeds with the run's events. `map` is the initial shard map.
+    /// the coordinator feeds with the run's events. `map` is the initial shard map; joins take
+    /// their workers from `standbys`.
     pub fn for_processes(
         coordinator: ActorRef<CoordMsg<Detached>>,
         map: ShardMap,
         config: &TrainConfig,
         allow_kill: bool,
+        standbys: Arc<dyn Standbys>,
     ) -> (ControlHandle, Monitor) {
         let shared = new_shared();
         let layout = layout_of(config);
@@ -213,6 +237,7 @@ impl ControlHandle {
             allow_kill,
             snapshots: false,
             processes: true,
+            standbys: Some(standbys),
         };
         let monitor = Monitor {
             shared,
@@ -221,19 +246,24 @@ impl ControlHandle {
         (handle, monitor)
     }
 
-    /// `count` new ranks join at the next step boundary (they take the next unused ids).
+    /// `count` new ranks join at the next step boundary (they take the next unused ids). With
+    /// worker processes each takes a standby worker: refused, changing nothing, unless `count`
+    /// are connected and not promised to an earlier request.
     pub async fn join(&self, count: u32) -> Result<(), ControlError> {
         if count == 0 {
             return Err(ControlError::BadRequest(
                 "join count must be at least 1".into(),
             ));
         }
-        if self.processes {
-            return Err(ControlError::Unsupported(
-                "ranks joining a running job are not supported with worker processes yet: nothing here starts a process".into(),
-            ));
+        let Some(standbys) = &self.standbys else {
+            return self.request(Change::Join(count)).await;
+        };
+        standbys.reserve(count).map_err(ControlError::NoStandby)?;
+        let res = self.request(Change::Join(count)).await;
+        if res.is_err() {
+            standbys.release(count);
         }
-        self.request(Change::Join(count)).await
+        res
     }
 
     async fn request(&self, change: Change) -> Result<(), ControlError> {
@@ -278,7 +308,9 @@ impl ControlHandle {
             Some(v) => v,
             None => ask!(self, p => CoordMsg::View(p))?,
         };
-        Ok(Status::build(&view, &self.shared.telemetry(), self.layout))
+        let mut status = Status::build(&view, &self.shared.telemetry(), self.layout);
+        status.standbys = self.standbys.as_ref().map(|s| s.connected());
+        Ok(status)
     }
 
     /// `status()` in the Prometheus text format.
@@ -410,6 +442,7 @@ impl ClusterBuilder {
             allow_kill: self.allow_kill,
             snapshots: self.snapshots,
             processes: false,
+            standbys: None,
         };
         let server = match self.control_addr {
             Some(addr) => {

@@ -147,6 +147,9 @@ pub enum ToCoord {
         token: String,
         /// The rank this worker would like (an orchestrator's hint); the coordinator may differ.
         rank_hint: Option<RankId>,
+        /// Only join as a new rank of the running job, never as one of its initial ranks.
+        /// Every worker that connects once the job has started is a standby anyway.
+        standby: bool,
     },
     /// The data plane is bound (after the welcome, which says which one): peers reach this
     /// worker there.
@@ -182,9 +185,20 @@ pub enum ToWorker {
     Peers {
         peers: Vec<(RankId, String)>,
     },
-    /// The hello was refused (bad token, job full); the connection closes next.
+    /// The hello was refused (bad token, too many standbys); the connection closes next.
     Refused {
         reason: String,
+    },
+    /// The job holds this worker as a standby until a join needs a rank: it heartbeats at the
+    /// coordinator's pace meanwhile, and a welcome comes when it is taken.
+    Standby {
+        heartbeat_ms: u64,
+        heartbeat_timeout_ms: u64,
+    },
+    /// A rank joined the running job: the data plane can reach it here.
+    AddPeer {
+        rank: RankId,
+        data_addr: String,
     },
     Command(RankCommand),
     Collect {
@@ -206,6 +220,8 @@ pub enum ToWorker {
 /// Everything a worker needs to build its rank.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Welcome {
+    /// A rank that is not a member of `map` is a joiner: it starts with no state and receives
+    /// its chunks in the reshard that admits it.
     pub rank: RankId,
     /// The job's `TrainConfig` as JSON (it skips absent options, which bincode cannot).
     pub config_json: String,

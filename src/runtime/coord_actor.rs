@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
+use ractor::{Actor, ActorProcessingErr, ActorRef, ActorStatus, RpcReplyPort, SupervisionEvent};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::actors::{collect_chunks, ClusterEvent, Snapshot};
@@ -18,10 +18,19 @@ use crate::engine::coordinator::{Change, Command, Coordinator, Event, Refusal};
 use crate::engine::messages::StepReport;
 use crate::plan::{RankId, ShardMap};
 
-/// Builds the arguments of a new rank actor (a joiner): its endpoint, shared setup, no state.
-/// Refuses with a reason where the runtime cannot start ranks itself (worker processes).
+/// Starts a new rank (a joiner): the arguments of its rank actor (its endpoint, shared setup, no
+/// state), or `Later` where the runtime starts it itself, or a reason it cannot.
 pub type RankFactory<T> =
-    Box<dyn Fn(RankId, ActorRef<CoordMsg<T>>) -> Result<RankArgs<T>, String> + Send + Sync>;
+    Box<dyn Fn(RankId, ActorRef<CoordMsg<T>>) -> Result<NewRank<T>, String> + Send + Sync>;
+
+/// How a joiner comes up.
+pub enum NewRank<T: Transport> {
+    /// The coordinator actor spawns a rank actor with these arguments.
+    Args(Box<RankArgs<T>>),
+    /// The runtime starts it (a worker process takes some time to come up) and answers with
+    /// `CoordMsg::Joined`; the coordinator actor keeps handling messages meanwhile.
+    Later,
+}
 
 /// Messages to the coordinator. Expected failures arrive as `RankFailed`, never as errors.
 pub enum CoordMsg<T: Transport> {
@@ -60,6 +69,12 @@ pub enum CoordMsg<T: Transport> {
     View(RpcReplyPort<CoordView>),
     /// Every chunk's state and the map (between steps, e.g. after `Finished`).
     Collect(RpcReplyPort<Result<(ShardMap, Vec<ChunkState>), String>>),
+    /// A joiner the factory answered `NewRank::Later` for: its actor (linked to this one), or
+    /// why it could not start.
+    Joined {
+        rank: RankId,
+        started: Result<ActorRef<RankMsg<T>>, String>,
+    },
 }
 
 /// The coordinator's view of the run at one instant (see `control::Status`).
@@ -248,7 +263,8 @@ impl<T: Transport> CoordState<T> {
                 let mut out = Vec::new();
                 for rank in ranks {
                     let args = match (self.factory)(rank, me.clone()) {
-                        Ok(args) => args,
+                        Ok(NewRank::Args(args)) => *args,
+                        Ok(NewRank::Later) => continue,
                         Err(reason) => {
                             out.push(Event::RankFailed {
                                 rank,
@@ -464,6 +480,27 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                     .await
                     .map(|c| (map, c));
                 let _ = reply.send(res);
+            }
+            CoordMsg::Joined { rank, started } => {
+                // A rank that stopped before this message arrived is not up.
+                let started = started.and_then(|a| match a.get_status() {
+                    ActorStatus::Stopping | ActorStatus::Stopped => {
+                        Err("it stopped while coming up".to_string())
+                    }
+                    _ => Ok(a),
+                });
+                let event = match started {
+                    Ok(actor) => {
+                        st.ranks.insert(rank, actor);
+                        Event::Spawned { rank, now_ms }
+                    }
+                    Err(reason) => Event::RankFailed {
+                        rank,
+                        reason: format!("could not start: {reason}"),
+                        now_ms,
+                    },
+                };
+                st.feed(&me, event).await
             }
         }
         Ok(())

@@ -8,7 +8,8 @@
 use serde::{Deserialize, Serialize};
 
 /// Timing of the process runtime. Defaults: heartbeats every 500 ms, a peer silent for 5 s is
-/// failed, workers get 60 s to join and retry an unanswering coordinator for 10 s.
+/// failed, workers get 60 s to join and retry an unanswering coordinator for 10 s, and a rank
+/// joining the running job waits 10 s for a standby worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ProcsConfig {
     pub heartbeat_ms: u64,
@@ -17,6 +18,9 @@ pub struct ProcsConfig {
     pub join_timeout_ms: u64,
     /// How long a worker keeps trying to reach the coordinator before giving up.
     pub connect_timeout_ms: u64,
+    /// How long a rank joining the running job waits for a standby worker to take it; past
+    /// that the join fails (and the job stops saying why).
+    pub join_wait_ms: u64,
 }
 
 impl Default for ProcsConfig {
@@ -26,6 +30,7 @@ impl Default for ProcsConfig {
             heartbeat_timeout_ms: 5_000,
             join_timeout_ms: 60_000,
             connect_timeout_ms: 10_000,
+            join_wait_ms: 10_000,
         }
     }
 }
@@ -55,12 +60,12 @@ impl ProcsConfig {
                 ),
             );
         }
-        if self.join_timeout_ms == 0 || self.connect_timeout_ms == 0 {
-            let field = if self.join_timeout_ms == 0 {
-                "join_timeout_ms"
-            } else {
-                "connect_timeout_ms"
-            };
+        let zero = [
+            ("join_timeout_ms", self.join_timeout_ms),
+            ("connect_timeout_ms", self.connect_timeout_ms),
+            ("join_wait_ms", self.join_wait_ms),
+        ];
+        if let Some((field, _)) = zero.iter().find(|(_, v)| *v == 0) {
             return err(field, "must be at least 1".into());
         }
         Ok(())

@@ -6,7 +6,7 @@
 //! | `GET /metrics` | 200, Prometheus text format |
 //! | `POST /ranks/{id}/drain` | 202: the rank leaves at the next step boundary |
 //! | `POST /ranks/{id}/kill` | 202: the rank vanishes in the next step (403 unless allowed) |
-//! | `POST /join?count=N` | 202: N ranks join at the next step boundary (N defaults to 1) |
+//! | `POST /join?count=N` | 202: N ranks join at the next step boundary (N defaults to 1; with worker processes 409 `no_standby` unless N standby workers are connected) |
 //! | `POST /checkpoint` | 202: a checkpoint at the next step boundary (409 without a save dir) |
 //!
 //! Errors are JSON `{"error": CODE, "message": TEXT}` with a 4xx/5xx status, and change nothing.

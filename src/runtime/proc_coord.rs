@@ -1,12 +1,16 @@
 //! The coordinator process: admits worker processes, hands each its rank, the shard map and its
 //! peers' data addresses, then drives the unchanged coordinator actor with one `RankProxy` per
 //! worker. A worker whose connection closes, or which stays silent past the heartbeat timeout,
-//! is stopped as a proxy, which the coordinator actor sees as that rank failing.
+//! is stopped as a proxy, which the coordinator actor sees as that rank failing (the proxy and
+//! its connection's tasks: `proc_conn.rs`).
 //!
 //! Every worker connection is mutual TLS against the cluster CA (ALPN `ezero-control/1`), with
 //! the cluster token inside as defence in depth. Handshakes and hellos run concurrently, each
 //! under a timeout: a peer without a cluster certificate is refused and logged, and never holds
 //! up the admission of others.
+//!
+//! Workers that connect once the job has started (or say `standby` in their hello) are held as
+//! standbys (`proc_standby.rs`); a join takes one per new rank (`proc_join.rs`).
 //!
 //! With `control` set it also serves the HTTP control endpoint of `ezero train --control` over
 //! the same coordinator actor. A kill there is carried out by the worker itself: told over its
@@ -19,26 +23,27 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ractor::{Actor, ActorRef};
-use tokio::io::{AsyncRead, AsyncWrite, ReadHalf, WriteHalf};
+use tokio::io::{AsyncWrite, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
-use super::actors::{ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor};
+use super::actors::{ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank};
 use super::clock::{Clock, SystemClock};
 use super::cluster::{consolidate, job_spec, Observer, TrainOutcome};
 use super::control::{ControlHandle, Monitor};
 use super::control_plane::{
-    read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, CONTROL_FRAME_MAX_BYTES,
-    HELLO_FRAME_MAX_BYTES,
+    read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, HELLO_FRAME_MAX_BYTES,
 };
-use super::heartbeat::{Liveness, ProcsConfig};
+use super::heartbeat::ProcsConfig;
 use super::http::{self, HttpLimits};
+use super::proc_conn::{start_proxy, Inbox};
+use super::proc_join::Joining;
+use super::proc_standby::Lobby;
 use super::proc_state::{check_parts, parts, StartState};
-use super::proxy::{lock, Detached, PendingCollects, RankProxy, RankProxyArgs};
-use super::rank_state::ChunkState;
+use super::proxy::{lock, Detached};
 use crate::config::{ConfigError, TrainConfig};
 use crate::engine::coordinator::Coordinator;
 use crate::job::build_model;
@@ -100,8 +105,8 @@ pub struct Listening {
 
 /// A worker's control connection, after the TLS handshake.
 type ControlStream = tokio_rustls::server::TlsStream<TcpStream>;
-type ControlReader = ReadHalf<ControlStream>;
-type ControlWriter = WriteHalf<ControlStream>;
+pub(super) type ControlReader = ReadHalf<ControlStream>;
+pub(super) type ControlWriter = WriteHalf<ControlStream>;
 
 /// A worker's control connection, split.
 struct Joined {
@@ -120,18 +125,9 @@ struct Greeted {
 }
 
 /// Sending ends of every live worker's connection, shared with the coordinator's callbacks.
-type Links = Arc<Mutex<BTreeMap<RankId, mpsc::Sender<Option<ToWorker>>>>>;
-
-/// What is not supported with worker processes yet: a clear error rather than a surprise.
-pub fn check_supported(cfg: &TrainConfig) -> Result<(), ConfigError> {
-    if !cfg.join.is_empty() {
-        return Err(ConfigError::new(
-            "join",
-            "ranks joining a running job are not supported with worker processes yet",
-        ));
-    }
-    Ok(())
-}
+pub(super) type Links = Arc<Mutex<BTreeMap<RankId, mpsc::Sender<Option<ToWorker>>>>>;
+/// Tasks to stop (or, for writers, to let finish) when the job ends; joiners add theirs.
+pub(super) type Tasks = Arc<Mutex<Vec<JoinHandle<()>>>>;
 
 /// Runs one job with `cfg.ranks` worker processes; `on_listen` hears the bound addresses first.
 pub async fn run_coordinator(
@@ -141,7 +137,6 @@ pub async fn run_coordinator(
     mut observer: impl Observer,
 ) -> Result<TrainOutcome, ProcError> {
     cfg.validate()?;
-    check_supported(&cfg)?;
     check_parts(&cfg, opts.part_max_bytes)?;
     if let Some(start) = opts
         .start
@@ -191,8 +186,22 @@ pub async fn run_coordinator(
         tokio::spawn(http::hold(l, HttpLimits::default(), why, ready_rx))
     });
     let deadline = Instant::now() + Duration::from_millis(opts.procs.join_timeout_ms);
-    let joined = admit(&listener, &cfg, &opts, deadline, &count).await?;
-    drop(listener);
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
+    let lobby = Arc::new(Lobby::new(Arc::clone(&clock), opts.procs, addr));
+    let acceptor = TlsAcceptor::from(opts.tls.server(Protocol::Control));
+    let (joined, greeting) =
+        admit(&listener, &acceptor, &cfg, &opts, deadline, &count, &lobby).await?;
+    // From now on every worker that connects is a standby, those still saying hello included.
+    let lobby_tasks = vec![
+        tokio::spawn(accept_standbys(
+            listener,
+            acceptor,
+            greeting,
+            opts.token.clone(),
+            Arc::clone(&lobby),
+        )),
+        tokio::spawn(Arc::clone(&lobby).keep_alive()),
+    ];
     let mut map = match &opts.start {
         Some(start) => start.map.clone(),
         None => {
@@ -209,11 +218,35 @@ pub async fn run_coordinator(
         .map(|j| (j.rank, j.peer.ip().to_string()))
         .collect();
     let initial = map.clone();
-    let mut run = Run::start(cfg.clone(), &opts, map, joined, deadline).await?;
+    let started = Run::start(
+        cfg.clone(),
+        &opts,
+        map,
+        joined,
+        deadline,
+        clock,
+        Arc::clone(&lobby),
+    )
+    .await;
+    let mut run = match started {
+        Ok(run) => run,
+        Err(e) => {
+            for t in &lobby_tasks {
+                t.abort();
+            }
+            lobby.dismiss_all(false, &e.to_string());
+            return Err(e);
+        }
+    };
     // Every worker has its starting state: the coordinator need not hold it for the run.
     let reads = opts.start.take().map(|s| s.reads).unwrap_or_default();
-    let (handle, mut monitor) =
-        ControlHandle::for_processes(run.coordinator.clone(), initial, &cfg, opts.allow_kill);
+    let (handle, mut monitor) = ControlHandle::for_processes(
+        run.coordinator.clone(),
+        initial,
+        &cfg,
+        opts.allow_kill,
+        lobby,
+    );
     let _ = ready.send(());
     let server = match held {
         Some(task) => match task.await {
@@ -230,6 +263,9 @@ pub async fn run_coordinator(
     if let Ok(outcome) = &mut result {
         outcome.resume_reads = reads;
     }
+    for t in lobby_tasks {
+        t.abort();
+    }
     run.finish(&result).await;
     if let Some(s) = server {
         s.abort();
@@ -238,15 +274,17 @@ pub async fn run_coordinator(
 }
 
 /// Accepts connections until every rank has a worker, refusing failed handshakes and bad
-/// hellos. Handshakes run as tasks, so a slow or hostile peer holds up only itself.
+/// hellos. Handshakes run as tasks, so a slow or hostile peer holds up only itself; those not
+/// done yet are returned with the workers.
 async fn admit(
     listener: &TcpListener,
+    acceptor: &TlsAcceptor,
     cfg: &TrainConfig,
     opts: &CoordinatorOptions,
     deadline: Instant,
     count: &AtomicU32,
-) -> Result<Vec<Joined>, ProcError> {
-    let acceptor = TlsAcceptor::from(opts.tls.server(Protocol::Control));
+    lobby: &Lobby,
+) -> Result<(Vec<Joined>, Greeting), ProcError> {
     let mut joined: BTreeMap<RankId, Joined> = BTreeMap::new();
     let mut greeting = JoinSet::new();
     while joined.len() < cfg.ranks as usize {
@@ -268,11 +306,12 @@ async fn admit(
                 };
                 let peer = g.peer;
                 match check_in(g, &opts.token, &joined, cfg.ranks).await {
-                    Ok(j) => {
+                    Ok(CheckedIn::Rank(j)) => {
                         tracing::info!("rank {} joined from {peer}", j.rank);
                         joined.insert(j.rank, j);
                         count.store(joined.len() as u32, Ordering::Relaxed);
                     }
+                    Ok(CheckedIn::Standby(reader, writer)) => lobby.hold(peer, reader, writer),
                     Err(why) => tracing::warn!("refused a connection from {peer}: {why}"),
                 }
             }
@@ -286,8 +325,41 @@ async fn admit(
             }
         }
     }
-    greeting.abort_all();
-    Ok(joined.into_values().collect())
+    Ok((joined.into_values().collect(), greeting))
+}
+
+/// Handshakes and hellos in progress.
+type Greeting = JoinSet<Option<Greeted>>;
+
+/// Once the job has started: holds every worker that connects (and authenticates) as a standby.
+async fn accept_standbys(
+    listener: TcpListener,
+    acceptor: TlsAcceptor,
+    mut greeting: Greeting,
+    token: String,
+    lobby: Arc<Lobby>,
+) {
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    greeting.spawn(greet(acceptor.clone(), stream, peer));
+                }
+                Err(e) => tracing::warn!("accepting a worker failed: {e}"),
+            },
+            Some(done) = greeting.join_next(), if !greeting.is_empty() => {
+                let Ok(Some(g)) = done else { continue };
+                let peer = g.peer;
+                let full = BTreeMap::new();
+                // World 0: there is no initial rank left to give, so a good hello is a standby.
+                match check_in(g, &token, &full, 0).await {
+                    Ok(CheckedIn::Standby(reader, writer)) => lobby.hold(peer, reader, writer),
+                    Ok(CheckedIn::Rank(_)) => {}
+                    Err(why) => tracing::warn!("refused a connection from {peer}: {why}"),
+                }
+            }
+        }
+    }
 }
 
 /// The TLS handshake and the first message, within `HELLO_TIMEOUT`. A failure is logged here,
@@ -320,13 +392,19 @@ async fn greet(acceptor: TlsAcceptor, stream: TcpStream, peer: SocketAddr) -> Op
     None
 }
 
+/// What an admitted hello becomes.
+enum CheckedIn {
+    Rank(Joined),
+    Standby(ControlReader, ControlWriter),
+}
+
 /// Admits an authenticated connection's hello, or tells it why not.
 async fn check_in(
     g: Greeted,
     token: &str,
     joined: &BTreeMap<RankId, Joined>,
     world: u32,
-) -> Result<Joined, String> {
+) -> Result<CheckedIn, String> {
     let Greeted {
         peer,
         msg,
@@ -334,12 +412,13 @@ async fn check_in(
         mut writer,
     } = g;
     match check_hello(msg, token, joined, world) {
-        Ok(rank) => Ok(Joined {
+        Ok(Some(rank)) => Ok(CheckedIn::Rank(Joined {
             rank,
             peer,
             reader,
             writer,
-        }),
+        })),
+        Ok(None) => Ok(CheckedIn::Standby(reader, writer)),
         Err(reason) => {
             let refused = ToWorker::Refused {
                 reason: reason.clone(),
@@ -350,16 +429,18 @@ async fn check_in(
     }
 }
 
-/// The rank for a hello, or why it is refused.
+/// The initial rank for a hello (`None`: a standby, for a standby hello or once every initial
+/// rank is taken), or why it is refused.
 fn check_hello(
     msg: ToCoord,
     token: &str,
     joined: &BTreeMap<RankId, Joined>,
     world: u32,
-) -> Result<RankId, String> {
+) -> Result<Option<RankId>, String> {
     let ToCoord::Hello {
         token: got,
         rank_hint,
+        standby,
     } = msg
     else {
         return Err("the first message was not a hello".into());
@@ -367,11 +448,13 @@ fn check_hello(
     if got != token {
         return Err("wrong cluster token".into());
     }
+    if standby {
+        return Ok(None);
+    }
     let free = |r: &RankId| !joined.contains_key(r);
-    rank_hint
+    Ok(rank_hint
         .filter(|r| *r < world && free(r))
-        .or_else(|| (0..world).find(free))
-        .ok_or_else(|| "the job already has all its workers".to_string())
+        .or_else(|| (0..world).find(free)))
 }
 
 /// A started job: the coordinator actor, its proxies and the connection tasks.
@@ -379,17 +462,21 @@ struct Run {
     coordinator: ActorRef<CoordMsg<Detached>>,
     events: mpsc::UnboundedReceiver<ClusterEvent>,
     links: Links,
-    writers: Vec<JoinHandle<()>>,
-    tasks: Vec<JoinHandle<()>>,
+    writers: Tasks,
+    tasks: Tasks,
+    lobby: Arc<Lobby>,
 }
 
 impl Run {
+    #[allow(clippy::too_many_arguments)]
     async fn start(
         cfg: TrainConfig,
         opts: &CoordinatorOptions,
         map: ShardMap,
         joined: Vec<Joined>,
         deadline: Instant,
+        clock: Arc<dyn Clock>,
+        lobby: Arc<Lobby>,
     ) -> Result<Run, ProcError> {
         let (procs, data_plane) = (opts.procs, opts.data_plane);
         let config_json =
@@ -441,6 +528,7 @@ impl Run {
                 peers: peers.clone(),
             }));
         }
+        let data_addrs = Arc::new(Mutex::new(peers.into_iter().collect()));
         for (rank, reader) in &mut readers {
             match expect(*rank, reader, wait, "ready").await? {
                 ToCoord::Ready => {}
@@ -452,7 +540,6 @@ impl Run {
             }
         }
         let (tx, events) = mpsc::unbounded_channel();
-        let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
         let link_to = |links: &Links| {
             let links = Arc::clone(links);
             move |r: RankId, msg: ToWorker| {
@@ -461,7 +548,9 @@ impl Run {
                 }
             }
         };
-        let (interrupt, retire) = (link_to(&links), link_to(&links));
+        let interrupt = link_to(&links);
+        let retired = Arc::clone(&links);
+        let (join_tx, join_rx) = mpsc::unbounded_channel();
         let job = job_spec(&cfg, opts.snapshot_every);
         let engine = match opts.start.as_ref().and_then(|s| s.progress.clone()) {
             Some(progress) => Coordinator::resume(job, map, progress),
@@ -474,54 +563,66 @@ impl Run {
             tick_ms: 200,
             // The driver tells every worker why when it sees the abort event.
             on_abort: Box::new(|| {}),
+            // The worker's link goes with its stop, so that a later joiner is not told to
+            // expect it as a peer.
             on_retire: Box::new(move |r| {
-                retire(
-                    r,
-                    ToWorker::Stop {
+                if let Some(l) = lock(&retired).remove(&r) {
+                    let _ = l.try_send(Some(ToWorker::Stop {
                         ok: true,
                         reason: "left the job".into(),
-                    },
-                )
+                    }));
+                    let _ = l.try_send(None);
+                }
             }),
             on_interrupt: Box::new(move |r, epoch, step| {
                 interrupt(r, ToWorker::Interrupt { epoch, step })
             }),
-            factory: Box::new(|_, _| {
-                Err("the coordinator process cannot start ranks; start a worker process".into())
+            // A joiner is a standby worker process: the join task brings it up and answers
+            // with `CoordMsg::Joined`, so the coordinator actor never waits on a process.
+            factory: Box::new(move |rank, _| {
+                join_tx
+                    .send(rank)
+                    .map(|_| NewRank::Later)
+                    .map_err(|_| "the join task has stopped".to_string())
             }),
         };
         let (coordinator, _) = Actor::spawn(None, CoordinatorActor::<Detached>::default(), args)
             .await
             .map_err(|e| ProcError::Setup(e.to_string()))?;
+        let tasks: Tasks = Arc::default();
         let mut ranks = Vec::new();
-        let mut tasks = Vec::new();
         for (rank, reader) in readers {
             let link = lock(&links).get(&rank).cloned();
             let Some(link) = link else { continue };
-            let pending = PendingCollects::default();
-            let args = RankProxyArgs {
+            let proxy = start_proxy(
                 rank,
-                link: link.clone(),
-                pending: Arc::clone(&pending),
-            };
-            let (proxy, _) = Actor::spawn_linked(None, RankProxy, args, coordinator.get_cell())
-                .await
-                .map_err(|e| ProcError::Setup(e.to_string()))?;
-            let live = Arc::new(Mutex::new(Liveness::new(
-                clock.now_ms(),
-                procs.heartbeat_timeout_ms,
-            )));
-            let conn = Conn {
-                rank,
-                proxy: proxy.clone(),
-                coordinator: coordinator.clone(),
-                live: Arc::clone(&live),
-                clock: Arc::clone(&clock),
-            };
-            tasks.push(tokio::spawn(conn.clone().read_loop(reader, pending)));
-            tasks.push(tokio::spawn(conn.heartbeat_loop(link, procs)));
+                link,
+                Inbox::Stream(reader),
+                &coordinator,
+                &clock,
+                procs,
+                &tasks,
+            )
+            .await
+            .map_err(ProcError::Setup)?;
             ranks.push((rank, proxy));
         }
+        let writers: Tasks = Arc::new(Mutex::new(writers));
+        let joining = Joining {
+            config_json,
+            data_plane,
+            procs,
+            part_max_bytes: opts.part_max_bytes as u64,
+            lobby: Arc::clone(&lobby),
+            links: Arc::clone(&links),
+            data_addrs,
+            coordinator: coordinator.clone(),
+            clock,
+            tasks: Arc::clone(&tasks),
+            writers: Arc::clone(&writers),
+            joined: Default::default(),
+        };
+        lock(&tasks).push(tokio::spawn(joining.serve(join_rx)));
         let _ = coordinator.cast(CoordMsg::Start { ranks });
         Ok(Run {
             coordinator,
@@ -529,6 +630,7 @@ impl Run {
             links,
             writers,
             tasks,
+            lobby,
         })
     }
 
@@ -591,9 +693,16 @@ impl Run {
             Ok(_) => (true, "the job finished".to_string()),
             Err(e) => (false, e.to_string()),
         };
-        for t in &self.tasks {
+        for t in lock(&self.tasks).iter() {
             t.abort();
         }
+        let mut writers = std::mem::take(&mut *lock(&self.writers));
+        let standby_end = if ok {
+            "the job finished before a join needed this standby"
+        } else {
+            "the job stopped before a join needed this standby"
+        };
+        writers.extend(self.lobby.dismiss_all(ok, standby_end));
         let links: Vec<_> = std::mem::take(&mut *lock(&self.links))
             .into_values()
             .collect();
@@ -607,7 +716,7 @@ impl Run {
         }
         drop(links);
         let _ = tokio::time::timeout(FLUSH_TIMEOUT, async {
-            for w in self.writers {
+            for w in writers {
                 let _ = w.await;
             }
         })
@@ -669,7 +778,7 @@ async fn expect(
 }
 
 /// Writes queued messages until told to stop (`None`) or the connection fails.
-async fn write_loop<M: serde::Serialize>(
+pub(super) async fn write_loop<M: serde::Serialize>(
     mut w: impl AsyncWrite + Unpin,
     mut rx: mpsc::Receiver<Option<M>>,
 ) {
@@ -677,78 +786,6 @@ async fn write_loop<M: serde::Serialize>(
         if let Err(e) = write_msg(&mut w, &msg).await {
             tracing::debug!("control connection write failed: {e}");
             return;
-        }
-    }
-}
-
-/// One worker's connection as the coordinator process sees it.
-#[derive(Clone)]
-struct Conn {
-    rank: RankId,
-    proxy: ActorRef<super::rank_actor::RankMsg<Detached>>,
-    coordinator: ActorRef<CoordMsg<Detached>>,
-    live: Arc<Mutex<Liveness>>,
-    clock: Arc<dyn Clock>,
-}
-
-impl Conn {
-    async fn read_loop(self, mut r: impl AsyncRead + Unpin, pending: PendingCollects) {
-        let rank = self.rank;
-        // Parts of collects in flight; only for a collect that was asked for, so a worker
-        // cannot make this process hold what nobody waits for.
-        let mut partial: BTreeMap<u64, Vec<ChunkState>> = BTreeMap::new();
-        loop {
-            let msg = match read_msg::<_, ToCoord>(&mut r, CONTROL_FRAME_MAX_BYTES).await {
-                Ok(m) => m,
-                Err(e) => {
-                    self.proxy.stop(Some(format!(
-                        "rank {rank}: control connection lost ({e}); its process exited or the link broke"
-                    )));
-                    return;
-                }
-            };
-            lock(&self.live).observe(self.clock.now_ms());
-            match msg {
-                ToCoord::Report(rep) => {
-                    let _ = self.coordinator.cast(rep.into_msg(rank));
-                }
-                ToCoord::CollectPart { id, chunks } => {
-                    if lock(&pending).contains_key(&id) {
-                        partial.entry(id).or_default().extend(chunks);
-                    }
-                }
-                ToCoord::CollectReply { id, chunks } => {
-                    let mut all = partial.remove(&id).unwrap_or_default();
-                    all.extend(chunks);
-                    if let Some(port) = lock(&pending).remove(&id) {
-                        let _ = port.send(all);
-                    }
-                }
-                ToCoord::Heartbeat | ToCoord::Ready | ToCoord::Bound { .. } => {}
-                ToCoord::Hello { .. } => {
-                    self.proxy.stop(Some(format!(
-                        "rank {rank}: protocol error (a second hello)"
-                    )));
-                    return;
-                }
-            }
-        }
-    }
-
-    async fn heartbeat_loop(self, link: mpsc::Sender<Option<ToWorker>>, procs: ProcsConfig) {
-        let mut every = tokio::time::interval(Duration::from_millis(procs.heartbeat_ms));
-        loop {
-            every.tick().await;
-            // A full queue is caught by the silence check or by the proxy's next send.
-            let _ = link.try_send(Some(ToWorker::Heartbeat));
-            let silent = lock(&self.live).silent(self.clock.now_ms());
-            if let Some(ms) = silent {
-                self.proxy.stop(Some(format!(
-                    "rank {}: silent for {ms} ms (heartbeat_timeout_ms is {}); its process is hung or its link is down",
-                    self.rank, procs.heartbeat_timeout_ms
-                )));
-                return;
-            }
         }
     }
 }

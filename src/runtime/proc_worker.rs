@@ -3,6 +3,11 @@
 //! `CoordProxy`, and executes what arrives until the coordinator says stop, the rank fails, or
 //! the coordinator goes silent past the heartbeat timeout.
 //!
+//! A worker that connects once the job has started is held as a standby (heartbeating) until a
+//! join takes it: its welcome then names a rank outside the committed map, which starts with
+//! no state and receives its chunks in the reshard that admits it. Members hear of a joiner's
+//! data address while they run (`ToWorker::AddPeer`).
+//!
 //! Both its connections are mutual TLS against the cluster CA: the control connection to the
 //! coordinator (it checks the coordinator's certificate and presents its own) and the data plane
 //! to its peers.
@@ -48,6 +53,8 @@ pub struct WorkerOptions {
     pub join: String,
     pub token: String,
     pub rank_hint: Option<RankId>,
+    /// Only join as a new rank of the running job (see `ToCoord::Hello`).
+    pub standby: bool,
     /// Where to accept peers' data connections (`ip:port`; port 0 picks one).
     pub data_listen: String,
     /// This process's cluster certificate and CA, for every connection it makes or accepts.
@@ -60,7 +67,8 @@ pub struct WorkerOptions {
 /// How a worker's job ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerOutcome {
-    pub rank: RankId,
+    /// `None`: a standby the job ended without needing.
+    pub rank: Option<RankId>,
     /// The coordinator's stop was a success (job finished or this rank left).
     pub ok: bool,
     pub reason: String,
@@ -79,33 +87,106 @@ pub async fn run_worker(
     let hello = ToCoord::Hello {
         token: opts.token.clone(),
         rank_hint: opts.rank_hint,
+        standby: opts.standby,
     };
     write_msg(&mut writer, &hello)
         .await
         .map_err(|e| ProcError::Setup(format!("coordinator at {}: {e}", opts.join)))?;
-    let join_ms = opts.procs.join_timeout_ms;
-    let welcome = match next(&mut reader, join_ms, &opts.join).await? {
-        ToWorker::Welcome(w) => *w,
-        ToWorker::Refused { reason } => {
-            return Err(ProcError::Setup(format!(
-                "the coordinator refused this worker: {reason}"
-            )))
+    let (link, rx) = mpsc::channel(LINK_QUEUE_MAX);
+    let writer_task = tokio::spawn(write_loop(writer, rx));
+    let result = match await_welcome(&mut reader, &link, &opts).await {
+        Ok(Ok(welcome)) => {
+            on_welcome(welcome.rank, welcome.world);
+            run_rank(welcome, &link, reader, &opts).await
         }
-        other => {
-            return Err(ProcError::Setup(format!(
-                "the coordinator sent {other:?} before a welcome"
-            )))
+        Ok(Err(standby_end)) => Ok(standby_end),
+        Err(e) => Err(e),
+    };
+    // Let the last reports (a failure, a collect reply) leave before the process ends.
+    let _ = link.try_send(None);
+    drop(link);
+    let _ = tokio::time::timeout(Duration::from_secs(2), writer_task).await;
+    result
+}
+
+/// The welcome, after a wait as a standby if the coordinator holds this worker as one; or how
+/// the job ended for a standby it never needed.
+async fn await_welcome(
+    reader: &mut ControlReader,
+    link: &mpsc::Sender<Option<ToCoord>>,
+    opts: &WorkerOptions,
+) -> Result<Result<Welcome, WorkerOutcome>, ProcError> {
+    let mut wait_ms = opts.procs.join_timeout_ms;
+    let mut beat: Option<tokio::task::JoinHandle<()>> = None;
+    let got = loop {
+        match next(reader, wait_ms, &opts.join).await {
+            Ok(ToWorker::Welcome(w)) => break Ok(Ok(*w)),
+            Ok(ToWorker::Standby {
+                heartbeat_ms,
+                heartbeat_timeout_ms,
+            }) => {
+                println!(
+                    "ezero worker: connected to {} as a standby; waiting for a join to take it",
+                    opts.join
+                );
+                // The coordinator heartbeats its standbys, so silence means it is gone.
+                wait_ms = heartbeat_timeout_ms;
+                let link = link.clone();
+                beat.get_or_insert_with(|| {
+                    tokio::spawn(async move {
+                        let period = Duration::from_millis(heartbeat_ms.max(1));
+                        let mut every = tokio::time::interval(period);
+                        loop {
+                            every.tick().await;
+                            if link.send(Some(ToCoord::Heartbeat)).await.is_err() {
+                                return;
+                            }
+                        }
+                    })
+                });
+            }
+            Ok(ToWorker::Heartbeat) => {}
+            Ok(ToWorker::Stop { ok, reason }) => {
+                break Ok(Err(WorkerOutcome {
+                    rank: None,
+                    ok,
+                    reason,
+                }))
+            }
+            Ok(ToWorker::Refused { reason }) => {
+                break Err(ProcError::Setup(format!(
+                    "the coordinator refused this worker: {reason}"
+                )))
+            }
+            Ok(other) => {
+                break Err(ProcError::Setup(format!(
+                    "the coordinator sent {} before a welcome",
+                    kind(&other)
+                )))
+            }
+            Err(e) => break Err(e),
         }
     };
-    on_welcome(welcome.rank, welcome.world);
+    if let Some(b) = beat {
+        b.abort();
+    }
+    got
+}
+
+/// Binds the data plane the welcome names, meets the peers and runs the rank.
+async fn run_rank(
+    welcome: Welcome,
+    link: &mpsc::Sender<Option<ToCoord>>,
+    mut reader: ControlReader,
+    opts: &WorkerOptions,
+) -> Result<WorkerOutcome, ProcError> {
+    let join_ms = opts.procs.join_timeout_ms;
     let start = if welcome.restore {
         Some(receive_start(&mut reader, join_ms, &opts.join).await?)
     } else {
         None
     };
-    let (link, rx) = mpsc::channel(LINK_QUEUE_MAX);
-    let writer_task = tokio::spawn(write_loop(writer, rx));
-    let result = match welcome.data_plane {
+    match welcome.data_plane {
         DataPlane::Tcp => {
             let data = TcpListenerHandle::bind(&opts.data_listen, &opts.token, &opts.tls).map_err(
                 |e| {
@@ -115,15 +196,19 @@ pub async fn run_worker(
                     ))
                 },
             )?;
-            let peers = exchange(data.local_addr(), &link, &mut reader, join_ms, &opts).await?;
+            let peers = exchange(data.local_addr(), link, &mut reader, join_ms, opts).await?;
             let transport = data.into_transport(welcome.rank, peers.into_iter().collect());
             let interrupter = transport.interrupter();
-            let interrupt = Box::new(move |e, s| interrupter.interrupt(e, s));
-            serve(welcome, start, transport, interrupt, &link, reader).await
+            let book = transport.peer_book();
+            let hooks = Hooks {
+                interrupt: Box::new(move |e, s| interrupter.interrupt(e, s)),
+                add_peer: Box::new(move |r, a| book.add(r, a)),
+            };
+            serve(welcome, start, transport, hooks, link, reader).await
         }
         DataPlane::Quic => {
-            let q = bind_quic(&welcome, &opts)?;
-            let peers = exchange(q.local_addr(), &link, &mut reader, join_ms, &opts).await?;
+            let q = bind_quic(&welcome, opts)?;
+            let peers = exchange(q.local_addr(), link, &mut reader, join_ms, opts).await?;
             q.add_peers(&peers);
             let ranks: Vec<RankId> = peers.iter().map(|(r, _)| *r).collect();
             // A dialled peer learns who we are from our first stream: open it now, so that
@@ -134,16 +219,21 @@ pub async fn run_worker(
             }
             tokio::task::block_in_place(|| q.wait_connected(&ranks, join_ms))
                 .map_err(|e| ProcError::Setup(format!("rank {}: {e}", welcome.rank)))?;
-            let control = q.control();
-            let interrupt = Box::new(move |e, s| control.interrupt(e, s));
-            serve(welcome, start, q, interrupt, &link, reader).await
+            let (control, joins) = (q.control(), q.control());
+            let me = welcome.rank;
+            let hooks = Hooks {
+                interrupt: Box::new(move |e, s| control.interrupt(e, s)),
+                // The lower rank dials; the joiner learns who we are from our first stream.
+                add_peer: Box::new(move |r, a| {
+                    joins.add_peers(&[(r, a)]);
+                    if r > me {
+                        let _ = joins.send_control(r, bytes::Bytes::from_static(b"hello"));
+                    }
+                }),
+            };
+            serve(welcome, start, q, hooks, link, reader).await
         }
-    };
-    // Let the last reports (a failure, a collect reply) leave before the process ends.
-    let _ = link.try_send(None);
-    drop(link);
-    let _ = tokio::time::timeout(Duration::from_secs(2), writer_task).await;
-    result
+    }
 }
 
 /// The next message from the coordinator within `timeout_ms`.
@@ -202,6 +292,8 @@ fn kind(msg: &ToWorker) -> &'static str {
         ToWorker::Interrupt { .. } => "an interrupt",
         ToWorker::Heartbeat => "a heartbeat",
         ToWorker::Stop { .. } => "a stop",
+        ToWorker::Standby { .. } => "a standby notice",
+        ToWorker::AddPeer { .. } => "a new peer",
     }
 }
 
@@ -310,7 +402,7 @@ async fn serve<T: Transport>(
     welcome: Welcome,
     start: Option<Vec<ChunkState>>,
     transport: T,
-    interrupt: Interrupt,
+    hooks: Hooks,
     link: &mpsc::Sender<Option<ToCoord>>,
     mut reader: ControlReader,
 ) -> Result<WorkerOutcome, ProcError> {
@@ -346,7 +438,7 @@ async fn serve<T: Transport>(
                 };
                 live.observe(clock.now_ms());
                 live.set_timeout(procs.heartbeat_timeout_ms);
-                if let Some(out) = execute(msg, rank, &rank_actor, &interrupt, link, part_max_bytes) {
+                if let Some(out) = execute(msg, rank, &rank_actor, &hooks, link, part_max_bytes) {
                     break Ok(out);
                 }
             }
@@ -375,7 +467,7 @@ fn execute<T: Transport>(
     msg: ToWorker,
     rank: RankId,
     rank_actor: &ActorRef<RankMsg<T>>,
-    interrupt: &Interrupt,
+    hooks: &Hooks,
     link: &mpsc::Sender<Option<ToCoord>>,
     part_max_bytes: usize,
 ) -> Option<WorkerOutcome> {
@@ -404,19 +496,35 @@ fn execute<T: Transport>(
                 }
             });
         }
-        ToWorker::Interrupt { epoch, step } => interrupt(epoch, step),
+        ToWorker::Interrupt { epoch, step } => (hooks.interrupt)(epoch, step),
+        ToWorker::AddPeer { rank: r, data_addr } => match data_addr.parse::<SocketAddr>() {
+            Ok(addr) => (hooks.add_peer)(r, addr),
+            Err(_) => tracing::warn!("rank {r}'s data address `{data_addr}` is invalid; ignored"),
+        },
         ToWorker::Heartbeat
         | ToWorker::Welcome(_)
         | ToWorker::StatePart { .. }
         | ToWorker::Peers { .. }
+        | ToWorker::Standby { .. }
         | ToWorker::Refused { .. } => {}
-        ToWorker::Stop { ok, reason } => return Some(WorkerOutcome { rank, ok, reason }),
+        ToWorker::Stop { ok, reason } => {
+            return Some(WorkerOutcome {
+                rank: Some(rank),
+                ok,
+                reason,
+            })
+        }
     }
     None
 }
 
-/// Wakes the rank from an abandoned (epoch, step).
-type Interrupt = Box<dyn Fn(u64, u64) + Send + Sync>;
+/// The data plane's side doors, for the coordinator's messages the rank actor does not handle.
+struct Hooks {
+    /// Wakes the rank from an abandoned (epoch, step).
+    interrupt: Box<dyn Fn(u64, u64) + Send + Sync>,
+    /// Makes a rank that joined the running job reachable at its data address.
+    add_peer: Box<dyn Fn(RankId, SocketAddr) + Send + Sync>,
+}
 
 type Started<T> = (ActorRef<RankMsg<T>>, mpsc::UnboundedReceiver<WorkerEnd>);
 
@@ -435,38 +543,43 @@ async fn start_rank<T: Transport>(
     let stage = Stage::from_u8(cfg.stage)
         .ok_or_else(|| ProcError::Setup(format!("stage {} from the coordinator", cfg.stage)))?;
     let optim = optim_settings(&cfg);
-    let state = match start {
-        Some(chunks) => {
-            let by_id: BTreeMap<(u32, u32), ChunkState> =
-                chunks.into_iter().map(|c| ((c.unit, c.index), c)).collect();
-            let source = |u: usize, i: usize| by_id.get(&(u as u32, i as u32)).cloned();
-            RankState::from_chunks(
-                rank,
-                stage,
-                cfg.reduce,
-                Arc::clone(&model),
-                welcome.map.clone(),
-                optim,
-                &source,
-            )
-            .map_err(|e| {
-                ProcError::Setup(format!("rank {rank}: the starting state does not fit: {e}"))
-            })?
-        }
-        None => {
-            let params: Vec<Vec<f32>> = (0..model.units().len())
-                .map(|u| model.init_unit(u, cfg.seed))
-                .collect();
-            RankState::from_full_params(
-                rank,
-                stage,
-                cfg.reduce,
-                Arc::clone(&model),
-                welcome.map.clone(),
-                optim,
-                &params,
-            )
-        }
+    // A joiner (not in the committed map) holds nothing until its reshard.
+    let state = if welcome.map.is_member(rank) {
+        Some(match start {
+            Some(chunks) => {
+                let by_id: BTreeMap<(u32, u32), ChunkState> =
+                    chunks.into_iter().map(|c| ((c.unit, c.index), c)).collect();
+                let source = |u: usize, i: usize| by_id.get(&(u as u32, i as u32)).cloned();
+                RankState::from_chunks(
+                    rank,
+                    stage,
+                    cfg.reduce,
+                    Arc::clone(&model),
+                    welcome.map.clone(),
+                    optim,
+                    &source,
+                )
+                .map_err(|e| {
+                    ProcError::Setup(format!("rank {rank}: the starting state does not fit: {e}"))
+                })?
+            }
+            None => {
+                let params: Vec<Vec<f32>> = (0..model.units().len())
+                    .map(|u| model.init_unit(u, cfg.seed))
+                    .collect();
+                RankState::from_full_params(
+                    rank,
+                    stage,
+                    cfg.reduce,
+                    Arc::clone(&model),
+                    welcome.map.clone(),
+                    optim,
+                    &params,
+                )
+            }
+        })
+    } else {
+        None
     };
     let setup = Arc::new(RankSetup {
         stage,
@@ -494,7 +607,7 @@ async fn start_rank<T: Transport>(
         .map_err(|e| ProcError::Setup(e.to_string()))?;
     let args = RankArgs {
         rank,
-        work: Work::new(Some(state), Comm::new(transport, cfg.collective_timeout_ms)),
+        work: Work::new(state, Comm::new(transport, cfg.collective_timeout_ms)),
         coordinator: proxy.clone(),
         setup,
         panic_at_step: None,

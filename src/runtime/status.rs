@@ -213,6 +213,10 @@ pub struct Status {
     pub telemetry: TelemetrySummary,
     /// Membership changes and recoveries, oldest first.
     pub membership: Vec<ChangeRecord>,
+    /// With worker processes: standby workers connected, which joins can take (absent
+    /// in-process).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub standbys: Option<usize>,
 }
 
 /// The counters of `Telemetry` without the history (which `Status` lists once).
@@ -279,6 +283,7 @@ impl Status {
                 snapshots: t.snapshots,
             },
             membership: t.history.iter().cloned().collect(),
+            standbys: None,
         }
     }
 

@@ -114,12 +114,13 @@ impl TcpListenerHandle {
     }
 
     pub fn into_transport(self, rank: RankId, peers: BTreeMap<RankId, SocketAddr>) -> TcpTransport {
+        let book = PeerBook::default();
+        for (r, a) in peers {
+            book.add(r, a);
+        }
         TcpTransport {
             rank,
-            peers: peers
-                .into_iter()
-                .map(|(r, a)| (r, (a, Mutex::new(None))))
-                .collect(),
+            peers: book,
             inbox_tx: self.inbox_tx,
             inbox_rx: self.inbox_rx,
             stats: self.stats,
@@ -377,10 +378,37 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, String> {
     }))
 }
 
+/// A peer's address and this rank's connection to it (dialled on first use).
+type PeerLink = Arc<(SocketAddr, Mutex<Option<Writer>>)>;
+
+/// The ranks a transport can send to. Shared, so that a rank joining a running job can be added
+/// while the rank actor owns the transport.
+#[derive(Clone, Default)]
+pub struct PeerBook(Arc<Mutex<BTreeMap<RankId, PeerLink>>>);
+
+impl PeerBook {
+    /// Makes `rank` reachable at `addr`; a rank already known keeps its address and connection.
+    pub fn add(&self, rank: RankId, addr: SocketAddr) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(rank)
+            .or_insert_with(|| Arc::new((addr, Mutex::new(None))));
+    }
+
+    fn get(&self, rank: RankId) -> Option<PeerLink> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&rank)
+            .cloned()
+    }
+}
+
 /// One rank's endpoint on the TCP data plane.
 pub struct TcpTransport {
     rank: RankId,
-    peers: BTreeMap<RankId, (SocketAddr, Mutex<Option<Writer>>)>,
+    peers: PeerBook,
     inbox_tx: Sender<Frame>,
     inbox_rx: Receiver<Frame>,
     stats: Arc<DataStats>,
@@ -424,6 +452,11 @@ impl TcpTransport {
         Arc::clone(&self.stats)
     }
 
+    /// The peers this endpoint sends to, for adding a joiner while a rank actor owns it.
+    pub fn peer_book(&self) -> PeerBook {
+        self.peers.clone()
+    }
+
     fn write(
         &self,
         conn: &mut Option<Writer>,
@@ -454,7 +487,8 @@ impl Transport for TcpTransport {
                 .send(frame)
                 .map_err(|_| TransportError::Closed);
         }
-        let (addr, conn) = self.peers.get(&to).ok_or(TransportError::UnknownPeer(to))?;
+        let link = self.peers.get(to).ok_or(TransportError::UnknownPeer(to))?;
+        let (addr, conn) = &*link;
         let mut conn = conn.lock().unwrap_or_else(|e| e.into_inner());
         self.write(&mut conn, *addr, &frame).map_err(|e| {
             tracing::debug!("data plane: send to rank {to} failed: {e}");
@@ -542,6 +576,29 @@ mod tests {
             Err(TransportError::Timeout(10))
         ));
         assert_eq!(b.stats().refused_peers.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_joiner_added_to_the_peer_book_is_reachable_both_ways() {
+        let ca = ClusterCa::generate("t").unwrap();
+        let (a, j) = (
+            TcpListenerHandle::bind("127.0.0.1:0", "t", &cluster_tls(&ca, "rank-0")).unwrap(),
+            TcpListenerHandle::bind("127.0.0.1:0", "t", &cluster_tls(&ca, "worker")).unwrap(),
+        );
+        let (a_addr, j_addr) = (a.local_addr(), j.local_addr());
+        let mut a = a.into_transport(0, [(0, a_addr)].into());
+        let mut j = j.into_transport(1, [(0, a_addr), (1, j_addr)].into());
+        assert!(matches!(
+            a.send(1, frame(0, 1, b"early")),
+            Err(TransportError::UnknownPeer(1))
+        ));
+        a.peer_book().add(1, j_addr);
+        a.send(1, frame(0, 2, b"to joiner")).unwrap();
+        j.send(0, frame(1, 3, b"from joiner")).unwrap();
+        let got = j.recv_timeout(5_000).unwrap();
+        assert_eq!((got.from, &got.payload[..]), (0, &b"to joiner"[..]));
+        let got = a.recv_timeout(5_000).unwrap();
+        assert_eq!((got.from, &got.payload[..]), (1, &b"from joiner"[..]));
     }
 
     #[test]

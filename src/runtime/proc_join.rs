@@ -1,0 +1,197 @@
+//! Ranks joining a running job with worker processes. For each rank the engine asks for
+//! (`Command::Spawn`), in order: take a standby worker (waiting at most `join_wait_ms`), welcome
+//! it with its rank and the committed map, tell every member its data address and it every
+//! member's, wait until it is connected and ready, then start its proxy and report
+//! `CoordMsg::Joined`. Any failure is reported as the rank failing to start, with the reason.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ractor::ActorRef;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::actors::CoordMsg;
+use super::clock::Clock;
+use super::control_plane::{DataPlane, ToCoord, ToWorker, Welcome};
+use super::heartbeat::ProcsConfig;
+use super::proc_conn::{start_proxy, Inbox};
+use super::proc_coord::{Links, Tasks};
+use super::proc_standby::{self, Lobby, Standby};
+use super::proxy::{lock, Detached};
+use super::rank_actor::RankMsg;
+use crate::plan::RankId;
+
+/// Everything bringing a joiner up needs.
+pub(super) struct Joining {
+    pub config_json: String,
+    pub data_plane: DataPlane,
+    pub procs: ProcsConfig,
+    /// Largest part of chunk states in one frame (`Welcome::part_max_bytes`).
+    pub part_max_bytes: u64,
+    pub lobby: Arc<Lobby>,
+    pub links: Links,
+    /// Every worker's data-plane address, by rank.
+    pub data_addrs: Arc<std::sync::Mutex<BTreeMap<RankId, String>>>,
+    pub coordinator: ActorRef<CoordMsg<Detached>>,
+    pub clock: Arc<dyn Clock>,
+    pub tasks: Tasks,
+    pub writers: Tasks,
+    /// Ranks this task brought up, in order.
+    pub joined: std::sync::Mutex<Vec<RankId>>,
+}
+
+impl Joining {
+    /// Brings up the ranks the coordinator asks for, one at a time (a second joiner then hears
+    /// of the first as a member), until the coordinator stops.
+    pub async fn serve(self, mut ranks: mpsc::UnboundedReceiver<RankId>) {
+        while let Some(rank) = ranks.recv().await {
+            let started = self.admit(rank).await;
+            if let Err(why) = &started {
+                tracing::warn!("rank {rank} could not join: {why}");
+            }
+            let _ = self.coordinator.cast(CoordMsg::Joined { rank, started });
+        }
+    }
+
+    async fn admit(&self, rank: RankId) -> Result<ActorRef<RankMsg<Detached>>, String> {
+        let wait = self.procs.join_wait_ms;
+        let Some(mut standby) = self
+            .lobby
+            .take(Instant::now() + Duration::from_millis(wait))
+            .await
+        else {
+            return Err(format!(
+                "no standby worker connected within join_wait_ms ({wait} ms): start `ezero worker --join {}` (same cluster secrets and token) on the new machine",
+                self.lobby.workers_addr()
+            ));
+        };
+        let peer = standby.peer;
+        match self.bring_up(rank, &mut standby).await {
+            Ok(data_addr) => {
+                tracing::info!("rank {rank} joined from {peer}");
+                let Standby {
+                    link,
+                    writer,
+                    inbox,
+                    ..
+                } = standby;
+                lock(&self.writers).push(writer);
+                lock(&self.links).insert(rank, link.clone());
+                lock(&self.data_addrs).insert(rank, data_addr);
+                lock(&self.joined).push(rank);
+                start_proxy(
+                    rank,
+                    link,
+                    Inbox::Pumped(inbox),
+                    &self.coordinator,
+                    &self.clock,
+                    self.procs,
+                    &self.tasks,
+                )
+                .await
+            }
+            Err(why) => {
+                standby.dismiss(false, format!("could not join as rank {rank}: {why}"));
+                Err(format!("the standby worker from {peer}: {why}"))
+            }
+        }
+    }
+
+    /// Welcome, data addresses both ways, ready; returns the joiner's data address.
+    async fn bring_up(&self, rank: RankId, s: &mut Standby) -> Result<String, String> {
+        let view = self
+            .coordinator
+            .call(CoordMsg::View, Some(Duration::from_secs(5)))
+            .await;
+        let map = match view {
+            Ok(ractor::rpc::CallResult::Success(v)) => v.map,
+            _ => return Err("the coordinator did not answer".into()),
+        };
+        let ranks = self.peers_of_joiner(&map.members);
+        let welcome = Welcome {
+            rank,
+            config_json: self.config_json.clone(),
+            world: ranks.len() as u32 + 1,
+            map,
+            data_plane: self.data_plane,
+            procs: self.procs,
+            // A joiner starts empty and gets its chunks in the reshard that admits it.
+            restore: false,
+            part_max_bytes: self.part_max_bytes,
+        };
+        send(s, ToWorker::Welcome(Box::new(welcome)))?;
+        let deadline = Instant::now() + Duration::from_millis(self.procs.join_timeout_ms);
+        let data_addr = match expect(&mut s.inbox, deadline, "bound").await? {
+            ToCoord::Bound { data_addr } if data_addr.parse::<SocketAddr>().is_ok() => data_addr,
+            other => return Err(format!("sent {other:?} instead of its data address")),
+        };
+        let mut peers: Vec<(RankId, String)> = {
+            let addrs = lock(&self.data_addrs);
+            ranks
+                .iter()
+                .filter_map(|r| addrs.get(r).map(|a| (*r, a.clone())))
+                .collect()
+        };
+        {
+            let links = lock(&self.links);
+            for (r, _) in &peers {
+                if let Some(l) = links.get(r) {
+                    let _ = l.try_send(Some(ToWorker::AddPeer {
+                        rank,
+                        data_addr: data_addr.clone(),
+                    }));
+                }
+            }
+        }
+        peers.push((rank, data_addr.clone()));
+        send(s, ToWorker::Peers { peers })?;
+        match expect(&mut s.inbox, deadline, "ready").await? {
+            ToCoord::Ready => Ok(data_addr),
+            other => Err(format!("sent {other:?} instead of ready")),
+        }
+    }
+}
+
+impl Joining {
+    /// The ranks a joiner exchanges data with: the committed members, and the joiners of the
+    /// same change brought up before it (their ids follow every member's; a joiner of an
+    /// abandoned change that is still connected is included too, harmlessly).
+    fn peers_of_joiner(&self, members: &[RankId]) -> Vec<RankId> {
+        let links = lock(&self.links);
+        let live = |r: &RankId| links.get(r).is_some_and(|l| !l.is_closed());
+        let newest = members.iter().max().copied();
+        let mut ranks = members.to_vec();
+        ranks.extend(
+            lock(&self.joined)
+                .iter()
+                .filter(|r| newest.is_none_or(|m| **r > m) && live(r)),
+        );
+        ranks
+    }
+}
+
+fn send(s: &Standby, msg: ToWorker) -> Result<(), String> {
+    s.link
+        .try_send(Some(msg))
+        .map_err(|_| "its control connection is closed or not draining".to_string())
+}
+
+/// The next message other than a heartbeat, by `deadline`.
+async fn expect(
+    inbox: &mut proc_standby::Inbox,
+    deadline: Instant,
+    what: &str,
+) -> Result<ToCoord, String> {
+    loop {
+        match tokio::time::timeout_at(deadline, inbox.recv()).await {
+            Ok(Some(Ok(ToCoord::Heartbeat))) => continue,
+            Ok(Some(Ok(msg))) => return Ok(msg),
+            Ok(Some(Err(e))) => return Err(format!("failed before it was {what}: {e}")),
+            Ok(None) => return Err(format!("its connection closed before it was {what}")),
+            Err(_) => return Err(format!("was not {what} within join_timeout_ms")),
+        }
+    }
+}
