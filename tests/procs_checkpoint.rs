@@ -251,3 +251,40 @@ fn state_sent_in_many_small_parts_arrives_whole() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("state_part_max_bytes"), "{err}");
 }
+
+#[test]
+fn sigterm_to_launch_saves_at_the_next_step_boundary() {
+    use std::io::{BufRead, BufReader};
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("ck");
+    let mut child = Command::new(EZERO)
+        .args(["launch", "--nprocs", "2", "--"])
+        .args(flags_with("mlp", 3, 2000, &["--save-dir", s(&root)]))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    // A step line: training is under way.
+    let started = Instant::now();
+    assert!(lines.any(|l| l.unwrap().starts_with("step ")));
+    assert!(started.elapsed() < DEADLINE);
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    // The launcher passes the signal on: the coordinator saves, stops its workers and exits,
+    // and so does the launcher. One that did not would finish all 2000 steps, exit 0 and save
+    // nothing (no --save-every).
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    let status = child.wait().unwrap();
+    assert_ne!(status.code(), Some(0), "{rest:?}");
+    assert!(
+        rest.iter()
+            .any(|l| l.starts_with("stopped by SIGTERM after step")),
+        "{rest:?}"
+    );
+    let v = ezero(&["checkpoint", "verify", s(&root)]);
+    assert!(ok(&v).stdout.starts_with("ok: "));
+}

@@ -176,7 +176,9 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
         }
     }
     drop(lines_tx);
-    // SIGTERM or SIGINT to the launcher stops the coordinator; the workers then see its
+    // SIGTERM or SIGINT to the launcher is passed on to the coordinator as SIGTERM: with
+    // --save-dir it saves at the next step boundary and stops, as `ezero train` does, and a
+    // second signal stops it at once; without, it stops at once. The workers then see its
     // connection close and exit, so nothing is left running.
     let stop = Arc::new(AtomicBool::new(false));
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
@@ -280,7 +282,7 @@ fn wait_for_address(coord: &mut Child, lines: &mpsc::Receiver<Line>) -> Result<S
 }
 
 /// Prints output while waiting for `child` to exit (until `deadline`, if any).
-/// A set `stop` flag kills the child.
+/// Each time `stop` is set (a signal to us), the child gets a SIGTERM.
 fn wait_printing(
     child: &mut Child,
     lines: &mpsc::Receiver<Line>,
@@ -291,14 +293,24 @@ fn wait_printing(
         if let Ok(Some(status)) = child.try_wait() {
             return Some(status);
         }
-        if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
-            let _ = child.kill();
+        if stop.is_some_and(|s| s.swap(false, Ordering::Relaxed)) {
+            terminate(child);
         }
         if deadline.is_some_and(|d| Instant::now() >= d) {
             return None;
         }
         if let Ok(line) = lines.recv_timeout(Duration::from_millis(50)) {
             print(line);
+        }
+    }
+}
+
+/// Sends SIGTERM to `child` (a no-op once it has exited and been reaped).
+fn terminate(child: &Child) {
+    if let Ok(pid) = libc::pid_t::try_from(child.id()) {
+        // SAFETY: kill(2) has no memory effects; the pid is our own unreaped child's.
+        unsafe {
+            libc::kill(pid, libc::SIGTERM);
         }
     }
 }
