@@ -307,6 +307,17 @@ pub fn run_bench(a: &BenchCheckpointArgs) -> Result<(), CliError> {
     Ok(())
 }
 
+/// The line a resumed run prints before its first step.
+pub fn print_resumed(source: &CheckpointSource) {
+    println!(
+        "resumed from {} at step {} (saved by {} ranks with ZeRO-{})",
+        source.dir.display(),
+        source.manifest.step,
+        source.manifest.world_size,
+        source.manifest.stage
+    );
+}
+
 /// The run's config and, with `--resume`, the verified checkpoint it continues from. A resumed
 /// run's config is the checkpoint's, with `--config` and flags applied on top.
 pub fn resolve_train(

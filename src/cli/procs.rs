@@ -278,13 +278,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
             data.describe()
         );
         if let Some(l) = &resume {
-            println!(
-                "resumed from {} at step {} (saved by {} ranks with ZeRO-{})",
-                l.dir.display(),
-                l.manifest.step,
-                l.manifest.world_size,
-                l.manifest.stage
-            );
+            checkpoint::print_resumed(l);
         }
     };
     let mut observer = SaveObserver {

@@ -45,13 +45,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         data.describe()
     );
     if let Some(l) = &resume {
-        println!(
-            "resumed from {} at step {} (saved by {} ranks with ZeRO-{})",
-            l.dir.display(),
-            l.manifest.step,
-            l.manifest.world_size,
-            l.manifest.stage
-        );
+        checkpoint::print_resumed(l);
     }
     let resumed_from = resume.as_ref().map(|l| l.dir.clone());
     let floor = data.entropy_floor_nats();
