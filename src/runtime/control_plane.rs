@@ -172,6 +172,22 @@ pub enum ToCoord {
     Heartbeat,
 }
 
+impl ToCoord {
+    /// The message's name, for errors: a part's chunks are too long to print, and a worker
+    /// that sends the wrong message must not be able to fill the log.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ToCoord::Hello { .. } => "a hello",
+            ToCoord::Bound { .. } => "its data address",
+            ToCoord::Ready => "ready",
+            ToCoord::Report(_) => "a report",
+            ToCoord::CollectPart { .. } => "a collect part",
+            ToCoord::CollectReply { .. } => "a collect reply",
+            ToCoord::Heartbeat => "a heartbeat",
+        }
+    }
+}
+
 /// Coordinator to worker.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum ToWorker {
@@ -215,6 +231,25 @@ pub enum ToWorker {
         ok: bool,
         reason: String,
     },
+}
+
+impl ToWorker {
+    /// The message's name, for errors (a part's chunks are too long to print).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ToWorker::Welcome(_) => "a welcome",
+            ToWorker::StatePart { .. } => "a state part",
+            ToWorker::Peers { .. } => "the peer list",
+            ToWorker::Refused { .. } => "a refusal",
+            ToWorker::Command(_) => "a command",
+            ToWorker::Collect { .. } => "a collect",
+            ToWorker::Interrupt { .. } => "an interrupt",
+            ToWorker::Heartbeat => "a heartbeat",
+            ToWorker::Stop { .. } => "a stop",
+            ToWorker::Standby { .. } => "a standby notice",
+            ToWorker::AddPeer { .. } => "a new peer",
+        }
+    }
 }
 
 /// Everything a worker needs to build its rank.

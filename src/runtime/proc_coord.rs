@@ -518,7 +518,8 @@ impl Run {
                 }
                 other => {
                     return Err(ProcError::Setup(format!(
-                        "rank {rank} sent {other:?} instead of its data address"
+                        "rank {rank} sent {} instead of its data address",
+                        other.kind()
                     )))
                 }
             }
@@ -534,7 +535,8 @@ impl Run {
                 ToCoord::Ready => {}
                 other => {
                     return Err(ProcError::Setup(format!(
-                        "rank {rank} sent {other:?} instead of ready"
+                        "rank {rank} sent {} instead of ready",
+                        other.kind()
                     )))
                 }
             }

@@ -126,7 +126,7 @@ impl Joining {
         let deadline = Instant::now() + Duration::from_millis(self.procs.join_timeout_ms);
         let data_addr = match expect(&mut s.inbox, deadline, "bound").await? {
             ToCoord::Bound { data_addr } if data_addr.parse::<SocketAddr>().is_ok() => data_addr,
-            other => return Err(format!("sent {other:?} instead of its data address")),
+            other => return Err(format!("sent {} instead of its data address", other.kind())),
         };
         let mut peers: Vec<(RankId, String)> = {
             let addrs = lock(&self.data_addrs);
@@ -150,7 +150,7 @@ impl Joining {
         send(s, ToWorker::Peers { peers })?;
         match expect(&mut s.inbox, deadline, "ready").await? {
             ToCoord::Ready => Ok(data_addr),
-            other => Err(format!("sent {other:?} instead of ready")),
+            other => Err(format!("sent {} instead of ready", other.kind())),
         }
     }
 }

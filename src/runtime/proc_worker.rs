@@ -161,7 +161,7 @@ async fn await_welcome(
             Ok(other) => {
                 break Err(ProcError::Setup(format!(
                     "the coordinator sent {} before a welcome",
-                    kind(&other)
+                    other.kind()
                 )))
             }
             Err(e) => break Err(e),
@@ -273,27 +273,10 @@ async fn receive_start(
             other => {
                 return Err(ProcError::Setup(format!(
                     "the coordinator sent {} while sending this rank's starting state",
-                    kind(&other)
+                    other.kind()
                 )))
             }
         }
-    }
-}
-
-/// A message's name, for errors (a part's chunks are too long to print).
-fn kind(msg: &ToWorker) -> &'static str {
-    match msg {
-        ToWorker::Welcome(_) => "a welcome",
-        ToWorker::StatePart { .. } => "a state part",
-        ToWorker::Peers { .. } => "the peer list",
-        ToWorker::Refused { .. } => "a refusal",
-        ToWorker::Command(_) => "a command",
-        ToWorker::Collect { .. } => "a collect",
-        ToWorker::Interrupt { .. } => "an interrupt",
-        ToWorker::Heartbeat => "a heartbeat",
-        ToWorker::Stop { .. } => "a stop",
-        ToWorker::Standby { .. } => "a standby notice",
-        ToWorker::AddPeer { .. } => "a new peer",
     }
 }
 
