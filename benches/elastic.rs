@@ -84,7 +84,8 @@ async fn trace(cfg: TrainConfig) -> Trace {
             }
             ClusterEvent::Finished => break,
             ClusterEvent::Aborted(why) => panic!("run stopped: {why}"),
-            ClusterEvent::Snapshot(_) => {}
+            ClusterEvent::JoinFailed { rank, reason } => panic!("rank {rank}: {reason}"),
+            _ => {}
         }
     }
     job.finish().await.expect("finishes");

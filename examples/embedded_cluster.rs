@@ -40,7 +40,12 @@ async fn main() -> anyhow::Result<()> {
             ClusterEvent::Snapshot(snap) => println!("snapshot at step {}", snap.progress.step),
             ClusterEvent::Membership(m) => println!("members {:?} -> {:?}", m.before, m.after),
             ClusterEvent::Finished => break,
+            ClusterEvent::JoinFailed { rank, reason } => {
+                println!("rank {rank} did not join: {reason}")
+            }
             ClusterEvent::Aborted(reason) => anyhow::bail!("run stopped: {reason}"),
+            // Events added in later versions.
+            _ => {}
         }
     }
     let params = cluster.collect_params().await?;

@@ -71,7 +71,7 @@ async fn main() -> anyhow::Result<()> {
             }
             ClusterEvent::Finished => break,
             ClusterEvent::Aborted(reason) => anyhow::bail!("run stopped: {reason}"),
-            ClusterEvent::Snapshot(_) => {}
+            _ => {}
         }
     }
     let got = param_sha256(&job.finish().await?.params);

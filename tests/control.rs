@@ -299,7 +299,8 @@ async fn joins_over_the_handle_and_snapshots_on_demand() {
             ClusterEvent::Membership(m) => joined = m.after.clone(),
             ClusterEvent::Finished => break,
             ClusterEvent::Aborted(why) => panic!("{why}"),
-            ClusterEvent::Step(_) => {}
+            ClusterEvent::JoinFailed { rank, reason } => panic!("rank {rank}: {reason}"),
+            _ => {}
         }
     }
     assert_eq!(joined, vec![0, 1, 2, 3]);

@@ -25,6 +25,7 @@ use elastic_zero::config::{ModelKind, TrainConfig};
 use elastic_zero::data::Dataset;
 use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
 use elastic_zero::model::Model;
+use elastic_zero::plan::RankId;
 use elastic_zero::runtime::actors::Snapshot;
 use elastic_zero::runtime::cluster::{optim_settings, Observer};
 use elastic_zero::runtime::proc_state::StartState;
@@ -656,6 +657,10 @@ impl<O: Observer> Observer for &mut SaveObserver<O> {
 
     fn on_change(&mut self, change: &ChangeRecord) {
         self.inner.on_change(change);
+    }
+
+    fn on_join_failed(&mut self, rank: RankId, reason: &str) {
+        self.inner.on_join_failed(rank, reason);
     }
 
     fn on_requested_snapshot(&mut self, snap: Snapshot) {

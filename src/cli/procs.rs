@@ -16,6 +16,7 @@ use elastic_zero::job::{build_dataset, build_model};
 use elastic_zero::model::param_count;
 use elastic_zero::net::tls::ClusterTls;
 use elastic_zero::net::{init_secrets, Identity};
+use elastic_zero::plan::RankId;
 use elastic_zero::runtime::cluster::Observer;
 use elastic_zero::runtime::control_plane::DataPlane;
 use elastic_zero::runtime::heartbeat::ProcsConfig;
@@ -381,6 +382,10 @@ impl Observer for &mut StepLines<'_> {
             "membership epoch {}: ranks {:?} -> {:?}, lost {:?}",
             m.epoch, m.before, m.after, m.lost
         );
+    }
+
+    fn on_join_failed(&mut self, rank: RankId, reason: &str) {
+        println!("{}", super::train::join_failed_line(rank, reason));
     }
 }
 

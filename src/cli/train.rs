@@ -11,6 +11,7 @@ use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
 use elastic_zero::job::{build_dataset, build_model};
 use elastic_zero::model::sample::generate;
 use elastic_zero::model::{param_count, Model};
+use elastic_zero::plan::RankId;
 use elastic_zero::runtime::cluster::Observer;
 use elastic_zero::runtime::resume::ResumeSource;
 use elastic_zero::runtime::{ChangeRecord, Cluster, ClusterBuilder, ClusterError, ClusterSpec};
@@ -222,6 +223,15 @@ impl<F: FnMut(&StepRecord)> Observer for Progress<'_, F> {
     fn on_change(&mut self, c: &ChangeRecord) {
         print_line(self.bar, membership_line(&c.record, c.moved_bytes));
     }
+
+    fn on_join_failed(&mut self, rank: RankId, reason: &str) {
+        print_line(self.bar, join_failed_line(rank, reason));
+    }
+}
+
+/// A joiner that did not come up: training goes on with the ranks it has.
+pub(crate) fn join_failed_line(rank: RankId, reason: &str) -> String {
+    format!("rank {rank} did not join, training goes on without it: {reason}")
 }
 
 /// One line per membership change: who, what moved, how long it took.

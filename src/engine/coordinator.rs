@@ -217,6 +217,12 @@ pub enum Command {
         lost: Vec<RankId>,
     },
     MembershipChanged(Box<MembershipRecord>),
+    /// A joiner did not come up (no machine for it, or it failed while starting); the change
+    /// goes on without it, and training does not stop for it.
+    JoinFailed {
+        rank: RankId,
+        reason: String,
+    },
     Finish,
     Abort {
         reason: String,
@@ -625,6 +631,44 @@ impl Coordinator {
         self.begin_reshard(next, now_ms)
     }
 
+    /// A joiner that could not start leaves the change: the others still join, leavers still
+    /// leave, unless the membership without it breaks the world-size bounds.
+    pub(super) fn drop_joiner(
+        &mut self,
+        rank: RankId,
+        reason: String,
+        now_ms: u64,
+    ) -> Vec<Command> {
+        let Phase::Spawning { waiting, next, .. } = &mut self.phase else {
+            return Vec::new();
+        };
+        if !waiting.remove(&rank) {
+            return Vec::new();
+        }
+        next.retain(|&r| r != rank);
+        let (pending, size) = (!waiting.is_empty(), next.len());
+        let step = self.step;
+        let mut out = vec![Command::JoinFailed {
+            rank,
+            reason: reason.clone(),
+        }];
+        if let Err(e) = self.check_world(size) {
+            out.extend(self.fail(format!(
+                "rank {rank} could not join at step {step} ({reason}), and without it {e}"
+            )));
+            return out;
+        }
+        if pending {
+            return out;
+        }
+        let Phase::Spawning { next, .. } = &mut self.phase else {
+            unreachable!("still spawning")
+        };
+        let next = std::mem::take(next);
+        out.extend(self.begin_reshard(next, now_ms));
+        out
+    }
+
     fn on_reshard_done(&mut self, rank: RankId, epoch: u64, now_ms: u64) -> Vec<Command> {
         let backs_up = match &self.phase {
             Phase::Resharding { new, .. } => self.backs_up(new),
@@ -784,8 +828,23 @@ impl Coordinator {
                     self.step, self.job.step_timeout_ms
                 ))
             }
-            Phase::Spawning { started_ms, .. }
-            | Phase::Resharding { started_ms, .. }
+            Phase::Spawning {
+                started_ms,
+                ref waiting,
+                ..
+            } if now_ms.saturating_sub(started_ms) > self.job.step_timeout_ms => {
+                let reason = format!(
+                    "it did not come up within step_timeout_ms ({} ms)",
+                    self.job.step_timeout_ms
+                );
+                let late: Vec<RankId> = waiting.iter().copied().collect();
+                let mut out = Vec::new();
+                for rank in late {
+                    out.extend(self.drop_joiner(rank, reason.clone(), now_ms));
+                }
+                out
+            }
+            Phase::Resharding { started_ms, .. }
             | Phase::Replicating { started_ms, .. }
             | Phase::Recovering { started_ms, .. }
                 if now_ms.saturating_sub(started_ms) > self.job.step_timeout_ms =>

@@ -467,6 +467,9 @@ pub trait Observer {
     fn on_requested_snapshot(&mut self, snapshot: Snapshot) {
         self.on_snapshot(snapshot)
     }
+    /// A joiner did not come up (no standby worker, or it failed while starting); the change
+    /// went on without it.
+    fn on_join_failed(&mut self, _rank: RankId, _reason: &str) {}
 }
 
 /// Ignores every event.
@@ -503,6 +506,9 @@ pub async fn drive(
             }
             Some(ClusterEvent::Snapshot(snap)) => observer.on_snapshot(*snap),
             Some(ClusterEvent::Membership(rec)) => observer.on_membership(&rec),
+            Some(ClusterEvent::JoinFailed { rank, reason }) => {
+                observer.on_join_failed(rank, &reason)
+            }
             Some(ClusterEvent::Finished) => break Ok(()),
             Some(ClusterEvent::Aborted(reason)) => break Err(ClusterError::Aborted(reason)),
             None => break Err(ClusterError::Aborted("the coordinator stopped".into())),

@@ -185,6 +185,7 @@ impl Monitor {
                 let _ = self.shared.changes.send(change);
             }
             ClusterEvent::Snapshot(_) => self.shared.telemetry().on_snapshot(),
+            ClusterEvent::JoinFailed { .. } => self.shared.telemetry().failed_joins += 1,
             ClusterEvent::Finished | ClusterEvent::Aborted(_) => {}
         }
     }
@@ -578,6 +579,7 @@ impl ElasticJob {
                         None => observer.on_membership(&rec),
                     }
                 }
+                ClusterEvent::JoinFailed { rank, reason } => observer.on_join_failed(rank, &reason),
                 ClusterEvent::Finished | ClusterEvent::Aborted(_) => break,
             }
         }
@@ -629,7 +631,9 @@ async fn pump(
                 records.push((**rec).clone());
                 None
             }
-            ClusterEvent::Membership(_) | ClusterEvent::Snapshot(_) => None,
+            ClusterEvent::Membership(_)
+            | ClusterEvent::Snapshot(_)
+            | ClusterEvent::JoinFailed { .. } => None,
             ClusterEvent::Finished => Some(Ok(())),
             ClusterEvent::Aborted(reason) => Some(Err(ClusterError::Aborted(reason.clone()))),
         };

@@ -349,6 +349,10 @@ impl<T: Transport> CoordState<T> {
             Command::StepCompleted(rec) => {
                 let _ = self.events.send(ClusterEvent::Step(rec));
             }
+            Command::JoinFailed { rank, reason } => {
+                tracing::warn!("rank {rank} did not join: {reason}; training goes on without it");
+                let _ = self.events.send(ClusterEvent::JoinFailed { rank, reason });
+            }
             Command::Finish => {
                 self.begin(Activity::Finished, []);
                 let _ = self.events.send(ClusterEvent::Finished);

@@ -654,6 +654,7 @@ impl Run {
                 }
                 ClusterEvent::Snapshot(snap) => observer.on_snapshot(*snap),
                 ClusterEvent::Membership(rec) => observer.on_membership(&rec),
+                ClusterEvent::JoinFailed { rank, reason } => observer.on_join_failed(rank, &reason),
                 ClusterEvent::Finished => break Ok(()),
                 ClusterEvent::Aborted(reason) => break Err(reason),
             }

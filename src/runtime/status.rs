@@ -140,6 +140,8 @@ pub struct Telemetry {
     pub moved_elems_total: u64,
     pub min_elems_total: u64,
     pub snapshots: u64,
+    /// Joiners that did not come up (the change went on without them).
+    pub failed_joins: u64,
     /// The newest `HISTORY_MAX` changes, oldest first.
     pub history: VecDeque<ChangeRecord>,
 }
@@ -235,6 +237,7 @@ pub struct TelemetrySummary {
     pub moved_elems_total: u64,
     pub min_elems_total: u64,
     pub snapshots: u64,
+    pub failed_joins: u64,
 }
 
 impl Status {
@@ -281,6 +284,7 @@ impl Status {
                 moved_elems_total: t.moved_elems_total,
                 min_elems_total: t.min_elems_total,
                 snapshots: t.snapshots,
+                failed_joins: t.failed_joins,
             },
             membership: t.history.iter().cloned().collect(),
             standbys: None,
@@ -346,6 +350,12 @@ impl Status {
             "counter",
             "Graceful membership changes (leaves, joins).",
             t.rebalances.to_string(),
+        );
+        metric(
+            "ezero_failed_joins_total",
+            "counter",
+            "Joiners that did not come up; their change went on without them.",
+            t.failed_joins.to_string(),
         );
         metric(
             "ezero_recoveries_total",

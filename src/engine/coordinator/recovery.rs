@@ -93,7 +93,10 @@ impl Coordinator {
                 // Joiners are coming up and members are idle; a joiner that cannot start is
                 // not a loss but a failed change.
                 Phase::Spawning { waiting, next, .. } => {
-                    if waiting.contains(&rank) || !self.map.is_member(rank) {
+                    if waiting.contains(&rank) {
+                        return self.drop_joiner(rank, reason, now_ms);
+                    }
+                    if !self.map.is_member(rank) {
                         return fail_plain(self);
                     }
                     let target = next

@@ -90,6 +90,7 @@ fn kinds(cmds: &[Command]) -> Vec<&'static str> {
             Command::Reshard { .. } => "reshard",
             Command::Retire { .. } => "retire",
             Command::MembershipChanged(_) => "membership",
+            Command::JoinFailed { .. } => "join_failed",
             Command::Replicate { .. } => "replicate",
             Command::Interrupt { .. } => "interrupt",
             Command::Restore { .. } => "restore",
@@ -558,4 +559,125 @@ fn a_loss_mid_recovery_restarts_it_without_the_new_loss_or_stops_naming_chunks()
         "{reason}"
     );
     assert!(c.is_finished());
+}
+
+fn failed(rank: RankId, reason: &str) -> Event {
+    Event::RankFailed {
+        rank,
+        reason: reason.into(),
+        now_ms: 2,
+    }
+}
+
+/// Step 0 without backups.
+fn plain_step0(c: &mut Coordinator, members: &[RankId]) -> Vec<Command> {
+    assert_eq!(kinds(&c.handle(Event::Start { now_ms: 0 })), ["run"]);
+    all(c, members, |r| done(report_at(r, 0, 0), 1))
+}
+
+#[test]
+fn a_joiner_that_cannot_start_is_dropped_and_training_goes_on() {
+    let map = ShardMap::plan(&[100], &[0, 1], 10, 0).unwrap();
+    let join = |n| ScriptedChange {
+        step: 1,
+        change: Change::Join(n),
+    };
+    // The only joiner: the step runs on the same members and map, nothing is resharded.
+    let mut c = Coordinator::new(
+        JobSpec {
+            script: vec![join(1)],
+            ..job(2)
+        },
+        map.clone(),
+    );
+    assert_eq!(kinds(&plain_step0(&mut c, &[0, 1])), ["done", "spawn"]);
+    let cmds = c.handle(failed(2, "could not start: no standby worker"));
+    assert_eq!(kinds(&cmds), ["join_failed", "run"]);
+    let Command::JoinFailed { rank: 2, reason } = &cmds[0] else {
+        panic!("{cmds:?}")
+    };
+    assert!(reason.contains("no standby worker"), "{reason}");
+    let Command::RunStep(plan) = &cmds[1] else {
+        unreachable!()
+    };
+    assert_eq!(
+        (plan.epoch, plan.step),
+        (0, 1),
+        "the committed map, the next step"
+    );
+    assert!(c.membership_log().is_empty());
+    // A joiner that comes up after all holds nothing and is retired.
+    assert_eq!(
+        kinds(&c.handle(Event::Spawned { rank: 2, now_ms: 3 })),
+        ["retire"]
+    );
+
+    // Two joiners, one fails: the other still joins; the failed id is not handed out again.
+    let mut c = Coordinator::new(
+        JobSpec {
+            script: vec![join(2)],
+            ..job(2)
+        },
+        map.clone(),
+    );
+    plain_step0(&mut c, &[0, 1]);
+    assert_eq!(kinds(&c.handle(failed(3, "gone"))), ["join_failed"]);
+    assert_eq!(
+        kinds(&c.handle(Event::Spawned { rank: 2, now_ms: 3 })),
+        ["reshard"]
+    );
+    assert_eq!(
+        kinds(&all(&mut c, &[0, 1, 2], resharded(1))),
+        ["membership", "run"]
+    );
+    assert_eq!(c.map().members, vec![0, 1, 2]);
+
+    // A joiner that never answers is dropped when the change times out.
+    let mut c = Coordinator::new(
+        JobSpec {
+            script: vec![join(1)],
+            ..job(2)
+        },
+        map.clone(),
+    );
+    plain_step0(&mut c, &[0, 1]);
+    assert!(c.handle(Event::Tick { now_ms: 500 }).is_empty());
+    let cmds = c.handle(Event::Tick { now_ms: 5000 });
+    assert_eq!(kinds(&cmds), ["join_failed", "run"]);
+    let Command::JoinFailed { reason, .. } = &cmds[0] else {
+        unreachable!()
+    };
+    assert!(reason.contains("step_timeout_ms (1000 ms)"), "{reason}");
+}
+
+#[test]
+fn a_failed_joiner_that_was_to_replace_a_leaver_stops_the_run_at_the_minimum() {
+    let map = ShardMap::plan(&[100], &[0, 1], 10, 0).unwrap();
+    let script = vec![
+        ScriptedChange {
+            step: 1,
+            change: Change::Leave(1),
+        },
+        ScriptedChange {
+            step: 1,
+            change: Change::Join(1),
+        },
+    ];
+    let spec = JobSpec {
+        script,
+        min_ranks: 2,
+        ..job(2)
+    };
+    let mut c = Coordinator::new(spec, map);
+    assert_eq!(kinds(&plain_step0(&mut c, &[0, 1])), ["done", "spawn"]);
+    let cmds = c.handle(failed(2, "no standby worker"));
+    assert_eq!(kinds(&cmds), ["join_failed", "abort"]);
+    let Command::Abort { reason } = &cmds[1] else {
+        unreachable!()
+    };
+    assert!(
+        reason.contains("rank 2 could not join at step 1 (no standby worker)")
+            && reason.contains("below the minimum of 2"),
+        "{reason}"
+    );
 }
