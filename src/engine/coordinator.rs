@@ -134,9 +134,11 @@ pub enum Event {
     },
     /// Snapshot at the next step boundary (a SIGTERM, an operator's request).
     SnapshotRequested,
-    /// A rank the coordinator asked for is up and idle.
+    /// A rank the coordinator asked for is up and idle; `host` when the runtime knows where
+    /// it runs (worker processes), so that buddy backups keep to other hosts.
     Spawned {
         rank: RankId,
+        host: Option<String>,
         now_ms: u64,
     },
     /// A rank finished its part of a reshard and holds its new state.
@@ -285,6 +287,8 @@ pub struct Coordinator {
     requested: Vec<Change>,
     /// Rank ids handed out so far (joiners take the next ones).
     next_rank: RankId,
+    /// Hosts of joiners that came up, until a committed map holds them (or they are dropped).
+    joiner_hosts: BTreeMap<RankId, String>,
     membership_log: Vec<MembershipRecord>,
     /// Scripted changes of steps up to this one were already applied (a recovery may fold a
     /// change into its reshard and then replay the steps before it).
@@ -323,6 +327,7 @@ impl Coordinator {
             snapshot_requested: false,
             requested: Vec::new(),
             next_rank,
+            joiner_hosts: BTreeMap::new(),
             script_applied: None,
             epoch_used,
             backup: None,
@@ -487,7 +492,7 @@ impl Coordinator {
                 self.snapshot_requested = true;
                 Vec::new()
             }
-            Event::Spawned { rank, now_ms } => self.on_spawned(rank, now_ms),
+            Event::Spawned { rank, host, now_ms } => self.on_spawned(rank, host, now_ms),
             Event::ReshardDone {
                 rank,
                 epoch,
@@ -573,6 +578,13 @@ impl Coordinator {
     /// The map for `members` planned from the committed one, under a fresh epoch.
     fn plan_next(&mut self, members: &[RankId]) -> Result<ShardMap, String> {
         let (mut new, _) = rebalance(&self.map, members).map_err(|e| e.to_string())?;
+        // Rank ids are never reused: a joiner outside this membership is gone for good.
+        let committed = &self.map.hosts;
+        self.joiner_hosts
+            .retain(|r, _| members.contains(r) && !committed.contains_key(r));
+        for (r, h) in &self.joiner_hosts {
+            new.hosts.insert(*r, h.clone());
+        }
         new.epoch = self.epoch_used + 1;
         self.epoch_used = new.epoch;
         Ok(new)
@@ -615,7 +627,7 @@ impl Coordinator {
         }
     }
 
-    fn on_spawned(&mut self, rank: RankId, now_ms: u64) -> Vec<Command> {
+    fn on_spawned(&mut self, rank: RankId, host: Option<String>, now_ms: u64) -> Vec<Command> {
         let Phase::Spawning { waiting, next, .. } = &mut self.phase else {
             // A joiner that comes up after its change was abandoned holds nothing.
             if !self.map.is_member(rank) {
@@ -623,7 +635,19 @@ impl Coordinator {
             }
             return Vec::new();
         };
-        waiting.remove(&rank);
+        if !waiting.remove(&rank) {
+            // A joiner of an earlier change that was given up on.
+            if !self.map.is_member(rank) && !next.contains(&rank) {
+                return vec![Command::Retire { ranks: vec![rank] }];
+            }
+            return Vec::new();
+        }
+        if let Some(h) = host {
+            self.joiner_hosts.insert(rank, h);
+        }
+        let Phase::Spawning { waiting, next, .. } = &mut self.phase else {
+            unreachable!("still spawning")
+        };
         if !waiting.is_empty() {
             return Vec::new();
         }

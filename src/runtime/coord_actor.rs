@@ -74,6 +74,8 @@ pub enum CoordMsg<T: Transport> {
     Joined {
         rank: RankId,
         started: Result<ActorRef<RankMsg<T>>, String>,
+        /// Where it runs, when known.
+        host: Option<String>,
     },
 }
 
@@ -281,6 +283,7 @@ impl<T: Transport> CoordState<T> {
                             self.ranks.insert(rank, actor);
                             out.push(Event::Spawned {
                                 rank,
+                                host: None,
                                 now_ms: self.clock.now_ms(),
                             });
                         }
@@ -485,7 +488,11 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                     .map(|c| (map, c));
                 let _ = reply.send(res);
             }
-            CoordMsg::Joined { rank, started } => {
+            CoordMsg::Joined {
+                rank,
+                started,
+                host,
+            } => {
                 // A rank that stopped before this message arrived is not up.
                 let started = started.and_then(|a| match a.get_status() {
                     ActorStatus::Stopping | ActorStatus::Stopped => {
@@ -496,7 +503,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                 let event = match started {
                     Ok(actor) => {
                         st.ranks.insert(rank, actor);
-                        Event::Spawned { rank, now_ms }
+                        Event::Spawned { rank, host, now_ms }
                     }
                     Err(reason) => Event::RankFailed {
                         rank,

@@ -48,15 +48,24 @@ impl Joining {
     /// of the first as a member), until the coordinator stops.
     pub async fn serve(self, mut ranks: mpsc::UnboundedReceiver<RankId>) {
         while let Some(rank) = ranks.recv().await {
-            let started = self.admit(rank).await;
-            if let Err(why) = &started {
-                tracing::warn!("rank {rank} could not join: {why}");
-            }
-            let _ = self.coordinator.cast(CoordMsg::Joined { rank, started });
+            let (started, host) = match self.admit(rank).await {
+                Ok((actor, host)) => (Ok(actor), Some(host)),
+                Err(why) => {
+                    tracing::warn!("rank {rank} could not join: {why}");
+                    (Err(why), None)
+                }
+            };
+            let _ = self.coordinator.cast(CoordMsg::Joined {
+                rank,
+                started,
+                host,
+            });
         }
     }
 
-    async fn admit(&self, rank: RankId) -> Result<ActorRef<RankMsg<Detached>>, String> {
+    /// The joiner's proxy actor and its host (the standby's IP address, as the initial
+    /// workers' hosts are).
+    async fn admit(&self, rank: RankId) -> Result<(ActorRef<RankMsg<Detached>>, String), String> {
         let wait = self.procs.join_wait_ms;
         let Some(mut standby) = self
             .lobby
@@ -92,6 +101,7 @@ impl Joining {
                     &self.tasks,
                 )
                 .await
+                .map(|actor| (actor, peer.ip().to_string()))
             }
             Err(why) => {
                 standby.dismiss(false, format!("could not join as rank {rank}: {why}"));

@@ -169,9 +169,19 @@ fn scripted_leave_and_join_reshard_at_step_boundaries() {
         unreachable!()
     };
     assert_eq!(ranks, &vec![3, 4], "joiners take the next unused ids");
-    assert!(c.handle(Event::Spawned { rank: 3, now_ms: 7 }).is_empty());
+    assert!(c
+        .handle(Event::Spawned {
+            rank: 3,
+            host: None,
+            now_ms: 7
+        })
+        .is_empty());
     assert_eq!(
-        kinds(&c.handle(Event::Spawned { rank: 4, now_ms: 7 })),
+        kinds(&c.handle(Event::Spawned {
+            rank: 4,
+            host: None,
+            now_ms: 7
+        })),
         ["reshard"]
     );
     for r in [0, 2, 3] {
@@ -467,7 +477,11 @@ fn a_joiner_lost_mid_reshard_is_dropped_and_a_member_lost_mid_backup_is_recovere
     let mut c = Coordinator::new(backed_up(3, vec![join]), map.clone());
     assert_eq!(kinds(&through_step0(&mut c, &[0, 1])), ["done", "spawn"]);
     assert_eq!(
-        kinds(&c.handle(Event::Spawned { rank: 2, now_ms: 1 })),
+        kinds(&c.handle(Event::Spawned {
+            rank: 2,
+            host: None,
+            now_ms: 1
+        })),
         ["reshard"]
     );
     let cmds = c.handle(lost(2));
@@ -491,7 +505,11 @@ fn a_joiner_lost_mid_reshard_is_dropped_and_a_member_lost_mid_backup_is_recovere
     };
     let mut c = Coordinator::new(backed_up(3, vec![join]), map.clone());
     through_step0(&mut c, &[0, 1]);
-    c.handle(Event::Spawned { rank: 2, now_ms: 1 });
+    c.handle(Event::Spawned {
+        rank: 2,
+        host: None,
+        now_ms: 1,
+    });
     assert_eq!(kinds(&all(&mut c, &[0, 1, 2], resharded(1))), ["replicate"]);
     assert!(c.handle(replicated(1, 1)(2)).is_empty());
     let cmds = c.handle(lost(0));
@@ -608,7 +626,11 @@ fn a_joiner_that_cannot_start_is_dropped_and_training_goes_on() {
     assert!(c.membership_log().is_empty());
     // A joiner that comes up after all holds nothing and is retired.
     assert_eq!(
-        kinds(&c.handle(Event::Spawned { rank: 2, now_ms: 3 })),
+        kinds(&c.handle(Event::Spawned {
+            rank: 2,
+            host: None,
+            now_ms: 3
+        })),
         ["retire"]
     );
 
@@ -623,7 +645,11 @@ fn a_joiner_that_cannot_start_is_dropped_and_training_goes_on() {
     plain_step0(&mut c, &[0, 1]);
     assert_eq!(kinds(&c.handle(failed(3, "gone"))), ["join_failed"]);
     assert_eq!(
-        kinds(&c.handle(Event::Spawned { rank: 2, now_ms: 3 })),
+        kinds(&c.handle(Event::Spawned {
+            rank: 2,
+            host: None,
+            now_ms: 3
+        })),
         ["reshard"]
     );
     assert_eq!(
@@ -680,4 +706,39 @@ fn a_failed_joiner_that_was_to_replace_a_leaver_stops_the_run_at_the_minimum() {
             && reason.contains("below the minimum of 2"),
         "{reason}"
     );
+}
+
+#[test]
+fn a_joiner_brings_its_host_into_the_map() {
+    let mut map = ShardMap::plan(&[100], &[0, 1], 10, 0).unwrap();
+    map.hosts.insert(0, "a".into());
+    map.hosts.insert(1, "b".into());
+    let script = vec![ScriptedChange {
+        step: 1,
+        change: Change::Join(2),
+    }];
+    let mut c = Coordinator::new(JobSpec { script, ..job(3) }, map);
+    plain_step0(&mut c, &[0, 1]);
+    c.handle(Event::Spawned {
+        rank: 2,
+        host: Some("a".into()),
+        now_ms: 2,
+    });
+    let cmds = c.handle(Event::Spawned {
+        rank: 3,
+        host: Some("c".into()),
+        now_ms: 2,
+    });
+    let [Command::Reshard { new, .. }] = &cmds[..] else {
+        panic!("{:?}", kinds(&cmds))
+    };
+    let hosts: Vec<(RankId, &str)> = new.hosts.iter().map(|(r, h)| (*r, h.as_str())).collect();
+    assert_eq!(hosts, [(0, "a"), (1, "b"), (2, "a"), (3, "c")]);
+    // Buddies keep to other hosts: rank 0's buddy is not rank 2, on the same host.
+    assert_ne!(crate::plan::replica::buddy(new, 0), Some(2));
+    assert_eq!(
+        kinds(&all(&mut c, &[0, 1, 2, 3], resharded(1))),
+        ["membership", "run"]
+    );
+    assert_eq!(&c.map().hosts, &new.hosts, "committed with the hosts");
 }
