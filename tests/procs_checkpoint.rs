@@ -282,7 +282,11 @@ fn sigterm_to_launch_saves_at_the_next_step_boundary() {
     assert_ne!(status.code(), Some(0), "{rest:?}");
     assert!(
         rest.iter()
-            .any(|l| l.starts_with("stopped by SIGTERM after step")),
+            .any(|l| l.starts_with("stopped by SIGTERM after step")
+                && l.ends_with(&format!(
+                    "resume with: ezero launch --nprocs 2 -- --resume {}",
+                    root.display()
+                ))),
         "{rest:?}"
     );
     let v = ezero(&["checkpoint", "verify", s(&root)]);

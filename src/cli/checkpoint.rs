@@ -425,6 +425,8 @@ pub struct Saving {
     /// Test hook: raise SIGTERM after this step completes.
     signal_at: Option<u64>,
     failures: usize,
+    /// How to resume, for the line printed on a signal (`resume_with`).
+    resume_hint: String,
 }
 
 const SIGNALS: [i32; 2] = [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT];
@@ -482,6 +484,7 @@ impl Saving {
             total_steps: cfg.steps,
             signal,
             signal_at: args.signal_at,
+            resume_hint: "ezero train --resume".into(),
             failures: 0,
         }))
     }
@@ -542,7 +545,8 @@ impl Saving {
             1
         } else {
             println!(
-                "stopped by {name} after step {step}; resume with: ezero train --resume {}",
+                "stopped by {name} after step {step}; resume with: {} {}",
+                self.resume_hint,
                 self.root.display()
             );
             128 + signal
@@ -550,6 +554,13 @@ impl Saving {
         let _ = std::io::stdout().flush();
         // Ranks and the writer hold nothing that needs unwinding: the checkpoint is synced.
         std::process::exit(code)
+    }
+
+    /// Names the command that resumes this run in the line printed on a signal (the checkpoint
+    /// itself resumes under any of them).
+    pub fn resume_with(mut self, hint: String) -> Self {
+        self.resume_hint = hint;
+        self
     }
 
     /// Waits for the queued saves; a failed save fails the run.

@@ -234,7 +234,8 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         &data,
         &args.train,
         resumed_from.as_deref(),
-    )?;
+    )?
+    .map(|s| s.resume_with(format!("ezero launch --nprocs {} -- --resume", cfg.ranks)));
     let psi = param_count(&model.units());
     let floor = data.entropy_floor_nats();
     let opts = CoordinatorOptions {
