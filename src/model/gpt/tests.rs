@@ -1,0 +1,335 @@
+use super::super::param_count;
+use super::super::rng::test_util::bits;
+use super::super::rng::SplitMix64;
+use super::super::sample::forward_logits;
+use super::super::sample::test_util::{
+    assert_deterministic, check_model_gradients, fingerprint, perturbed, step, train,
+};
+use super::super::workspace::poison_pool;
+use super::super::ParamSpec;
+use super::*;
+use std::sync::Arc;
+
+fn tiny() -> Gpt {
+    let cfg = GptConfig {
+        vocab: 11,
+        seq_len: 5,
+        d_model: 8,
+        heads: 2,
+        layers: 2,
+    };
+    Gpt::new(cfg).expect("valid config")
+}
+
+/// A micro-batch of `batch` rows of `seq` tokens from a fixed pseudo-random stream.
+fn batch_of(vocab: usize, batch: usize, seq: usize, seed: u64) -> MicroBatch {
+    let mut rng = SplitMix64::new(seed);
+    let toks: Vec<u32> = (0..batch * (seq + 1))
+        .map(|_| (rng.next_u64() % vocab as u64) as u32)
+        .collect();
+    let rows = toks.chunks(seq + 1);
+    MicroBatch {
+        inputs: rows.clone().flat_map(|r| r[..seq].to_vec()).collect(),
+        targets: rows.flat_map(|r| r[1..].to_vec()).collect(),
+        batch,
+        seq,
+    }
+}
+
+#[test]
+fn reference_shape_matches_pytorch() {
+    let gpt = Gpt::new(GptConfig::reference()).expect("valid config");
+    let units = gpt.units();
+    assert_eq!(param_count(&units), 3_323_392);
+    let names: Vec<&str> = units.iter().map(|u| u.name.as_str()).collect();
+    assert_eq!(
+        names,
+        ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "head"]
+    );
+    let shapes = |u: usize| -> Vec<(String, Vec<usize>)> {
+        units[u]
+            .params
+            .iter()
+            .map(|p| (p.name.clone(), p.shape.clone()))
+            .collect()
+    };
+    let s = |n: &str, sh: &[usize]| (n.to_string(), sh.to_vec());
+    assert_eq!(
+        shapes(0),
+        [s("tok.weight", &[256, 256]), s("pos.weight", &[128, 256])]
+    );
+    assert_eq!(
+        shapes(2),
+        [
+            s("blocks.1.ln1.weight", &[256]),
+            s("blocks.1.ln1.bias", &[256]),
+            s("blocks.1.qkv.weight", &[768, 256]),
+            s("blocks.1.qkv.bias", &[768]),
+            s("blocks.1.proj.weight", &[256, 256]),
+            s("blocks.1.proj.bias", &[256]),
+            s("blocks.1.ln2.weight", &[256]),
+            s("blocks.1.ln2.bias", &[256]),
+            s("blocks.1.fc1.weight", &[1024, 256]),
+            s("blocks.1.fc1.bias", &[1024]),
+            s("blocks.1.fc2.weight", &[256, 1024]),
+            s("blocks.1.fc2.bias", &[256]),
+        ]
+    );
+    assert_eq!(
+        shapes(5),
+        [
+            s("ln_f.weight", &[256]),
+            s("ln_f.bias", &[256]),
+            s("head.weight", &[256, 256])
+        ]
+    );
+    let lens: Vec<usize> = units[1].params.iter().map(ParamSpec::numel).collect();
+    assert_eq!(lens, block_lens(256));
+    assert_eq!((gpt.vocab(), gpt.max_seq()), (256, 128));
+}
+
+#[test]
+fn new_rejects_bad_configs() {
+    let ok = GptConfig {
+        vocab: 11,
+        seq_len: 5,
+        d_model: 8,
+        heads: 2,
+        layers: 2,
+    };
+    let err = Gpt::new(GptConfig {
+        heads: 3,
+        ..ok.clone()
+    })
+    .expect_err("3 does not divide 8");
+    assert!(
+        err.contains("heads") && err.contains("[1, 2, 4, 8]"),
+        "{err}"
+    );
+    for field in ["vocab", "seq_len", "d_model", "heads", "layers"] {
+        let mut cfg = ok.clone();
+        *match field {
+            "vocab" => &mut cfg.vocab,
+            "seq_len" => &mut cfg.seq_len,
+            "d_model" => &mut cfg.d_model,
+            "heads" => &mut cfg.heads,
+            _ => &mut cfg.layers,
+        } = 0;
+        let err = Gpt::new(cfg).expect_err("zero size");
+        assert!(err.contains(field) && err.contains("at least 1"), "{err}");
+    }
+}
+
+#[test]
+fn init_is_pure_and_gpt2_style() {
+    let gpt = Gpt::new(GptConfig::reference()).expect("valid config");
+    let embed = gpt.init_unit(0, 7);
+    assert_eq!(embed, gpt.init_unit(0, 7));
+    assert_ne!(embed, gpt.init_unit(0, 8));
+    let n = embed.len() as f64;
+    let mean = embed.iter().map(|&v| v as f64).sum::<f64>() / n;
+    let std = (embed
+        .iter()
+        .map(|&v| (v as f64 - mean).powi(2))
+        .sum::<f64>()
+        / n)
+        .sqrt();
+    assert!(
+        mean.abs() < 2e-4 && (std - 0.02).abs() < 4e-4,
+        "mean {mean} std {std}"
+    );
+    let block = gpt.init_unit(1, 7);
+    let [ln1_w, ln1_b, qkv_w, qkv_b, ..] = split_params(&block, block_lens(256));
+    assert!(ln1_w.iter().all(|&v| v == 1.0) && ln1_b.iter().all(|&v| v == 0.0));
+    assert!(qkv_b.iter().all(|&v| v == 0.0) && qkv_w.iter().all(|&v| v != 0.0 && v.abs() < 0.2));
+    assert_ne!(
+        gpt.init_unit(1, 7),
+        gpt.init_unit(2, 7),
+        "blocks must differ"
+    );
+}
+
+#[test]
+fn gradients_match_finite_differences() {
+    let gpt = tiny();
+    let params = perturbed(&gpt, 3, 0.3);
+    check_model_gradients(&gpt, &params, &batch_of(11, 2, 5, 1), 1e-2, 1e-2);
+    check_model_gradients(&gpt, &params, &batch_of(11, 3, 3, 2), 1e-2, 1e-2);
+}
+
+/// Not part of the `Model` contract, but worth knowing (and pinning): sgemm blocks only along
+/// k, so a row's logits are the same bits whichever rows share its micro-batch.
+#[test]
+fn logits_of_a_row_do_not_depend_on_its_batch_mates() {
+    let cfg = GptConfig {
+        vocab: 64,
+        seq_len: 32,
+        d_model: 256,
+        heads: 4,
+        layers: 1,
+    };
+    let gpt = Gpt::new(cfg).expect("valid config");
+    let params = perturbed(&gpt, 6, 0.05);
+    let both = batch_of(64, 3, 32, 8);
+    let row = |r: usize| MicroBatch {
+        inputs: both.inputs[r * 32..(r + 1) * 32].to_vec(),
+        targets: both.targets[r * 32..(r + 1) * 32].to_vec(),
+        batch: 1,
+        seq: 32,
+    };
+    let alone: Vec<f32> = (0..3)
+        .flat_map(|r| forward_logits(&gpt, &params, &row(r)))
+        .collect();
+    assert_eq!(bits(&forward_logits(&gpt, &params, &both)), bits(&alone));
+}
+
+#[test]
+fn backward_accumulates_into_grad_params() {
+    let gpt = tiny();
+    let params = perturbed(&gpt, 3, 0.3);
+    let mb = batch_of(11, 2, 5, 1);
+    let s = step(&gpt, &params, &mb);
+    let mut twice = s.grads[1].clone();
+    let dx = gpt.backward(
+        1,
+        &params[1],
+        &s.inputs[1],
+        &s.input_grads[2],
+        &mb,
+        &mut twice,
+    );
+    assert_eq!(dx, s.input_grads[1]);
+    // Equal up to rounding only: adding into a non-zero buffer changes the summation order.
+    for (t, g) in twice.iter().zip(&s.grads[1]) {
+        assert!(
+            (t - 2.0 * g).abs() <= 1e-6 * g.abs().max(1e-3),
+            "{t} vs 2 * {g}"
+        );
+    }
+}
+
+/// `keep_activations` trades memory for compute only: the same bits as recomputing.
+#[test]
+fn kept_activations_give_the_recomputed_bits() {
+    let gpt = tiny();
+    let params = perturbed(&gpt, 3, 0.3);
+    let mb = batch_of(11, 2, 5, 1);
+    let s = step(&gpt, &params, &mb);
+    // Every unit but the head (whose output gradient comes from the loss).
+    for (u, p) in params.iter().enumerate().take(gpt.units().len() - 1) {
+        let x = &s.inputs[u];
+        let (out, kept) = gpt.forward_keep(u, p, x, &mb);
+        assert_eq!(bits(&out), bits(&gpt.forward(u, p, x, &mb)), "unit {u}");
+        // Blocks keep; the embedding recomputes (it has nothing worth keeping).
+        assert_eq!(kept.is_some(), u >= 1, "unit {u}");
+        let bytes = kept.as_ref().map_or(0, |k| k.bytes);
+        assert!(
+            u == 0 || bytes > 4 * x.len() as u64,
+            "unit {u}: {bytes} bytes"
+        );
+        let mut g = vec![0.0; p.len()];
+        let dx = gpt.backward_kept(u, p, x, kept, &s.input_grads[u + 1], &mb, &mut g);
+        assert_eq!(bits(&dx), bits(&s.input_grads[u]), "unit {u}");
+        assert_eq!(bits(&g), bits(&s.grads[u]), "unit {u}");
+    }
+}
+
+#[test]
+fn empty_micro_batches_give_zero_loss_and_gradients() {
+    let gpt = tiny();
+    let params = perturbed(&gpt, 3, 0.3);
+    for (batch, seq) in [(0, 5), (2, 0)] {
+        let mb = MicroBatch {
+            inputs: vec![],
+            targets: vec![],
+            batch,
+            seq,
+        };
+        let s = step(&gpt, &params, &mb);
+        assert_eq!(s.loss, 0.0);
+        assert!(s.grads.iter().flatten().all(|&g| g == 0.0));
+    }
+}
+
+#[test]
+fn deterministic_across_calls_and_threads() {
+    // Reference width, so sgemm runs its blocked paths (fc2's k = 1024 spans several blocks).
+    let cfg = GptConfig {
+        vocab: 64,
+        seq_len: 32,
+        d_model: 256,
+        heads: 4,
+        layers: 1,
+    };
+    let gpt = Gpt::new(cfg).expect("valid config");
+    let params = perturbed(&gpt, 5, 0.05);
+    assert_deterministic(Arc::new(gpt), params, batch_of(64, 2, 32, 4));
+}
+
+/// The scratch arenas are reused without clearing: poisoning them must not change a bit.
+#[test]
+fn stale_scratch_does_not_leak() {
+    let cfg = GptConfig {
+        vocab: 64,
+        seq_len: 40, // two causal blocks, the second partial
+        d_model: 32,
+        heads: 4,
+        layers: 2,
+    };
+    let gpt = Gpt::new(cfg).expect("valid config");
+    let params = perturbed(&gpt, 7, 0.05);
+    let mb = batch_of(64, 3, 40, 9);
+    let first = fingerprint(&gpt, &params, &mb);
+    for poison in [f32::NAN, -1e30] {
+        poison_pool(poison);
+        assert!(fingerprint(&gpt, &params, &mb) == first, "poison {poison}");
+    }
+}
+
+#[test]
+#[should_panic(expected = "out of range")]
+fn forward_rejects_token_ids_beyond_vocab() {
+    let gpt = tiny();
+    let mut mb = batch_of(11, 1, 3, 0);
+    mb.inputs[2] = 11;
+    gpt.forward(0, &gpt.init_unit(0, 0), &[], &mb);
+}
+
+#[test]
+#[should_panic(expected = "exceeds the model's seq_len")]
+fn forward_rejects_sequences_beyond_seq_len() {
+    let gpt = tiny();
+    gpt.forward(0, &gpt.init_unit(0, 0), &[], &batch_of(11, 1, 6, 0));
+}
+
+#[test]
+fn loss_falls_on_a_repeating_pattern() {
+    // The digits of pi repeat with period 8; after a 1 comes 4 or 5, so the model must attend
+    // to earlier tokens (or positions) to get it right.
+    let cfg = GptConfig {
+        vocab: 10,
+        seq_len: 16,
+        d_model: 32,
+        heads: 4,
+        layers: 2,
+    };
+    let gpt = Gpt::new(cfg).expect("valid config");
+    let digits = [3u32, 1, 4, 1, 5, 9, 2, 6];
+    let batch = |step: usize| {
+        let (b, t) = (4, 16);
+        let tok = |r: usize, i: usize| digits[(step * 3 + r * 5 + i) % digits.len()];
+        MicroBatch {
+            inputs: (0..b * t).map(|k| tok(k / t, k % t)).collect(),
+            targets: (0..b * t).map(|k| tok(k / t, k % t + 1)).collect(),
+            batch: b,
+            seq: t,
+        }
+    };
+    let mut params: Vec<Vec<f32>> = (0..gpt.units().len())
+        .map(|u| gpt.init_unit(u, 1))
+        .collect();
+    let losses = train(&gpt, &mut params, 100, 3e-3, batch);
+    let (first, last) = (losses[0], losses[losses.len() - 1]);
+    assert!((first - 10f32.ln()).abs() < 0.1, "initial loss {first}");
+    assert!(last < 0.1, "loss only fell from {first} to {last}");
+}
