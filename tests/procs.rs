@@ -672,6 +672,9 @@ fn a_worker_started_later_joins_through_the_endpoint() {
         s["members"] == serde_json::json!([0, 1, 2]) && s["telemetry"]["rebalances"] == 1
     });
     assert_eq!(s["standbys"], 0, "{s}");
+    // The joiner's host is in the map like the others' (buddy placement uses it).
+    let hosts: Vec<&serde_json::Value> = (0..3).map(|r| &s["shards"][r]["host"]).collect();
+    assert!(hosts.iter().all(|h| *h == "127.0.0.1"), "{s}");
     late.wait_for_line("ezero worker: rank 2 of 3");
     let status = coord.wait_until(Instant::now() + DEADLINE);
     let out: Vec<String> = coord.lines.iter().collect();

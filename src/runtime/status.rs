@@ -187,6 +187,9 @@ pub struct RankShare {
     pub owned_elems: u64,
     /// fp32 master parameters plus optimizer state of the owned chunks.
     pub owned_state_bytes: u64,
+    /// Where it runs, when known (worker processes): buddy backups go to other hosts.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
 }
 
 /// The document behind `GET /status`.
@@ -253,6 +256,7 @@ impl Status {
                     chunks: map.owned_chunks(rank).len(),
                     owned_elems: owned,
                     owned_state_bytes: owned * layout.owned_bytes_per_elem(),
+                    host: map.hosts.get(&rank).cloned(),
                 }
             })
             .collect();
