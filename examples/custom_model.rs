@@ -187,6 +187,7 @@ fn main() -> anyhow::Result<()> {
         resume: None,
         snapshot_every: 0,
         panic_at: None,
+        boundary_snapshot: None,
     };
     let rt = tokio::runtime::Runtime::new()?;
     let out = rt.block_on(train(

@@ -203,3 +203,35 @@ fn a_damaged_record_stops_the_resume_before_any_step_naming_the_file() {
 fn source_file_name(p: &std::path::Path) -> String {
     p.file_name().unwrap().to_string_lossy().into_owned()
 }
+
+/// Snapshots come when due (every N steps and after the last) and when the boundary flag is
+/// set (the CLI's signal handlers set it), not at every boundary: with worker processes each
+/// one carries the whole state over the network.
+#[test]
+fn snapshots_come_when_due_or_when_the_boundary_flag_asks() {
+    let cfg = TrainConfig {
+        steps: 7,
+        ranks: 2,
+        stage: 3,
+        ..small(ModelKind::Mlp)
+    };
+    let steps = |keep: &Keep| keep.0.iter().map(|s| s.progress.step).collect::<Vec<_>>();
+    let mut keep = Keep::default();
+    run(&cfg, None, 3, &mut keep);
+    assert_eq!(steps(&keep), vec![3, 6, 7]);
+
+    let boundary = elastic_zero::runtime::actors::BoundarySnapshot::default();
+    // Set before the run: the boundary after step 0 answers it, once.
+    boundary
+        .flag
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let spec = ClusterSpec {
+        snapshot_every: 3,
+        boundary_snapshot: Some(boundary.clone()),
+        ..ClusterSpec::from_config(cfg.clone()).unwrap()
+    };
+    let mut keep = Keep::default();
+    train_blocking(spec, &mut keep).unwrap();
+    assert_eq!(steps(&keep), vec![1, 3, 6, 7]);
+    assert!(!boundary.flag.load(std::sync::atomic::Ordering::SeqCst));
+}

@@ -304,6 +304,7 @@ pub fn bench_slowdown(
             resume: None,
             snapshot_every,
             panic_at: None,
+            boundary_snapshot: None,
         };
         rt.block_on(train(spec, timed))
             .map(|_| ())

@@ -26,7 +26,7 @@ use elastic_zero::data::Dataset;
 use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
 use elastic_zero::model::Model;
 use elastic_zero::plan::RankId;
-use elastic_zero::runtime::actors::Snapshot;
+use elastic_zero::runtime::actors::{BoundarySnapshot, Snapshot};
 use elastic_zero::runtime::cluster::{optim_settings, Observer};
 use elastic_zero::runtime::proc_state::StartState;
 use elastic_zero::runtime::ChangeRecord;
@@ -422,8 +422,6 @@ pub struct Saving {
     total_steps: u64,
     /// The signal number received (0: none).
     signal: Arc<AtomicUsize>,
-    /// Test hook: raise SIGTERM after this step completes.
-    signal_at: Option<u64>,
     failures: usize,
     /// How to resume, for the line printed on a signal (`resume_with`).
     resume_hint: String,
@@ -433,13 +431,15 @@ const SIGNALS: [i32; 2] = [signal_hook::consts::SIGTERM, signal_hook::consts::SI
 
 impl Saving {
     /// Starts the writer and installs the SIGTERM/SIGINT handlers, if `cfg` has a save dir.
-    /// `resumed_from` is the checkpoint the run continues, if any.
+    /// `resumed_from` is the checkpoint the run continues, if any; a signal also sets
+    /// `boundary`'s flag, which the cluster was given (`boundary_snapshot`).
     pub fn start(
         cfg: &TrainConfig,
         model: &dyn Model,
         data: &Dataset,
         args: &TrainArgs,
         resumed_from: Option<&Path>,
+        boundary: &BoundarySnapshot,
     ) -> Result<Option<Saving>, CliError> {
         let Some(root) = cfg.save_dir.clone() else {
             return Ok(None);
@@ -471,9 +471,8 @@ impl Saving {
                 Arc::clone(&again),
             )
             .and_then(|_| signal_hook::flag::register(sig, Arc::clone(&again)))
-            .and_then(|_| {
-                signal_hook::flag::register_usize(sig, Arc::clone(&signal), sig as usize)
-            });
+            .and_then(|_| signal_hook::flag::register_usize(sig, Arc::clone(&signal), sig as usize))
+            .and_then(|_| signal_hook::flag::register(sig, Arc::clone(&boundary.flag)));
             installed
                 .map_err(|e| CliError::Failed(format!("cannot install a signal handler: {e}")))?;
         }
@@ -483,25 +482,29 @@ impl Saving {
             save_every: cfg.save_every,
             total_steps: cfg.steps,
             signal,
-            signal_at: args.signal_at,
             resume_hint: "ezero train --resume".into(),
             failures: 0,
         }))
     }
 
-    /// A snapshot after every step, so a signal can be answered at the next step boundary.
-    pub const SNAPSHOT_EVERY: u64 = 1;
+    /// What the cluster needs to answer a signal with a snapshot at the next step boundary
+    /// (`Saving::start` makes SIGTERM and SIGINT set its flag): snapshots are taken only when
+    /// a save is due or asked for, not at every boundary in case a signal comes.
+    pub fn boundary_snapshot(args: &TrainArgs) -> BoundarySnapshot {
+        BoundarySnapshot {
+            flag: Arc::default(),
+            // `--signal-at N`: stopped after N steps, so raised during step N - 1 (0-based).
+            raise_sigterm_at: args.signal_at.and_then(|n| n.checked_sub(1)),
+        }
+    }
 
     fn report(&mut self, results: Vec<Result<SaveReport, CheckpointError>>) {
         self.failures += report(results);
     }
 
-    fn on_step(&mut self, rec: &StepRecord) {
+    fn on_step(&mut self, _rec: &StepRecord) {
         let results = self.writer.poll();
         self.report(results);
-        if self.signal_at == Some(rec.step + 1) {
-            let _ = signal_hook::low_level::raise(signal_hook::consts::SIGTERM);
-        }
     }
 
     fn on_snapshot(&mut self, snap: Snapshot) {

@@ -228,12 +228,14 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     // Read before the save directory is made: damaged saved state changes nothing.
     let start = checkpoint::start_state(&cfg, model.as_ref(), resume.as_ref(), init)?;
     let resumed_from = resume.as_ref().map(|l| l.dir.clone());
+    let boundary = Saving::boundary_snapshot(&args.train);
     let saving = Saving::start(
         &cfg,
         model.as_ref(),
         &data,
         &args.train,
         resumed_from.as_deref(),
+        &boundary,
     )?
     .map(|s| s.resume_with(format!("ezero launch --nprocs {} -- --resume", cfg.ranks)));
     let psi = param_count(&model.units());
@@ -247,11 +249,10 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         control: args.train.control,
         allow_kill: args.train.control_allow_kill,
         start,
-        snapshot_every: if saving.is_some() {
-            Saving::SNAPSHOT_EVERY
-        } else {
-            0
-        },
+        // Only when a save is due: each snapshot carries the whole state over the control
+        // connections; a signal asks for its own through `boundary_snapshot`.
+        snapshot_every: if saving.is_some() { cfg.save_every } else { 0 },
+        boundary_snapshot: saving.is_some().then_some(boundary),
         part_max_bytes,
     };
     let started = Instant::now();

@@ -53,18 +53,21 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     let bar = progress_bar(cfg.steps);
     let log_every = (cfg.steps / 10).max(1);
     let tokens = cfg.tokens_per_step() as f64;
+    let boundary = Saving::boundary_snapshot(args);
     let spec = ClusterSpec {
         config: cfg.clone(),
         model: model.clone(),
         data: data.clone(),
         init_params,
         resume: resume.map(|s| Arc::new(s) as Arc<dyn ResumeSource>),
+        // Only when a save is due: a signal asks for its own snapshot through `boundary`.
         snapshot_every: if cfg.save_dir.is_some() {
-            Saving::SNAPSHOT_EVERY
+            cfg.save_every
         } else {
             0
         },
         panic_at: args.panic_rank,
+        boundary_snapshot: cfg.save_dir.is_some().then(|| boundary.clone()),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -74,7 +77,14 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     // The ranks read their saved state before anything is written: a damaged checkpoint is
     // refused without creating a save directory.
     let cluster = rt.block_on(Cluster::start(spec)).map_err(cluster_error)?;
-    let saving = match Saving::start(&cfg, model.as_ref(), &data, args, resumed_from.as_deref()) {
+    let saving = match Saving::start(
+        &cfg,
+        model.as_ref(),
+        &data,
+        args,
+        resumed_from.as_deref(),
+        &boundary,
+    ) {
         Ok(saving) => saving,
         Err(e) => {
             rt.block_on(cluster.shutdown());

@@ -99,7 +99,8 @@ pub struct JobSpec {
     pub step_timeout_ms: u64,
     /// Gradient bound for the first step's exact-reduction scale.
     pub initial_grad_bound: f32,
-    /// Take a snapshot after every this many steps (0: only when asked).
+    /// Take a snapshot after every this many steps and after the last one (0: only when
+    /// asked).
     pub snapshot_every: u64,
     /// Membership changes at given steps (demos and tests; operators use `request`).
     pub script: Vec<ScriptedChange>,
@@ -585,7 +586,8 @@ impl Coordinator {
         self.step += 1;
         let mut out = vec![Command::StepCompleted(Box::new(record))];
         let every = self.job.snapshot_every;
-        if self.snapshot_requested || (every > 0 && self.step % every == 0) {
+        let due = every > 0 && (self.step % every == 0 || self.step == self.job.steps);
+        if self.snapshot_requested || due {
             self.snapshot_requested = false;
             out.push(Command::Snapshot(self.progress()));
         }

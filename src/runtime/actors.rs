@@ -12,7 +12,9 @@ use super::transport::Transport;
 use crate::engine::coordinator::{MembershipRecord, Progress, StepRecord};
 use crate::plan::{RankId, ShardMap};
 
-pub use super::coord_actor::{CoordArgs, CoordMsg, CoordinatorActor, NewRank, RankFactory};
+pub use super::coord_actor::{
+    BoundarySnapshot, CoordArgs, CoordMsg, CoordinatorActor, NewRank, RankFactory,
+};
 pub use super::rank_actor::{RankActor, RankArgs, RankSetup, Work};
 
 /// Every chunk's state at a step boundary, with the progress needed to resume from it.

@@ -10,8 +10,8 @@ use ractor::{Actor, ActorRef};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::actors::{
-    ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank, RankActor, RankArgs, RankFactory,
-    RankSetup, Snapshot, Work,
+    BoundarySnapshot, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank, RankActor,
+    RankArgs, RankFactory, RankSetup, Snapshot, Work,
 };
 use super::clock::SystemClock;
 use super::comm::Comm;
@@ -60,10 +60,13 @@ pub struct ClusterSpec {
     /// Continue from saved state (any world size, stage or chunk size); wins over
     /// `init_params`. Each rank reads only the chunks it owns under the new map.
     pub resume: Option<Arc<dyn ResumeSource>>,
-    /// Emit a snapshot after every this many steps (0: never unless asked).
+    /// Emit a snapshot after every this many steps and after the last one (0: never unless
+    /// asked).
     pub snapshot_every: u64,
     /// Fault injection for tests: (rank, step) whose compute panics.
     pub panic_at: Option<(RankId, u64)>,
+    /// A snapshot at the next step boundary when its flag is set (a signal handler).
+    pub boundary_snapshot: Option<BoundarySnapshot>,
 }
 
 impl ClusterSpec {
@@ -77,6 +80,7 @@ impl ClusterSpec {
             resume: None,
             snapshot_every: 0,
             panic_at: None,
+            boundary_snapshot: None,
         })
     }
 }
@@ -284,6 +288,7 @@ impl Cluster {
                 Box::new(move |r, epoch, step| net.interrupt(r, epoch, step))
             },
             factory,
+            boundary_snapshot: spec.boundary_snapshot.clone(),
         };
         let (coordinator, _) =
             Actor::spawn(None, CoordinatorActor::<LocalEndpoint>::default(), args)

@@ -3,6 +3,7 @@
 //! start reshards, take snapshots, report events).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,6 +23,19 @@ use crate::plan::{RankId, ShardMap};
 /// state), or `Later` where the runtime starts it itself, or a reason it cannot.
 pub type RankFactory<T> =
     Box<dyn Fn(RankId, ActorRef<CoordMsg<T>>) -> Result<NewRank<T>, String> + Send + Sync>;
+
+/// A snapshot at the next step boundary on demand from outside the actor system: a signal
+/// handler sets `flag` (the CLI's SIGTERM/SIGINT), and the coordinator actor asks its engine for
+/// a snapshot when the next step report arrives, so the boundary that step ends at takes it.
+/// Cheaper than a snapshot at every boundary just in case: with worker processes each snapshot
+/// carries the whole training state over the control connections.
+#[derive(Clone, Debug, Default)]
+pub struct BoundarySnapshot {
+    pub flag: Arc<AtomicBool>,
+    /// Test hook: raise a real SIGTERM as the first report of this step (0-based) arrives, so
+    /// that the snapshot it asks for is the one at the end of this step.
+    pub raise_sigterm_at: Option<u64>,
+}
 
 /// How a joiner comes up.
 pub enum NewRank<T: Transport> {
@@ -138,6 +152,7 @@ pub struct CoordArgs<T: Transport> {
     /// Wakes a rank from the abandoned (epoch, step).
     pub on_interrupt: Box<dyn Fn(RankId, u64, u64) + Send + Sync>,
     pub factory: RankFactory<T>,
+    pub boundary_snapshot: Option<BoundarySnapshot>,
 }
 
 pub struct CoordState<T: Transport> {
@@ -150,6 +165,7 @@ pub struct CoordState<T: Transport> {
     on_retire: Box<dyn Fn(RankId) + Send + Sync>,
     on_interrupt: Box<dyn Fn(RankId, u64, u64) + Send + Sync>,
     factory: RankFactory<T>,
+    boundary_snapshot: Option<BoundarySnapshot>,
     /// Operator kills waiting for the next step to start.
     pending_kills: Vec<RankId>,
     activity: Activity,
@@ -398,6 +414,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             on_retire: args.on_retire,
             on_interrupt: args.on_interrupt,
             factory: args.factory,
+            boundary_snapshot: args.boundary_snapshot,
             pending_kills: Vec::new(),
             activity: Activity::Starting,
             awaiting: BTreeSet::new(),
@@ -419,6 +436,16 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             }
             CoordMsg::StepDone(report) => {
                 st.answered(report.rank);
+                if let Some(b) = &mut st.boundary_snapshot {
+                    if b.raise_sigterm_at == Some(report.step) {
+                        b.raise_sigterm_at = None;
+                        // The handler runs in this thread before raise returns: the flag is set.
+                        let _ = signal_hook::low_level::raise(signal_hook::consts::SIGTERM);
+                    }
+                    if b.flag.swap(false, Ordering::SeqCst) {
+                        st.feed(&me, Event::SnapshotRequested).await;
+                    }
+                }
                 st.feed(&me, Event::StepDone { report, now_ms }).await
             }
             CoordMsg::RankFailed { rank, reason } => {

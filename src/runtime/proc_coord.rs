@@ -30,7 +30,9 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
-use super::actors::{ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank};
+use super::actors::{
+    BoundarySnapshot, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank,
+};
 use super::clock::{Clock, SystemClock};
 use super::cluster::{consolidate, job_spec, Observer, TrainOutcome};
 use super::control::{ControlHandle, Monitor};
@@ -88,8 +90,11 @@ pub struct CoordinatorOptions {
     pub allow_kill: bool,
     /// Start from this state (`--resume`, `--init`) instead of the model's initialisation.
     pub start: Option<StartState>,
-    /// Emit a snapshot after every this many steps (0: never).
+    /// Emit a snapshot after every this many steps and after the last one (0: never unless
+    /// asked).
     pub snapshot_every: u64,
+    /// A snapshot at the next step boundary when its flag is set (a signal handler).
+    pub boundary_snapshot: Option<BoundarySnapshot>,
     /// Largest part of chunk states in one control frame (`proc_state::STATE_PART_MAX_BYTES`).
     pub part_max_bytes: usize,
 }
@@ -587,6 +592,7 @@ impl Run {
                     .map(|_| NewRank::Later)
                     .map_err(|_| "the join task has stopped".to_string())
             }),
+            boundary_snapshot: opts.boundary_snapshot.clone(),
         };
         let (coordinator, _) = Actor::spawn(None, CoordinatorActor::<Detached>::default(), args)
             .await
