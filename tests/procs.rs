@@ -525,7 +525,7 @@ fn launch_control_endpoint_reports_refuses_kills_and_drains() {
     assert_eq!(code, 200);
     assert!(metrics.contains("\nezero_members 3\n"), "{metrics}");
 
-    // Bad input: a clear 4xx or 501, and nothing changes.
+    // Bad input: a clear 4xx, and nothing changes.
     for (method, target, code, error) in [
         ("POST", "/ranks/7/kill", 404, "unknown_rank"),
         ("POST", "/ranks/7/drain", 404, "unknown_rank"),
@@ -533,7 +533,8 @@ fn launch_control_endpoint_reports_refuses_kills_and_drains() {
         ("GET", "/ranks/1/kill", 405, "method_not_allowed"),
         // No standby worker is connected: a join cannot take one.
         ("POST", "/join?count=1", 409, "no_standby"),
-        ("POST", "/checkpoint", 501, "not_supported"),
+        // No --save-dir: nothing would keep it.
+        ("POST", "/checkpoint", 409, "no_save_dir"),
     ] {
         let (got, body) = http(&addr, method, target);
         assert_eq!(got, code, "{method} {target}: {body}");
@@ -689,6 +690,52 @@ fn a_worker_started_later_joins_through_the_endpoint() {
     let status = late.wait_until(Instant::now() + DEADLINE);
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{}", late.stderr());
     drop(workers);
+}
+
+/// `POST /checkpoint` with worker processes: the coordinator collects the state at the next
+/// step boundary and writes it whatever `--save-every` says (here none); it verifies.
+#[test]
+fn launch_writes_a_checkpoint_on_request() {
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path().join("ck");
+    let flags = flags_with("mlp", 3, 600, &["--save-dir", root.to_str().unwrap()]);
+    let mut launch = Proc::spawn(
+        Command::new(EZERO)
+            .args(["launch", "--nprocs", "2", "--control", "127.0.0.1:0", "--"])
+            .args(&flags),
+    );
+    let mut seen = launch.lines_until("control endpoint: ");
+    let addr = control_addr(seen.last().unwrap());
+    // Once the workers have joined and training runs.
+    let s = poll(&addr, "a step", |s| s["step"].as_u64() > Some(0));
+    let (code, body) = http(&addr, "POST", "/checkpoint");
+    assert_eq!(code, 202, "{body}");
+    let requested_at = s["step"].as_u64().unwrap();
+    let status = launch.wait_until(Instant::now() + DEADLINE);
+    seen.extend(launch.lines.iter());
+    let out = seen.join("\n");
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(0),
+        "{out}\n{}",
+        launch.stderr()
+    );
+    let saved: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    assert_eq!(saved.len(), 1, "only the requested one: {saved:?}\n{out}");
+    let step: u64 = saved[0]["step-".len()..].parse().unwrap();
+    assert!(
+        step > requested_at && step < 600,
+        "{step} after {requested_at}"
+    );
+    let (code, vout, verr) = run(Command::new(EZERO)
+        .args(["checkpoint", "verify"])
+        .arg(root.join(&saved[0])));
+    assert_eq!(code, 0, "{vout}{verr}");
 }
 
 /// A scripted join with no standby worker connected: the joining rank waits `--join-wait-ms`,

@@ -182,12 +182,13 @@ pub struct TrainArgs {
     /// Crash tests: STEP:POINT aborts the process at that point of that step's save.
     #[arg(long, hide = true)]
     pub checkpoint_crash: Option<String>,
-    /// Signal tests: raise SIGTERM after this step completes.
+    /// Signal tests: a SIGTERM during this step (1-based), so the run saves and stops after it.
     #[arg(long, hide = true)]
     pub signal_at: Option<u64>,
     /// Serve the HTTP control endpoint (GET /status, GET /metrics, POST /ranks/{id}/drain,
     /// POST /join, POST /checkpoint) on this address, e.g. 127.0.0.1:7070 [default: off].
-    /// `ezero coordinator` serves it from the coordinator process (no join or checkpoint).
+    /// `ezero coordinator` serves it from the coordinator process (a join there takes standby
+    /// workers).
     #[arg(long, value_name = "ADDR", value_parser = parse_control_addr)]
     pub control: Option<std::net::SocketAddr>,
     /// With --control: allow POST /ranks/{id}/kill (abrupt loss, for tests and demos).

@@ -253,6 +253,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         // connections; a signal asks for its own through `boundary_snapshot`.
         snapshot_every: if saving.is_some() { cfg.save_every } else { 0 },
         boundary_snapshot: saving.is_some().then_some(boundary),
+        on_demand_snapshots: saving.is_some(),
         part_max_bytes,
     };
     let started = Instant::now();

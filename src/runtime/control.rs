@@ -7,9 +7,8 @@
 //! consolidates the parameters and shuts the actors down.
 //!
 //! With worker processes (`proc_coord.rs`) the process coordinator drives the run itself and
-//! feeds a `Monitor`; its handle (`ControlHandle::for_processes`) refuses what process mode
-//! cannot do (checkpoints) with `ControlError::Unsupported`, and a join unless enough standby
-//! workers are connected (`ControlError::NoStandby`).
+//! feeds a `Monitor`; its handle (`ControlHandle::for_processes`) refuses a join unless enough
+//! standby workers are connected (`ControlError::NoStandby`).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -54,9 +53,6 @@ pub enum ControlError {
     Ended,
     #[error("the coordinator did not answer: {0}")]
     Unavailable(String),
-    /// The request needs something this kind of job does not have (worker processes).
-    #[error("{0}")]
-    Unsupported(String),
     /// A join with worker processes needs a standby worker per new rank, and too few are
     /// connected (the message says how many, and how to start one).
     #[error("{0}")]
@@ -75,7 +71,6 @@ impl ControlError {
             ControlError::KillDisabled => 403,
             ControlError::BadRequest(_) => 400,
             ControlError::Unavailable(_) => 503,
-            ControlError::Unsupported(_) => 501,
         }
     }
 
@@ -91,7 +86,6 @@ impl ControlError {
             ControlError::BadRequest(_) => "bad_request",
             ControlError::Ended => "run_ended",
             ControlError::Unavailable(_) => "unavailable",
-            ControlError::Unsupported(_) => "not_supported",
             ControlError::NoStandby(_) => "no_standby",
         }
     }
@@ -157,8 +151,6 @@ pub struct ControlHandle {
     layout: StateLayout,
     allow_kill: bool,
     snapshots: bool,
-    /// Ranks are worker processes: no checkpoints, and joins take standby workers.
-    processes: bool,
     /// Where joins find their worker processes (process mode only).
     standbys: Option<Arc<dyn Standbys>>,
 }
@@ -171,6 +163,12 @@ pub struct Monitor {
 }
 
 impl Monitor {
+    /// Whether a snapshot that just arrived is the one `request_snapshot` asked for (it then
+    /// goes to `Observer::on_requested_snapshot`); answers true once per request.
+    pub fn requested_snapshot(&self) -> bool {
+        self.shared.snapshot_wanted.swap(false, Ordering::SeqCst)
+    }
+
     /// Counts one event; membership changes are priced and published to `subscribe`rs.
     pub fn observe(&mut self, event: &ClusterEvent) {
         match event {
@@ -222,11 +220,15 @@ impl ControlHandle {
     /// A handle on a process coordinator's actor (see `proc_coord.rs`), and the monitor that
     /// the coordinator feeds with the run's events. `map` is the initial shard map; joins take
     /// their workers from `standbys`.
+    /// `snapshots`: the coordinator's observer keeps snapshots, so `request_snapshot` is
+    /// accepted; the process coordinator hands the one it asks for to
+    /// `Observer::on_requested_snapshot` (`Monitor::requested_snapshot`).
     pub fn for_processes(
         coordinator: ActorRef<CoordMsg<Detached>>,
         map: ShardMap,
         config: &TrainConfig,
         allow_kill: bool,
+        snapshots: bool,
         standbys: Arc<dyn Standbys>,
     ) -> (ControlHandle, Monitor) {
         let shared = new_shared();
@@ -236,8 +238,7 @@ impl ControlHandle {
             shared: Arc::clone(&shared),
             layout,
             allow_kill,
-            snapshots: false,
-            processes: true,
+            snapshots,
             standbys: Some(standbys),
         };
         let monitor = Monitor {
@@ -283,11 +284,6 @@ impl ControlHandle {
     /// Asks for a snapshot at the next step boundary; it arrives as `ClusterEvent::Snapshot`
     /// (the CLI writes it under `--save-dir`).
     pub async fn request_snapshot(&self) -> Result<(), ControlError> {
-        if self.processes {
-            return Err(ControlError::Unsupported(
-                "checkpoints are not written with worker processes yet".into(),
-            ));
-        }
         if !self.snapshots {
             return Err(ControlError::NoSnapshotSink);
         }
@@ -442,7 +438,6 @@ impl ClusterBuilder {
             layout,
             allow_kill: self.allow_kill,
             snapshots: self.snapshots,
-            processes: false,
             standbys: None,
         };
         let server = match self.control_addr {

@@ -95,6 +95,8 @@ pub struct CoordinatorOptions {
     pub snapshot_every: u64,
     /// A snapshot at the next step boundary when its flag is set (a signal handler).
     pub boundary_snapshot: Option<BoundarySnapshot>,
+    /// The observer keeps snapshots: `POST /checkpoint` is accepted.
+    pub on_demand_snapshots: bool,
     /// Largest part of chunk states in one control frame (`proc_state::STATE_PART_MAX_BYTES`).
     pub part_max_bytes: usize,
 }
@@ -250,6 +252,7 @@ pub async fn run_coordinator(
         initial,
         &cfg,
         opts.allow_kill,
+        opts.on_demand_snapshots,
         lobby,
     );
     let _ = ready.send(());
@@ -657,6 +660,9 @@ impl Run {
                 ClusterEvent::Step(rec) => {
                     observer.on_step(&rec);
                     records.push(*rec);
+                }
+                ClusterEvent::Snapshot(snap) if monitor.requested_snapshot() => {
+                    observer.on_requested_snapshot(*snap)
                 }
                 ClusterEvent::Snapshot(snap) => observer.on_snapshot(*snap),
                 ClusterEvent::Membership(rec) => observer.on_membership(&rec),
