@@ -92,31 +92,25 @@ impl Coordinator {
         host: Option<String>,
         now_ms: u64,
     ) -> Vec<Command> {
-        let Phase::Spawning { waiting, next, .. } = &mut self.phase else {
-            // A joiner that comes up after its change was abandoned holds nothing.
-            if !self.map.is_member(rank) {
-                return vec![Command::Retire { ranks: vec![rank] }];
+        // The membership to reshard onto once this was the last joiner to come up.
+        let ready = match &mut self.phase {
+            Phase::Spawning { waiting, next, .. } if waiting.contains(&rank) => {
+                waiting.remove(&rank);
+                waiting.is_empty().then(|| std::mem::take(next))
             }
-            return Vec::new();
+            // Up already (a repeated report).
+            Phase::Spawning { next, .. } if next.contains(&rank) => return Vec::new(),
+            // A joiner of a change that was given up on holds nothing.
+            _ if !self.map.is_member(rank) => return vec![Command::Retire { ranks: vec![rank] }],
+            _ => return Vec::new(),
         };
-        if !waiting.remove(&rank) {
-            // A joiner of an earlier change that was given up on.
-            if !self.map.is_member(rank) && !next.contains(&rank) {
-                return vec![Command::Retire { ranks: vec![rank] }];
-            }
-            return Vec::new();
-        }
         if let Some(h) = host {
             self.joiner_hosts.insert(rank, h);
         }
-        let Phase::Spawning { waiting, next, .. } = &mut self.phase else {
-            unreachable!("still spawning")
-        };
-        if !waiting.is_empty() {
-            return Vec::new();
+        match ready {
+            Some(next) => self.begin_reshard(next, now_ms),
+            None => Vec::new(),
         }
-        let next = std::mem::take(next);
-        self.begin_reshard(next, now_ms)
     }
 
     /// A joiner that could not start leaves the change: the others still join, leavers still
@@ -134,7 +128,8 @@ impl Coordinator {
             return Vec::new();
         }
         next.retain(|&r| r != rank);
-        let (pending, size) = (!waiting.is_empty(), next.len());
+        let size = next.len();
+        let ready = waiting.is_empty().then(|| std::mem::take(next));
         let step = self.step;
         let mut out = vec![Command::JoinFailed {
             rank,
@@ -144,16 +139,9 @@ impl Coordinator {
             out.extend(self.fail(format!(
                 "rank {rank} could not join at step {step} ({reason}), and without it {e}"
             )));
-            return out;
+        } else if let Some(next) = ready {
+            out.extend(self.begin_reshard(next, now_ms));
         }
-        if pending {
-            return out;
-        }
-        let Phase::Spawning { next, .. } = &mut self.phase else {
-            unreachable!("still spawning")
-        };
-        let next = std::mem::take(next);
-        out.extend(self.begin_reshard(next, now_ms));
         out
     }
 
