@@ -290,6 +290,9 @@ pub struct Coordinator {
     next_rank: RankId,
     /// Hosts of joiners that came up, until a committed map holds them (or they are dropped).
     joiner_hosts: BTreeMap<RankId, String>,
+    /// Joiners dropped because their change timed out: the runtime may still report them
+    /// failing, which is no loss.
+    timed_out_joiners: BTreeSet<RankId>,
     membership_log: Vec<MembershipRecord>,
     /// Scripted changes of steps up to this one were already applied (a recovery may fold a
     /// change into its reshard and then replay the steps before it).
@@ -329,6 +332,7 @@ impl Coordinator {
             requested: Vec::new(),
             next_rank,
             joiner_hosts: BTreeMap::new(),
+            timed_out_joiners: BTreeSet::new(),
             script_applied: None,
             epoch_used,
             backup: None,
@@ -622,6 +626,7 @@ impl Coordinator {
                     self.job.step_timeout_ms
                 );
                 let late: Vec<RankId> = waiting.iter().copied().collect();
+                self.timed_out_joiners.extend(&late);
                 let mut out = Vec::new();
                 for rank in late {
                     out.extend(self.drop_joiner(rank, reason.clone(), now_ms));

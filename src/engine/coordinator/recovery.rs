@@ -33,8 +33,8 @@ impl Coordinator {
             } => lost.contains(&rank),
             _ => false,
         };
-        if known {
-            return Vec::new(); // already lost and retired
+        if known || self.timed_out_joiners.contains(&rank) {
+            return Vec::new(); // already lost and retired, or never joined
         }
         let step = self.step;
         let fail_plain =

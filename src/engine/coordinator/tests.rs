@@ -674,6 +674,8 @@ fn a_joiner_that_cannot_start_is_dropped_and_training_goes_on() {
         unreachable!()
     };
     assert!(reason.contains("step_timeout_ms (1000 ms)"), "{reason}");
+    // Its start failing after all is no loss.
+    assert!(c.handle(failed(2, "gave up")).is_empty());
 }
 
 #[test]
