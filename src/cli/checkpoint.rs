@@ -319,6 +319,15 @@ pub fn print_resumed(source: &CheckpointSource) {
     );
 }
 
+/// What each rank read on a resume, as `rank R N B, ...`; `None` for a run that did not resume.
+pub fn resume_reads(reads: &[(RankId, u64)]) -> Option<String> {
+    let list: Vec<String> = reads
+        .iter()
+        .map(|(rank, bytes)| format!("rank {rank} {bytes} B"))
+        .collect();
+    (!list.is_empty()).then(|| list.join(", "))
+}
+
 /// The run's config and, with `--resume`, the verified checkpoint it continues from. A resumed
 /// run's config is the checkpoint's, with `--config` and flags applied on top.
 pub fn resolve_train(
@@ -502,7 +511,8 @@ impl Saving {
         self.failures += report(results);
     }
 
-    fn on_step(&mut self, _rec: &StepRecord) {
+    /// Reports the saves that finished since the last step.
+    fn poll(&mut self) {
         let results = self.writer.poll();
         self.report(results);
     }
@@ -655,7 +665,7 @@ impl<O: Observer> Observer for &mut SaveObserver<O> {
     fn on_step(&mut self, rec: &StepRecord) {
         self.inner.on_step(rec);
         if let Some(s) = &mut self.saving {
-            s.on_step(rec);
+            s.poll();
         }
     }
 

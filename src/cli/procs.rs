@@ -306,15 +306,9 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         summary.step_time_median_s,
         summary.tokens_per_s
     );
-    if !outcome.resume_reads.is_empty() {
-        let reads: Vec<String> = outcome
-            .resume_reads
-            .iter()
-            .map(|(rank, bytes)| format!("rank {rank} {bytes} B"))
-            .collect();
+    if let Some(reads) = checkpoint::resume_reads(&outcome.resume_reads) {
         println!(
-            "  resume: the coordinator read each rank's owned chunks ({}) and sent each worker the chunks its state is built from",
-            reads.join(", ")
+            "  resume: the coordinator read each rank's owned chunks ({reads}) and sent each worker the chunks its state is built from"
         );
     }
     if let Some(path) = &cfg.json {

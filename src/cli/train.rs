@@ -171,16 +171,8 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         summary.step_time_median_s,
         summary.tokens_per_s
     );
-    if !outcome.resume_reads.is_empty() {
-        let reads: Vec<String> = outcome
-            .resume_reads
-            .iter()
-            .map(|(rank, bytes)| format!("rank {rank} {bytes} B"))
-            .collect();
-        println!(
-            "  resume: each rank read only the chunks it owns: {}",
-            reads.join(", ")
-        );
+    if let Some(reads) = checkpoint::resume_reads(&outcome.resume_reads) {
+        println!("  resume: each rank read only the chunks it owns: {reads}");
     }
     for r in &summary.ranks {
         println!(
