@@ -368,8 +368,9 @@ impl<T: Transport> CoordState<T> {
             Command::StepCompleted(rec) => {
                 let _ = self.events.send(ClusterEvent::Step(rec));
             }
+            // The event is the report (the CLI prints it); the join task of worker processes
+            // has logged the cause already.
             Command::JoinFailed { rank, reason } => {
-                tracing::warn!("rank {rank} did not join: {reason}; training goes on without it");
                 let _ = self.events.send(ClusterEvent::JoinFailed { rank, reason });
             }
             Command::Finish => {
