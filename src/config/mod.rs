@@ -1,0 +1,283 @@
+//! Typed training configuration, validated once.
+//!
+//! The same keys come from a TOML file (`--config FILE`) and from command-line flags (flags win).
+//! Units are in the names (`chunk_elems`, `collective_timeout_ms`). Unknown keys are errors, not
+//! silently ignored, because a misspelt key in a training config is a silent wrong run.
+//!
+//! The keys are one flat table, so `TrainConfig` is one struct; the concepts it covers each
+//! have a file with their types and checks: the model's shape (`shape`), the optimizer and its
+//! schedule (`optim`), the membership script and injected kills (`membership`), injected
+//! network faults (`faults`), and what a bad value gets (`error`).
+
+mod error;
+mod faults;
+mod membership;
+mod optim;
+mod shape;
+#[cfg(test)]
+mod tests;
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use self::error::toml_error;
+pub use self::error::ConfigError;
+pub use self::membership::{At, Round, RoundKill};
+pub use self::optim::OptimizerChoice;
+pub use self::shape::ModelKind;
+use crate::reduce::ReduceMode;
+
+/// Everything a training run needs. Defaults are the `ezero train` demo job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Number of in-process rank actors (default 4).
+    pub ranks: u32,
+    /// ZeRO stage 0-3 (default 3).
+    pub stage: u8,
+    /// `gpt` or `mlp` (default gpt).
+    pub model: ModelKind,
+    /// Transformer blocks (GPT) or hidden layers (MLP) (default 2).
+    pub layers: usize,
+    /// Model width (default 128).
+    pub d_model: usize,
+    /// Attention heads; must divide `d_model` (default 4).
+    pub heads: usize,
+    /// Tokens per sequence (default 64).
+    pub seq_len: usize,
+    /// Micro-batches per global step; the global batch never depends on the world size
+    /// (default 8).
+    pub micro_batches: u32,
+    /// Sequences per micro-batch (default 4).
+    pub micro_batch_size: usize,
+    /// Optimizer steps to run (default 150).
+    pub steps: u64,
+    /// Seed for initialisation and data (default 0).
+    pub seed: u64,
+    /// Peak learning rate (default 3e-3).
+    pub lr: f32,
+    /// Linear warm-up steps before cosine decay (default 10).
+    pub warmup_steps: u64,
+    /// Cosine decays to `lr * min_lr_ratio` at the last step; 1.0 keeps lr constant
+    /// (default 0.1).
+    pub min_lr_ratio: f32,
+    /// `adamw`, `adam` or `sgd` (default adamw).
+    pub optimizer: OptimizerChoice,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// Weight decay (decoupled for AdamW, L2 for Adam and SGD) (default 0.1).
+    pub weight_decay: f32,
+    /// SGD momentum (default 0.9).
+    pub momentum: f32,
+    /// Global gradient-norm clipping threshold; 0 disables (default 1.0).
+    pub grad_clip: f32,
+    /// `exact` (bit-identical across world sizes, default) or `fast`.
+    pub reduce: ReduceMode,
+    /// Train on this file's bytes instead of the embedded Markov corpus.
+    pub data: Option<PathBuf>,
+    /// Write a JSON summary here.
+    pub json: Option<PathBuf>,
+    /// Elements per shard chunk: the unit of ownership and of rebalancing (default 8192).
+    pub chunk_elems: usize,
+    /// ZeRO-3: units whose full parameters may be live at once (current + prefetched) (default 2).
+    pub max_live_units: usize,
+    /// Keep each unit's forward intermediates until its backward instead of recomputing them
+    /// from the unit's input (memory for time; the same bits either way) (default false).
+    pub keep_activations: bool,
+    /// Deadline for any single receive inside a collective (default 30000).
+    pub collective_timeout_ms: u64,
+    /// Bound on |gradient| for the first step's fixed-point scale; later steps derive it from the
+    /// previous step. A step whose gradients exceed it is redone once (default 65536).
+    pub initial_grad_bound: f32,
+    /// Threads for the optimizer step on each rank (default 1).
+    pub optimizer_threads: usize,
+    /// Tokens to sample from the trained model at the end (GPT only; default 160).
+    pub sample_tokens: usize,
+    /// Ranks that drain and leave at the start of a step (`RANK@STEP`).
+    pub leave: Vec<At>,
+    /// New ranks that join at the start of a step (`COUNT@STEP`); they take the next unused ids.
+    pub join: Vec<At>,
+    /// Ranks that die abruptly during a step (`RANK@STEP`).
+    pub kill: Vec<At>,
+    /// Fault injection: ranks that die abruptly halfway through a round between steps
+    /// (`RANK@STEP:ROUND`, ROUND one of reshard, replicate, restore).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub kill_during: Vec<RoundKill>,
+    /// The world never shrinks below this many ranks (default 1).
+    pub min_ranks: u32,
+    /// Nor grows beyond this many (default 64).
+    pub max_ranks: u32,
+    /// Buddy backups of every rank's state at least every this many steps; 0 turns them off,
+    /// and then losing a rank stops the run (default 1).
+    pub replicate_every: u64,
+    /// Directory to save checkpoints in (`step-N/` subdirectories); none: no checkpoints.
+    pub save_dir: Option<PathBuf>,
+    /// Save a checkpoint after every this many steps and after the last step; 0 saves only on
+    /// SIGTERM or SIGINT (default 0). Needs `save_dir`.
+    pub save_every: u64,
+    /// Complete checkpoints kept in `save_dir`, newest first; 0 keeps all (default 3).
+    pub keep_checkpoints: usize,
+    /// Fault injection: thousandths of frames the in-process network delivers twice (default 0).
+    pub net_duplicate_per_mille: u32,
+    /// Fault injection: thousandths of frames it holds back behind the next one (default 0).
+    pub net_reorder_per_mille: u32,
+    /// Fault injection: thousandths of frames whose first transmission is lost, so they arrive
+    /// `net_retransmit_ms` late, as over a reliable transport (default 0).
+    pub net_drop_per_mille: u32,
+    /// Fault injection: thousandths of frames delivered with a flipped bit; the receiver's
+    /// checksum rejects and counts them, and the retransmission follows (default 0).
+    pub net_corrupt_per_mille: u32,
+    /// Fault injection: every frame is delayed by a uniform 0..=this many ms (default 0).
+    pub net_delay_max_ms: u64,
+    /// Fault injection: how late a retransmitted frame arrives (default 5).
+    pub net_retransmit_ms: u64,
+    /// Fault injection: a rank whose every frame is `net_slow_ms` late (default none).
+    pub net_slow_rank: Option<u32>,
+    /// Fault injection: the extra latency of `net_slow_rank`'s frames (default 0).
+    pub net_slow_ms: u64,
+    /// Fault injection: the ranks on one side of a network partition (default none). While it
+    /// lasts, frames between the two sides wait `net_partition_ms` for the link to heal.
+    pub net_partition_ranks: Vec<u32>,
+    /// Fault injection: the partition covers each rank's sends numbered
+    /// `net_partition_from_frame ..` (counted per sender, so a seed replays it exactly)
+    /// (default 0).
+    pub net_partition_from_frame: u64,
+    /// Fault injection: how many of each rank's sends the partition covers (default 0).
+    pub net_partition_frames: u64,
+    /// Fault injection: how long a frame across the partition waits (default 0).
+    pub net_partition_ms: u64,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            ranks: 4,
+            stage: 3,
+            model: ModelKind::Gpt,
+            layers: 2,
+            d_model: 128,
+            heads: 4,
+            seq_len: 64,
+            micro_batches: 8,
+            micro_batch_size: 4,
+            steps: 150,
+            seed: 0,
+            lr: 3e-3,
+            warmup_steps: 10,
+            min_lr_ratio: 0.1,
+            optimizer: OptimizerChoice::Adamw,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            momentum: 0.9,
+            grad_clip: 1.0,
+            reduce: ReduceMode::Exact,
+            data: None,
+            json: None,
+            chunk_elems: 8192,
+            max_live_units: 2,
+            keep_activations: false,
+            collective_timeout_ms: 30_000,
+            initial_grad_bound: 65536.0,
+            optimizer_threads: 1,
+            sample_tokens: 160,
+            leave: Vec::new(),
+            join: Vec::new(),
+            kill: Vec::new(),
+            kill_during: Vec::new(),
+            min_ranks: 1,
+            max_ranks: 64,
+            replicate_every: 1,
+            save_dir: None,
+            save_every: 0,
+            keep_checkpoints: 3,
+            net_duplicate_per_mille: 0,
+            net_reorder_per_mille: 0,
+            net_drop_per_mille: 0,
+            net_corrupt_per_mille: 0,
+            net_delay_max_ms: 0,
+            net_retransmit_ms: 5,
+            net_slow_rank: None,
+            net_slow_ms: 0,
+            net_partition_ranks: Vec::new(),
+            net_partition_from_frame: 0,
+            net_partition_frames: 0,
+            net_partition_ms: 0,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Parses a TOML config file's text; unknown keys and wrong types are errors.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        toml::from_str(text).map_err(toml_error)
+    }
+
+    /// Parses a TOML config file's text over `base`: keys the file sets replace `base`'s, the
+    /// others keep `base`'s values (a resumed run starts from the checkpoint's config).
+    pub fn from_toml_over(base: &TrainConfig, text: &str) -> Result<Self, ConfigError> {
+        let file: toml::Table = toml::from_str(text).map_err(toml_error)?;
+        let mut merged =
+            toml::Table::try_from(base).map_err(|e| ConfigError::new("config", e.to_string()))?;
+        merged.extend(file);
+        toml::Value::Table(merged).try_into().map_err(toml_error)
+    }
+
+    /// Checks every field once; the runtime trusts a validated config. The checks of each
+    /// concept live with it: the model's shape (`shape.rs`), the optimizer and its
+    /// schedule (`optim.rs`), injected network faults (`faults.rs`), the membership script
+    /// (`membership.rs`).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.ranks == 0 {
+            return Err(ConfigError::new(
+                "ranks",
+                "0 ranks: use 1 or more rank actors",
+            ));
+        }
+        if self.ranks > 256 {
+            return Err(ConfigError::new(
+                "ranks",
+                "at most 256 in-process ranks are supported",
+            ));
+        }
+        if self.stage > 3 {
+            return Err(ConfigError::new(
+                "stage",
+                format!("{} is not a ZeRO stage: use 0, 1, 2 or 3", self.stage),
+            ));
+        }
+        self.validate_shape()?;
+        self.validate_optimizer()?;
+        self.validate_faults()?;
+        if self.collective_timeout_ms == 0 {
+            return Err(ConfigError::new(
+                "collective_timeout_ms",
+                "must be at least 1",
+            ));
+        }
+        self.validate_membership()?;
+        if self.save_every > 0 && self.save_dir.is_none() {
+            return Err(ConfigError::new(
+                "save_every",
+                "saving every N steps needs save_dir (--save-dir DIR)",
+            ));
+        }
+        if let Some(path) = &self.data {
+            if !path.is_file() {
+                return Err(ConfigError::new(
+                    "data",
+                    format!("{} does not exist or is not a file", path.display()),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Tokens in one global batch.
+    pub fn tokens_per_step(&self) -> usize {
+        self.micro_batches as usize * self.micro_batch_size * self.seq_len
+    }
+}

@@ -1,0 +1,110 @@
+//! Tests of parsing and validating configs.
+
+use super::*;
+
+#[test]
+fn default_is_valid() {
+    TrainConfig::default().validate().unwrap();
+}
+
+#[test]
+fn unknown_key_names_the_key() {
+    let err = TrainConfig::from_toml("ranks = 2\nstagee = 3\n").unwrap_err();
+    assert_eq!(err.field, "stagee");
+}
+
+#[test]
+fn toml_round_trip_and_partial_files() {
+    let cfg = TrainConfig::from_toml("stage = 1\nmodel = \"mlp\"\nreduce = \"fast\"").unwrap();
+    assert_eq!(
+        (cfg.stage, cfg.model, cfg.reduce),
+        (1, ModelKind::Mlp, ReduceMode::Fast)
+    );
+    assert_eq!(cfg.ranks, TrainConfig::default().ranks);
+}
+
+#[test]
+fn bad_values_name_the_field() {
+    let bad = |f: fn(&mut TrainConfig)| {
+        let mut c = TrainConfig::default();
+        f(&mut c);
+        c.validate().unwrap_err().field
+    };
+    assert_eq!(bad(|c| c.stage = 4), "stage");
+    assert_eq!(bad(|c| c.ranks = 0), "ranks");
+    assert_eq!(bad(|c| c.heads = 3), "heads");
+    assert_eq!(bad(|c| c.data = Some("/nonexistent/file".into())), "data");
+    assert_eq!(bad(|c| c.micro_batches = 0), "micro_batches");
+    assert_eq!(bad(|c| c.save_every = 5), "save_every");
+    assert_eq!(bad(|c| c.leave = vec!["7@1".parse().unwrap()]), "leave");
+    assert_eq!(bad(|c| c.leave = vec!["1@500".parse().unwrap()]), "leave");
+    assert_eq!(
+        bad(|c| {
+            c.max_ranks = 5;
+            c.join = vec!["2@3".parse().unwrap()]
+        }),
+        "join"
+    );
+    assert_eq!(
+        bad(|c| {
+            c.min_ranks = 4;
+            c.kill = vec!["0@3".parse().unwrap()]
+        }),
+        "leave"
+    );
+    assert_eq!(
+        bad(|c| c.net_partition_ranks = vec![1]),
+        "net_partition_ranks"
+    );
+    assert_eq!(
+        bad(|c| {
+            c.net_partition_ranks = vec![64];
+            c.net_partition_frames = 10;
+            c.net_partition_ms = 2;
+        }),
+        "net_partition_ranks"
+    );
+    assert_eq!(
+        bad(|c| {
+            c.net_partition_ranks = vec![1];
+            c.net_partition_frames = 10;
+            c.net_partition_ms = 60_000;
+        }),
+        "net_partition_ms"
+    );
+}
+
+#[test]
+fn a_file_over_a_base_keeps_the_base_where_silent() {
+    let base = TrainConfig {
+        d_model: 16,
+        lr: 1.25e-3,
+        save_dir: Some("ck".into()),
+        leave: vec![At { value: 1, step: 3 }],
+        ..TrainConfig::default()
+    };
+    let c = TrainConfig::from_toml_over(&base, "ranks = 2\n").unwrap();
+    assert_eq!(
+        c,
+        TrainConfig {
+            ranks: 2,
+            ..base.clone()
+        }
+    );
+    let err = TrainConfig::from_toml_over(&base, "bogus = 1\n").unwrap_err();
+    assert_eq!(err.field, "bogus");
+}
+
+#[test]
+fn membership_script_parses_from_toml() {
+    let c = TrainConfig::from_toml("leave = [\"1@3\"]\njoin = [\"2@5\"]\n").unwrap();
+    assert_eq!(c.leave, vec![At { value: 1, step: 3 }]);
+    assert_eq!(c.join, vec![At { value: 2, step: 5 }]);
+    c.validate().unwrap();
+    // A joiner (rank 4) may leave later.
+    let c = TrainConfig {
+        leave: vec![At { value: 4, step: 7 }],
+        ..c
+    };
+    c.validate().unwrap();
+}
