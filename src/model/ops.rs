@@ -18,8 +18,6 @@
 use super::kernels::{cross_entropy_kernel, gelu_into, gelu_with_derivative_into, lane_sum};
 use crate::optim::{multiversion, Isa};
 
-pub use super::attention::{attention_backward, attention_forward, AttnShape};
-
 // ---------------------------------------------------------------------------------------------
 // Matrix products
 // ---------------------------------------------------------------------------------------------

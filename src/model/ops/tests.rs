@@ -1,5 +1,6 @@
 use super::super::rng::test_util::{bits, check_grad, dot, randn};
 use super::*;
+use crate::model::attention::{attention_backward, attention_forward, AttnShape};
 
 fn naive_matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
     let mut c = vec![0.0; m * n];
