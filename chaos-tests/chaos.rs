@@ -25,8 +25,8 @@ use elastic_zero::plan::rebalance::rebalance;
 use elastic_zero::plan::replica::holders;
 use elastic_zero::plan::ShardMap;
 use elastic_zero::reference::train_reference;
-use elastic_zero::runtime::cluster::Observer;
-use elastic_zero::runtime::local::NetCounts;
+use elastic_zero::runtime::api::cluster::Observer;
+use elastic_zero::runtime::transport::local::NetCounts;
 use elastic_zero::runtime::ClusterSpec;
 use elastic_zero::summary::param_sha256;
 

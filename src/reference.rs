@@ -8,11 +8,11 @@
 use crate::config::TrainConfig;
 use crate::data::Dataset;
 use crate::engine::coordinator::mean_in_order;
+use crate::job::{lr_schedule, optim_settings};
 use crate::model::Model;
 use crate::optim::OptimState;
 use crate::reduce::exact::{self, QuantStats};
 use crate::reduce::{grad_buf, GradBuf, SumSquares};
-use crate::runtime::cluster::{lr_schedule, optim_settings};
 
 /// Parameters and per-step losses of a reference run.
 pub struct ReferenceOutcome {

@@ -175,7 +175,7 @@ fn kept_activations_match_the_oracle_and_cost_memory() {
             keep_activations: true,
             ..recompute.clone()
         };
-        let peak = |out: &elastic_zero::runtime::cluster::TrainOutcome| {
+        let peak = |out: &elastic_zero::runtime::api::cluster::TrainOutcome| {
             out.records
                 .iter()
                 .flat_map(|r| &r.reports)

@@ -11,7 +11,7 @@ use elastic_zero::checkpoint::{self, CheckpointMeta, SaveOptions};
 use elastic_zero::config::{ModelKind, TrainConfig};
 use elastic_zero::job::{build_dataset, build_model};
 use elastic_zero::runtime::actors::Snapshot;
-use elastic_zero::runtime::cluster::Observer;
+use elastic_zero::runtime::api::cluster::Observer;
 use elastic_zero::runtime::{ClusterSpec, TrainOutcome};
 use elastic_zero::summary::param_sha256;
 

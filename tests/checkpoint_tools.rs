@@ -107,8 +107,10 @@ fn export_round_trips_through_safetensors_and_init_starts_from_it() {
     let loaded = checkpoint::load_path(&root).unwrap();
     let cfg = &loaded.manifest.config;
     let units = build_model(cfg).unwrap().units();
-    let params =
-        elastic_zero::runtime::cluster::consolidate(&loaded.snapshot.map, &loaded.snapshot.chunks);
+    let params = elastic_zero::runtime::api::cluster::consolidate(
+        &loaded.snapshot.map,
+        &loaded.snapshot.chunks,
+    );
     let fp32 = t.path().join("model.safetensors");
     let bf16 = t.path().join("half.safetensors");
     ok(&ezero(&[
@@ -137,13 +139,13 @@ fn export_round_trips_through_safetensors_and_init_starts_from_it() {
     let opt = safetensors::SafeTensors::deserialize(&opt_bytes).unwrap();
     let named: usize = units.iter().map(|u| u.params.len()).sum();
     assert_eq!((st.len(), half.len(), opt.len()), (named, named, 2 * named));
-    let m = elastic_zero::runtime::cluster::consolidate(
+    let m = elastic_zero::runtime::api::cluster::consolidate(
         &loaded.snapshot.map,
         &loaded
             .snapshot
             .chunks
             .iter()
-            .map(|c| elastic_zero::runtime::rank_state::ChunkState {
+            .map(|c| elastic_zero::runtime::step::rank_state::ChunkState {
                 params: c.m.clone(),
                 ..c.clone()
             })

@@ -149,7 +149,7 @@ async fn status_and_metrics_describe_the_run() {
     );
     assert!(matches!(
         end.run,
-        elastic_zero::runtime::status::RunState::Finished
+        elastic_zero::runtime::api::status::RunState::Finished
     ));
     let text = end.prometheus();
     assert_eq!(sample(&samples(&text), "ezero_up"), 0.0);

@@ -22,7 +22,7 @@ fn run_logged(
     String,
 > {
     use elastic_zero::engine::coordinator::MembershipRecord;
-    use elastic_zero::runtime::cluster::Observer;
+    use elastic_zero::runtime::api::cluster::Observer;
     use elastic_zero::runtime::ClusterSpec;
     struct Log(Vec<MembershipRecord>);
     impl Observer for &mut Log {

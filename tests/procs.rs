@@ -12,7 +12,7 @@ use common::procs::{
     coordinator, digest, flags_with, reference_digest, run, secrets, small, worker, Coordinator,
     Proc, DEADLINE, EZERO,
 };
-use elastic_zero::runtime::control_plane::ToCoord;
+use elastic_zero::runtime::procs::control_plane::ToCoord;
 
 #[test]
 fn launch_gives_the_in_process_digest_with_2_and_3_processes() {
@@ -159,7 +159,7 @@ fn control_client(addr: &str, config: rustls::ClientConfig) -> bool {
         rank_hint: None,
         standby: false,
     };
-    let frame = elastic_zero::runtime::control_plane::encode(&hello).unwrap();
+    let frame = elastic_zero::runtime::procs::control_plane::encode(&hello).unwrap();
     if tls.write_all(&frame).and_then(|_| tls.flush()).is_err() {
         return false;
     }

@@ -9,9 +9,9 @@ use bytes::Bytes;
 
 use elastic_zero::net::{ClusterCa, Identity};
 use elastic_zero::plan::RankId;
-use elastic_zero::runtime::collectives::{barrier, broadcast, exchange_small};
-use elastic_zero::runtime::comm::Comm;
-use elastic_zero::runtime::quic::{ControlEvent, QuicConfig, QuicTransport};
+use elastic_zero::runtime::step::collectives::{barrier, broadcast, exchange_small};
+use elastic_zero::runtime::step::comm::Comm;
+use elastic_zero::runtime::transport::quic::{ControlEvent, QuicConfig, QuicTransport};
 use elastic_zero::runtime::transport::{Frame, Tag, TagKind, Transport, TransportError};
 
 const WAIT_MS: u64 = 20_000;
@@ -265,7 +265,7 @@ fn damaged_bytes_on_a_stream_are_counted_and_dropped() {
 /// counters see at least the payload (plus QUIC's own overhead) leave and arrive.
 #[test]
 fn each_congestion_controller_delivers_and_wire_bytes_are_counted() {
-    use elastic_zero::runtime::quic::Congestion;
+    use elastic_zero::runtime::transport::quic::Congestion;
     for (congestion, initial_window_bytes) in [
         (Congestion::Cubic, 0),
         (Congestion::NewReno, 1 << 20),

@@ -11,7 +11,7 @@ use elastic_zero::checkpoint::{self, CheckpointSource};
 use elastic_zero::config::{ModelKind, TrainConfig};
 use elastic_zero::engine::coordinator::StepRecord;
 use elastic_zero::runtime::actors::Snapshot;
-use elastic_zero::runtime::cluster::Observer;
+use elastic_zero::runtime::api::cluster::Observer;
 use elastic_zero::runtime::{ClusterError, ClusterSpec, TrainOutcome};
 use elastic_zero::summary::param_sha256;
 

@@ -15,11 +15,12 @@ use serde::Serialize;
 
 use crate::plan::{RankId, ShardMap};
 use crate::reduce::GradBuf;
-use crate::runtime::collectives::{
-    broadcast, decode_f32_into, encode_f32, exchange_small, post_owned, reduce_scatter, wait_owned,
+use crate::runtime::step::collectives::{
+    broadcast, exchange_small, post_owned, reduce_scatter, wait_owned,
 };
-use crate::runtime::comm::{Comm, CommError};
+use crate::runtime::step::comm::{Comm, CommError};
 use crate::runtime::transport::{Tag, TagKind, Transport};
+use crate::wire::f32s::{decode_f32_into, encode_f32};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -235,7 +236,7 @@ pub fn run_op<T: Transport>(
     for i in 0..warmup {
         one(comm, op, &mut b, members, run, i)?;
     }
-    crate::runtime::collectives::barrier(comm, members, tag(TagKind::Barrier, run, 0))?;
+    crate::runtime::step::collectives::barrier(comm, members, tag(TagKind::Barrier, run, 0))?;
     let cpu0 = process_cpu_s();
     let t0 = Instant::now();
     for i in warmup..warmup + iters {
@@ -244,7 +245,7 @@ pub fn run_op<T: Transport>(
     // Every rank stops its clocks once all are done: a broadcast's root returns as soon as
     // its sends are queued, and its transport encrypts them afterwards, so without this its
     // CPU time would be counted over a window that misses most of the work.
-    crate::runtime::collectives::barrier(comm, members, tag(TagKind::Barrier, run, 1))?;
+    crate::runtime::step::collectives::barrier(comm, members, tag(TagKind::Barrier, run, 1))?;
     let wall = t0.elapsed().as_secs_f64();
     let cpu = process_cpu_s() - cpu0;
     let mut mine = wall.to_le_bytes().to_vec();
@@ -364,7 +365,7 @@ pub fn bench_aead(aes_256: bool, packet_bytes: usize, total_bytes: usize) -> Aea
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::local::LocalNetwork;
+    use crate::runtime::transport::local::LocalNetwork;
 
     /// Every op completes over the local transport and the reductions are right.
     #[test]

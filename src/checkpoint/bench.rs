@@ -24,9 +24,9 @@ use crate::job::{build_dataset, build_model};
 use crate::model::{ParamSpec, UnitSpec};
 use crate::plan::ShardMap;
 use crate::runtime::actors::Snapshot;
-use crate::runtime::cluster::Observer;
-use crate::runtime::rank_state::ChunkState;
-use crate::runtime::resume::read_owned_chunks;
+use crate::runtime::api::cluster::Observer;
+use crate::runtime::step::rank_state::ChunkState;
+use crate::runtime::step::resume::read_owned_chunks;
 use crate::runtime::{train, ClusterSpec};
 use crate::summary::median;
 

@@ -17,7 +17,7 @@ use super::error::{CheckpointError, IoContext};
 use super::read::Loaded;
 use super::write::{tmp_path, write_synced};
 use crate::model::UnitSpec;
-use crate::runtime::rank_state::ChunkState;
+use crate::runtime::step::rank_state::ChunkState;
 
 /// How to export.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

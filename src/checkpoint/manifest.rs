@@ -21,10 +21,10 @@ use serde::{Deserialize, Serialize};
 use super::error::CheckpointError;
 use crate::config::{OptimizerChoice, TrainConfig};
 use crate::engine::coordinator::Progress;
+use crate::job::optim_settings;
 use crate::model::UnitSpec;
 use crate::optim::OptimState;
 use crate::plan::{RankId, ShardMap};
-use crate::runtime::cluster::optim_settings;
 
 /// `format` of every manifest this crate writes.
 pub const FORMAT: &str = "elastic-zero-checkpoint";

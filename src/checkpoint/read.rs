@@ -15,7 +15,7 @@ use super::manifest::{crc_hex, ChunkEntry, FileEntry, Manifest, MANIFEST_FILE, T
 use super::store;
 use crate::param_digest::ParamDigest;
 use crate::runtime::actors::Snapshot;
-use crate::runtime::rank_state::ChunkState;
+use crate::runtime::step::rank_state::ChunkState;
 
 /// A checkpoint read and verified.
 #[derive(Clone, Debug)]
@@ -274,7 +274,7 @@ mod tests {
     use super::super::codec::encode_chunk;
     use super::*;
     use crate::plan::{ChunkId, ShardMap};
-    use crate::runtime::cluster::consolidate;
+    use crate::runtime::api::cluster::consolidate;
 
     /// Parameters with the bit patterns a careless digest could fold together: both zeros,
     /// subnormals, infinities and NaNs with different payloads.
@@ -392,7 +392,10 @@ mod tests {
                     "summary",
                     crate::summary::param_sha256(&consolidate(&map, &chunks)),
                 ),
-                ("resume", crate::runtime::resume::params_sha256(&by_id)),
+                (
+                    "resume",
+                    crate::runtime::step::resume::params_sha256(&by_id),
+                ),
                 ("save", super::super::write::params_sha256(&chunks)),
                 ("load", params_sha256_of_records(&files, &blobs).unwrap()),
             ];

@@ -30,7 +30,7 @@ use super::meta::CheckpointMeta;
 use super::store;
 use crate::plan::RankId;
 use crate::runtime::actors::Snapshot;
-use crate::runtime::rank_state::ChunkState;
+use crate::runtime::step::rank_state::ChunkState;
 
 /// A point of the save sequence at which a crash test aborts the process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -24,11 +24,12 @@ use elastic_zero::checkpoint::{
 use elastic_zero::config::{ModelKind, TrainConfig};
 use elastic_zero::data::Dataset;
 use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
+use elastic_zero::job::optim_settings;
 use elastic_zero::model::Model;
 use elastic_zero::plan::RankId;
 use elastic_zero::runtime::actors::{BoundarySnapshot, Snapshot};
-use elastic_zero::runtime::cluster::{optim_settings, Observer};
-use elastic_zero::runtime::proc_state::StartState;
+use elastic_zero::runtime::api::cluster::Observer;
+use elastic_zero::runtime::procs::state::StartState;
 use elastic_zero::runtime::ChangeRecord;
 
 use super::{CliError, TrainArgs};

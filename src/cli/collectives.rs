@@ -21,10 +21,10 @@ use elastic_zero::bench::collectives::{default_iters, result, run_op, Op, ALL_OP
 use elastic_zero::net::tls::ClusterTls;
 use elastic_zero::net::{init_secrets, ClusterCa, Identity};
 use elastic_zero::plan::RankId;
-use elastic_zero::runtime::comm::Comm;
-use elastic_zero::runtime::local::LocalNetwork;
-use elastic_zero::runtime::quic::{Congestion, QuicConfig, QuicTransport};
-use elastic_zero::runtime::tcp::TcpListenerHandle;
+use elastic_zero::runtime::step::comm::Comm;
+use elastic_zero::runtime::transport::local::LocalNetwork;
+use elastic_zero::runtime::transport::quic::{Congestion, QuicConfig, QuicTransport};
+use elastic_zero::runtime::transport::tcp::TcpListenerHandle;
 use elastic_zero::runtime::transport::Transport;
 
 use super::CliError;

@@ -14,7 +14,7 @@ use clap::{Args, Parser};
 
 use std::path::PathBuf;
 
-use elastic_zero::runtime::control_plane::DataPlane;
+use elastic_zero::runtime::procs::control_plane::DataPlane;
 
 use super::procs::{check_train_args, parse_data_plane, ProcsArgs};
 use super::{CliError, TrainArgs};

@@ -17,14 +17,14 @@ use elastic_zero::model::param_count;
 use elastic_zero::net::tls::ClusterTls;
 use elastic_zero::net::{init_secrets, Identity};
 use elastic_zero::plan::RankId;
-use elastic_zero::runtime::cluster::Observer;
-use elastic_zero::runtime::control_plane::DataPlane;
-use elastic_zero::runtime::heartbeat::ProcsConfig;
-use elastic_zero::runtime::proc_coord::{
+use elastic_zero::runtime::api::cluster::Observer;
+use elastic_zero::runtime::procs::control_plane::DataPlane;
+use elastic_zero::runtime::procs::coord::{
     run_coordinator, CoordinatorOptions, Listening, ProcError,
 };
-use elastic_zero::runtime::proc_state::{check_parts, STATE_PART_MAX_BYTES};
-use elastic_zero::runtime::proc_worker::{run_worker, WorkerOptions};
+use elastic_zero::runtime::procs::heartbeat::ProcsConfig;
+use elastic_zero::runtime::procs::state::{check_parts, STATE_PART_MAX_BYTES};
+use elastic_zero::runtime::procs::worker::{run_worker, WorkerOptions};
 
 use super::checkpoint::{self, SaveObserver, Saving};
 use super::{CliError, TrainArgs};

@@ -12,8 +12,8 @@ use elastic_zero::job::{build_dataset, build_model};
 use elastic_zero::model::sample::generate;
 use elastic_zero::model::{param_count, Model};
 use elastic_zero::plan::RankId;
-use elastic_zero::runtime::cluster::Observer;
-use elastic_zero::runtime::resume::ResumeSource;
+use elastic_zero::runtime::api::cluster::Observer;
+use elastic_zero::runtime::step::resume::ResumeSource;
 use elastic_zero::runtime::{ChangeRecord, Cluster, ClusterBuilder, ClusterError, ClusterSpec};
 use elastic_zero::summary::{median, param_sha256, rank_summaries, TrainSummary};
 

@@ -11,10 +11,12 @@
 
 pub mod adam;
 pub mod lr;
+pub mod settings;
 pub mod sgd;
 
 pub use adam::{adam_step, adam_step_scalar, AdamHyper};
 pub use lr::LrSchedule;
+pub use settings::OptimSettings;
 pub use sgd::{sgd_step, sgd_step_scalar, SgdHyper};
 
 use serde::{Deserialize, Serialize};

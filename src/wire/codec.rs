@@ -3,9 +3,9 @@
 use bincode::{Decode, Encode};
 use bytes::Bytes;
 
+use super::frame::{Frame, Tag, TagKind};
 use super::{WireError, CHECKSUM_BYTES, MAX_HEADER_BYTES, PREFIX_BYTES, WIRE_VERSION};
 use crate::plan::RankId;
-use crate::runtime::transport::{Frame, Tag, TagKind};
 
 /// Which of a connection's two streams a message travels on. Control (heartbeats, small
 /// agreement frames) has its own stream so that a bulk transfer never delays it.

@@ -18,6 +18,8 @@
 //! framing, so the reader drops the stream (and the QUIC layer the connection).
 
 mod codec;
+pub mod f32s;
+pub mod frame;
 mod stream;
 
 pub use codec::{decode, encode, encode_to_vec, Lane, WireMsg};

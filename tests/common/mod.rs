@@ -5,7 +5,7 @@ pub mod ezero;
 pub mod procs;
 
 use elastic_zero::config::{ModelKind, TrainConfig};
-use elastic_zero::runtime::cluster::Observer;
+use elastic_zero::runtime::api::cluster::Observer;
 use elastic_zero::runtime::{train, ClusterError, ClusterSpec, TrainOutcome};
 
 /// A small, fast config: a 2-layer MLP (or GPT) that trains a few steps in well under a second.

@@ -7,17 +7,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ractor::{Actor, ActorProcessingErr, ActorRef, ActorStatus, RpcReplyPort, SupervisionEvent};
+use ractor::{Actor, ActorProcessingErr, ActorRef, ActorStatus, SupervisionEvent};
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::actors::{collect_chunks, ClusterEvent, Snapshot};
-use super::clock::Clock;
-use super::rank_actor::{RankActor, RankArgs, RankMsg};
-use super::rank_state::ChunkState;
-use super::transport::Transport;
-use crate::engine::coordinator::{Change, Command, Coordinator, Event, Refusal};
-use crate::engine::messages::StepReport;
+use super::collect::collect_chunks;
+use super::events::ClusterEvent;
+use super::messages::{Activity, CoordMsg, CoordView, RankMsg};
+use super::rank::{RankActor, RankArgs};
+use crate::engine::coordinator::{Command, Coordinator, Event, Refusal};
 use crate::plan::{RankId, ShardMap};
+use crate::runtime::clock::Clock;
+use crate::runtime::step::snapshot::Snapshot;
+use crate::runtime::transport::Transport;
 
 /// Starts a new rank (a joiner): the arguments of its rank actor (its endpoint, shared setup, no
 /// state), or `Later` where the runtime starts it itself, or a reason it cannot.
@@ -44,100 +45,6 @@ pub enum NewRank<T: Transport> {
     /// The runtime starts it (a worker process takes some time to come up) and answers with
     /// `CoordMsg::Joined`; the coordinator actor keeps handling messages meanwhile.
     Later,
-}
-
-/// Messages to the coordinator. Expected failures arrive as `RankFailed`, never as errors.
-pub enum CoordMsg<T: Transport> {
-    Start {
-        ranks: Vec<(RankId, ActorRef<RankMsg<T>>)>,
-    },
-    StepDone(Box<StepReport>),
-    RankFailed {
-        rank: RankId,
-        reason: String,
-    },
-    ReshardDone {
-        rank: RankId,
-        epoch: u64,
-    },
-    /// Alive and idle, but the step or round did not finish (a peer vanished or it was
-    /// interrupted).
-    StepAborted {
-        rank: RankId,
-        reason: String,
-    },
-    ReplicateDone {
-        rank: RankId,
-        epoch: u64,
-        step: u64,
-    },
-    Tick,
-    /// Take a snapshot at the next step boundary.
-    SnapshotNow,
-    /// An operator's membership change, applied at the next step boundary or refused.
-    Request(Change, RpcReplyPort<Result<(), Refusal>>),
-    /// Fault injection for tests and demos: the rank vanishes halfway through the next step
-    /// that starts (as `--kill` does), or the request is refused.
-    Kill(RankId, RpcReplyPort<Result<(), Refusal>>),
-    /// Where the run stands, for the control API.
-    View(RpcReplyPort<CoordView>),
-    /// Every chunk's state and the map (between steps, e.g. after `Finished`).
-    Collect(RpcReplyPort<Result<(ShardMap, Vec<ChunkState>), String>>),
-    /// A joiner the factory answered `NewRank::Later` for: its actor (linked to this one), or
-    /// why it could not start.
-    Joined {
-        rank: RankId,
-        started: Result<ActorRef<RankMsg<T>>, String>,
-        /// Where it runs, when known.
-        host: Option<String>,
-    },
-}
-
-/// The coordinator's view of the run at one instant (see `control::Status`).
-#[derive(Clone, Debug)]
-pub struct CoordView {
-    pub map: ShardMap,
-    /// The next step to run.
-    pub step: u64,
-    pub steps: u64,
-    pub min_ranks: u32,
-    pub max_ranks: u32,
-    pub finished: bool,
-    /// The step before which the newest complete buddy backup was taken.
-    pub backup_step: Option<u64>,
-    pub pending_kills: Vec<RankId>,
-    /// What the ranks were last told to do.
-    pub activity: Activity,
-    /// Ranks that were told and have not answered yet (sorted).
-    pub awaiting: Vec<RankId>,
-}
-
-/// What the ranks were last told to do, as the coordinator actor sent it. A rank listed in
-/// `CoordView::awaiting` has not answered, so the activity cannot end before it does (or
-/// fails): an operator, or a test, can tell a loss inside a step from one between steps.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-#[serde(tag = "phase", rename_all = "snake_case")]
-pub enum Activity {
-    #[default]
-    Starting,
-    /// Training step `step`.
-    Running {
-        step: u64,
-    },
-    /// Taking the buddy backup before step `step`.
-    Replicating {
-        step: u64,
-    },
-    /// Moving chunks for a membership change before step `step`.
-    Resharding {
-        step: u64,
-    },
-    /// Rolling back to the backup before step `step` after a loss.
-    Restoring {
-        step: u64,
-    },
-    Finished,
-    Failed,
 }
 
 pub struct CoordArgs<T: Transport> {

@@ -8,96 +8,18 @@
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
-use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use super::comm::{Comm, CommError};
-use super::coord_actor::CoordMsg;
-use super::rank_state::{ChunkState, OptimSettings, RankState};
-use super::replica::{replicate, Backup};
-use super::reshard::Reshard;
-use super::step::{run_step, ExecConfig};
-use super::transport::Transport;
+use super::messages::{CoordMsg, RankMsg};
 use crate::config::{Round, RoundKill};
-use crate::data::Dataset;
-use crate::engine::messages::{StepPlan, StepReport};
-use crate::model::Model;
 use crate::plan::replica::holders;
-use crate::plan::{RankId, ShardMap, Stage};
-use crate::reduce::ReduceMode;
-
-/// A rank's state (none yet for a joiner), its backups and its communicator, moved to the
-/// worker thread for each job.
-pub struct Work<T: Transport> {
-    pub state: Option<RankState>,
-    /// The newest backup the coordinator committed (as far as this rank knows).
-    pub backup: Option<Backup>,
-    /// A backup taken since, kept apart until the next step under its (epoch, step) shows the
-    /// coordinator committed it: if its round is abandoned, recovery uses `backup`.
-    pub fresh: Option<Backup>,
-    pub comm: Comm<T>,
-}
-
-impl<T: Transport> Work<T> {
-    /// The backup taken under `epoch` before `step`, committed or fresh.
-    fn backup_at(&self, epoch: u64, step: u64) -> Option<&Backup> {
-        [self.backup.as_ref(), self.fresh.as_ref()]
-            .into_iter()
-            .flatten()
-            .find(|b| (b.epoch, b.step) == (epoch, step))
-    }
-}
-
-impl<T: Transport> Work<T> {
-    pub fn new(state: Option<RankState>, comm: Comm<T>) -> Self {
-        Self {
-            state,
-            backup: None,
-            fresh: None,
-            comm,
-        }
-    }
-}
-
-/// What every rank of a run shares, so that a joiner can build its state.
-pub struct RankSetup {
-    pub stage: Stage,
-    pub mode: ReduceMode,
-    pub model: Arc<dyn Model>,
-    pub optim: OptimSettings,
-    pub data: Arc<Dataset>,
-    pub exec: ExecConfig,
-    /// Disconnects a rank from the network: how an injected kill makes the rank vanish.
-    pub disconnect: Box<dyn Fn(RankId) + Send + Sync>,
-}
-
-pub enum RankMsg<T: Transport> {
-    RunStep(Box<StepPlan>),
-    StepFinished(Box<Work<T>>, Result<Box<StepReport>, CommError>),
-    /// Move chunks from `old` to `new` (the rank may be leaving, staying or joining).
-    Reshard {
-        old: Box<ShardMap>,
-        new: Box<ShardMap>,
-        step: u64,
-    },
-    ReshardFinished(Box<Work<T>>, Result<u64, CommError>),
-    /// Roll back to the backup taken under `old`, without the `lost` ranks, onto `new`.
-    Restore {
-        old: Box<ShardMap>,
-        new: Box<ShardMap>,
-        step: u64,
-        lost: Vec<RankId>,
-    },
-    /// Take a backup before step `step` (local copy plus replicas with the buddy).
-    Replicate {
-        step: u64,
-    },
-    ReplicateFinished(Box<Work<T>>, Result<(u64, u64), CommError>),
-    ComputePanicked(String),
-    /// Fault injection from the control API: vanish halfway through step `.0`.
-    KillAt(u64),
-    /// The state of every chunk this rank owns (consolidation, checkpoints).
-    Collect(RpcReplyPort<Vec<ChunkState>>),
-}
+use crate::plan::{RankId, ShardMap};
+use crate::runtime::step::comm::CommError;
+use crate::runtime::step::exec::run_step;
+use crate::runtime::step::replica::{replicate, Backup};
+use crate::runtime::step::reshard::Reshard;
+use crate::runtime::step::work::{RankSetup, Work};
+use crate::runtime::transport::Transport;
 
 pub struct RankArgs<T: Transport> {
     pub rank: RankId,

@@ -9,26 +9,27 @@ use std::sync::Arc;
 use ractor::{Actor, ActorRef};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use super::actors::{
-    BoundarySnapshot, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank, RankActor,
-    RankArgs, RankFactory, RankSetup, Snapshot, Work,
-};
-use super::clock::SystemClock;
-use super::comm::Comm;
-use super::local::{LocalEndpoint, LocalNetwork, NetCounts, NetFaults, Partition};
-use super::rank_actor::RankMsg;
-use super::rank_state::{ChunkState, OptimSettings, RankState};
-use super::resume::{read_owned_chunks, ResumeSource};
-use super::step::ExecConfig;
-use crate::config::{ConfigError, OptimizerChoice, TrainConfig};
+use crate::config::{ConfigError, TrainConfig};
 use crate::data::Dataset;
 use crate::engine::coordinator::{
     Change, Coordinator, JobSpec, MembershipRecord, Refusal, ScriptedChange, StepRecord,
 };
-use crate::job::{build_dataset, build_model};
+use crate::job::{build_dataset, build_model, lr_schedule, optim_settings};
 use crate::model::Model;
-use crate::optim::{AdamHyper, LrSchedule, OptimizerKind};
 use crate::plan::{ChunkId, RankId, ShardMap, Stage};
+use crate::runtime::actors::RankMsg;
+use crate::runtime::actors::{
+    BoundarySnapshot, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank, RankActor,
+    RankArgs, RankFactory, RankSetup, Snapshot, Work,
+};
+use crate::runtime::clock::SystemClock;
+use crate::runtime::step::comm::Comm;
+use crate::runtime::step::exec::ExecConfig;
+use crate::runtime::step::rank_state::{ChunkState, RankState};
+use crate::runtime::step::resume::{read_owned_chunks, ResumeSource};
+use crate::runtime::transport::local::{
+    LocalEndpoint, LocalNetwork, NetCounts, NetFaults, Partition,
+};
 
 /// Why a run did not finish.
 #[derive(Debug, thiserror::Error)]
@@ -124,45 +125,6 @@ pub fn net_faults(cfg: &TrainConfig) -> NetFaults {
             cfg.net_partition_frames,
             cfg.net_partition_ms,
         ),
-    }
-}
-
-/// Optimizer settings from a config.
-pub fn optim_settings(cfg: &TrainConfig) -> OptimSettings {
-    let kind = match cfg.optimizer {
-        OptimizerChoice::Adamw => OptimizerKind::AdamW,
-        OptimizerChoice::Adam => OptimizerKind::Adam,
-        OptimizerChoice::Sgd => OptimizerKind::Sgd {
-            momentum: cfg.momentum as f64,
-            nesterov: false,
-        },
-    };
-    let hyper = AdamHyper {
-        lr: cfg.lr,
-        beta1: cfg.beta1 as f64,
-        beta2: cfg.beta2 as f64,
-        eps: cfg.eps as f64,
-        weight_decay: cfg.weight_decay as f64,
-        decoupled: kind == OptimizerKind::AdamW,
-    };
-    OptimSettings {
-        kind,
-        hyper,
-        threads: cfg.optimizer_threads,
-    }
-}
-
-/// The learning-rate schedule of a config.
-pub fn lr_schedule(cfg: &TrainConfig) -> LrSchedule {
-    LrSchedule {
-        base_lr: cfg.lr,
-        warmup_steps: cfg.warmup_steps,
-        total_steps: if cfg.min_lr_ratio >= 1.0 {
-            0
-        } else {
-            cfg.steps
-        },
-        min_lr_ratio: cfg.min_lr_ratio as f64,
     }
 }
 

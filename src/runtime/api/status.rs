@@ -12,13 +12,13 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use super::coord_actor::{Activity, CoordView};
-use super::rank_state::OptimSettings;
-use super::reshard::transfers;
 use crate::engine::coordinator::{MembershipRecord, StepRecord};
 use crate::plan::rebalance::rebalance;
 use crate::plan::replica::holders;
 use crate::plan::{RankId, ShardMap, Stage};
+use crate::runtime::actors::{Activity, CoordView};
+use crate::runtime::step::rank_state::OptimSettings;
+use crate::runtime::step::reshard::transfers;
 
 /// Membership changes kept for `/status` (older ones are counted, not listed).
 pub const HISTORY_MAX: usize = 256;

@@ -10,16 +10,17 @@ use std::time::Duration;
 use ractor::{Actor, ActorRef};
 use tokio::sync::mpsc;
 
-use super::actors::CoordMsg;
-use super::clock::Clock;
 use super::control_plane::{read_msg, ToCoord, ToWorker, WireError, CONTROL_FRAME_MAX_BYTES};
 use super::heartbeat::{Liveness, ProcsConfig};
-use super::proc_coord::{ControlReader, Tasks};
-use super::proc_standby;
-use super::proxy::{lock, Detached, PendingCollects, RankProxy, RankProxyArgs};
-use super::rank_actor::RankMsg;
-use super::rank_state::ChunkState;
+use super::link::{ControlReader, Tasks};
+use super::proxy::{lock, PendingCollects, RankProxy, RankProxyArgs};
+use super::standby;
 use crate::plan::RankId;
+use crate::runtime::actors::CoordMsg;
+use crate::runtime::actors::RankMsg;
+use crate::runtime::clock::Clock;
+use crate::runtime::step::rank_state::ChunkState;
+use crate::runtime::transport::detached::Detached;
 
 /// Starts the proxy of a worker that is ready, with its reader and heartbeat tasks.
 pub(super) async fn start_proxy(
@@ -61,7 +62,7 @@ pub(super) async fn start_proxy(
 /// standby) the channel its reader task fills.
 pub(super) enum Inbox {
     Stream(ControlReader),
-    Pumped(proc_standby::Inbox),
+    Pumped(standby::Inbox),
 }
 
 impl Inbox {

@@ -9,13 +9,13 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use super::coord_actor::CoordMsg;
 use super::heartbeat::ProcsConfig;
-use super::rank_actor::RankMsg;
-use super::rank_state::ChunkState;
-use super::transport::Transport;
 use crate::engine::messages::{StepPlan, StepReport};
 use crate::plan::{RankId, ShardMap};
+use crate::runtime::actors::CoordMsg;
+use crate::runtime::actors::RankMsg;
+use crate::runtime::step::rank_state::ChunkState;
+use crate::runtime::transport::Transport;
 
 /// Version of the control protocol; a peer speaking another is refused.
 pub const CONTROL_VERSION: u8 = 3;
@@ -267,7 +267,7 @@ pub struct Welcome {
     /// `StatePart`s follow with the chunks this rank starts from (`--resume`, `--init`),
     /// instead of the model's initialisation.
     pub restore: bool,
-    /// Largest part of chunk states in one frame, both ways (`proc_state::parts`).
+    /// Largest part of chunk states in one frame, both ways (`state::parts`).
     pub part_max_bytes: u64,
 }
 
@@ -427,8 +427,10 @@ mod tests {
     #[test]
     fn a_report_is_attributed_to_its_connection() {
         let r = RankReport::ReshardDone { rank: 7, epoch: 2 };
-        let CoordMsg::<crate::runtime::local::LocalEndpoint>::ReshardDone { rank, epoch } =
-            r.into_msg(1)
+        let CoordMsg::<crate::runtime::transport::local::LocalEndpoint>::ReshardDone {
+            rank,
+            epoch,
+        } = r.into_msg(1)
         else {
             panic!("wrong variant");
         };

@@ -2,7 +2,7 @@
 //! peers' data addresses, then drives the unchanged coordinator actor with one `RankProxy` per
 //! worker. A worker whose connection closes, or which stays silent past the heartbeat timeout,
 //! is stopped as a proxy, which the coordinator actor sees as that rank failing (the proxy and
-//! its connection's tasks: `proc_conn.rs`).
+//! its connection's tasks: `conn.rs`).
 //!
 //! Every worker connection is mutual TLS against the cluster CA (ALPN `ezero-control/1`), with
 //! the cluster token inside as defence in depth. Handshakes and hellos run concurrently, each
@@ -10,7 +10,7 @@
 //! up the admission of others.
 //!
 //! Workers that connect once the job has started (or say `standby` in their hello) are held as
-//! standbys (`proc_standby.rs`); a join takes one per new rank (`proc_join.rs`).
+//! standbys (`standby.rs`); a join takes one per new rank (`join.rs`).
 //!
 //! With `control` set it also serves the HTTP control endpoint of `ezero train --control` over
 //! the same coordinator actor. A kill there is carried out by the worker itself: told over its
@@ -23,55 +23,41 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ractor::{Actor, ActorRef};
-use tokio::io::{AsyncWrite, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
-use super::actors::{
-    BoundarySnapshot, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank,
-};
-use super::clock::{Clock, SystemClock};
-use super::cluster::{consolidate, job_spec, Observer, TrainOutcome};
-use super::control::{ControlHandle, Monitor};
+use super::conn::{start_proxy, Inbox};
 use super::control_plane::{
     read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, HELLO_FRAME_MAX_BYTES,
 };
+pub use super::error::ProcError;
 use super::heartbeat::ProcsConfig;
-use super::http::{self, HttpLimits};
-use super::proc_conn::{start_proxy, Inbox};
-use super::proc_join::Joining;
-use super::proc_standby::Lobby;
-use super::proc_state::{check_parts, parts, StartState};
-use super::proxy::{lock, Detached};
+use super::join::Joining;
+use super::link::{write_loop, ControlReader, ControlWriter, Links, Tasks, LINK_QUEUE_MAX};
+use super::proxy::lock;
+use super::standby::Lobby;
+use super::state::{check_parts, parts, StartState};
 use crate::config::{ConfigError, TrainConfig};
 use crate::engine::coordinator::Coordinator;
 use crate::job::build_model;
 use crate::net::tls::{check_alpn, ClusterTls, Protocol};
 use crate::plan::{RankId, ShardMap};
+use crate::runtime::actors::{
+    BoundarySnapshot, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank,
+};
+use crate::runtime::api::cluster::{consolidate, job_spec, Observer, TrainOutcome};
+use crate::runtime::api::control::{ControlHandle, Monitor};
+use crate::runtime::api::http::{self, HttpLimits};
+use crate::runtime::clock::{Clock, SystemClock};
+use crate::runtime::transport::detached::Detached;
 
-/// Messages queued per connection before the peer counts as not draining.
-pub const LINK_QUEUE_MAX: usize = 1024;
 /// How long a new connection may take to say hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long final messages get to leave before the process stops.
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// Why a process-mode run did not finish.
-#[derive(Debug, thiserror::Error)]
-pub enum ProcError {
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    /// Could not listen, workers did not join, a coordinator did not answer.
-    #[error("{0}")]
-    Setup(String),
-    #[error("the run stopped: {0}")]
-    Aborted(String),
-    #[error("consolidating parameters failed: {0}")]
-    Collect(String),
-}
 
 pub struct CoordinatorOptions {
     /// Where to accept workers (`host:port`; port 0 picks one). Nothing else is listened on.
@@ -97,7 +83,7 @@ pub struct CoordinatorOptions {
     pub boundary_snapshot: Option<BoundarySnapshot>,
     /// The observer keeps snapshots: `POST /checkpoint` is accepted.
     pub on_demand_snapshots: bool,
-    /// Largest part of chunk states in one control frame (`proc_state::STATE_PART_MAX_BYTES`).
+    /// Largest part of chunk states in one control frame (`state::STATE_PART_MAX_BYTES`).
     pub part_max_bytes: usize,
 }
 
@@ -109,11 +95,6 @@ pub struct Listening {
     /// The HTTP control endpoint, if asked for.
     pub control: Option<SocketAddr>,
 }
-
-/// A worker's control connection, after the TLS handshake.
-type ControlStream = tokio_rustls::server::TlsStream<TcpStream>;
-pub(super) type ControlReader = ReadHalf<ControlStream>;
-pub(super) type ControlWriter = WriteHalf<ControlStream>;
 
 /// A worker's control connection, split.
 struct Joined {
@@ -130,11 +111,6 @@ struct Greeted {
     reader: ControlReader,
     writer: ControlWriter,
 }
-
-/// Sending ends of every live worker's connection, shared with the coordinator's callbacks.
-pub(super) type Links = Arc<Mutex<BTreeMap<RankId, mpsc::Sender<Option<ToWorker>>>>>;
-/// Tasks to stop (or, for writers, to let finish) when the job ends; joiners add theirs.
-pub(super) type Tasks = Arc<Mutex<Vec<JoinHandle<()>>>>;
 
 /// Runs one job with `cfg.ranks` worker processes; `on_listen` hears the bound addresses first.
 pub async fn run_coordinator(
@@ -789,18 +765,5 @@ async fn expect(
         Err(_) => Err(ProcError::Setup(format!(
             "rank {rank} was not {what} within join_timeout_ms"
         ))),
-    }
-}
-
-/// Writes queued messages until told to stop (`None`) or the connection fails.
-pub(super) async fn write_loop<M: serde::Serialize>(
-    mut w: impl AsyncWrite + Unpin,
-    mut rx: mpsc::Receiver<Option<M>>,
-) {
-    while let Some(Some(msg)) = rx.recv().await {
-        if let Err(e) = write_msg(&mut w, &msg).await {
-            tracing::debug!("control connection write failed: {e}");
-            return;
-        }
     }
 }

@@ -13,16 +13,17 @@ use ractor::ActorRef;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::actors::CoordMsg;
-use super::clock::Clock;
+use super::conn::{start_proxy, Inbox};
 use super::control_plane::{DataPlane, ToCoord, ToWorker, Welcome};
 use super::heartbeat::ProcsConfig;
-use super::proc_conn::{start_proxy, Inbox};
-use super::proc_coord::{Links, Tasks};
-use super::proc_standby::{self, Lobby, Standby};
-use super::proxy::{lock, Detached};
-use super::rank_actor::RankMsg;
+use super::link::{Links, Tasks};
+use super::proxy::lock;
+use super::standby::{self, Lobby, Standby};
 use crate::plan::RankId;
+use crate::runtime::actors::CoordMsg;
+use crate::runtime::actors::RankMsg;
+use crate::runtime::clock::Clock;
+use crate::runtime::transport::detached::Detached;
 
 /// Everything bringing a joiner up needs.
 pub(super) struct Joining {
@@ -191,7 +192,7 @@ fn send(s: &Standby, msg: ToWorker) -> Result<(), String> {
 
 /// The next message other than a heartbeat, by `deadline`.
 async fn expect(
-    inbox: &mut proc_standby::Inbox,
+    inbox: &mut standby::Inbox,
     deadline: Instant,
     what: &str,
 ) -> Result<ToCoord, String> {

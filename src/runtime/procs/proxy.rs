@@ -15,27 +15,12 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent
 use tokio::sync::mpsc::Sender;
 
 use super::control_plane::{RankCommand, RankReport, ToCoord, ToWorker};
-use super::coord_actor::CoordMsg;
-use super::rank_actor::RankMsg;
-use super::rank_state::ChunkState;
-use super::transport::{Frame, Transport, TransportError};
 use crate::plan::RankId;
-
-/// The transport type of a process that hosts no rank (the coordinator's): it cannot exist, so
-/// nothing there can ever send or receive data frames.
-pub enum Detached {}
-
-impl Transport for Detached {
-    fn rank(&self) -> RankId {
-        match *self {}
-    }
-    fn send(&self, _: RankId, _: Frame) -> Result<(), TransportError> {
-        match *self {}
-    }
-    fn recv_timeout(&mut self, _: u64) -> Result<Frame, TransportError> {
-        match *self {}
-    }
-}
+use crate::runtime::actors::CoordMsg;
+use crate::runtime::actors::RankMsg;
+use crate::runtime::step::rank_state::ChunkState;
+use crate::runtime::transport::detached::Detached;
+use crate::runtime::transport::Transport;
 
 /// Collect requests in flight, answered by the connection's reader when the chunks arrive.
 pub type PendingCollects = Arc<Mutex<HashMap<u64, RpcReplyPort<Vec<ChunkState>>>>>;

@@ -14,12 +14,12 @@ use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::clock::Clock;
-use super::control::Standbys;
 use super::control_plane::{read_msg, ToCoord, ToWorker, WireError, CONTROL_FRAME_MAX_BYTES};
 use super::heartbeat::{Liveness, ProcsConfig};
-use super::proc_coord::{write_loop, ControlReader, ControlWriter, LINK_QUEUE_MAX};
+use super::link::{write_loop, ControlReader, ControlWriter, LINK_QUEUE_MAX};
 use super::proxy::lock;
+use crate::runtime::api::control::Standbys;
+use crate::runtime::clock::Clock;
 
 /// Most standby workers held at once; more are refused with a reason.
 pub const MAX_STANDBYS: usize = 64;

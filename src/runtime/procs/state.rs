@@ -15,12 +15,12 @@
 
 use std::collections::BTreeMap;
 
-use super::rank_state::ChunkState;
-use super::resume::{read_owned_chunks, ResumeSource};
 use crate::config::{ConfigError, TrainConfig};
 use crate::engine::coordinator::Progress;
 use crate::optim::{OptimState, OptimizerKind};
 use crate::plan::{ChunkId, RankId, ShardMap, Stage};
+use crate::runtime::step::rank_state::ChunkState;
+use crate::runtime::step::resume::{read_owned_chunks, ResumeSource};
 
 /// Default largest part of chunk states in one control frame, by the bytes of its values.
 pub const STATE_PART_MAX_BYTES: usize = 32 << 20;

@@ -24,25 +24,27 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
 
-use super::clock::{Clock, SystemClock};
-use super::cluster::{exec_config, optim_settings};
-use super::comm::Comm;
 use super::control_plane::{
     read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, CONTROL_FRAME_MAX_BYTES,
 };
+use super::error::ProcError;
 use super::heartbeat::{Liveness, ProcsConfig};
-use super::proc_coord::{ProcError, LINK_QUEUE_MAX};
-use super::proc_state::{parts, STATE_PART_LIMIT_BYTES};
+use super::link::LINK_QUEUE_MAX;
 use super::proxy::{CoordProxy, CoordProxyArgs, WorkerEnd};
-use super::quic::{QuicConfig, QuicTransport};
-use super::rank_actor::{RankActor, RankArgs, RankMsg, RankSetup, Work};
-use super::rank_state::{ChunkState, RankState};
-use super::tcp::TcpListenerHandle;
-use super::transport::Transport;
+use super::state::{parts, STATE_PART_LIMIT_BYTES};
 use crate::config::TrainConfig;
+use crate::job::optim_settings;
 use crate::job::{build_dataset, build_model};
 use crate::net::tls::{check_alpn, peer_server_name, ClusterTls, Protocol};
 use crate::plan::{RankId, Stage};
+use crate::runtime::actors::{RankActor, RankArgs, RankMsg, RankSetup, Work};
+use crate::runtime::api::cluster::exec_config;
+use crate::runtime::clock::{Clock, SystemClock};
+use crate::runtime::step::comm::Comm;
+use crate::runtime::step::rank_state::{ChunkState, RankState};
+use crate::runtime::transport::quic::{QuicConfig, QuicTransport};
+use crate::runtime::transport::tcp::TcpListenerHandle;
+use crate::runtime::transport::Transport;
 
 /// The control connection to the coordinator, after the TLS handshake.
 type ControlStream = tokio_rustls::client::TlsStream<TcpStream>;

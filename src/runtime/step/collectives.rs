@@ -12,25 +12,9 @@ use std::ops::Range;
 use bytes::Bytes;
 
 use super::comm::{Comm, CommError};
-use super::transport::{Tag, Transport};
 use crate::plan::{RankId, ShardMap};
 use crate::reduce::GradBuf;
-
-/// Little-endian bytes of `src` at the given ranges, concatenated.
-pub fn encode_f32(src: &[f32], ranges: impl Iterator<Item = Range<usize>>) -> Bytes {
-    let mut out = Vec::new();
-    for r in ranges {
-        super::parcel::put_f32s(&mut out, &src[r]);
-    }
-    Bytes::from(out)
-}
-
-/// Writes little-endian `f32` bytes into `dst`.
-pub fn decode_f32_into(bytes: &[u8], dst: &mut [f32]) {
-    for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
-        *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-    }
-}
+use crate::runtime::transport::{Tag, Transport};
 
 /// `members` without `me`: the ranks a one-to-all send goes to.
 fn others(members: &[RankId], me: RankId) -> Vec<RankId> {
@@ -239,8 +223,9 @@ pub fn exchange_small<T: Transport>(
 mod tests {
     use super::*;
     use crate::reduce::ReduceMode;
-    use crate::runtime::local::LocalNetwork;
+    use crate::runtime::transport::local::LocalNetwork;
     use crate::runtime::transport::TagKind;
+    use crate::wire::f32s::{decode_f32_into, encode_f32};
 
     #[test]
     fn gather_and_reduce_scatter_on_uneven_shards() {

@@ -11,8 +11,10 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
-use super::transport::{Frame, Tag, TagKind, Transport, TransportError, FRAME_HEADER_BYTES};
 use crate::plan::RankId;
+use crate::runtime::transport::{
+    Frame, Tag, TagKind, Transport, TransportError, FRAME_HEADER_BYTES,
+};
 
 /// Most frames held for later phases; a peer that floods us is a protocol error, not an OOM.
 pub const MAX_PENDING_FRAMES: usize = 1 << 16;
@@ -222,7 +224,7 @@ impl<T: Transport> Comm<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::local::LocalNetwork;
+    use crate::runtime::transport::local::LocalNetwork;
 
     fn tag(unit: u32) -> Tag {
         Tag {

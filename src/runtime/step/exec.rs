@@ -12,10 +12,9 @@ use std::time::Instant;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use super::collectives::{self, decode_f32_into, encode_f32};
+use super::collectives;
 use super::comm::{Comm, CommError};
 use super::rank_state::RankState;
-use super::transport::{Tag, TagKind, Transport};
 use crate::data::Dataset;
 use crate::engine::ledger::Category;
 use crate::engine::messages::{StepPlan, StepReport};
@@ -25,6 +24,8 @@ use crate::plan::volume::Volume;
 use crate::plan::Stage;
 use crate::reduce::exact::{self, QuantStats};
 use crate::reduce::{grad_buf, GradBuf, SumSquares};
+use crate::runtime::transport::{Tag, TagKind, Transport};
+use crate::wire::f32s::{decode_f32_into, encode_f32};
 
 /// Per-run settings the step needs besides the plan.
 #[derive(Clone, Debug)]

@@ -8,29 +8,13 @@
 
 use bytes::Bytes;
 
-use super::collectives::decode_f32_into;
 use super::comm::CommError;
 use super::rank_state::ChunkState;
 use crate::plan::RankId;
+use crate::wire::f32s::{get_f32s, put_f32s};
 
 /// unit, index (u32 each), three lengths (u64 each), CRC-32.
 const CHUNK_HEADER: usize = 4 + 4 + 3 * 8 + 4;
-
-/// Appends `v` as little-endian f32 bytes.
-pub(crate) fn put_f32s(out: &mut Vec<u8>, v: &[f32]) {
-    let start = out.len();
-    out.resize(start + 4 * v.len(), 0);
-    for (dst, x) in out[start..].chunks_exact_mut(4).zip(v) {
-        dst.copy_from_slice(&x.to_le_bytes());
-    }
-}
-
-/// Little-endian f32 values of `bytes` (whose length is a multiple of 4).
-pub(crate) fn get_f32s(bytes: &[u8]) -> Vec<f32> {
-    let mut out = vec![0f32; bytes.len() / 4];
-    decode_f32_into(bytes, &mut out);
-    out
-}
 
 /// The chunks, each with its CRC, as one payload.
 pub(crate) fn encode_parcel(chunks: &[ChunkState]) -> Bytes {

@@ -14,49 +14,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::engine::ledger::{Category, Ledger};
 use crate::model::{Model, UnitSpec};
-use crate::optim::{self, AdamHyper, OptimState, OptimizerKind};
+pub use crate::optim::OptimSettings;
+use crate::optim::OptimState;
 use crate::plan::{RankId, ShardMap, Stage};
 use crate::reduce::{grad_buf, GradBuf, ReduceMode};
-
-/// Optimizer choice and hyper-parameters for every shard of a run.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct OptimSettings {
-    pub kind: OptimizerKind,
-    pub hyper: AdamHyper,
-    pub threads: usize,
-}
-
-impl OptimSettings {
-    /// Optimizer state elements per parameter (Adam: m and v).
-    pub fn state_per_param(&self) -> u64 {
-        match self.kind {
-            OptimizerKind::AdamW | OptimizerKind::Adam => 2,
-            OptimizerKind::Sgd { momentum, .. } if momentum != 0.0 => 1,
-            OptimizerKind::Sgd { .. } => 0,
-        }
-    }
-
-    /// One update of `p` with gradient `g` and state slices `m`, `v` (empty where unused).
-    pub fn update(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], t: u64, lr: f32) {
-        match self.kind {
-            OptimizerKind::AdamW | OptimizerKind::Adam => {
-                let hp = AdamHyper {
-                    decoupled: self.kind == OptimizerKind::AdamW,
-                    ..self.hyper
-                };
-                optim::adam_step(p, g, m, v, &hp, t, lr, self.threads);
-            }
-            OptimizerKind::Sgd { momentum, nesterov } => {
-                let hp = optim::SgdHyper {
-                    momentum,
-                    nesterov,
-                    weight_decay: self.hyper.weight_decay,
-                };
-                optim::sgd_step(p, g, m, &hp, t, lr, self.threads);
-            }
-        }
-    }
-}
 
 /// This rank's slice of one unit.
 pub struct UnitShard {

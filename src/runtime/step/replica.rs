@@ -12,8 +12,8 @@ use std::collections::BTreeMap;
 use super::comm::{Comm, CommError};
 use super::parcel::{decode_parcel, encode_parcel};
 use super::rank_state::{ChunkState, RankState};
-use super::transport::{Tag, TagKind, Transport};
 use crate::plan::replica::{buddy, predecessor};
+use crate::runtime::transport::{Tag, TagKind, Transport};
 
 /// What a rank keeps to survive a peer's (or its own restart's) loss.
 #[derive(Clone, Debug, Default)]

@@ -13,10 +13,10 @@ use std::sync::Arc;
 use super::comm::{Comm, CommError};
 use super::parcel::{decode_parcel, encode_parcel};
 use super::rank_state::{ChunkSource, ChunkState, OptimSettings, RankState};
-use super::transport::{Tag, TagKind, Transport};
 use crate::model::Model;
 use crate::plan::{RankId, ShardMap, Stage};
 use crate::reduce::ReduceMode;
+use crate::runtime::transport::{Tag, TagKind, Transport};
 
 /// What one chunk transfer carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

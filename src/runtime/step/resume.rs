@@ -8,8 +8,8 @@
 
 use std::collections::BTreeMap;
 
-use super::actors::Snapshot;
 use super::rank_state::ChunkState;
+use super::snapshot::Snapshot;
 use crate::engine::coordinator::Progress;
 use crate::plan::{ChunkId, RankId, ShardMap};
 

@@ -10,9 +10,9 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 pub use super::net_faults::{NetCounts, NetFaults, NetStats, Partition};
-use super::transport::{Frame, Tag, TagKind, Transport, TransportError};
 use crate::model::rng::{mix, SplitMix64};
 use crate::plan::RankId;
+use crate::runtime::transport::{Frame, Tag, TagKind, Transport, TransportError};
 
 /// A frame in an inbox, with the checksum the sender computed when damage is simulated (the
 /// stand-in for the wire codec's checksum).

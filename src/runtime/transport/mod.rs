@@ -4,60 +4,19 @@
 //!
 //! A transport moves whole frames and never blocks on the receiver. Matching frames to the
 //! collective waiting for them, dropping stale ones and enforcing deadlines happen above it, in
-//! `comm.rs`, so every transport gets the same rules.
+//! `step::comm`, so every transport gets the same rules. The frame itself (`Frame`, `Tag`) is
+//! defined with its wire format in `crate::wire::frame` and re-exported here.
+//!
+//! The bottom of the runtime: it imports nothing of the runtime but `clock`.
 
-use bytes::Bytes;
+pub mod detached;
+pub mod local;
+pub mod net_faults;
+pub mod quic;
+pub mod tcp;
 
 use crate::plan::RankId;
-
-/// What a frame carries, so that the receiver can match it to the collective waiting for it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum TagKind {
-    /// ZeRO-3 parameter all-gather of one unit.
-    Gather = 1,
-    /// Gradient partial sums for the chunks a rank owns.
-    ReduceScatter = 2,
-    /// Reduced gradient chunks (stage 0's all-reduce, second half).
-    GatherGrads = 3,
-    /// Updated parameter chunks after the optimizer step (stages 1 and 2).
-    GatherParams = 4,
-    /// The small all-reduce of losses, maxima, flags and norms.
-    Agree = 5,
-    /// Chunk states moving to their new owners when the membership changes.
-    Reshard = 6,
-    /// Copies of a rank's chunk states kept by its buddy, for recovery from its loss.
-    Replica = 7,
-    /// From the runtime, not a rank: stop waiting, the step is being abandoned (a peer died).
-    Interrupt = 8,
-    /// A root's buffer sent to every member.
-    Broadcast = 9,
-    /// An empty message that only says "I got here".
-    Barrier = 10,
-}
-
-/// Identifies one message within a step: which collective, which unit, which pass, which try.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Tag {
-    pub kind: TagKind,
-    pub attempt: u8,
-    pub unit: u32,
-    pub pass: u8,
-}
-
-/// One message between ranks. Every frame carries (epoch, step); stale ones are dropped.
-#[derive(Clone, Debug)]
-pub struct Frame {
-    pub epoch: u64,
-    pub step: u64,
-    pub from: RankId,
-    pub tag: Tag,
-    pub payload: Bytes,
-}
-
-/// Bytes of framing a frame costs on a wire transport (version, lengths, tag, epoch, step,
-/// checksum). Counted for every frame, in-process too, so reported volumes compare across
-/// transports.
-pub const FRAME_HEADER_BYTES: u64 = 40;
+pub use crate::wire::frame::{Frame, Tag, TagKind, FRAME_HEADER_BYTES};
 
 /// Expected transport failures: typed, never panics.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -23,9 +23,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use rustls::{ClientConnection, ServerConnection, StreamOwned};
 
-use super::transport::{Frame, Tag, TagKind, Transport, TransportError};
 use crate::net::tls::{check_alpn, peer_server_name, ClusterTls, Protocol};
 use crate::plan::RankId;
+use crate::runtime::transport::{Frame, Tag, TagKind, Transport, TransportError};
 
 pub const DATA_VERSION: u8 = 1;
 /// Largest payload of one data frame.

@@ -17,10 +17,11 @@ use bytes::Bytes;
 use quinn::{Connection, Endpoint, RecvStream, VarInt};
 use tokio::sync::{mpsc, watch};
 
-use super::quic_inbox::Inbox;
-use super::transport::Frame;
+use super::inbox::Inbox;
+use super::stats::UdpTotals;
 use crate::net::secrets::PEER_SERVER_NAME;
 use crate::plan::RankId;
+use crate::runtime::transport::Frame;
 use crate::wire::{Lane, StreamDecoder, WireError, WireMsg, WireStats};
 
 /// What the process layer hears from the transport besides rank frames.
@@ -89,7 +90,7 @@ pub(crate) struct Shared {
     pub wire: WireStats,
     pub closing: AtomicBool,
     /// quinn's counters of connections that have closed.
-    pub retired: Mutex<super::quic::UdpTotals>,
+    pub retired: Mutex<UdpTotals>,
 }
 
 fn add(c: &AtomicU64, n: u64) {
@@ -271,7 +272,7 @@ async fn watch_closed(shared: Arc<Shared>, peer: Arc<Peer>, conn: Connection) {
         .retired
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .add(&super::quic::UdpTotals::of(&conn.stats()));
+        .add(&UdpTotals::of(&conn.stats()));
     let current = peer.conn.borrow().as_ref().map(Connection::stable_id);
     if current == Some(conn.stable_id()) {
         // A peer that said goodbye is no failure worth a warning, but it is still gone.

@@ -12,6 +12,12 @@
 //! stream. Streams are independently flow-controlled and the control stream has the higher
 //! send priority, so a multi-megabyte shard transfer never sits in front of a heartbeat.
 
+mod config;
+mod inbox;
+mod io;
+mod socket;
+mod stats;
+
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -20,18 +26,19 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use quinn::{congestion, IdleTimeout, MtuDiscoveryConfig, VarInt};
 
-use super::quic_inbox::{Inbox, PopError};
-pub use super::quic_io::ControlEvent;
-use super::quic_io::{accept_loop, dial, Counters, Shared, CLOSE_BYE};
-use super::quic_socket::CappedSocket;
-use super::transport::{Frame, Tag, TagKind, Transport, TransportError};
+use self::inbox::{Inbox, PopError};
+pub use self::io::ControlEvent;
+use self::io::{accept_loop, dial, Counters, Shared, CLOSE_BYE};
+use self::socket::CappedSocket;
 use crate::net::secrets::Identity;
 use crate::net::socket::{bind_udp, SocketBuffers};
 use crate::net::tls;
 use crate::plan::RankId;
-use crate::wire::{Lane, WireCounts, WireMsg, WireStats, CHECKSUM_BYTES, PREFIX_BYTES};
+use crate::runtime::transport::{Frame, Tag, TagKind, Transport, TransportError};
+use crate::wire::{Lane, WireMsg, WireStats, CHECKSUM_BYTES, PREFIX_BYTES};
 
-pub use super::quic_config::{Congestion, QuicConfig, QuicConfigError};
+pub use self::config::{Congestion, QuicConfig, QuicConfigError};
+pub use self::stats::{QuicPathStats, QuicStats, UdpTotals};
 
 #[derive(Debug, thiserror::Error)]
 pub enum QuicError {
@@ -50,72 +57,6 @@ pub enum QuicError {
     },
     #[error("peer {rank} is lost: {reason}")]
     PeerLost { rank: RankId, reason: String },
-}
-
-/// Counters of one transport since it was bound.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct QuicStats {
-    pub frames_sent: u64,
-    /// Wire bytes, framing included.
-    pub bytes_sent: u64,
-    pub frames_received: u64,
-    pub bytes_received: u64,
-    /// Connections refused during the handshake (bad certificate, wrong protocol, timeout).
-    pub refused_handshakes: u64,
-    /// Frames from a rank other than the stream's, missing or repeated hellos.
-    pub protocol_violations: u64,
-    /// Control events dropped because the process layer did not drain them.
-    pub control_dropped: u64,
-    /// Frames rejected by the decoder, by reason.
-    pub rejected: WireCounts,
-    /// What quinn put on and took off the wire (UDP payload bytes: QUIC headers, encryption
-    /// tags, acks and retransmissions included), over open and closed connections.
-    pub udp: UdpTotals,
-}
-
-/// quinn's per-connection counters, summed over connections.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct UdpTotals {
-    pub bytes_sent: u64,
-    pub bytes_received: u64,
-    pub datagrams_sent: u64,
-    /// Send system calls; fewer than datagrams when segmentation offload batches them.
-    pub send_calls: u64,
-    pub lost_packets: u64,
-    pub congestion_events: u64,
-}
-
-impl UdpTotals {
-    pub(crate) fn of(s: &quinn::ConnectionStats) -> Self {
-        Self {
-            bytes_sent: s.udp_tx.bytes,
-            bytes_received: s.udp_rx.bytes,
-            datagrams_sent: s.udp_tx.datagrams,
-            send_calls: s.udp_tx.ios,
-            lost_packets: s.path.lost_packets,
-            congestion_events: s.path.congestion_events,
-        }
-    }
-
-    pub(crate) fn add(&mut self, o: &Self) {
-        self.bytes_sent += o.bytes_sent;
-        self.bytes_received += o.bytes_received;
-        self.datagrams_sent += o.datagrams_sent;
-        self.send_calls += o.send_calls;
-        self.lost_packets += o.lost_packets;
-        self.congestion_events += o.congestion_events;
-    }
-}
-
-/// The path to one peer right now (for diagnosing throughput).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct QuicPathStats {
-    pub peer: RankId,
-    pub rtt_us: u64,
-    pub min_rtt_us: u64,
-    pub cwnd_bytes: u64,
-    pub mtu_bytes: u16,
-    pub udp: UdpTotals,
 }
 
 /// One rank's QUIC endpoint. Owns the runtime; dropping it closes everything.

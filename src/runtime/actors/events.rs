@@ -1,0 +1,24 @@
+//! What a cluster reports to whoever drives it.
+
+use crate::engine::coordinator::{MembershipRecord, StepRecord};
+use crate::plan::RankId;
+use crate::runtime::step::snapshot::Snapshot;
+
+/// What the cluster reports to whoever drives it. Embedders match it with a wildcard arm:
+/// events may be added.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum ClusterEvent {
+    Step(Box<StepRecord>),
+    /// Taken at a step boundary; training has already moved on (write it in the background).
+    Snapshot(Box<Snapshot>),
+    /// The membership changed and the shards were rebalanced in place.
+    Membership(Box<MembershipRecord>),
+    /// A joiner did not come up; training goes on without it.
+    JoinFailed {
+        rank: RankId,
+        reason: String,
+    },
+    Finished,
+    Aborted(String),
+}

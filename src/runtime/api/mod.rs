@@ -1,0 +1,12 @@
+//! The operator's and embedder's surface: starting a cluster from Rust code (`cluster`), the
+//! control handle (`control`), the in-process elastic job (`job`), what `GET /status` reports (`status`) and
+//! the HTTP endpoint over the handle (`http`).
+//!
+//! Imports: the actors and what they run (`actors`, `step`, `transport`). Never `procs`: the
+//! worker-process mode builds on this surface, not the other way round.
+
+pub mod cluster;
+pub mod control;
+pub mod http;
+pub mod job;
+pub mod status;

@@ -1,0 +1,17 @@
+//! One rank's step and what the rank owns: its chunk state, the communicator and the collectives
+//! over it, the step executor, resharding, buddy replicas and the sources a rank resumes from.
+//!
+//! Everything here runs on a rank's own OS thread and is synchronous; it knows nothing of
+//! actors. Imports: the transport seam below it (`runtime::transport`), and `plan`, `engine`'s
+//! message types, `model`, `optim`, `reduce`, `data` and `wire`. Never `actors`, `api` or `procs`.
+
+pub mod collectives;
+pub mod comm;
+pub mod exec;
+pub mod parcel;
+pub mod rank_state;
+pub mod replica;
+pub mod reshard;
+pub mod resume;
+pub mod snapshot;
+pub mod work;
