@@ -351,6 +351,15 @@ fn named_paths(src_dir: &Path, source: &Source) -> Vec<Named> {
             }
         }
     };
+    let named = |scope: &[String], segs: Vec<String>, line: usize| {
+        let in_test = scope.iter().any(|m| m == "tests");
+        absolute(scope, segs).map(|(segs, local)| Named {
+            segs,
+            local,
+            in_test,
+            line,
+        })
+    };
     while i < b.len() {
         let c = b[i];
         if c == b'{' {
@@ -398,16 +407,8 @@ fn named_paths(src_dir: &Path, source: &Source) -> Vec<Named> {
             let end = text[j..].find(';').map_or(b.len(), |k| j + k);
             let line = line_of(text, i);
             let here = scope(&inline);
-            let in_test = here.iter().any(|m| m == "tests");
             for segs in expand_use(&text[j..end]) {
-                if let Some((segs, local)) = absolute(&here, segs) {
-                    found.push(Named {
-                        segs,
-                        local,
-                        in_test,
-                        line,
-                    });
-                }
+                found.extend(named(&here, segs, line));
             }
             i = end;
             continue;
@@ -431,17 +432,7 @@ fn named_paths(src_dir: &Path, source: &Source) -> Vec<Named> {
             k = start + len;
         }
         if segs.len() > 1 {
-            let line = line_of(text, i);
-            let here = scope(&inline);
-            let in_test = here.iter().any(|m| m == "tests");
-            if let Some((segs, local)) = absolute(&here, segs) {
-                found.push(Named {
-                    segs,
-                    local,
-                    in_test,
-                    line,
-                });
-            }
+            found.extend(named(&scope(&inline), segs, line_of(text, i)));
         }
         i = k;
     }

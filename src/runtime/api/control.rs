@@ -224,21 +224,10 @@ impl ControlHandle {
         snapshots: bool,
         standbys: Arc<dyn Standbys>,
     ) -> (ControlHandle, Monitor) {
-        let shared = new_shared();
         let layout = layout_of(config);
-        let handle = ControlHandle {
-            coordinator: CoordRef::Procs(coordinator),
-            shared: Arc::clone(&shared),
-            layout,
-            allow_kill,
-            snapshots,
-            standbys: Some(standbys),
-        };
-        let monitor = Monitor {
-            shared,
-            tracker: MapTracker::new(map, layout),
-        };
-        (handle, monitor)
+        let coordinator = CoordRef::Procs(coordinator);
+        let standbys = Some(standbys);
+        Self::with_monitor(coordinator, map, layout, allow_kill, snapshots, standbys)
     }
 
     /// A handle on an in-process coordinator actor, and the monitor its pump feeds.
@@ -249,14 +238,26 @@ impl ControlHandle {
         allow_kill: bool,
         snapshots: bool,
     ) -> (ControlHandle, Monitor) {
+        let coordinator = CoordRef::Local(coordinator);
+        Self::with_monitor(coordinator, map, layout, allow_kill, snapshots, None)
+    }
+
+    fn with_monitor(
+        coordinator: CoordRef,
+        map: ShardMap,
+        layout: StateLayout,
+        allow_kill: bool,
+        snapshots: bool,
+        standbys: Option<Arc<dyn Standbys>>,
+    ) -> (ControlHandle, Monitor) {
         let shared = new_shared();
         let handle = ControlHandle {
-            coordinator: CoordRef::Local(coordinator),
+            coordinator,
             shared: Arc::clone(&shared),
             layout,
             allow_kill,
             snapshots,
-            standbys: None,
+            standbys,
         };
         let monitor = Monitor {
             shared,
