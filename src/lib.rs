@@ -10,8 +10,15 @@
 //! reduction), [`data`] (micro-batches as pure functions of seed, step and index),
 //! [`param_digest`] (the `param-sha256` every layer compares).
 //!
-//! [`checkpoint`] sits above the runtime: it saves, verifies and restores what the runtime
-//! snapshots at step boundaries.
+//! Beside them: [`config`] (the typed config), [`job`] (a config made into a model, dataset and
+//! optimizer), [`reference`] (the single-process oracle, which imports nothing of the runtime it
+//! checks), [`net`] (TLS identities, sockets) and [`wire`] (the frame and its wire format).
+//!
+//! [`checkpoint`] and [`bench`] sit above the runtime: the first saves, verifies and restores
+//! what the runtime snapshots at step boundaries.
+//!
+//! `tests/tidy.rs` keeps the order: its `LAYERS` lists every part, bottom first, and a module
+//! may import only its own part and the parts below it (README, "Layout").
 
 pub mod bench;
 pub mod checkpoint;

@@ -3,7 +3,8 @@
 //! carries out its commands. `messages` holds what they exchange, `events` what the cluster
 //! reports to its driver, `collect` gathering every chunk's state.
 //!
-//! Imports: `step` and `transport` below; never `api` or `procs`.
+//! Imports: `step`, `transport` and `clock` below, and the engines they drive; never `api` or
+//! `procs`.
 
 pub mod collect;
 pub mod coord;

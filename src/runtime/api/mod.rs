@@ -2,8 +2,8 @@
 //! control handle (`control`), the in-process elastic job (`job`), what `GET /status` reports (`status`) and
 //! the HTTP endpoint over the handle (`http`).
 //!
-//! Imports: the actors and what they run (`actors`, `step`, `transport`). Never `procs`: the
-//! worker-process mode builds on this surface, not the other way round.
+//! Imports: the actors and what they run (`actors`, `step`, `transport`, `clock`). Never
+//! `procs`: the worker-process mode builds on this surface, not the other way round.
 
 pub mod cluster;
 pub mod control;

@@ -2,8 +2,9 @@
 //! over it, the step executor, resharding, buddy replicas and the sources a rank resumes from.
 //!
 //! Everything here runs on a rank's own OS thread and is synchronous; it knows nothing of
-//! actors. Imports: the transport seam below it (`runtime::transport`), and `plan`, `engine`'s
-//! message types, `model`, `optim`, `reduce`, `data` and `wire`. Never `actors`, `api` or `procs`.
+//! actors. Imports: the transport seam below it (`runtime::transport`), and `plan`, `engine`
+//! (messages, the memory ledger, progress), `model`, `optim`, `reduce`, `data`, `config` and
+//! `wire`. Never `actors`, `api` or `procs`.
 
 pub mod collectives;
 pub mod comm;
