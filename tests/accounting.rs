@@ -1,6 +1,6 @@
 //! What each rank holds and sends, measured by the runtime, against the ZeRO formulas.
 
-mod common;
+use crate::common;
 
 use common::{run_cfg, small};
 use elastic_zero::config::{ModelKind, TrainConfig};

@@ -1,7 +1,7 @@
 //! Exact mode: the trained parameters are bit-identical across ZeRO stages, world sizes and
 //! micro-batch placement, and equal to the plain single-process trainer.
 
-mod common;
+use crate::common;
 
 use common::{run_cfg, small};
 use elastic_zero::config::ModelKind;

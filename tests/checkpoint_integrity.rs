@@ -2,7 +2,7 @@
 //! incomplete or foreign checkpoints, and sound ones that do not fit the run), and what it must
 //! not refuse: an older build's manifest, a resume that changes only fault injection.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

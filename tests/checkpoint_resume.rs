@@ -1,7 +1,7 @@
 //! Checkpoints through the `ezero` binary and the Rust API resume bit for bit: at any world
 //! size and stage, after SIGTERM, after a crash during a save, and after membership changes.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 

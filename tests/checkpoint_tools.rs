@@ -1,7 +1,7 @@
 //! The checkpoint tools: `ezero checkpoint inspect`, retention of the newest checkpoints, and
 //! the safetensors export (read back by the `safetensors` crate and, if installed, Python).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Command;

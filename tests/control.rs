@@ -2,7 +2,7 @@
 //! Rust handle it is a thin layer over. Drains and kills end with the same parameters as a run
 //! without them; refusals are JSON errors with a 4xx status and change nothing.
 
-mod common;
+use crate::common;
 
 use common::small;
 use elastic_zero::config::{ModelKind, TrainConfig};

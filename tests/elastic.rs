@@ -1,7 +1,7 @@
 //! Elastic membership: ranks leave and join while training runs; shards are rebalanced in place
 //! and the final parameters equal those of a run with no change, bit for bit.
 
-mod common;
+use crate::common;
 
 use common::{run_cfg, small};
 use elastic_zero::config::{At, ModelKind, TrainConfig};

@@ -2,7 +2,7 @@
 //! Bit-for-bit parity with the in-process run, failure detection (kill -9, a silent process),
 //! and clear errors. Every wait has a deadline; no test asserts on wall-clock durations.
 
-mod common;
+use crate::common;
 
 use std::io::Read;
 use std::process::Command;

@@ -2,7 +2,7 @@
 //! run resumed under either continues bit for bit at another world size, `--init` starts both
 //! from the same weights, and bad saved state is refused before any worker starts.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::process::Command;

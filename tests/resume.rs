@@ -2,7 +2,7 @@
 //! size: the in-memory mechanism under checkpoints and resharding. Resuming from a checkpoint
 //! on disk, each rank reads only the records of the chunks it owns.
 
-mod common;
+use crate::common;
 
 use std::sync::Arc;
 
