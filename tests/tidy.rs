@@ -8,6 +8,8 @@
 //!   holds never import each other in a circle (a folder's `mod.rs` declaring and re-exporting
 //!   its children is not an import, and test modules may reach across).
 //! - No source file is over `FILE_LINES_MAX` lines.
+//! - Every module under `src/` and `src/runtime/` is in a part, and the README's "Layout" table
+//!   has a row for each part, in `LAYERS`' order.
 //!
 //! It reads the source text (comments and string literals removed), so it sees `use` items and
 //! paths written inline alike. Each finding names the file and line.
@@ -640,6 +642,112 @@ fn circles(edges: &BTreeMap<(Vec<String>, String, String), (PathBuf, usize)>) ->
     out
 }
 
+/// Where `LAYERS` and the tree or the README's "Layout" table disagree: a part that is not a
+/// module, a module in no part, a part the table leaves out or lists out of order.
+fn layout_table(root: &Path, layers: &[&str]) -> Vec<Finding> {
+    let src = root.join("src");
+    let mut findings = Vec::new();
+    let finding = |file: &str, line: usize, what: String| Finding {
+        file: PathBuf::from(file),
+        line,
+        what,
+    };
+    let mut rows = Vec::new();
+    for layer in layers {
+        let segs: Vec<String> = layer.split("::").map(String::from).collect();
+        match resolve(&src, &segs) {
+            Some((file, module)) if module == segs => {
+                let rel = file.strip_prefix(root).unwrap_or(&file).to_path_buf();
+                let shown = if rel.ends_with("mod.rs") {
+                    format!("{}/", rel.parent().unwrap_or(&rel).display())
+                } else {
+                    rel.display().to_string()
+                };
+                rows.push((layer, shown));
+            }
+            _ => findings.push(finding(
+                "tests/tidy.rs",
+                1,
+                format!("LAYERS names `{layer}`, which is no module under src/"),
+            )),
+        }
+    }
+    // Every module directly under src/ and src/runtime/ belongs to a part.
+    for dir in [src.clone(), src.join("runtime")] {
+        let Ok(entries) = fs::read_dir(&dir) else {
+            continue;
+        };
+        let mut names: Vec<PathBuf> = entries.flatten().map(|e| e.path()).collect();
+        names.sort();
+        for path in names {
+            let Ok(rel) = path.strip_prefix(&src) else {
+                continue;
+            };
+            let module = module_of(&if path.is_dir() {
+                rel.join("mod.rs")
+            } else {
+                rel.to_path_buf()
+            });
+            let joined = module.join("::");
+            let skip = module.is_empty() || joined == "cli" || joined == "runtime";
+            let is_module = path.is_dir() || path.extension().is_some_and(|e| e == "rs");
+            let covered = layers.iter().any(|l| {
+                *l == joined
+                    || l.starts_with(&format!("{joined}::"))
+                    || joined.starts_with(&format!("{l}::"))
+            });
+            if is_module && !skip && !covered {
+                findings.push(finding(
+                    &format!("src/{}", rel.display()),
+                    1,
+                    format!(
+                        "`{joined}` is in no part: add it to LAYERS (tests/tidy.rs) where its \
+                         imports put it, and a row to the README's Layout table"
+                    ),
+                ));
+            }
+        }
+    }
+    let readme = fs::read_to_string(root.join("README.md")).unwrap_or_default();
+    let start = readme.find("## Layout").unwrap_or(readme.len());
+    let end = readme[start..]
+        .find("\n## ")
+        .map_or(readme.len(), |k| start + k + 1);
+    let section = &readme[start..end];
+    let section_line = line_of(&readme, start);
+    let mut last = 0;
+    for (layer, shown) in rows {
+        match section.find(&format!("`{shown}`")) {
+            Some(at) if at >= last => last = at,
+            Some(at) => findings.push(finding(
+                "README.md",
+                section_line + line_of(section, at) - 1,
+                format!("the Layout table lists `{shown}` ({layer}) before a part below it; keep LAYERS' order"),
+            )),
+            None => findings.push(finding(
+                "README.md",
+                section_line,
+                format!("the Layout table has no row for `{shown}` ({layer})"),
+            )),
+        }
+    }
+    findings
+}
+
+#[test]
+fn the_readme_layout_matches_the_tree() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let findings = layout_table(root, LAYERS);
+    for f in &findings {
+        eprintln!("{f}");
+    }
+    assert!(
+        findings.is_empty(),
+        "{} layout findings (above)",
+        findings.len()
+    );
+}
+
 #[test]
 fn the_tree_is_tidy() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -654,121 +762,4 @@ fn the_tree_is_tidy() {
     );
 }
 
-/// A small tree with one violation of each kind, so the checks above are known to bite.
-mod planted {
-    use super::*;
-
-    fn tree(files: &[(&str, &str)]) -> tempfile::TempDir {
-        let dir = tempfile::tempdir().expect("temp dir");
-        for (path, text) in files {
-            let p = dir.path().join(path);
-            fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
-            fs::write(p, text).expect("write");
-        }
-        dir
-    }
-
-    fn findings(files: &[(&str, &str)]) -> Vec<String> {
-        let dir = tree(files);
-        check(dir.path()).iter().map(|f| f.to_string()).collect()
-    }
-
-    #[test]
-    fn an_engine_that_does_io_is_refused() {
-        let found = findings(&[
-            ("src/lib.rs", "pub mod engine;\npub mod runtime;\n"),
-            ("src/engine/mod.rs", "//! x\n\nuse std::net::TcpStream;\n"),
-            ("src/runtime/mod.rs", ""),
-        ]);
-        assert_eq!(found.len(), 1, "{found:?}");
-        assert!(
-            found[0].starts_with("src/engine/mod.rs:3: `std::net::TcpStream`"),
-            "{found:?}"
-        );
-    }
-
-    #[test]
-    fn a_plan_that_names_the_runtime_inline_is_refused() {
-        let found = findings(&[
-            ("src/plan/mod.rs", "pub mod shard;\n"),
-            (
-                "src/plan/shard.rs",
-                "fn f() {\n    let _ = \"crate::runtime in a string is fine\";\n    crate::runtime::clock::now();\n    // tokio::spawn in a comment is fine\n}\n",
-            ),
-            ("src/runtime/clock.rs", "pub fn now() {}\n"),
-            ("src/runtime/mod.rs", "pub mod clock;\n"),
-        ]);
-        assert!(
-            found.iter().any(|f| f.starts_with("src/plan/shard.rs:3:")),
-            "{found:?}"
-        );
-        assert!(
-            !found.iter().any(|f| f.contains(":2:") || f.contains(":4:")),
-            "{found:?}"
-        );
-    }
-
-    #[test]
-    fn an_import_from_a_higher_part_is_refused() {
-        let found = findings(&[
-            ("src/runtime/mod.rs", "pub mod step;\npub mod api;\n"),
-            ("src/runtime/step/mod.rs", "pub mod comm;\n"),
-            (
-                "src/runtime/step/comm.rs",
-                "use crate::runtime::api::cluster::Observer;\n",
-            ),
-            ("src/runtime/api/mod.rs", "pub mod cluster;\n"),
-            ("src/runtime/api/cluster.rs", "pub trait Observer {}\n"),
-        ]);
-        assert!(
-            found
-                .iter()
-                .any(|f| f.starts_with("src/runtime/step/comm.rs:1:")
-                    && f.contains("runtime::api sits above runtime::step")),
-            "{found:?}"
-        );
-    }
-
-    #[test]
-    fn siblings_importing_each_other_are_a_circle() {
-        let found = findings(&[
-            ("src/wire/mod.rs", "mod a;\nmod b;\n"),
-            ("src/wire/a.rs", "use super::b::B;\npub struct A;\n"),
-            (
-                "src/wire/b.rs",
-                "pub struct B;\nfn f() { let _ = super::a::A; }\n",
-            ),
-        ]);
-        assert_eq!(found.len(), 1, "{found:?}");
-        assert!(
-            found[0].contains(
-                "import circle in `wire`: a -> b (src/wire/a.rs:1), b -> a (src/wire/b.rs:2)"
-            ),
-            "{found:?}"
-        );
-    }
-
-    #[test]
-    fn a_test_module_inside_a_file_resolves_super_to_the_file() {
-        let found = findings(&[
-            ("src/wire/mod.rs", "mod a;\nmod b;\n"),
-            (
-                "src/wire/a.rs",
-                "use super::b::B;\n#[cfg(test)]\nmod tests {\n    use super::*;\n}\n",
-            ),
-            ("src/wire/b.rs", "pub struct B;\n"),
-        ]);
-        assert!(found.is_empty(), "{found:?}");
-    }
-
-    #[test]
-    fn a_long_file_is_refused() {
-        let long = "fn f() {}\n".repeat(FILE_LINES_MAX + 1);
-        let found = findings(&[("src/plan/mod.rs", &long)]);
-        assert_eq!(found.len(), 1, "{found:?}");
-        assert!(
-            found[0].starts_with("src/plan/mod.rs:1001: 1001 lines"),
-            "{found:?}"
-        );
-    }
-}
+mod planted;
