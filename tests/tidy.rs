@@ -322,7 +322,6 @@ fn named_paths(src_dir: &Path, source: &Source) -> Vec<Named> {
         let first = segs.first()?.as_str();
         match first {
             "crate" => Some((segs[1..].to_vec(), true)),
-            "elastic_zero" if source.in_bin => Some((segs[1..].to_vec(), true)),
             "super" | "self" => {
                 let mut m = scope.to_vec();
                 let mut rest = &segs[..];
@@ -604,20 +603,23 @@ fn circles(edges: &BTreeMap<(Vec<String>, String, String), (PathBuf, usize)>) ->
                     if !seen.insert(key) {
                         continue;
                     }
-                    let mut hops = Vec::new();
-                    for w in path
-                        .windows(2)
-                        .chain(std::iter::once(&[path[path.len() - 1], *start][..]))
-                    {
-                        let (file, line) = &edges[&((*folder).clone(), w[0].clone(), w[1].clone())];
-                        hops.push(format!("{} -> {} ({}:{line})", w[0], w[1], file.display()));
-                    }
-                    let (file, line) = edges[&(
-                        (*folder).clone(),
-                        path[0].clone(),
-                        path.get(1).copied().unwrap_or(*start).clone(),
-                    )]
-                        .clone();
+                    // Each hop of the circle, back to `start`, with where it is imported.
+                    let hops: Vec<_> = path
+                        .iter()
+                        .zip(path.iter().skip(1).chain([start]))
+                        .map(|(a, b)| {
+                            (
+                                *a,
+                                *b,
+                                &edges[&((*folder).clone(), (*a).clone(), (*b).clone())],
+                            )
+                        })
+                        .collect();
+                    let (file, line) = hops[0].2.clone();
+                    let hops: Vec<String> = hops
+                        .iter()
+                        .map(|(a, b, (f, l))| format!("{a} -> {b} ({}:{l})", f.display()))
+                        .collect();
                     out.push(Finding {
                         file,
                         line,
