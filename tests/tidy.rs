@@ -37,6 +37,7 @@ const LAYERS: &[&str] = &[
     "wire",
     "runtime::clock",
     "runtime::alloc",
+    "runtime::storage",
     "runtime::transport",
     "runtime::step",
     "runtime::actors",

@@ -11,7 +11,10 @@ use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-use elastic_zero::config::{At, ConfigError, ModelKind, OptimizerChoice, RoundKill, TrainConfig};
+use elastic_zero::config::{
+    parse_bytes, At, ConfigError, ModelKind, OptimizerChoice, RoundKill, TrainConfig,
+};
+use elastic_zero::plan::tier::Offload;
 use elastic_zero::reduce::ReduceMode;
 
 #[derive(Parser)]
@@ -194,6 +197,22 @@ pub struct TrainArgs {
     /// With --control: allow POST /ranks/{id}/kill (abrupt loss, for tests and demos).
     #[arg(long, requires = "control")]
     pub control_allow_kill: bool,
+    /// Where optimizer state lives: none|nvme|auto [default: auto: RAM unless the run does not
+    /// fit --memory-max, then the tier if --nvme-dir is set].
+    #[arg(long, value_name = "TIER")]
+    pub offload_optimizer: Option<Offload>,
+    /// Stage 3: where each rank's parameter shard lives: none|nvme|auto [default: auto].
+    #[arg(long, value_name = "TIER")]
+    pub offload_params: Option<Offload>,
+    /// Directory of the NVMe tier (each rank gets a subfolder with one file). Needs direct I/O.
+    #[arg(long, value_name = "DIR")]
+    pub nvme_dir: Option<PathBuf>,
+    /// Buffered I/O on the tier, for file systems without O_DIRECT (the page cache then counts).
+    #[arg(long)]
+    pub nvme_buffered: bool,
+    /// The most memory the process may use, e.g. 2GiB [default: 90% of what is available].
+    #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
+    pub memory_max: Option<u64>,
 }
 
 fn parse_control_addr(s: &str) -> Result<std::net::SocketAddr, String> {
@@ -285,8 +304,19 @@ impl TrainArgs {
             keep_checkpoints,
             replicate_every,
             min_ranks,
-            max_ranks
+            max_ranks,
+            offload_optimizer,
+            offload_params
         );
+        if self.nvme_dir.is_some() {
+            c.nvme_dir = self.nvme_dir.clone();
+        }
+        if self.nvme_buffered {
+            c.nvme_buffered = true;
+        }
+        if self.memory_max.is_some() {
+            c.memory_max_bytes = self.memory_max;
+        }
         if self.keep_activations {
             c.keep_activations = true;
         }

@@ -12,6 +12,7 @@
 mod error;
 mod faults;
 mod membership;
+mod offload;
 mod optim;
 mod shape;
 #[cfg(test)]
@@ -24,8 +25,10 @@ use serde::{Deserialize, Serialize};
 use self::error::toml_error;
 pub use self::error::ConfigError;
 pub use self::membership::{At, Round, RoundKill};
+pub use self::offload::parse_bytes;
 pub use self::optim::OptimizerChoice;
 pub use self::shape::ModelKind;
+use crate::plan::tier::Offload;
 use crate::reduce::ReduceMode;
 
 /// Everything a training run needs. Defaults are the `ezero train` demo job.
@@ -148,6 +151,25 @@ pub struct TrainConfig {
     pub net_partition_frames: u64,
     /// Fault injection: how long a frame across the partition waits (default 0).
     pub net_partition_ms: u64,
+    /// Where Adam m and v (SGD momentum) live: `none` (RAM), `nvme` (the tier under `nvme_dir`)
+    /// or `auto`: RAM unless the run does not fit `memory_max_bytes`, then the tier if
+    /// `nvme_dir` is set (default auto).
+    pub offload_optimizer: Offload,
+    /// Stage 3: where the rank's parameter shard lives, like `offload_optimizer` (default auto).
+    pub offload_params: Offload,
+    /// Directory of the NVMe tier; each rank uses its own subfolder and one file in it. Must
+    /// support direct I/O (tmpfs does not) unless `nvme_buffered` (default none).
+    pub nvme_dir: Option<PathBuf>,
+    /// Use buffered I/O on the tier instead of O_DIRECT, for file systems without direct I/O
+    /// (page cache then counts against memory) (default false).
+    pub nvme_buffered: bool,
+    /// I/O requests in flight per rank (default 8).
+    pub nvme_queue_depth: u32,
+    /// Bytes per I/O request, a multiple of 4096 (default 1048576).
+    pub nvme_block_bytes: u64,
+    /// The most memory the process may use; the planner picks the least offload that fits or
+    /// refuses before training (default: 90% of the memory available at start).
+    pub memory_max_bytes: Option<u64>,
 }
 
 impl Default for TrainConfig {
@@ -206,6 +228,13 @@ impl Default for TrainConfig {
             net_partition_from_frame: 0,
             net_partition_frames: 0,
             net_partition_ms: 0,
+            offload_optimizer: Offload::Auto,
+            offload_params: Offload::Auto,
+            nvme_dir: None,
+            nvme_buffered: false,
+            nvme_queue_depth: 8,
+            nvme_block_bytes: 1 << 20,
+            memory_max_bytes: None,
         }
     }
 }
@@ -259,6 +288,7 @@ impl TrainConfig {
             ));
         }
         self.validate_membership()?;
+        self.validate_offload()?;
         if self.save_every > 0 && self.save_dir.is_none() {
             return Err(ConfigError::new(
                 "save_every",

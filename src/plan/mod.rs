@@ -6,6 +6,7 @@ pub mod rebalance;
 pub mod replica;
 pub mod schedule;
 pub mod shard_map;
+pub mod tier;
 pub mod volume;
 
 pub use schedule::{Phase, Stage};

@@ -23,6 +23,7 @@ pub mod api;
 pub mod clock;
 pub mod procs;
 pub mod step;
+pub mod storage;
 pub mod transport;
 
 pub use api::cluster::{train, Cluster, ClusterError, ClusterSpec, TrainOutcome};

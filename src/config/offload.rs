@@ -1,0 +1,112 @@
+//! Where shard state lives: the NVMe tier, its directory and I/O settings, and the memory the
+//! process may use. Placement itself is planned in `plan::tier`; this file only checks that the
+//! keys make sense together.
+
+use super::{ConfigError, TrainConfig};
+use crate::plan::tier::Offload;
+
+/// The smallest `memory_max_bytes` accepted: below it not even the runtime itself fits.
+const MIN_MEMORY_MAX_BYTES: u64 = 64 << 20;
+
+impl TrainConfig {
+    pub(super) fn validate_offload(&self) -> Result<(), ConfigError> {
+        for (key, o) in [
+            ("offload_optimizer", self.offload_optimizer),
+            ("offload_params", self.offload_params),
+        ] {
+            if o == Offload::Cpu {
+                return Err(ConfigError::new(
+                    key,
+                    "\"cpu\" is reserved for a device backend: this build computes on the CPU, where all state already lives in RAM; use \"nvme\" (with nvme_dir), \"none\" or \"auto\"",
+                ));
+            }
+        }
+        if self.offload_params == Offload::Nvme && self.stage != 3 {
+            return Err(ConfigError::new(
+                "offload_params",
+                format!(
+                    "\"nvme\" needs ZeRO stage 3 (stage {} keeps a full parameter copy for compute); use --stage 3 or offload the optimizer only",
+                    self.stage
+                ),
+            ));
+        }
+        let nvme = self.offload_optimizer == Offload::Nvme || self.offload_params == Offload::Nvme;
+        if nvme && self.nvme_dir.is_none() {
+            return Err(ConfigError::new(
+                "nvme_dir",
+                "offloading to nvme needs a directory for the tier: set --nvme-dir DIR",
+            ));
+        }
+        if let Some(b) = self.memory_max_bytes {
+            if b < MIN_MEMORY_MAX_BYTES {
+                return Err(ConfigError::new(
+                    "memory_max_bytes",
+                    format!(
+                        "{b} bytes is below the {} MiB the runtime itself needs",
+                        MIN_MEMORY_MAX_BYTES >> 20
+                    ),
+                ));
+            }
+        }
+        if !(1..=256).contains(&self.nvme_queue_depth) {
+            return Err(ConfigError::new(
+                "nvme_queue_depth",
+                format!("{} is outside 1..=256", self.nvme_queue_depth),
+            ));
+        }
+        let b = self.nvme_block_bytes;
+        if b < 4096 || b > 64 << 20 || b % 4096 != 0 {
+            return Err(ConfigError::new(
+                "nvme_block_bytes",
+                format!("{b} must be a multiple of 4096 between 4 KiB and 64 MiB"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Parses a byte size: a plain number of bytes, or a number with a unit (K, M, G, T with an
+/// optional `iB`/`B`, powers of 1024), e.g. `2GiB`, `512M`, `1.5G`.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num.parse().map_err(|_| {
+        format!("`{s}` is not a size: use bytes or a number with K, M, G or T (e.g. 2GiB)")
+    })?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        other => {
+            return Err(format!(
+                "`{other}` in `{s}` is not a unit: use K, M, G or T"
+            ))
+        }
+    };
+    let bytes = value * (1u64 << shift) as f64;
+    if !bytes.is_finite() || bytes < 1.0 || bytes > u64::MAX as f64 {
+        return Err(format!("`{s}` is not a usable size"));
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_in_powers_of_1024() {
+        assert_eq!(parse_bytes("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_bytes("512M"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1.5g"), Ok(3 << 29));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("2 parsecs").is_err());
+        assert!(parse_bytes("0").is_err());
+    }
+}

@@ -1,0 +1,586 @@
+//! Tier placement: where each rank's shard state lives (RAM or the NVMe tier), how large the
+//! staging buffers that stream it through RAM are, and whether the process fits the memory it may
+//! use. Pure data and functions: `runtime::storage` carries a placement out, and the command line
+//! runs [`place`] before it allocates anything, so a run that cannot fit is refused with numbers.
+//!
+//! What stays in RAM whatever the placement: the gradients (stage 0/1 whole-model accumulators,
+//! stage 2/3 reduced shards), the full parameter copy of stages 0-2 (in fp32 training it is both
+//! the master and the compute copy), one unit's gathered parameters per live unit, one unit's
+//! backward scratch, the activations, and the staging buffers.
+
+use serde::{Deserialize, Serialize};
+
+use super::schedule::Stage;
+
+/// A configured tier for one kind of state. `Auto` lets [`place`] choose the least offload that
+/// fits; `Cpu` is reserved for when a device backend exists (host RAM is already where all state
+/// lives on the CPU build) and is refused.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Offload {
+    #[default]
+    Auto,
+    None,
+    Nvme,
+    Cpu,
+}
+
+impl Offload {
+    pub fn name(self) -> &'static str {
+        match self {
+            Offload::Auto => "auto",
+            Offload::None => "none",
+            Offload::Nvme => "nvme",
+            Offload::Cpu => "cpu",
+        }
+    }
+}
+
+impl std::str::FromStr for Offload {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Offload::Auto),
+            "none" => Ok(Offload::None),
+            "nvme" => Ok(Offload::Nvme),
+            "cpu" => Ok(Offload::Cpu),
+            other => Err(format!("'{other}' is not a tier: use none, nvme or auto")),
+        }
+    }
+}
+
+/// Where one kind of state lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    Ram,
+    Nvme,
+}
+
+/// Where a rank's optimizer state (Adam m and v, SGD momentum) and, for stage 3, its parameter
+/// shard live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    pub optimizer: Tier,
+    pub params: Tier,
+}
+
+impl Placement {
+    pub const RAM: Placement = Placement {
+        optimizer: Tier::Ram,
+        params: Tier::Ram,
+    };
+
+    pub fn any_nvme(&self) -> bool {
+        self.optimizer == Tier::Nvme || self.params == Tier::Nvme
+    }
+
+    /// `f32` values per element in a tier record: the parameter (if on the tier) and the
+    /// optimizer's state values (if on the tier).
+    pub fn record_values(&self, state_per_param: u64) -> u64 {
+        u64::from(self.params == Tier::Nvme)
+            + if self.optimizer == Tier::Nvme {
+                state_per_param
+            } else {
+                0
+            }
+    }
+
+    fn flags(&self) -> String {
+        let mut f = Vec::new();
+        if self.optimizer == Tier::Nvme {
+            f.push("--offload-optimizer nvme");
+        }
+        if self.params == Tier::Nvme {
+            f.push("--offload-params nvme");
+        }
+        f.join(" ")
+    }
+}
+
+/// Alignment of every tier record, staging buffer and I/O (safe for 512e and 4Kn devices).
+pub const IO_ALIGN_BYTES: u64 = 4096;
+/// Elements per tier record when memory allows: 1 MiB per stored value, the block size at which
+/// direct I/O reached the disk's sequential bandwidth here (`ezero bench io`).
+pub const DEFAULT_TILE_ELEMS: u64 = 1 << 18;
+/// The smallest record the planner shrinks to (4 KiB per value, one aligned block).
+pub const MIN_TILE_ELEMS: u64 = IO_ALIGN_BYTES / 4;
+/// Staging buffers: two records read ahead, one being updated, one being written back.
+pub const STAGING_BUFFERS: u64 = 4;
+/// What the process needs besides the training state: code, thread stacks, the async runtime,
+/// allocator slack (peak RSS of a 40K-parameter run on one rank was 18 MiB here; doubled).
+pub const BASE_BYTES: u64 = 48 << 20;
+
+/// What a run needs per rank, from the model, the shard map and the step settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Demand {
+    pub stage: Stage,
+    /// Ranks whose state this process holds (all of them for an in-process run).
+    pub ranks_in_process: u64,
+    pub total_elems: u64,
+    /// Elements owned by the rank that owns the most.
+    pub owned_elems: u64,
+    pub largest_unit_elems: u64,
+    /// Bytes per gradient element (8 for exact mode's fixed point, 4 for fast).
+    pub grad_elem_bytes: u64,
+    /// Optimizer values per parameter (Adam 2, SGD with momentum 1).
+    pub state_per_param: u64,
+    /// Stage 3: units whose gathered parameters may be live at once.
+    pub max_live_units: u64,
+    /// One rank's peak activation bytes (saved unit inputs plus one unit's intermediates).
+    pub activation_bytes: u64,
+}
+
+/// The configured choices and the memory the process may use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub optimizer: Offload,
+    pub params: Offload,
+    /// Whether a tier directory is configured (`nvme_dir`): without one, `Auto` stays in RAM.
+    pub has_nvme_dir: bool,
+    pub budget: Budget,
+}
+
+/// The memory the process may use and where that figure came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Budget {
+    /// `memory_max_bytes`.
+    Configured(u64),
+    /// A share of the memory available when the run started (see [`machine_budget`]).
+    Machine(u64),
+}
+
+impl Budget {
+    pub fn bytes(self) -> u64 {
+        match self {
+            Budget::Configured(b) | Budget::Machine(b) => b,
+        }
+    }
+}
+
+/// Without `memory_max_bytes`, a run may use 90% of the memory available at start (the smaller
+/// of `MemAvailable` and the cgroup's remaining limit), leaving room for the page cache and
+/// whatever else runs.
+pub fn machine_budget(available_bytes: u64) -> Budget {
+    Budget::Machine(available_bytes / 10 * 9)
+}
+
+/// Bytes by what holds them, for one rank (`staging` is per rank too).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankBytes {
+    pub params: u64,
+    pub grads: u64,
+    pub optimizer: u64,
+    /// Gathered units, backward scratch and optimizer scratch at their peak.
+    pub working: u64,
+    pub activations: u64,
+    pub staging: u64,
+    /// Bytes this rank keeps on the tier.
+    pub tier: u64,
+}
+
+impl RankBytes {
+    pub fn ram(&self) -> u64 {
+        self.params + self.grads + self.optimizer + self.working + self.activations + self.staging
+    }
+}
+
+/// A placement that fits, with its staging buffers and the memory it is expected to need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fit {
+    pub placement: Placement,
+    pub tile_elems: u64,
+    pub staging_buffers: u64,
+    pub per_rank: RankBytes,
+    /// Expected peak of the whole process.
+    pub process_bytes: u64,
+}
+
+/// Why a run cannot start. Each says what to change.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FitError {
+    #[error("'{key} = \"cpu\"': a CPU tier needs a device backend, and this build computes on the CPU, where all state already lives in RAM; use \"nvme\" (with nvme_dir) or \"none\"")]
+    CpuReserved { key: &'static str },
+    #[error("'offload_params = \"nvme\"' needs ZeRO stage 3 (stages 0-2 keep a full parameter copy for compute); use --stage 3, or offload the optimizer only")]
+    ParamsNeedStage3,
+    #[error("offloading to nvme needs a directory for the tier: set --nvme-dir DIR (nvme_dir)")]
+    NoNvmeDir,
+    #[error("{0}")]
+    DoesNotFit(String),
+}
+
+/// Chooses the least offload (optimizer first, then stage 3's parameters) and the largest
+/// staging records that keep the process under the budget, or says why none does.
+pub fn place(d: &Demand, lim: &Limits) -> Result<Fit, FitError> {
+    for (key, o) in [
+        ("offload_optimizer", lim.optimizer),
+        ("offload_params", lim.params),
+    ] {
+        if o == Offload::Cpu {
+            return Err(FitError::CpuReserved { key });
+        }
+    }
+    if lim.params == Offload::Nvme && d.stage != Stage::Zero3 {
+        return Err(FitError::ParamsNeedStage3);
+    }
+    let explicit_nvme = lim.optimizer == Offload::Nvme || lim.params == Offload::Nvme;
+    if explicit_nvme && !lim.has_nvme_dir {
+        return Err(FitError::NoNvmeDir);
+    }
+    let allowed = |p: &Placement| {
+        let ok = |o: Offload, t: Tier| match o {
+            Offload::None => t == Tier::Ram,
+            Offload::Nvme => t == Tier::Nvme,
+            Offload::Auto => t == Tier::Ram || lim.has_nvme_dir,
+            Offload::Cpu => false,
+        };
+        ok(lim.optimizer, p.optimizer) && ok(lim.params, p.params)
+    };
+    let candidates = candidates(d.stage);
+    let budget = lim.budget.bytes();
+    for p in candidates.iter().filter(|p| allowed(p)) {
+        if let Some(fit) = fit_largest_tile(d, *p, budget) {
+            return Ok(fit);
+        }
+    }
+    Err(FitError::DoesNotFit(refusal(d, lim, &candidates, &allowed)))
+}
+
+/// Placements from least to most offload.
+fn candidates(stage: Stage) -> Vec<Placement> {
+    let mut c = vec![
+        Placement::RAM,
+        Placement {
+            optimizer: Tier::Nvme,
+            params: Tier::Ram,
+        },
+    ];
+    if stage == Stage::Zero3 {
+        c.push(Placement {
+            optimizer: Tier::Nvme,
+            params: Tier::Nvme,
+        });
+    }
+    c
+}
+
+/// The largest power-of-two record between the minimum and the default that fits, if any.
+fn fit_largest_tile(d: &Demand, p: Placement, budget: u64) -> Option<Fit> {
+    let mut tile = DEFAULT_TILE_ELEMS;
+    loop {
+        let fit = evaluate(d, p, tile);
+        if fit.process_bytes <= budget {
+            return Some(fit);
+        }
+        if !p.any_nvme() || tile <= MIN_TILE_ELEMS {
+            return None;
+        }
+        tile /= 2;
+    }
+}
+
+/// What placement `p` with records of `tile_elems` needs.
+pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
+    let owned = d.owned_elems;
+    let (param_elems, grad_elems, opt_elems) = match d.stage {
+        Stage::Zero0 => (d.total_elems, d.total_elems, d.total_elems),
+        Stage::Zero1 => (d.total_elems, d.total_elems, owned),
+        Stage::Zero2 => (d.total_elems, owned, owned),
+        Stage::Zero3 => (owned, owned, owned),
+    };
+    let opt_bytes = 4 * d.state_per_param * opt_elems;
+    let param_bytes = 4 * param_elems;
+    let unit = d.largest_unit_elems;
+    let gathered = if d.stage == Stage::Zero3 {
+        4 * unit * d.max_live_units.max(1)
+    } else {
+        0
+    };
+    // Backward: a unit's accumulator and its micro-batch gradient; the optimizer: one unit's
+    // gradient shard widened to f32. They do not overlap in time.
+    let working = gathered + (unit * (d.grad_elem_bytes + 4)).max(4 * unit);
+    let values = p.record_values(d.state_per_param);
+    let staging = if p.any_nvme() {
+        STAGING_BUFFERS * round_up(4 * tile_elems * values, IO_ALIGN_BYTES)
+    } else {
+        0
+    };
+    let tier_opt = p.optimizer == Tier::Nvme;
+    let tier_params = p.params == Tier::Nvme;
+    let per_rank = RankBytes {
+        params: if tier_params { 0 } else { param_bytes },
+        grads: d.grad_elem_bytes * grad_elems,
+        optimizer: if tier_opt { 0 } else { opt_bytes },
+        working,
+        activations: d.activation_bytes,
+        staging,
+        tier: (if tier_opt { opt_bytes } else { 0 }) + if tier_params { param_bytes } else { 0 },
+    };
+    Fit {
+        placement: p,
+        tile_elems,
+        staging_buffers: if p.any_nvme() { STAGING_BUFFERS } else { 0 },
+        per_rank,
+        process_bytes: BASE_BYTES + d.ranks_in_process * per_rank.ram(),
+    }
+}
+
+fn refusal(
+    d: &Demand,
+    lim: &Limits,
+    candidates: &[Placement],
+    allowed: &dyn Fn(&Placement) -> bool,
+) -> String {
+    let budget = lim.budget;
+    let chosen = candidates
+        .iter()
+        .filter(|p| allowed(p))
+        .map(|p| evaluate(d, *p, MIN_TILE_ELEMS))
+        .min_by_key(|f| f.process_bytes)
+        .unwrap_or_else(|| evaluate(d, Placement::RAM, MIN_TILE_ELEMS));
+    let r = chosen.per_rank;
+    let per = if d.ranks_in_process > 1 {
+        format!(" for {} ranks in this process", d.ranks_in_process)
+    } else {
+        String::new()
+    };
+    let mut msg = format!(
+        "the run needs {}{per} (per rank: parameters {}, gradients {}, optimizer state {}, working set and activations {}) but may use {}",
+        gib(chosen.process_bytes),
+        gib(r.params),
+        gib(r.grads),
+        gib(r.optimizer),
+        gib(r.working + r.activations + r.staging),
+        match budget {
+            Budget::Configured(b) => format!("{} (memory_max_bytes)", gib(b)),
+            Budget::Machine(b) => format!("{} (90% of the memory available)", gib(b)),
+        }
+    );
+    // The most offloaded placement, whether or not the configuration allows it.
+    let best = candidates
+        .iter()
+        .map(|p| evaluate(d, *p, MIN_TILE_ELEMS))
+        .min_by_key(|f| f.process_bytes)
+        .expect("there is always the all-RAM placement");
+    if best.process_bytes <= budget.bytes() {
+        let dir = if lim.has_nvme_dir {
+            ""
+        } else {
+            " --nvme-dir DIR"
+        };
+        msg += &format!(
+            "; {}{dir} would fit it in {}",
+            best.placement.flags(),
+            gib(best.process_bytes)
+        );
+    } else {
+        let how = if best.placement.any_nvme() {
+            best.placement.flags()
+        } else {
+            "all in RAM".into()
+        };
+        msg += &match budget {
+            Budget::Configured(_) => format!(
+                "; the least any placement needs is {} ({how}): raise --memory-max to at least {}",
+                gib(best.process_bytes),
+                gib(best.process_bytes)
+            ),
+            Budget::Machine(_) => format!(
+                "; even the least any placement needs ({}, {how}) is more than this machine has",
+                gib(best.process_bytes)
+            ),
+        };
+        if best.per_rank.grads > best.per_rank.ram() / 2 {
+            msg +=
+                ", or spread the ranks over processes (ezero launch), since gradients stay in RAM";
+        }
+    }
+    msg
+}
+
+fn round_up(x: u64, to: u64) -> u64 {
+    x.div_ceil(to) * to
+}
+
+/// Bytes as GiB (or MiB below one GiB) with two decimals, for messages.
+pub fn gib(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn demand(stage: Stage, total: u64, ranks: u64) -> Demand {
+        Demand {
+            stage,
+            ranks_in_process: ranks,
+            total_elems: total,
+            owned_elems: total / ranks,
+            largest_unit_elems: total / 10,
+            grad_elem_bytes: 8,
+            state_per_param: 2,
+            max_live_units: 2,
+            activation_bytes: 1 << 20,
+        }
+    }
+
+    fn limits(opt: Offload, params: Offload, budget: u64) -> Limits {
+        Limits {
+            optimizer: opt,
+            params,
+            has_nvme_dir: true,
+            budget: Budget::Configured(budget),
+        }
+    }
+
+    #[test]
+    fn ample_memory_keeps_everything_in_ram() {
+        let d = demand(Stage::Zero3, 1_000_000, 1);
+        let fit = place(&d, &limits(Offload::Auto, Offload::Auto, 1 << 34)).unwrap();
+        assert_eq!(fit.placement, Placement::RAM);
+        assert_eq!(fit.staging_buffers, 0);
+        assert_eq!(fit.per_rank.tier, 0);
+        // 4 (p) + 8 (m, v) + 8 (exact grads) bytes per parameter, plus the working set.
+        assert_eq!(fit.per_rank.params + fit.per_rank.optimizer, 12_000_000);
+        assert_eq!(fit.per_rank.grads, 8_000_000);
+    }
+
+    #[test]
+    fn auto_offloads_the_optimizer_first_then_the_parameters() {
+        let d = demand(Stage::Zero3, 100_000_000, 1);
+        let all = evaluate(&d, Placement::RAM, DEFAULT_TILE_ELEMS).process_bytes;
+        let opt = Placement {
+            optimizer: Tier::Nvme,
+            params: Tier::Ram,
+        };
+        let opt_need = evaluate(&d, opt, DEFAULT_TILE_ELEMS).process_bytes;
+        assert!(opt_need < all);
+        let fit = place(&d, &limits(Offload::Auto, Offload::Auto, opt_need)).unwrap();
+        assert_eq!(fit.placement, opt);
+        assert_eq!(fit.per_rank.tier, 800_000_000);
+        // Smaller records come before more offload.
+        let least = evaluate(&d, opt, MIN_TILE_ELEMS).process_bytes;
+        let fit = place(&d, &limits(Offload::Auto, Offload::Auto, least)).unwrap();
+        assert_eq!((fit.placement, fit.tile_elems), (opt, MIN_TILE_ELEMS));
+        let fit = place(&d, &limits(Offload::Auto, Offload::Auto, least - 1)).unwrap();
+        assert_eq!(fit.placement.params, Tier::Nvme);
+        assert_eq!(fit.per_rank.tier, 1_200_000_000);
+        assert_eq!(fit.per_rank.params, 0);
+    }
+
+    #[test]
+    fn staging_records_shrink_to_fit_and_stay_aligned() {
+        let d = demand(Stage::Zero3, 1_000_000, 1);
+        let both = Placement {
+            optimizer: Tier::Nvme,
+            params: Tier::Nvme,
+        };
+        let big = evaluate(&d, both, DEFAULT_TILE_ELEMS).process_bytes;
+        let fit = place(&d, &limits(Offload::Nvme, Offload::Nvme, big - 1)).unwrap();
+        assert!(fit.tile_elems < DEFAULT_TILE_ELEMS);
+        assert!(fit.tile_elems >= MIN_TILE_ELEMS);
+        assert_eq!(fit.per_rank.staging % IO_ALIGN_BYTES, 0);
+        assert_eq!(
+            fit.per_rank.staging,
+            STAGING_BUFFERS * fit.tile_elems * 4 * 3
+        );
+    }
+
+    #[test]
+    fn memory_stays_bounded_as_the_model_grows_except_for_gradients() {
+        // With everything offloaded, RAM grows only with the gradient shard and the largest
+        // unit, not with the optimizer or parameter state.
+        let both = Placement {
+            optimizer: Tier::Nvme,
+            params: Tier::Nvme,
+        };
+        let small = evaluate(&demand(Stage::Zero3, 1 << 24, 1), both, DEFAULT_TILE_ELEMS);
+        let large = evaluate(&demand(Stage::Zero3, 1 << 28, 1), both, DEFAULT_TILE_ELEMS);
+        assert_eq!(small.per_rank.staging, large.per_rank.staging);
+        assert_eq!(large.per_rank.optimizer + large.per_rank.params, 0);
+        assert_eq!(large.per_rank.tier, 12 << 28);
+    }
+
+    #[test]
+    fn an_explicit_choice_is_kept_or_refused_never_changed() {
+        let d = demand(Stage::Zero3, 100_000_000, 1);
+        let err = place(&d, &limits(Offload::None, Offload::None, 1 << 30)).unwrap_err();
+        let FitError::DoesNotFit(msg) = err else {
+            panic!("{err:?}")
+        };
+        assert!(msg.contains("may use 1.00 GiB (memory_max_bytes)"), "{msg}");
+        assert!(
+            msg.contains("--offload-optimizer nvme --offload-params nvme would fit it"),
+            "{msg}"
+        );
+        let fit = place(&d, &limits(Offload::Nvme, Offload::None, 1 << 34)).unwrap();
+        assert_eq!(fit.placement.optimizer, Tier::Nvme);
+        assert_eq!(fit.placement.params, Tier::Ram);
+    }
+
+    #[test]
+    fn below_every_plan_the_refusal_names_the_smallest_budget() {
+        let d = demand(Stage::Zero3, 100_000_000, 1);
+        let err = place(&d, &limits(Offload::Auto, Offload::Auto, 1 << 20)).unwrap_err();
+        let FitError::DoesNotFit(msg) = err else {
+            panic!("{err:?}")
+        };
+        let both = Placement {
+            optimizer: Tier::Nvme,
+            params: Tier::Nvme,
+        };
+        let least = evaluate(&d, both, MIN_TILE_ELEMS).process_bytes;
+        assert!(
+            msg.contains(&format!("raise --memory-max to at least {}", gib(least))),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn without_a_directory_auto_stays_in_ram_and_says_what_to_set() {
+        let d = demand(Stage::Zero2, 100_000_000, 1);
+        let lim = Limits {
+            has_nvme_dir: false,
+            ..limits(Offload::Auto, Offload::Auto, 1 << 31)
+        };
+        let FitError::DoesNotFit(msg) = place(&d, &lim).unwrap_err() else {
+            panic!()
+        };
+        assert!(
+            msg.contains("--offload-optimizer nvme --nvme-dir DIR would fit it"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn bad_combinations_are_refused() {
+        let d = demand(Stage::Zero2, 1000, 1);
+        let big = 1 << 34;
+        assert_eq!(
+            place(&d, &limits(Offload::Auto, Offload::Nvme, big)),
+            Err(FitError::ParamsNeedStage3)
+        );
+        assert_eq!(
+            place(&d, &limits(Offload::Cpu, Offload::Auto, big)),
+            Err(FitError::CpuReserved {
+                key: "offload_optimizer"
+            })
+        );
+        let lim = Limits {
+            has_nvme_dir: false,
+            ..limits(Offload::Nvme, Offload::Auto, big)
+        };
+        assert_eq!(place(&d, &lim), Err(FitError::NoNvmeDir));
+    }
+
+    #[test]
+    fn in_process_ranks_add_up() {
+        let one = evaluate(&demand(Stage::Zero3, 1 << 20, 4), Placement::RAM, 1 << 18);
+        assert_eq!(one.process_bytes, BASE_BYTES + 4 * one.per_rank.ram());
+    }
+}

@@ -1,0 +1,80 @@
+//! The storage seam: where a rank's shard state lives when it is not in RAM.
+//!
+//! A placement from `plan::tier` says which state goes to the tier; [`TierSpec`] carries it with
+//! the directory and the I/O settings, and opens each rank's [`TierFile`] (one preallocated file
+//! in the rank's own subfolder) on a device: [`uring::UringDevice`] on the disk, or
+//! [`device::MemDevice`], the reference device tests inject faults into.
+//!
+//! Imports: `plan`, `crate::runtime::alloc` and below; nothing above (the step uses this).
+
+pub mod aligned;
+pub mod device;
+pub mod preflight;
+pub mod tier_file;
+pub mod uring;
+
+use std::path::{Path, PathBuf};
+
+pub use self::aligned::AlignedBuf;
+pub use self::device::{Faults, IoError};
+pub use self::preflight::{check_dir, lock_dir, DirLock, PreflightError};
+pub use self::tier_file::{RecordKinds, TierError, TierFile, TierLayout, TierStats};
+use self::uring::{UringConfig, UringDevice};
+use crate::plan::tier::{Placement, Tier};
+
+/// Everything a rank needs to put its state on the tier.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TierSpec {
+    pub dir: PathBuf,
+    pub placement: Placement,
+    pub tile_elems: usize,
+    pub staging_buffers: usize,
+    pub uring: UringConfig,
+    /// Tests: the reference device with these faults instead of the disk.
+    pub simulate: Option<Faults>,
+}
+
+impl TierSpec {
+    /// Record kinds for an optimizer with `state_per_param` values per element.
+    pub fn kinds(&self, state_per_param: usize) -> RecordKinds {
+        RecordKinds {
+            params: self.placement.params == Tier::Nvme,
+            state: if self.placement.optimizer == Tier::Nvme {
+                state_per_param
+            } else {
+                0
+            },
+        }
+    }
+
+    /// This rank's folder under the tier directory.
+    pub fn rank_dir(&self, rank: u32) -> PathBuf {
+        self.dir.join(format!("rank-{rank}"))
+    }
+
+    /// Creates a fresh tier file for `rank` with `layout`.
+    pub fn open(&self, rank: u32, epoch: u64, layout: TierLayout) -> Result<TierFile, TierError> {
+        let dir = self.rank_dir(rank);
+        let path = dir.join(tier_file::fresh_name(epoch));
+        let fail = |path: &Path, e: IoError| TierError::Io {
+            path: path.to_path_buf(),
+            op: device::Op::Write,
+            offset: 0,
+            len: 0,
+            source: e,
+        };
+        let dev: Box<dyn device::Device> = match self.simulate {
+            Some(faults) => Box::new(device::MemDevice::new(faults)),
+            None => {
+                std::fs::create_dir_all(&dir).map_err(|e| {
+                    fail(
+                        &path,
+                        IoError::Os(format!("creating {}: {e}", dir.display())),
+                    )
+                })?;
+                Box::new(UringDevice::open(&path, self.uring).map_err(|e| fail(&path, e))?)
+            }
+        };
+        TierFile::create(&path, dev, layout, self.staging_buffers)
+    }
+}

@@ -1,0 +1,452 @@
+//! One rank's tier file: its shard state cut into fixed-size records, addressed by offset, each
+//! 4 KiB block checked by a CRC on every read.
+//!
+//! Layout: the shard of unit `u` (the owned chunks concatenated, as in RAM) is cut into tiles of
+//! `tile_elems` elements; tile `k` of unit `u` is one record. A record holds its tile's values
+//! one kind after another (`[params][m][v]`, whichever kinds this placement keeps on the tier),
+//! each kind taking `4 * tile_elems` bytes (a multiple of 4096), so any one kind of a record, and
+//! any 4 KiB-aligned part of it, can be read on its own. Records follow each other with no gaps:
+//! one preallocated file per rank, no file per tensor, no open or close per request.
+//!
+//! The CRCs live in RAM (4 bytes per 4 KiB block, 0.1% of the tier) because the file is scratch
+//! space for this run: a checkpoint, not this file, is what outlives the process. A block whose
+//! CRC does not match is reported with its unit and offset and its values are never used.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use super::aligned::AlignedBuf;
+use super::device::{submit, Device, IoError, Op, Ticket};
+use crate::plan::tier::IO_ALIGN_BYTES;
+
+const BLOCK: usize = IO_ALIGN_BYTES as usize;
+
+/// Which values a record holds, in order: the parameter (if on the tier), then the optimizer's
+/// state values (if on the tier).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecordKinds {
+    pub params: bool,
+    /// Optimizer values on the tier per element (0, 1 or 2).
+    pub state: usize,
+}
+
+impl RecordKinds {
+    pub fn values(&self) -> usize {
+        usize::from(self.params) + self.state
+    }
+
+    /// Index of the first optimizer value within a record.
+    pub fn state_at(&self) -> usize {
+        usize::from(self.params)
+    }
+}
+
+/// Where each record of a rank's shard lives in its tier file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierLayout {
+    pub unit_lens: Vec<usize>,
+    pub tile_elems: usize,
+    pub kinds: RecordKinds,
+    /// Index of each unit's first record; one more entry at the end.
+    first: Vec<usize>,
+}
+
+impl TierLayout {
+    pub fn new(unit_lens: Vec<usize>, tile_elems: usize, kinds: RecordKinds) -> Self {
+        assert!(
+            tile_elems > 0 && (4 * tile_elems) % BLOCK == 0,
+            "tiles are whole blocks"
+        );
+        let mut first = Vec::with_capacity(unit_lens.len() + 1);
+        let mut n = 0;
+        for &len in &unit_lens {
+            first.push(n);
+            n += len.div_ceil(tile_elems);
+        }
+        first.push(n);
+        Self {
+            unit_lens,
+            tile_elems,
+            kinds,
+            first,
+        }
+    }
+
+    pub fn records(&self) -> usize {
+        *self.first.last().expect("one entry per unit plus one")
+    }
+
+    /// Bytes of one record: every kind's full tile.
+    pub fn stride(&self) -> usize {
+        4 * self.tile_elems * self.kinds.values()
+    }
+
+    pub fn file_bytes(&self) -> u64 {
+        (self.records() * self.stride()) as u64
+    }
+
+    /// The records of unit `u`.
+    pub fn unit_records(&self, u: usize) -> Range<usize> {
+        self.first[u]..self.first[u + 1]
+    }
+
+    /// The unit a record belongs to and the shard elements it holds.
+    pub fn record_span(&self, rec: usize) -> (usize, Range<usize>) {
+        let u = self.first.partition_point(|&f| f <= rec) - 1;
+        let start = (rec - self.first[u]) * self.tile_elems;
+        (u, start..(start + self.tile_elems).min(self.unit_lens[u]))
+    }
+
+    /// File offset of value `k` of record `rec`.
+    pub fn value_offset(&self, rec: usize, k: usize) -> u64 {
+        (rec * self.stride() + 4 * self.tile_elems * k) as u64
+    }
+}
+
+/// Bytes moved and time spent waiting for the disk, since the file was created.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TierStats {
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub wait_s: f64,
+}
+
+/// What went wrong with the tier, naming the file.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TierError {
+    #[error("tier file {path}: {op:?} of {len} bytes at offset {offset} failed: {source}")]
+    Io {
+        path: PathBuf,
+        op: Op,
+        offset: u64,
+        len: usize,
+        source: IoError,
+    },
+    #[error("tier file {path}: block at offset {offset} (unit {unit}) fails its CRC check: the file was damaged on disk; its values were not used")]
+    Corrupt {
+        path: PathBuf,
+        offset: u64,
+        unit: usize,
+    },
+    #[error("tier file {path}: reserving {bytes} bytes failed: {source} (the tier needs that much free space in its directory)")]
+    Reserve {
+        path: PathBuf,
+        bytes: u64,
+        source: IoError,
+    },
+}
+
+/// A request in flight.
+pub struct Pending {
+    ticket: Ticket,
+    op: Op,
+    offset: u64,
+    len: usize,
+}
+
+/// One rank's tier file and its staging buffers.
+pub struct TierFile {
+    path: PathBuf,
+    dev: Box<dyn Device>,
+    pub layout: TierLayout,
+    /// CRC32 of each 4 KiB block as last written (of zeros before).
+    crcs: Vec<u32>,
+    pool: Vec<AlignedBuf>,
+    pub stats: TierStats,
+}
+
+static FILE_SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// A file name no other tier file of this process uses.
+pub fn fresh_name(epoch: u64) -> String {
+    format!(
+        "state-e{epoch}-{}.bin",
+        FILE_SEQ.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+impl TierFile {
+    /// Takes over `dev` (a fresh file at `path`), reserves the space the layout needs and
+    /// allocates `staging` buffers of one record each.
+    pub fn create(
+        path: &Path,
+        mut dev: Box<dyn Device>,
+        layout: TierLayout,
+        staging: usize,
+    ) -> Result<Self, TierError> {
+        let bytes = layout.file_bytes();
+        dev.reserve(bytes).map_err(|source| TierError::Reserve {
+            path: path.to_path_buf(),
+            bytes,
+            source,
+        })?;
+        let zero = crc32fast::hash(&[0u8; BLOCK]);
+        Ok(Self {
+            path: path.to_path_buf(),
+            dev,
+            crcs: vec![zero; bytes as usize / BLOCK],
+            pool: (0..staging.max(1))
+                .map(|_| AlignedBuf::new(layout.stride()))
+                .collect(),
+            layout,
+            stats: TierStats::default(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// A staging buffer of one record, if one is free.
+    pub fn take_buf(&mut self) -> Option<AlignedBuf> {
+        self.pool.pop()
+    }
+
+    pub fn put_buf(&mut self, b: AlignedBuf) {
+        self.pool.push(b);
+    }
+
+    pub fn staging_bytes(&self) -> u64 {
+        (self.pool.len() * self.layout.stride()) as u64
+    }
+
+    /// Starts reading values `kinds` (a range of value indices) of record `rec` into `buf`.
+    pub fn start_read(
+        &mut self,
+        rec: usize,
+        kinds: Range<usize>,
+        buf: AlignedBuf,
+    ) -> Result<Pending, TierError> {
+        let offset = self.layout.value_offset(rec, kinds.start);
+        let len = 4 * self.layout.tile_elems * kinds.len();
+        self.start(Op::Read, offset, len, buf)
+    }
+
+    /// Starts writing the whole record `rec` from `buf`.
+    pub fn start_write(&mut self, rec: usize, buf: AlignedBuf) -> Result<Pending, TierError> {
+        let offset = self.layout.value_offset(rec, 0);
+        let len = self.layout.stride();
+        let first = offset as usize / BLOCK;
+        for (i, block) in buf.bytes()[..len].chunks(BLOCK).enumerate() {
+            self.crcs[first + i] = crc32fast::hash(block);
+        }
+        self.start(Op::Write, offset, len, buf)
+    }
+
+    fn start(
+        &mut self,
+        op: Op,
+        offset: u64,
+        len: usize,
+        buf: AlignedBuf,
+    ) -> Result<Pending, TierError> {
+        debug_assert!(offset as usize % BLOCK == 0 && len % BLOCK == 0 && len <= buf.len());
+        let ticket =
+            submit(self.dev.as_mut(), op, offset, len, buf).map_err(|source| TierError::Io {
+                path: self.path.clone(),
+                op,
+                offset,
+                len,
+                source,
+            })?;
+        Ok(Pending {
+            ticket,
+            op,
+            offset,
+            len,
+        })
+    }
+
+    /// Waits for `p`, checks what was read against the CRCs, and returns the buffer. On error
+    /// the buffer still goes back to the pool.
+    pub fn finish(&mut self, p: Pending) -> Result<AlignedBuf, TierError> {
+        let t0 = Instant::now();
+        let done = p.ticket.wait();
+        self.stats.wait_s += t0.elapsed().as_secs_f64();
+        let fail = |source| TierError::Io {
+            path: self.path.clone(),
+            op: p.op,
+            offset: p.offset,
+            len: p.len,
+            source,
+        };
+        if let Err(e) = done.result {
+            let err = fail(e);
+            if done.buf.len() >= self.layout.stride() {
+                self.pool.push(done.buf);
+            }
+            return Err(err);
+        }
+        match p.op {
+            Op::Read => {
+                self.stats.read_bytes += p.len as u64;
+                let first = p.offset as usize / BLOCK;
+                for (i, block) in done.buf.bytes()[..p.len].chunks(BLOCK).enumerate() {
+                    if crc32fast::hash(block) != self.crcs[first + i] {
+                        let offset = ((first + i) * BLOCK) as u64;
+                        let rec = offset as usize / self.layout.stride();
+                        let unit = self.layout.record_span(rec).0;
+                        self.pool.push(done.buf);
+                        return Err(TierError::Corrupt {
+                            path: self.path.clone(),
+                            offset,
+                            unit,
+                        });
+                    }
+                }
+            }
+            Op::Write => self.stats.write_bytes += p.len as u64,
+        }
+        Ok(done.buf)
+    }
+
+    /// Reads value `k` of the shard elements `elems` of record `rec` (only the blocks that hold
+    /// them, into a buffer of that size), for moving single chunks.
+    pub fn read_values(
+        &mut self,
+        rec: usize,
+        k: usize,
+        elems: Range<usize>,
+    ) -> Result<Vec<f32>, TierError> {
+        let (_, span) = self.layout.record_span(rec);
+        let (a, b) = (elems.start - span.start, elems.end - span.start);
+        let base = self.layout.value_offset(rec, k) as usize;
+        let lo = (base + 4 * a) / BLOCK * BLOCK;
+        let hi = (base + 4 * b).div_ceil(BLOCK) * BLOCK;
+        let p = self.start(Op::Read, lo as u64, hi - lo, AlignedBuf::new(hi - lo))?;
+        let buf = self.finish_unpooled(p)?;
+        let skip = (base + 4 * a - lo) / 4;
+        Ok(buf.f32s()[skip..skip + (b - a)].to_vec())
+    }
+
+    /// Like [`TierFile::finish`] for a buffer that is not from the pool.
+    fn finish_unpooled(&mut self, p: Pending) -> Result<AlignedBuf, TierError> {
+        let before = self.pool.len();
+        let r = self.finish(p);
+        // `finish` returns failed buffers to the pool; this one was never in it.
+        self.pool.truncate(before);
+        r
+    }
+}
+
+impl Drop for TierFile {
+    fn drop(&mut self) {
+        // Scratch state: a dropped rank state's file is of no use to anyone.
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use super::super::device::{Faults, MemDevice};
+    use super::*;
+
+    fn layout() -> TierLayout {
+        TierLayout::new(
+            vec![3000, 0, 1024],
+            1024,
+            RecordKinds {
+                params: true,
+                state: 2,
+            },
+        )
+    }
+
+    #[test]
+    fn records_tile_each_unit() {
+        let l = layout();
+        assert_eq!(l.records(), 4);
+        assert_eq!(l.unit_records(0), 0..3);
+        assert_eq!(l.unit_records(1), 3..3);
+        assert_eq!(l.record_span(2), (0, 2048..3000));
+        assert_eq!(l.record_span(3), (2, 0..1024));
+        assert_eq!(l.stride(), 3 * 4096);
+        assert_eq!(l.value_offset(1, 2), (3 * 4096 + 2 * 4096) as u64);
+    }
+
+    fn file(faults: Faults) -> TierFile {
+        file_and_bytes(faults).0
+    }
+
+    fn file_and_bytes(faults: Faults) -> (TierFile, Arc<Mutex<Vec<u8>>>) {
+        let dev = MemDevice::new(faults);
+        let bytes = Arc::clone(&dev.data);
+        let f = TierFile::create(
+            Path::new("/nonexistent/never-written"),
+            Box::new(dev),
+            layout(),
+            2,
+        )
+        .unwrap();
+        (f, bytes)
+    }
+
+    #[test]
+    fn round_trip_and_partial_reads() {
+        let mut f = file(Faults::default());
+        let mut b = f.take_buf().unwrap();
+        for (i, x) in b.f32s_mut().iter_mut().enumerate() {
+            *x = i as f32;
+        }
+        let p = f.start_write(1, b).unwrap();
+        let b = f.finish(p).unwrap();
+        f.put_buf(b);
+        let b = f.take_buf().unwrap();
+        let p = f.start_read(1, 1..3, b).unwrap();
+        let b = f.finish(p).unwrap();
+        assert_eq!(b.f32s()[0], 1024.0);
+        assert_eq!(b.f32s()[2047], 3071.0);
+        // Elements 1030..1040 of the shard are record 1's elements 6..16; value 2 is v.
+        let v = f.read_values(1, 2, 1030..1040).unwrap();
+        assert_eq!(v, (2054..2064).map(|i| i as f32).collect::<Vec<_>>());
+        assert_eq!(f.stats.write_bytes, 3 * 4096);
+    }
+
+    #[test]
+    fn a_damaged_block_is_named_and_not_used() {
+        let (mut f, bytes) = file_and_bytes(Faults::default());
+        let b = f.take_buf().unwrap();
+        let p = f.start_write(2, b).unwrap();
+        let b = f.finish(p).unwrap();
+        f.put_buf(b);
+        // Flip a bit behind the engine's back, in record 2's v.
+        bytes.lock().unwrap()[2 * 3 * 4096 + 2 * 4096 + 17] ^= 1;
+        let b = f.take_buf().unwrap();
+        let p = f.start_read(2, 0..3, b).unwrap();
+        let err = f.finish(p).unwrap_err();
+        assert_eq!(
+            err,
+            TierError::Corrupt {
+                path: PathBuf::from("/nonexistent/never-written"),
+                offset: (2 * 3 * 4096 + 2 * 4096) as u64,
+                unit: 0,
+            }
+        );
+        assert!(err.to_string().contains("fails its CRC check"));
+        // The buffer went back to the pool.
+        assert_eq!(f.pool.len(), 2);
+    }
+
+    #[test]
+    fn a_full_disk_is_a_typed_error() {
+        let mut f = file(Faults {
+            fail_after_write_bytes: Some(4096),
+            errno: libc::ENOSPC,
+        });
+        let b = f.take_buf().unwrap();
+        let p = f.start_write(0, b).unwrap();
+        let err = f.finish(p).unwrap_err();
+        assert!(matches!(
+            err,
+            TierError::Io {
+                source: IoError::NoSpace,
+                ..
+            }
+        ));
+        assert!(err.to_string().contains("no space left"));
+    }
+}
