@@ -9,6 +9,8 @@ use crate::model::gpt::{Gpt, GptConfig};
 use crate::model::mlp::{Mlp, MlpConfig};
 use crate::model::Model;
 use crate::optim::{AdamHyper, LrSchedule, OptimSettings, OptimizerKind};
+use crate::plan::tier::{machine_budget, place, Budget, Demand, Fit, FitError, Limits};
+use crate::plan::{ShardMap, Stage};
 
 /// Byte-level vocabulary of every built-in model.
 pub const VOCAB: usize = 256;
@@ -86,4 +88,72 @@ pub fn lr_schedule(cfg: &TrainConfig) -> LrSchedule {
         },
         min_lr_ratio: cfg.min_lr_ratio as f64,
     }
+}
+
+/// What a run of `cfg` needs per rank, for the memory planner (`plan::tier`), with
+/// `ranks_in_process` ranks' state in this process (all of them for `ezero train`, one for a
+/// worker process).
+pub fn memory_demand(cfg: &TrainConfig, model: &dyn Model, ranks_in_process: u64) -> Demand {
+    let numels: Vec<usize> = model.units().iter().map(|u| u.numel()).collect();
+    let members: Vec<u32> = (0..cfg.ranks).collect();
+    let owned = ShardMap::plan(&numels, &members, cfg.chunk_elems, 0)
+        .map(|m| members.iter().map(|&r| m.owned_elems(r)).max().unwrap_or(0))
+        .unwrap_or_else(|_| numels.iter().sum());
+    let stage = Stage::from_u8(cfg.stage).unwrap_or(Stage::Zero3);
+    Demand {
+        stage,
+        ranks_in_process,
+        total_elems: numels.iter().sum::<usize>() as u64,
+        owned_elems: owned as u64,
+        largest_unit_elems: numels.iter().copied().max().unwrap_or(0) as u64,
+        grad_elem_bytes: cfg.reduce.elem_bytes() as u64,
+        state_per_param: optim_settings(cfg).state_per_param(),
+        max_live_units: cfg.max_live_units as u64,
+        activation_bytes: activation_bytes(cfg, numels.len()),
+    }
+}
+
+/// An upper estimate of one rank's activation memory: every unit's saved input for the rank's
+/// micro-batches, the logits and their gradient, and one unit's intermediates while it is
+/// recomputed and differentiated (every unit's, kept, with `keep_activations`).
+fn activation_bytes(cfg: &TrainConfig, units: usize) -> u64 {
+    let local_mbs = cfg.micro_batches.div_ceil(cfg.ranks.max(1)) as u64;
+    let tokens = (cfg.micro_batch_size * cfg.seq_len) as u64;
+    let d = cfg.d_model as u64;
+    let saved = units as u64 * local_mbs * tokens * d * 4;
+    let logits = 2 * tokens * VOCAB as u64 * 4;
+    // Q, K, V, attention output, two norms, residuals and the 4d MLP before and after its
+    // activation: about 16 d per token, plus the seq x seq attention weights per head; twice
+    // for the backward's gradients of them.
+    let per_unit = 2 * tokens * (16 * d + (cfg.heads * cfg.seq_len) as u64) * 4;
+    let kept = if cfg.keep_activations {
+        per_unit * units as u64 * local_mbs
+    } else {
+        per_unit
+    };
+    saved + logits + kept
+}
+
+/// Where the run's state goes and how much memory it needs, or why it cannot run in
+/// `available_bytes` (the machine's, used when `memory_max_bytes` is not set).
+pub fn plan_memory(
+    cfg: &TrainConfig,
+    model: &dyn Model,
+    ranks_in_process: u64,
+    available_bytes: u64,
+) -> Result<Fit, FitError> {
+    let demand = memory_demand(cfg, model, ranks_in_process);
+    place(
+        &demand,
+        &Limits {
+            optimizer: cfg.offload_optimizer,
+            params: cfg.offload_params,
+            has_nvme_dir: cfg.nvme_dir.is_some(),
+            budget: match cfg.memory_max_bytes {
+                Some(b) => Budget::Configured(b),
+                None => machine_budget(available_bytes),
+            },
+            tile_elems: cfg.nvme_record_elems,
+        },
+    )
 }

@@ -46,6 +46,22 @@ pub struct TrainSummary {
     pub param_sha256: String,
     pub ranks: Vec<RankSummary>,
     pub losses: Vec<f64>,
+    /// Where optimizer state and stage 3's parameters lived: `ram` or `nvme` each.
+    #[serde(default)]
+    pub offload_optimizer: String,
+    #[serde(default)]
+    pub offload_params: String,
+    /// Median over steps of the bytes all ranks read from and wrote to their NVMe tiers.
+    #[serde(default)]
+    pub nvme_read_bytes_per_step: u64,
+    #[serde(default)]
+    pub nvme_write_bytes_per_step: u64,
+    /// Median over steps of the longest time any rank waited for its tier.
+    #[serde(default)]
+    pub io_wait_s_per_step: f64,
+    /// The process's peak resident set (VmHWM) when the summary was written.
+    #[serde(default)]
+    pub peak_rss_bytes: u64,
 }
 
 /// Median of a list (0 for an empty one).

@@ -16,6 +16,7 @@ mod checkpoint_tools;
 mod cli;
 mod control;
 mod elastic;
+mod offload;
 mod procs;
 mod procs_checkpoint;
 mod quic;

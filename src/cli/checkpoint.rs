@@ -366,6 +366,8 @@ pub fn resolve_train(
         list.retain(|a| a.step >= step);
     }
     base.kill_during.retain(|k| k.step >= step);
+    // Where state lives belongs to the machine that resumes, not to the one that saved.
+    base.clear_placement();
     let cfg = args
         .resolve_over(Some(&base))
         .map_err(|e| CliError::Usage(e.to_string()))?;

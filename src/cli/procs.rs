@@ -12,11 +12,13 @@ use clap::Args;
 
 use elastic_zero::config::TrainConfig;
 use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
-use elastic_zero::job::{build_dataset, build_model};
+use elastic_zero::job::{build_dataset, build_model, memory_demand, plan_memory};
 use elastic_zero::model::param_count;
 use elastic_zero::net::tls::ClusterTls;
 use elastic_zero::net::{init_secrets, Identity};
+use elastic_zero::plan::tier::{evaluate, Placement, MIN_TILE_ELEMS};
 use elastic_zero::plan::RankId;
+use elastic_zero::runtime::alloc::available_memory_bytes;
 use elastic_zero::runtime::api::cluster::Observer;
 use elastic_zero::runtime::procs::control_plane::DataPlane;
 use elastic_zero::runtime::procs::coord::{
@@ -296,7 +298,17 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         Err(e) => return Err(failure(e, lines.last_step, save_dir.as_deref())),
     };
     saved?;
-    let summary = super::train::summarize(&cfg, psi, floor, &outcome.records, &outcome.params);
+    // Each worker plans its own placement; this is one rank's plan on this machine.
+    let available = available_memory_bytes().unwrap_or(u64::MAX / 2);
+    let fit = plan_memory(&cfg, model.as_ref(), 1, available).unwrap_or_else(|_| {
+        evaluate(
+            &memory_demand(&cfg, model.as_ref(), 1),
+            Placement::RAM,
+            MIN_TILE_ELEMS,
+        )
+    });
+    let summary =
+        super::train::summarize(&cfg, psi, floor, &outcome.records, &outcome.params, &fit);
     println!(
         "done: {} steps in {:.1} s, loss {:.4} -> {:.4}, median step {:.3} s, {:.0} tokens/s",
         cfg.steps,

@@ -8,10 +8,13 @@ use indicatif::{ProgressBar, ProgressStyle};
 
 use elastic_zero::config::{ModelKind, TrainConfig};
 use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
+use elastic_zero::engine::messages::StepReport;
 use elastic_zero::job::{build_dataset, build_model};
 use elastic_zero::model::sample::generate;
 use elastic_zero::model::{param_count, Model};
+use elastic_zero::plan::tier::{gib, Fit, Tier};
 use elastic_zero::plan::RankId;
+use elastic_zero::runtime::alloc::peak_rss_bytes;
 use elastic_zero::runtime::api::cluster::Observer;
 use elastic_zero::runtime::step::resume::ResumeSource;
 use elastic_zero::runtime::{ChangeRecord, Cluster, ClusterBuilder, ClusterError, ClusterSpec};
@@ -77,6 +80,8 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     // The ranks read their saved state before anything is written: a damaged checkpoint is
     // refused without creating a save directory.
     let cluster = rt.block_on(Cluster::start(spec)).map_err(cluster_error)?;
+    let fit = *cluster.memory_plan();
+    println!("{}", describe_fit(&fit, &cfg));
     let saving = match Saving::start(
         &cfg,
         model.as_ref(),
@@ -158,7 +163,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     saved?;
     bar.finish_and_clear();
     let wall_s = started.elapsed().as_secs_f64();
-    let summary = summarize(&cfg, psi, floor, &outcome.records, &outcome.params);
+    let summary = summarize(&cfg, psi, floor, &outcome.records, &outcome.params, &fit);
     println!(
         "done: {} steps in {:.1} s, loss {:.4} -> {:.4}{}, median step {:.3} s, {:.0} tokens/s",
         cfg.steps,
@@ -194,6 +199,8 @@ fn cluster_error(e: ClusterError) -> CliError {
     match e {
         // Damaged or unfitting saved state is bad input: nothing was trained.
         ClusterError::Resume(why) => CliError::Usage(format!("--resume: {why}")),
+        // Refused before anything was allocated: the run does not fit, or its tier cannot be used.
+        ClusterError::Memory(why) => CliError::Usage(why),
         e => CliError::Failed(e.to_string()),
     }
 }
@@ -288,6 +295,7 @@ pub(super) fn summarize(
     floor: Option<f64>,
     records: &[StepRecord],
     params: &[Vec<f32>],
+    fit: &Fit,
 ) -> TrainSummary {
     // Skip the first steps (allocation, page faults) when there are enough to spare.
     let warm = if records.len() > 4 { 2 } else { 0 };
@@ -297,6 +305,23 @@ pub(super) fn summarize(
         .map(|r| r.duration_ms as f64 / 1e3)
         .collect();
     let step_time = median(times);
+    // Median over steps of the sum (or the largest) over ranks.
+    let per_step = |f: &dyn Fn(&StepReport) -> f64, max: bool| {
+        median(
+            records
+                .iter()
+                .skip(warm)
+                .map(|r| {
+                    let xs = r.reports.iter().map(f);
+                    if max {
+                        xs.fold(0.0, f64::max)
+                    } else {
+                        xs.sum()
+                    }
+                })
+                .collect(),
+        )
+    };
     TrainSummary {
         param_count: psi,
         stage: cfg.stage,
@@ -317,6 +342,59 @@ pub(super) fn summarize(
         param_sha256: param_sha256(params),
         ranks: rank_summaries(records),
         losses: records.iter().map(|r| r.loss).collect(),
+        offload_optimizer: tier_name(fit.placement.optimizer),
+        offload_params: tier_name(fit.placement.params),
+        nvme_read_bytes_per_step: per_step(&|x| x.tier_read_bytes as f64, false) as u64,
+        nvme_write_bytes_per_step: per_step(&|x| x.tier_write_bytes as f64, false) as u64,
+        io_wait_s_per_step: per_step(&|x| x.io_wait_s, true),
+        peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
+    }
+}
+
+/// The placement and the memory it needs, in one line for the banner.
+pub(super) fn describe_fit(fit: &Fit, cfg: &TrainConfig) -> String {
+    let r = &fit.per_rank;
+    let mut line = format!(
+        "memory: about {} expected (per rank: parameters {}, gradients {}, optimizer {}, working set {}",
+        gib(fit.process_bytes),
+        gib(r.params),
+        gib(r.grads),
+        gib(r.optimizer),
+        gib(r.working + r.activations)
+    );
+    if fit.placement.any_nvme() {
+        line += &format!(
+            ", staging {}); on the tier: {} per rank ({}{}) in {}, {} KiB records",
+            gib(r.staging),
+            gib(r.tier),
+            [
+                (fit.placement.optimizer == Tier::Nvme).then_some("optimizer state"),
+                (fit.placement.params == Tier::Nvme).then_some("parameters"),
+            ]
+            .into_iter()
+            .flatten()
+            .collect::<Vec<_>>()
+            .join(" and "),
+            if cfg.nvme_buffered {
+                ", buffered I/O"
+            } else {
+                ""
+            },
+            cfg.nvme_dir
+                .as_deref()
+                .map_or("?".into(), |d| d.display().to_string()),
+            fit.tile_elems * 4 / 1024
+        );
+    } else {
+        line += "); all state in RAM";
+    }
+    line
+}
+
+fn tier_name(t: Tier) -> String {
+    match t {
+        Tier::Ram => "ram".into(),
+        Tier::Nvme => "nvme".into(),
     }
 }
 

@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use self::error::toml_error;
 pub use self::error::ConfigError;
 pub use self::membership::{At, Round, RoundKill};
-pub use self::offload::parse_bytes;
+pub use self::offload::{parse_bytes, NvmeFault};
 pub use self::optim::OptimizerChoice;
 pub use self::shape::ModelKind;
 use crate::plan::tier::Offload;
@@ -167,9 +167,16 @@ pub struct TrainConfig {
     pub nvme_queue_depth: u32,
     /// Bytes per I/O request, a multiple of 4096 (default 1048576).
     pub nvme_block_bytes: u64,
+    /// Elements per tier record (a multiple of 1024); unset: the planner picks the largest
+    /// that fits, at most 262144 (1 MiB per stored value) (default unset).
+    pub nvme_record_elems: Option<u64>,
     /// The most memory the process may use; the planner picks the least offload that fits or
     /// refuses before training (default: 90% of the memory available at start).
     pub memory_max_bytes: Option<u64>,
+    /// Fault injection: `RANK:enospc@BYTES` or `RANK:eio@BYTES` fails that rank's tier writes
+    /// past BYTES (default none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nvme_fault: Option<NvmeFault>,
 }
 
 impl Default for TrainConfig {
@@ -235,6 +242,8 @@ impl Default for TrainConfig {
             nvme_queue_depth: 8,
             nvme_block_bytes: 1 << 20,
             memory_max_bytes: None,
+            nvme_record_elems: None,
+            nvme_fault: None,
         }
     }
 }

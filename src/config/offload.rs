@@ -9,6 +9,21 @@ use crate::plan::tier::Offload;
 const MIN_MEMORY_MAX_BYTES: u64 = 64 << 20;
 
 impl TrainConfig {
+    /// Resets the keys that describe this machine's tier and memory to their defaults (a
+    /// resumed run takes them from its own flags, not from the saved config).
+    pub fn clear_placement(&mut self) {
+        let d = TrainConfig::default();
+        self.offload_optimizer = d.offload_optimizer;
+        self.offload_params = d.offload_params;
+        self.nvme_dir = d.nvme_dir;
+        self.nvme_buffered = d.nvme_buffered;
+        self.nvme_queue_depth = d.nvme_queue_depth;
+        self.nvme_block_bytes = d.nvme_block_bytes;
+        self.nvme_record_elems = d.nvme_record_elems;
+        self.memory_max_bytes = d.memory_max_bytes;
+        self.nvme_fault = d.nvme_fault;
+    }
+
     pub(super) fn validate_offload(&self) -> Result<(), ConfigError> {
         for (key, o) in [
             ("offload_optimizer", self.offload_optimizer),
@@ -48,6 +63,14 @@ impl TrainConfig {
                 ));
             }
         }
+        if let Some(n) = self.nvme_record_elems {
+            if n == 0 || n % 1024 != 0 || n > 1 << 24 {
+                return Err(ConfigError::new(
+                    "nvme_record_elems",
+                    format!("{n} must be a multiple of 1024 between 1024 and 16777216"),
+                ));
+            }
+        }
         if !(1..=256).contains(&self.nvme_queue_depth) {
             return Err(ConfigError::new(
                 "nvme_queue_depth",
@@ -55,13 +78,64 @@ impl TrainConfig {
             ));
         }
         let b = self.nvme_block_bytes;
-        if b < 4096 || b > 64 << 20 || b % 4096 != 0 {
+        if !(4096..=64 << 20).contains(&b) || b % 4096 != 0 {
             return Err(ConfigError::new(
                 "nvme_block_bytes",
                 format!("{b} must be a multiple of 4096 between 4 KiB and 64 MiB"),
             ));
         }
         Ok(())
+    }
+}
+
+/// Fault injection: rank `rank`'s tier fails every write past its first `after_write_bytes`
+/// bytes with ENOSPC or EIO. Written `RANK:enospc@BYTES` or `RANK:eio@BYTES`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NvmeFault {
+    pub rank: u32,
+    pub errno: i32,
+    pub after_write_bytes: u64,
+}
+
+impl std::str::FromStr for NvmeFault {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || format!("`{s}` is not RANK:enospc@BYTES or RANK:eio@BYTES");
+        let (rank, rest) = s.split_once(':').ok_or_else(bad)?;
+        let (kind, bytes) = rest.split_once('@').ok_or_else(bad)?;
+        Ok(Self {
+            rank: rank.parse().map_err(|_| bad())?,
+            errno: match kind {
+                "enospc" => libc::ENOSPC,
+                "eio" => libc::EIO,
+                _ => return Err(bad()),
+            },
+            after_write_bytes: parse_bytes(bytes)?,
+        })
+    }
+}
+
+impl std::fmt::Display for NvmeFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = if self.errno == libc::ENOSPC {
+            "enospc"
+        } else {
+            "eio"
+        };
+        write!(f, "{}:{kind}@{}", self.rank, self.after_write_bytes)
+    }
+}
+
+impl serde::Serialize for NvmeFault {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for NvmeFault {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
     }
 }
 

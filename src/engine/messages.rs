@@ -61,4 +61,12 @@ pub struct StepReport {
     pub stale_dropped: u64,
     /// Seconds of forward/backward compute on this rank.
     pub compute_s: f64,
+    /// Bytes this rank read from and wrote to its NVMe tier in the step.
+    #[serde(default)]
+    pub tier_read_bytes: u64,
+    #[serde(default)]
+    pub tier_write_bytes: u64,
+    /// Seconds the rank waited for its tier in the step.
+    #[serde(default)]
+    pub io_wait_s: f64,
 }

@@ -139,6 +139,8 @@ pub struct Limits {
     /// Whether a tier directory is configured (`nvme_dir`): without one, `Auto` stays in RAM.
     pub has_nvme_dir: bool,
     pub budget: Budget,
+    /// Elements per record when configured; otherwise the planner picks.
+    pub tile_elems: Option<u64>,
 }
 
 /// The memory the process may use and where that figure came from.
@@ -239,7 +241,11 @@ pub fn place(d: &Demand, lim: &Limits) -> Result<Fit, FitError> {
     let candidates = candidates(d.stage);
     let budget = lim.budget.bytes();
     for p in candidates.iter().filter(|p| allowed(p)) {
-        if let Some(fit) = fit_largest_tile(d, *p, budget) {
+        let fit = match lim.tile_elems {
+            Some(t) => Some(evaluate(d, *p, t)).filter(|f| f.process_bytes <= budget),
+            None => fit_largest_tile(d, *p, budget),
+        };
+        if let Some(fit) = fit {
             return Ok(fit);
         }
     }
@@ -266,7 +272,9 @@ fn candidates(stage: Stage) -> Vec<Placement> {
 
 /// The largest power-of-two record between the minimum and the default that fits, if any.
 fn fit_largest_tile(d: &Demand, p: Placement, budget: u64) -> Option<Fit> {
-    let mut tile = DEFAULT_TILE_ELEMS;
+    // No record larger than the largest unit needs.
+    let mut tile =
+        DEFAULT_TILE_ELEMS.min(d.largest_unit_elems.max(MIN_TILE_ELEMS).next_power_of_two());
     loop {
         let fit = evaluate(d, p, tile);
         if fit.process_bytes <= budget {
@@ -435,6 +443,7 @@ mod tests {
             params,
             has_nvme_dir: true,
             budget: Budget::Configured(budget),
+            tile_elems: None,
         }
     }
 

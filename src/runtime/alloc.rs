@@ -33,6 +33,64 @@ pub fn keep_freed_memory() -> bool {
     }
 }
 
+/// Memory this process could still use: the smaller of the kernel's `MemAvailable` and what the
+/// process's memory cgroup (v2 `memory.max`, v1 `memory.limit_in_bytes`) has left. `None` when
+/// neither can be read.
+pub fn available_memory_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok();
+    let avail = meminfo
+        .as_deref()
+        .and_then(|m| kib_field(m, "MemAvailable:"));
+    let cgroup = cgroup_headroom();
+    match (avail, cgroup) {
+        (Some(a), Some(c)) => Some(a.min(c)),
+        (a, c) => a.or(c),
+    }
+}
+
+/// The process's peak resident set (`VmHWM`), in bytes.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    kib_field(&status, "VmHWM:")
+}
+
+/// A `Name:   1234 kB` field of a /proc file, in bytes.
+fn kib_field(text: &str, name: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with(name))?;
+    let kib: u64 = line[name.len()..].split_whitespace().next()?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+fn cgroup_headroom() -> Option<u64> {
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    let num = |s: Option<String>| s.and_then(|s| s.trim().parse::<u64>().ok());
+    let cg = read("/proc/self/cgroup")?;
+    for line in cg.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let (limit, usage) = if controllers.is_empty() {
+            let base = format!("/sys/fs/cgroup{path}");
+            (
+                num(read(&format!("{base}/memory.max"))),
+                num(read(&format!("{base}/memory.current"))),
+            )
+        } else if controllers.split(',').any(|c| c == "memory") {
+            let base = format!("/sys/fs/cgroup/memory{path}");
+            (
+                num(read(&format!("{base}/memory.limit_in_bytes"))),
+                num(read(&format!("{base}/memory.usage_in_bytes"))),
+            )
+        } else {
+            continue;
+        };
+        // v1 reports "no limit" as a number near 2^63; v2 as "max" (not a number).
+        if let Some(limit) = limit.filter(|&l| l < 1 << 60) {
+            return Some(limit.saturating_sub(usage.unwrap_or(0)));
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -164,6 +164,15 @@ impl<T: Transport> Actor for RankActor<T> {
                 slot.work = Some(*work);
                 slot.report(match result {
                     Ok(report) => CoordMsg::StepDone(report),
+                    // The rank's tier failed: its state cannot be trusted, so it is lost (its
+                    // buddy's backup, if any, restores it elsewhere).
+                    Err(e @ CommError::Storage(_)) => {
+                        (slot.setup.disconnect)(rank);
+                        CoordMsg::RankFailed {
+                            rank,
+                            reason: e.to_string(),
+                        }
+                    }
                     // Expected: a peer vanished or the step was abandoned. The rank is alive and
                     // idle; the coordinator decides what happens next.
                     Err(e) => CoordMsg::StepAborted {
@@ -298,7 +307,12 @@ impl<T: Transport> Actor for RankActor<T> {
                     .work
                     .as_ref()
                     .and_then(|w| w.state.as_ref())
-                    .map(|s| s.owned_chunk_states())
+                    .map(|s| {
+                        s.owned_chunk_states().unwrap_or_else(|e| {
+                            tracing::error!(rank, "collecting: {e}");
+                            Vec::new()
+                        })
+                    })
                     .unwrap_or_default();
                 let _ = reply.send(chunks);
             }
@@ -342,7 +356,7 @@ fn vanished<T: Transport>(setup: &RankSetup, rank: RankId, what: &str, step: u64
 }
 
 fn reshard_job<'a>(
-    setup: &RankSetup,
+    setup: &'a RankSetup,
     sender: &'a dyn Fn(usize, usize) -> RankId,
     old: &'a ShardMap,
     new: &'a ShardMap,
@@ -357,6 +371,7 @@ fn reshard_job<'a>(
         mode: setup.mode,
         model: Arc::clone(&setup.model),
         optim: setup.optim,
+        storage: setup.storage.as_deref(),
         step,
         vanish,
     }

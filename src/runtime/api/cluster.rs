@@ -14,19 +14,22 @@ use crate::data::Dataset;
 use crate::engine::coordinator::{
     Change, Coordinator, JobSpec, MembershipRecord, Refusal, ScriptedChange, StepRecord,
 };
-use crate::job::{build_dataset, build_model, lr_schedule, optim_settings};
+use crate::job::{build_dataset, build_model, lr_schedule, optim_settings, plan_memory};
 use crate::model::Model;
+use crate::plan::tier::Fit;
 use crate::plan::{ChunkId, RankId, ShardMap, Stage};
 use crate::runtime::actors::RankMsg;
 use crate::runtime::actors::{
     BoundarySnapshot, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank, RankActor,
     RankArgs, RankFactory, RankSetup, Snapshot, Work,
 };
+use crate::runtime::alloc::available_memory_bytes;
 use crate::runtime::clock::SystemClock;
 use crate::runtime::step::comm::Comm;
 use crate::runtime::step::exec::ExecConfig;
 use crate::runtime::step::rank_state::{ChunkState, RankState};
 use crate::runtime::step::resume::{read_owned_chunks, ResumeSource};
+use crate::runtime::storage::{DirLock, Faults, TierSpec, UringConfig};
 use crate::runtime::transport::local::{
     LocalEndpoint, LocalNetwork, NetCounts, NetFaults, Partition,
 };
@@ -49,6 +52,10 @@ pub enum ClusterError {
     /// The saved state could not be read or does not fit this run; nothing was started.
     #[error("cannot resume: {0}")]
     Resume(String),
+    /// The run does not fit the memory it may use, or its tier directory cannot be used;
+    /// nothing was allocated.
+    #[error("{0}")]
+    Memory(String),
 }
 
 /// Everything needed to start a cluster.
@@ -105,6 +112,57 @@ pub struct Cluster {
     net: Arc<LocalNetwork>,
     map: ShardMap,
     resume_reads: Vec<(RankId, u64)>,
+    fit: Fit,
+    /// Held while the run uses its tier directory.
+    _tier_lock: Option<DirLock>,
+}
+
+/// Plans where the state of `ranks_in_process` ranks goes and, if anything goes to the tier,
+/// checks and locks its directory. Runs before anything is allocated.
+pub fn prepare_storage(
+    cfg: &TrainConfig,
+    model: &dyn Model,
+    ranks_in_process: u64,
+) -> Result<(Fit, Option<(TierSpec, DirLock)>), ClusterError> {
+    let available = available_memory_bytes().unwrap_or(u64::MAX / 2);
+    let fit = plan_memory(cfg, model, ranks_in_process, available)
+        .map_err(|e| ClusterError::Memory(e.to_string()))?;
+    if !fit.placement.any_nvme() {
+        return Ok((fit, None));
+    }
+    let dir = cfg
+        .nvme_dir
+        .as_deref()
+        .expect("the planner offloads only with nvme_dir");
+    // During a reshard a rank's old and new tier files coexist.
+    let need = 2 * ranks_in_process * fit.per_rank.tier;
+    let uring = UringConfig {
+        queue_depth: cfg.nvme_queue_depth,
+        block_bytes: cfg.nvme_block_bytes as usize,
+        direct: !cfg.nvme_buffered,
+    };
+    let (spec, lock) = TierSpec::for_run(
+        dir,
+        fit.placement,
+        fit.tile_elems as usize,
+        fit.staging_buffers as usize,
+        uring,
+        need,
+    )
+    .map_err(|e| ClusterError::Memory(e.to_string()))?;
+    let spec = TierSpec {
+        faults: cfg.nvme_fault.map(|f| {
+            (
+                f.rank,
+                Faults {
+                    fail_after_write_bytes: Some(f.after_write_bytes),
+                    errno: f.errno,
+                },
+            )
+        }),
+        ..spec
+    };
+    Ok((fit, Some((spec, lock))))
 }
 
 /// The config's fault-injection keys as the in-process network's faults.
@@ -172,6 +230,11 @@ impl Cluster {
             .map_or(1, |src| src.saved_map().epoch + 1);
         let map = ShardMap::plan(&numels, &members, cfg.chunk_elems, epoch)
             .map_err(|e| ClusterError::Spawn(e.to_string()))?;
+        let (fit, tier) = prepare_storage(cfg, spec.model.as_ref(), u64::from(cfg.ranks))?;
+        let (storage, tier_lock) = match tier {
+            Some((spec, lock)) => (Some(Arc::new(spec)), Some(lock)),
+            None => (None, None),
+        };
         let restored = match &spec.resume {
             Some(src) => {
                 let old: Vec<usize> = src.saved_map().units.iter().map(|u| u.numel).collect();
@@ -213,6 +276,7 @@ impl Cluster {
             optim,
             data: Arc::clone(&spec.data),
             exec: exec_config(cfg),
+            storage: storage.clone(),
             disconnect: {
                 let net = Arc::clone(&net);
                 Box::new(move |r| net.kill(r))
@@ -275,6 +339,7 @@ impl Cluster {
                         map.clone(),
                         optim,
                         &source,
+                        storage.as_deref(),
                     )
                     .map_err(|e| ClusterError::Spawn(format!("restoring rank {rank}: {e}")))?
                 }
@@ -286,7 +351,9 @@ impl Cluster {
                     map.clone(),
                     optim,
                     &params,
-                ),
+                    storage.as_deref(),
+                )
+                .map_err(|e| ClusterError::Spawn(format!("building rank {rank}: {e}")))?,
             };
             let args = RankArgs {
                 rank,
@@ -316,6 +383,8 @@ impl Cluster {
             net,
             map,
             resume_reads: restored.map(|r| r.per_rank).unwrap_or_default(),
+            fit,
+            _tier_lock: tier_lock,
         })
     }
 
@@ -334,6 +403,11 @@ impl Cluster {
     }
 
     /// On a resume: the bytes each rank read from the saved state (empty otherwise).
+    /// Where the ranks' state was placed (RAM or the tier) and the memory that needs.
+    pub fn memory_plan(&self) -> &Fit {
+        &self.fit
+    }
+
     pub fn resume_reads(&self) -> &[(RankId, u64)] {
         &self.resume_reads
     }

@@ -38,10 +38,11 @@ use crate::job::{build_dataset, build_model};
 use crate::net::tls::{check_alpn, peer_server_name, ClusterTls, Protocol};
 use crate::plan::{RankId, Stage};
 use crate::runtime::actors::{RankActor, RankArgs, RankMsg, RankSetup, Work};
-use crate::runtime::api::cluster::exec_config;
+use crate::runtime::api::cluster::{exec_config, prepare_storage};
 use crate::runtime::clock::{Clock, SystemClock};
 use crate::runtime::step::comm::Comm;
 use crate::runtime::step::rank_state::{ChunkState, RankState};
+use crate::runtime::storage::TierSpec;
 use crate::runtime::transport::quic::{QuicConfig, QuicTransport};
 use crate::runtime::transport::tcp::TcpListenerHandle;
 use crate::runtime::transport::Transport;
@@ -511,6 +512,31 @@ struct Hooks {
     add_peer: Box<dyn Fn(RankId, SocketAddr) + Send + Sync>,
 }
 
+/// A worker process's tier: its own folder (`worker-RANK`) under the configured directory, so
+/// workers sharing a disk never share a file or a lock. The lock is held until the process
+/// exits, which is when the rank's state is gone anyway.
+fn worker_storage(
+    cfg: &TrainConfig,
+    model: &dyn crate::model::Model,
+    rank: RankId,
+) -> Result<Option<Arc<TierSpec>>, ProcError> {
+    let mut cfg = cfg.clone();
+    if let Some(dir) = &cfg.nvme_dir {
+        let own = dir.join(format!("worker-{rank}"));
+        if dir.is_dir() {
+            std::fs::create_dir_all(&own).map_err(|e| {
+                ProcError::Setup(format!("creating the tier folder {}: {e}", own.display()))
+            })?;
+        }
+        cfg.nvme_dir = Some(own);
+    }
+    let (_, tier) = prepare_storage(&cfg, model, 1).map_err(|e| ProcError::Setup(e.to_string()))?;
+    Ok(tier.map(|(spec, lock)| {
+        std::mem::forget(lock);
+        Arc::new(spec)
+    }))
+}
+
 type Started<T> = (ActorRef<RankMsg<T>>, mpsc::UnboundedReceiver<WorkerEnd>);
 
 async fn start_rank<T: Transport>(
@@ -528,6 +554,7 @@ async fn start_rank<T: Transport>(
     let stage = Stage::from_u8(cfg.stage)
         .ok_or_else(|| ProcError::Setup(format!("stage {} from the coordinator", cfg.stage)))?;
     let optim = optim_settings(&cfg);
+    let storage = worker_storage(&cfg, model.as_ref(), rank)?;
     // A joiner (not in the committed map) holds nothing until its reshard.
     let state = if welcome.map.is_member(rank) {
         Some(match start {
@@ -543,6 +570,7 @@ async fn start_rank<T: Transport>(
                     welcome.map.clone(),
                     optim,
                     &source,
+                    storage.as_deref(),
                 )
                 .map_err(|e| {
                     ProcError::Setup(format!("rank {rank}: the starting state does not fit: {e}"))
@@ -560,7 +588,9 @@ async fn start_rank<T: Transport>(
                     welcome.map.clone(),
                     optim,
                     &params,
+                    storage.as_deref(),
                 )
+                .map_err(|e| ProcError::Setup(format!("rank {rank}: building its state: {e}")))?
             }
         })
     } else {
@@ -573,6 +603,7 @@ async fn start_rank<T: Transport>(
         optim,
         data: dataset,
         exec: exec_config(&cfg),
+        storage,
         // An injected kill (`--kill`, or an operator's `POST /ranks/{id}/kill`) ends this
         // process with SIGKILL, as `kill -9` would: no goodbye, the kernel closes its sockets.
         disconnect: Box::new(|r| {

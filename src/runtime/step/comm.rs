@@ -36,6 +36,10 @@ pub enum CommError {
     Protocol { from: RankId, what: String },
     #[error("interrupted: the step is being abandoned")]
     Interrupted,
+    /// The rank's storage tier failed (I/O error, damaged block): its state cannot be trusted,
+    /// so the rank counts as lost.
+    #[error("{0}")]
+    Storage(String),
     /// Fault injection: this rank vanishes (the runtime disconnects it).
     #[error("this rank vanished (injected fault)")]
     Vanished,

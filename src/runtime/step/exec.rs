@@ -73,6 +73,7 @@ pub fn run_step<T: Transport>(
     vanish_at: Option<usize>,
 ) -> Result<StepReport, CommError> {
     comm.begin_step(plan.epoch, plan.step);
+    let io_before = st.tier_counters();
     let local = plan.local_micro_batches(st.rank);
     let mbs: Vec<(u32, MicroBatch)> = local
         .map(|i| {
@@ -113,6 +114,7 @@ pub fn run_step<T: Transport>(
             continue;
         }
         let stats = comm.stats();
+        let io = st.tier_counters();
         return Ok(StepReport {
             rank: st.rank,
             epoch: plan.epoch,
@@ -133,6 +135,9 @@ pub fn run_step<T: Transport>(
             peak_gathered_bytes: st.ledger.peak_gathered(),
             stale_dropped: stats.stale_dropped + stats.duplicates_dropped,
             compute_s,
+            tier_read_bytes: io.0 - io_before.0,
+            tier_write_bytes: io.1 - io_before.1,
+            io_wait_s: io.2 - io_before.2,
         });
     }
     unreachable!("the last attempt always returns")
@@ -155,6 +160,8 @@ struct Pass<'a> {
     grad_out: Vec<Vec<f32>>,
     losses: Vec<(u32, f32)>,
     gathered: BTreeMap<u32, Vec<f32>>,
+    /// Stage 3 with parameters on the tier: the shard read for a gather, until its wait.
+    own: BTreeMap<u32, Vec<f32>>,
     unit_acc: BTreeMap<u32, GradBuf>,
     stats: Vec<QuantStats>,
     agreed: Option<Agreed>,
@@ -186,6 +193,7 @@ impl<'a> Pass<'a> {
             grad_out: vec![Vec::new(); mbs.len()],
             losses: Vec::new(),
             gathered: BTreeMap::new(),
+            own: BTreeMap::new(),
             unit_acc: BTreeMap::new(),
             stats: vec![QuantStats::default(); units],
             agreed: None,
@@ -228,9 +236,13 @@ impl<'a> Pass<'a> {
     fn exec<T: Transport>(&mut self, comm: &mut Comm<T>, phase: Phase) -> Result<(), CommError> {
         match phase {
             Phase::PostGather { unit, pass } => {
-                let shard = &self.st.shards[unit as usize];
-                let payload = encode_f32(&shard.params, std::iter::once(0..shard.params.len()));
-                let n = shard.params.len() as u64;
+                self.load_own_params(unit)?;
+                let own = self
+                    .own
+                    .get(&unit)
+                    .unwrap_or(&self.st.shards[unit as usize].params);
+                let payload = encode_f32(own, std::iter::once(0..own.len()));
+                let n = own.len() as u64;
                 // From now on the peers' chunks of this unit are in flight to us: account for
                 // them here, so the ledger shows the whole prefetched working set.
                 let incoming = self.st.map.units[unit as usize].numel as u64 - n;
@@ -276,8 +288,8 @@ impl<'a> Pass<'a> {
                 let clip = exact::clip_coefficient(a.norm, self.cfg.grad_clip);
                 let (exps, m) = (self.exps.clone(), self.plan.micro_batches);
                 self.st
-                    .apply_optimizer(&exps, m, clip, self.plan.opt_step, self.plan.lr);
-                Ok(())
+                    .apply_optimizer(&exps, m, clip, self.plan.opt_step, self.plan.lr)
+                    .map_err(|e| CommError::Storage(e.to_string()))
             }
             Phase::GatherParams => self.gather_params(comm),
         }
@@ -298,13 +310,16 @@ impl<'a> Pass<'a> {
         let u = unit as usize;
         let numel = self.st.map.units[u].numel;
         let mut full = vec![0f32; numel];
+        self.load_own_params(unit)?;
+        let own = self.own.remove(&unit);
         let shard = &self.st.shards[u];
+        let own = own.as_deref().unwrap_or(&shard.params);
         self.st
             .ledger
-            .alloc(Category::Gathered, 4 * shard.params.len() as u64);
+            .alloc(Category::Gathered, 4 * own.len() as u64);
         let mut off = 0;
         for r in &shard.ranges {
-            full[r.clone()].copy_from_slice(&shard.params[off..off + r.len()]);
+            full[r.clone()].copy_from_slice(&own[off..off + r.len()]);
             off += r.len();
         }
         let tag = self.tag(TagKind::Gather, unit, pass);
@@ -313,6 +328,20 @@ impl<'a> Pass<'a> {
         });
         self.gathered.insert(unit, full);
         res
+    }
+
+    /// Stage 3 with parameters on the tier: reads this rank's shard of `unit` into `own`
+    /// (once per gather; the wait takes it).
+    fn load_own_params(&mut self, unit: u32) -> Result<(), CommError> {
+        if self.st.params_on_tier() && !self.own.contains_key(&unit) {
+            let own = self
+                .st
+                .shard_params(unit as usize)
+                .map_err(|e| CommError::Storage(e.to_string()))?
+                .into_owned();
+            self.own.insert(unit, own);
+        }
+        Ok(())
     }
 
     fn params(&self, u: usize) -> &[f32] {

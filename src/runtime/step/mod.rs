@@ -9,6 +9,7 @@
 pub mod collectives;
 pub mod comm;
 pub mod exec;
+pub mod offload;
 pub mod parcel;
 pub mod rank_state;
 pub mod replica;

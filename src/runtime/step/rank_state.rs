@@ -8,7 +8,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
@@ -18,6 +18,9 @@ pub use crate::optim::OptimSettings;
 use crate::optim::OptimState;
 use crate::plan::{RankId, ShardMap, Stage};
 use crate::reduce::{grad_buf, GradBuf, ReduceMode};
+use crate::runtime::storage::{TierError, TierFile, TierLayout, TierSpec};
+
+use super::offload;
 
 /// This rank's slice of one unit.
 pub struct UnitShard {
@@ -56,6 +59,10 @@ pub struct RankState {
     /// Whole-model gradient accumulator per unit (stages 0 and 1).
     pub whole_grads: Option<Vec<GradBuf>>,
     pub ledger: Ledger,
+    /// The tier file holding what the placement moved out of RAM (`shards[u].params` and
+    /// `shards[u].opt` are then empty). A mutex so that `&self` readers (chunk moves) can do
+    /// I/O; only this rank's thread ever takes it.
+    pub tier: Option<Mutex<TierFile>>,
 }
 
 /// One chunk's complete training state: master parameters and optimizer state. This is the
@@ -76,6 +83,7 @@ pub type ChunkSource<'a> = dyn Fn(usize, usize) -> Option<ChunkState> + 'a;
 
 impl RankState {
     /// Builds the rank's state from full parameters with fresh optimizer state.
+    #[allow(clippy::too_many_arguments)]
     pub fn from_full_params(
         rank: RankId,
         stage: Stage,
@@ -84,7 +92,8 @@ impl RankState {
         map: ShardMap,
         optim: OptimSettings,
         params: &[Vec<f32>],
-    ) -> Self {
+        storage: Option<&TierSpec>,
+    ) -> Result<Self, String> {
         let probe = OptimState::new(optim.kind, 1);
         let fresh = |u: usize, i: usize| {
             let r = map.chunk_range(u, i);
@@ -103,13 +112,23 @@ impl RankState {
                 v: zeros(!probe.v.is_empty()),
             })
         };
-        Self::from_chunks(rank, stage, mode, model, map.clone(), optim, &fresh)
-            .expect("full parameters cover every chunk")
+        Self::from_chunks(
+            rank,
+            stage,
+            mode,
+            model,
+            map.clone(),
+            optim,
+            &fresh,
+            storage,
+        )
     }
 
     /// Builds the rank's state for `map` from chunk states. A rank reads the optimizer state of
     /// the chunks it owns (every chunk for stage 0) and the parameters of the chunks it keeps
-    /// (every chunk for stages 0-2, which hold a full copy; its own for stage 3).
+    /// (every chunk for stages 0-2, which hold a full copy; its own for stage 3). With a tier,
+    /// what the placement moves out of RAM is written there unit by unit.
+    #[allow(clippy::too_many_arguments)]
     pub fn from_chunks(
         rank: RankId,
         stage: Stage,
@@ -118,6 +137,7 @@ impl RankState {
         map: ShardMap,
         optim: OptimSettings,
         source: &ChunkSource<'_>,
+        storage: Option<&TierSpec>,
     ) -> Result<Self, String> {
         let specs = model.units();
         if specs.len() != map.units.len()
@@ -128,6 +148,7 @@ impl RankState {
         {
             return Err("the shard map was planned for a different model".into());
         }
+        let mut tier = open_tier(rank, stage, &map, optim, storage).map_err(|e| e.to_string())?;
         let mut ledger = Ledger::default();
         let mut shards = Vec::with_capacity(specs.len());
         let mut full = vec![Vec::new(); specs.len()];
@@ -176,6 +197,20 @@ impl RankState {
                     .collect();
                 Vec::new()
             };
+            let mut shard_params = shard_params;
+            if let Some(t) = tier.as_mut() {
+                offload::spill_unit(t, u, &shard_params, &opt.m, &opt.v)
+                    .map_err(|e| e.to_string())?;
+                if t.layout.kinds.params {
+                    shard_params = Vec::new();
+                }
+                if t.layout.kinds.state > 0 {
+                    opt = OptimState {
+                        m: Vec::new(),
+                        v: Vec::new(),
+                    };
+                }
+            }
             let grads =
                 matches!(stage, Stage::Zero2 | Stage::Zero3).then(|| GradBuf::zeros(mode, len));
             ledger.alloc(
@@ -216,46 +251,112 @@ impl RankState {
             shards,
             whole_grads,
             ledger,
+            tier: tier.map(Mutex::new),
         })
     }
 
     /// Whatever this rank holds of chunk (unit, index): its parameters (always, for stages 0-2;
     /// if held, for stage 3) and its optimizer state if the rank keeps it (empty otherwise).
+    /// A tier read that fails is logged and the chunk counts as not held; use
+    /// [`RankState::try_chunk_state`] to see the error.
     pub fn chunk_state(&self, unit: usize, index: usize) -> Option<ChunkState> {
-        let shard = self.shards.get(unit)?;
-        let r = self
+        self.try_chunk_state(unit, index).unwrap_or_else(|e| {
+            tracing::error!(rank = self.rank, "{e}");
+            None
+        })
+    }
+
+    /// Like [`RankState::chunk_state`], with the tier's errors.
+    pub fn try_chunk_state(
+        &self,
+        unit: usize,
+        index: usize,
+    ) -> Result<Option<ChunkState>, TierError> {
+        let Some(shard) = self.shards.get(unit) else {
+            return Ok(None);
+        };
+        let Some(r) = self
             .map
             .units
             .get(unit)
             .filter(|u| index < u.owners.len())
-            .map(|_| self.map.chunk_range(unit, index))?;
+            .map(|_| self.map.chunk_range(unit, index))
+        else {
+            return Ok(None);
+        };
         let at = shard.chunks.iter().position(|&c| c == index);
         let off = at.map(|a| shard.ranges[..a].iter().map(Range::len).sum::<usize>());
+        if let Some(t) = &self.tier {
+            return self.tiered_chunk_state(t, unit, index, off, r);
+        }
         let params = match (self.stage, off) {
             (Stage::Zero3, Some(off)) => shard.params[off..off + r.len()].to_vec(),
-            (Stage::Zero3, None) => return None,
+            (Stage::Zero3, None) => return Ok(None),
             _ => self.full[unit][r.clone()].to_vec(),
         };
         let slice = |v: &[f32]| match off {
             Some(off) if !v.is_empty() => v[off..off + r.len()].to_vec(),
             _ => Vec::new(),
         };
-        Some(ChunkState {
+        Ok(Some(ChunkState {
             unit: unit as u32,
             index: index as u32,
             params,
             m: slice(&shard.opt.m),
             v: slice(&shard.opt.v),
-        })
+        }))
+    }
+
+    /// `chunk_state` for a rank with a tier: what is on the tier is read from it.
+    fn tiered_chunk_state(
+        &self,
+        tier: &Mutex<TierFile>,
+        unit: usize,
+        index: usize,
+        off: Option<usize>,
+        r: Range<usize>,
+    ) -> Result<Option<ChunkState>, TierError> {
+        let shard = &self.shards[unit];
+        let mut t = tier.lock().unwrap_or_else(|p| p.into_inner());
+        let kinds = t.layout.kinds;
+        let n = r.len();
+        let params = match (self.stage, off) {
+            (Stage::Zero3, Some(off)) if kinds.params => {
+                offload::read_shard_values(&mut t, unit, 0, off..off + n)?
+            }
+            (Stage::Zero3, Some(off)) => shard.params[off..off + n].to_vec(),
+            (Stage::Zero3, None) => return Ok(None),
+            _ => self.full[unit][r].to_vec(),
+        };
+        let mut state = [Vec::new(), Vec::new()];
+        if let Some(off) = off {
+            let per = self.optim.state_per_param() as usize;
+            for (k, s) in state.iter_mut().enumerate().take(per) {
+                *s = if kinds.state > 0 {
+                    offload::read_shard_values(&mut t, unit, kinds.state_at() + k, off..off + n)?
+                } else {
+                    let v = if k == 0 { &shard.opt.m } else { &shard.opt.v };
+                    v[off..off + n].to_vec()
+                };
+            }
+        }
+        let [m, v] = state;
+        Ok(Some(ChunkState {
+            unit: unit as u32,
+            index: index as u32,
+            params,
+            m,
+            v,
+        }))
     }
 
     /// The complete state of every chunk this rank owns under the map.
-    pub fn owned_chunk_states(&self) -> Vec<ChunkState> {
-        self.map
-            .owned_chunks(self.rank)
-            .into_iter()
-            .filter_map(|c| self.chunk_state(c.unit as usize, c.index as usize))
-            .collect()
+    pub fn owned_chunk_states(&self) -> Result<Vec<ChunkState>, TierError> {
+        let mut out = Vec::new();
+        for c in self.map.owned_chunks(self.rank) {
+            out.extend(self.try_chunk_state(c.unit as usize, c.index as usize)?);
+        }
+        Ok(out)
     }
 
     pub fn units(&self) -> usize {
@@ -271,7 +372,7 @@ impl RankState {
         clip_coef: f64,
         t: u64,
         lr: f32,
-    ) {
+    ) -> Result<(), TierError> {
         let settings = self.optim;
         for u in 0..self.specs.len() {
             let factor = grad_buf::mean_factor(self.mode, exps[u], micro_batches, clip_coef);
@@ -288,6 +389,20 @@ impl RankState {
                     (None, None) => unreachable!("every stage keeps gradients somewhere"),
                 }
                 off += r.len();
+            }
+            if let Some(tier) = self.tier.as_mut() {
+                let tier = tier.get_mut().unwrap_or_else(|p| p.into_inner());
+                let args = offload::StepArgs {
+                    settings,
+                    stage: self.stage,
+                    t,
+                    lr,
+                    g: &g,
+                };
+                let res = offload::update_unit(tier, u, shard, &mut self.full[u], &args);
+                self.ledger.free(Category::Transient, 4 * len as u64);
+                res?;
+                continue;
             }
             let mut off = 0;
             for r in &shard.ranges {
@@ -306,7 +421,63 @@ impl RankState {
             }
             self.ledger.free(Category::Transient, 4 * len as u64);
         }
+        Ok(())
     }
+
+    /// Whether the parameter shard lives on the tier (stage 3 with `offload_params`).
+    pub fn params_on_tier(&self) -> bool {
+        self.tier.as_ref().is_some_and(|t| {
+            t.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .layout
+                .kinds
+                .params
+        })
+    }
+
+    /// Unit `u`'s parameter shard (stage 3), from RAM or the tier.
+    pub fn shard_params(&self, u: usize) -> Result<std::borrow::Cow<'_, [f32]>, TierError> {
+        match &self.tier {
+            Some(t) => {
+                let mut t = t.lock().unwrap_or_else(|p| p.into_inner());
+                if t.layout.kinds.params {
+                    let len = self.shards[u].len();
+                    return offload::read_unit_params(&mut t, u, len).map(Into::into);
+                }
+                Ok(self.shards[u].params.as_slice().into())
+            }
+            None => Ok(self.shards[u].params.as_slice().into()),
+        }
+    }
+}
+
+/// The tier file for this rank's state under `map`, if the placement puts anything there.
+fn open_tier(
+    rank: RankId,
+    stage: Stage,
+    map: &ShardMap,
+    optim: OptimSettings,
+    storage: Option<&TierSpec>,
+) -> Result<Option<TierFile>, TierError> {
+    let Some(spec) = storage else {
+        return Ok(None);
+    };
+    let mut kinds = spec.kinds(optim.state_per_param() as usize);
+    kinds.params &= stage == Stage::Zero3;
+    if kinds.values() == 0 {
+        return Ok(None);
+    }
+    let lens = (0..map.units.len())
+        .map(|u| {
+            if stage == Stage::Zero0 {
+                map.units[u].numel
+            } else {
+                map.owned_elems_in_unit(u, rank)
+            }
+        })
+        .collect();
+    let layout = TierLayout::new(lens, spec.tile_elems, kinds);
+    spec.open(rank, map.epoch, layout).map(Some)
 }
 
 /// Copies a chunk's optimizer state into the shard buffer at `off` (both empty if unused).

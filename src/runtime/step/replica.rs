@@ -71,13 +71,21 @@ pub fn replicate<T: Transport>(
     let mut local = BTreeMap::new();
     for (u, unit) in map.units.iter().enumerate() {
         for i in 0..unit.owners.len() {
-            if let Some(c) = state.chunk_state(u, i) {
+            // A tier that cannot be read makes this rank's state untrustworthy: it fails, rather
+            // than its buddy blaming itself for a short parcel.
+            if let Some(c) = state
+                .try_chunk_state(u, i)
+                .map_err(|e| CommError::Storage(e.to_string()))?
+            {
                 local.insert((u, i), c);
             }
         }
     }
     if let Some(b) = buddy(map, me) {
-        comm.send(b, tag, encode_parcel(&state.owned_chunk_states()))?;
+        let owned = state
+            .owned_chunk_states()
+            .map_err(|e| CommError::Storage(e.to_string()))?;
+        comm.send(b, tag, encode_parcel(&owned))?;
     }
     if vanish {
         return Err(CommError::Vanished);

@@ -16,6 +16,7 @@ use super::rank_state::{ChunkSource, ChunkState, OptimSettings, RankState};
 use crate::model::Model;
 use crate::plan::{RankId, ShardMap, Stage};
 use crate::reduce::ReduceMode;
+use crate::runtime::storage::TierSpec;
 use crate::runtime::transport::{Tag, TagKind, Transport};
 
 /// What one chunk transfer carries.
@@ -98,6 +99,8 @@ pub struct Reshard<'a> {
     pub mode: ReduceMode,
     pub model: Arc<dyn Model>,
     pub optim: OptimSettings,
+    /// Where the rebuilt state puts what the placement moves out of RAM.
+    pub storage: Option<&'a TierSpec>,
     pub step: u64,
     /// Fault injection: the rank vanishes after sending half of what it owes.
     pub vanish: bool,
@@ -172,6 +175,7 @@ impl Reshard<'_> {
             self.new.clone(),
             self.optim,
             &source,
+            self.storage,
         )
         .map(Some)
         .map_err(|what| CommError::Protocol { from: me, what })

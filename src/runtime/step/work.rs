@@ -11,6 +11,7 @@ use crate::data::Dataset;
 use crate::model::Model;
 use crate::plan::{RankId, Stage};
 use crate::reduce::ReduceMode;
+use crate::runtime::storage::TierSpec;
 use crate::runtime::transport::Transport;
 
 /// A rank's state (none yet for a joiner), its backups and its communicator, moved to the
@@ -54,6 +55,8 @@ pub struct RankSetup {
     pub optim: OptimSettings,
     pub data: Arc<Dataset>,
     pub exec: ExecConfig,
+    /// Where state the placement moves out of RAM lives (none: all in RAM).
+    pub storage: Option<Arc<TierSpec>>,
     /// Disconnects a rank from the network: how an injected kill makes the rank vanish.
     pub disconnect: Box<dyn Fn(RankId) + Send + Sync>,
 }

@@ -100,12 +100,53 @@ pub fn submit(
     Ok(Ticket(rx))
 }
 
-/// Faults a [`MemDevice`] injects: the write that would take the bytes written past
-/// `fail_after_write_bytes` fails with `errno` (ENOSPC, EIO), and so does every later one.
+/// Injected faults: the write that would take the bytes written past `fail_after_write_bytes`
+/// fails with `errno` (ENOSPC, EIO), and so does every later one.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Faults {
     pub fail_after_write_bytes: Option<u64>,
     pub errno: i32,
+}
+
+/// Any device with [`Faults`] injected in front of it.
+pub struct FaultyDevice<D: Device> {
+    pub inner: D,
+    pub faults: Faults,
+    written: u64,
+}
+
+impl<D: Device> FaultyDevice<D> {
+    pub fn new(inner: D, faults: Faults) -> Self {
+        Self {
+            inner,
+            faults,
+            written: 0,
+        }
+    }
+}
+
+impl<D: Device> Device for FaultyDevice<D> {
+    fn submit(&mut self, req: IoRequest) -> Result<(), IoError> {
+        if req.op == Op::Write {
+            let over = self
+                .faults
+                .fail_after_write_bytes
+                .is_some_and(|max| self.written + req.len as u64 > max);
+            if over {
+                let _ = req.done.send(IoDone {
+                    buf: req.buf,
+                    result: Err(IoError::from_errno(self.faults.errno)),
+                });
+                return Ok(());
+            }
+            self.written += req.len as u64;
+        }
+        self.inner.submit(req)
+    }
+
+    fn reserve(&mut self, bytes: u64) -> Result<(), IoError> {
+        self.inner.reserve(bytes)
+    }
 }
 
 /// The reference device: the file is bytes in RAM (shared, so a test can damage them), and
@@ -113,17 +154,11 @@ pub struct Faults {
 #[derive(Default)]
 pub struct MemDevice {
     pub data: Arc<Mutex<Vec<u8>>>,
-    pub faults: Faults,
-    written: u64,
 }
 
 impl MemDevice {
-    pub fn new(faults: Faults) -> Self {
-        Self {
-            data: Arc::default(),
-            faults,
-            written: 0,
-        }
+    pub fn new() -> Self {
+        Self::default()
     }
 }
 
@@ -143,20 +178,11 @@ impl Device for MemDevice {
                 Ok(())
             }
             Op::Write => {
-                let over = self
-                    .faults
-                    .fail_after_write_bytes
-                    .is_some_and(|max| self.written + req.len as u64 > max);
-                if over {
-                    Err(IoError::from_errno(self.faults.errno))
-                } else {
-                    if data.len() < start + req.len {
-                        data.resize(start + req.len, 0);
-                    }
-                    data[start..start + req.len].copy_from_slice(&req.buf.bytes()[..req.len]);
-                    self.written += req.len as u64;
-                    Ok(())
+                if data.len() < start + req.len {
+                    data.resize(start + req.len, 0);
                 }
+                data[start..start + req.len].copy_from_slice(&req.buf.bytes()[..req.len]);
+                Ok(())
             }
         };
         drop(data);

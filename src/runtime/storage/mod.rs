@@ -16,10 +16,11 @@ pub mod uring;
 use std::path::{Path, PathBuf};
 
 pub use self::aligned::AlignedBuf;
-pub use self::device::{Faults, IoError};
+pub use self::device::{Faults, FaultyDevice, IoError};
 pub use self::preflight::{check_dir, lock_dir, DirLock, PreflightError};
 pub use self::tier_file::{RecordKinds, TierError, TierFile, TierLayout, TierStats};
-use self::uring::{UringConfig, UringDevice};
+pub use self::uring::UringConfig;
+use self::uring::UringDevice;
 use crate::plan::tier::{Placement, Tier};
 
 /// Everything a rank needs to put its state on the tier.
@@ -30,11 +31,39 @@ pub struct TierSpec {
     pub tile_elems: usize,
     pub staging_buffers: usize,
     pub uring: UringConfig,
-    /// Tests: the reference device with these faults instead of the disk.
-    pub simulate: Option<Faults>,
+    /// Tests: the reference device (a file in RAM) instead of the disk.
+    pub simulate: bool,
+    /// Fault injection: faults in front of this rank's device.
+    pub faults: Option<(u32, Faults)>,
 }
 
 impl TierSpec {
+    /// Checks the tier directory (exists, writable, not RAM, direct I/O unless `buffered`, room
+    /// for `need_bytes`) and locks it for this run.
+    pub fn for_run(
+        dir: &Path,
+        placement: Placement,
+        tile_elems: usize,
+        staging_buffers: usize,
+        uring: UringConfig,
+        need_bytes: u64,
+    ) -> Result<(TierSpec, DirLock), PreflightError> {
+        check_dir(dir, need_bytes, !uring.direct)?;
+        let lock = lock_dir(dir)?;
+        Ok((
+            TierSpec {
+                dir: dir.to_path_buf(),
+                placement,
+                tile_elems,
+                staging_buffers,
+                uring,
+                simulate: false,
+                faults: None,
+            },
+            lock,
+        ))
+    }
+
     /// Record kinds for an optimizer with `state_per_param` values per element.
     pub fn kinds(&self, state_per_param: usize) -> RecordKinds {
         RecordKinds {
@@ -63,17 +92,22 @@ impl TierSpec {
             len: 0,
             source: e,
         };
-        let dev: Box<dyn device::Device> = match self.simulate {
-            Some(faults) => Box::new(device::MemDevice::new(faults)),
-            None => {
-                std::fs::create_dir_all(&dir).map_err(|e| {
-                    fail(
-                        &path,
-                        IoError::Os(format!("creating {}: {e}", dir.display())),
-                    )
-                })?;
-                Box::new(UringDevice::open(&path, self.uring).map_err(|e| fail(&path, e))?)
-            }
+        let faults = self
+            .faults
+            .filter(|(r, _)| *r == rank)
+            .map(|(_, f)| f)
+            .unwrap_or_default();
+        let dev: Box<dyn device::Device> = if self.simulate {
+            Box::new(FaultyDevice::new(device::MemDevice::new(), faults))
+        } else {
+            std::fs::create_dir_all(&dir).map_err(|e| {
+                fail(
+                    &path,
+                    IoError::Os(format!("creating {}: {e}", dir.display())),
+                )
+            })?;
+            let dev = UringDevice::open(&path, self.uring).map_err(|e| fail(&path, e))?;
+            Box::new(FaultyDevice::new(dev, faults))
         };
         TierFile::create(&path, dev, layout, self.staging_buffers)
     }

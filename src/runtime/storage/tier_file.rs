@@ -208,6 +208,11 @@ impl TierFile {
         self.pool.push(b);
     }
 
+    /// Staging buffers not in use.
+    pub fn free_bufs(&self) -> usize {
+        self.pool.len()
+    }
+
     pub fn staging_bytes(&self) -> u64 {
         (self.pool.len() * self.layout.stride()) as u64
     }
@@ -335,6 +340,10 @@ impl Drop for TierFile {
     fn drop(&mut self) {
         // Scratch state: a dropped rank state's file is of no use to anyone.
         let _ = std::fs::remove_file(&self.path);
+        // And the rank's folder once its last file is gone (fails harmlessly otherwise).
+        if let Some(dir) = self.path.parent() {
+            let _ = std::fs::remove_dir(dir);
+        }
     }
 }
 
@@ -342,7 +351,7 @@ impl Drop for TierFile {
 mod tests {
     use std::sync::{Arc, Mutex};
 
-    use super::super::device::{Faults, MemDevice};
+    use super::super::device::{Faults, FaultyDevice, MemDevice};
     use super::*;
 
     fn layout() -> TierLayout {
@@ -373,11 +382,11 @@ mod tests {
     }
 
     fn file_and_bytes(faults: Faults) -> (TierFile, Arc<Mutex<Vec<u8>>>) {
-        let dev = MemDevice::new(faults);
+        let dev = MemDevice::new();
         let bytes = Arc::clone(&dev.data);
         let f = TierFile::create(
             Path::new("/nonexistent/never-written"),
-            Box::new(dev),
+            Box::new(FaultyDevice::new(dev, faults)),
             layout(),
             2,
         )

@@ -1,0 +1,257 @@
+//! A rank's shard state on the NVMe tier: writing it there when the state is built, streaming it
+//! through the staging buffers for the optimizer step, and reading single chunks (for resharding,
+//! backups and checkpoints) or a unit's parameter shard (for stage 3's gather) back.
+//!
+//! The optimizer streams record by record: while record `k` is updated, the next records are
+//! being read (up to the staging buffers the plan sized) and the previous ones written back, so
+//! the disk and the update overlap and RAM holds a fixed number of records whatever the model's
+//! size. The update is elementwise, so cutting it at record boundaries changes no bits.
+
+use std::collections::VecDeque;
+use std::ops::Range;
+
+use super::rank_state::{RankState, UnitShard};
+use crate::optim::OptimSettings;
+use crate::plan::Stage;
+use crate::runtime::storage::tier_file::Pending;
+use crate::runtime::storage::{AlignedBuf, TierError, TierFile};
+
+/// The pieces of shard elements `span` as (shard range, unit range) pairs, given the shard's
+/// chunk ranges within the unit (the shard is those ranges concatenated).
+pub fn shard_pieces(
+    ranges: &[Range<usize>],
+    span: Range<usize>,
+) -> Vec<(Range<usize>, Range<usize>)> {
+    let mut out = Vec::new();
+    let mut off = 0;
+    for r in ranges {
+        let (s, e) = (off, off + r.len());
+        let (a, b) = (span.start.max(s), span.end.min(e));
+        if a < b {
+            out.push((a..b, r.start + (a - s)..r.start + (b - s)));
+        }
+        off = e;
+        if off >= span.end {
+            break;
+        }
+    }
+    out
+}
+
+/// Writes unit `u`'s shard state from RAM into its records, keeping the writes in flight up to
+/// the staging buffers.
+pub fn spill_unit(
+    tier: &mut TierFile,
+    u: usize,
+    params: &[f32],
+    m: &[f32],
+    v: &[f32],
+) -> Result<(), TierError> {
+    let kinds = tier.layout.kinds;
+    let tile = tier.layout.tile_elems;
+    let mut writes: VecDeque<Pending> = VecDeque::new();
+    for rec in tier.layout.unit_records(u) {
+        let mut buf = next_buf(tier, &mut writes)?;
+        let (_, span) = tier.layout.record_span(rec);
+        let n = span.len();
+        let vals = buf.f32s_mut();
+        let mut k = 0;
+        if kinds.params {
+            vals[..n].copy_from_slice(&params[span.clone()]);
+            k += 1;
+        }
+        for s in [m, v].into_iter().take(kinds.state) {
+            vals[k * tile..k * tile + n].copy_from_slice(&s[span.clone()]);
+            k += 1;
+        }
+        writes.push_back(tier.start_write(rec, buf)?);
+    }
+    drain(tier, writes)
+}
+
+/// A free staging buffer, finishing the oldest write if none is free.
+fn next_buf(tier: &mut TierFile, writes: &mut VecDeque<Pending>) -> Result<AlignedBuf, TierError> {
+    loop {
+        if let Some(b) = tier.take_buf() {
+            return Ok(b);
+        }
+        let oldest = writes
+            .pop_front()
+            .expect("a staging buffer is either free or in a write");
+        let b = tier.finish(oldest)?;
+        tier.put_buf(b);
+    }
+}
+
+fn drain(tier: &mut TierFile, writes: VecDeque<Pending>) -> Result<(), TierError> {
+    let mut first_err = None;
+    for p in writes {
+        match tier.finish(p) {
+            Ok(b) => tier.put_buf(b),
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    first_err.map_or(Ok(()), Err)
+}
+
+/// What the optimizer step needs besides the tier: the settings and the step's scalars.
+pub struct StepArgs<'a> {
+    pub settings: OptimSettings,
+    pub stage: Stage,
+    pub t: u64,
+    pub lr: f32,
+    /// The unit's gradient shard as f32, scaled.
+    pub g: &'a [f32],
+}
+
+/// Streams unit `u`'s records through the optimizer: read (ahead), update, write back.
+pub fn update_unit(
+    tier: &mut TierFile,
+    u: usize,
+    shard: &mut UnitShard,
+    full: &mut [f32],
+    a: &StepArgs<'_>,
+) -> Result<(), TierError> {
+    let kinds = tier.layout.kinds;
+    let tile = tier.layout.tile_elems;
+    let values = kinds.values();
+    let records = tier.layout.unit_records(u);
+    let mut reads: VecDeque<(usize, Pending)> = VecDeque::new();
+    let mut writes: VecDeque<Pending> = VecDeque::new();
+    let mut next = records.start;
+    let result = (|| {
+        for rec in records.clone() {
+            // Read ahead while a buffer is free; keep one for the write-back pipeline.
+            while next < records.end && (next == rec || tier_has_spare(tier)) {
+                let buf = next_buf(tier, &mut writes)?;
+                reads.push_back((next, tier.start_read(next, 0..values, buf)?));
+                next += 1;
+            }
+            let (r, pending) = reads.pop_front().expect("the current record was started");
+            debug_assert_eq!(r, rec);
+            let mut buf = tier.finish(pending)?;
+            let (_, span) = tier.layout.record_span(rec);
+            let mut cols = buf.f32s_mut().chunks_mut(tile).take(values);
+            let mut tp = if kinds.params { cols.next() } else { None };
+            let mut tm = (kinds.state >= 1).then(|| cols.next()).flatten();
+            let mut tv = (kinds.state >= 2).then(|| cols.next()).flatten();
+            for (sr, ur) in shard_pieces(&shard.ranges, span.clone()) {
+                let (lo, n) = (sr.start - span.start, sr.len());
+                let p: &mut [f32] = match tp.as_deref_mut() {
+                    Some(c) => &mut c[lo..lo + n],
+                    None if a.stage == Stage::Zero3 => &mut shard.params[sr.clone()],
+                    None => &mut full[ur],
+                };
+                let m: &mut [f32] = match tm.as_deref_mut() {
+                    Some(c) => &mut c[lo..lo + n],
+                    None => ram_state(&mut shard.opt.m, sr.clone()),
+                };
+                let v: &mut [f32] = match tv.as_deref_mut() {
+                    Some(c) => &mut c[lo..lo + n],
+                    None => ram_state(&mut shard.opt.v, sr.clone()),
+                };
+                a.settings.update(p, &a.g[sr], m, v, a.t, a.lr);
+            }
+            writes.push_back(tier.start_write(rec, buf)?);
+        }
+        Ok(())
+    })();
+    // Whatever happened, wait for what is in flight so every buffer is back in the pool.
+    for (_, p) in reads {
+        if let Ok(b) = tier.finish(p) {
+            tier.put_buf(b);
+        }
+    }
+    let drained = drain(tier, writes);
+    result.and(drained)
+}
+
+fn tier_has_spare(tier: &TierFile) -> bool {
+    tier.free_bufs() > 1
+}
+
+fn ram_state(v: &mut [f32], r: Range<usize>) -> &mut [f32] {
+    if v.is_empty() {
+        v
+    } else {
+        &mut v[r]
+    }
+}
+
+/// Reads value `k` of shard elements `elems` of unit `u` (which may span records).
+pub fn read_shard_values(
+    tier: &mut TierFile,
+    u: usize,
+    k: usize,
+    elems: Range<usize>,
+) -> Result<Vec<f32>, TierError> {
+    let mut out = Vec::with_capacity(elems.len());
+    for rec in tier.layout.unit_records(u) {
+        let (_, span) = tier.layout.record_span(rec);
+        let (a, b) = (elems.start.max(span.start), elems.end.min(span.end));
+        if a < b {
+            out.extend(tier.read_values(rec, k, a..b)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Reads unit `u`'s whole parameter shard (value 0 of every record), reads in flight up to the
+/// staging buffers. Every read started is waited for, also after a failure, so every buffer
+/// returns to the pool.
+pub fn read_unit_params(tier: &mut TierFile, u: usize, len: usize) -> Result<Vec<f32>, TierError> {
+    let mut out = vec![0f32; len];
+    let mut reads: VecDeque<(usize, Pending)> = VecDeque::new();
+    let mut first_err = None;
+    for rec in tier.layout.unit_records(u) {
+        if tier.free_bufs() == 0 {
+            let (r, p) = reads.pop_front().expect("buffers are free or reading");
+            if let Err(e) = copy_params(tier, r, p, &mut out) {
+                first_err.get_or_insert(e);
+            }
+        }
+        if first_err.is_some() {
+            break;
+        }
+        let buf = tier.take_buf().expect("a buffer is free");
+        match tier.start_read(rec, 0..1, buf) {
+            Ok(p) => reads.push_back((rec, p)),
+            Err(e) => {
+                first_err.get_or_insert(e);
+                break;
+            }
+        }
+    }
+    for (r, p) in reads {
+        if let Err(e) = copy_params(tier, r, p, &mut out) {
+            first_err.get_or_insert(e);
+        }
+    }
+    first_err.map_or(Ok(out), Err)
+}
+
+fn copy_params(
+    tier: &mut TierFile,
+    rec: usize,
+    p: Pending,
+    out: &mut [f32],
+) -> Result<(), TierError> {
+    let buf = tier.finish(p)?;
+    let (_, span) = tier.layout.record_span(rec);
+    let n = span.len();
+    out[span].copy_from_slice(&buf.f32s()[..n]);
+    tier.put_buf(buf);
+    Ok(())
+}
+
+impl RankState {
+    /// Bytes read from and written to the tier and seconds spent waiting on it, so far.
+    pub fn tier_counters(&self) -> (u64, u64, f64) {
+        self.tier.as_ref().map_or((0, 0, 0.0), |t| {
+            let t = t.lock().unwrap_or_else(|p| p.into_inner());
+            (t.stats.read_bytes, t.stats.write_bytes, t.stats.wait_s)
+        })
+    }
+}

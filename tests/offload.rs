@@ -1,0 +1,351 @@
+//! The NVMe tier: optimizer state and stage 3's parameter shards offloaded to disk train bit for
+//! bit like the in-RAM run, through elastic changes, losses and resumes; damaged or failing
+//! tier files stop the rank (and the run, without backups) with a message naming the file; a
+//! run that cannot fit, or whose tier directory cannot be used, is refused before it allocates.
+
+use std::path::{Path, PathBuf};
+
+use crate::common;
+
+use common::ezero::{ezero, ok, refused, s, step_dir, train_cli};
+use common::{run_cfg, small};
+use elastic_zero::config::{At, ModelKind, TrainConfig};
+use elastic_zero::engine::coordinator::StepRecord;
+use elastic_zero::plan::tier::Offload;
+use elastic_zero::runtime::api::cluster::Observer;
+use elastic_zero::runtime::ClusterSpec;
+use elastic_zero::summary::param_sha256;
+
+/// A tier directory on the build's disk (the temp dir may be tmpfs, which the tier refuses).
+fn tier_dir() -> tempfile::TempDir {
+    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+}
+
+/// `base` with optimizer state (and, when `params`, parameters) on the tier in `dir`, in records
+/// of 1024 elements so that every unit spans several records and chunks straddle them.
+fn offloaded(base: &TrainConfig, dir: &Path, params: bool) -> TrainConfig {
+    TrainConfig {
+        offload_optimizer: Offload::Nvme,
+        offload_params: if params { Offload::Nvme } else { Offload::None },
+        nvme_dir: Some(dir.to_path_buf()),
+        nvme_record_elems: Some(1024),
+        ..base.clone()
+    }
+}
+
+fn sha(cfg: &TrainConfig) -> String {
+    param_sha256(&run_cfg(cfg).unwrap_or_else(|e| panic!("{e}")).params)
+}
+
+/// The tier leaves nothing behind but its lock file.
+fn assert_clean(dir: &Path) {
+    let left: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().is_some_and(|n| n != ".ezero.lock"))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+#[test]
+fn offload_matches_ram_at_every_stage_and_world_size() {
+    let dir = tier_dir();
+    for model in [ModelKind::Gpt, ModelKind::Mlp] {
+        let base = TrainConfig {
+            steps: 3,
+            ..small(model)
+        };
+        let want = sha(&TrainConfig {
+            ranks: 1,
+            ..base.clone()
+        });
+        for ranks in 1..=3 {
+            for stage in 0..=3u8 {
+                let cfg = TrainConfig {
+                    ranks,
+                    stage,
+                    ..base.clone()
+                };
+                for params in [false, stage == 3] {
+                    let got = sha(&offloaded(&cfg, dir.path(), params));
+                    assert_eq!(
+                        got, want,
+                        "{model:?} ranks {ranks} stage {stage} params offloaded {params}"
+                    );
+                }
+            }
+        }
+    }
+    assert_clean(dir.path());
+}
+
+#[test]
+fn sgd_and_fast_reduction_offload_too() {
+    let dir = tier_dir();
+    let base = TrainConfig {
+        ranks: 2,
+        optimizer: elastic_zero::config::OptimizerChoice::Sgd,
+        reduce: elastic_zero::reduce::ReduceMode::Fast,
+        ..small(ModelKind::Gpt)
+    };
+    assert_eq!(sha(&offloaded(&base, dir.path(), true)), sha(&base));
+}
+
+fn at(value: u32, step: u64) -> At {
+    At { value, step }
+}
+
+#[test]
+fn leave_join_and_kill_move_offloaded_state_and_lose_nothing() {
+    let dir = tier_dir();
+    let base = TrainConfig {
+        steps: 6,
+        ranks: 3,
+        ..small(ModelKind::Gpt)
+    };
+    let want = sha(&base);
+    for stage in [1u8, 3] {
+        for (leave, join, kill) in [
+            (vec![at(1, 2)], vec![], vec![]),
+            (vec![], vec![at(2, 3)], vec![]),
+            (vec![], vec![], vec![at(2, 4)]),
+        ] {
+            let cfg = TrainConfig {
+                stage,
+                leave,
+                join,
+                kill,
+                ..base.clone()
+            };
+            let got = sha(&offloaded(&cfg, dir.path(), stage == 3));
+            assert_eq!(got, want, "stage {stage}: {cfg:?}");
+        }
+    }
+    assert_clean(dir.path());
+}
+
+#[test]
+fn a_checkpoint_resumes_into_the_tier_at_another_world_size() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = tier_dir();
+    let root = t.path().join("ck");
+    let want = ok(&train_cli(&["--steps", "6", "--ranks", "1"])).sha();
+    let tier = ["--offload-optimizer", "nvme", "--nvme-dir", s(dir.path())];
+    let mut args = vec!["--steps", "6", "--ranks", "2", "--stage", "3"];
+    args.extend(["--save-dir", s(&root), "--save-every", "3"]);
+    args.extend(tier);
+    args.extend(["--offload-params", "nvme"]);
+    let saved = train_cli(&args);
+    assert_eq!(ok(&saved).sha(), want);
+    let at3 = step_dir(&root, 3);
+    ok(&ezero(&["checkpoint", "verify", s(&at3)]));
+    let mut args = vec!["train", "--resume", s(&at3), "--ranks", "3", "--stage", "1"];
+    args.extend(["--save-every", "0"]);
+    args.extend(tier);
+    let r = ezero(&args);
+    assert_eq!(ok(&r).sha(), want);
+    assert!(r.stdout.contains("on the tier"), "{}", r.stdout);
+}
+
+/// Damages every tier file of `rank` after `step` (the next read of any record that was not
+/// rewritten in between fails its CRC check).
+struct Damage {
+    dir: PathBuf,
+    rank: u32,
+    step: u64,
+    /// Once: a rollback replays the step.
+    done: bool,
+    /// Ranks the run declared lost.
+    lost: Vec<u32>,
+}
+
+impl Observer for &mut Damage {
+    fn on_step(&mut self, rec: &StepRecord) {
+        if rec.step != self.step || self.done {
+            return;
+        }
+        self.done = true;
+        let folder = self.dir.join(format!("rank-{}", self.rank));
+        for f in std::fs::read_dir(folder).unwrap() {
+            let path = f.unwrap().path();
+            let len = std::fs::metadata(&path).unwrap().len() as usize;
+            // In place, as a failing disk would: never shorter than the engine expects.
+            let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+            std::os::unix::fs::FileExt::write_all_at(&f, &vec![0x5a; len], 0).unwrap();
+            f.sync_all().unwrap();
+        }
+    }
+
+    fn on_membership(&mut self, r: &elastic_zero::engine::coordinator::MembershipRecord) {
+        self.lost.extend(&r.lost);
+    }
+}
+
+#[test]
+fn a_damaged_tier_file_is_caught_and_never_applied() {
+    let dir = tier_dir();
+    let base = TrainConfig {
+        steps: 5,
+        ranks: 2,
+        stage: 3,
+        ..small(ModelKind::Gpt)
+    };
+    let want = sha(&base);
+    // Without backups the run stops, naming the file and the check that failed.
+    let cfg = TrainConfig {
+        replicate_every: 0,
+        ..offloaded(&base, dir.path(), true)
+    };
+    let damage = Damage {
+        dir: dir.path().to_path_buf(),
+        rank: 1,
+        step: 1,
+        done: false,
+        lost: Vec::new(),
+    };
+    let spec = ClusterSpec::from_config(cfg).unwrap();
+    let mut damage = damage;
+    let err = common::train_blocking(spec, &mut damage)
+        .err()
+        .expect("the run stops")
+        .to_string();
+    assert!(err.contains("fails its CRC check"), "{err}");
+    assert!(err.contains("rank-1"), "{err}");
+    // With backups the rank counts as lost and its buddy's copy restores it: nothing is lost.
+    let cfg = offloaded(&base, dir.path(), true);
+    let damage = Damage {
+        dir: dir.path().to_path_buf(),
+        rank: 1,
+        step: 1,
+        done: false,
+        lost: Vec::new(),
+    };
+    let spec = ClusterSpec::from_config(cfg).unwrap();
+    let mut damage = damage;
+    let out = common::train_blocking(spec, &mut damage).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(param_sha256(&out.params), want);
+    assert_eq!(
+        damage.lost,
+        vec![1],
+        "the damaged rank, not its buddy, is lost"
+    );
+    assert_clean(dir.path());
+}
+
+#[test]
+fn a_failing_disk_stops_the_run_cleanly_or_loses_the_rank() {
+    let dir = tier_dir();
+    let base = TrainConfig {
+        steps: 5,
+        ranks: 2,
+        stage: 3,
+        ..small(ModelKind::Gpt)
+    };
+    let want = sha(&base);
+    for (fault, what) in [
+        ("1:eio@600KiB", "I/O error (EIO)"),
+        ("0:enospc@700KiB", "no space left on the device"),
+    ] {
+        let cfg = TrainConfig {
+            nvme_fault: Some(fault.parse().unwrap()),
+            ..offloaded(&base, dir.path(), true)
+        };
+        let err = run_cfg(&TrainConfig {
+            replicate_every: 0,
+            ..cfg.clone()
+        })
+        .err()
+        .expect("the run stops")
+        .to_string();
+        assert!(err.contains(what), "{fault}: {err}");
+        assert!(err.contains(&s(dir.path()).to_string()), "{fault}: {err}");
+        // With backups, the survivor takes the rank's state over.
+        assert_eq!(sha(&cfg), want, "{fault}");
+    }
+    assert_clean(dir.path());
+}
+
+#[test]
+fn bad_tier_settings_are_refused_before_training() {
+    let dir = tier_dir();
+    let d = s(dir.path());
+    let cases: Vec<(Vec<&str>, &str, &str)> = vec![
+        (
+            vec![
+                "--offload-optimizer",
+                "nvme",
+                "--nvme-dir",
+                "/nonexistent/tier",
+            ],
+            "/nonexistent/tier",
+            "does not exist",
+        ),
+        (
+            vec!["--offload-optimizer", "nvme"],
+            "nvme_dir",
+            "set --nvme-dir DIR",
+        ),
+        (
+            vec!["--offload-params", "nvme", "--stage", "2", "--nvme-dir", d],
+            "offload_params",
+            "needs ZeRO stage 3",
+        ),
+        (
+            vec!["--offload-optimizer", "cpu"],
+            "offload_optimizer",
+            "reserved for a device backend",
+        ),
+        (
+            vec!["--memory-max", "1MiB"],
+            "memory_max_bytes",
+            "below the 64 MiB",
+        ),
+    ];
+    for (args, file, what) in cases {
+        refused(&train_cli(&args), file, what);
+    }
+    let r = ezero(&[
+        "train",
+        "--d-model",
+        "512",
+        "--layers",
+        "4",
+        "--memory-max",
+        "64MiB",
+    ]);
+    refused(&r, "may use 64.0 MiB (memory_max_bytes)", "the run needs");
+    if Path::new("/dev/shm").is_dir() {
+        let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+        let r = train_cli(&["--offload-optimizer", "nvme", "--nvme-dir", s(shm.path())]);
+        if r.code == 2 && r.stderr.contains("tmpfs") {
+            refused(&r, s(shm.path()), "is on tmpfs or ramfs");
+        }
+    }
+    // A directory another run is using.
+    let _held = elastic_zero::runtime::storage::lock_dir(dir.path()).unwrap();
+    let r = train_cli(&["--offload-optimizer", "nvme", "--nvme-dir", d]);
+    refused(&r, d, "in use by another run");
+}
+
+#[test]
+fn a_model_that_cannot_fit_is_refused_at_once_with_what_would_fit() {
+    // 3.2 billion parameters: about 51 GB of fp32 state and Adam, refused before any of it is
+    // allocated.
+    let big = [
+        "--d-model",
+        "4096",
+        "--layers",
+        "16",
+        "--heads",
+        "32",
+        "--memory-max",
+        "8GiB",
+    ];
+    let r = ezero(&[&["train"][..], &big[..]].concat());
+    refused(&r, "needs", "--offload-optimizer nvme");
+    assert!(
+        r.stderr.contains("may use 8.00 GiB (memory_max_bytes)"),
+        "{}",
+        r.stderr
+    );
+}
