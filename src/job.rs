@@ -148,6 +148,7 @@ pub fn plan_memory(
         &Limits {
             optimizer: cfg.offload_optimizer,
             params: cfg.offload_params,
+            grads: cfg.offload_grads,
             has_nvme_dir: cfg.nvme_dir.is_some(),
             budget: match cfg.memory_max_bytes {
                 Some(b) => Budget::Configured(b),

@@ -21,12 +21,15 @@ fn tier_dir() -> tempfile::TempDir {
     tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
 }
 
-/// `base` with optimizer state (and, when `params`, parameters) on the tier in `dir`, in records
-/// of 1024 elements so that every unit spans several records and chunks straddle them.
-fn offloaded(base: &TrainConfig, dir: &Path, params: bool) -> TrainConfig {
+/// `base` with optimizer state (and, when asked, stage 3's parameters and stage 2-3's
+/// gradients) on the tier in `dir`, in records of 1024 elements so that every unit spans
+/// several records and chunks straddle them.
+fn offloaded(base: &TrainConfig, dir: &Path, params: bool, grads: bool) -> TrainConfig {
+    let on = |b: bool| if b { Offload::Nvme } else { Offload::None };
     TrainConfig {
         offload_optimizer: Offload::Nvme,
-        offload_params: if params { Offload::Nvme } else { Offload::None },
+        offload_params: on(params),
+        offload_grads: on(grads),
         nvme_dir: Some(dir.to_path_buf()),
         nvme_record_elems: Some(1024),
         ..base.clone()
@@ -66,11 +69,16 @@ fn offload_matches_ram_at_every_stage_and_world_size() {
                     stage,
                     ..base.clone()
                 };
-                for params in [false, stage == 3] {
-                    let got = sha(&offloaded(&cfg, dir.path(), params));
+                let combos: &[(bool, bool)] = match stage {
+                    0 | 1 => &[(false, false)],
+                    2 => &[(false, false), (false, true)],
+                    _ => &[(false, false), (true, false), (true, true)],
+                };
+                for &(params, grads) in combos {
+                    let got = sha(&offloaded(&cfg, dir.path(), params, grads));
                     assert_eq!(
                         got, want,
-                        "{model:?} ranks {ranks} stage {stage} params offloaded {params}"
+                        "{model:?} ranks {ranks} stage {stage} params {params} grads {grads}"
                     );
                 }
             }
@@ -88,7 +96,7 @@ fn sgd_and_fast_reduction_offload_too() {
         reduce: elastic_zero::reduce::ReduceMode::Fast,
         ..small(ModelKind::Gpt)
     };
-    assert_eq!(sha(&offloaded(&base, dir.path(), true)), sha(&base));
+    assert_eq!(sha(&offloaded(&base, dir.path(), true, true)), sha(&base));
 }
 
 fn at(value: u32, step: u64) -> At {
@@ -117,7 +125,7 @@ fn leave_join_and_kill_move_offloaded_state_and_lose_nothing() {
                 kill,
                 ..base.clone()
             };
-            let got = sha(&offloaded(&cfg, dir.path(), stage == 3));
+            let got = sha(&offloaded(&cfg, dir.path(), stage == 3, stage == 3));
             assert_eq!(got, want, "stage {stage}: {cfg:?}");
         }
     }
@@ -134,7 +142,7 @@ fn a_checkpoint_resumes_into_the_tier_at_another_world_size() {
     let mut args = vec!["--steps", "6", "--ranks", "2", "--stage", "3"];
     args.extend(["--save-dir", s(&root), "--save-every", "3"]);
     args.extend(tier);
-    args.extend(["--offload-params", "nvme"]);
+    args.extend(["--offload-params", "nvme", "--offload-grads", "nvme"]);
     let saved = train_cli(&args);
     assert_eq!(ok(&saved).sha(), want);
     let at3 = step_dir(&root, 3);
@@ -194,7 +202,7 @@ fn a_damaged_tier_file_is_caught_and_never_applied() {
     // Without backups the run stops, naming the file and the check that failed.
     let cfg = TrainConfig {
         replicate_every: 0,
-        ..offloaded(&base, dir.path(), true)
+        ..offloaded(&base, dir.path(), true, true)
     };
     let damage = Damage {
         dir: dir.path().to_path_buf(),
@@ -212,7 +220,7 @@ fn a_damaged_tier_file_is_caught_and_never_applied() {
     assert!(err.contains("fails its CRC check"), "{err}");
     assert!(err.contains("rank-1"), "{err}");
     // With backups the rank counts as lost and its buddy's copy restores it: nothing is lost.
-    let cfg = offloaded(&base, dir.path(), true);
+    let cfg = offloaded(&base, dir.path(), true, true);
     let damage = Damage {
         dir: dir.path().to_path_buf(),
         rank: 1,
@@ -248,7 +256,7 @@ fn a_failing_disk_stops_the_run_cleanly_or_loses_the_rank() {
     ] {
         let cfg = TrainConfig {
             nvme_fault: Some(fault.parse().unwrap()),
-            ..offloaded(&base, dir.path(), true)
+            ..offloaded(&base, dir.path(), true, true)
         };
         let err = run_cfg(&TrainConfig {
             replicate_every: 0,

@@ -55,6 +55,7 @@ pub const MAY_CHANGE: &[&str] = &[
     // (tests/offload.rs); they belong to the machine that runs.
     "offload_optimizer",
     "offload_params",
+    "offload_grads",
     "nvme_dir",
     "nvme_buffered",
     "nvme_queue_depth",

@@ -204,6 +204,10 @@ pub struct TrainArgs {
     /// Stage 3: where each rank's parameter shard lives: none|nvme|auto [default: auto].
     #[arg(long, value_name = "TIER")]
     pub offload_params: Option<Offload>,
+    /// Stages 2-3: where each rank's reduced gradient shard waits for the optimizer:
+    /// none|nvme|auto [default: auto].
+    #[arg(long, value_name = "TIER")]
+    pub offload_grads: Option<Offload>,
     /// Directory of the NVMe tier (each rank gets a subfolder with one file). Needs direct I/O.
     #[arg(long, value_name = "DIR")]
     pub nvme_dir: Option<PathBuf>,
@@ -306,7 +310,8 @@ impl TrainArgs {
             min_ranks,
             max_ranks,
             offload_optimizer,
-            offload_params
+            offload_params,
+            offload_grads
         );
         if self.nvme_dir.is_some() {
             c.nvme_dir = self.nvme_dir.clone();

@@ -157,6 +157,9 @@ pub struct TrainConfig {
     pub offload_optimizer: Offload,
     /// Stage 3: where the rank's parameter shard lives, like `offload_optimizer` (default auto).
     pub offload_params: Offload,
+    /// Stages 2-3: where the rank's reduced gradient shard waits between backward and the
+    /// optimizer, like `offload_optimizer` (default auto).
+    pub offload_grads: Offload,
     /// Directory of the NVMe tier; each rank uses its own subfolder and one file in it. Must
     /// support direct I/O (tmpfs does not) unless `nvme_buffered` (default none).
     pub nvme_dir: Option<PathBuf>,
@@ -237,6 +240,7 @@ impl Default for TrainConfig {
             net_partition_ms: 0,
             offload_optimizer: Offload::Auto,
             offload_params: Offload::Auto,
+            offload_grads: Offload::Auto,
             nvme_dir: None,
             nvme_buffered: false,
             nvme_queue_depth: 8,

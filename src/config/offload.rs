@@ -15,6 +15,7 @@ impl TrainConfig {
         let d = TrainConfig::default();
         self.offload_optimizer = d.offload_optimizer;
         self.offload_params = d.offload_params;
+        self.offload_grads = d.offload_grads;
         self.nvme_dir = d.nvme_dir;
         self.nvme_buffered = d.nvme_buffered;
         self.nvme_queue_depth = d.nvme_queue_depth;
@@ -28,6 +29,7 @@ impl TrainConfig {
         for (key, o) in [
             ("offload_optimizer", self.offload_optimizer),
             ("offload_params", self.offload_params),
+            ("offload_grads", self.offload_grads),
         ] {
             if o == Offload::Cpu {
                 return Err(ConfigError::new(
@@ -45,7 +47,21 @@ impl TrainConfig {
                 ),
             ));
         }
-        let nvme = self.offload_optimizer == Offload::Nvme || self.offload_params == Offload::Nvme;
+        if self.offload_grads == Offload::Nvme && self.stage < 2 {
+            return Err(ConfigError::new(
+                "offload_grads",
+                format!(
+                    "\"nvme\" needs ZeRO stage 2 or 3 (stage {} accumulates whole-model gradients in RAM); use --stage 2 or 3",
+                    self.stage
+                ),
+            ));
+        }
+        let nvme = [
+            self.offload_optimizer,
+            self.offload_params,
+            self.offload_grads,
+        ]
+        .contains(&Offload::Nvme);
         if nvme && self.nvme_dir.is_none() {
             return Err(ConfigError::new(
                 "nvme_dir",

@@ -57,33 +57,38 @@ pub enum Tier {
     Nvme,
 }
 
-/// Where a rank's optimizer state (Adam m and v, SGD momentum) and, for stage 3, its parameter
-/// shard live.
+/// Where a rank's optimizer state (Adam m and v, SGD momentum), its parameter shard (stage 3)
+/// and its reduced gradient shard (stages 2 and 3) live between the phases that use them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Placement {
     pub optimizer: Tier,
     pub params: Tier,
+    #[serde(default = "ram")]
+    pub grads: Tier,
+}
+
+fn ram() -> Tier {
+    Tier::Ram
 }
 
 impl Placement {
     pub const RAM: Placement = Placement {
         optimizer: Tier::Ram,
         params: Tier::Ram,
+        grads: Tier::Ram,
     };
 
     pub fn any_nvme(&self) -> bool {
-        self.optimizer == Tier::Nvme || self.params == Tier::Nvme
+        self.optimizer == Tier::Nvme || self.params == Tier::Nvme || self.grads == Tier::Nvme
     }
 
-    /// `f32` values per element in a tier record: the parameter (if on the tier) and the
-    /// optimizer's state values (if on the tier).
-    pub fn record_values(&self, state_per_param: u64) -> u64 {
-        u64::from(self.params == Tier::Nvme)
-            + if self.optimizer == Tier::Nvme {
-                state_per_param
-            } else {
-                0
-            }
+    /// 4-byte values per element in a tier record: the parameter, the optimizer's state values
+    /// and the gradient (`grad_elem_bytes / 4` of them), each if on the tier.
+    pub fn record_values(&self, state_per_param: u64, grad_elem_bytes: u64) -> u64 {
+        let on = |t: Tier, n: u64| if t == Tier::Nvme { n } else { 0 };
+        on(self.params, 1)
+            + on(self.optimizer, state_per_param)
+            + on(self.grads, grad_elem_bytes / 4)
     }
 
     fn flags(&self) -> String {
@@ -93,6 +98,9 @@ impl Placement {
         }
         if self.params == Tier::Nvme {
             f.push("--offload-params nvme");
+        }
+        if self.grads == Tier::Nvme {
+            f.push("--offload-grads nvme");
         }
         f.join(" ")
     }
@@ -136,6 +144,7 @@ pub struct Demand {
 pub struct Limits {
     pub optimizer: Offload,
     pub params: Offload,
+    pub grads: Offload,
     /// Whether a tier directory is configured (`nvme_dir`): without one, `Auto` stays in RAM.
     pub has_nvme_dir: bool,
     pub budget: Budget,
@@ -205,6 +214,8 @@ pub enum FitError {
     CpuReserved { key: &'static str },
     #[error("'offload_params = \"nvme\"' needs ZeRO stage 3 (stages 0-2 keep a full parameter copy for compute); use --stage 3, or offload the optimizer only")]
     ParamsNeedStage3,
+    #[error("'offload_grads = \"nvme\"' needs ZeRO stage 2 or 3 (stages 0-1 accumulate whole-model gradients in RAM); use --stage 2 or 3")]
+    GradsNeedStage2,
     #[error("offloading to nvme needs a directory for the tier: set --nvme-dir DIR (nvme_dir)")]
     NoNvmeDir,
     #[error("{0}")]
@@ -217,6 +228,7 @@ pub fn place(d: &Demand, lim: &Limits) -> Result<Fit, FitError> {
     for (key, o) in [
         ("offload_optimizer", lim.optimizer),
         ("offload_params", lim.params),
+        ("offload_grads", lim.grads),
     ] {
         if o == Offload::Cpu {
             return Err(FitError::CpuReserved { key });
@@ -225,7 +237,10 @@ pub fn place(d: &Demand, lim: &Limits) -> Result<Fit, FitError> {
     if lim.params == Offload::Nvme && d.stage != Stage::Zero3 {
         return Err(FitError::ParamsNeedStage3);
     }
-    let explicit_nvme = lim.optimizer == Offload::Nvme || lim.params == Offload::Nvme;
+    if lim.grads == Offload::Nvme && matches!(d.stage, Stage::Zero0 | Stage::Zero1) {
+        return Err(FitError::GradsNeedStage2);
+    }
+    let explicit_nvme = [lim.optimizer, lim.params, lim.grads].contains(&Offload::Nvme);
     if explicit_nvme && !lim.has_nvme_dir {
         return Err(FitError::NoNvmeDir);
     }
@@ -236,7 +251,7 @@ pub fn place(d: &Demand, lim: &Limits) -> Result<Fit, FitError> {
             Offload::Auto => t == Tier::Ram || lim.has_nvme_dir,
             Offload::Cpu => false,
         };
-        ok(lim.optimizer, p.optimizer) && ok(lim.params, p.params)
+        ok(lim.optimizer, p.optimizer) && ok(lim.params, p.params) && ok(lim.grads, p.grads)
     };
     let candidates = candidates(d.stage);
     let budget = lim.budget.bytes();
@@ -252,20 +267,21 @@ pub fn place(d: &Demand, lim: &Limits) -> Result<Fit, FitError> {
     Err(FitError::DoesNotFit(refusal(d, lim, &candidates, &allowed)))
 }
 
-/// Placements from least to most offload.
+/// Placements from least to most offload: the optimizer state first (the most bytes, touched
+/// once a step), then stage 3's parameters, then the gradients (whose spill adds a write and a
+/// read per step).
 fn candidates(stage: Stage) -> Vec<Placement> {
-    let mut c = vec![
-        Placement::RAM,
-        Placement {
-            optimizer: Tier::Nvme,
-            params: Tier::Ram,
-        },
-    ];
-    if stage == Stage::Zero3 {
-        c.push(Placement {
-            optimizer: Tier::Nvme,
-            params: Tier::Nvme,
-        });
+    let at = |optimizer, params, grads| Placement {
+        optimizer,
+        params,
+        grads,
+    };
+    let (r, n) = (Tier::Ram, Tier::Nvme);
+    let mut c = vec![Placement::RAM, at(n, r, r)];
+    match stage {
+        Stage::Zero0 | Stage::Zero1 => {}
+        Stage::Zero2 => c.push(at(n, r, n)),
+        Stage::Zero3 => c.extend([at(n, n, r), at(n, n, n)]),
     }
     c
 }
@@ -307,7 +323,7 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
     // Backward: a unit's accumulator and its micro-batch gradient; the optimizer: one unit's
     // gradient shard widened to f32. They do not overlap in time.
     let working = gathered + (unit * (d.grad_elem_bytes + 4)).max(4 * unit);
-    let values = p.record_values(d.state_per_param);
+    let values = p.record_values(d.state_per_param, d.grad_elem_bytes);
     let staging = if p.any_nvme() {
         STAGING_BUFFERS * round_up(4 * tile_elems * values, IO_ALIGN_BYTES)
     } else {
@@ -315,14 +331,18 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
     };
     let tier_opt = p.optimizer == Tier::Nvme;
     let tier_params = p.params == Tier::Nvme;
+    let tier_grads = p.grads == Tier::Nvme;
+    let grad_bytes = d.grad_elem_bytes * grad_elems;
     let per_rank = RankBytes {
         params: if tier_params { 0 } else { param_bytes },
-        grads: d.grad_elem_bytes * grad_elems,
+        grads: if tier_grads { 0 } else { grad_bytes },
         optimizer: if tier_opt { 0 } else { opt_bytes },
         working,
         activations: d.activation_bytes,
         staging,
-        tier: (if tier_opt { opt_bytes } else { 0 }) + if tier_params { param_bytes } else { 0 },
+        tier: (if tier_opt { opt_bytes } else { 0 })
+            + (if tier_params { param_bytes } else { 0 })
+            + if tier_grads { grad_bytes } else { 0 },
     };
     Fit {
         placement: p,
@@ -400,7 +420,7 @@ fn refusal(
         };
         if best.per_rank.grads > best.per_rank.ram() / 2 {
             msg +=
-                ", or spread the ranks over processes (ezero launch), since gradients stay in RAM";
+                ", or spread the ranks over processes (ezero launch), since stage 0-1 gradients stay in RAM";
         }
     }
     msg
@@ -441,6 +461,7 @@ mod tests {
         Limits {
             optimizer: opt,
             params,
+            grads: Offload::Auto,
             has_nvme_dir: true,
             budget: Budget::Configured(budget),
             tile_elems: None,
@@ -465,7 +486,7 @@ mod tests {
         let all = evaluate(&d, Placement::RAM, DEFAULT_TILE_ELEMS).process_bytes;
         let opt = Placement {
             optimizer: Tier::Nvme,
-            params: Tier::Ram,
+            ..Placement::RAM
         };
         let opt_need = evaluate(&d, opt, DEFAULT_TILE_ELEMS).process_bytes;
         assert!(opt_need < all);
@@ -488,6 +509,7 @@ mod tests {
         let both = Placement {
             optimizer: Tier::Nvme,
             params: Tier::Nvme,
+            grads: Tier::Nvme,
         };
         let big = evaluate(&d, both, DEFAULT_TILE_ELEMS).process_bytes;
         let fit = place(&d, &limits(Offload::Nvme, Offload::Nvme, big - 1)).unwrap();
@@ -501,18 +523,23 @@ mod tests {
     }
 
     #[test]
-    fn memory_stays_bounded_as_the_model_grows_except_for_gradients() {
-        // With everything offloaded, RAM grows only with the gradient shard and the largest
-        // unit, not with the optimizer or parameter state.
+    fn memory_stays_bounded_as_the_model_grows() {
+        // With everything offloaded, RAM grows only with the largest unit, not with the
+        // parameter, optimizer or gradient state.
         let both = Placement {
             optimizer: Tier::Nvme,
             params: Tier::Nvme,
+            grads: Tier::Nvme,
         };
         let small = evaluate(&demand(Stage::Zero3, 1 << 24, 1), both, DEFAULT_TILE_ELEMS);
         let large = evaluate(&demand(Stage::Zero3, 1 << 28, 1), both, DEFAULT_TILE_ELEMS);
         assert_eq!(small.per_rank.staging, large.per_rank.staging);
-        assert_eq!(large.per_rank.optimizer + large.per_rank.params, 0);
-        assert_eq!(large.per_rank.tier, 12 << 28);
+        assert_eq!(
+            large.per_rank.optimizer + large.per_rank.params + large.per_rank.grads,
+            0
+        );
+        // p 4 + m, v 8 + exact gradient 8 bytes per parameter.
+        assert_eq!(large.per_rank.tier, 20 << 28);
     }
 
     #[test]
@@ -524,7 +551,9 @@ mod tests {
         };
         assert!(msg.contains("may use 1.00 GiB (memory_max_bytes)"), "{msg}");
         assert!(
-            msg.contains("--offload-optimizer nvme --offload-params nvme would fit it"),
+            msg.contains(
+                "--offload-optimizer nvme --offload-params nvme --offload-grads nvme would fit it"
+            ),
             "{msg}"
         );
         let fit = place(&d, &limits(Offload::Nvme, Offload::None, 1 << 34)).unwrap();
@@ -542,6 +571,7 @@ mod tests {
         let both = Placement {
             optimizer: Tier::Nvme,
             params: Tier::Nvme,
+            grads: Tier::Nvme,
         };
         let least = evaluate(&d, both, MIN_TILE_ELEMS).process_bytes;
         assert!(
@@ -561,7 +591,9 @@ mod tests {
             panic!()
         };
         assert!(
-            msg.contains("--offload-optimizer nvme --nvme-dir DIR would fit it"),
+            msg.contains(
+                "--offload-optimizer nvme --offload-grads nvme --nvme-dir DIR would fit it"
+            ),
             "{msg}"
         );
     }

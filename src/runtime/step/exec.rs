@@ -471,6 +471,22 @@ impl<'a> Pass<'a> {
             .expect("reduce-scatter posted before its wait");
         let tag = self.tag(TagKind::ReduceScatter, unit, 0);
         let res = collectives::wait_reduce_scatter(comm, &self.st.map, u, tag, &mut acc, 0);
+        if self.st.grads_on_tier() {
+            // Gather the owned ranges into the shard's layout and send it to the tier.
+            let shard = &self.st.shards[u];
+            let mut sg = GradBuf::zeros(self.st.mode, shard.len());
+            let mut off = 0;
+            for r in &shard.ranges {
+                sg.copy_from(off, &acc, r.clone());
+                off += r.len();
+            }
+            self.st.ledger.free(Category::Transient, acc.bytes() as u64);
+            res?;
+            return self
+                .st
+                .spill_grads(u, &sg)
+                .map_err(|e| CommError::Storage(e.to_string()));
+        }
         let shard = &mut self.st.shards[u];
         let sg = shard
             .grads
@@ -558,6 +574,9 @@ impl<'a> Pass<'a> {
     /// Partial sum of squares of the reduced gradient over the chunks this rank owns.
     fn owned_sum_squares(&self, u: usize) -> SumSquares {
         let mode = self.st.mode;
+        if self.st.grads_on_tier() {
+            return self.st.tier_grad_ss[u];
+        }
         match (&self.st.shards[u].grads, &self.st.whole_grads) {
             (Some(sg), _) if self.st.stage != Stage::Zero0 => sg.sum_squares(0..sg.len()),
             (_, Some(w)) => self

@@ -13,6 +13,7 @@ use std::ops::Range;
 use super::rank_state::{RankState, UnitShard};
 use crate::optim::OptimSettings;
 use crate::plan::Stage;
+use crate::reduce::{GradBuf, ReduceMode};
 use crate::runtime::storage::tier_file::Pending;
 use crate::runtime::storage::{AlignedBuf, TierError, TierFile};
 
@@ -100,13 +101,17 @@ fn drain(tier: &mut TierFile, writes: VecDeque<Pending>) -> Result<(), TierError
 pub struct StepArgs<'a> {
     pub settings: OptimSettings,
     pub stage: Stage,
+    pub mode: ReduceMode,
     pub t: u64,
     pub lr: f32,
-    /// The unit's gradient shard as f32, scaled.
+    /// The unit's gradient shard as f32, scaled (empty when the gradients are on the tier).
     pub g: &'a [f32],
+    /// Turns the tier's stored gradient into the scaled f32 one (`grad_buf::mean_factor`).
+    pub factor: f64,
 }
 
-/// Streams unit `u`'s records through the optimizer: read (ahead), update, write back.
+/// Streams unit `u`'s records through the optimizer: read (ahead), update, write back. A
+/// gradient on the tier is read with the record and not written back.
 pub fn update_unit(
     tier: &mut TierFile,
     u: usize,
@@ -121,6 +126,11 @@ pub fn update_unit(
     let mut reads: VecDeque<(usize, Pending)> = VecDeque::new();
     let mut writes: VecDeque<Pending> = VecDeque::new();
     let mut next = records.start;
+    let mut g_tile = if kinds.grads > 0 {
+        vec![0f32; tile]
+    } else {
+        Vec::new()
+    };
     let result = (|| {
         for rec in records.clone() {
             // Read ahead while a buffer is free; keep one for the write-back pipeline.
@@ -133,7 +143,11 @@ pub fn update_unit(
             debug_assert_eq!(r, rec);
             let mut buf = tier.finish(pending)?;
             let (_, span) = tier.layout.record_span(rec);
-            let mut cols = buf.f32s_mut().chunks_mut(tile).take(values);
+            let (head, gcols) = buf.f32s_mut().split_at_mut(tile * kinds.grads_at());
+            if kinds.grads > 0 {
+                grads_to_f32(a.mode, gcols, a.factor, &mut g_tile[..span.len()]);
+            }
+            let mut cols = head.chunks_mut(tile);
             let mut tp = if kinds.params { cols.next() } else { None };
             let mut tm = (kinds.state >= 1).then(|| cols.next()).flatten();
             let mut tv = (kinds.state >= 2).then(|| cols.next()).flatten();
@@ -152,9 +166,19 @@ pub fn update_unit(
                     Some(c) => &mut c[lo..lo + n],
                     None => ram_state(&mut shard.opt.v, sr.clone()),
                 };
-                a.settings.update(p, &a.g[sr], m, v, a.t, a.lr);
+                let g = if kinds.grads > 0 {
+                    &g_tile[lo..lo + n]
+                } else {
+                    &a.g[sr]
+                };
+                a.settings.update(p, g, m, v, a.t, a.lr);
             }
-            writes.push_back(tier.start_write(rec, buf)?);
+            let own = 0..kinds.grads_at();
+            if own.is_empty() {
+                tier.put_buf(buf);
+            } else {
+                writes.push_back(tier.start_write_values(rec, own, buf)?);
+            }
         }
         Ok(())
     })();
@@ -166,6 +190,48 @@ pub fn update_unit(
     }
     let drained = drain(tier, writes);
     result.and(drained)
+}
+
+/// A stored gradient (exact: little-endian `i64` fixed point across two columns; fast: `f32`)
+/// as the scaled `f32` gradient, exactly as `GradBuf::to_f32` computes it.
+fn grads_to_f32(mode: ReduceMode, cols: &[f32], factor: f64, out: &mut [f32]) {
+    match mode {
+        ReduceMode::Exact => {
+            // SAFETY-free reinterpretation: read each i64 from its 8 bytes.
+            let bytes: &[u8] = f32_bytes(cols);
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(8)) {
+                let q = i64::from_le_bytes(b.try_into().expect("8 bytes"));
+                *o = (q as f64 * factor) as f32;
+            }
+        }
+        ReduceMode::Fast => {
+            let f = factor as f32;
+            for (o, &x) in out.iter_mut().zip(cols) {
+                *o = x * f;
+            }
+        }
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: any f32 slice is a valid byte slice of four times its length.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+/// Writes unit `u`'s reduced gradient shard (`g`, the shard's length) into the gradient
+/// columns of its records.
+pub fn spill_grads(tier: &mut TierFile, u: usize, g: &GradBuf) -> Result<(), TierError> {
+    let kinds = tier.layout.kinds;
+    let cols = kinds.grads_at()..kinds.values();
+    let mut writes: VecDeque<Pending> = VecDeque::new();
+    for rec in tier.layout.unit_records(u) {
+        let mut buf = next_buf(tier, &mut writes)?;
+        let (_, span) = tier.layout.record_span(rec);
+        let bytes = g.encode(span);
+        buf.bytes_mut()[..bytes.len()].copy_from_slice(&bytes);
+        writes.push_back(tier.start_write_values(rec, cols.clone(), buf)?);
+    }
+    drain(tier, writes)
 }
 
 fn tier_has_spare(tier: &TierFile) -> bool {

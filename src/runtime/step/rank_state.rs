@@ -63,6 +63,9 @@ pub struct RankState {
     /// `shards[u].opt` are then empty). A mutex so that `&self` readers (chunk moves) can do
     /// I/O; only this rank's thread ever takes it.
     pub tier: Option<Mutex<TierFile>>,
+    /// With gradients on the tier: each unit's partial sum of squares, taken when the unit's
+    /// reduced shard was written there (what `Agree` needs without reading it back).
+    pub tier_grad_ss: Vec<crate::reduce::SumSquares>,
 }
 
 /// One chunk's complete training state: master parameters and optimizer state. This is the
@@ -148,7 +151,10 @@ impl RankState {
         {
             return Err("the shard map was planned for a different model".into());
         }
-        let mut tier = open_tier(rank, stage, &map, optim, storage).map_err(|e| e.to_string())?;
+        let mut tier =
+            open_tier(rank, stage, mode, &map, optim, storage).map_err(|e| e.to_string())?;
+        let grads_on_tier = tier.as_ref().is_some_and(|t| t.layout.kinds.grads > 0);
+        let shard_count = map.units.len();
         let mut ledger = Ledger::default();
         let mut shards = Vec::with_capacity(specs.len());
         let mut full = vec![Vec::new(); specs.len()];
@@ -211,8 +217,8 @@ impl RankState {
                     };
                 }
             }
-            let grads =
-                matches!(stage, Stage::Zero2 | Stage::Zero3).then(|| GradBuf::zeros(mode, len));
+            let grads = (matches!(stage, Stage::Zero2 | Stage::Zero3) && !grads_on_tier)
+                .then(|| GradBuf::zeros(mode, len));
             ledger.alloc(
                 Category::Params,
                 4 * (shard_params.len() + full[u].len()) as u64,
@@ -252,6 +258,7 @@ impl RankState {
             whole_grads,
             ledger,
             tier: tier.map(Mutex::new),
+            tier_grad_ss: vec![crate::reduce::SumSquares::zero(mode); shard_count],
         })
     }
 
@@ -376,12 +383,13 @@ impl RankState {
         let settings = self.optim;
         for u in 0..self.specs.len() {
             let factor = grad_buf::mean_factor(self.mode, exps[u], micro_batches, clip_coef);
+            let grads_on_tier = self.grads_on_tier();
             let shard = &mut self.shards[u];
-            let len = shard.len();
+            let len = if grads_on_tier { 0 } else { shard.len() };
             let mut g = vec![0f32; len];
             self.ledger.alloc(Category::Transient, 4 * len as u64);
             let mut off = 0;
-            for r in &shard.ranges {
+            for r in shard.ranges.iter().filter(|_| !grads_on_tier) {
                 let out = &mut g[off..off + r.len()];
                 match (&shard.grads, &self.whole_grads) {
                     (Some(sg), _) => sg.to_f32(off..off + r.len(), factor, out),
@@ -395,9 +403,11 @@ impl RankState {
                 let args = offload::StepArgs {
                     settings,
                     stage: self.stage,
+                    mode: self.mode,
                     t,
                     lr,
                     g: &g,
+                    factor,
                 };
                 let res = offload::update_unit(tier, u, shard, &mut self.full[u], &args);
                 self.ledger.free(Category::Transient, 4 * len as u64);
@@ -422,6 +432,29 @@ impl RankState {
             self.ledger.free(Category::Transient, 4 * len as u64);
         }
         Ok(())
+    }
+
+    /// Whether the reduced gradient shards live on the tier (stages 2-3 with `offload_grads`).
+    pub fn grads_on_tier(&self) -> bool {
+        self.tier.as_ref().is_some_and(|t| {
+            t.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .layout
+                .kinds
+                .grads
+                > 0
+        })
+    }
+
+    /// Writes unit `u`'s reduced gradient shard to the tier and keeps its sum of squares.
+    pub fn spill_grads(&mut self, u: usize, g: &GradBuf) -> Result<(), TierError> {
+        self.tier_grad_ss[u] = g.sum_squares(0..g.len());
+        let tier = self
+            .tier
+            .as_mut()
+            .expect("gradients go to a tier only if there is one");
+        let tier = tier.get_mut().unwrap_or_else(|p| p.into_inner());
+        offload::spill_grads(tier, u, g)
     }
 
     /// Whether the parameter shard lives on the tier (stage 3 with `offload_params`).
@@ -455,6 +488,7 @@ impl RankState {
 fn open_tier(
     rank: RankId,
     stage: Stage,
+    mode: ReduceMode,
     map: &ShardMap,
     optim: OptimSettings,
     storage: Option<&TierSpec>,
@@ -462,8 +496,11 @@ fn open_tier(
     let Some(spec) = storage else {
         return Ok(None);
     };
-    let mut kinds = spec.kinds(optim.state_per_param() as usize);
+    let mut kinds = spec.kinds(optim.state_per_param() as usize, mode.elem_bytes());
     kinds.params &= stage == Stage::Zero3;
+    if matches!(stage, Stage::Zero0 | Stage::Zero1) {
+        kinds.grads = 0;
+    }
     if kinds.values() == 0 {
         return Ok(None);
     }

@@ -64,15 +64,14 @@ impl TierSpec {
         ))
     }
 
-    /// Record kinds for an optimizer with `state_per_param` values per element.
-    pub fn kinds(&self, state_per_param: usize) -> RecordKinds {
+    /// Record kinds for an optimizer with `state_per_param` values per element and gradients
+    /// of `grad_elem_bytes`.
+    pub fn kinds(&self, state_per_param: usize, grad_elem_bytes: usize) -> RecordKinds {
+        let on = |t: Tier, n: usize| if t == Tier::Nvme { n } else { 0 };
         RecordKinds {
             params: self.placement.params == Tier::Nvme,
-            state: if self.placement.optimizer == Tier::Nvme {
-                state_per_param
-            } else {
-                0
-            },
+            state: on(self.placement.optimizer, state_per_param),
+            grads: on(self.placement.grads, grad_elem_bytes / 4),
         }
     }
 

@@ -23,23 +23,31 @@ use crate::plan::tier::IO_ALIGN_BYTES;
 
 const BLOCK: usize = IO_ALIGN_BYTES as usize;
 
-/// Which values a record holds, in order: the parameter (if on the tier), then the optimizer's
-/// state values (if on the tier).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Which values a record holds, in order: the parameter (if on the tier), the optimizer's state
+/// values (if on the tier), then the gradient (if on the tier; an exact-mode gradient is 8
+/// bytes, two values).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RecordKinds {
     pub params: bool,
     /// Optimizer values on the tier per element (0, 1 or 2).
     pub state: usize,
+    /// 4-byte values the gradient takes on the tier (0, 1 or 2).
+    pub grads: usize,
 }
 
 impl RecordKinds {
     pub fn values(&self) -> usize {
-        usize::from(self.params) + self.state
+        usize::from(self.params) + self.state + self.grads
     }
 
     /// Index of the first optimizer value within a record.
     pub fn state_at(&self) -> usize {
         usize::from(self.params)
+    }
+
+    /// Index of the gradient's first value (the values before it are the update's own state).
+    pub fn grads_at(&self) -> usize {
+        usize::from(self.params) + self.state
     }
 }
 
@@ -231,8 +239,19 @@ impl TierFile {
 
     /// Starts writing the whole record `rec` from `buf`.
     pub fn start_write(&mut self, rec: usize, buf: AlignedBuf) -> Result<Pending, TierError> {
-        let offset = self.layout.value_offset(rec, 0);
-        let len = self.layout.stride();
+        let all = 0..self.layout.kinds.values();
+        self.start_write_values(rec, all, buf)
+    }
+
+    /// Starts writing values `kinds` of record `rec`; `buf` holds them from its start.
+    pub fn start_write_values(
+        &mut self,
+        rec: usize,
+        kinds: Range<usize>,
+        buf: AlignedBuf,
+    ) -> Result<Pending, TierError> {
+        let offset = self.layout.value_offset(rec, kinds.start);
+        let len = 4 * self.layout.tile_elems * kinds.len();
         let first = offset as usize / BLOCK;
         for (i, block) in buf.bytes()[..len].chunks(BLOCK).enumerate() {
             self.crcs[first + i] = crc32fast::hash(block);
@@ -361,6 +380,7 @@ mod tests {
             RecordKinds {
                 params: true,
                 state: 2,
+                grads: 0,
             },
         )
     }
