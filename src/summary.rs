@@ -51,6 +51,8 @@ pub struct TrainSummary {
     pub offload_optimizer: String,
     #[serde(default)]
     pub offload_params: String,
+    #[serde(default)]
+    pub offload_grads: String,
     /// Median over steps of the bytes all ranks read from and wrote to their NVMe tiers.
     #[serde(default)]
     pub nvme_read_bytes_per_step: u64,
@@ -59,9 +61,14 @@ pub struct TrainSummary {
     /// Median over steps of the longest time any rank waited for its tier.
     #[serde(default)]
     pub io_wait_s_per_step: f64,
-    /// The process's peak resident set (VmHWM) when the summary was written.
+    /// The process's peak resident set (VmHWM) when the summary was written, which includes
+    /// consolidating the trained parameters in this process.
     #[serde(default)]
     pub peak_rss_bytes: u64,
+    /// The peak resident set after the last step, before that consolidation (0 when not
+    /// measured): what training itself needed.
+    #[serde(default)]
+    pub peak_rss_training_bytes: u64,
 }
 
 /// Median of a list (0 for an empty one).

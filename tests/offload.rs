@@ -357,3 +357,70 @@ fn a_model_that_cannot_fit_is_refused_at_once_with_what_would_fit() {
         r.stderr
     );
 }
+
+#[test]
+fn state_eight_times_the_process_peak_trains() {
+    // 50.6M parameters, everything on the tier, in a process of its own so that its VmHWM is
+    // this run's alone: parameters, Adam m and v are 12 bytes a parameter (607 MB), and the
+    // process must peak at under an eighth of that while it trains. The page cache does not
+    // count: the tier uses O_DIRECT.
+    let dir = tier_dir();
+    let t = tempfile::tempdir().unwrap();
+    let json = t.path().join("summary.json");
+    let r = ezero(&[
+        "train",
+        "--d-model",
+        "256",
+        "--layers",
+        "64",
+        "--heads",
+        "4",
+        "--seq-len",
+        "16",
+        "--micro-batches",
+        "1",
+        "--micro-batch-size",
+        "1",
+        "--ranks",
+        "1",
+        "--stage",
+        "3",
+        "--steps",
+        "1",
+        "--sample-tokens",
+        "0",
+        "--offload-optimizer",
+        "nvme",
+        "--offload-params",
+        "nvme",
+        "--offload-grads",
+        "nvme",
+        "--nvme-dir",
+        s(dir.path()),
+        "--nvme-record-elems",
+        "65536",
+        "--json",
+        s(&json),
+    ]);
+    ok(&r);
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let params = summary["param_count"].as_u64().unwrap();
+    let peak = summary["peak_rss_training_bytes"].as_u64().unwrap();
+    let state = 12 * params;
+    assert!(peak > 0);
+    assert!(
+        state >= 8 * peak,
+        "state {state} bytes, training peak {peak} bytes: only {:.1}x",
+        state as f64 / peak as f64
+    );
+    // It moved what the schedule says: at least p, m, v and the gradient read, p, m, v and the
+    // gradient written, per parameter.
+    let read = summary["nvme_read_bytes_per_step"].as_u64().unwrap();
+    let written = summary["nvme_write_bytes_per_step"].as_u64().unwrap();
+    assert!(
+        read >= 20 * params && written >= 20 * params,
+        "{read} {written}"
+    );
+    assert_clean(dir.path());
+}

@@ -214,6 +214,10 @@ pub struct TrainArgs {
     /// Buffered I/O on the tier, for file systems without O_DIRECT (the page cache then counts).
     #[arg(long)]
     pub nvme_buffered: bool,
+    /// Elements per tier record (multiple of 1024) [default: the planner's choice, at most
+    /// 262144].
+    #[arg(long, value_name = "N")]
+    pub nvme_record_elems: Option<u64>,
     /// The most memory the process may use, e.g. 2GiB [default: 90% of what is available].
     #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
     pub memory_max: Option<u64>,
@@ -318,6 +322,9 @@ impl TrainArgs {
         }
         if self.nvme_buffered {
             c.nvme_buffered = true;
+        }
+        if self.nvme_record_elems.is_some() {
+            c.nvme_record_elems = self.nvme_record_elems;
         }
         if self.memory_max.is_some() {
             c.memory_max_bytes = self.memory_max;

@@ -97,11 +97,14 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         }
     };
     let started = Instant::now();
+    let training_peak = std::cell::Cell::new(0u64);
     let mut observer = SaveObserver {
         saving,
         inner: Progress {
             bar: &bar,
             on_step: |rec: &StepRecord| {
+                // The process's peak while training, before the parameters are consolidated.
+                training_peak.set(peak_rss_bytes().unwrap_or(0));
                 let tps = tokens / (rec.duration_ms.max(1) as f64 / 1e3);
                 let mem: Vec<String> = rec
                     .reports
@@ -163,7 +166,8 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     saved?;
     bar.finish_and_clear();
     let wall_s = started.elapsed().as_secs_f64();
-    let summary = summarize(&cfg, psi, floor, &outcome.records, &outcome.params, &fit);
+    let mut summary = summarize(&cfg, psi, floor, &outcome.records, &outcome.params, &fit);
+    summary.peak_rss_training_bytes = training_peak.get();
     println!(
         "done: {} steps in {:.1} s, loss {:.4} -> {:.4}{}, median step {:.3} s, {:.0} tokens/s",
         cfg.steps,
@@ -344,10 +348,12 @@ pub(super) fn summarize(
         losses: records.iter().map(|r| r.loss).collect(),
         offload_optimizer: tier_name(fit.placement.optimizer),
         offload_params: tier_name(fit.placement.params),
+        offload_grads: tier_name(fit.placement.grads),
         nvme_read_bytes_per_step: per_step(&|x| x.tier_read_bytes as f64, false) as u64,
         nvme_write_bytes_per_step: per_step(&|x| x.tier_write_bytes as f64, false) as u64,
         io_wait_s_per_step: per_step(&|x| x.io_wait_s, true),
         peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
+        peak_rss_training_bytes: 0,
     }
 }
 
@@ -370,11 +376,12 @@ pub(super) fn describe_fit(fit: &Fit, cfg: &TrainConfig) -> String {
             [
                 (fit.placement.optimizer == Tier::Nvme).then_some("optimizer state"),
                 (fit.placement.params == Tier::Nvme).then_some("parameters"),
+                (fit.placement.grads == Tier::Nvme).then_some("gradients"),
             ]
             .into_iter()
             .flatten()
             .collect::<Vec<_>>()
-            .join(" and "),
+            .join(", "),
             if cfg.nvme_buffered {
                 ", buffered I/O"
             } else {

@@ -253,12 +253,12 @@ impl Cluster {
             }
             None => None,
         };
-        let params: Vec<Vec<f32>> = match &spec.init_params {
-            Some(p) => p.clone(),
-            None if spec.resume.is_none() => (0..units.len())
-                .map(|u| spec.model.init_unit(u, cfg.seed))
-                .collect(),
-            None => Vec::new(),
+        // Given weights, or the model's initialisation made unit by unit as each rank builds
+        // its state (so the whole model is never in RAM at once).
+        let (model, seed, init) = (Arc::clone(&spec.model), cfg.seed, spec.init_params.as_ref());
+        let unit_params = move |u: usize| match init {
+            Some(p) => p.get(u).cloned(),
+            None => (u < model.units().len()).then(|| model.init_unit(u, seed)),
         };
         let faults = net_faults(cfg);
         let net = if faults.any() {
@@ -350,7 +350,7 @@ impl Cluster {
                     Arc::clone(&spec.model),
                     map.clone(),
                     optim,
-                    &params,
+                    &unit_params,
                     storage.as_deref(),
                 )
                 .map_err(|e| ClusterError::Spawn(format!("building rank {rank}: {e}")))?,

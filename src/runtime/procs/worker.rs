@@ -577,9 +577,8 @@ async fn start_rank<T: Transport>(
                 })?
             }
             None => {
-                let params: Vec<Vec<f32>> = (0..model.units().len())
-                    .map(|u| model.init_unit(u, cfg.seed))
-                    .collect();
+                let units = model.units().len();
+                let unit_params = |u: usize| (u < units).then(|| model.init_unit(u, cfg.seed));
                 RankState::from_full_params(
                     rank,
                     stage,
@@ -587,7 +586,7 @@ async fn start_rank<T: Transport>(
                     Arc::clone(&model),
                     welcome.map.clone(),
                     optim,
-                    &params,
+                    &unit_params,
                     storage.as_deref(),
                 )
                 .map_err(|e| ProcError::Setup(format!("rank {rank}: building its state: {e}")))?

@@ -81,6 +81,9 @@ pub struct ChunkState {
     pub v: Vec<f32>,
 }
 
+/// A unit's full initial parameters (`None`: no such unit).
+pub type UnitParams<'a> = dyn Fn(usize) -> Option<Vec<f32>> + 'a;
+
 /// Where a rank being built gets chunk states from: `None` means the chunk is unavailable.
 pub type ChunkSource<'a> = dyn Fn(usize, usize) -> Option<ChunkState> + 'a;
 
@@ -94,12 +97,20 @@ impl RankState {
         model: Arc<dyn Model>,
         map: ShardMap,
         optim: OptimSettings,
-        params: &[Vec<f32>],
+        unit_params: &UnitParams<'_>,
         storage: Option<&TierSpec>,
     ) -> Result<Self, String> {
         let probe = OptimState::new(optim.kind, 1);
+        // Units are asked for in order, chunk by chunk: keep the current one, so a unit is made
+        // once and the whole model never sits in RAM at once.
+        let current: std::cell::RefCell<Option<(usize, Vec<f32>)>> = Default::default();
         let fresh = |u: usize, i: usize| {
             let r = map.chunk_range(u, i);
+            let mut cur = current.borrow_mut();
+            if cur.as_ref().map(|c| c.0) != Some(u) {
+                *cur = Some((u, unit_params(u)?));
+            }
+            let params = &cur.as_ref()?.1;
             let zeros = |keep: bool| {
                 if keep {
                     vec![0f32; r.len()]
@@ -110,7 +121,7 @@ impl RankState {
             Some(ChunkState {
                 unit: u as u32,
                 index: i as u32,
-                params: params.get(u)?.get(r.clone())?.to_vec(),
+                params: params.get(r.clone())?.to_vec(),
                 m: zeros(!probe.m.is_empty()),
                 v: zeros(!probe.v.is_empty()),
             })
