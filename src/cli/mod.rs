@@ -63,6 +63,24 @@ pub enum BenchCommand {
     /// Checkpoint save/load throughput vs the disk's direct-I/O bandwidth, and the training
     /// slowdown while background saves run (JSON lines).
     Checkpoint(Box<checkpoint::BenchCheckpointArgs>),
+    /// The NVMe tier's I/O engine: sequential direct-I/O write and read GB/s beside fio (or dd)
+    /// on the same file system, in the same run (JSON lines, then the medians).
+    Io {
+        /// Directory on the file system to measure (where --nvme-dir would point).
+        #[arg(long)]
+        dir: PathBuf,
+        /// Bytes written and read per measurement.
+        #[arg(long, default_value = "2GiB", value_parser = parse_bytes)]
+        size: u64,
+        /// Bytes per I/O request.
+        #[arg(long, default_value = "1MiB", value_parser = parse_bytes)]
+        block: u64,
+        /// Requests in flight.
+        #[arg(long, default_value_t = 8)]
+        queue_depth: u32,
+        #[arg(long, default_value_t = 3)]
+        rounds: u32,
+    },
     /// All-gather, reduce-scatter, all-reduce and broadcast bandwidth over the local or QUIC
     /// transport (JSON lines, nccl-tests definitions).
     Collectives(Box<collectives::CollectivesArgs>),
@@ -374,6 +392,13 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Launch(args) => launch::run(&args),
         Command::Bench(BenchCommand::Checkpoint(args)) => checkpoint::run_bench(&args),
         Command::Bench(BenchCommand::Collectives(args)) => collectives::run(&args),
+        Command::Bench(BenchCommand::Io {
+            dir,
+            size,
+            block,
+            queue_depth,
+            rounds,
+        }) => bench_io(dir, size, block, queue_depth, rounds),
         Command::Bench(BenchCommand::Adam {
             numel,
             threads,
@@ -392,4 +417,61 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
             Ok(())
         }
     }
+}
+
+fn bench_io(
+    dir: PathBuf,
+    size: u64,
+    block: u64,
+    queue_depth: u32,
+    rounds: u32,
+) -> Result<(), CliError> {
+    if block < 4096 || block % 4096 != 0 || block > 64 << 20 {
+        return Err(CliError::Usage(format!(
+            "--block {block}: use a multiple of 4096 between 4 KiB and 64 MiB"
+        )));
+    }
+    if size < block || queue_depth == 0 || rounds == 0 {
+        return Err(CliError::Usage(
+            "--size must be at least --block, and --queue-depth and --rounds at least 1".into(),
+        ));
+    }
+    elastic_zero::runtime::storage::check_dir(&dir, size, false)
+        .map_err(|e| CliError::Usage(e.to_string()))?;
+    let b = elastic_zero::bench::io::IoBench {
+        dir,
+        bytes: size / block * block,
+        block_bytes: block as usize,
+        queue_depth,
+        rounds,
+    };
+    let mut all = Vec::new();
+    elastic_zero::bench::io::run(&b, |r| {
+        if let Ok(line) = serde_json::to_string(&r) {
+            println!("{line}");
+        }
+        all.push(r);
+    })
+    .map_err(CliError::Failed)?;
+    for op in ["write", "read"] {
+        let med = |ours: bool| {
+            let xs: Vec<f64> = all
+                .iter()
+                .filter(|r| r.op == op && (r.tool == "ezero") == ours)
+                .map(|r| r.gb_per_s)
+                .collect();
+            elastic_zero::summary::median(xs)
+        };
+        let tool = all
+            .iter()
+            .find(|r| r.tool != "ezero")
+            .map_or("?", |r| r.tool.as_str());
+        println!(
+            "{op}: ezero {:.2} GB/s, {tool} {:.2} GB/s, ratio {:.2} (medians of {rounds})",
+            med(true),
+            med(false),
+            med(true) / med(false)
+        );
+    }
+    Ok(())
 }

@@ -10,7 +10,6 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
-use super::rank_state::{RankState, UnitShard};
 use crate::optim::OptimSettings;
 use crate::plan::Stage;
 use crate::reduce::{GradBuf, ReduceMode};
@@ -110,12 +109,21 @@ pub struct StepArgs<'a> {
     pub factor: f64,
 }
 
+/// The parts of a unit's shard that stay in RAM (empty where they are on the tier).
+pub struct ShardParts<'a> {
+    /// The shard's chunk ranges within the unit.
+    pub ranges: &'a [Range<usize>],
+    pub params: &'a mut [f32],
+    pub m: &'a mut [f32],
+    pub v: &'a mut [f32],
+}
+
 /// Streams unit `u`'s records through the optimizer: read (ahead), update, write back. A
 /// gradient on the tier is read with the record and not written back.
 pub fn update_unit(
     tier: &mut TierFile,
     u: usize,
-    shard: &mut UnitShard,
+    shard: ShardParts<'_>,
     full: &mut [f32],
     a: &StepArgs<'_>,
 ) -> Result<(), TierError> {
@@ -151,7 +159,7 @@ pub fn update_unit(
             let mut tp = if kinds.params { cols.next() } else { None };
             let mut tm = (kinds.state >= 1).then(|| cols.next()).flatten();
             let mut tv = (kinds.state >= 2).then(|| cols.next()).flatten();
-            for (sr, ur) in shard_pieces(&shard.ranges, span.clone()) {
+            for (sr, ur) in shard_pieces(shard.ranges, span.clone()) {
                 let (lo, n) = (sr.start - span.start, sr.len());
                 let p: &mut [f32] = match tp.as_deref_mut() {
                     Some(c) => &mut c[lo..lo + n],
@@ -160,11 +168,11 @@ pub fn update_unit(
                 };
                 let m: &mut [f32] = match tm.as_deref_mut() {
                     Some(c) => &mut c[lo..lo + n],
-                    None => ram_state(&mut shard.opt.m, sr.clone()),
+                    None => ram_state(shard.m, sr.clone()),
                 };
                 let v: &mut [f32] = match tv.as_deref_mut() {
                     Some(c) => &mut c[lo..lo + n],
-                    None => ram_state(&mut shard.opt.v, sr.clone()),
+                    None => ram_state(shard.v, sr.clone()),
                 };
                 let g = if kinds.grads > 0 {
                     &g_tile[lo..lo + n]
@@ -310,14 +318,4 @@ fn copy_params(
     out[span].copy_from_slice(&buf.f32s()[..n]);
     tier.put_buf(buf);
     Ok(())
-}
-
-impl RankState {
-    /// Bytes read from and written to the tier and seconds spent waiting on it, so far.
-    pub fn tier_counters(&self) -> (u64, u64, f64) {
-        self.tier.as_ref().map_or((0, 0, 0.0), |t| {
-            let t = t.lock().unwrap_or_else(|p| p.into_inner());
-            (t.stats.read_bytes, t.stats.write_bytes, t.stats.wait_s)
-        })
-    }
 }

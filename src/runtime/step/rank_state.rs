@@ -420,7 +420,13 @@ impl RankState {
                     g: &g,
                     factor,
                 };
-                let res = offload::update_unit(tier, u, shard, &mut self.full[u], &args);
+                let parts = offload::ShardParts {
+                    ranges: &shard.ranges,
+                    params: &mut shard.params,
+                    m: &mut shard.opt.m,
+                    v: &mut shard.opt.v,
+                };
+                let res = offload::update_unit(tier, u, parts, &mut self.full[u], &args);
                 self.ledger.free(Category::Transient, 4 * len as u64);
                 res?;
                 continue;
@@ -549,5 +555,15 @@ fn sub(v: &mut [f32], off: usize, n: usize) -> &mut [f32] {
         v
     } else {
         &mut v[off..off + n]
+    }
+}
+
+impl RankState {
+    /// Bytes read from and written to the tier and seconds spent waiting on it, so far.
+    pub fn tier_counters(&self) -> (u64, u64, f64) {
+        self.tier.as_ref().map_or((0, 0, 0.0), |t| {
+            let t = t.lock().unwrap_or_else(|p| p.into_inner());
+            (t.stats.read_bytes, t.stats.write_bytes, t.stats.wait_s)
+        })
     }
 }
