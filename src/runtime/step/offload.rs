@@ -48,9 +48,9 @@ pub fn spill_unit(
     v: &[f32],
 ) -> Result<(), TierError> {
     let kinds = tier.layout.kinds;
-    let tile = tier.layout.tile_elems;
     let mut writes: VecDeque<Pending> = VecDeque::new();
     for rec in tier.layout.unit_records(u) {
+        let tile = tier.layout.record_tile(rec);
         let mut buf = next_buf(tier, &mut writes)?;
         let (_, span) = tier.layout.record_span(rec);
         let n = span.len();
@@ -128,14 +128,13 @@ pub fn update_unit(
     a: &StepArgs<'_>,
 ) -> Result<(), TierError> {
     let kinds = tier.layout.kinds;
-    let tile = tier.layout.tile_elems;
     let values = kinds.values();
     let records = tier.layout.unit_records(u);
     let mut reads: VecDeque<(usize, Pending)> = VecDeque::new();
     let mut writes: VecDeque<Pending> = VecDeque::new();
     let mut next = records.start;
     let mut g_tile = if kinds.grads > 0 {
-        vec![0f32; tile]
+        vec![0f32; tier.layout.tile_elems]
     } else {
         Vec::new()
     };
@@ -151,6 +150,7 @@ pub fn update_unit(
             debug_assert_eq!(r, rec);
             let mut buf = tier.finish(pending)?;
             let (_, span) = tier.layout.record_span(rec);
+            let tile = tier.layout.record_tile(rec);
             let (head, gcols) = buf.f32s_mut().split_at_mut(tile * kinds.grads_at());
             if kinds.grads > 0 {
                 grads_to_f32(a.mode, gcols, a.factor, &mut g_tile[..span.len()]);

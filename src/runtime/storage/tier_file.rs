@@ -59,6 +59,8 @@ pub struct TierLayout {
     pub kinds: RecordKinds,
     /// Index of each unit's first record; one more entry at the end.
     first: Vec<usize>,
+    /// File offset of each record; one more entry at the end (the file's size).
+    offsets: Vec<u64>,
 }
 
 impl TierLayout {
@@ -68,10 +70,20 @@ impl TierLayout {
             "tiles are whole blocks"
         );
         let mut first = Vec::with_capacity(unit_lens.len() + 1);
+        let mut offsets = vec![0u64];
         let mut n = 0;
         for &len in &unit_lens {
             first.push(n);
             n += len.div_ceil(tile_elems);
+            // Full tiles, then a last one only as long as the unit's rest (in whole blocks): a
+            // shard is read and written without padding to the tile size.
+            let mut left = len;
+            while left > 0 {
+                let t = left.min(tile_elems).div_ceil(BLOCK / 4) * (BLOCK / 4);
+                let at = *offsets.last().expect("starts with 0");
+                offsets.push(at + (4 * t * kinds.values()) as u64);
+                left -= left.min(tile_elems);
+            }
         }
         first.push(n);
         Self {
@@ -79,20 +91,33 @@ impl TierLayout {
             tile_elems,
             kinds,
             first,
+            offsets,
         }
+    }
+
+    /// Elements each value of record `rec` has room for (its tile; shorter for a unit's last).
+    pub fn record_tile(&self, rec: usize) -> usize {
+        ((self.offsets[rec + 1] - self.offsets[rec]) as usize / 4)
+            .checked_div(self.kinds.values())
+            .unwrap_or(0)
     }
 
     pub fn records(&self) -> usize {
         *self.first.last().expect("one entry per unit plus one")
     }
 
-    /// Bytes of one record: every kind's full tile.
+    /// Bytes of the largest record: every kind's full tile (a staging buffer's size).
     pub fn stride(&self) -> usize {
         4 * self.tile_elems * self.kinds.values()
     }
 
     pub fn file_bytes(&self) -> u64 {
-        (self.records() * self.stride()) as u64
+        *self.offsets.last().expect("starts with 0")
+    }
+
+    /// The record that holds file offset `offset`.
+    pub fn record_at(&self, offset: u64) -> usize {
+        self.offsets.partition_point(|&o| o <= offset) - 1
     }
 
     /// The records of unit `u`.
@@ -109,7 +134,7 @@ impl TierLayout {
 
     /// File offset of value `k` of record `rec`.
     pub fn value_offset(&self, rec: usize, k: usize) -> u64 {
-        (rec * self.stride() + 4 * self.tile_elems * k) as u64
+        self.offsets[rec] + (4 * self.record_tile(rec) * k) as u64
     }
 }
 
@@ -233,7 +258,7 @@ impl TierFile {
         buf: AlignedBuf,
     ) -> Result<Pending, TierError> {
         let offset = self.layout.value_offset(rec, kinds.start);
-        let len = 4 * self.layout.tile_elems * kinds.len();
+        let len = 4 * self.layout.record_tile(rec) * kinds.len();
         self.start(Op::Read, offset, len, buf)
     }
 
@@ -251,7 +276,7 @@ impl TierFile {
         buf: AlignedBuf,
     ) -> Result<Pending, TierError> {
         let offset = self.layout.value_offset(rec, kinds.start);
-        let len = 4 * self.layout.tile_elems * kinds.len();
+        let len = 4 * self.layout.record_tile(rec) * kinds.len();
         let first = offset as usize / BLOCK;
         for (i, block) in buf.bytes()[..len].chunks(BLOCK).enumerate() {
             self.crcs[first + i] = crc32fast::hash(block);
@@ -310,7 +335,7 @@ impl TierFile {
                 for (i, block) in done.buf.bytes()[..p.len].chunks(BLOCK).enumerate() {
                     if crc32fast::hash(block) != self.crcs[first + i] {
                         let offset = ((first + i) * BLOCK) as u64;
-                        let rec = offset as usize / self.layout.stride();
+                        let rec = self.layout.record_at(offset);
                         let unit = self.layout.record_span(rec).0;
                         self.pool.push(done.buf);
                         return Err(TierError::Corrupt {
