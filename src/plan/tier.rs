@@ -267,23 +267,31 @@ pub fn place(d: &Demand, lim: &Limits) -> Result<Fit, FitError> {
     Err(FitError::DoesNotFit(refusal(d, lim, &candidates, &allowed)))
 }
 
-/// Placements from least to most offload: the optimizer state first (the most bytes, touched
-/// once a step), then stage 3's parameters, then the gradients (whose spill adds a write and a
-/// read per step).
+/// Every placement the stage allows, from least to most offload: the optimizer state first (the
+/// most bytes, touched once a step), then stage 3's parameters (read twice a step), then the
+/// gradients (a write and a read a step); placements that keep the optimizer in RAM come last,
+/// for runs that ask for them.
 fn candidates(stage: Stage) -> Vec<Placement> {
-    let at = |optimizer, params, grads| Placement {
+    let (r, n) = (Tier::Ram, Tier::Nvme);
+    [
+        (r, r, r),
+        (n, r, r),
+        (n, n, r),
+        (n, r, n),
+        (n, n, n),
+        (r, n, r),
+        (r, r, n),
+        (r, n, n),
+    ]
+    .into_iter()
+    .map(|(optimizer, params, grads)| Placement {
         optimizer,
         params,
         grads,
-    };
-    let (r, n) = (Tier::Ram, Tier::Nvme);
-    let mut c = vec![Placement::RAM, at(n, r, r)];
-    match stage {
-        Stage::Zero0 | Stage::Zero1 => {}
-        Stage::Zero2 => c.push(at(n, r, n)),
-        Stage::Zero3 => c.extend([at(n, n, r), at(n, n, n)]),
-    }
-    c
+    })
+    .filter(|p| p.params == r || stage == Stage::Zero3)
+    .filter(|p| p.grads == r || matches!(stage, Stage::Zero2 | Stage::Zero3))
+    .collect()
 }
 
 /// The largest power-of-two record between the minimum and the default that fits, if any.
@@ -617,6 +625,44 @@ mod tests {
             ..limits(Offload::Nvme, Offload::Auto, big)
         };
         assert_eq!(place(&d, &lim), Err(FitError::NoNvmeDir));
+    }
+
+    #[test]
+    fn every_explicit_combination_the_stage_allows_is_placed() {
+        let d = demand(Stage::Zero3, 1_000_000, 2);
+        for opt in [Offload::None, Offload::Nvme] {
+            for params in [Offload::None, Offload::Nvme] {
+                for grads in [Offload::None, Offload::Nvme] {
+                    let lim = Limits {
+                        params,
+                        grads,
+                        ..limits(opt, Offload::Auto, 1 << 34)
+                    };
+                    let fit = place(&d, &lim).unwrap();
+                    let tier = |o| {
+                        if o == Offload::Nvme {
+                            Tier::Nvme
+                        } else {
+                            Tier::Ram
+                        }
+                    };
+                    assert_eq!(
+                        (
+                            fit.placement.optimizer,
+                            fit.placement.params,
+                            fit.placement.grads
+                        ),
+                        (tier(opt), tier(params), tier(grads))
+                    );
+                }
+            }
+        }
+        let d2 = demand(Stage::Zero2, 1_000_000, 2);
+        let lim = Limits {
+            grads: Offload::Nvme,
+            ..limits(Offload::None, Offload::Auto, 1 << 34)
+        };
+        assert_eq!(place(&d2, &lim).unwrap().placement.grads, Tier::Nvme);
     }
 
     #[test]
