@@ -5,7 +5,9 @@
 #   3. Adam: ours vs torch fused / DeepSpeedCPUAdam, 6 rounds x {1M,16M,64M} x {1,2} threads,
 #   4. training: ours ZeRO-3 vs FSDP2 / DeepSpeed ZeRO-3 at 2 and 4 ranks, 3 rounds x 30 steps,
 #      plus 2 rounds x 3 steps for CPU seconds per step,
-#   5. one rank, no communication: ours vs torch `single`, 5 alternating pairs.
+#   5. one rank, no communication: ours vs torch `single`, 5 alternating pairs,
+#   6. NVMe offload: the tier's engine vs fio, offloaded vs in-RAM steps (TIER_DIR, on a disk),
+#   7. the chaos soak: 3000 seeds of the in-process harness (about 2 minutes).
 # Raw JSON and the tables go to $OUT (default /tmp/ezero_bench).
 #
 #   bash benches/run_all.sh
@@ -23,3 +25,7 @@ python3 benches/compare_train.py --rounds "$ROUNDS" --no-build --out "$OUT/train
 python3 benches/compare_train.py --rounds 2 --steps 3 --no-build --out "$OUT/train_short.json" > /dev/null
 python3 benches/compare_train.py --summarize "$OUT/train_runs.json" --short "$OUT/train_short.json" | tee "$OUT/train.md"
 OUT="$OUT" bash benches/compare_single_rank.sh 5 | tee "$OUT/single.txt"
+TIER_DIR=${TIER_DIR:-/var/tmp/ezero-tier}
+mkdir -p "$TIER_DIR"
+python3 benches/offload.py --dir "$TIER_DIR" --rounds "$ROUNDS" | tee "$OUT/offload.txt"
+CHAOS_SEEDS=3000 cargo test --release --test chaos chaos_seeds 2>&1 | tee "$OUT/soak.txt"

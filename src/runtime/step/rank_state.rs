@@ -18,7 +18,7 @@ pub use crate::optim::OptimSettings;
 use crate::optim::OptimState;
 use crate::plan::{RankId, ShardMap, Stage};
 use crate::reduce::{grad_buf, GradBuf, ReduceMode};
-use crate::runtime::storage::{TierError, TierFile, TierLayout, TierSpec};
+use crate::runtime::storage::{RecordKinds, TierError, TierFile, TierLayout, TierSpec};
 
 use super::offload;
 
@@ -451,16 +451,16 @@ impl RankState {
         Ok(())
     }
 
+    /// What this rank keeps on its tier (nothing without one).
+    pub fn tier_kinds(&self) -> RecordKinds {
+        self.tier.as_ref().map_or(RecordKinds::default(), |t| {
+            t.lock().unwrap_or_else(|p| p.into_inner()).layout.kinds
+        })
+    }
+
     /// Whether the reduced gradient shards live on the tier (stages 2-3 with `offload_grads`).
     pub fn grads_on_tier(&self) -> bool {
-        self.tier.as_ref().is_some_and(|t| {
-            t.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .layout
-                .kinds
-                .grads
-                > 0
-        })
+        self.tier_kinds().grads > 0
     }
 
     /// Writes unit `u`'s reduced gradient shard to the tier and keeps its sum of squares.
@@ -476,13 +476,7 @@ impl RankState {
 
     /// Whether the parameter shard lives on the tier (stage 3 with `offload_params`).
     pub fn params_on_tier(&self) -> bool {
-        self.tier.as_ref().is_some_and(|t| {
-            t.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .layout
-                .kinds
-                .params
-        })
+        self.tier_kinds().params
     }
 
     /// Unit `u`'s parameter shard (stage 3), from RAM or the tier.

@@ -115,6 +115,12 @@ impl TierLayout {
         *self.offsets.last().expect("starts with 0")
     }
 
+    /// File offset and bytes of values `kinds` of record `rec`.
+    pub fn values_span(&self, rec: usize, kinds: Range<usize>) -> (u64, usize) {
+        let len = 4 * self.record_tile(rec) * kinds.len();
+        (self.value_offset(rec, kinds.start), len)
+    }
+
     /// The record that holds file offset `offset`.
     pub fn record_at(&self, offset: u64) -> usize {
         self.offsets.partition_point(|&o| o <= offset) - 1
@@ -257,8 +263,7 @@ impl TierFile {
         kinds: Range<usize>,
         buf: AlignedBuf,
     ) -> Result<Pending, TierError> {
-        let offset = self.layout.value_offset(rec, kinds.start);
-        let len = 4 * self.layout.record_tile(rec) * kinds.len();
+        let (offset, len) = self.layout.values_span(rec, kinds);
         self.start(Op::Read, offset, len, buf)
     }
 
@@ -275,8 +280,7 @@ impl TierFile {
         kinds: Range<usize>,
         buf: AlignedBuf,
     ) -> Result<Pending, TierError> {
-        let offset = self.layout.value_offset(rec, kinds.start);
-        let len = 4 * self.layout.record_tile(rec) * kinds.len();
+        let (offset, len) = self.layout.values_span(rec, kinds);
         let first = offset as usize / BLOCK;
         for (i, block) in buf.bytes()[..len].chunks(BLOCK).enumerate() {
             self.crcs[first + i] = crc32fast::hash(block);
