@@ -431,3 +431,44 @@ fn state_eight_times_the_process_peak_trains() {
     );
     assert_clean(dir.path());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_and_metrics_show_each_ranks_tier() {
+    use elastic_zero::runtime::actors::ClusterEvent;
+    use elastic_zero::runtime::Cluster;
+    let dir = tier_dir();
+    let base = TrainConfig {
+        ranks: 2,
+        stage: 3,
+        ..small(ModelKind::Gpt)
+    };
+    let cfg = offloaded(&base, dir.path(), true, true);
+    let spec = ClusterSpec::from_config(cfg).unwrap();
+    let mut job = Cluster::builder(spec).start().await.unwrap();
+    let handle = job.handle();
+    job.run();
+    while let Some(ev) = job.next_event().await {
+        match ev {
+            ClusterEvent::Finished => break,
+            ClusterEvent::Aborted(why) => panic!("the run stopped: {why}"),
+            _ => {}
+        }
+    }
+    let status = handle.status().await.unwrap();
+    job.finish().await.unwrap();
+    for s in &status.shards {
+        let t = s.tier.expect("every rank has a tier");
+        // p, m, v and the 8-byte gradient: 20 bytes an owned element, in whole blocks.
+        assert!(t.bytes >= 20 * s.owned_elems, "{t:?}");
+        assert!(t.read_bytes >= 28 * s.owned_elems && t.write_bytes >= 20 * s.owned_elems);
+        assert!(t.read_bytes_per_s > 0.0 && t.io_wait_s >= 0.0);
+    }
+    let text = status.prometheus();
+    for r in 0..2 {
+        assert!(
+            text.contains(&format!("ezero_rank_tier_bytes{{rank=\"{r}\"}} ")),
+            "{text}"
+        );
+    }
+    assert!(text.contains("# TYPE ezero_rank_tier_read_bytes_per_second gauge"));
+}

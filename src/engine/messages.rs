@@ -69,4 +69,7 @@ pub struct StepReport {
     /// Seconds the rank waited for its tier in the step.
     #[serde(default)]
     pub io_wait_s: f64,
+    /// Bytes of the rank's tier file (0 with all state in RAM).
+    #[serde(default)]
+    pub tier_bytes: u64,
 }

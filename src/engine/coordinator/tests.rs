@@ -45,6 +45,7 @@ fn report(rank: RankId, step: u64) -> StepReport {
         tier_read_bytes: 0,
         tier_write_bytes: 0,
         io_wait_s: 0.0,
+        tier_bytes: 0,
     }
 }
 

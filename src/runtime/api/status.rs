@@ -7,7 +7,7 @@
 //! the ranks use (`rebalance`, `reshard::transfers`), so they are what actually travelled, not an
 //! estimate. Nothing here does I/O.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write as _;
 
 use serde::Serialize;
@@ -144,6 +144,21 @@ pub struct Telemetry {
     pub failed_joins: u64,
     /// The newest `HISTORY_MAX` changes, oldest first.
     pub history: VecDeque<ChangeRecord>,
+    /// Each rank's NVMe tier in the newest completed step.
+    pub tiers: BTreeMap<RankId, TierLast>,
+}
+
+/// One rank's NVMe tier in the newest completed step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct TierLast {
+    /// Bytes of its tier file.
+    pub bytes: u64,
+    pub read_bytes: u64,
+    pub write_bytes: u64,
+    pub io_wait_s: f64,
+    /// Read and written bytes over the step's duration.
+    pub read_bytes_per_s: f64,
+    pub write_bytes_per_s: f64,
 }
 
 impl Telemetry {
@@ -152,6 +167,23 @@ impl Telemetry {
         self.step_ms_last = Some(rec.duration_ms);
         self.step_ms_sum += rec.duration_ms;
         self.loss_last = Some(rec.loss);
+        let secs = (rec.duration_ms.max(1)) as f64 / 1e3;
+        self.tiers = rec
+            .reports
+            .iter()
+            .filter(|r| r.tier_bytes > 0)
+            .map(|r| {
+                let t = TierLast {
+                    bytes: r.tier_bytes,
+                    read_bytes: r.tier_read_bytes,
+                    write_bytes: r.tier_write_bytes,
+                    io_wait_s: r.io_wait_s,
+                    read_bytes_per_s: r.tier_read_bytes as f64 / secs,
+                    write_bytes_per_s: r.tier_write_bytes as f64 / secs,
+                };
+                (r.rank, t)
+            })
+            .collect();
     }
 
     pub fn on_change(&mut self, change: ChangeRecord) {
@@ -180,7 +212,7 @@ impl Telemetry {
 }
 
 /// One member's share of the training state.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RankShare {
     pub rank: RankId,
     pub chunks: usize,
@@ -190,6 +222,9 @@ pub struct RankShare {
     /// Where it runs, when known (worker processes): buddy backups go to other hosts.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host: Option<String>,
+    /// Its NVMe tier in the newest completed step (absent with all state in RAM).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tier: Option<TierLast>,
 }
 
 /// The document behind `GET /status`.
@@ -257,6 +292,7 @@ impl Status {
                     owned_elems: owned,
                     owned_state_bytes: owned * layout.owned_bytes_per_elem(),
                     host: map.hosts.get(&rank).cloned(),
+                    tier: t.tiers.get(&rank).copied(),
                 }
             })
             .collect();
@@ -410,6 +446,40 @@ impl Status {
                 "Steps since the newest complete buddy backup.",
                 lag.to_string(),
             );
+        }
+        let tiers: Vec<(RankId, TierLast)> = self
+            .shards
+            .iter()
+            .filter_map(|s| s.tier.map(|t| (s.rank, t)))
+            .collect();
+        type Field = fn(&TierLast) -> String;
+        let tier_metrics: [(&str, &str, Field); 4] = [
+            (
+                "ezero_rank_tier_bytes",
+                "Bytes of a rank's NVMe tier file.",
+                |t| t.bytes.to_string(),
+            ),
+            (
+                "ezero_rank_tier_read_bytes_per_second",
+                "A rank's tier reads over the newest step's duration.",
+                |t| format!("{:.0}", t.read_bytes_per_s),
+            ),
+            (
+                "ezero_rank_tier_write_bytes_per_second",
+                "A rank's tier writes over the newest step's duration.",
+                |t| format!("{:.0}", t.write_bytes_per_s),
+            ),
+            (
+                "ezero_rank_tier_wait_seconds_last",
+                "Seconds a rank waited for its tier in the newest step.",
+                |t| format!("{:.6}", t.io_wait_s),
+            ),
+        ];
+        for (name, help, value) in tier_metrics.iter().filter(|_| !tiers.is_empty()) {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for (rank, t) in &tiers {
+                let _ = writeln!(out, "{name}{{rank=\"{rank}\"}} {}", value(t));
+            }
         }
         out.push_str("# HELP ezero_rank_owned_bytes fp32 parameters and optimizer state a rank owns.\n# TYPE ezero_rank_owned_bytes gauge\n");
         for s in &self.shards {

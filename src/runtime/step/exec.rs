@@ -138,6 +138,7 @@ pub fn run_step<T: Transport>(
             tier_read_bytes: io.0 - io_before.0,
             tier_write_bytes: io.1 - io_before.1,
             io_wait_s: io.2 - io_before.2,
+            tier_bytes: st.tier_bytes(),
         });
     }
     unreachable!("the last attempt always returns")

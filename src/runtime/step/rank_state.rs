@@ -458,6 +458,16 @@ impl RankState {
         })
     }
 
+    /// Bytes of this rank's tier file (0 without one).
+    pub fn tier_bytes(&self) -> u64 {
+        self.tier.as_ref().map_or(0, |t| {
+            t.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .layout
+                .file_bytes()
+        })
+    }
+
     /// Whether the reduced gradient shards live on the tier (stages 2-3 with `offload_grads`).
     pub fn grads_on_tier(&self) -> bool {
         self.tier_kinds().grads > 0
