@@ -3,7 +3,8 @@
 //! keys make sense together.
 
 use super::{ConfigError, TrainConfig};
-use crate::plan::tier::Offload;
+use crate::plan::tier::check_choices;
+use crate::plan::Stage;
 
 /// The smallest `memory_max_bytes` accepted: below it not even the runtime itself fits.
 const MIN_MEMORY_MAX_BYTES: u64 = 64 << 20;
@@ -26,47 +27,15 @@ impl TrainConfig {
     }
 
     pub(super) fn validate_offload(&self) -> Result<(), ConfigError> {
-        for (key, o) in [
-            ("offload_optimizer", self.offload_optimizer),
-            ("offload_params", self.offload_params),
-            ("offload_grads", self.offload_grads),
-        ] {
-            if o == Offload::Cpu {
-                return Err(ConfigError::new(
-                    key,
-                    "\"cpu\" is reserved for a device backend: this build computes on the CPU, where all state already lives in RAM; use \"nvme\" (with nvme_dir), \"none\" or \"auto\"",
-                ));
-            }
-        }
-        if self.offload_params == Offload::Nvme && self.stage != 3 {
-            return Err(ConfigError::new(
-                "offload_params",
-                format!(
-                    "\"nvme\" needs ZeRO stage 3 (stage {} keeps a full parameter copy for compute); use --stage 3 or offload the optimizer only",
-                    self.stage
-                ),
-            ));
-        }
-        if self.offload_grads == Offload::Nvme && self.stage < 2 {
-            return Err(ConfigError::new(
-                "offload_grads",
-                format!(
-                    "\"nvme\" needs ZeRO stage 2 or 3 (stage {} accumulates whole-model gradients in RAM); use --stage 2 or 3",
-                    self.stage
-                ),
-            ));
-        }
-        let nvme = [
-            self.offload_optimizer,
-            self.offload_params,
-            self.offload_grads,
-        ]
-        .contains(&Offload::Nvme);
-        if nvme && self.nvme_dir.is_none() {
-            return Err(ConfigError::new(
-                "nvme_dir",
-                "offloading to nvme needs a directory for the tier: set --nvme-dir DIR",
-            ));
+        if let Some(stage) = Stage::from_u8(self.stage) {
+            check_choices(
+                stage,
+                self.offload_optimizer,
+                self.offload_params,
+                self.offload_grads,
+                self.nvme_dir.is_some(),
+            )
+            .map_err(|e| ConfigError::new(e.key(), e.to_string()))?;
         }
         if let Some(b) = self.memory_max_bytes {
             if b < MIN_MEMORY_MAX_BYTES {

@@ -10,6 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::memory::resident;
 use super::schedule::Stage;
 
 /// A configured tier for one kind of state. `Auto` lets [`place`] choose the least offload that
@@ -82,13 +83,21 @@ impl Placement {
         self.optimizer == Tier::Nvme || self.params == Tier::Nvme || self.grads == Tier::Nvme
     }
 
-    /// 4-byte values per element in a tier record: the parameter, the optimizer's state values
-    /// and the gradient (`grad_elem_bytes / 4` of them), each if on the tier.
-    pub fn record_values(&self, state_per_param: u64, grad_elem_bytes: u64) -> u64 {
-        let on = |t: Tier, n: u64| if t == Tier::Nvme { n } else { 0 };
-        on(self.params, 1)
-            + on(self.optimizer, state_per_param)
-            + on(self.grads, grad_elem_bytes / 4)
+    /// What a tier record holds per element under this placement at `stage`, for an optimizer
+    /// with `state_per_param` values and gradients of `grad_elem_bytes`. Parameters are on the
+    /// tier only at stage 3 and gradients only at stages 2-3, whatever the placement says.
+    pub fn kinds(&self, stage: Stage, state_per_param: u64, grad_elem_bytes: u64) -> RecordKinds {
+        let on = |t: Tier, n: u64| if t == Tier::Nvme { n as usize } else { 0 };
+        let grads_tierable = matches!(stage, Stage::Zero2 | Stage::Zero3);
+        RecordKinds {
+            params: self.params == Tier::Nvme && stage == Stage::Zero3,
+            state: on(self.optimizer, state_per_param),
+            grads: if grads_tierable {
+                on(self.grads, grad_elem_bytes / 4)
+            } else {
+                0
+            },
+        }
     }
 
     fn flags(&self) -> String {
@@ -103,6 +112,34 @@ impl Placement {
             f.push("--offload-grads nvme");
         }
         f.join(" ")
+    }
+}
+
+/// Which values a tier record holds, in order: the parameter (if on the tier), the optimizer's
+/// state values (if on the tier), then the gradient (if on the tier; an exact-mode gradient is 8
+/// bytes, two values).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RecordKinds {
+    pub params: bool,
+    /// Optimizer values on the tier per element (0, 1 or 2).
+    pub state: usize,
+    /// 4-byte values the gradient takes on the tier (0, 1 or 2).
+    pub grads: usize,
+}
+
+impl RecordKinds {
+    pub fn values(&self) -> usize {
+        usize::from(self.params) + self.state + self.grads
+    }
+
+    /// Index of the first optimizer value within a record.
+    pub fn state_at(&self) -> usize {
+        usize::from(self.params)
+    }
+
+    /// Index of the gradient's first value (the values before it are the update's own state).
+    pub fn grads_at(&self) -> usize {
+        usize::from(self.params) + self.state
     }
 }
 
@@ -210,7 +247,7 @@ pub struct Fit {
 /// Why a run cannot start. Each says what to change.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum FitError {
-    #[error("'{key} = \"cpu\"': a CPU tier needs a device backend, and this build computes on the CPU, where all state already lives in RAM; use \"nvme\" (with nvme_dir) or \"none\"")]
+    #[error("'{key} = \"cpu\"' is reserved for a device backend: this build computes on the CPU, where all state already lives in RAM; use \"nvme\" (with nvme_dir), \"none\" or \"auto\"")]
     CpuReserved { key: &'static str },
     #[error("'offload_params = \"nvme\"' needs ZeRO stage 3 (stages 0-2 keep a full parameter copy for compute); use --stage 3, or offload the optimizer only")]
     ParamsNeedStage3,
@@ -222,28 +259,59 @@ pub enum FitError {
     DoesNotFit(String),
 }
 
-/// Chooses the least offload (optimizer first, then stage 3's parameters) and the largest
-/// staging records that keep the process under the budget, or says why none does.
-pub fn place(d: &Demand, lim: &Limits) -> Result<Fit, FitError> {
+impl FitError {
+    /// The config key to change.
+    pub fn key(&self) -> &'static str {
+        match self {
+            FitError::CpuReserved { key } => key,
+            FitError::ParamsNeedStage3 => "offload_params",
+            FitError::GradsNeedStage2 => "offload_grads",
+            FitError::NoNvmeDir => "nvme_dir",
+            FitError::DoesNotFit(_) => "memory_max_bytes",
+        }
+    }
+}
+
+/// Whether the configured tiers make sense together at `stage`, before any memory is counted
+/// (config validation and [`place`] both ask).
+pub fn check_choices(
+    stage: Stage,
+    optimizer: Offload,
+    params: Offload,
+    grads: Offload,
+    has_nvme_dir: bool,
+) -> Result<(), FitError> {
     for (key, o) in [
-        ("offload_optimizer", lim.optimizer),
-        ("offload_params", lim.params),
-        ("offload_grads", lim.grads),
+        ("offload_optimizer", optimizer),
+        ("offload_params", params),
+        ("offload_grads", grads),
     ] {
         if o == Offload::Cpu {
             return Err(FitError::CpuReserved { key });
         }
     }
-    if lim.params == Offload::Nvme && d.stage != Stage::Zero3 {
+    if params == Offload::Nvme && stage != Stage::Zero3 {
         return Err(FitError::ParamsNeedStage3);
     }
-    if lim.grads == Offload::Nvme && matches!(d.stage, Stage::Zero0 | Stage::Zero1) {
+    if grads == Offload::Nvme && matches!(stage, Stage::Zero0 | Stage::Zero1) {
         return Err(FitError::GradsNeedStage2);
     }
-    let explicit_nvme = [lim.optimizer, lim.params, lim.grads].contains(&Offload::Nvme);
-    if explicit_nvme && !lim.has_nvme_dir {
+    if [optimizer, params, grads].contains(&Offload::Nvme) && !has_nvme_dir {
         return Err(FitError::NoNvmeDir);
     }
+    Ok(())
+}
+
+/// Chooses the least offload (optimizer first, then stage 3's parameters) and the largest
+/// staging records that keep the process under the budget, or says why none does.
+pub fn place(d: &Demand, lim: &Limits) -> Result<Fit, FitError> {
+    check_choices(
+        d.stage,
+        lim.optimizer,
+        lim.params,
+        lim.grads,
+        lim.has_nvme_dir,
+    )?;
     let allowed = |p: &Placement| {
         let ok = |o: Offload, t: Tier| match o {
             Offload::None => t == Tier::Ram,
@@ -313,15 +381,13 @@ fn fit_largest_tile(d: &Demand, p: Placement, budget: u64) -> Option<Fit> {
 
 /// What placement `p` with records of `tile_elems` needs.
 pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
-    let owned = d.owned_elems;
-    let (param_elems, grad_elems, opt_elems) = match d.stage {
-        Stage::Zero0 => (d.total_elems, d.total_elems, d.total_elems),
-        Stage::Zero1 => (d.total_elems, d.total_elems, owned),
-        Stage::Zero2 => (d.total_elems, owned, owned),
-        Stage::Zero3 => (owned, owned, owned),
-    };
-    let opt_bytes = 4 * d.state_per_param * opt_elems;
-    let param_bytes = 4 * param_elems;
+    let held = resident(
+        d.stage,
+        d.total_elems,
+        d.owned_elems,
+        d.grad_elem_bytes,
+        d.state_per_param,
+    );
     let unit = d.largest_unit_elems;
     let gathered = if d.stage == Stage::Zero3 {
         4 * unit * d.max_live_units.max(1)
@@ -331,26 +397,33 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
     // Backward: a unit's accumulator and its micro-batch gradient; the optimizer: one unit's
     // gradient shard widened to f32. They do not overlap in time.
     let working = gathered + (unit * (d.grad_elem_bytes + 4)).max(4 * unit);
-    let values = p.record_values(d.state_per_param, d.grad_elem_bytes);
+    let values = p
+        .kinds(d.stage, d.state_per_param, d.grad_elem_bytes)
+        .values() as u64;
     let staging = if p.any_nvme() {
         STAGING_BUFFERS * round_up(4 * tile_elems * values, IO_ALIGN_BYTES)
     } else {
         0
     };
-    let tier_opt = p.optimizer == Tier::Nvme;
-    let tier_params = p.params == Tier::Nvme;
-    let tier_grads = p.grads == Tier::Nvme;
-    let grad_bytes = d.grad_elem_bytes * grad_elems;
+    // Each kind of state is either in RAM or on the tier.
+    let split = |t: Tier, bytes: u64| {
+        if t == Tier::Nvme {
+            (0, bytes)
+        } else {
+            (bytes, 0)
+        }
+    };
+    let (params, tier_params) = split(p.params, held.params);
+    let (grads, tier_grads) = split(p.grads, held.grads);
+    let (optimizer, tier_opt) = split(p.optimizer, held.optimizer);
     let per_rank = RankBytes {
-        params: if tier_params { 0 } else { param_bytes },
-        grads: if tier_grads { 0 } else { grad_bytes },
-        optimizer: if tier_opt { 0 } else { opt_bytes },
+        params,
+        grads,
+        optimizer,
         working,
         activations: d.activation_bytes,
         staging,
-        tier: (if tier_opt { opt_bytes } else { 0 })
-            + (if tier_params { param_bytes } else { 0 })
-            + if tier_grads { grad_bytes } else { 0 },
+        tier: tier_params + tier_grads + tier_opt,
     };
     Fit {
         placement: p,

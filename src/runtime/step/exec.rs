@@ -472,34 +472,35 @@ impl<'a> Pass<'a> {
             .expect("reduce-scatter posted before its wait");
         let tag = self.tag(TagKind::ReduceScatter, unit, 0);
         let res = collectives::wait_reduce_scatter(comm, &self.st.map, u, tag, &mut acc, 0);
-        if self.st.grads_on_tier() {
-            // Gather the owned ranges into the shard's layout and send it to the tier.
-            let shard = &self.st.shards[u];
-            let mut sg = GradBuf::zeros(self.st.mode, shard.len());
-            let mut off = 0;
-            for r in &shard.ranges {
-                sg.copy_from(off, &acc, r.clone());
-                off += r.len();
-            }
-            self.st.ledger.free(Category::Transient, acc.bytes() as u64);
-            res?;
-            return self
-                .st
-                .spill_grads(u, &sg)
-                .map_err(|e| CommError::Storage(e.to_string()));
-        }
+        // The owned ranges, in the shard's layout: into the shard's buffer, or into one that
+        // goes to the tier.
+        let mode = self.st.mode;
+        let mut spilled = self
+            .st
+            .grads_on_tier()
+            .then(|| GradBuf::zeros(mode, self.st.shards[u].len()));
         let shard = &mut self.st.shards[u];
-        let sg = shard
-            .grads
-            .as_mut()
-            .expect("stages 2/3 keep a gradient shard");
+        let sg = match spilled.as_mut() {
+            Some(g) => g,
+            None => shard
+                .grads
+                .as_mut()
+                .expect("stages 2/3 keep a gradient shard"),
+        };
         let mut off = 0;
         for r in &shard.ranges {
             sg.copy_from(off, &acc, r.clone());
             off += r.len();
         }
         self.st.ledger.free(Category::Transient, acc.bytes() as u64);
-        res
+        res?;
+        match spilled {
+            Some(g) => self
+                .st
+                .spill_grads(u, &g)
+                .map_err(|e| CommError::Storage(e.to_string())),
+            None => Ok(()),
+        }
     }
 
     fn all_gather_grads<T: Transport>(&mut self, comm: &mut Comm<T>) -> Result<(), CommError> {

@@ -517,11 +517,9 @@ fn open_tier(
     let Some(spec) = storage else {
         return Ok(None);
     };
-    let mut kinds = spec.kinds(optim.state_per_param() as usize, mode.elem_bytes());
-    kinds.params &= stage == Stage::Zero3;
-    if matches!(stage, Stage::Zero0 | Stage::Zero1) {
-        kinds.grads = 0;
-    }
+    let kinds = spec
+        .placement
+        .kinds(stage, optim.state_per_param(), mode.elem_bytes() as u64);
     if kinds.values() == 0 {
         return Ok(None);
     }

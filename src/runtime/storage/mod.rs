@@ -21,7 +21,7 @@ pub use self::preflight::{check_dir, lock_dir, DirLock, PreflightError};
 pub use self::tier_file::{RecordKinds, TierError, TierFile, TierLayout, TierStats};
 pub use self::uring::UringConfig;
 use self::uring::UringDevice;
-use crate::plan::tier::{Placement, Tier};
+use crate::plan::tier::Placement;
 
 /// Everything a rank needs to put its state on the tier.
 #[derive(Clone, Debug, PartialEq)]
@@ -62,17 +62,6 @@ impl TierSpec {
             },
             lock,
         ))
-    }
-
-    /// Record kinds for an optimizer with `state_per_param` values per element and gradients
-    /// of `grad_elem_bytes`.
-    pub fn kinds(&self, state_per_param: usize, grad_elem_bytes: usize) -> RecordKinds {
-        let on = |t: Tier, n: usize| if t == Tier::Nvme { n } else { 0 };
-        RecordKinds {
-            params: self.placement.params == Tier::Nvme,
-            state: on(self.placement.optimizer, state_per_param),
-            grads: on(self.placement.grads, grad_elem_bytes / 4),
-        }
     }
 
     /// This rank's folder under the tier directory.

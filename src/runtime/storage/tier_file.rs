@@ -19,37 +19,10 @@ use std::time::Instant;
 
 use super::aligned::AlignedBuf;
 use super::device::{submit, Device, IoError, Op, Ticket};
+pub use crate::plan::tier::RecordKinds;
 use crate::plan::tier::IO_ALIGN_BYTES;
 
 const BLOCK: usize = IO_ALIGN_BYTES as usize;
-
-/// Which values a record holds, in order: the parameter (if on the tier), the optimizer's state
-/// values (if on the tier), then the gradient (if on the tier; an exact-mode gradient is 8
-/// bytes, two values).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RecordKinds {
-    pub params: bool,
-    /// Optimizer values on the tier per element (0, 1 or 2).
-    pub state: usize,
-    /// 4-byte values the gradient takes on the tier (0, 1 or 2).
-    pub grads: usize,
-}
-
-impl RecordKinds {
-    pub fn values(&self) -> usize {
-        usize::from(self.params) + self.state + self.grads
-    }
-
-    /// Index of the first optimizer value within a record.
-    pub fn state_at(&self) -> usize {
-        usize::from(self.params)
-    }
-
-    /// Index of the gradient's first value (the values before it are the update's own state).
-    pub fn grads_at(&self) -> usize {
-        usize::from(self.params) + self.state
-    }
-}
 
 /// Where each record of a rank's shard lives in its tier file.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -250,10 +223,6 @@ impl TierFile {
     /// Staging buffers not in use.
     pub fn free_bufs(&self) -> usize {
         self.pool.len()
-    }
-
-    pub fn staging_bytes(&self) -> u64 {
-        (self.pool.len() * self.layout.stride()) as u64
     }
 
     /// Starts reading values `kinds` (a range of value indices) of record `rec` into `buf`.
