@@ -14,7 +14,6 @@ use elastic_zero::engine::coordinator::StepRecord;
 use elastic_zero::plan::tier::Offload;
 use elastic_zero::runtime::api::cluster::Observer;
 use elastic_zero::runtime::ClusterSpec;
-use elastic_zero::summary::param_sha256;
 
 /// A tier directory on the build's disk (the temp dir may be tmpfs, which the tier refuses).
 fn tier_dir() -> tempfile::TempDir {
@@ -36,8 +35,14 @@ fn offloaded(base: &TrainConfig, dir: &Path, params: bool, grads: bool) -> Train
     }
 }
 
+/// The run's digest. With state on the tier the digest is read piece by piece from the ranks
+/// and nothing is consolidated; in RAM it is the consolidated parameters' digest.
 fn sha(cfg: &TrainConfig) -> String {
-    param_sha256(&run_cfg(cfg).unwrap_or_else(|e| panic!("{e}")).params)
+    let out = run_cfg(cfg).unwrap_or_else(|e| panic!("{e}"));
+    let on_tier =
+        [cfg.offload_optimizer, cfg.offload_params, cfg.offload_grads].contains(&Offload::Nvme);
+    assert_eq!(out.params.is_empty(), on_tier, "consolidated only in RAM");
+    out.param_sha256
 }
 
 /// The tier leaves nothing behind but its lock file.
@@ -238,7 +243,7 @@ fn a_damaged_tier_file_is_caught_and_never_applied() {
     let spec = ClusterSpec::from_config(cfg).unwrap();
     let mut damage = damage;
     let out = common::train_blocking(spec, &mut damage).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(param_sha256(&out.params), want);
+    assert_eq!(out.param_sha256, want);
     assert_eq!(
         damage.lost,
         vec![1],

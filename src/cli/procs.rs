@@ -307,8 +307,14 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
             MIN_TILE_ELEMS,
         )
     });
-    let summary =
-        super::train::summarize(&cfg, psi, floor, &outcome.records, &outcome.params, &fit);
+    let summary = super::train::summarize(
+        &cfg,
+        psi,
+        floor,
+        &outcome.records,
+        &outcome.param_sha256,
+        &fit,
+    );
     println!(
         "done: {} steps in {:.1} s, loss {:.4} -> {:.4}, median step {:.3} s, {:.0} tokens/s",
         cfg.steps,

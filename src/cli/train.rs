@@ -18,7 +18,7 @@ use elastic_zero::runtime::alloc::peak_rss_bytes;
 use elastic_zero::runtime::api::cluster::Observer;
 use elastic_zero::runtime::step::resume::ResumeSource;
 use elastic_zero::runtime::{ChangeRecord, Cluster, ClusterBuilder, ClusterError, ClusterSpec};
-use elastic_zero::summary::{median, param_sha256, rank_summaries, TrainSummary};
+use elastic_zero::summary::{median, rank_summaries, TrainSummary};
 
 use super::checkpoint::{self, SaveObserver, Saving};
 use super::{CliError, TrainArgs};
@@ -166,7 +166,14 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     saved?;
     bar.finish_and_clear();
     let wall_s = started.elapsed().as_secs_f64();
-    let mut summary = summarize(&cfg, psi, floor, &outcome.records, &outcome.params, &fit);
+    let mut summary = summarize(
+        &cfg,
+        psi,
+        floor,
+        &outcome.records,
+        &outcome.param_sha256,
+        &fit,
+    );
     summary.peak_rss_training_bytes = training_peak.get();
     println!(
         "done: {} steps in {:.1} s, loss {:.4} -> {:.4}{}, median step {:.3} s, {:.0} tokens/s",
@@ -190,7 +197,13 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         );
     }
     if cfg.model == ModelKind::Gpt && cfg.sample_tokens > 0 {
-        print_sample(model.as_ref(), &outcome.params, &cfg);
+        if outcome.params.is_empty() {
+            println!(
+                "sample: skipped (the parameters are on the tier and are not gathered into memory)"
+            );
+        } else {
+            print_sample(model.as_ref(), &outcome.params, &cfg);
+        }
     }
     if let Some(path) = &cfg.json {
         write_json_atomically(path, &summary)?;
@@ -298,7 +311,7 @@ pub(super) fn summarize(
     psi: usize,
     floor: Option<f64>,
     records: &[StepRecord],
-    params: &[Vec<f32>],
+    param_sha256: &str,
     fit: &Fit,
 ) -> TrainSummary {
     // Skip the first steps (allocation, page faults) when there are enough to spare.
@@ -343,7 +356,7 @@ pub(super) fn summarize(
         },
         skipped_steps: records.iter().filter(|r| r.skipped).count() as u64,
         redone_steps: records.iter().filter(|r| r.attempts > 1).count() as u64,
-        param_sha256: param_sha256(params),
+        param_sha256: param_sha256.to_string(),
         ranks: rank_summaries(records),
         losses: records.iter().map(|r| r.loss).collect(),
         offload_optimizer: tier_name(fit.placement.optimizer),

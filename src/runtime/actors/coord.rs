@@ -10,7 +10,7 @@ use std::time::Duration;
 use ractor::{Actor, ActorProcessingErr, ActorRef, ActorStatus, SupervisionEvent};
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::collect::collect_chunks;
+use super::collect::{collect_chunks, digest_params};
 use super::events::ClusterEvent;
 use super::messages::{Activity, CoordMsg, CoordView, RankMsg};
 use super::rank::{RankActor, RankArgs};
@@ -422,6 +422,10 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                     .await
                     .map(|c| (map, c));
                 let _ = reply.send(res);
+            }
+            CoordMsg::Digest(reply) => {
+                let map = st.engine.map().clone();
+                let _ = reply.send(digest_params(&st.rank_list(), &map).await);
             }
             CoordMsg::Joined {
                 rank,

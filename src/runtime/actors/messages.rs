@@ -49,6 +49,9 @@ pub enum CoordMsg<T: Transport> {
     View(RpcReplyPort<CoordView>),
     /// Every chunk's state and the map (between steps, e.g. after `Finished`).
     Collect(RpcReplyPort<Result<(ShardMap, Vec<ChunkState>), String>>),
+    /// The `param-sha256` of the parameters, read from their owners one bounded piece at a
+    /// time (between steps); nothing is consolidated.
+    Digest(RpcReplyPort<Result<String, String>>),
     /// A joiner the factory answered `NewRank::Later` for: its actor (linked to this one), or
     /// why it could not start.
     Joined {
@@ -86,6 +89,14 @@ pub enum RankMsg<T: Transport> {
     KillAt(u64),
     /// The state of every chunk this rank owns (consolidation, checkpoints).
     Collect(RpcReplyPort<Vec<ChunkState>>),
+    /// Parameters `elems` (offsets within the chunk) of a chunk this rank owns: the end-of-run
+    /// digest reads offloaded models piece by piece. In-process ranks only.
+    ChunkParams {
+        unit: usize,
+        index: usize,
+        elems: std::ops::Range<usize>,
+        reply: RpcReplyPort<Result<Vec<f32>, String>>,
+    },
 }
 
 /// The coordinator's view of the run at one instant (see `control::Status`).

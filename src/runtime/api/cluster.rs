@@ -96,8 +96,11 @@ impl ClusterSpec {
 /// The result of a finished run.
 pub struct TrainOutcome {
     pub records: Vec<StepRecord>,
-    /// Consolidated fp32 parameters per unit.
+    /// Consolidated fp32 parameters per unit; empty when the planner put state on the tier
+    /// (the model may not fit in memory), so use `param_sha256` to compare runs.
     pub params: Vec<Vec<f32>>,
+    /// The final parameters' digest (`param-sha256`), always present.
+    pub param_sha256: String,
     /// On a resume: bytes each rank read from the saved state, by rank.
     pub resume_reads: Vec<(RankId, u64)>,
     /// What the in-process network did (all zero unless faults were injected).
@@ -446,6 +449,45 @@ impl Cluster {
         Ok(consolidate(&map, &chunks))
     }
 
+    /// The parameters' `param-sha256`, read from their owners in bounded pieces (nothing is
+    /// consolidated). Call it between steps.
+    pub async fn param_digest(&self) -> Result<String, ClusterError> {
+        match self
+            .coordinator
+            .call(CoordMsg::Digest, Some(std::time::Duration::from_secs(600)))
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(r)) => r.map_err(ClusterError::Collect),
+            Ok(_) => Err(ClusterError::Collect(
+                "the coordinator did not answer".into(),
+            )),
+            Err(e) => Err(ClusterError::Collect(e.to_string())),
+        }
+    }
+
+    /// The outcome of a run that finished: consolidated parameters when the state is in RAM;
+    /// with state on the tier only the digest, read piece by piece, so that the end of the run
+    /// stays within the memory the planner allowed.
+    pub(crate) async fn outcome(
+        &self,
+        records: Vec<StepRecord>,
+    ) -> Result<TrainOutcome, ClusterError> {
+        let (params, param_sha256) = if self.fit.placement.any_nvme() {
+            (Vec::new(), self.param_digest().await?)
+        } else {
+            let params = self.collect_params().await?;
+            let sha = crate::param_digest::param_sha256(params.iter().map(Vec::as_slice));
+            (params, sha)
+        };
+        Ok(TrainOutcome {
+            records,
+            params,
+            param_sha256,
+            resume_reads: self.resume_reads.clone(),
+            net: self.net_counts(),
+        })
+    }
+
     /// Asks for a membership change at the next step boundary (refused with a reason if it
     /// names an unknown rank or leaves the world outside its bounds; nothing changes then).
     pub async fn request(&self, change: Change) -> Result<(), ClusterError> {
@@ -556,12 +598,7 @@ pub async fn drive(
         }
     };
     let outcome = match result {
-        Ok(()) => cluster.collect_params().await.map(|params| TrainOutcome {
-            records,
-            params,
-            resume_reads: cluster.resume_reads.clone(),
-            net: cluster.net_counts(),
-        }),
+        Ok(()) => cluster.outcome(records).await,
         Err(e) => Err(e),
     };
     cluster.shutdown().await;

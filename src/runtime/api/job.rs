@@ -320,12 +320,7 @@ async fn pump(
         let _ = tx.send(event);
     };
     let outcome = match end {
-        Ok(()) => cluster.collect_params().await.map(|params| TrainOutcome {
-            records,
-            params,
-            resume_reads: cluster.resume_reads().to_vec(),
-            net: cluster.net_counts(),
-        }),
+        Ok(()) => cluster.outcome(records).await,
         Err(e) => Err(e),
     };
     cluster.shutdown().await;

@@ -668,9 +668,11 @@ impl Run {
             Ok(_) => return Err(ProcError::Collect("the coordinator did not answer".into())),
             Err(e) => return Err(ProcError::Collect(e.to_string())),
         };
+        let params = consolidate(&map, &chunks);
         Ok(TrainOutcome {
             records,
-            params: consolidate(&map, &chunks),
+            param_sha256: crate::param_digest::param_sha256(params.iter().map(Vec::as_slice)),
+            params,
             // Filled in by the caller, which holds the start state; faults are not injected
             // into real links.
             resume_reads: Vec::new(),

@@ -368,6 +368,51 @@ impl RankState {
         }))
     }
 
+    /// Parameters `elems` (offsets within the chunk) of chunk (unit, index), which this rank
+    /// must own; read from the tier when they live there. The end-of-run digest reads a
+    /// model in such pieces, so no more than one piece is in memory at a time.
+    pub fn chunk_params(
+        &self,
+        unit: usize,
+        index: usize,
+        elems: Range<usize>,
+    ) -> Result<Vec<f32>, String> {
+        let owns = self
+            .map
+            .owned_chunks(self.rank)
+            .iter()
+            .any(|c| (c.unit as usize, c.index as usize) == (unit, index));
+        let shard = self
+            .shards
+            .get(unit)
+            .filter(|_| owns)
+            .ok_or_else(|| format!("rank {} does not own chunk {unit}/{index}", self.rank))?;
+        let r = self.map.chunk_range(unit, index);
+        if elems.end > r.len() || elems.start > elems.end {
+            return Err(format!(
+                "elements {elems:?} are outside chunk {unit}/{index} ({} elements)",
+                r.len()
+            ));
+        }
+        if self.stage != Stage::Zero3 {
+            return Ok(self.full[unit][r.start + elems.start..r.start + elems.end].to_vec());
+        }
+        let at = shard
+            .chunks
+            .iter()
+            .position(|&c| c == index)
+            .ok_or_else(|| format!("rank {} holds no shard of chunk {unit}/{index}", self.rank))?;
+        let off = shard.ranges[..at].iter().map(Range::len).sum::<usize>();
+        let piece = off + elems.start..off + elems.end;
+        match &self.tier {
+            Some(t) if self.params_on_tier() => {
+                let mut t = t.lock().unwrap_or_else(|p| p.into_inner());
+                offload::read_shard_values(&mut t, unit, 0, piece).map_err(|e| e.to_string())
+            }
+            _ => Ok(shard.params[piece].to_vec()),
+        }
+    }
+
     /// The complete state of every chunk this rank owns under the map.
     pub fn owned_chunk_states(&self) -> Result<Vec<ChunkState>, TierError> {
         let mut out = Vec::new();
