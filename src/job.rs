@@ -110,6 +110,8 @@ pub fn memory_demand(cfg: &TrainConfig, model: &dyn Model, ranks_in_process: u64
         state_per_param: optim_settings(cfg).state_per_param(),
         max_live_units: cfg.max_live_units as u64,
         activation_bytes: activation_bytes(cfg, numels.len()),
+        backups: cfg.replicate_every > 0 && cfg.ranks >= 2,
+        snapshots: cfg.save_dir.is_some(),
     }
 }
 

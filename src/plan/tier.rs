@@ -174,6 +174,12 @@ pub struct Demand {
     pub max_live_units: u64,
     /// One rank's peak activation bytes (saved unit inputs plus one unit's intermediates).
     pub activation_bytes: u64,
+    /// Buddy backups are taken (`replicate_every` > 0 with two or more ranks): each rank keeps
+    /// a copy of what it holds and of its predecessor's owned state, in RAM whatever the
+    /// placement.
+    pub backups: bool,
+    /// Checkpoints are saved: a snapshot gathers every chunk's state in RAM while it is written.
+    pub snapshots: bool,
 }
 
 /// The configured choices and the memory the process may use.
@@ -223,13 +229,21 @@ pub struct RankBytes {
     pub working: u64,
     pub activations: u64,
     pub staging: u64,
+    /// Buddy backups: the copy of the rank's own state and of its predecessor's, in RAM.
+    pub backup: u64,
     /// Bytes this rank keeps on the tier.
     pub tier: u64,
 }
 
 impl RankBytes {
     pub fn ram(&self) -> u64 {
-        self.params + self.grads + self.optimizer + self.working + self.activations + self.staging
+        self.params
+            + self.grads
+            + self.optimizer
+            + self.working
+            + self.activations
+            + self.staging
+            + self.backup
     }
 }
 
@@ -240,6 +254,8 @@ pub struct Fit {
     pub tile_elems: u64,
     pub staging_buffers: u64,
     pub per_rank: RankBytes,
+    /// A checkpoint's snapshot of every chunk's state, held while it is written.
+    pub snapshot_bytes: u64,
     /// Expected peak of the whole process.
     pub process_bytes: u64,
 }
@@ -416,6 +432,13 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
     let (params, tier_params) = split(p.params, held.params);
     let (grads, tier_grads) = split(p.grads, held.grads);
     let (optimizer, tier_opt) = split(p.optimizer, held.optimizer);
+    // Backups and snapshots are built from chunk states in RAM, wherever the live state is.
+    let chunk_state_bytes = |elems: u64| 4 * elems * (1 + d.state_per_param);
+    let backup = if d.backups {
+        held.params + held.optimizer + chunk_state_bytes(d.owned_elems)
+    } else {
+        0
+    };
     let per_rank = RankBytes {
         params,
         grads,
@@ -423,14 +446,21 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
         working,
         activations: d.activation_bytes,
         staging,
+        backup,
         tier: tier_params + tier_grads + tier_opt,
+    };
+    let snapshot_bytes = if d.snapshots {
+        chunk_state_bytes(d.total_elems)
+    } else {
+        0
     };
     Fit {
         placement: p,
         tile_elems,
         staging_buffers: if p.any_nvme() { STAGING_BUFFERS } else { 0 },
         per_rank,
-        process_bytes: BASE_BYTES + d.ranks_in_process * per_rank.ram(),
+        snapshot_bytes,
+        process_bytes: BASE_BYTES + d.ranks_in_process * per_rank.ram() + snapshot_bytes,
     }
 }
 
@@ -465,6 +495,18 @@ fn refusal(
             Budget::Machine(b) => format!("{} (90% of the memory available)", gib(b)),
         }
     );
+    if r.backup > 0 {
+        msg += &format!(
+            "; buddy backups hold {} per rank in RAM whatever the placement (--replicate-every 0 turns them off; a lost rank then stops the run)",
+            gib(r.backup)
+        );
+    }
+    if chosen.snapshot_bytes > 0 {
+        msg += &format!(
+            "; a checkpoint gathers {} in RAM while it is written (saving needs that memory)",
+            gib(chosen.snapshot_bytes)
+        );
+    }
     // The most offloaded placement, whether or not the configuration allows it.
     let best = candidates
         .iter()
@@ -535,6 +577,8 @@ mod tests {
             state_per_param: 2,
             max_live_units: 2,
             activation_bytes: 1 << 20,
+            backups: false,
+            snapshots: false,
         }
     }
 
@@ -742,5 +786,33 @@ mod tests {
     fn in_process_ranks_add_up() {
         let one = evaluate(&demand(Stage::Zero3, 1 << 20, 4), Placement::RAM, 1 << 18);
         assert_eq!(one.process_bytes, BASE_BYTES + 4 * one.per_rank.ram());
+    }
+
+    #[test]
+    fn backups_and_snapshots_count_in_ram_whatever_the_placement() {
+        let plain = demand(Stage::Zero3, 1 << 24, 2);
+        let d = Demand {
+            backups: true,
+            snapshots: true,
+            ..plain
+        };
+        let owned = plain.owned_elems;
+        for p in candidates(Stage::Zero3) {
+            let (without, with) = (evaluate(&plain, p, 1 << 16), evaluate(&d, p, 1 << 16));
+            // Its own parameters and Adam state, and its predecessor's, at 12 B per parameter.
+            assert_eq!(with.per_rank.backup, 2 * 12 * owned, "{p:?}");
+            assert_eq!(with.snapshot_bytes, 12 * (1 << 24), "{p:?}");
+            assert_eq!(
+                with.process_bytes,
+                without.process_bytes + 2 * with.per_rank.backup + with.snapshot_bytes
+            );
+        }
+        // Offloading cannot make room for them: the refusal names the setting that does.
+        let all_tier = evaluate(&plain, Placement::RAM, 1 << 16).process_bytes;
+        let err = place(&d, &limits(Offload::Auto, Offload::Auto, all_tier)).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("--replicate-every 0"), "{msg}");
+        assert!(msg.contains("a checkpoint gathers 192.0 MiB"), "{msg}");
+        assert!(place(&plain, &limits(Offload::Auto, Offload::Auto, all_tier)).is_ok());
     }
 }
