@@ -179,16 +179,7 @@ fn main() -> anyhow::Result<()> {
     };
     let model: Arc<dyn Model> = Arc::new(LowRankBigram);
     let data = Arc::new(Dataset::Markov(MarkovSource::new(cfg.seed)));
-    let spec = ClusterSpec {
-        config: cfg.clone(),
-        model: model.clone(),
-        data: data.clone(),
-        init_params: None,
-        resume: None,
-        snapshot_every: 0,
-        panic_at: None,
-        boundary_snapshot: None,
-    };
+    let spec = ClusterSpec::new(model.clone(), data.clone(), cfg.clone());
     let rt = tokio::runtime::Runtime::new()?;
     let out = rt.block_on(train(
         spec,

@@ -305,6 +305,7 @@ pub fn bench_slowdown(
             snapshot_every,
             panic_at: None,
             boundary_snapshot: None,
+            progress: Default::default(),
         };
         rt.block_on(train(spec, timed))
             .map(|_| ())

@@ -5,6 +5,7 @@ mod checkpoint;
 mod collectives;
 mod launch;
 mod procs;
+mod ticker;
 mod train;
 
 use std::path::PathBuf;

@@ -21,6 +21,7 @@ use elastic_zero::runtime::{ChangeRecord, Cluster, ClusterBuilder, ClusterError,
 use elastic_zero::summary::{median, rank_summaries, TrainSummary};
 
 use super::checkpoint::{self, SaveObserver, Saving};
+use super::ticker::Ticker;
 use super::{CliError, TrainArgs};
 
 pub fn run(args: &TrainArgs) -> Result<(), CliError> {
@@ -71,7 +72,10 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         },
         panic_at: args.panic_rank,
         boundary_snapshot: cfg.save_dir.is_some().then(|| boundary.clone()),
+        progress: Arc::default(),
     };
+    let passes_per_step = 2 * model.units().len() as u64 * u64::from(cfg.ranks);
+    let ticker = Ticker::start(bar.clone(), spec.progress.clone(), passes_per_step);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -80,6 +84,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     // The ranks read their saved state before anything is written: a damaged checkpoint is
     // refused without creating a save directory.
     let cluster = rt.block_on(Cluster::start(spec)).map_err(cluster_error)?;
+    ticker.step_boundary(0);
     let fit = *cluster.memory_plan();
     println!("{}", describe_fit(&fit, &cfg));
     let saving = match Saving::start(
@@ -105,6 +110,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
             on_step: |rec: &StepRecord| {
                 // The process's peak while training, before the parameters are consolidated.
                 training_peak.set(peak_rss_bytes().unwrap_or(0));
+                ticker.step_boundary(rec.step + 1);
                 let tps = tokens / (rec.duration_ms.max(1) as f64 / 1e3);
                 let mem: Vec<String> = rec
                     .reports
@@ -161,6 +167,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         }
         job.drive(&mut observer).await
     });
+    ticker.stop();
     let saved = observer.saving.take().map_or(Ok(()), Saving::finish);
     let outcome = outcome.map_err(cluster_error)?;
     saved?;
@@ -381,6 +388,9 @@ pub(super) fn describe_fit(fit: &Fit, cfg: &TrainConfig) -> String {
         gib(r.optimizer),
         gib(r.working + r.activations)
     );
+    if r.backup > 0 {
+        line += &format!(", buddy backups {}", gib(r.backup));
+    }
     if fit.placement.any_nvme() {
         line += &format!(
             ", staging {}); on the tier: {} per rank ({}{}) in {}, {} KiB records",
@@ -407,6 +417,12 @@ pub(super) fn describe_fit(fit: &Fit, cfg: &TrainConfig) -> String {
         );
     } else {
         line += "); all state in RAM";
+    }
+    if fit.snapshot_bytes > 0 {
+        line += &format!(
+            "; a checkpoint's snapshot holds {} while it is saved",
+            gib(fit.snapshot_bytes)
+        );
     }
     line
 }

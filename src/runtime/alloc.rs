@@ -61,6 +61,17 @@ pub fn peak_rss_bytes() -> Option<u64> {
     kib_field(&status, "VmHWM:")
 }
 
+/// Bytes the process has read from and written to storage so far (`/proc/self/io`'s
+/// `read_bytes` and `write_bytes`: the tier's O_DIRECT I/O counts, page-cache hits do not).
+pub fn process_io_bytes() -> Option<(u64, u64)> {
+    let io = std::fs::read_to_string("/proc/self/io").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = io.lines().find(|l| l.starts_with(name))?;
+        line[name.len()..].trim().parse().ok()
+    };
+    Some((field("read_bytes:")?, field("write_bytes:")?))
+}
+
 /// A `Name:   1234 kB` field of a /proc file, in bytes.
 fn kib_field(text: &str, name: &str) -> Option<u64> {
     let line = text.lines().find(|l| l.starts_with(name))?;

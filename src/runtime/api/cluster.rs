@@ -27,6 +27,7 @@ use crate::runtime::alloc::available_memory_bytes;
 use crate::runtime::clock::SystemClock;
 use crate::runtime::step::comm::Comm;
 use crate::runtime::step::exec::ExecConfig;
+use crate::runtime::step::progress::RunProgress;
 use crate::runtime::step::rank_state::{ChunkState, RankState};
 use crate::runtime::step::resume::{read_owned_chunks, ResumeSource};
 use crate::runtime::storage::{DirLock, Faults, TierSpec, UringConfig};
@@ -75,21 +76,35 @@ pub struct ClusterSpec {
     pub panic_at: Option<(RankId, u64)>,
     /// A snapshot at the next step boundary when its flag is set (a signal handler).
     pub boundary_snapshot: Option<BoundarySnapshot>,
+    /// Counters a caller may poll for a progress line while the ranks build their state or a
+    /// long step runs.
+    pub progress: Arc<RunProgress>,
 }
 
 impl ClusterSpec {
     /// The built-in model and dataset the config names, from scratch, with no fault injection.
     pub fn from_config(config: TrainConfig) -> Result<Self, ConfigError> {
-        Ok(Self {
-            model: build_model(&config)?,
-            data: build_dataset(&config)?,
+        Ok(Self::new(
+            build_model(&config)?,
+            build_dataset(&config)?,
             config,
+        ))
+    }
+
+    /// Your own model and data, from the model's initialisation, no snapshots, no fault
+    /// injection; set the other fields to change that.
+    pub fn new(model: Arc<dyn Model>, data: Arc<Dataset>, config: TrainConfig) -> Self {
+        Self {
+            config,
+            model,
+            data,
             init_params: None,
             resume: None,
             snapshot_every: 0,
             panic_at: None,
             boundary_snapshot: None,
-        })
+            progress: Arc::default(),
+        }
     }
 }
 
@@ -215,6 +230,7 @@ pub fn exec_config(cfg: &TrainConfig) -> ExecConfig {
         keep_activations: cfg.keep_activations,
         grad_clip: cfg.grad_clip as f64,
         round_kills: cfg.kill_during.clone(),
+        progress: Arc::default(),
     }
 }
 
@@ -259,9 +275,15 @@ impl Cluster {
         // Given weights, or the model's initialisation made unit by unit as each rank builds
         // its state (so the whole model is never in RAM at once).
         let (model, seed, init) = (Arc::clone(&spec.model), cfg.seed, spec.init_params.as_ref());
-        let unit_params = move |u: usize| match init {
-            Some(p) => p.get(u).cloned(),
-            None => (u < model.units().len()).then(|| model.init_unit(u, seed)),
+        let progress = Arc::clone(&spec.progress);
+        progress.init_started(u64::from(cfg.ranks) * numels.len() as u64);
+        let unit_params = move |u: usize| {
+            let params = match init {
+                Some(p) => p.get(u).cloned(),
+                None => (u < model.units().len()).then(|| model.init_unit(u, seed)),
+            };
+            progress.init_unit_built();
+            params
         };
         let faults = net_faults(cfg);
         let net = if faults.any() {
@@ -278,7 +300,10 @@ impl Cluster {
             model: Arc::clone(&spec.model),
             optim,
             data: Arc::clone(&spec.data),
-            exec: exec_config(cfg),
+            exec: ExecConfig {
+                progress: Arc::clone(&spec.progress),
+                ..exec_config(cfg)
+            },
             storage: storage.clone(),
             disconnect: {
                 let net = Arc::clone(&net);

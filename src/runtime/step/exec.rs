@@ -40,6 +40,8 @@ pub struct ExecConfig {
     pub grad_clip: f64,
     /// Fault injection: ranks that vanish halfway through a round between steps.
     pub round_kills: Vec<crate::config::RoundKill>,
+    /// Counts unit passes for the progress line of long steps.
+    pub progress: std::sync::Arc<super::progress::RunProgress>,
 }
 
 /// The most passes a step takes (the first may overflow the fixed-point range).
@@ -254,10 +256,12 @@ impl<'a> Pass<'a> {
             Phase::WaitGather { unit, pass } => self.wait_gather(comm, unit, pass),
             Phase::Forward { unit } => {
                 self.timed(|p| p.forward(unit as usize));
+                self.cfg.progress.unit_pass_done();
                 Ok(())
             }
             Phase::Backward { unit } => {
                 self.timed(|p| p.backward(unit as usize));
+                self.cfg.progress.unit_pass_done();
                 Ok(())
             }
             Phase::Free { unit } => {

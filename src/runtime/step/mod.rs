@@ -11,6 +11,7 @@ pub mod comm;
 pub mod exec;
 pub mod offload;
 pub mod parcel;
+pub mod progress;
 pub mod rank_state;
 pub mod replica;
 pub mod reshard;
