@@ -35,7 +35,12 @@ pub struct Ticker {
 impl Ticker {
     /// Starts ticking; `passes_per_step` is the forward and backward unit passes of one step
     /// over all ranks (twice the units times the ranks).
-    pub fn start(bar: ProgressBar, progress: Arc<RunProgress>, passes_per_step: u64) -> Self {
+    pub fn start(
+        bar: ProgressBar,
+        progress: Arc<RunProgress>,
+        passes_per_step: u64,
+        steps: u64,
+    ) -> Self {
         let phase = Arc::new(Mutex::new(Phase {
             training: false,
             steps_done: 0,
@@ -47,7 +52,7 @@ impl Ticker {
             let (phase, progress, stop) = (phase.clone(), progress.clone(), stop.clone());
             std::thread::Builder::new()
                 .name("ezero-progress".into())
-                .spawn(move || tick(&bar, &phase, &progress, &stop, passes_per_step))
+                .spawn(move || tick(&bar, &phase, &progress, &stop, (passes_per_step, steps)))
                 .ok()
         };
         Self {
@@ -92,7 +97,7 @@ fn tick(
     phase: &Mutex<Phase>,
     progress: &RunProgress,
     stop: &(Mutex<bool>, Condvar),
-    passes_per_step: u64,
+    per_run: (u64, u64),
 ) {
     let (flag, cv) = stop;
     let mut io_before = (Instant::now(), process_io_bytes().unwrap_or_default());
@@ -113,7 +118,7 @@ fn tick(
         );
         io_before = now;
         let p = *phase.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(line) = describe(&p, progress.read(), passes_per_step, rates) {
+        if let Some(line) = describe(&p, progress.read(), per_run, rates) {
             if bar.is_hidden() {
                 println!("{line}");
             } else {
@@ -127,7 +132,7 @@ fn tick(
 fn describe(
     p: &Phase,
     r: ProgressReading,
-    passes_per_step: u64,
+    (passes_per_step, steps): (u64, u64),
     (read_bps, write_bps): (f64, f64),
 ) -> Option<String> {
     let elapsed = p.since.elapsed();
@@ -146,6 +151,12 @@ fn describe(
     }
     if elapsed < TICK {
         return None;
+    }
+    if p.steps_done >= steps {
+        return Some(format!(
+            "finishing ({:.0} s): reading the final parameters for param-sha256; {io}",
+            elapsed.as_secs_f64()
+        ));
     }
     Some(format!(
         "step {} running for {:.0} s: {} of {} unit passes done; {io}",
@@ -176,12 +187,17 @@ mod tests {
             init_units_total: 44,
             unit_passes: 130,
         };
-        let start = describe(&phase(false, TICK), r, 88, (1.5e9, 0.5e9)).unwrap();
+        let start = describe(&phase(false, TICK), r, (88, 10), (1.5e9, 0.5e9)).unwrap();
         assert!(start.contains("7 of 44 units"), "{start}");
         assert!(start.contains("read 1.50 GB/s, write 0.50 GB/s"), "{start}");
-        let long = describe(&phase(true, TICK * 2), r, 88, (0.0, 0.0)).unwrap();
+        let long = describe(&phase(true, TICK * 2), r, (88, 10), (0.0, 0.0)).unwrap();
         assert!(long.starts_with("step 5 running for 20 s"), "{long}");
         assert!(long.contains("30 of 88 unit passes"), "{long}");
-        assert_eq!(describe(&phase(true, TICK / 2), r, 88, (0.0, 0.0)), None);
+        assert_eq!(
+            describe(&phase(true, TICK / 2), r, (88, 10), (0.0, 0.0)),
+            None
+        );
+        let end = describe(&phase(true, TICK), r, (88, 4), (0.0, 0.0)).unwrap();
+        assert!(end.starts_with("finishing"), "{end}");
     }
 }

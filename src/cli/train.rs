@@ -75,7 +75,12 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         progress: Arc::default(),
     };
     let passes_per_step = 2 * model.units().len() as u64 * u64::from(cfg.ranks);
-    let ticker = Ticker::start(bar.clone(), spec.progress.clone(), passes_per_step);
+    let ticker = Ticker::start(
+        bar.clone(),
+        spec.progress.clone(),
+        passes_per_step,
+        cfg.steps,
+    );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

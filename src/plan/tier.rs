@@ -413,6 +413,17 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
     // Backward: a unit's accumulator and its micro-batch gradient; the optimizer: one unit's
     // gradient shard widened to f32. They do not overlap in time.
     let working = gathered + (unit * (d.grad_elem_bytes + 4)).max(4 * unit);
+    // Parameters on the tier: the shard read for a gather and the next one read ahead.
+    // Gradients on the tier: the reduced shard copied out of the accumulator, then written
+    // beside compute while the next unit's accumulator fills.
+    let shard = (unit * d.owned_elems).div_ceil(d.total_elems.max(1));
+    let overlap = match (p.params, p.grads) {
+        (Tier::Nvme, Tier::Nvme) => (8 + d.grad_elem_bytes) * shard,
+        (Tier::Nvme, _) => 8 * shard,
+        (_, Tier::Nvme) => d.grad_elem_bytes * shard,
+        _ => 0,
+    };
+    let working = working + overlap;
     let values = p
         .kinds(d.stage, d.state_per_param, d.grad_elem_bytes)
         .values() as u64;

@@ -48,30 +48,35 @@ pub async fn collect_chunks<T: Transport>(
 /// any model holds at most this much at a time.
 pub const DIGEST_PIECE_ELEMS: usize = 1 << 22;
 
-/// The `param-sha256` of the parameters, read from each chunk's owner in canonical (unit,
-/// index) order, in pieces of at most [`DIGEST_PIECE_ELEMS`].
+/// The `param-sha256` of the parameters, read from their owners in canonical order: each run
+/// of consecutive chunks with one owner in pieces of at most [`DIGEST_PIECE_ELEMS`].
 pub async fn digest_params<T: Transport>(
     ranks: &[(RankId, ActorRef<RankMsg<T>>)],
     map: &ShardMap,
 ) -> Result<String, String> {
     let mut digest = ParamDigest::new();
     for (u, unit) in map.units.iter().enumerate() {
-        for (i, &owner) in unit.owners.iter().enumerate() {
+        let mut i = 0;
+        while i < unit.owners.len() {
+            let owner = unit.owners[i];
+            let mut j = i + 1;
+            while j < unit.owners.len() && unit.owners[j] == owner {
+                j += 1;
+            }
+            let run = map.chunk_range(u, i).start..map.chunk_range(u, j - 1).end;
             let actor = ranks
                 .iter()
                 .find(|(r, _)| *r == owner)
                 .map(|(_, a)| a)
-                .ok_or_else(|| format!("chunk {u}/{i}: its owner, rank {owner}, is not running"))?;
-            let len = map.chunk_range(u, i).len();
-            let mut at = 0;
-            while at < len {
-                let elems = at..(at + DIGEST_PIECE_ELEMS).min(len);
+                .ok_or_else(|| format!("unit {u}: its owner, rank {owner}, is not running"))?;
+            let mut at = run.start;
+            while at < run.end {
+                let elems = at..(at + DIGEST_PIECE_ELEMS).min(run.end);
                 let want = elems.len();
                 let reply = actor
                     .call(
-                        |reply| RankMsg::ChunkParams {
+                        |reply| RankMsg::UnitParams {
                             unit: u,
-                            index: i,
                             elems: elems.clone(),
                             reply,
                         },
@@ -85,13 +90,14 @@ pub async fn digest_params<T: Transport>(
                 let piece = piece.map_err(|e| format!("rank {owner}: {e}"))?;
                 if piece.len() != want {
                     return Err(format!(
-                        "rank {owner} sent {} parameters of chunk {u}/{i} for {want}",
+                        "rank {owner} sent {} parameters of unit {u} for {want}",
                         piece.len()
                     ));
                 }
                 digest.update(&piece);
                 at = elems.end;
             }
+            i = j;
         }
     }
     Ok(digest.finish())

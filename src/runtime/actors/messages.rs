@@ -89,11 +89,10 @@ pub enum RankMsg<T: Transport> {
     KillAt(u64),
     /// The state of every chunk this rank owns (consolidation, checkpoints).
     Collect(RpcReplyPort<Vec<ChunkState>>),
-    /// Parameters `elems` (offsets within the chunk) of a chunk this rank owns: the end-of-run
-    /// digest reads offloaded models piece by piece. In-process ranks only.
-    ChunkParams {
+    /// Parameters `elems` (unit coordinates, all in chunks this rank owns) of unit `unit`: the
+    /// end-of-run digest reads offloaded models piece by piece. In-process ranks only.
+    UnitParams {
         unit: usize,
-        index: usize,
         elems: std::ops::Range<usize>,
         reply: RpcReplyPort<Result<Vec<f32>, String>>,
     },

@@ -316,14 +316,9 @@ impl<T: Transport> Actor for RankActor<T> {
                     .unwrap_or_default();
                 let _ = reply.send(chunks);
             }
-            RankMsg::ChunkParams {
-                unit,
-                index,
-                elems,
-                reply,
-            } => {
+            RankMsg::UnitParams { unit, elems, reply } => {
                 let res = match slot.work.as_ref().and_then(|w| w.state.as_ref()) {
-                    Some(s) => s.chunk_params(unit, index, elems),
+                    Some(s) => s.unit_params(unit, elems),
                     None => Err(format!("rank {rank} holds no state")),
                 };
                 let _ = reply.send(res);

@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 use super::collectives;
 use super::comm::{Comm, CommError};
 use super::rank_state::RankState;
+use super::tier_io::TierIo;
 use crate::data::Dataset;
 use crate::engine::ledger::Category;
 use crate::engine::messages::{StepPlan, StepReport};
@@ -165,6 +166,8 @@ struct Pass<'a> {
     gathered: BTreeMap<u32, Vec<f32>>,
     /// Stage 3 with parameters on the tier: the shard read for a gather, until its wait.
     own: BTreeMap<u32, Vec<f32>>,
+    /// Reads ahead and writes gradients beside compute, when the tier holds them.
+    tier_io: Option<TierIo>,
     unit_acc: BTreeMap<u32, GradBuf>,
     stats: Vec<QuantStats>,
     agreed: Option<Agreed>,
@@ -181,6 +184,9 @@ impl<'a> Pass<'a> {
         exps: Vec<i32>,
     ) -> Self {
         let units = st.units();
+        let tier_io = (st.params_on_tier() || st.grads_on_tier())
+            .then(|| st.tier_shared().map(TierIo::new))
+            .flatten();
         if let Some(w) = &mut st.whole_grads {
             w.iter_mut().for_each(GradBuf::fill_zero);
         }
@@ -197,6 +203,7 @@ impl<'a> Pass<'a> {
             losses: Vec::new(),
             gathered: BTreeMap::new(),
             own: BTreeMap::new(),
+            tier_io,
             unit_acc: BTreeMap::new(),
             stats: vec![QuantStats::default(); units],
             agreed: None,
@@ -224,6 +231,9 @@ impl<'a> Pass<'a> {
                 return Err(CommError::Vanished);
             }
             self.exec(comm, phase)?;
+            if let Phase::PostGather { .. } = phase {
+                self.read_ahead(&program[i + 1..]);
+            }
             if let Some(a) = &self.agreed {
                 if a.overflow {
                     break; // nothing after Agree may run on an overflowed pass
@@ -287,7 +297,10 @@ impl<'a> Pass<'a> {
                 Ok(())
             }
             Phase::AllGatherGrads => self.all_gather_grads(comm),
-            Phase::Agree => self.agree(comm),
+            Phase::Agree => {
+                self.finish_tier_io()?;
+                self.agree(comm)
+            }
             Phase::Optimizer => {
                 let a = self.agreed.as_ref().expect("Optimizer follows Agree");
                 let clip = exact::clip_coefficient(a.norm, self.cfg.grad_clip);
@@ -336,17 +349,39 @@ impl<'a> Pass<'a> {
     }
 
     /// Stage 3 with parameters on the tier: reads this rank's shard of `unit` into `own`
-    /// (once per gather; the wait takes it).
+    /// (once per gather; the wait takes it), prefetched if it was the unit read ahead.
     fn load_own_params(&mut self, unit: u32) -> Result<(), CommError> {
         if self.st.params_on_tier() && !self.own.contains_key(&unit) {
-            let own = self
-                .st
-                .shard_params(unit as usize)
-                .map_err(|e| CommError::Storage(e.to_string()))?
-                .into_owned();
+            let len = self.st.shards[unit as usize].len();
+            let io = self.tier_io.as_mut().expect("a tier holds the parameters");
+            let own = io
+                .params(unit as usize, len)
+                .map_err(|e| CommError::Storage(e.to_string()))?;
             self.own.insert(unit, own);
         }
         Ok(())
+    }
+
+    /// Starts reading the shard of the next unit `rest` gathers while this one computes.
+    fn read_ahead(&mut self, rest: &[Phase]) {
+        if !self.st.params_on_tier() {
+            return;
+        }
+        let next = rest.iter().find_map(|p| match p {
+            Phase::PostGather { unit, .. } => Some(*unit as usize),
+            _ => None,
+        });
+        if let (Some(u), Some(io)) = (next, self.tier_io.as_mut()) {
+            io.prefetch_params(u, self.st.shards[u].len());
+        }
+    }
+
+    /// Waits for the gradient writes in flight: the optimizer reads them back.
+    fn finish_tier_io(&mut self) -> Result<(), CommError> {
+        match self.tier_io.as_mut() {
+            Some(io) => io.finish().map_err(|e| CommError::Storage(e.to_string())),
+            None => Ok(()),
+        }
     }
 
     fn params(&self, u: usize) -> &[f32] {
@@ -477,7 +512,14 @@ impl<'a> Pass<'a> {
         let tag = self.tag(TagKind::ReduceScatter, unit, 0);
         let res = collectives::wait_reduce_scatter(comm, &self.st.map, u, tag, &mut acc, 0);
         // The owned ranges, in the shard's layout: into the shard's buffer, or into one that
-        // goes to the tier.
+        // goes to the tier. The previous unit's write finishes first, so that one gradient
+        // shard at most is in RAM besides this unit's accumulator.
+        if self.st.grads_on_tier() {
+            if let Some(io) = self.tier_io.as_mut() {
+                io.wait_write()
+                    .map_err(|e| CommError::Storage(e.to_string()))?;
+            }
+        }
         let mode = self.st.mode;
         let mut spilled = self
             .st
@@ -497,12 +539,17 @@ impl<'a> Pass<'a> {
             off += r.len();
         }
         self.st.ledger.free(Category::Transient, acc.bytes() as u64);
+        drop(acc);
         res?;
         match spilled {
-            Some(g) => self
-                .st
-                .spill_grads(u, &g)
-                .map_err(|e| CommError::Storage(e.to_string())),
+            Some(g) => {
+                // Kept now, exactly, for the clipping norm; the shard goes to the tier while
+                // the backward continues.
+                self.st.tier_grad_ss[u] = g.sum_squares(0..g.len());
+                let io = self.tier_io.as_mut().expect("a tier holds the gradients");
+                io.write_grads(u, g)
+                    .map_err(|e| CommError::Storage(e.to_string()))
+            }
             None => Ok(()),
         }
     }

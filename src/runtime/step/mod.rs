@@ -17,4 +17,6 @@ pub mod replica;
 pub mod reshard;
 pub mod resume;
 pub mod snapshot;
+pub mod tier_io;
+pub mod tier_reads;
 pub mod work;

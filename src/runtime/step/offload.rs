@@ -254,35 +254,28 @@ fn ram_state(v: &mut [f32], r: Range<usize>) -> &mut [f32] {
     }
 }
 
-/// Reads value `k` of shard elements `elems` of unit `u` (which may span records).
+/// Reads value `k` of shard elements `elems` of unit `u`, which may span records: the records'
+/// value `k`, as many in flight as there are free staging buffers (one at a time would wait a
+/// disk round trip per record). Every read started is waited for, also after a failure, so
+/// every buffer returns to the pool.
 pub fn read_shard_values(
     tier: &mut TierFile,
     u: usize,
     k: usize,
     elems: Range<usize>,
 ) -> Result<Vec<f32>, TierError> {
-    let mut out = Vec::with_capacity(elems.len());
-    for rec in tier.layout.unit_records(u) {
-        let (_, span) = tier.layout.record_span(rec);
-        let (a, b) = (elems.start.max(span.start), elems.end.min(span.end));
-        if a < b {
-            out.extend(tier.read_values(rec, k, a..b)?);
-        }
-    }
-    Ok(out)
-}
-
-/// Reads unit `u`'s whole parameter shard (value 0 of every record), reads in flight up to the
-/// staging buffers. Every read started is waited for, also after a failure, so every buffer
-/// returns to the pool.
-pub fn read_unit_params(tier: &mut TierFile, u: usize, len: usize) -> Result<Vec<f32>, TierError> {
-    let mut out = vec![0f32; len];
+    let mut out = vec![0f32; elems.len()];
     let mut reads: VecDeque<(usize, Pending)> = VecDeque::new();
     let mut first_err = None;
-    for rec in tier.layout.unit_records(u) {
+    let wanted = tier.layout.unit_records(u).filter(|&rec| {
+        let (_, span) = tier.layout.record_span(rec);
+        span.start < elems.end && elems.start < span.end
+    });
+    let wanted: Vec<usize> = wanted.collect();
+    for rec in wanted {
         if tier.free_bufs() == 0 {
             let (r, p) = reads.pop_front().expect("buffers are free or reading");
-            if let Err(e) = copy_params(tier, r, p, &mut out) {
+            if let Err(e) = copy_values(tier, r, p, &elems, &mut out) {
                 first_err.get_or_insert(e);
             }
         }
@@ -290,7 +283,7 @@ pub fn read_unit_params(tier: &mut TierFile, u: usize, len: usize) -> Result<Vec
             break;
         }
         let buf = tier.take_buf().expect("a buffer is free");
-        match tier.start_read(rec, 0..1, buf) {
+        match tier.start_read(rec, k..k + 1, buf) {
             Ok(p) => reads.push_back((rec, p)),
             Err(e) => {
                 first_err.get_or_insert(e);
@@ -299,23 +292,32 @@ pub fn read_unit_params(tier: &mut TierFile, u: usize, len: usize) -> Result<Vec
         }
     }
     for (r, p) in reads {
-        if let Err(e) = copy_params(tier, r, p, &mut out) {
+        if let Err(e) = copy_values(tier, r, p, &elems, &mut out) {
             first_err.get_or_insert(e);
         }
     }
     first_err.map_or(Ok(out), Err)
 }
 
-fn copy_params(
+/// Reads unit `u`'s whole parameter shard (value 0 of every record).
+pub fn read_unit_params(tier: &mut TierFile, u: usize, len: usize) -> Result<Vec<f32>, TierError> {
+    read_shard_values(tier, u, 0, 0..len)
+}
+
+/// Copies the part of record `rec`'s finished read that falls in `elems` into `out` (indexed
+/// from `elems.start`).
+fn copy_values(
     tier: &mut TierFile,
     rec: usize,
     p: Pending,
+    elems: &Range<usize>,
     out: &mut [f32],
 ) -> Result<(), TierError> {
     let buf = tier.finish(p)?;
     let (_, span) = tier.layout.record_span(rec);
-    let n = span.len();
-    out[span].copy_from_slice(&buf.f32s()[..n]);
+    let (a, b) = (elems.start.max(span.start), elems.end.min(span.end));
+    out[a - elems.start..b - elems.start]
+        .copy_from_slice(&buf.f32s()[a - span.start..b - span.start]);
     tier.put_buf(buf);
     Ok(())
 }

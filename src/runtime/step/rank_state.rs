@@ -60,9 +60,12 @@ pub struct RankState {
     pub whole_grads: Option<Vec<GradBuf>>,
     pub ledger: Ledger,
     /// The tier file holding what the placement moved out of RAM (`shards[u].params` and
-    /// `shards[u].opt` are then empty). A mutex so that `&self` readers (chunk moves) can do
-    /// I/O; only this rank's thread ever takes it.
-    pub tier: Option<Mutex<TierFile>>,
+    /// `shards[u].opt` are then empty). A shared mutex so that `&self` readers (chunk moves)
+    /// can do I/O and the step can read ahead and write gradients on helper threads while it
+    /// computes; the step joins those before it returns.
+    pub tier: Option<Arc<Mutex<TierFile>>>,
+    /// What the tier holds (fixed when the file is made), readable without its lock.
+    kinds: RecordKinds,
     /// With gradients on the tier: each unit's partial sum of squares, taken when the unit's
     /// reduced shard was written there (what `Agree` needs without reading it back).
     pub tier_grad_ss: Vec<crate::reduce::SumSquares>,
@@ -268,7 +271,10 @@ impl RankState {
             shards,
             whole_grads,
             ledger,
-            tier: tier.map(Mutex::new),
+            kinds: tier
+                .as_ref()
+                .map_or(RecordKinds::default(), |t| t.layout.kinds),
+            tier: tier.map(|t| Arc::new(Mutex::new(t))),
             tier_grad_ss: vec![crate::reduce::SumSquares::zero(mode); shard_count],
         })
     }
@@ -368,54 +374,15 @@ impl RankState {
         }))
     }
 
-    /// Parameters `elems` (offsets within the chunk) of chunk (unit, index), which this rank
-    /// must own; read from the tier when they live there. The end-of-run digest reads a
-    /// model in such pieces, so no more than one piece is in memory at a time.
-    pub fn chunk_params(
-        &self,
-        unit: usize,
-        index: usize,
-        elems: Range<usize>,
-    ) -> Result<Vec<f32>, String> {
-        let owns = self
-            .map
-            .owned_chunks(self.rank)
-            .iter()
-            .any(|c| (c.unit as usize, c.index as usize) == (unit, index));
-        let shard = self
-            .shards
-            .get(unit)
-            .filter(|_| owns)
-            .ok_or_else(|| format!("rank {} does not own chunk {unit}/{index}", self.rank))?;
-        let r = self.map.chunk_range(unit, index);
-        if elems.end > r.len() || elems.start > elems.end {
-            return Err(format!(
-                "elements {elems:?} are outside chunk {unit}/{index} ({} elements)",
-                r.len()
-            ));
-        }
-        if self.stage != Stage::Zero3 {
-            return Ok(self.full[unit][r.start + elems.start..r.start + elems.end].to_vec());
-        }
-        let at = shard
-            .chunks
-            .iter()
-            .position(|&c| c == index)
-            .ok_or_else(|| format!("rank {} holds no shard of chunk {unit}/{index}", self.rank))?;
-        let off = shard.ranges[..at].iter().map(Range::len).sum::<usize>();
-        let piece = off + elems.start..off + elems.end;
-        match &self.tier {
-            Some(t) if self.params_on_tier() => {
-                let mut t = t.lock().unwrap_or_else(|p| p.into_inner());
-                offload::read_shard_values(&mut t, unit, 0, piece).map_err(|e| e.to_string())
-            }
-            _ => Ok(shard.params[piece].to_vec()),
-        }
-    }
-
     /// The complete state of every chunk this rank owns under the map.
     pub fn owned_chunk_states(&self) -> Result<Vec<ChunkState>, TierError> {
         let mut out = Vec::new();
+        if let Some(t) = &self.tier {
+            for u in 0..self.shards.len() {
+                self.tiered_in_unit(t, u, true, &mut out)?;
+            }
+            return Ok(out);
+        }
         for c in self.map.owned_chunks(self.rank) {
             out.extend(self.try_chunk_state(c.unit as usize, c.index as usize)?);
         }
@@ -454,8 +421,8 @@ impl RankState {
                 }
                 off += r.len();
             }
-            if let Some(tier) = self.tier.as_mut() {
-                let tier = tier.get_mut().unwrap_or_else(|p| p.into_inner());
+            if let Some(tier) = self.tier.as_ref() {
+                let mut tier = tier.lock().unwrap_or_else(|p| p.into_inner());
                 let args = offload::StepArgs {
                     settings,
                     stage: self.stage,
@@ -471,7 +438,7 @@ impl RankState {
                     m: &mut shard.opt.m,
                     v: &mut shard.opt.v,
                 };
-                let res = offload::update_unit(tier, u, parts, &mut self.full[u], &args);
+                let res = offload::update_unit(&mut tier, u, parts, &mut self.full[u], &args);
                 self.ledger.free(Category::Transient, 4 * len as u64);
                 res?;
                 continue;
@@ -498,9 +465,7 @@ impl RankState {
 
     /// What this rank keeps on its tier (nothing without one).
     pub fn tier_kinds(&self) -> RecordKinds {
-        self.tier.as_ref().map_or(RecordKinds::default(), |t| {
-            t.lock().unwrap_or_else(|p| p.into_inner()).layout.kinds
-        })
+        self.kinds
     }
 
     /// Bytes of this rank's tier file (0 without one).
@@ -523,10 +488,16 @@ impl RankState {
         self.tier_grad_ss[u] = g.sum_squares(0..g.len());
         let tier = self
             .tier
-            .as_mut()
+            .as_ref()
             .expect("gradients go to a tier only if there is one");
-        let tier = tier.get_mut().unwrap_or_else(|p| p.into_inner());
-        offload::spill_grads(tier, u, g)
+        let mut tier = tier.lock().unwrap_or_else(|p| p.into_inner());
+        offload::spill_grads(&mut tier, u, g)
+    }
+
+    /// The tier file, for I/O that runs beside compute (the step's prefetch and gradient
+    /// writes); `None` without a tier.
+    pub fn tier_shared(&self) -> Option<Arc<Mutex<TierFile>>> {
+        self.tier.clone()
     }
 
     /// Whether the parameter shard lives on the tier (stage 3 with `offload_params`).

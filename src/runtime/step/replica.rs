@@ -68,19 +68,14 @@ pub fn replicate<T: Transport>(
         unit: 0,
         pass: 0,
     };
-    let mut local = BTreeMap::new();
-    for (u, unit) in map.units.iter().enumerate() {
-        for i in 0..unit.owners.len() {
-            // A tier that cannot be read makes this rank's state untrustworthy: it fails, rather
-            // than its buddy blaming itself for a short parcel.
-            if let Some(c) = state
-                .try_chunk_state(u, i)
-                .map_err(|e| CommError::Storage(e.to_string()))?
-            {
-                local.insert((u, i), c);
-            }
-        }
-    }
+    // A tier that cannot be read makes this rank's state untrustworthy: it fails, rather than
+    // its buddy blaming itself for a short parcel.
+    let local: BTreeMap<(usize, usize), ChunkState> = state
+        .held_chunk_states()
+        .map_err(|e| CommError::Storage(e.to_string()))?
+        .into_iter()
+        .map(|c| ((c.unit as usize, c.index as usize), c))
+        .collect();
     if let Some(b) = buddy(map, me) {
         let owned = state
             .owned_chunk_states()

@@ -148,6 +148,8 @@ pub enum TierError {
         bytes: u64,
         source: IoError,
     },
+    #[error("tier I/O: {0}")]
+    Helper(String),
 }
 
 /// A request in flight.

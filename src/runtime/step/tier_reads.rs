@@ -1,0 +1,177 @@
+//! Reading many chunks' state off the tier at once. A chunk (8192 elements by default) is far
+//! smaller than a tier record (up to 262,144), so reading chunk by chunk would read each record
+//! dozens of times over; these read runs of consecutive chunks in one pass through the records,
+//! a bounded group at a time.
+
+use std::ops::Range;
+use std::sync::Mutex;
+
+use super::offload::read_shard_values;
+use super::rank_state::{ChunkState, RankState};
+use crate::plan::Stage;
+use crate::runtime::storage::{TierError, TierFile};
+
+/// Elements read per group: 1 Mi elements, 12 MiB for parameters and Adam's m and v.
+pub const GROUP_ELEMS: usize = 1 << 20;
+
+impl RankState {
+    /// Everything this rank holds, as chunk states: [`RankState::try_chunk_state`] of every
+    /// chunk it has, with the tier read in groups.
+    pub fn held_chunk_states(&self) -> Result<Vec<ChunkState>, TierError> {
+        let Some(t) = &self.tier else {
+            let mut out = Vec::new();
+            for (u, unit) in self.map.units.iter().enumerate() {
+                for i in 0..unit.owners.len() {
+                    out.extend(self.try_chunk_state(u, i)?);
+                }
+            }
+            return Ok(out);
+        };
+        let mut out = Vec::new();
+        for u in 0..self.shards.len() {
+            self.tiered_in_unit(t, u, false, &mut out)?;
+            if self.stage != Stage::Zero3 {
+                // Stages 0-2 hold every parameter: the chunks without optimizer state here.
+                let shard = &self.shards[u];
+                for i in 0..self.map.units[u].owners.len() {
+                    if !shard.chunks.contains(&i) {
+                        out.push(ChunkState {
+                            unit: u as u32,
+                            index: i as u32,
+                            params: self.full[u][self.map.chunk_range(u, i)].to_vec(),
+                            m: Vec::new(),
+                            v: Vec::new(),
+                        });
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Appends the state of the chunks of unit `u` in this rank's shard (only those it owns
+    /// with `owned_only`), in index order, reading what lives on the tier in groups of
+    /// consecutive chunks of at most [`GROUP_ELEMS`] (a larger chunk is one group).
+    pub(super) fn tiered_in_unit(
+        &self,
+        tier: &Mutex<TierFile>,
+        u: usize,
+        owned_only: bool,
+        out: &mut Vec<ChunkState>,
+    ) -> Result<(), TierError> {
+        let shard = &self.shards[u];
+        let kinds = self.tier_kinds();
+        let per = self.optim.state_per_param() as usize;
+        // (chunk, its range in the unit, its offset in the shard) of the chunks wanted.
+        let mut owned = Vec::new();
+        let mut off = 0;
+        for (&c, r) in shard.chunks.iter().zip(&shard.ranges) {
+            if !owned_only || self.map.owner(u, c) == self.rank {
+                owned.push((c, r.clone(), off));
+            }
+            off += r.len();
+        }
+        let mut at = 0;
+        while at < owned.len() {
+            // A group: consecutive in the shard, at most GROUP_ELEMS (or one chunk).
+            let mut end = at + 1;
+            let start = owned[at].2;
+            while end < owned.len()
+                && owned[end].2 == owned[end - 1].2 + owned[end - 1].1.len()
+                && owned[end].2 + owned[end].1.len() - start <= GROUP_ELEMS
+            {
+                end += 1;
+            }
+            let stop = owned[end - 1].2 + owned[end - 1].1.len();
+            let mut t = tier.lock().unwrap_or_else(|p| p.into_inner());
+            let params = (self.stage == Stage::Zero3 && kinds.params)
+                .then(|| read_shard_values(&mut t, u, 0, start..stop))
+                .transpose()?;
+            let mut state = Vec::new();
+            for k in 0..per {
+                state.push(if kinds.state > 0 {
+                    Some(read_shard_values(
+                        &mut t,
+                        u,
+                        kinds.state_at() + k,
+                        start..stop,
+                    )?)
+                } else {
+                    None
+                });
+            }
+            drop(t);
+            for (c, r, off) in owned[at..end].iter().cloned() {
+                let local = off - start..off - start + r.len();
+                let p = match (&params, self.stage) {
+                    (Some(p), _) => p[local.clone()].to_vec(),
+                    (None, Stage::Zero3) => shard.params[off..off + r.len()].to_vec(),
+                    (None, _) => self.full[u][r.clone()].to_vec(),
+                };
+                let value = |k: usize| match state.get(k) {
+                    Some(Some(v)) => v[local.clone()].to_vec(),
+                    Some(None) => {
+                        let v = if k == 0 { &shard.opt.m } else { &shard.opt.v };
+                        v[off..off + r.len()].to_vec()
+                    }
+                    None => Vec::new(),
+                };
+                out.push(ChunkState {
+                    unit: u as u32,
+                    index: c as u32,
+                    params: p,
+                    m: value(0),
+                    v: value(1),
+                });
+            }
+            at = end;
+        }
+        Ok(())
+    }
+
+    /// Parameters `elems` of unit `u` (unit coordinates), all in chunks this rank owns; read
+    /// from the tier when they live there, in one pass over the records.
+    pub fn unit_params(&self, u: usize, elems: Range<usize>) -> Result<Vec<f32>, String> {
+        let shard = self
+            .shards
+            .get(u)
+            .ok_or_else(|| format!("unit {u} does not exist"))?;
+        if self.stage != Stage::Zero3 {
+            return self.full[u]
+                .get(elems.clone())
+                .map(<[f32]>::to_vec)
+                .ok_or_else(|| format!("elements {elems:?} are outside unit {u}"));
+        }
+        // The requested elements, as runs of the shard (adjacent runs merged).
+        let mut runs: Vec<Range<usize>> = Vec::new();
+        let mut off = 0;
+        for (&c, r) in shard.chunks.iter().zip(&shard.ranges) {
+            let (a, b) = (r.start.max(elems.start), r.end.min(elems.end));
+            if a < b && self.map.owner(u, c) == self.rank {
+                let run = off + a - r.start..off + b - r.start;
+                match runs.last_mut() {
+                    Some(last) if last.end == run.start => last.end = run.end,
+                    _ => runs.push(run),
+                }
+            }
+            off += r.len();
+        }
+        if runs.iter().map(Range::len).sum::<usize>() != elems.len() {
+            return Err(format!(
+                "rank {} does not own all of elements {elems:?} of unit {u}",
+                self.rank
+            ));
+        }
+        let mut out = Vec::with_capacity(elems.len());
+        for run in runs {
+            match &self.tier {
+                Some(t) if self.params_on_tier() => {
+                    let mut t = t.lock().unwrap_or_else(|p| p.into_inner());
+                    out.extend(read_shard_values(&mut t, u, 0, run).map_err(|e| e.to_string())?);
+                }
+                _ => out.extend_from_slice(&shard.params[run]),
+            }
+        }
+        Ok(out)
+    }
+}
