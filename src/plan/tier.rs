@@ -518,23 +518,41 @@ fn refusal(
             gib(chosen.snapshot_bytes)
         );
     }
-    // The most offloaded placement, whether or not the configuration allows it.
-    let best = candidates
-        .iter()
-        .map(|p| evaluate(d, *p, MIN_TILE_ELEMS))
-        .min_by_key(|f| f.process_bytes)
-        .expect("there is always the all-RAM placement");
+    // The placement that needs least, whether or not the configuration allows it; and if even
+    // that does not fit with backups, the same without them.
+    let least = |d: &Demand| {
+        candidates
+            .iter()
+            .map(|p| evaluate(d, *p, MIN_TILE_ELEMS))
+            .min_by_key(|f| f.process_bytes)
+            .expect("there is always the all-RAM placement")
+    };
+    let mut best = least(d);
+    let mut no_backups = false;
+    if best.process_bytes > budget.bytes() && d.backups {
+        let without = least(&Demand {
+            backups: false,
+            ..*d
+        });
+        if without.process_bytes <= budget.bytes() {
+            (best, no_backups) = (without, true);
+        }
+    }
     if best.process_bytes <= budget.bytes() {
-        let dir = if lim.has_nvme_dir {
+        let dir = if lim.has_nvme_dir || !best.placement.any_nvme() {
             ""
         } else {
             " --nvme-dir DIR"
         };
-        msg += &format!(
-            "; {}{dir} would fit it in {}",
-            best.placement.flags(),
-            gib(best.process_bytes)
-        );
+        let flags = [
+            no_backups.then(|| "--replicate-every 0".to_string()),
+            best.placement.any_nvme().then(|| best.placement.flags()),
+        ]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join(" ");
+        msg += &format!("; {flags}{dir} would fit it in {}", gib(best.process_bytes));
     } else {
         let how = if best.placement.any_nvme() {
             best.placement.flags()
@@ -823,6 +841,19 @@ mod tests {
         let err = place(&d, &limits(Offload::Auto, Offload::Auto, all_tier)).unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("--replicate-every 0"), "{msg}");
+        // Without backups the placements that offload fit: the refusal says so.
+        let no_snap = Demand {
+            snapshots: false,
+            ..d
+        };
+        let budget = evaluate(&plain, Placement::RAM, MIN_TILE_ELEMS).process_bytes;
+        let hint = place(&no_snap, &limits(Offload::Auto, Offload::Auto, budget))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            hint.contains("; --replicate-every 0 --offload-optimizer nvme --offload-params nvme --offload-grads nvme would fit it in"),
+            "{hint}"
+        );
         assert!(msg.contains("a checkpoint gathers 192.0 MiB"), "{msg}");
         assert!(place(&plain, &limits(Offload::Auto, Offload::Auto, all_tier)).is_ok());
     }
