@@ -455,9 +455,19 @@ impl Cluster {
     /// The shard map in force and the state of every chunk, gathered from its owner, in (unit,
     /// index) order. Call it between steps (after `Finished`).
     pub async fn collect_chunks(&self) -> Result<(ShardMap, Vec<ChunkState>), ClusterError> {
+        self.gather_from_ranks(CoordMsg::Collect, 120).await
+    }
+
+    /// Asks the coordinator for something it gathers from the ranks; its failure, a silent
+    /// coordinator and a missed deadline are all `ClusterError::Collect`.
+    async fn gather_from_ranks<R: Send + 'static>(
+        &self,
+        msg: impl FnOnce(ractor::RpcReplyPort<Result<R, String>>) -> CoordMsg<LocalEndpoint>,
+        deadline_s: u64,
+    ) -> Result<R, ClusterError> {
         match self
             .coordinator
-            .call(CoordMsg::Collect, Some(std::time::Duration::from_secs(120)))
+            .call(msg, Some(std::time::Duration::from_secs(deadline_s)))
             .await
         {
             Ok(ractor::rpc::CallResult::Success(r)) => r.map_err(ClusterError::Collect),
@@ -477,17 +487,7 @@ impl Cluster {
     /// The parameters' `param-sha256`, read from their owners in bounded pieces (nothing is
     /// consolidated). Call it between steps.
     pub async fn param_digest(&self) -> Result<String, ClusterError> {
-        match self
-            .coordinator
-            .call(CoordMsg::Digest, Some(std::time::Duration::from_secs(600)))
-            .await
-        {
-            Ok(ractor::rpc::CallResult::Success(r)) => r.map_err(ClusterError::Collect),
-            Ok(_) => Err(ClusterError::Collect(
-                "the coordinator did not answer".into(),
-            )),
-            Err(e) => Err(ClusterError::Collect(e.to_string())),
-        }
+        self.gather_from_ranks(CoordMsg::Digest, 600).await
     }
 
     /// The outcome of a run that finished: consolidated parameters when the state is in RAM;

@@ -483,17 +483,6 @@ impl RankState {
         self.tier_kinds().grads > 0
     }
 
-    /// Writes unit `u`'s reduced gradient shard to the tier and keeps its sum of squares.
-    pub fn spill_grads(&mut self, u: usize, g: &GradBuf) -> Result<(), TierError> {
-        self.tier_grad_ss[u] = g.sum_squares(0..g.len());
-        let tier = self
-            .tier
-            .as_ref()
-            .expect("gradients go to a tier only if there is one");
-        let mut tier = tier.lock().unwrap_or_else(|p| p.into_inner());
-        offload::spill_grads(&mut tier, u, g)
-    }
-
     /// The tier file, for I/O that runs beside compute (the step's prefetch and gradient
     /// writes); `None` without a tier.
     pub fn tier_shared(&self) -> Option<Arc<Mutex<TierFile>>> {
@@ -503,21 +492,6 @@ impl RankState {
     /// Whether the parameter shard lives on the tier (stage 3 with `offload_params`).
     pub fn params_on_tier(&self) -> bool {
         self.tier_kinds().params
-    }
-
-    /// Unit `u`'s parameter shard (stage 3), from RAM or the tier.
-    pub fn shard_params(&self, u: usize) -> Result<std::borrow::Cow<'_, [f32]>, TierError> {
-        match &self.tier {
-            Some(t) => {
-                let mut t = t.lock().unwrap_or_else(|p| p.into_inner());
-                if t.layout.kinds.params {
-                    let len = self.shards[u].len();
-                    return offload::read_unit_params(&mut t, u, len).map(Into::into);
-                }
-                Ok(self.shards[u].params.as_slice().into())
-            }
-            None => Ok(self.shards[u].params.as_slice().into()),
-        }
     }
 }
 

@@ -325,34 +325,6 @@ impl TierFile {
         }
         Ok(done.buf)
     }
-
-    /// Reads value `k` of the shard elements `elems` of record `rec` (only the blocks that hold
-    /// them, into a buffer of that size), for moving single chunks.
-    pub fn read_values(
-        &mut self,
-        rec: usize,
-        k: usize,
-        elems: Range<usize>,
-    ) -> Result<Vec<f32>, TierError> {
-        let (_, span) = self.layout.record_span(rec);
-        let (a, b) = (elems.start - span.start, elems.end - span.start);
-        let base = self.layout.value_offset(rec, k) as usize;
-        let lo = (base + 4 * a) / BLOCK * BLOCK;
-        let hi = (base + 4 * b).div_ceil(BLOCK) * BLOCK;
-        let p = self.start(Op::Read, lo as u64, hi - lo, AlignedBuf::new(hi - lo))?;
-        let buf = self.finish_unpooled(p)?;
-        let skip = (base + 4 * a - lo) / 4;
-        Ok(buf.f32s()[skip..skip + (b - a)].to_vec())
-    }
-
-    /// Like [`TierFile::finish`] for a buffer that is not from the pool.
-    fn finish_unpooled(&mut self, p: Pending) -> Result<AlignedBuf, TierError> {
-        let before = self.pool.len();
-        let r = self.finish(p);
-        // `finish` returns failed buffers to the pool; this one was never in it.
-        self.pool.truncate(before);
-        r
-    }
 }
 
 impl Drop for TierFile {
@@ -429,8 +401,12 @@ mod tests {
         let b = f.finish(p).unwrap();
         assert_eq!(b.f32s()[0], 1024.0);
         assert_eq!(b.f32s()[2047], 3071.0);
+        f.put_buf(b);
         // Elements 1030..1040 of the shard are record 1's elements 6..16; value 2 is v.
-        let v = f.read_values(1, 2, 1030..1040).unwrap();
+        let b = f.take_buf().unwrap();
+        let p = f.start_read(1, 2..3, b).unwrap();
+        let b = f.finish(p).unwrap();
+        let v = b.f32s()[6..16].to_vec();
         assert_eq!(v, (2054..2064).map(|i| i as f32).collect::<Vec<_>>());
         assert_eq!(f.stats.write_bytes, 3 * 4096);
     }
