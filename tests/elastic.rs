@@ -312,3 +312,34 @@ fn a_loss_mid_reshard_that_leaves_chunks_without_a_copy_stops_the_run() {
         "{err}"
     );
 }
+
+/// The step timeout measures silence, not length: a step that takes several times
+/// `step_timeout_ms` (4 x `collective_timeout_ms`) because a slow rank delays every frame still
+/// finishes, because every rank keeps finishing units, and it ends with the same parameters.
+#[test]
+fn a_step_longer_than_the_step_timeout_finishes_while_its_ranks_make_progress() {
+    let base = TrainConfig {
+        layers: 28,
+        micro_batches: 2,
+        steps: 1,
+        stage: 3,
+        ranks: 2,
+        max_live_units: 1,
+        collective_timeout_ms: 500,
+        ..small(ModelKind::Gpt)
+    };
+    let want = run_cfg(&base).unwrap().param_sha256;
+    let slow = TrainConfig {
+        net_slow_rank: Some(1),
+        net_slow_ms: 125,
+        ..base.clone()
+    };
+    let out = run_cfg(&slow).unwrap();
+    let step_timeout_ms = 4 * base.collective_timeout_ms;
+    let took_ms = out.records[0].duration_ms;
+    assert!(
+        took_ms > step_timeout_ms,
+        "the step took {took_ms} ms, not longer than the step timeout {step_timeout_ms} ms: the test shows nothing"
+    );
+    assert_eq!(out.param_sha256, want);
+}

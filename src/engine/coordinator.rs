@@ -95,7 +95,11 @@ pub struct JobSpec {
     pub steps: u64,
     pub micro_batches: u32,
     pub lr: LrSchedule,
-    /// A step that has not completed this long after it started fails the run.
+    /// A rank that has not reported progress (a finished unit pass or optimizer unit, or the
+    /// end of the step) for this long while a step runs fails the run; the start of the step
+    /// counts as progress. It measures silence, not length: a step that streams a large model
+    /// from a slow disk runs as long as it needs while its ranks keep finishing units.
+    /// Membership changes and joiners still get this long in all.
     pub step_timeout_ms: u64,
     /// Gradient bound for the first step's exact-reduction scale.
     pub initial_grad_bound: f32,
@@ -131,6 +135,14 @@ pub enum Event {
         now_ms: u64,
     },
     Tick {
+        now_ms: u64,
+    },
+    /// A rank finished some work within the running step (a unit pass, an optimizer unit): it
+    /// is alive and not stuck, however long the step takes.
+    Progress {
+        rank: RankId,
+        epoch: u64,
+        step: u64,
         now_ms: u64,
     },
     /// Snapshot at the next step boundary (a SIGTERM, an operator's request).
@@ -237,6 +249,8 @@ enum Phase {
     Idle,
     Running {
         started_ms: u64,
+        /// When each rank last reported progress within this step.
+        heard_ms: BTreeMap<RankId, u64>,
     },
     /// Waiting for joiners to come up before a reshard.
     Spawning {
@@ -493,6 +507,20 @@ impl Coordinator {
                 now_ms,
             } => self.on_replicated(rank, epoch, step, now_ms),
             Event::Tick { now_ms } => self.on_tick(now_ms),
+            Event::Progress {
+                rank,
+                epoch,
+                step,
+                now_ms,
+            } => {
+                if let Phase::Running { heard_ms, .. } = &mut self.phase {
+                    // Work on an abandoned step or an old map says nothing about this one.
+                    if epoch == self.map.epoch && step == self.step && self.map.is_member(rank) {
+                        heard_ms.insert(rank, now_ms);
+                    }
+                }
+                Vec::new()
+            }
             Event::SnapshotRequested => {
                 self.snapshot_requested = true;
                 Vec::new()
@@ -537,7 +565,10 @@ impl Coordinator {
                 ranks: self.map.members.clone(),
             }];
         }
-        self.phase = Phase::Running { started_ms: now_ms };
+        self.phase = Phase::Running {
+            started_ms: now_ms,
+            heard_ms: BTreeMap::new(),
+        };
         self.reports.clear();
         vec![Command::RunStep(StepPlan {
             epoch: self.map.epoch,
@@ -551,7 +582,7 @@ impl Coordinator {
     }
 
     fn on_report(&mut self, report: StepReport, now_ms: u64) -> Vec<Command> {
-        let Phase::Running { started_ms } = self.phase else {
+        let Phase::Running { started_ms, .. } = self.phase else {
             return Vec::new();
         };
         if report.step != self.step || report.epoch != self.map.epoch {
@@ -601,18 +632,28 @@ impl Coordinator {
 
     fn on_tick(&mut self, now_ms: u64) -> Vec<Command> {
         match self.phase {
-            Phase::Running { started_ms }
-                if now_ms.saturating_sub(started_ms) > self.job.step_timeout_ms =>
-            {
-                let missing: Vec<RankId> = self
+            Phase::Running {
+                started_ms,
+                ref heard_ms,
+            } => {
+                let silent_ms = |r: &RankId| {
+                    now_ms.saturating_sub(heard_ms.get(r).copied().unwrap_or(started_ms))
+                };
+                let stuck: Vec<RankId> = self
                     .map
                     .members
                     .iter()
-                    .copied()
                     .filter(|r| !self.reports.contains_key(r))
+                    .filter(|r| silent_ms(r) > self.job.step_timeout_ms)
+                    .copied()
                     .collect();
+                if stuck.is_empty() {
+                    return Vec::new();
+                }
                 self.fail(format!(
-                    "step {} did not complete within {} ms; no report from ranks {missing:?}",
+                    "step {} made no progress on ranks {stuck:?} for {} ms (step_timeout_ms, \
+                     4 x collective_timeout_ms; each finished unit pass or optimizer unit \
+                     counts as progress)",
                     self.step, self.job.step_timeout_ms
                 ))
             }
@@ -703,6 +744,7 @@ fn event_time(e: &Event) -> u64 {
         | Event::StepDone { now_ms, .. }
         | Event::RankFailed { now_ms, .. }
         | Event::Tick { now_ms }
+        | Event::Progress { now_ms, .. }
         | Event::Spawned { now_ms, .. }
         | Event::ReshardDone { now_ms, .. }
         | Event::StepAborted { now_ms, .. }

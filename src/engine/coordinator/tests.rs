@@ -306,6 +306,45 @@ fn timeout_names_missing_ranks() {
 }
 
 #[test]
+fn progress_keeps_a_long_step_alive_and_names_the_silent_rank() {
+    let map = ShardMap::plan(&[10], &[0, 1], 4, 0).unwrap();
+    let epoch = map.epoch;
+    let mut c = Coordinator::new(job(5), map);
+    c.handle(Event::Start { now_ms: 0 });
+    let beat = |rank, step, now_ms| Event::Progress {
+        rank,
+        epoch,
+        step,
+        now_ms,
+    };
+    // Both ranks keep finishing units: the step runs far past step_timeout_ms (1000).
+    for t in (800..=4000).step_by(800) {
+        c.handle(beat(0, 0, t));
+        c.handle(beat(1, 0, t));
+        assert!(
+            c.handle(Event::Tick { now_ms: t + 100 }).is_empty(),
+            "at {t}"
+        );
+    }
+    // Rank 1 goes quiet; a beat for another step or epoch does not count for it.
+    c.handle(beat(0, 0, 4800));
+    c.handle(beat(1, 7, 4800));
+    c.handle(Event::Progress {
+        rank: 1,
+        epoch: epoch + 1,
+        step: 0,
+        now_ms: 4800,
+    });
+    assert!(c.handle(Event::Tick { now_ms: 4900 }).is_empty());
+    let cmds = c.handle(Event::Tick { now_ms: 5100 });
+    let Command::Abort { reason } = &cmds[0] else {
+        panic!("{cmds:?}")
+    };
+    assert!(reason.contains("ranks [1]"), "{reason}");
+    assert!(reason.contains("no progress"), "{reason}");
+}
+
+#[test]
 fn disagreeing_ranks_abort() {
     let map = ShardMap::plan(&[10], &[0, 1], 4, 0).unwrap();
     let mut c = Coordinator::new(job(5), map);

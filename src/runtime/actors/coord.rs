@@ -17,6 +17,7 @@ use super::rank::{RankActor, RankArgs};
 use crate::engine::coordinator::{Command, Coordinator, Event, Refusal};
 use crate::plan::{RankId, ShardMap};
 use crate::runtime::clock::Clock;
+use crate::runtime::step::progress::{Beat, RunProgress};
 use crate::runtime::step::snapshot::Snapshot;
 use crate::runtime::transport::Transport;
 
@@ -60,6 +61,9 @@ pub struct CoordArgs<T: Transport> {
     pub on_interrupt: Box<dyn Fn(RankId, u64, u64) + Send + Sync>,
     pub factory: RankFactory<T>,
     pub boundary_snapshot: Option<BoundarySnapshot>,
+    /// Where this process's ranks record their beats, read at every tick. Worker processes
+    /// send `CoordMsg::Progress` instead.
+    pub progress: Option<Arc<RunProgress>>,
 }
 
 pub struct CoordState<T: Transport> {
@@ -77,6 +81,9 @@ pub struct CoordState<T: Transport> {
     pending_kills: Vec<RankId>,
     activity: Activity,
     awaiting: BTreeSet<RankId>,
+    progress: Option<Arc<RunProgress>>,
+    /// The beats already passed on to the engine.
+    beats_seen: BTreeMap<RankId, Beat>,
 }
 
 impl<T: Transport> CoordState<T> {
@@ -326,6 +333,8 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             pending_kills: Vec::new(),
             activity: Activity::Starting,
             awaiting: BTreeSet::new(),
+            progress: args.progress,
+            beats_seen: BTreeMap::new(),
         })
     }
 
@@ -405,7 +414,31 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                 )
                 .await
             }
-            CoordMsg::Tick => st.feed(&me, Event::Tick { now_ms }).await,
+            CoordMsg::Tick => {
+                let beats = st.progress.as_ref().map(|p| p.beats()).unwrap_or_default();
+                for (rank, beat) in beats {
+                    if st.beats_seen.insert(rank, beat) != Some(beat) {
+                        let (epoch, step) = (beat.epoch, beat.step);
+                        let e = Event::Progress {
+                            rank,
+                            epoch,
+                            step,
+                            now_ms,
+                        };
+                        st.feed(&me, e).await;
+                    }
+                }
+                st.feed(&me, Event::Tick { now_ms }).await
+            }
+            CoordMsg::Progress { rank, epoch, step } => {
+                let e = Event::Progress {
+                    rank,
+                    epoch,
+                    step,
+                    now_ms,
+                };
+                st.feed(&me, e).await
+            }
             CoordMsg::SnapshotNow => st.feed(&me, Event::SnapshotRequested).await,
             CoordMsg::Request(change, reply) => {
                 let _ = reply.send(st.engine.request(change));

@@ -38,6 +38,13 @@ pub enum CoordMsg<T: Transport> {
         step: u64,
     },
     Tick,
+    /// A rank finished a unit within (epoch, step) (worker processes; the coordinator reads
+    /// in-process ranks' beats itself).
+    Progress {
+        rank: RankId,
+        epoch: u64,
+        step: u64,
+    },
     /// Take a snapshot at the next step boundary.
     SnapshotNow,
     /// An operator's membership change, applied at the next step boundary or refused.

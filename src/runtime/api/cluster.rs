@@ -336,13 +336,20 @@ impl Cluster {
             clock: Arc::new(SystemClock::default()),
             tick_ms: 200,
             on_abort: Box::new(move || abort_net.close()),
-            on_retire: Box::new(move |r| retire_net.kill(r)),
+            on_retire: {
+                let progress = Arc::clone(&spec.progress);
+                Box::new(move |r| {
+                    retire_net.kill(r);
+                    progress.forget(r);
+                })
+            },
             on_interrupt: {
                 let net = Arc::clone(&net);
                 Box::new(move |r, epoch, step| net.interrupt(r, epoch, step))
             },
             factory,
             boundary_snapshot: spec.boundary_snapshot.clone(),
+            progress: Some(Arc::clone(&spec.progress)),
         };
         let (coordinator, _) =
             Actor::spawn(None, CoordinatorActor::<LocalEndpoint>::default(), args)

@@ -117,6 +117,11 @@ impl Conn {
                         let _ = port.send(all);
                     }
                 }
+                ToCoord::Progress { epoch, step } => {
+                    let _ = self
+                        .coordinator
+                        .cast(CoordMsg::Progress { rank, epoch, step });
+                }
                 ToCoord::Heartbeat | ToCoord::Ready | ToCoord::Bound { .. } => {}
                 ToCoord::Hello { .. } => {
                     self.proxy.stop(Some(format!(

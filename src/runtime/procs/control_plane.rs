@@ -170,6 +170,12 @@ pub enum ToCoord {
         chunks: Vec<ChunkState>,
     },
     Heartbeat,
+    /// The worker's rank finished units within (epoch, step) since its last `Progress`: a
+    /// long step is moving.
+    Progress {
+        epoch: u64,
+        step: u64,
+    },
 }
 
 impl ToCoord {
@@ -184,6 +190,7 @@ impl ToCoord {
             ToCoord::CollectPart { .. } => "a collect part",
             ToCoord::CollectReply { .. } => "a collect reply",
             ToCoord::Heartbeat => "a heartbeat",
+            ToCoord::Progress { .. } => "progress",
         }
     }
 }

@@ -572,6 +572,8 @@ impl Run {
                     .map_err(|_| "the join task has stopped".to_string())
             }),
             boundary_snapshot: opts.boundary_snapshot.clone(),
+            // Workers report their progress over their control connections.
+            progress: None,
         };
         let (coordinator, _) = Actor::spawn(None, CoordinatorActor::<Detached>::default(), args)
             .await

@@ -41,6 +41,8 @@ use crate::runtime::actors::{RankActor, RankArgs, RankMsg, RankSetup, Work};
 use crate::runtime::api::cluster::{exec_config, prepare_storage};
 use crate::runtime::clock::{Clock, SystemClock};
 use crate::runtime::step::comm::Comm;
+use crate::runtime::step::exec::ExecConfig;
+use crate::runtime::step::progress::RunProgress;
 use crate::runtime::step::rank_state::{ChunkState, RankState};
 use crate::runtime::storage::TierSpec;
 use crate::runtime::transport::quic::{QuicConfig, QuicTransport};
@@ -395,7 +397,8 @@ async fn serve<T: Transport>(
     let rank = welcome.rank;
     let procs = welcome.procs;
     let part_max_bytes = (welcome.part_max_bytes as usize).clamp(1, STATE_PART_LIMIT_BYTES);
-    let (rank_actor, mut ended) = start_rank(welcome, start, transport, link).await?;
+    let (rank_actor, mut ended, progress) = start_rank(welcome, start, transport, link).await?;
+    let mut beat_sent = None;
     let _ = link.try_send(Some(ToCoord::Ready));
     let clock = SystemClock::default();
     // Until the coordinator's first message after `Ready` (it waits for the slowest worker),
@@ -433,6 +436,14 @@ async fn serve<T: Transport>(
             }
             _ = every.tick() => {
                 let _ = link.try_send(Some(ToCoord::Heartbeat));
+                // The coordinator's step timeout measures silence: tell it the step moves.
+                let beat = progress.beats().get(&rank).copied();
+                if let Some(b) = beat.filter(|b| beat_sent != Some(*b)) {
+                    let sent = link.try_send(Some(ToCoord::Progress { epoch: b.epoch, step: b.step }));
+                    if sent.is_ok() {
+                        beat_sent = Some(b);
+                    }
+                }
                 if let Some(ms) = live.silent(clock.now_ms()) {
                     break Err(ProcError::Aborted(format!(
                         "rank {rank}: the coordinator has been silent for {ms} ms (heartbeat_timeout_ms is {})",
@@ -537,7 +548,12 @@ fn worker_storage(
     }))
 }
 
-type Started<T> = (ActorRef<RankMsg<T>>, mpsc::UnboundedReceiver<WorkerEnd>);
+/// The rank's actor, its end, and where it counts its progress.
+type Started<T> = (
+    ActorRef<RankMsg<T>>,
+    mpsc::UnboundedReceiver<WorkerEnd>,
+    Arc<RunProgress>,
+);
 
 async fn start_rank<T: Transport>(
     welcome: Welcome,
@@ -595,13 +611,17 @@ async fn start_rank<T: Transport>(
     } else {
         None
     };
+    let progress = Arc::new(RunProgress::default());
     let setup = Arc::new(RankSetup {
         stage,
         mode: cfg.reduce,
         model,
         optim,
         data: dataset,
-        exec: exec_config(&cfg),
+        exec: ExecConfig {
+            progress: Arc::clone(&progress),
+            ..exec_config(&cfg)
+        },
         storage,
         // An injected kill (`--kill`, or an operator's `POST /ranks/{id}/kill`) ends this
         // process with SIGKILL, as `kill -9` would: no goodbye, the kernel closes its sockets.
@@ -631,5 +651,5 @@ async fn start_rank<T: Transport>(
     let (actor, _) = Actor::spawn_linked(None, RankActor::<T>::default(), args, proxy.get_cell())
         .await
         .map_err(|e| ProcError::Setup(e.to_string()))?;
-    Ok((actor, ended))
+    Ok((actor, ended, progress))
 }

@@ -266,12 +266,12 @@ impl<'a> Pass<'a> {
             Phase::WaitGather { unit, pass } => self.wait_gather(comm, unit, pass),
             Phase::Forward { unit } => {
                 self.timed(|p| p.forward(unit as usize));
-                self.cfg.progress.unit_pass_done();
+                self.unit_pass_done();
                 Ok(())
             }
             Phase::Backward { unit } => {
                 self.timed(|p| p.backward(unit as usize));
-                self.cfg.progress.unit_pass_done();
+                self.unit_pass_done();
                 Ok(())
             }
             Phase::Free { unit } => {
@@ -305,12 +305,26 @@ impl<'a> Pass<'a> {
                 let a = self.agreed.as_ref().expect("Optimizer follows Agree");
                 let clip = exact::clip_coefficient(a.norm, self.cfg.grad_clip);
                 let (exps, m) = (self.exps.clone(), self.plan.micro_batches);
+                let (progress, rank) = (&self.cfg.progress, self.st.rank);
+                let (epoch, step) = (self.plan.epoch, self.plan.step);
                 self.st
-                    .apply_optimizer(&exps, m, clip, self.plan.opt_step, self.plan.lr)
+                    .apply_optimizer(
+                        &exps,
+                        m,
+                        clip,
+                        self.plan.opt_step,
+                        self.plan.lr,
+                        &mut || progress.beat(rank, epoch, step),
+                    )
                     .map_err(|e| CommError::Storage(e.to_string()))
             }
             Phase::GatherParams => self.gather_params(comm),
         }
+    }
+
+    fn unit_pass_done(&self) {
+        let (rank, epoch, step) = (self.st.rank, self.plan.epoch, self.plan.step);
+        self.cfg.progress.unit_pass_done(rank, epoch, step);
     }
 
     fn timed(&mut self, f: impl FnOnce(&mut Self)) {

@@ -394,7 +394,8 @@ impl RankState {
     }
 
     /// Applies the optimizer to every held chunk, with gradients scaled by `factor`
-    /// (mean over micro-batches times the clip coefficient).
+    /// (mean over micro-batches times the clip coefficient). `unit_done` is called as each
+    /// unit's update finishes (the step's progress).
     pub fn apply_optimizer(
         &mut self,
         exps: &[i32],
@@ -402,6 +403,7 @@ impl RankState {
         clip_coef: f64,
         t: u64,
         lr: f32,
+        unit_done: &mut dyn FnMut(),
     ) -> Result<(), TierError> {
         let settings = self.optim;
         for u in 0..self.specs.len() {
@@ -441,6 +443,7 @@ impl RankState {
                 let res = offload::update_unit(&mut tier, u, parts, &mut self.full[u], &args);
                 self.ledger.free(Category::Transient, 4 * len as u64);
                 res?;
+                unit_done();
                 continue;
             }
             let mut off = 0;
@@ -459,6 +462,7 @@ impl RankState {
                 off += n;
             }
             self.ledger.free(Category::Transient, 4 * len as u64);
+            unit_done();
         }
         Ok(())
     }
