@@ -9,7 +9,7 @@ use crate::model::gpt::{Gpt, GptConfig};
 use crate::model::mlp::{Mlp, MlpConfig};
 use crate::model::Model;
 use crate::optim::{AdamHyper, LrSchedule, OptimSettings, OptimizerKind};
-use crate::plan::tier::{machine_budget, place, Budget, Demand, Fit, FitError, Limits};
+use crate::plan::tier::{machine_budget, place, Budget, Demand, Fit, FitError, Limits, Snapshots};
 use crate::plan::{ShardMap, Stage};
 
 /// Byte-level vocabulary of every built-in model.
@@ -92,8 +92,14 @@ pub fn lr_schedule(cfg: &TrainConfig) -> LrSchedule {
 
 /// What a run of `cfg` needs per rank, for the memory planner (`plan::tier`), with
 /// `ranks_in_process` ranks' state in this process (all of them for `ezero train`, one for a
-/// worker process).
-pub fn memory_demand(cfg: &TrainConfig, model: &dyn Model, ranks_in_process: u64) -> Demand {
+/// worker process). `streamed_snapshots`: the runtime streams snapshots off the tier (an
+/// in-process run with a snapshot sink) rather than gathering them whole.
+pub fn memory_demand(
+    cfg: &TrainConfig,
+    model: &dyn Model,
+    ranks_in_process: u64,
+    streamed_snapshots: bool,
+) -> Demand {
     let numels: Vec<usize> = model.units().iter().map(|u| u.numel()).collect();
     let members: Vec<u32> = (0..cfg.ranks).collect();
     let owned = ShardMap::plan(&numels, &members, cfg.chunk_elems, 0)
@@ -111,7 +117,12 @@ pub fn memory_demand(cfg: &TrainConfig, model: &dyn Model, ranks_in_process: u64
         max_live_units: cfg.max_live_units as u64,
         activation_bytes: activation_bytes(cfg, numels.len()),
         backups: cfg.replicate_every > 0 && cfg.ranks >= 2,
-        snapshots: cfg.save_dir.is_some(),
+        snapshots: match (&cfg.save_dir, streamed_snapshots) {
+            (None, _) => Snapshots::None,
+            (Some(_), false) => Snapshots::Whole,
+            (Some(_), true) => Snapshots::StreamedOffTier,
+        },
+        chunk_elems: cfg.chunk_elems as u64,
     }
 }
 
@@ -137,14 +148,16 @@ fn activation_bytes(cfg: &TrainConfig, units: usize) -> u64 {
 }
 
 /// Where the run's state goes and how much memory it needs, or why it cannot run in
-/// `available_bytes` (the machine's, used when `memory_max_bytes` is not set).
+/// `available_bytes` (the machine's, used when `memory_max_bytes` is not set). The arguments
+/// are [`memory_demand`]'s.
 pub fn plan_memory(
     cfg: &TrainConfig,
     model: &dyn Model,
     ranks_in_process: u64,
+    streamed_snapshots: bool,
     available_bytes: u64,
 ) -> Result<Fit, FitError> {
-    let demand = memory_demand(cfg, model, ranks_in_process);
+    let demand = memory_demand(cfg, model, ranks_in_process, streamed_snapshots);
     place(
         &demand,
         &Limits {

@@ -77,38 +77,55 @@ fn resume_at_any_world_size_and_stage_is_bit_identical() {
     assert_eq!(r.sha(), want);
 }
 
+/// From a snapshot in RAM and streamed off the tier alike.
 #[test]
 fn sigterm_saves_at_the_next_step_boundary_and_the_run_resumes() {
-    let t = tempfile::tempdir().unwrap();
-    let root = t.path().join("ck");
     let want = ok(&train_cli(&["--steps", "5", "--ranks", "2"])).sha();
-    let r = train_cli(&[
-        "--steps",
-        "5",
-        "--ranks",
-        "3",
-        "--stage",
-        "2",
-        "--save-dir",
-        s(&root),
-        "--signal-at",
-        "2",
-    ]);
-    assert_eq!(r.code, 128 + 15, "{}\n{}", r.stdout, r.stderr);
-    assert!(
-        r.stdout.contains("stopped by SIGTERM after step 2"),
-        "{}",
-        r.stdout
-    );
-    assert!(!r.stdout.contains("param-sha256"));
-    ok(&ezero(&["checkpoint", "verify", s(&step_dir(&root, 2))]));
-    let resumed = ezero(&["train", "--resume", s(&root), "--ranks", "1"]);
-    assert_eq!(ok(&resumed).sha(), want);
+    for tier in [false, true] {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("ck");
+        let tier_dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let mut args = vec!["--steps", "5", "--ranks", "3", "--stage", "2"];
+        args.extend(["--save-dir", s(&root), "--signal-at", "2"]);
+        if tier {
+            args.extend([
+                "--offload-optimizer",
+                "nvme",
+                "--nvme-dir",
+                s(tier_dir.path()),
+            ]);
+        }
+        let r = train_cli(&args);
+        assert_eq!(r.code, 128 + 15, "{}\n{}", r.stdout, r.stderr);
+        assert!(
+            r.stdout.contains("stopped by SIGTERM after step 2"),
+            "{}",
+            r.stdout
+        );
+        assert_eq!(
+            r.stdout.contains(", streamed from the tier"),
+            tier,
+            "{}",
+            r.stdout
+        );
+        assert!(!r.stdout.contains("param-sha256"));
+        ok(&ezero(&["checkpoint", "verify", s(&step_dir(&root, 2))]));
+        let resumed = ezero(&["train", "--resume", s(&root), "--ranks", "1"]);
+        assert_eq!(ok(&resumed).sha(), want, "tier: {tier}");
+    }
 }
 
+/// At every crash point of the save sequence, for saves written from a snapshot in RAM and for
+/// saves streamed off the tier while the ranks wait.
 #[test]
 fn a_crash_during_a_save_leaves_a_complete_checkpoint_that_resumes() {
     let want = ok(&train_cli(&["--steps", "6"])).sha();
+    for tier in [false, true] {
+        crash_during_saves(&want, tier);
+    }
+}
+
+fn crash_during_saves(want: &str, tier: bool) {
     // (crash point during the save of step 4, the checkpoint a resume must then pick)
     let cases = [
         ("mid-file", 2),
@@ -123,7 +140,9 @@ fn a_crash_during_a_save_leaves_a_complete_checkpoint_that_resumes() {
         let t = tempfile::tempdir().unwrap();
         let root = t.path().join("ck");
         let crash = format!("4:{point}");
-        let r = train_cli(&[
+        // The tier must be on a real disk (the temp dir may be tmpfs, which it refuses).
+        let tier_dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+        let mut args = vec![
             "--steps",
             "6",
             "--ranks",
@@ -136,9 +155,25 @@ fn a_crash_during_a_save_leaves_a_complete_checkpoint_that_resumes() {
             "1",
             "--checkpoint-crash",
             &crash,
-        ]);
+        ];
+        if tier {
+            args.extend([
+                "--offload-optimizer",
+                "nvme",
+                "--nvme-dir",
+                s(tier_dir.path()),
+            ]);
+        }
+        let r = train_cli(&args);
+        let point = format!("{point} (tier: {tier})");
         assert!(
             r.code != 0 && !r.stdout.contains("param-sha256"),
+            "{point}: {}",
+            r.stdout
+        );
+        assert_eq!(
+            r.stdout.contains(", streamed from the tier"),
+            tier,
             "{point}: {}",
             r.stdout
         );

@@ -157,6 +157,13 @@ fn a_checkpoint_resumes_into_the_tier_at_another_world_size() {
     args.extend(["--offload-params", "nvme", "--offload-grads", "nvme"]);
     let saved = train_cli(&args);
     assert_eq!(ok(&saved).sha(), want);
+    // Written from the tier a piece at a time, not gathered whole in RAM.
+    assert_eq!(
+        saved.stdout.matches(", streamed from the tier").count(),
+        2,
+        "{}",
+        saved.stdout
+    );
     let at3 = step_dir(&root, 3);
     ok(&ezero(&["checkpoint", "verify", s(&at3)]));
     let mut args = vec!["train", "--resume", s(&at3), "--ranks", "3", "--stage", "1"];
@@ -282,6 +289,72 @@ fn a_failing_disk_stops_the_run_cleanly_or_loses_the_rank() {
         // With backups, the survivor takes the rank's state over.
         assert_eq!(sha(&cfg), want, "{fault}");
     }
+    assert_clean(dir.path());
+}
+
+/// The tier's disk fills up mid-run (an injected ENOSPC on rank 0's tier file, after the step-2
+/// checkpoint was streamed off the tier): the run stops naming the file and pointing at the
+/// newest checkpoint, which is complete and resumes to the fault-free run's parameters.
+#[test]
+fn a_full_disk_mid_run_stops_it_and_the_newest_checkpoint_resumes() {
+    let t = tempfile::tempdir().unwrap();
+    let dir = tier_dir();
+    let root = t.path().join("ck");
+    let model = [
+        "--model",
+        "gpt",
+        "--layers",
+        "2",
+        "--d-model",
+        "32",
+        "--heads",
+        "4",
+        "--seq-len",
+        "16",
+        "--micro-batches",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--sample-tokens",
+        "0",
+    ];
+    let mut tier = vec!["--ranks", "2", "--stage", "3", "--replicate-every", "0"];
+    tier.extend(["--offload-optimizer", "nvme", "--offload-params", "nvme"]);
+    tier.extend(["--offload-grads", "nvme", "--nvme-dir", s(dir.path())]);
+    tier.extend(["--nvme-record-elems", "1024"]);
+    let run = |extra: &[&str]| {
+        let mut args = vec!["train"];
+        args.extend(model);
+        args.extend(&tier);
+        args.extend(extra);
+        ezero(&args)
+    };
+    let want = ok(&run(&["--steps", "6"])).sha();
+    // Rank 0 writes about 0.33 MiB of tier per step here: 1600 KiB falls between the
+    // checkpoints of steps 2 and 4.
+    let config = t.path().join("fault.toml");
+    std::fs::write(&config, "nvme_fault = \"0:enospc@1600KiB\"\n").unwrap();
+    let mut args = vec!["--steps", "6", "--save-dir", s(&root), "--save-every", "2"];
+    args.extend(["--config", s(&config)]);
+    let r = run(&args);
+    assert_eq!(r.code, 1, "{}\n{}", r.stdout, r.stderr);
+    assert!(
+        r.stderr.contains("no space left on the device (ENOSPC)")
+            && r.stderr.contains(&format!("{}/rank-0/", s(dir.path())))
+            && r.stderr.contains("resume from your newest checkpoint"),
+        "{}",
+        r.stderr
+    );
+    let v = ezero(&["checkpoint", "verify", s(&root)]);
+    assert!(ok(&v).stdout.contains("step 2,"), "{}", v.stdout);
+    assert!(!step_dir(&root, 4).exists(), "{}", r.stdout);
+    let resumed = run(&["--steps", "6", "--resume", s(&root)]);
+    assert!(
+        ok(&resumed).stdout.contains("at step 2 "),
+        "{}",
+        resumed.stdout
+    );
+    assert_eq!(resumed.sha(), want);
     assert_clean(dir.path());
 }
 

@@ -306,6 +306,7 @@ pub fn bench_slowdown(
             panic_at: None,
             boundary_snapshot: None,
             progress: Default::default(),
+            snapshot_sink: None,
         };
         rt.block_on(train(spec, timed))
             .map(|_| ())

@@ -12,8 +12,9 @@ use super::manifest::{
 };
 use crate::config::TrainConfig;
 use crate::data::Dataset;
+use crate::engine::coordinator::Progress;
 use crate::model::{Model, UnitSpec};
-use crate::runtime::actors::Snapshot;
+use crate::plan::ShardMap;
 
 /// The parts of every manifest of one run that do not change from save to save.
 #[derive(Clone, Debug)]
@@ -40,10 +41,12 @@ impl CheckpointMeta {
         })
     }
 
-    /// The manifest of `snap`, stored as `files`, whose parameters hash to `param_sha256`.
+    /// The manifest of the snapshot of `progress` under `map`, stored as `files`, whose
+    /// parameters hash to `param_sha256`.
     pub fn manifest(
         &self,
-        snap: &Snapshot,
+        progress: &Progress,
+        map: &ShardMap,
         files: Vec<FileEntry>,
         param_sha256: String,
     ) -> Manifest {
@@ -51,10 +54,10 @@ impl CheckpointMeta {
         Manifest {
             format: FORMAT.to_string(),
             version: FORMAT_VERSION,
-            step: snap.progress.step,
-            progress: snap.progress.clone(),
-            epoch: snap.map.epoch,
-            world_size: snap.map.members.len() as u32,
+            step: progress.step,
+            progress: progress.clone(),
+            epoch: map.epoch,
+            world_size: map.members.len() as u32,
             stage: c.stage,
             created_unix_ms: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -71,19 +74,19 @@ impl CheckpointMeta {
                 weight_decay: c.weight_decay,
                 momentum: c.momentum,
                 grad_clip: c.grad_clip,
-                opt_step: snap.progress.opt_step,
+                opt_step: progress.opt_step,
                 state: optimizer_state_names(c),
             },
             data: DataRecord {
                 seed: c.seed,
-                next_step: snap.progress.step,
+                next_step: progress.step,
                 source: self.data_source.clone(),
                 sha256: self.data_sha256.clone(),
             },
             units: self.units.clone(),
-            param_count: snap.map.total_elems() as u64,
+            param_count: map.total_elems() as u64,
             param_sha256,
-            shard_map: snap.map.clone(),
+            shard_map: map.clone(),
             files,
             manifest_crc32: String::new(),
         }

@@ -16,6 +16,7 @@
 //!
 //! - [`write`]: the atomic save sequence, and crash points for tests;
 //! - [`writer`]: the background thread that saves while training continues;
+//! - [`stream`]: the same save fed piece by piece, for state on the tier that RAM cannot hold;
 //! - [`read`]: loading and verifying whole; [`partial`]: per-rank reads for a resume; [`store`]: save directories, resolution, retention;
 //! - [`manifest`], [`codec`]: the on-disk format; [`meta`]: per-run manifest fields;
 //! - [`compat`]: whether a checkpoint may resume a given run;
@@ -31,6 +32,7 @@ pub mod meta;
 pub mod partial;
 pub mod read;
 pub mod store;
+pub mod stream;
 pub mod write;
 pub mod writer;
 
@@ -39,5 +41,6 @@ pub use manifest::Manifest;
 pub use meta::CheckpointMeta;
 pub use partial::CheckpointSource;
 pub use read::{load, load_latest_valid, load_path, read_manifest, verify, Loaded};
+pub use stream::CheckpointSink;
 pub use write::{save, CrashPoint, SaveOptions, SaveReport};
 pub use writer::CheckpointWriter;

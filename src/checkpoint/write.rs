@@ -28,7 +28,8 @@ use super::manifest::{
 };
 use super::meta::CheckpointMeta;
 use super::store;
-use crate::plan::RankId;
+use crate::engine::coordinator::Progress;
+use crate::plan::{RankId, ShardMap};
 use crate::runtime::actors::Snapshot;
 use crate::runtime::step::rank_state::ChunkState;
 
@@ -93,6 +94,9 @@ pub struct SaveReport {
     pub write_s: f64,
     /// Checkpoints deleted by retention.
     pub removed: Vec<PathBuf>,
+    /// Streamed off the tier while training waited (else written from a snapshot in RAM
+    /// while training went on).
+    pub streamed: bool,
 }
 
 impl SaveReport {
@@ -110,17 +114,8 @@ pub fn save(
 ) -> Result<SaveReport, CheckpointError> {
     let started = Instant::now();
     let groups = group_by_owner(snap)?;
-    let crash = opts
-        .crash
-        .filter(|(step, _)| *step == snap.progress.step)
-        .map(|(_, p)| p);
-    std::fs::create_dir_all(root).at(root, "create the save directory")?;
-    let dir = root.join(checkpoint_dir_name(snap.progress.step));
-    if dir.exists() {
-        store::remove_checkpoint(&dir)?;
-    }
-    std::fs::create_dir(&dir).at(&dir, "create the checkpoint directory")?;
-    store::sync_dir(root)?;
+    let crash = opts.crash_at(snap.progress.step);
+    let dir = create_dir(root, snap.progress.step)?;
     let done = AtomicUsize::new(0);
     let (files, param_sha256) = std::thread::scope(|s| {
         let sha = s.spawn(|| params_sha256(&snap.chunks));
@@ -130,7 +125,16 @@ pub fn save(
             .map(|(k, (&rank, chunks))| {
                 let (dir, done) = (&dir, &done);
                 let mid_file = k == 0 && crash == Some(CrashPoint::MidFile);
-                s.spawn(move || write_rank_file(dir, rank, chunks, mid_file, crash, done))
+                s.spawn(move || {
+                    let mut file = RankFile::create(dir, rank)?;
+                    for (k, c) in chunks.iter().enumerate() {
+                        file.push(c)?;
+                        if mid_file && k + 1 == (chunks.len() / 2).max(1) {
+                            file.crash_mid_file();
+                        }
+                    }
+                    file.finish(crash, done)
+                })
             })
             .collect();
         let files: Result<Vec<FileEntry>, CheckpointError> = writers
@@ -146,9 +150,57 @@ pub fn save(
             .map_err(|_| CheckpointError::Writer("the hashing thread panicked".into()));
         Ok::<_, CheckpointError>((files?, sha?))
     })?;
+    let saved = Saved {
+        progress: &snap.progress,
+        map: &snap.map,
+        files,
+        param_sha256,
+    };
+    commit(root, &dir, meta, saved, opts, started)
+}
+
+impl SaveOptions {
+    /// The crash point of the save of `step`, if a crash test asked for one.
+    pub(super) fn crash_at(&self, step: u64) -> Option<CrashPoint> {
+        self.crash.filter(|(s, _)| *s == step).map(|(_, p)| p)
+    }
+}
+
+/// Creates `root/step-N/` (deleting a same-named one first) and syncs `root`.
+pub(super) fn create_dir(root: &Path, step: u64) -> Result<PathBuf, CheckpointError> {
+    std::fs::create_dir_all(root).at(root, "create the save directory")?;
+    let dir = root.join(checkpoint_dir_name(step));
+    if dir.exists() {
+        store::remove_checkpoint(&dir)?;
+    }
+    std::fs::create_dir(&dir).at(&dir, "create the checkpoint directory")?;
+    store::sync_dir(root)?;
+    Ok(dir)
+}
+
+/// What a save wrote before its manifest.
+pub(super) struct Saved<'a> {
+    pub progress: &'a Progress,
+    pub map: &'a ShardMap,
+    pub files: Vec<FileEntry>,
+    pub param_sha256: String,
+}
+
+/// Every chunk file is in place under `dir`: sync, write the manifest (the commit), then apply
+/// retention.
+pub(super) fn commit(
+    root: &Path,
+    dir: &Path,
+    meta: &CheckpointMeta,
+    saved: Saved,
+    opts: &SaveOptions,
+    started: Instant,
+) -> Result<SaveReport, CheckpointError> {
+    let step = saved.progress.step;
+    let crash = opts.crash_at(step);
     crash_if(crash, CrashPoint::BeforeManifest);
-    store::sync_dir(&dir)?;
-    let manifest = meta.manifest(snap, files, param_sha256);
+    store::sync_dir(dir)?;
+    let manifest = meta.manifest(saved.progress, saved.map, saved.files, saved.param_sha256);
     let manifest_path = dir.join(MANIFEST_FILE);
     // The same checks a reader makes, before anything claims the checkpoint is complete.
     manifest
@@ -161,106 +213,148 @@ pub fn save(
     crash_if(crash, CrashPoint::ManifestTmp);
     std::fs::rename(tmp_path(&manifest_path), &manifest_path)
         .at(&manifest_path, "rename into place")?;
-    store::sync_dir(&dir)?;
+    store::sync_dir(dir)?;
     let write_s = started.elapsed().as_secs_f64();
     crash_if(crash, CrashPoint::AfterManifest);
-    let removed = store::retain(root, opts.keep, snap.progress.step, &|| {
+    let removed = store::retain(root, opts.keep, step, &|| {
         crash_if(crash, CrashPoint::Retention)
     })?;
     Ok(SaveReport {
-        dir,
-        step: snap.progress.step,
+        dir: dir.to_path_buf(),
+        step,
         bytes: manifest.total_bytes(),
         files: manifest.files.len(),
         write_s,
         removed,
+        streamed: false,
     })
 }
 
 /// The snapshot's chunks grouped by their owner under the snapshot's map, after checking that
 /// every chunk exists in the map with the right length.
 fn group_by_owner(snap: &Snapshot) -> Result<BTreeMap<RankId, Vec<&ChunkState>>, CheckpointError> {
-    let map = &snap.map;
     let mut groups: BTreeMap<RankId, Vec<&ChunkState>> = BTreeMap::new();
     for c in &snap.chunks {
-        let (u, i) = (c.unit as usize, c.index as usize);
-        if u >= map.units.len() || i >= map.units[u].owners.len() {
-            return Err(CheckpointError::BadSnapshot(format!(
-                "chunk {u}/{i} is not in the shard map"
-            )));
-        }
-        let n = map.chunk_range(u, i).len();
-        let state_ok = |v: &[f32]| v.is_empty() || v.len() == n;
-        if c.params.len() != n || !state_ok(&c.m) || !state_ok(&c.v) {
-            return Err(CheckpointError::BadSnapshot(format!(
-                "chunk {u}/{i} has {}/{}/{} params/m/v values for {n} elements",
-                c.params.len(),
-                c.m.len(),
-                c.v.len()
-            )));
-        }
-        groups.entry(map.owner(u, i)).or_default().push(c);
+        let owner = check_chunk(&snap.map, c)?;
+        groups.entry(owner).or_default().push(c);
     }
     Ok(groups)
 }
 
-fn write_rank_file(
-    dir: &Path,
+/// `c`'s owner under `map`, after checking that `c` is a chunk of `map` with the right number
+/// of values.
+pub(super) fn check_chunk(map: &ShardMap, c: &ChunkState) -> Result<RankId, CheckpointError> {
+    let (u, i) = (c.unit as usize, c.index as usize);
+    if u >= map.units.len() || i >= map.units[u].owners.len() {
+        return Err(CheckpointError::BadSnapshot(format!(
+            "chunk {u}/{i} is not in the shard map"
+        )));
+    }
+    let n = map.chunk_range(u, i).len();
+    let state_ok = |v: &[f32]| v.is_empty() || v.len() == n;
+    if c.params.len() != n || !state_ok(&c.m) || !state_ok(&c.v) {
+        return Err(CheckpointError::BadSnapshot(format!(
+            "chunk {u}/{i} has {}/{}/{} params/m/v values for {n} elements",
+            c.params.len(),
+            c.m.len(),
+            c.v.len()
+        )));
+    }
+    Ok(map.owner(u, i))
+}
+
+/// One rank's chunk file while it is written: `NAME.tmp` through a 1 MiB buffer, with each
+/// record's CRC as it goes.
+pub(super) struct RankFile {
     rank: RankId,
-    chunks: &[&ChunkState],
-    mid_file: bool,
-    crash: Option<CrashPoint>,
-    done: &AtomicUsize,
-) -> Result<FileEntry, CheckpointError> {
-    let name = rank_file_name(rank);
-    let path = dir.join(&name);
-    let tmp = tmp_path(&path);
-    let file = File::create(&tmp).at(&tmp, "create")?;
-    let mut w = BufWriter::with_capacity(1 << 20, file);
-    let mut record = Vec::new();
-    let mut whole = crc32fast::Hasher::new();
-    let mut entries = Vec::with_capacity(chunks.len());
-    let mut offset = 0u64;
-    for (k, c) in chunks.iter().enumerate() {
-        record.clear();
-        encode_chunk(c, &mut record);
+    name: String,
+    path: PathBuf,
+    tmp: PathBuf,
+    w: BufWriter<File>,
+    record: Vec<u8>,
+    whole: crc32fast::Hasher,
+    entries: Vec<ChunkEntry>,
+    offset: u64,
+}
+
+impl RankFile {
+    pub(super) fn create(dir: &Path, rank: RankId) -> Result<Self, CheckpointError> {
+        let name = rank_file_name(rank);
+        let path = dir.join(&name);
+        let tmp = tmp_path(&path);
+        let file = File::create(&tmp).at(&tmp, "create")?;
+        Ok(Self {
+            rank,
+            name,
+            path,
+            tmp,
+            w: BufWriter::with_capacity(1 << 20, file),
+            record: Vec::new(),
+            whole: crc32fast::Hasher::new(),
+            entries: Vec::new(),
+            offset: 0,
+        })
+    }
+
+    /// Appends `c`'s record.
+    pub(super) fn push(&mut self, c: &ChunkState) -> Result<(), CheckpointError> {
+        self.record.clear();
+        encode_chunk(c, &mut self.record);
         let mut h = crc32fast::Hasher::new();
-        h.update(&record);
-        whole.combine(&h);
-        w.write_all(&record).at(&tmp, "write")?;
-        entries.push(ChunkEntry {
+        h.update(&self.record);
+        self.whole.combine(&h);
+        self.w.write_all(&self.record).at(&self.tmp, "write")?;
+        self.entries.push(ChunkEntry {
             unit: c.unit,
             index: c.index,
-            offset,
+            offset: self.offset,
             params: c.params.len() as u64,
             m: c.m.len() as u64,
             v: c.v.len() as u64,
             crc32: crc_hex(h.finalize()),
         });
-        offset += record.len() as u64;
-        if mid_file && k + 1 == (chunks.len() / 2).max(1) {
-            let _ = w.flush();
-            abort(CrashPoint::MidFile);
+        self.offset += self.record.len() as u64;
+        Ok(())
+    }
+
+    /// Records so far.
+    pub(super) fn records(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Crash tests: flush what was written and abort at [`CrashPoint::MidFile`].
+    pub(super) fn crash_mid_file(&mut self) -> ! {
+        let _ = self.w.flush();
+        abort(CrashPoint::MidFile)
+    }
+
+    /// Syncs the file and renames it into place; `done` counts the files renamed so far (a
+    /// crash test may stop after some of them).
+    pub(super) fn finish(
+        self,
+        crash: Option<CrashPoint>,
+        done: &AtomicUsize,
+    ) -> Result<FileEntry, CheckpointError> {
+        let file = self
+            .w
+            .into_inner()
+            .map_err(|e| e.into_error())
+            .at(&self.tmp, "write")?;
+        file.sync_all().at(&self.tmp, "sync")?;
+        drop(file);
+        std::fs::rename(&self.tmp, &self.path).at(&self.path, "rename into place")?;
+        let n = done.fetch_add(1, Ordering::SeqCst) + 1;
+        if crash == Some(CrashPoint::AfterFiles(n)) {
+            abort(CrashPoint::AfterFiles(n));
         }
+        Ok(FileEntry {
+            name: self.name,
+            rank: self.rank,
+            bytes: self.offset,
+            crc32: crc_hex(self.whole.finalize()),
+            chunks: self.entries,
+        })
     }
-    let file = w
-        .into_inner()
-        .map_err(|e| e.into_error())
-        .at(&tmp, "write")?;
-    file.sync_all().at(&tmp, "sync")?;
-    drop(file);
-    std::fs::rename(&tmp, &path).at(&path, "rename into place")?;
-    let n = done.fetch_add(1, Ordering::SeqCst) + 1;
-    if crash == Some(CrashPoint::AfterFiles(n)) {
-        abort(CrashPoint::AfterFiles(n));
-    }
-    Ok(FileEntry {
-        name,
-        rank,
-        bytes: offset,
-        crc32: crc_hex(whole.finalize()),
-        chunks: entries,
-    })
 }
 
 /// The [`param_digest`](crate::param_digest) of `chunks`, which are in (unit, index) order (as a

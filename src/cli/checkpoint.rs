@@ -9,6 +9,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::Receiver;
 use std::sync::Arc;
 
 use clap::{Args, Subcommand};
@@ -19,7 +20,7 @@ use elastic_zero::checkpoint::interchange::{export, import_params, ExportOptions
 use elastic_zero::checkpoint::meta::data_sha256;
 use elastic_zero::checkpoint::{
     load_latest_valid, load_path, read_manifest, store, verify, CheckpointError, CheckpointMeta,
-    CheckpointSource, CheckpointWriter, CrashPoint, SaveOptions, SaveReport,
+    CheckpointSink, CheckpointSource, CheckpointWriter, CrashPoint, SaveOptions, SaveReport,
 };
 use elastic_zero::config::{ModelKind, TrainConfig};
 use elastic_zero::data::Dataset;
@@ -30,6 +31,7 @@ use elastic_zero::plan::RankId;
 use elastic_zero::runtime::actors::{BoundarySnapshot, Snapshot};
 use elastic_zero::runtime::api::cluster::Observer;
 use elastic_zero::runtime::procs::state::StartState;
+use elastic_zero::runtime::step::snapshot::SnapshotSink;
 use elastic_zero::runtime::ChangeRecord;
 
 use super::{CliError, TrainArgs};
@@ -429,6 +431,8 @@ pub fn start_state(
 /// Saving during `ezero train`: a background writer, the save schedule, and the signal flag.
 pub struct Saving {
     writer: CheckpointWriter,
+    /// Outcomes of the saves streamed through [`SavePlan::sink`] (state on the tier).
+    streamed: Receiver<Result<SaveReport, CheckpointError>>,
     root: PathBuf,
     save_every: u64,
     total_steps: u64,
@@ -441,22 +445,28 @@ pub struct Saving {
 
 const SIGNALS: [i32; 2] = [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT];
 
-impl Saving {
-    /// Starts the writer and installs the SIGTERM/SIGINT handlers, if `cfg` has a save dir.
-    /// `resumed_from` is the checkpoint the run continues, if any; a signal also sets
-    /// `boundary`'s flag, which the cluster was given (`boundary_snapshot`).
-    pub fn start(
+/// What saving needs before anything is written: the manifest's fixed part, the options, and
+/// the sink that streamed snapshots go to (the cluster gets it at start; it writes nothing
+/// until the first snapshot, after [`SavePlan::start`]).
+pub struct SavePlan {
+    root: PathBuf,
+    meta: CheckpointMeta,
+    opts: SaveOptions,
+    sink: Arc<CheckpointSink>,
+    streamed: Receiver<Result<SaveReport, CheckpointError>>,
+}
+
+impl SavePlan {
+    /// The plan if `cfg` has a save dir.
+    pub fn new(
         cfg: &TrainConfig,
         model: &dyn Model,
         data: &Dataset,
         args: &TrainArgs,
-        resumed_from: Option<&Path>,
-        boundary: &BoundarySnapshot,
-    ) -> Result<Option<Saving>, CliError> {
+    ) -> Result<Option<SavePlan>, CliError> {
         let Some(root) = cfg.save_dir.clone() else {
             return Ok(None);
         };
-        check_save_dir(&root, resumed_from)?;
         let meta = CheckpointMeta::new(cfg, model, data).map_err(usage)?;
         let crash = args
             .checkpoint_crash
@@ -464,15 +474,45 @@ impl Saving {
             .map(parse_crash)
             .transpose()
             .map_err(CliError::Usage)?;
-        let writer = CheckpointWriter::spawn(
-            root.clone(),
+        let opts = SaveOptions {
+            keep: cfg.keep_checkpoints,
+            crash,
+        };
+        let (tx, streamed) = std::sync::mpsc::channel();
+        let sink = Arc::new(CheckpointSink::new(root.clone(), meta.clone(), opts, tx));
+        Ok(Some(SavePlan {
+            root,
             meta,
-            SaveOptions {
-                keep: cfg.keep_checkpoints,
-                crash,
-            },
-        )
-        .map_err(|e| CliError::Failed(e.to_string()))?;
+            opts,
+            sink,
+            streamed,
+        }))
+    }
+
+    /// Where the cluster streams snapshots when its state is on the tier.
+    pub fn sink(&self) -> Arc<dyn SnapshotSink> {
+        Arc::clone(&self.sink) as Arc<dyn SnapshotSink>
+    }
+
+    /// Checks the save directory, starts the writer and installs the SIGTERM/SIGINT handlers.
+    /// `resumed_from` is the checkpoint the run continues, if any; a signal also sets
+    /// `boundary`'s flag, which the cluster was given (`boundary_snapshot`).
+    pub fn start(
+        self,
+        cfg: &TrainConfig,
+        resumed_from: Option<&Path>,
+        boundary: &BoundarySnapshot,
+    ) -> Result<Saving, CliError> {
+        let SavePlan {
+            root,
+            meta,
+            opts,
+            streamed,
+            ..
+        } = self;
+        check_save_dir(&root, resumed_from)?;
+        let writer = CheckpointWriter::spawn(root.clone(), meta, opts)
+            .map_err(|e| CliError::Failed(e.to_string()))?;
         let signal = Arc::new(AtomicUsize::new(0));
         let again = Arc::new(AtomicBool::new(false));
         for sig in SIGNALS {
@@ -488,15 +528,33 @@ impl Saving {
             installed
                 .map_err(|e| CliError::Failed(format!("cannot install a signal handler: {e}")))?;
         }
-        Ok(Some(Saving {
+        Ok(Saving {
             writer,
+            streamed,
             root,
             save_every: cfg.save_every,
             total_steps: cfg.steps,
             signal,
             resume_hint: "ezero train --resume".into(),
             failures: 0,
-        }))
+        })
+    }
+}
+
+impl Saving {
+    /// [`SavePlan::new`] then [`SavePlan::start`], for runs that never stream (worker
+    /// processes).
+    pub fn start(
+        cfg: &TrainConfig,
+        model: &dyn Model,
+        data: &Dataset,
+        args: &TrainArgs,
+        resumed_from: Option<&Path>,
+        boundary: &BoundarySnapshot,
+    ) -> Result<Option<Saving>, CliError> {
+        SavePlan::new(cfg, model, data, args)?
+            .map(|p| p.start(cfg, resumed_from, boundary))
+            .transpose()
     }
 
     /// What the cluster needs to answer a signal with a snapshot at the next step boundary
@@ -516,8 +574,19 @@ impl Saving {
 
     /// Reports the saves that finished since the last step.
     fn poll(&mut self) {
-        let results = self.writer.poll();
+        let mut results = self.writer.poll();
+        results.extend(self.streamed.try_iter());
         self.report(results);
+    }
+
+    /// A snapshot was streamed and saved (or failed) before training went on: report it, and
+    /// answer a signal as [`Saving::on_snapshot`] does.
+    fn on_streamed(&mut self, step: u64) {
+        self.poll();
+        let signal = self.signal.load(Ordering::SeqCst);
+        if signal != 0 {
+            self.stop(signal as i32, step);
+        }
     }
 
     fn on_snapshot(&mut self, snap: Snapshot) {
@@ -547,8 +616,7 @@ impl Saving {
         if let Err(e) = self.writer.flush() {
             self.report(vec![Err(e)]);
         }
-        let results = self.writer.poll();
-        self.report(results);
+        self.poll();
         let name = if signal == signal_hook::consts::SIGINT {
             "SIGINT"
         } else {
@@ -581,7 +649,9 @@ impl Saving {
 
     /// Waits for the queued saves; a failed save fails the run.
     pub fn finish(self) -> Result<(), CliError> {
-        let failures = self.failures + report(self.writer.finish());
+        let mut results = self.writer.finish();
+        results.extend(self.streamed.try_iter());
+        let failures = self.failures + report(results);
         if failures > 0 {
             return Err(CliError::Failed(format!(
                 "{} checkpoint save(s) into {} failed",
@@ -599,12 +669,17 @@ fn report(results: Vec<Result<SaveReport, CheckpointError>>) -> usize {
     for r in results {
         match r {
             Ok(r) => println!(
-                "checkpoint: saved {} ({} bytes in {} files, {:.3} s, {:.0} MB/s{})",
+                "checkpoint: saved {} ({} bytes in {} files, {:.3} s, {:.0} MB/s{}{})",
                 r.dir.display(),
                 r.bytes,
                 r.files,
                 r.write_s,
                 r.mb_per_s(),
+                if r.streamed {
+                    ", streamed from the tier"
+                } else {
+                    ""
+                },
                 if r.removed.is_empty() {
                     String::new()
                 } else {
@@ -693,6 +768,12 @@ impl<O: Observer> Observer for &mut SaveObserver<O> {
     fn on_requested_snapshot(&mut self, snap: Snapshot) {
         if let Some(s) = &mut self.saving {
             s.save_now(snap);
+        }
+    }
+
+    fn on_snapshot_streamed(&mut self, step: u64, _saved: &Result<(), String>) {
+        if let Some(s) = &mut self.saving {
+            s.on_streamed(step);
         }
     }
 }

@@ -300,9 +300,9 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     saved?;
     // Each worker plans its own placement; this is one rank's plan on this machine.
     let available = available_memory_bytes().unwrap_or(u64::MAX / 2);
-    let fit = plan_memory(&cfg, model.as_ref(), 1, available).unwrap_or_else(|_| {
+    let fit = plan_memory(&cfg, model.as_ref(), 1, false, available).unwrap_or_else(|_| {
         evaluate(
-            &memory_demand(&cfg, model.as_ref(), 1),
+            &memory_demand(&cfg, model.as_ref(), 1, false),
             Placement::RAM,
             MIN_TILE_ELEMS,
         )

@@ -20,7 +20,7 @@ use elastic_zero::runtime::step::resume::ResumeSource;
 use elastic_zero::runtime::{ChangeRecord, Cluster, ClusterBuilder, ClusterError, ClusterSpec};
 use elastic_zero::summary::{median, rank_summaries, TrainSummary};
 
-use super::checkpoint::{self, SaveObserver, Saving};
+use super::checkpoint::{self, SaveObserver, SavePlan, Saving};
 use super::ticker::Ticker;
 use super::{CliError, TrainArgs};
 
@@ -58,6 +58,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     let log_every = (cfg.steps / 10).max(1);
     let tokens = cfg.tokens_per_step() as f64;
     let boundary = Saving::boundary_snapshot(args);
+    let save_plan = SavePlan::new(&cfg, model.as_ref(), &data, args)?;
     let spec = ClusterSpec {
         config: cfg.clone(),
         model: model.clone(),
@@ -73,6 +74,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         panic_at: args.panic_rank,
         boundary_snapshot: cfg.save_dir.is_some().then(|| boundary.clone()),
         progress: Arc::default(),
+        snapshot_sink: save_plan.as_ref().map(SavePlan::sink),
     };
     let passes_per_step = 2 * model.units().len() as u64 * u64::from(cfg.ranks);
     let ticker = Ticker::start(
@@ -92,14 +94,10 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     ticker.step_boundary(0);
     let fit = *cluster.memory_plan();
     println!("{}", describe_fit(&fit, &cfg));
-    let saving = match Saving::start(
-        &cfg,
-        model.as_ref(),
-        &data,
-        args,
-        resumed_from.as_deref(),
-        &boundary,
-    ) {
+    let saving = match save_plan
+        .map(|p| p.start(&cfg, resumed_from.as_deref(), &boundary))
+        .transpose()
+    {
         Ok(saving) => saving,
         Err(e) => {
             rt.block_on(cluster.shutdown());

@@ -178,9 +178,33 @@ pub struct Demand {
     /// a copy of what it holds and of its predecessor's owned state, in RAM whatever the
     /// placement.
     pub backups: bool,
-    /// Checkpoints are saved: a snapshot gathers every chunk's state in RAM while it is written.
-    pub snapshots: bool,
+    /// How checkpoints hold their snapshot while it is written.
+    pub snapshots: Snapshots,
+    /// Elements per chunk (`chunk_elems`): a streamed snapshot's piece is at least one chunk.
+    pub chunk_elems: u64,
 }
+
+/// How a checkpoint's snapshot is held while it is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Snapshots {
+    /// No checkpoints are saved.
+    None,
+    /// Every chunk's state is gathered in RAM and written while training goes on.
+    Whole,
+    /// Gathered whole with state in RAM; with state on the tier, streamed from the owners a
+    /// piece of [`SNAPSHOT_PIECE_ELEMS`] at a time while the ranks wait.
+    StreamedOffTier,
+}
+
+/// Elements per piece of a streamed snapshot, and per group when chunk states are read off the
+/// tier (1 Mi: 12 MiB of parameters and Adam's m and v).
+pub const SNAPSHOT_PIECE_ELEMS: u64 = 1 << 20;
+
+/// Pieces of a streamed snapshot in memory at once: one read, one queued, one being written.
+const SNAPSHOT_PIECES: u64 = 3;
+
+/// The buffer of each checkpoint file open while a snapshot streams (one per owner rank).
+const SNAPSHOT_FILE_BUFFER_BYTES: u64 = 1 << 20;
 
 /// The configured choices and the memory the process may use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -443,7 +467,8 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
     let (params, tier_params) = split(p.params, held.params);
     let (grads, tier_grads) = split(p.grads, held.grads);
     let (optimizer, tier_opt) = split(p.optimizer, held.optimizer);
-    // Backups and snapshots are built from chunk states in RAM, wherever the live state is.
+    // Backups are built from chunk states in RAM wherever the live state is; so are snapshots
+    // unless they stream off the tier.
     let chunk_state_bytes = |elems: u64| 4 * elems * (1 + d.state_per_param);
     let backup = if d.backups {
         held.params + held.optimizer + chunk_state_bytes(d.owned_elems)
@@ -460,10 +485,14 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
         backup,
         tier: tier_params + tier_grads + tier_opt,
     };
-    let snapshot_bytes = if d.snapshots {
-        chunk_state_bytes(d.total_elems)
-    } else {
-        0
+    let snapshot_bytes = match d.snapshots {
+        Snapshots::None => 0,
+        Snapshots::StreamedOffTier if p.any_nvme() => {
+            let piece = SNAPSHOT_PIECE_ELEMS.max(d.chunk_elems).min(d.total_elems);
+            SNAPSHOT_PIECES * chunk_state_bytes(piece)
+                + d.ranks_in_process * SNAPSHOT_FILE_BUFFER_BYTES
+        }
+        Snapshots::Whole | Snapshots::StreamedOffTier => chunk_state_bytes(d.total_elems),
     };
     Fit {
         placement: p,
@@ -514,7 +543,7 @@ fn refusal(
     }
     if chosen.snapshot_bytes > 0 {
         msg += &format!(
-            "; a checkpoint gathers {} in RAM while it is written (saving needs that memory)",
+            "; a checkpoint holds {} in RAM while it is written (saving needs that memory)",
             gib(chosen.snapshot_bytes)
         );
     }
@@ -607,7 +636,8 @@ mod tests {
             max_live_units: 2,
             activation_bytes: 1 << 20,
             backups: false,
-            snapshots: false,
+            snapshots: Snapshots::None,
+            chunk_elems: 8192,
         }
     }
 
@@ -822,7 +852,7 @@ mod tests {
         let plain = demand(Stage::Zero3, 1 << 24, 2);
         let d = Demand {
             backups: true,
-            snapshots: true,
+            snapshots: Snapshots::Whole,
             ..plain
         };
         let owned = plain.owned_elems;
@@ -843,7 +873,7 @@ mod tests {
         assert!(msg.contains("--replicate-every 0"), "{msg}");
         // Without backups the placements that offload fit: the refusal says so.
         let no_snap = Demand {
-            snapshots: false,
+            snapshots: Snapshots::None,
             ..d
         };
         let budget = evaluate(&plain, Placement::RAM, MIN_TILE_ELEMS).process_bytes;
@@ -854,7 +884,27 @@ mod tests {
             hint.contains("; --replicate-every 0 --offload-optimizer nvme --offload-params nvme --offload-grads nvme would fit it in"),
             "{hint}"
         );
-        assert!(msg.contains("a checkpoint gathers 192.0 MiB"), "{msg}");
+        assert!(msg.contains("a checkpoint holds 192.0 MiB"), "{msg}");
         assert!(place(&plain, &limits(Offload::Auto, Offload::Auto, all_tier)).is_ok());
+    }
+
+    #[test]
+    fn a_snapshot_streamed_off_the_tier_holds_three_pieces_whatever_the_model() {
+        for total in [1u64 << 24, 1 << 30] {
+            let d = Demand {
+                snapshots: Snapshots::StreamedOffTier,
+                ..demand(Stage::Zero3, total, 2)
+            };
+            let nvme = Placement {
+                optimizer: Tier::Nvme,
+                params: Tier::Nvme,
+                grads: Tier::Nvme,
+            };
+            let off = evaluate(&d, nvme, 1 << 16);
+            assert_eq!(off.snapshot_bytes, 3 * 12 * (1 << 20) + 2 * (1 << 20));
+            // In RAM it is gathered whole, as before.
+            let ram = evaluate(&d, Placement::RAM, 1 << 16);
+            assert_eq!(ram.snapshot_bytes, 12 * total);
+        }
     }
 }

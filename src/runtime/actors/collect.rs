@@ -1,14 +1,18 @@
 //! Collecting every chunk's state from the ranks (snapshots, consolidation, checkpoints).
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::time::Duration;
 
 use ractor::ActorRef;
 
 use super::messages::RankMsg;
+use crate::engine::coordinator::Progress;
 use crate::param_digest::ParamDigest;
 use crate::plan::{RankId, ShardMap};
 use crate::runtime::step::rank_state::ChunkState;
+use crate::runtime::step::snapshot::SnapshotSink;
+use crate::runtime::step::tier_reads::GROUP_ELEMS;
 use crate::runtime::transport::Transport;
 
 /// Asks every rank for the chunks it owns and checks that each chunk arrives exactly once.
@@ -55,20 +59,11 @@ pub async fn digest_params<T: Transport>(
     map: &ShardMap,
 ) -> Result<String, String> {
     let mut digest = ParamDigest::new();
-    for (u, unit) in map.units.iter().enumerate() {
-        let mut i = 0;
-        while i < unit.owners.len() {
-            let owner = unit.owners[i];
-            let mut j = i + 1;
-            while j < unit.owners.len() && unit.owners[j] == owner {
-                j += 1;
-            }
-            let run = map.chunk_range(u, i).start..map.chunk_range(u, j - 1).end;
-            let actor = ranks
-                .iter()
-                .find(|(r, _)| *r == owner)
-                .map(|(_, a)| a)
-                .ok_or_else(|| format!("unit {u}: its owner, rank {owner}, is not running"))?;
+    for u in 0..map.units.len() {
+        for (owner, chunks) in owner_runs(map, u) {
+            let run =
+                map.chunk_range(u, chunks.start).start..map.chunk_range(u, chunks.end - 1).end;
+            let actor = actor_of(ranks, owner, u)?;
             let mut at = run.start;
             while at < run.end {
                 let elems = at..(at + DIGEST_PIECE_ELEMS).min(run.end);
@@ -97,8 +92,122 @@ pub async fn digest_params<T: Transport>(
                 digest.update(&piece);
                 at = elems.end;
             }
-            i = j;
         }
     }
     Ok(digest.finish())
+}
+
+/// The runs of consecutive chunks of unit `u` with one owner: (owner, chunk indices).
+fn owner_runs(map: &ShardMap, u: usize) -> Vec<(RankId, Range<usize>)> {
+    let owners = &map.units[u].owners;
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < owners.len() {
+        let mut j = i + 1;
+        while j < owners.len() && owners[j] == owners[i] {
+            j += 1;
+        }
+        runs.push((owners[i], i..j));
+        i = j;
+    }
+    runs
+}
+
+fn actor_of<T: Transport>(
+    ranks: &[(RankId, ActorRef<RankMsg<T>>)],
+    owner: RankId,
+    u: usize,
+) -> Result<&ActorRef<RankMsg<T>>, String> {
+    ranks
+        .iter()
+        .find(|(r, _)| *r == owner)
+        .map(|(_, a)| a)
+        .ok_or_else(|| format!("unit {u}: its owner, rank {owner}, is not running"))
+}
+
+/// What became of a streamed snapshot when its ranks all answered.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Streamed {
+    Saved,
+    /// The sink refused or failed it (and reported why); training goes on.
+    SaveFailed(String),
+}
+
+/// Streams the snapshot of `progress` under `map` into `sink`: every chunk's state, read from
+/// its owner in (unit, index) order a piece of at most [`GROUP_ELEMS`] elements at a time (one
+/// chunk if larger), written on a thread of its own while the next piece is read. At most
+/// three pieces are in memory: one being read, one queued, one being written. An error is a
+/// rank that did not answer; the sink's own failures come back as [`Streamed::SaveFailed`].
+pub async fn stream_snapshot<T: Transport>(
+    ranks: &[(RankId, ActorRef<RankMsg<T>>)],
+    map: &ShardMap,
+    progress: &Progress,
+    sink: &dyn SnapshotSink,
+) -> Result<Streamed, String> {
+    let mut stream = match sink.begin(progress, map) {
+        Ok(s) => s,
+        Err(e) => return Ok(Streamed::SaveFailed(e)),
+    };
+    // `None` says every piece was sent; a channel closed without it abandons the save.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Option<(RankId, Vec<ChunkState>)>>(1);
+    let (done_tx, done) = tokio::sync::oneshot::channel();
+    let writer = std::thread::Builder::new()
+        .name("snapshot-stream".into())
+        .spawn(move || {
+            let res = loop {
+                match rx.blocking_recv() {
+                    Some(Some((owner, chunks))) => {
+                        if let Err(e) = stream.push(owner, chunks) {
+                            break Err(e);
+                        }
+                    }
+                    Some(None) => break stream.commit(),
+                    None => break Err("abandoned: a rank did not answer".into()),
+                }
+            };
+            let _ = done_tx.send(res);
+        })
+        .map_err(|e| format!("cannot start the snapshot stream's thread: {e}"))?;
+    'units: for u in 0..map.units.len() {
+        for (owner, run) in owner_runs(map, u) {
+            let actor = actor_of(ranks, owner, u)?;
+            let mut at = run.start;
+            while at < run.end {
+                let mut end = at + 1;
+                let start = map.chunk_range(u, at).start;
+                while end < run.end && map.chunk_range(u, end).end - start <= GROUP_ELEMS {
+                    end += 1;
+                }
+                let chunks = at..end;
+                let reply = actor
+                    .call(
+                        |reply| RankMsg::OwnedChunks {
+                            unit: u,
+                            chunks: chunks.clone(),
+                            reply,
+                        },
+                        Some(Duration::from_secs(60)),
+                    )
+                    .await
+                    .map_err(|e| format!("rank {owner}: {e}"))?;
+                let ractor::rpc::CallResult::Success(piece) = reply else {
+                    return Err(format!("rank {owner} did not answer"));
+                };
+                let piece = piece.map_err(|e| format!("rank {owner}: {e}"))?;
+                if tx.send(Some((owner, piece))).await.is_err() {
+                    break 'units; // the writer stopped on an error: it says which
+                }
+                at = end;
+            }
+        }
+    }
+    let _ = tx.send(None).await;
+    let res = done
+        .await
+        .unwrap_or_else(|_| Err("the snapshot stream's thread panicked".into()));
+    let _ = writer.join();
+    Ok(match res {
+        Ok(()) => Streamed::Saved,
+        Err(e) => Streamed::SaveFailed(e),
+    })
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use ractor::{Actor, ActorProcessingErr, ActorRef, ActorStatus, SupervisionEvent};
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::collect::{collect_chunks, digest_params};
+use super::collect::{collect_chunks, digest_params, stream_snapshot, Streamed};
 use super::events::ClusterEvent;
 use super::messages::{Activity, CoordMsg, CoordView, RankMsg};
 use super::rank::{RankActor, RankArgs};
@@ -18,7 +18,7 @@ use crate::engine::coordinator::{Command, Coordinator, Event, Refusal};
 use crate::plan::{RankId, ShardMap};
 use crate::runtime::clock::Clock;
 use crate::runtime::step::progress::{Beat, RunProgress};
-use crate::runtime::step::snapshot::Snapshot;
+use crate::runtime::step::snapshot::{Snapshot, SnapshotSink};
 use crate::runtime::transport::Transport;
 
 /// Starts a new rank (a joiner): the arguments of its rank actor (its endpoint, shared setup, no
@@ -84,6 +84,8 @@ pub struct CoordState<T: Transport> {
     progress: Option<Arc<RunProgress>>,
     /// The beats already passed on to the engine.
     beats_seen: BTreeMap<RankId, Beat>,
+    /// Where snapshots stream to, when they are not collected whole.
+    snapshot_sink: Option<Arc<dyn SnapshotSink>>,
 }
 
 impl<T: Transport> CoordState<T> {
@@ -172,6 +174,27 @@ impl<T: Transport> CoordState<T> {
             Command::Snapshot(progress) => {
                 // Ranks are idle between steps, so their chunks are consistent.
                 let map = self.engine.map().clone();
+                if let Some(sink) = self.snapshot_sink.clone() {
+                    // The ranks wait at this boundary until the snapshot is on disk.
+                    let step = progress.step;
+                    return match stream_snapshot(&self.rank_list(), &map, &progress, &*sink).await {
+                        Ok(streamed) => {
+                            let saved = match streamed {
+                                Streamed::Saved => Ok(()),
+                                Streamed::SaveFailed(e) => Err(e),
+                            };
+                            let _ = self
+                                .events
+                                .send(ClusterEvent::SnapshotStreamed { step, saved });
+                            Vec::new()
+                        }
+                        Err(e) => vec![Event::RankFailed {
+                            rank: u32::MAX,
+                            reason: format!("snapshot failed: {e}"),
+                            now_ms: self.clock.now_ms(),
+                        }],
+                    };
+                }
                 match collect_chunks(&self.rank_list(), &map).await {
                     Ok(chunks) => {
                         let snap = Snapshot {
@@ -335,6 +358,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             awaiting: BTreeSet::new(),
             progress: args.progress,
             beats_seen: BTreeMap::new(),
+            snapshot_sink: None,
         })
     }
 
@@ -439,6 +463,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                 };
                 st.feed(&me, e).await
             }
+            CoordMsg::StreamSnapshots(sink) => st.snapshot_sink = Some(sink),
             CoordMsg::SnapshotNow => st.feed(&me, Event::SnapshotRequested).await,
             CoordMsg::Request(change, reply) => {
                 let _ = reply.send(st.engine.request(change));

@@ -12,6 +12,12 @@ pub enum ClusterEvent {
     Step(Box<StepRecord>),
     /// Taken at a step boundary; training has already moved on (write it in the background).
     Snapshot(Box<Snapshot>),
+    /// A snapshot was streamed into the snapshot sink before training went on (state on the
+    /// tier); `saved` is the sink's outcome (`Err`: this save failed, training goes on).
+    SnapshotStreamed {
+        step: u64,
+        saved: Result<(), String>,
+    },
     /// The membership changed and the shards were rebalanced in place.
     Membership(Box<MembershipRecord>),
     /// A joiner did not come up; training goes on without it.

@@ -38,6 +38,9 @@ pub enum CoordMsg<T: Transport> {
         step: u64,
     },
     Tick,
+    /// From now on, snapshots stream into this sink instead of being collected whole (the
+    /// runtime sends it when state lives on the tier).
+    StreamSnapshots(std::sync::Arc<dyn crate::runtime::step::snapshot::SnapshotSink>),
     /// A rank finished a unit within (epoch, step) (worker processes; the coordinator reads
     /// in-process ranks' beats itself).
     Progress {
@@ -102,6 +105,13 @@ pub enum RankMsg<T: Transport> {
         unit: usize,
         elems: std::ops::Range<usize>,
         reply: RpcReplyPort<Result<Vec<f32>, String>>,
+    },
+    /// The state of chunks `chunks` of unit `unit`, all owned by this rank: a streamed snapshot
+    /// reads state on the tier piece by piece. In-process ranks only.
+    OwnedChunks {
+        unit: usize,
+        chunks: std::ops::Range<usize>,
+        reply: RpcReplyPort<Result<Vec<ChunkState>, String>>,
     },
 }
 

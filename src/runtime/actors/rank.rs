@@ -323,6 +323,17 @@ impl<T: Transport> Actor for RankActor<T> {
                 };
                 let _ = reply.send(res);
             }
+            RankMsg::OwnedChunks {
+                unit,
+                chunks,
+                reply,
+            } => {
+                let res = match slot.work.as_ref().and_then(|w| w.state.as_ref()) {
+                    Some(s) => s.owned_chunks_in(unit, chunks),
+                    None => Err(format!("rank {rank} holds no state")),
+                };
+                let _ = reply.send(res);
+            }
         }
         Ok(())
     }

@@ -30,6 +30,7 @@ use crate::runtime::step::exec::ExecConfig;
 use crate::runtime::step::progress::RunProgress;
 use crate::runtime::step::rank_state::{ChunkState, RankState};
 use crate::runtime::step::resume::{read_owned_chunks, ResumeSource};
+use crate::runtime::step::snapshot::SnapshotSink;
 use crate::runtime::storage::{DirLock, Faults, TierSpec, UringConfig};
 use crate::runtime::transport::local::{
     LocalEndpoint, LocalNetwork, NetCounts, NetFaults, Partition,
@@ -79,6 +80,12 @@ pub struct ClusterSpec {
     /// Counters a caller may poll for a progress line while the ranks build their state or a
     /// long step runs.
     pub progress: Arc<RunProgress>,
+    /// Where snapshots go when the planner puts state on the tier: streamed from the owners a
+    /// bounded piece at a time while the ranks wait at the step boundary
+    /// ([`Observer::on_snapshot_streamed`]), so that saving a model larger than memory needs
+    /// no copy of it in RAM. Without a sink (or with state in RAM) snapshots are gathered
+    /// whole ([`Observer::on_snapshot`]), and the planner counts that.
+    pub snapshot_sink: Option<Arc<dyn SnapshotSink>>,
 }
 
 impl ClusterSpec {
@@ -104,6 +111,7 @@ impl ClusterSpec {
             panic_at: None,
             boundary_snapshot: None,
             progress: Arc::default(),
+            snapshot_sink: None,
         }
     }
 }
@@ -141,9 +149,10 @@ pub fn prepare_storage(
     cfg: &TrainConfig,
     model: &dyn Model,
     ranks_in_process: u64,
+    streamed_snapshots: bool,
 ) -> Result<(Fit, Option<(TierSpec, DirLock)>), ClusterError> {
     let available = available_memory_bytes().unwrap_or(u64::MAX / 2);
-    let fit = plan_memory(cfg, model, ranks_in_process, available)
+    let fit = plan_memory(cfg, model, ranks_in_process, streamed_snapshots, available)
         .map_err(|e| ClusterError::Memory(e.to_string()))?;
     if !fit.placement.any_nvme() {
         return Ok((fit, None));
@@ -249,7 +258,9 @@ impl Cluster {
             .map_or(1, |src| src.saved_map().epoch + 1);
         let map = ShardMap::plan(&numels, &members, cfg.chunk_elems, epoch)
             .map_err(|e| ClusterError::Spawn(e.to_string()))?;
-        let (fit, tier) = prepare_storage(cfg, spec.model.as_ref(), u64::from(cfg.ranks))?;
+        let streamed = spec.snapshot_sink.is_some();
+        let (fit, tier) =
+            prepare_storage(cfg, spec.model.as_ref(), u64::from(cfg.ranks), streamed)?;
         let (storage, tier_lock) = match tier {
             Some((spec, lock)) => (Some(Arc::new(spec)), Some(lock)),
             None => (None, None),
@@ -355,6 +366,13 @@ impl Cluster {
             Actor::spawn(None, CoordinatorActor::<LocalEndpoint>::default(), args)
                 .await
                 .map_err(|e| ClusterError::Spawn(e.to_string()))?;
+        if let Some(sink) = spec
+            .snapshot_sink
+            .as_ref()
+            .filter(|_| fit.placement.any_nvme())
+        {
+            let _ = coordinator.cast(CoordMsg::StreamSnapshots(Arc::clone(sink)));
+        }
         let mut ranks = Vec::new();
         for &rank in &members {
             let state = match &restored {
@@ -437,12 +455,12 @@ impl Cluster {
         self.net.counts()
     }
 
-    /// On a resume: the bytes each rank read from the saved state (empty otherwise).
     /// Where the ranks' state was placed (RAM or the tier) and the memory that needs.
     pub fn memory_plan(&self) -> &Fit {
         &self.fit
     }
 
+    /// On a resume: the bytes each rank read from the saved state (empty otherwise).
     pub fn resume_reads(&self) -> &[(RankId, u64)] {
         &self.resume_reads
     }
@@ -582,6 +600,9 @@ pub trait Observer {
     fn on_requested_snapshot(&mut self, snapshot: Snapshot) {
         self.on_snapshot(snapshot)
     }
+    /// A snapshot (due or requested) was streamed into `ClusterSpec::snapshot_sink` before
+    /// training went on; `saved` is the sink's outcome.
+    fn on_snapshot_streamed(&mut self, _step: u64, _saved: &Result<(), String>) {}
     /// A joiner did not come up (no standby worker, or it failed while starting); the change
     /// went on without it.
     fn on_join_failed(&mut self, _rank: RankId, _reason: &str) {}
@@ -620,6 +641,9 @@ pub async fn drive(
                 records.push(*rec);
             }
             Some(ClusterEvent::Snapshot(snap)) => observer.on_snapshot(*snap),
+            Some(ClusterEvent::SnapshotStreamed { step, saved }) => {
+                observer.on_snapshot_streamed(step, &saved)
+            }
             Some(ClusterEvent::Membership(rec)) => observer.on_membership(&rec),
             Some(ClusterEvent::JoinFailed { rank, reason }) => {
                 observer.on_join_failed(rank, &reason)

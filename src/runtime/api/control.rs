@@ -175,7 +175,9 @@ impl Monitor {
                 // No subscriber is no error.
                 let _ = self.shared.changes.send(change);
             }
-            ClusterEvent::Snapshot(_) => self.shared.telemetry().on_snapshot(),
+            ClusterEvent::Snapshot(_) | ClusterEvent::SnapshotStreamed { .. } => {
+                self.shared.telemetry().on_snapshot()
+            }
             ClusterEvent::JoinFailed { .. } => self.shared.telemetry().failed_joins += 1,
             ClusterEvent::Finished | ClusterEvent::Aborted(_) => {}
         }

@@ -248,6 +248,10 @@ impl ElasticJob {
                         None => observer.on_membership(&rec),
                     }
                 }
+                ClusterEvent::SnapshotStreamed { step, saved } => {
+                    self.handle.requested_snapshot();
+                    observer.on_snapshot_streamed(step, &saved)
+                }
                 ClusterEvent::JoinFailed { rank, reason } => observer.on_join_failed(rank, &reason),
                 ClusterEvent::Finished | ClusterEvent::Aborted(_) => break,
             }
@@ -295,6 +299,7 @@ async fn pump(
             }
             ClusterEvent::Membership(_)
             | ClusterEvent::Snapshot(_)
+            | ClusterEvent::SnapshotStreamed { .. }
             | ClusterEvent::JoinFailed { .. } => None,
             ClusterEvent::Finished => Some(Ok(())),
             ClusterEvent::Aborted(reason) => Some(Err(ClusterError::Aborted(reason.clone()))),

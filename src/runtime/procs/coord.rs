@@ -643,6 +643,9 @@ impl Run {
                     observer.on_requested_snapshot(*snap)
                 }
                 ClusterEvent::Snapshot(snap) => observer.on_snapshot(*snap),
+                ClusterEvent::SnapshotStreamed { step, saved } => {
+                    observer.on_snapshot_streamed(step, &saved)
+                }
                 ClusterEvent::Membership(rec) => observer.on_membership(&rec),
                 ClusterEvent::JoinFailed { rank, reason } => observer.on_join_failed(rank, &reason),
                 ClusterEvent::Finished => break Ok(()),

@@ -541,7 +541,8 @@ fn worker_storage(
         }
         cfg.nvme_dir = Some(own);
     }
-    let (_, tier) = prepare_storage(&cfg, model, 1).map_err(|e| ProcError::Setup(e.to_string()))?;
+    let (_, tier) =
+        prepare_storage(&cfg, model, 1, false).map_err(|e| ProcError::Setup(e.to_string()))?;
     Ok(tier.map(|(spec, lock)| {
         std::mem::forget(lock);
         Arc::new(spec)

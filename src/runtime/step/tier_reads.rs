@@ -59,6 +59,18 @@ impl RankState {
         owned_only: bool,
         out: &mut Vec<ChunkState>,
     ) -> Result<(), TierError> {
+        self.tiered_chunks(tier, u, owned_only, 0..usize::MAX, out)
+    }
+
+    /// [`RankState::tiered_in_unit`] for the chunks with an index in `within` only.
+    fn tiered_chunks(
+        &self,
+        tier: &Mutex<TierFile>,
+        u: usize,
+        owned_only: bool,
+        within: Range<usize>,
+        out: &mut Vec<ChunkState>,
+    ) -> Result<(), TierError> {
         let shard = &self.shards[u];
         let kinds = self.tier_kinds();
         let per = self.optim.state_per_param() as usize;
@@ -66,7 +78,7 @@ impl RankState {
         let mut owned = Vec::new();
         let mut off = 0;
         for (&c, r) in shard.chunks.iter().zip(&shard.ranges) {
-            if !owned_only || self.map.owner(u, c) == self.rank {
+            if within.contains(&c) && (!owned_only || self.map.owner(u, c) == self.rank) {
                 owned.push((c, r.clone(), off));
             }
             off += r.len();
@@ -127,6 +139,45 @@ impl RankState {
             at = end;
         }
         Ok(())
+    }
+
+    /// The state of chunks `chunks` of unit `u`, every one of which this rank must own, in
+    /// index order: a streamed checkpoint reads a rank's chunks a bounded piece at a time.
+    pub fn owned_chunks_in(
+        &self,
+        u: usize,
+        chunks: Range<usize>,
+    ) -> Result<Vec<ChunkState>, String> {
+        let unit = self
+            .map
+            .units
+            .get(u)
+            .ok_or_else(|| format!("unit {u} does not exist"))?;
+        if chunks.end > unit.owners.len() || chunks.is_empty() {
+            return Err(format!("unit {u} has no chunks {chunks:?}"));
+        }
+        if let Some(c) = chunks.clone().find(|&c| unit.owners[c] != self.rank) {
+            return Err(format!("chunk {u}/{c} is not owned by rank {}", self.rank));
+        }
+        let mut out = Vec::with_capacity(chunks.len());
+        match &self.tier {
+            Some(t) => self
+                .tiered_chunks(t, u, true, chunks.clone(), &mut out)
+                .map_err(|e| e.to_string())?,
+            None => {
+                for c in chunks.clone() {
+                    out.extend(self.try_chunk_state(u, c).map_err(|e| e.to_string())?);
+                }
+            }
+        }
+        if out.len() != chunks.len() {
+            return Err(format!(
+                "rank {} holds {} of chunks {u}/{chunks:?}",
+                self.rank,
+                out.len()
+            ));
+        }
+        Ok(out)
     }
 
     /// Parameters `elems` of unit `u` (unit coordinates), all in chunks this rank owns; read
