@@ -144,6 +144,77 @@ fn leave_join_and_kill_move_offloaded_state_and_lose_nothing() {
     assert_clean(dir.path());
 }
 
+/// Lists the buddy backups' files on the tier after each step.
+#[derive(Default)]
+struct BackupFiles {
+    dir: PathBuf,
+    seen: Vec<(u64, Vec<String>)>,
+}
+
+impl Observer for &mut BackupFiles {
+    fn on_step(&mut self, rec: &StepRecord) {
+        let mut names = Vec::new();
+        for rank in std::fs::read_dir(&self.dir).unwrap() {
+            let rank = rank.unwrap().path();
+            if rank.is_dir() {
+                for f in std::fs::read_dir(&rank).unwrap() {
+                    let name = f.unwrap().file_name().to_string_lossy().into_owned();
+                    if name.starts_with("backup-") {
+                        names.push(name);
+                    }
+                }
+            }
+        }
+        names.sort();
+        self.seen.push((rec.step, names));
+    }
+}
+
+/// With state on the tier, each rank's backup (its own state and its predecessor's replica)
+/// is a pair of files beside its tier file, not a copy in RAM, and a kill restores from them.
+#[test]
+fn buddy_backups_of_offloaded_state_are_files_on_the_tier() {
+    let dir = tier_dir();
+    let base = TrainConfig {
+        steps: 5,
+        ranks: 3,
+        stage: 3,
+        ..small(ModelKind::Gpt)
+    };
+    let want = sha(&base);
+    let cfg = TrainConfig {
+        kill: vec![at(1, 3)],
+        ..offloaded(&base, dir.path(), true, true)
+    };
+    let mut files = BackupFiles {
+        dir: dir.path().to_path_buf(),
+        ..Default::default()
+    };
+    let out = common::train_blocking(ClusterSpec::from_config(cfg).unwrap(), &mut files).unwrap();
+    assert_eq!(out.param_sha256, want);
+    // After the first step, the backup taken before it: three ranks, each with a local copy
+    // and a held replica (the next backup may be on its way already).
+    let (step, first) = &files.seen[0];
+    assert_eq!(*step, 0);
+    let before_0: Vec<&String> = first
+        .iter()
+        .filter(|n| n.starts_with("backup-e1-s0-"))
+        .collect();
+    assert_eq!(before_0.len(), 6, "{first:?}");
+    assert_eq!(
+        before_0
+            .iter()
+            .filter(|n| n.ends_with("-local.bin"))
+            .count(),
+        3
+    );
+    assert_eq!(
+        before_0.iter().filter(|n| n.ends_with("-held.bin")).count(),
+        3
+    );
+    assert_clean(dir.path());
+}
+
 #[test]
 fn a_checkpoint_resumes_into_the_tier_at_another_world_size() {
     let t = tempfile::tempdir().unwrap();
@@ -195,6 +266,15 @@ impl Observer for &mut Damage {
         let folder = self.dir.join(format!("rank-{}", self.rank));
         for f in std::fs::read_dir(folder).unwrap() {
             let path = f.unwrap().path();
+            // The state's tier files, not the backups beside them (which come and go).
+            if !path
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("state-")
+            {
+                continue;
+            }
             let len = std::fs::metadata(&path).unwrap().len() as usize;
             // In place, as a failing disk would: never shorter than the engine expects.
             let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();

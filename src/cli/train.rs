@@ -393,6 +393,9 @@ pub(super) fn describe_fit(fit: &Fit, cfg: &TrainConfig) -> String {
     );
     if r.backup > 0 {
         line += &format!(", buddy backups {}", gib(r.backup));
+        if r.backup_disk > 0 {
+            line += &format!(" in flight to {} of backup files", gib(r.backup_disk));
+        }
     }
     if fit.placement.any_nvme() {
         line += &format!(

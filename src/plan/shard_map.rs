@@ -122,6 +122,76 @@ impl ShardMap {
         (0..owners.len()).filter(move |&i| owners[i] == rank)
     }
 
+    /// The runs of consecutive chunks of `unit` with one owner: (owner, chunk indices).
+    pub fn owner_runs(&self, unit: usize) -> Vec<(RankId, Range<usize>)> {
+        let owners = &self.units[unit].owners;
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < owners.len() {
+            let mut j = i + 1;
+            while j < owners.len() && owners[j] == owners[i] {
+                j += 1;
+            }
+            runs.push((owners[i], i..j));
+            i = j;
+        }
+        runs
+    }
+
+    /// Chunks `run` of `unit` cut into pieces of consecutive chunks of at most `max_elems`
+    /// elements each (a larger chunk is a piece of its own), so that state streamed a piece at
+    /// a time stays bounded.
+    pub fn pieces(&self, unit: usize, run: Range<usize>, max_elems: usize) -> Vec<Range<usize>> {
+        let mut out = Vec::new();
+        let mut at = run.start;
+        while at < run.end {
+            let start = self.chunk_range(unit, at).start;
+            let mut end = at + 1;
+            while end < run.end && self.chunk_range(unit, end).end - start <= max_elems {
+                end += 1;
+            }
+            out.push(at..end);
+            at = end;
+        }
+        out
+    }
+
+    /// `rank`'s chunks as pieces of at most `max_elems` ([`ShardMap::pieces`]), in (unit,
+    /// index) order: (unit, chunk indices).
+    pub fn owned_pieces(&self, rank: RankId, max_elems: usize) -> Vec<(usize, Range<usize>)> {
+        (0..self.units.len())
+            .flat_map(|u| {
+                self.owner_runs(u)
+                    .into_iter()
+                    .filter(|(r, _)| *r == rank)
+                    .flat_map(move |(_, run)| self.pieces(u, run, max_elems))
+                    .map(move |p| (u, p))
+            })
+            .collect()
+    }
+
+    /// [`ShardMap::owned_pieces`] gathered into batches of at most `max_elems` elements
+    /// (a piece larger than that is a batch of its own): one message each when the pieces of a
+    /// small model would otherwise cost one round trip per unit.
+    pub fn owned_batches(&self, rank: RankId, max_elems: usize) -> Vec<Vec<(usize, Range<usize>)>> {
+        let mut out: Vec<Vec<(usize, Range<usize>)>> = Vec::new();
+        let mut elems = 0;
+        for (u, p) in self.owned_pieces(rank, max_elems) {
+            let n = self.chunk_range(u, p.end - 1).end - self.chunk_range(u, p.start).start;
+            match out.last_mut() {
+                Some(batch) if elems + n <= max_elems => {
+                    batch.push((u, p));
+                    elems += n;
+                }
+                _ => {
+                    out.push(vec![(u, p)]);
+                    elems = n;
+                }
+            }
+        }
+        out
+    }
+
     /// All chunks owned by `rank`, in (unit, index) order.
     pub fn owned_chunks(&self, rank: RankId) -> Vec<ChunkId> {
         (0..self.units.len())
@@ -202,6 +272,37 @@ mod tests {
 
     fn owned_counts(map: &ShardMap) -> Vec<usize> {
         map.members.iter().map(|&r| map.owned_elems(r)).collect()
+    }
+
+    #[test]
+    fn owned_pieces_cover_each_ranks_chunks_once_within_the_bound() {
+        let map = ShardMap::plan(&[100, 37, 0, 64], &[0, 1, 2], 8, 1).unwrap();
+        for &r in &map.members {
+            let pieces = map.owned_pieces(r, 20);
+            let mut seen = Vec::new();
+            for (u, p) in &pieces {
+                let elems = map.chunk_range(*u, p.end - 1).end - map.chunk_range(*u, p.start).start;
+                assert!(elems <= 20 || p.len() == 1, "{u}/{p:?}");
+                for i in p.clone() {
+                    assert_eq!(map.owner(*u, i), r);
+                    seen.push(ChunkId {
+                        unit: *u as u32,
+                        index: i as u32,
+                    });
+                }
+            }
+            assert_eq!(seen, map.owned_chunks(r));
+        }
+        // A chunk larger than the bound is a piece of its own.
+        assert!(map.pieces(0, 0..3, 1).iter().all(|p| p.len() == 1));
+        // Batches keep the pieces' order and bound, across units.
+        for &r in &map.members {
+            let batches = map.owned_batches(r, 20);
+            let flat: Vec<_> = batches.iter().flatten().cloned().collect();
+            assert_eq!(flat, map.owned_pieces(r, 20));
+            assert!(batches.len() < map.owned_pieces(r, 20).len() || batches.len() <= 1);
+        }
+        assert_eq!(map.owned_batches(0, usize::MAX).len(), 1);
     }
 
     #[test]

@@ -206,6 +206,14 @@ const SNAPSHOT_PIECES: u64 = 3;
 /// The buffer of each checkpoint file open while a snapshot streams (one per owner rank).
 const SNAPSHOT_FILE_BUFFER_BYTES: u64 = 1 << 20;
 
+/// Pieces of a backup on the tier in memory at once: the group being written to the local
+/// copy or the batch being sent, its encoded parcel, the parcel received and its chunks, and
+/// one more waiting on the link.
+const BACKUP_PIECES: u64 = 5;
+
+/// The write buffer of each backup file (`storage::chunk_file`).
+const BACKUP_FILE_BUFFER_BYTES: u64 = 1 << 20;
+
 /// The configured choices and the memory the process may use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
@@ -253,10 +261,14 @@ pub struct RankBytes {
     pub working: u64,
     pub activations: u64,
     pub staging: u64,
-    /// Buddy backups: the copy of the rank's own state and of its predecessor's, in RAM.
+    /// Buddy backups: the copy of the rank's own state and of its predecessor's in RAM, or
+    /// with a tier the pieces in flight while they are written to it.
     pub backup: u64,
     /// Bytes this rank keeps on the tier.
     pub tier: u64,
+    /// Bytes of buddy backups in files beside the tier (the committed backup and a fresh one).
+    #[serde(default)]
+    pub backup_disk: u64,
 }
 
 impl RankBytes {
@@ -467,13 +479,18 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
     let (params, tier_params) = split(p.params, held.params);
     let (grads, tier_grads) = split(p.grads, held.grads);
     let (optimizer, tier_opt) = split(p.optimizer, held.optimizer);
-    // Backups are built from chunk states in RAM wherever the live state is; so are snapshots
-    // unless they stream off the tier.
+    // With a tier, backups go to files beside it and snapshots stream off it, a piece at a
+    // time; without one, both are whole copies in RAM.
     let chunk_state_bytes = |elems: u64| 4 * elems * (1 + d.state_per_param);
-    let backup = if d.backups {
-        held.params + held.optimizer + chunk_state_bytes(d.owned_elems)
-    } else {
-        0
+    let piece_bytes = chunk_state_bytes(SNAPSHOT_PIECE_ELEMS.max(d.chunk_elems));
+    let backup_state = held.params + held.optimizer + chunk_state_bytes(d.owned_elems);
+    let (backup, backup_disk) = match (d.backups, p.any_nvme()) {
+        (false, _) => (0, 0),
+        (true, false) => (backup_state, 0),
+        (true, true) => (
+            (BACKUP_PIECES * piece_bytes).min(backup_state) + 2 * BACKUP_FILE_BUFFER_BYTES,
+            2 * backup_state,
+        ),
     };
     let per_rank = RankBytes {
         params,
@@ -484,6 +501,7 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
         staging,
         backup,
         tier: tier_params + tier_grads + tier_opt,
+        backup_disk,
     };
     let snapshot_bytes = match d.snapshots {
         Snapshots::None => 0,
@@ -848,7 +866,7 @@ mod tests {
     }
 
     #[test]
-    fn backups_and_snapshots_count_in_ram_whatever_the_placement() {
+    fn backups_are_copies_in_ram_or_files_beside_the_tier() {
         let plain = demand(Stage::Zero3, 1 << 24, 2);
         let d = Demand {
             backups: true,
@@ -856,36 +874,54 @@ mod tests {
             ..plain
         };
         let owned = plain.owned_elems;
+        // Its own parameters and Adam state, and its predecessor's, at 12 B per parameter.
+        let state = 2 * 12 * owned;
         for p in candidates(Stage::Zero3) {
             let (without, with) = (evaluate(&plain, p, 1 << 16), evaluate(&d, p, 1 << 16));
-            // Its own parameters and Adam state, and its predecessor's, at 12 B per parameter.
-            assert_eq!(with.per_rank.backup, 2 * 12 * owned, "{p:?}");
+            if p.any_nvme() {
+                // Written to the tier a piece at a time: five 12 MiB pieces and two buffers.
+                assert_eq!(
+                    with.per_rank.backup,
+                    5 * 12 * (1 << 20) + 2 * (1 << 20),
+                    "{p:?}"
+                );
+                assert_eq!(with.per_rank.backup_disk, 2 * state, "{p:?}");
+            } else {
+                assert_eq!(with.per_rank.backup, state, "{p:?}");
+                assert_eq!(with.per_rank.backup_disk, 0, "{p:?}");
+            }
             assert_eq!(with.snapshot_bytes, 12 * (1 << 24), "{p:?}");
             assert_eq!(
                 with.process_bytes,
                 without.process_bytes + 2 * with.per_rank.backup + with.snapshot_bytes
             );
         }
-        // Offloading cannot make room for them: the refusal names the setting that does.
-        let all_tier = evaluate(&plain, Placement::RAM, 1 << 16).process_bytes;
-        let err = place(&d, &limits(Offload::Auto, Offload::Auto, all_tier)).unwrap_err();
+        // With too little memory for the whole snapshot the refusal says what it holds.
+        let all_ram = evaluate(&plain, Placement::RAM, 1 << 16).process_bytes;
+        let err = place(&d, &limits(Offload::Auto, Offload::Auto, all_ram / 2)).unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains("--replicate-every 0"), "{msg}");
-        // Without backups the placements that offload fit: the refusal says so.
+        assert!(msg.contains("a checkpoint holds 192.0 MiB"), "{msg}");
+        // Backups in RAM that do not fit: offloading moves them to the tier, and a budget
+        // only the placements without backups meet names --replicate-every 0.
         let no_snap = Demand {
             snapshots: Snapshots::None,
             ..d
         };
-        let budget = evaluate(&plain, Placement::RAM, MIN_TILE_ELEMS).process_bytes;
+        let fit = place(&no_snap, &limits(Offload::Auto, Offload::Auto, all_ram)).unwrap();
+        assert!(fit.placement.any_nvme(), "{fit:?}");
+        let least = |d: &Demand| {
+            candidates(Stage::Zero3)
+                .into_iter()
+                .map(|p| evaluate(d, p, MIN_TILE_ELEMS).process_bytes)
+                .min()
+                .unwrap()
+        };
+        let budget = least(&plain);
+        assert!(budget < least(&no_snap));
         let hint = place(&no_snap, &limits(Offload::Auto, Offload::Auto, budget))
             .unwrap_err()
             .to_string();
-        assert!(
-            hint.contains("; --replicate-every 0 --offload-optimizer nvme --offload-params nvme --offload-grads nvme would fit it in"),
-            "{hint}"
-        );
-        assert!(msg.contains("a checkpoint holds 192.0 MiB"), "{msg}");
-        assert!(place(&plain, &limits(Offload::Auto, Offload::Auto, all_tier)).is_ok());
+        assert!(hint.contains("--replicate-every 0"), "{hint}");
     }
 
     #[test]

@@ -1,7 +1,6 @@
 //! Collecting every chunk's state from the ranks (snapshots, consolidation, checkpoints).
 
 use std::collections::BTreeMap;
-use std::ops::Range;
 use std::time::Duration;
 
 use ractor::ActorRef;
@@ -60,7 +59,7 @@ pub async fn digest_params<T: Transport>(
 ) -> Result<String, String> {
     let mut digest = ParamDigest::new();
     for u in 0..map.units.len() {
-        for (owner, chunks) in owner_runs(map, u) {
+        for (owner, chunks) in map.owner_runs(u) {
             let run =
                 map.chunk_range(u, chunks.start).start..map.chunk_range(u, chunks.end - 1).end;
             let actor = actor_of(ranks, owner, u)?;
@@ -95,22 +94,6 @@ pub async fn digest_params<T: Transport>(
         }
     }
     Ok(digest.finish())
-}
-
-/// The runs of consecutive chunks of unit `u` with one owner: (owner, chunk indices).
-fn owner_runs(map: &ShardMap, u: usize) -> Vec<(RankId, Range<usize>)> {
-    let owners = &map.units[u].owners;
-    let mut runs = Vec::new();
-    let mut i = 0;
-    while i < owners.len() {
-        let mut j = i + 1;
-        while j < owners.len() && owners[j] == owners[i] {
-            j += 1;
-        }
-        runs.push((owners[i], i..j));
-        i = j;
-    }
-    runs
 }
 
 fn actor_of<T: Transport>(
@@ -169,16 +152,9 @@ pub async fn stream_snapshot<T: Transport>(
         })
         .map_err(|e| format!("cannot start the snapshot stream's thread: {e}"))?;
     'units: for u in 0..map.units.len() {
-        for (owner, run) in owner_runs(map, u) {
+        for (owner, run) in map.owner_runs(u) {
             let actor = actor_of(ranks, owner, u)?;
-            let mut at = run.start;
-            while at < run.end {
-                let mut end = at + 1;
-                let start = map.chunk_range(u, at).start;
-                while end < run.end && map.chunk_range(u, end).end - start <= GROUP_ELEMS {
-                    end += 1;
-                }
-                let chunks = at..end;
+            for chunks in map.pieces(u, run, GROUP_ELEMS) {
                 let reply = actor
                     .call(
                         |reply| RankMsg::OwnedChunks {
@@ -197,7 +173,6 @@ pub async fn stream_snapshot<T: Transport>(
                 if tx.send(Some((owner, piece))).await.is_err() {
                     break 'units; // the writer stopped on an error: it says which
                 }
-                at = end;
             }
         }
     }

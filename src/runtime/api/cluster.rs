@@ -161,8 +161,8 @@ pub fn prepare_storage(
         .nvme_dir
         .as_deref()
         .expect("the planner offloads only with nvme_dir");
-    // During a reshard a rank's old and new tier files coexist.
-    let need = 2 * ranks_in_process * fit.per_rank.tier;
+    // During a reshard a rank's old and new tier files coexist; backups have files beside them.
+    let need = ranks_in_process * (2 * fit.per_rank.tier + fit.per_rank.backup_disk);
     let uring = UringConfig {
         queue_depth: cfg.nvme_queue_depth,
         block_bytes: cfg.nvme_block_bytes as usize,

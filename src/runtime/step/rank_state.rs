@@ -493,6 +493,13 @@ impl RankState {
         self.tier.clone()
     }
 
+    /// The folder of this rank's tier file (none without a tier).
+    pub fn tier_dir(&self) -> Option<std::path::PathBuf> {
+        let t = self.tier.as_ref()?;
+        let t = t.lock().unwrap_or_else(|p| p.into_inner());
+        t.path().parent().map(std::path::Path::to_path_buf)
+    }
+
     /// Whether the parameter shard lives on the tier (stage 3 with `offload_params`).
     pub fn params_on_tier(&self) -> bool {
         self.tier_kinds().params

@@ -6,13 +6,23 @@
 //!
 //! A rank and its buddy dying together loses the chunks only they held; recovery then refuses
 //! and names them, rather than continuing with wrong state.
+//!
+//! With state on the tier, both halves of the backup go to files in the rank's tier folder
+//! (`storage::ChunkFile`), written a group at a time, and the replica travels in pieces of at
+//! most `GROUP_ELEMS` elements, each sent before the next is received from the predecessor: a
+//! backup of a model larger than memory holds a few pieces in RAM, not the model.
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use super::comm::{Comm, CommError};
 use super::parcel::{decode_parcel, encode_parcel};
 use super::rank_state::{ChunkState, RankState};
+use super::tier_reads::GROUP_ELEMS;
 use crate::plan::replica::{buddy, predecessor};
+use crate::runtime::storage::{ChunkFile, TierError};
 use crate::runtime::transport::{Tag, TagKind, Transport};
 
 /// What a rank keeps to survive a peer's (or its own restart's) loss.
@@ -22,32 +32,119 @@ pub struct Backup {
     /// The step the backup was taken before (progress.step).
     pub step: u64,
     /// Everything this rank held, as chunk states.
-    pub local: BTreeMap<(usize, usize), ChunkState>,
+    local: ChunkSet,
     /// The chunks its predecessor owned, with their full state.
-    pub held: BTreeMap<(usize, usize), ChunkState>,
+    held: ChunkSet,
+}
+
+/// Chunk states kept in RAM, or in a file on the rank's tier.
+#[derive(Clone, Debug)]
+enum ChunkSet {
+    Ram(BTreeMap<(usize, usize), ChunkState>),
+    Tier(Arc<ChunkFile>),
+}
+
+impl Default for ChunkSet {
+    fn default() -> Self {
+        ChunkSet::Ram(BTreeMap::new())
+    }
+}
+
+impl ChunkSet {
+    fn get(&self, u: usize, i: usize) -> Result<Option<ChunkState>, TierError> {
+        match self {
+            ChunkSet::Ram(m) => Ok(m.get(&(u, i)).cloned()),
+            ChunkSet::Tier(f) => Ok(f.read(u, i)?.map(|[params, m, v]| ChunkState {
+                unit: u as u32,
+                index: i as u32,
+                params,
+                m,
+                v,
+            })),
+        }
+    }
+
+    /// Bytes held in RAM.
+    fn bytes(&self) -> u64 {
+        let size = |c: &ChunkState| 4 * (c.params.len() + c.m.len() + c.v.len()) as u64;
+        match self {
+            ChunkSet::Ram(m) => m.values().map(size).sum(),
+            ChunkSet::Tier(_) => 0,
+        }
+    }
+}
+
+/// A [`ChunkSet`] being filled.
+enum Filling {
+    Ram(BTreeMap<(usize, usize), ChunkState>),
+    Tier(ChunkFile),
+}
+
+impl Filling {
+    /// In RAM without a tier folder; else a new file in it, named apart from every other
+    /// backup of the process (an older backup of the same step may still be in use).
+    fn new(tier_dir: Option<&Path>, what: &str, epoch: u64, step: u64) -> Result<Self, TierError> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let Some(dir) = tier_dir else {
+            return Ok(Filling::Ram(BTreeMap::new()));
+        };
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path: PathBuf = dir.join(format!("backup-e{epoch}-s{step}-{n}-{what}.bin"));
+        Ok(Filling::Tier(ChunkFile::create(&path)?))
+    }
+
+    fn extend(&mut self, chunks: Vec<ChunkState>) -> Result<(), TierError> {
+        match self {
+            Filling::Ram(m) => {
+                m.extend(
+                    chunks
+                        .into_iter()
+                        .map(|c| ((c.unit as usize, c.index as usize), c)),
+                );
+                Ok(())
+            }
+            Filling::Tier(f) => chunks.iter().try_for_each(|c| {
+                f.append(c.unit as usize, c.index as usize, [&c.params, &c.m, &c.v])
+            }),
+        }
+    }
+
+    fn done(self) -> Result<ChunkSet, TierError> {
+        Ok(match self {
+            Filling::Ram(m) => ChunkSet::Ram(m),
+            Filling::Tier(mut f) => {
+                f.seal()?;
+                ChunkSet::Tier(Arc::new(f))
+            }
+        })
+    }
 }
 
 impl Backup {
     /// What this rank can contribute to a rollback: its own copy, completed by the held
     /// replicas (a stage 1/2 rank holds every parameter locally, optimizer state in `held`).
+    /// A backup file that cannot be read is logged and its chunk reported missing, so the
+    /// rollback stops rather than use it.
     pub fn chunk(&self, u: usize, i: usize) -> Option<ChunkState> {
-        match (self.local.get(&(u, i)), self.held.get(&(u, i))) {
+        let read = |set: &ChunkSet| {
+            set.get(u, i).unwrap_or_else(|e| {
+                tracing::error!("backup of chunk {u}/{i}: {e}");
+                None
+            })
+        };
+        match (read(&self.local), read(&self.held)) {
             (Some(l), Some(h)) if l.m.is_empty() && l.v.is_empty() => Some(ChunkState {
-                params: l.params.clone(),
-                ..h.clone()
+                params: l.params,
+                ..h
             }),
-            (Some(l), _) => Some(l.clone()),
-            (None, h) => h.cloned(),
+            (Some(l), _) => Some(l),
+            (None, h) => h,
         }
     }
 
+    /// Bytes this backup holds in RAM (none when it is on the tier).
     pub fn bytes(&self) -> u64 {
-        let size = |c: &ChunkState| 4 * (c.params.len() + c.m.len() + c.v.len()) as u64;
-        self.local
-            .values()
-            .chain(self.held.values())
-            .map(size)
-            .sum()
+        self.local.bytes() + self.held.bytes()
     }
 }
 
@@ -62,44 +159,78 @@ pub fn replicate<T: Transport>(
     let map = &state.map;
     let me = state.rank;
     comm.begin_step(map.epoch, step);
-    let tag = Tag {
+    // A tier that cannot be read or written makes this rank's state untrustworthy: it fails,
+    // rather than its buddy blaming itself for a short parcel.
+    let storage = |e: TierError| CommError::Storage(e.to_string());
+    let dir = state.tier_dir();
+    let mut local = Filling::new(dir.as_deref(), "local", map.epoch, step).map_err(storage)?;
+    state
+        .for_each_held(&mut |group| local.extend(group))
+        .map_err(storage)?;
+    let local = local.done().map_err(storage)?;
+    // The replica goes to the buddy in pieces, piece k under tag k, each sent before piece k
+    // from the predecessor is taken, so no link carries more than a piece or two at a time.
+    let tag = |k: usize| Tag {
         kind: TagKind::Replica,
         attempt: 0,
-        unit: 0,
+        unit: k as u32,
         pass: 0,
     };
-    // A tier that cannot be read makes this rank's state untrustworthy: it fails, rather than
-    // its buddy blaming itself for a short parcel.
-    let local: BTreeMap<(usize, usize), ChunkState> = state
-        .held_chunk_states()
-        .map_err(|e| CommError::Storage(e.to_string()))?
-        .into_iter()
-        .map(|c| ((c.unit as usize, c.index as usize), c))
-        .collect();
-    if let Some(b) = buddy(map, me) {
-        let owned = state
-            .owned_chunk_states()
-            .map_err(|e| CommError::Storage(e.to_string()))?;
-        comm.send(b, tag, encode_parcel(&owned))?;
-    }
-    if vanish {
-        return Err(CommError::Vanished);
-    }
-    let mut held = BTreeMap::new();
-    if let Some(p) = predecessor(map, me) {
-        let expect: Vec<(usize, usize)> = map
+    let to = buddy(map, me);
+    let outgoing = match to {
+        Some(_) => map.owned_batches(me, GROUP_ELEMS),
+        None => Vec::new(),
+    };
+    let from = predecessor(map, me);
+    let expect: Vec<(usize, usize)> = match from {
+        Some(p) => map
             .owned_chunks(p)
             .iter()
             .map(|c| (c.unit as usize, c.index as usize))
-            .collect();
-        for c in decode_parcel(p, &comm.recv(p, tag)?, &expect)? {
-            held.insert((c.unit as usize, c.index as usize), c);
+            .collect(),
+        None => Vec::new(),
+    };
+    let mut held = Filling::new(dir.as_deref(), "held", map.epoch, step).map_err(storage)?;
+    let (mut sent, mut got, mut k_in) = (0, 0, 0);
+    while sent < outgoing.len() || (got < expect.len() && !vanish) {
+        if let (Some(b), Some(batch)) = (to, outgoing.get(sent)) {
+            let mut piece = Vec::new();
+            for (u, chunks) in batch {
+                piece.extend(
+                    state
+                        .owned_chunks_in(*u, chunks.clone())
+                        .map_err(CommError::Storage)?,
+                );
+            }
+            comm.send(b, tag(sent), encode_parcel(&piece))?;
+            sent += 1;
+            if vanish {
+                continue; // sends everything, then stops
+            }
         }
+        if let Some(p) = from.filter(|_| got < expect.len()) {
+            let payload = comm.recv(p, tag(k_in))?;
+            let count = payload
+                .get(..4)
+                .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+                .filter(|&n| n > 0 && got + n <= expect.len())
+                .ok_or_else(|| CommError::Protocol {
+                    from: p,
+                    what: format!("replica piece {k_in} does not fit the chunks still due"),
+                })?;
+            let chunks = decode_parcel(p, &payload, &expect[got..got + count])?;
+            held.extend(chunks).map_err(storage)?;
+            got += count;
+            k_in += 1;
+        }
+    }
+    if vanish {
+        return Err(CommError::Vanished);
     }
     Ok(Backup {
         epoch: map.epoch,
         step,
         local,
-        held,
+        held: held.done().map_err(storage)?,
     })
 }

@@ -12,12 +12,26 @@ use crate::plan::Stage;
 use crate::runtime::storage::{TierError, TierFile};
 
 /// Elements read per group: 1 Mi elements, 12 MiB for parameters and Adam's m and v.
-pub const GROUP_ELEMS: usize = 1 << 20;
+pub const GROUP_ELEMS: usize = crate::plan::tier::SNAPSHOT_PIECE_ELEMS as usize;
+
+/// Takes one group of chunk states.
+pub type Emit<'a> = dyn FnMut(Vec<ChunkState>) -> Result<(), TierError> + 'a;
 
 impl RankState {
     /// Everything this rank holds, as chunk states: [`RankState::try_chunk_state`] of every
     /// chunk it has, with the tier read in groups.
     pub fn held_chunk_states(&self) -> Result<Vec<ChunkState>, TierError> {
+        let mut out = Vec::new();
+        self.for_each_held(&mut |group| {
+            out.extend(group);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// [`RankState::held_chunk_states`] a group at a time, in (unit, index) order within each
+    /// unit: with a tier, at most [`GROUP_ELEMS`] elements of it are in memory at once.
+    pub fn for_each_held(&self, emit: &mut Emit<'_>) -> Result<(), TierError> {
         let Some(t) = &self.tier else {
             let mut out = Vec::new();
             for (u, unit) in self.map.units.iter().enumerate() {
@@ -25,28 +39,27 @@ impl RankState {
                     out.extend(self.try_chunk_state(u, i)?);
                 }
             }
-            return Ok(out);
+            return emit(out);
         };
-        let mut out = Vec::new();
         for u in 0..self.shards.len() {
-            self.tiered_in_unit(t, u, false, &mut out)?;
+            self.tiered_chunks(t, u, false, 0..usize::MAX, emit)?;
             if self.stage != Stage::Zero3 {
                 // Stages 0-2 hold every parameter: the chunks without optimizer state here.
                 let shard = &self.shards[u];
                 for i in 0..self.map.units[u].owners.len() {
                     if !shard.chunks.contains(&i) {
-                        out.push(ChunkState {
+                        emit(vec![ChunkState {
                             unit: u as u32,
                             index: i as u32,
                             params: self.full[u][self.map.chunk_range(u, i)].to_vec(),
                             m: Vec::new(),
                             v: Vec::new(),
-                        });
+                        }])?;
                     }
                 }
             }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Appends the state of the chunks of unit `u` in this rank's shard (only those it owns
@@ -59,7 +72,10 @@ impl RankState {
         owned_only: bool,
         out: &mut Vec<ChunkState>,
     ) -> Result<(), TierError> {
-        self.tiered_chunks(tier, u, owned_only, 0..usize::MAX, out)
+        self.tiered_chunks(tier, u, owned_only, 0..usize::MAX, &mut |group| {
+            out.extend(group);
+            Ok(())
+        })
     }
 
     /// [`RankState::tiered_in_unit`] for the chunks with an index in `within` only.
@@ -69,7 +85,7 @@ impl RankState {
         u: usize,
         owned_only: bool,
         within: Range<usize>,
-        out: &mut Vec<ChunkState>,
+        emit: &mut Emit<'_>,
     ) -> Result<(), TierError> {
         let shard = &self.shards[u];
         let kinds = self.tier_kinds();
@@ -113,6 +129,7 @@ impl RankState {
                 });
             }
             drop(t);
+            let mut group = Vec::with_capacity(end - at);
             for (c, r, off) in owned[at..end].iter().cloned() {
                 let local = off - start..off - start + r.len();
                 let p = match (&params, self.stage) {
@@ -128,7 +145,7 @@ impl RankState {
                     }
                     None => Vec::new(),
                 };
-                out.push(ChunkState {
+                group.push(ChunkState {
                     unit: u as u32,
                     index: c as u32,
                     params: p,
@@ -136,6 +153,7 @@ impl RankState {
                     v: value(1),
                 });
             }
+            emit(group)?;
             at = end;
         }
         Ok(())
@@ -162,7 +180,10 @@ impl RankState {
         let mut out = Vec::with_capacity(chunks.len());
         match &self.tier {
             Some(t) => self
-                .tiered_chunks(t, u, true, chunks.clone(), &mut out)
+                .tiered_chunks(t, u, true, chunks.clone(), &mut |group| {
+                    out.extend(group);
+                    Ok(())
+                })
                 .map_err(|e| e.to_string())?,
             None => {
                 for c in chunks.clone() {

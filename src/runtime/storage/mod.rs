@@ -8,6 +8,7 @@
 //! Imports: `plan`, `crate::runtime::alloc` and below; nothing above (the step uses this).
 
 pub mod aligned;
+pub mod chunk_file;
 pub mod device;
 pub mod preflight;
 pub mod tier_file;
@@ -16,6 +17,7 @@ pub mod uring;
 use std::path::{Path, PathBuf};
 
 pub use self::aligned::AlignedBuf;
+pub use self::chunk_file::ChunkFile;
 pub use self::device::{Faults, FaultyDevice, IoError};
 pub use self::preflight::{check_dir, lock_dir, DirLock, PreflightError};
 pub use self::tier_file::{RecordKinds, TierError, TierFile, TierLayout, TierStats};
@@ -48,8 +50,18 @@ impl TierSpec {
         uring: UringConfig,
         need_bytes: u64,
     ) -> Result<(TierSpec, DirLock), PreflightError> {
-        check_dir(dir, need_bytes, !uring.direct)?;
+        check_dir(dir, 0, !uring.direct)?;
         let lock = lock_dir(dir)?;
+        // Files an earlier run could not remove (it was killed, or ended without dropping its
+        // ranks) are scratch nobody can use: their space counts for this run.
+        let swept = sweep_stale(dir);
+        if swept > 0 {
+            tracing::info!(
+                "tier {}: removed {swept} stale files of an earlier run",
+                dir.display()
+            );
+        }
+        check_dir(dir, need_bytes, !uring.direct)?;
         Ok((
             TierSpec {
                 dir: dir.to_path_buf(),
@@ -65,6 +77,9 @@ impl TierSpec {
     }
 
     /// This rank's folder under the tier directory.
+    ///
+    /// (Its files are named by [`tier_file::fresh_name`] and `step::replica`'s backups, which
+    /// [`sweep_stale`] knows.)
     pub fn rank_dir(&self, rank: u32) -> PathBuf {
         self.dir.join(format!("rank-{rank}"))
     }
@@ -98,5 +113,57 @@ impl TierSpec {
             Box::new(FaultyDevice::new(dev, faults))
         };
         TierFile::create(&path, dev, layout, self.staging_buffers)
+    }
+}
+
+/// Removes the state and backup files of rank folders under `dir` (a run's scratch, which a
+/// killed run leaves behind) and the folders once empty; returns how many files went. Only the
+/// names this runtime writes are touched. Call it holding the directory's lock.
+pub fn sweep_stale(dir: &Path) -> usize {
+    let mut removed = 0;
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    for e in entries.flatten() {
+        let path = e.path();
+        let is_rank = e.file_name().to_string_lossy().starts_with("rank-");
+        if !is_rank || !path.is_dir() {
+            continue;
+        }
+        for f in std::fs::read_dir(&path).into_iter().flatten().flatten() {
+            let name = f.file_name().to_string_lossy().into_owned();
+            let ours = (name.starts_with("state-") || name.starts_with("backup-"))
+                && name.ends_with(".bin");
+            if ours && std::fs::remove_file(f.path()).is_ok() {
+                removed += 1;
+            }
+        }
+        let _ = std::fs::remove_dir(&path);
+    }
+    removed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_killed_runs_scratch_is_swept_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let rank = dir.path().join("rank-0");
+        std::fs::create_dir(&rank).unwrap();
+        for name in ["state-e1-0.bin", "backup-e1-s0-3-held.bin", "notes.txt"] {
+            std::fs::write(rank.join(name), b"x").unwrap();
+        }
+        let empty = dir.path().join("rank-7");
+        std::fs::create_dir(&empty).unwrap();
+        std::fs::write(dir.path().join("state-e1-0.bin"), b"x").unwrap();
+        assert_eq!(sweep_stale(dir.path()), 2);
+        assert!(rank.join("notes.txt").exists(), "only our names go");
+        assert!(!empty.exists());
+        assert!(
+            dir.path().join("state-e1-0.bin").exists(),
+            "only in rank folders"
+        );
     }
 }
