@@ -122,49 +122,34 @@ impl ShardMap {
         (0..owners.len()).filter(move |&i| owners[i] == rank)
     }
 
-    /// The runs of consecutive chunks of `unit` with one owner: (owner, chunk indices).
-    pub fn owner_runs(&self, unit: usize) -> Vec<(RankId, Range<usize>)> {
-        let owners = &self.units[unit].owners;
-        let mut runs = Vec::new();
-        let mut i = 0;
-        while i < owners.len() {
-            let mut j = i + 1;
-            while j < owners.len() && owners[j] == owners[i] {
-                j += 1;
+    /// `rank`'s chunks of `unit`, in index order, cut into pieces of at most `max_elems`
+    /// elements (a larger chunk is a piece of its own). A rank's chunks of a unit lie next to
+    /// each other in its shard whatever their indices, so a piece is one read of its state.
+    pub fn owned_pieces_in(&self, unit: usize, rank: RankId, max_elems: usize) -> Vec<Vec<usize>> {
+        let mut out: Vec<Vec<usize>> = Vec::new();
+        let mut elems = 0;
+        for i in self.owned_in_unit(unit, rank) {
+            let n = self.chunk_range(unit, i).len();
+            match out.last_mut() {
+                Some(piece) if elems + n <= max_elems => {
+                    piece.push(i);
+                    elems += n;
+                }
+                _ => {
+                    out.push(vec![i]);
+                    elems = n;
+                }
             }
-            runs.push((owners[i], i..j));
-            i = j;
-        }
-        runs
-    }
-
-    /// Chunks `run` of `unit` cut into pieces of consecutive chunks of at most `max_elems`
-    /// elements each (a larger chunk is a piece of its own), so that state streamed a piece at
-    /// a time stays bounded.
-    pub fn pieces(&self, unit: usize, run: Range<usize>, max_elems: usize) -> Vec<Range<usize>> {
-        let mut out = Vec::new();
-        let mut at = run.start;
-        while at < run.end {
-            let start = self.chunk_range(unit, at).start;
-            let mut end = at + 1;
-            while end < run.end && self.chunk_range(unit, end).end - start <= max_elems {
-                end += 1;
-            }
-            out.push(at..end);
-            at = end;
         }
         out
     }
 
-    /// `rank`'s chunks as pieces of at most `max_elems` ([`ShardMap::pieces`]), in (unit,
-    /// index) order: (unit, chunk indices).
-    pub fn owned_pieces(&self, rank: RankId, max_elems: usize) -> Vec<(usize, Range<usize>)> {
+    /// [`ShardMap::owned_pieces_in`] of every unit, in (unit, index) order: (unit, indices).
+    pub fn owned_pieces(&self, rank: RankId, max_elems: usize) -> Vec<(usize, Vec<usize>)> {
         (0..self.units.len())
             .flat_map(|u| {
-                self.owner_runs(u)
+                self.owned_pieces_in(u, rank, max_elems)
                     .into_iter()
-                    .filter(|(r, _)| *r == rank)
-                    .flat_map(move |(_, run)| self.pieces(u, run, max_elems))
                     .map(move |p| (u, p))
             })
             .collect()
@@ -173,11 +158,11 @@ impl ShardMap {
     /// [`ShardMap::owned_pieces`] gathered into batches of at most `max_elems` elements
     /// (a piece larger than that is a batch of its own): one message each when the pieces of a
     /// small model would otherwise cost one round trip per unit.
-    pub fn owned_batches(&self, rank: RankId, max_elems: usize) -> Vec<Vec<(usize, Range<usize>)>> {
-        let mut out: Vec<Vec<(usize, Range<usize>)>> = Vec::new();
+    pub fn owned_batches(&self, rank: RankId, max_elems: usize) -> Vec<Vec<(usize, Vec<usize>)>> {
+        let mut out: Vec<Vec<(usize, Vec<usize>)>> = Vec::new();
         let mut elems = 0;
         for (u, p) in self.owned_pieces(rank, max_elems) {
-            let n = self.chunk_range(u, p.end - 1).end - self.chunk_range(u, p.start).start;
+            let n: usize = p.iter().map(|&i| self.chunk_range(u, i).len()).sum();
             match out.last_mut() {
                 Some(batch) if elems + n <= max_elems => {
                     batch.push((u, p));
@@ -281,9 +266,9 @@ mod tests {
             let pieces = map.owned_pieces(r, 20);
             let mut seen = Vec::new();
             for (u, p) in &pieces {
-                let elems = map.chunk_range(*u, p.end - 1).end - map.chunk_range(*u, p.start).start;
+                let elems: usize = p.iter().map(|&i| map.chunk_range(*u, i).len()).sum();
                 assert!(elems <= 20 || p.len() == 1, "{u}/{p:?}");
-                for i in p.clone() {
+                for &i in p {
                     assert_eq!(map.owner(*u, i), r);
                     seen.push(ChunkId {
                         unit: *u as u32,
@@ -292,16 +277,20 @@ mod tests {
                 }
             }
             assert_eq!(seen, map.owned_chunks(r));
-        }
-        // A chunk larger than the bound is a piece of its own.
-        assert!(map.pieces(0, 0..3, 1).iter().all(|p| p.len() == 1));
-        // Batches keep the pieces' order and bound, across units.
-        for &r in &map.members {
+            // Batches keep the pieces' order and bound, across units.
             let batches = map.owned_batches(r, 20);
             let flat: Vec<_> = batches.iter().flatten().cloned().collect();
-            assert_eq!(flat, map.owned_pieces(r, 20));
-            assert!(batches.len() < map.owned_pieces(r, 20).len() || batches.len() <= 1);
+            assert_eq!(flat, pieces);
+            for b in &batches {
+                let elems: usize = b
+                    .iter()
+                    .flat_map(|(u, p)| p.iter().map(|&i| map.chunk_range(*u, i).len()))
+                    .sum();
+                assert!(elems <= 20 || b.len() == 1, "{b:?}");
+            }
         }
+        // A chunk larger than the bound is a piece of its own.
+        assert!(map.owned_pieces_in(0, 0, 1).iter().all(|p| p.len() == 1));
         assert_eq!(map.owned_batches(0, usize::MAX).len(), 1);
     }
 

@@ -200,8 +200,9 @@ pub enum Snapshots {
 /// tier (1 Mi: 12 MiB of parameters and Adam's m and v).
 pub const SNAPSHOT_PIECE_ELEMS: u64 = 1 << 20;
 
-/// Pieces of a streamed snapshot in memory at once: one read, one queued, one being written.
-const SNAPSHOT_PIECES: u64 = 3;
+/// Pieces of a streamed snapshot in memory at once besides one per rank being merged (see
+/// `runtime::actors::collect`): one queued for the writer and one being written.
+const SNAPSHOT_PIECES: u64 = 2;
 
 /// The buffer of each checkpoint file open while a snapshot streams (one per owner rank).
 const SNAPSHOT_FILE_BUFFER_BYTES: u64 = 1 << 20;
@@ -507,7 +508,7 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
         Snapshots::None => 0,
         Snapshots::StreamedOffTier if p.any_nvme() => {
             let piece = SNAPSHOT_PIECE_ELEMS.max(d.chunk_elems).min(d.total_elems);
-            SNAPSHOT_PIECES * chunk_state_bytes(piece)
+            (SNAPSHOT_PIECES + d.ranks_in_process) * chunk_state_bytes(piece)
                 + d.ranks_in_process * SNAPSHOT_FILE_BUFFER_BYTES
         }
         Snapshots::Whole | Snapshots::StreamedOffTier => chunk_state_bytes(d.total_elems),
@@ -925,7 +926,7 @@ mod tests {
     }
 
     #[test]
-    fn a_snapshot_streamed_off_the_tier_holds_three_pieces_whatever_the_model() {
+    fn a_snapshot_streamed_off_the_tier_holds_a_few_pieces_whatever_the_model() {
         for total in [1u64 << 24, 1 << 30] {
             let d = Demand {
                 snapshots: Snapshots::StreamedOffTier,
@@ -937,7 +938,8 @@ mod tests {
                 grads: Tier::Nvme,
             };
             let off = evaluate(&d, nvme, 1 << 16);
-            assert_eq!(off.snapshot_bytes, 3 * 12 * (1 << 20) + 2 * (1 << 20));
+            // One piece per rank being merged, one queued, one being written; two buffers.
+            assert_eq!(off.snapshot_bytes, 4 * 12 * (1 << 20) + 2 * (1 << 20));
             // In RAM it is gathered whole, as before.
             let ram = evaluate(&d, Placement::RAM, 1 << 16);
             assert_eq!(ram.snapshot_bytes, 12 * total);

@@ -1,6 +1,6 @@
 //! Collecting every chunk's state from the ranks (snapshots, consolidation, checkpoints).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::Duration;
 
 use ractor::ActorRef;
@@ -47,51 +47,114 @@ pub async fn collect_chunks<T: Transport>(
     Ok(all.into_values().collect())
 }
 
-/// Parameters asked for in one request by [`digest_params`]: 16 MiB of fp32, so the digest of
-/// any model holds at most this much at a time.
-pub const DIGEST_PIECE_ELEMS: usize = 1 << 22;
+/// Every chunk's state in (unit, index) order, read from the owners a piece of at most
+/// [`GROUP_ELEMS`] elements at a time. Owners' chunks interleave within a unit, but a rank's
+/// chunks of a unit sit together in its shard, so each owner is read in its own pieces (one
+/// pass through its records) and the pieces are merged: at most one piece per owner is held.
+struct Merged<'a, T: Transport> {
+    ranks: &'a [(RankId, ActorRef<RankMsg<T>>)],
+    map: &'a ShardMap,
+    params_only: bool,
+    /// The next chunk due: (unit, index).
+    next: (usize, usize),
+    /// Per owner, its pieces of the current unit not yet asked for, and the chunks of the
+    /// piece being merged.
+    owners: BTreeMap<RankId, (VecDeque<Vec<usize>>, VecDeque<ChunkState>)>,
+}
 
-/// The `param-sha256` of the parameters, read from their owners in canonical order: each run
-/// of consecutive chunks with one owner in pieces of at most [`DIGEST_PIECE_ELEMS`].
+impl<'a, T: Transport> Merged<'a, T> {
+    fn new(
+        ranks: &'a [(RankId, ActorRef<RankMsg<T>>)],
+        map: &'a ShardMap,
+        params_only: bool,
+    ) -> Self {
+        Self {
+            ranks,
+            map,
+            params_only,
+            next: (0, 0),
+            owners: BTreeMap::new(),
+        }
+    }
+
+    /// The next chunk and its owner, `None` after the last.
+    async fn next(&mut self) -> Result<Option<(RankId, ChunkState)>, String> {
+        let map = self.map;
+        while self.next.0 < map.units.len() && self.next.1 >= map.units[self.next.0].owners.len() {
+            self.next = (self.next.0 + 1, 0);
+            self.owners.clear();
+        }
+        let (u, i) = self.next;
+        if u >= map.units.len() {
+            return Ok(None);
+        }
+        if self.owners.is_empty() {
+            for &r in &map.members {
+                let pieces = map.owned_pieces_in(u, r, GROUP_ELEMS);
+                self.owners.insert(r, (pieces.into(), VecDeque::new()));
+            }
+        }
+        let owner = map.owner(u, i);
+        let (pieces, queue) = self
+            .owners
+            .get_mut(&owner)
+            .ok_or_else(|| format!("chunk {u}/{i}: its owner, rank {owner}, is not in the map"))?;
+        if queue.is_empty() {
+            let chunks = pieces
+                .pop_front()
+                .ok_or_else(|| format!("rank {owner}: no piece left for chunk {u}/{i}"))?;
+            let want = chunks.len();
+            let actor = actor_of(self.ranks, owner, u)?;
+            let params_only = self.params_only;
+            let reply = actor
+                .call(
+                    |reply| RankMsg::OwnedChunks {
+                        unit: u,
+                        chunks,
+                        params_only,
+                        reply,
+                    },
+                    Some(Duration::from_secs(60)),
+                )
+                .await
+                .map_err(|e| format!("rank {owner}: {e}"))?;
+            let ractor::rpc::CallResult::Success(piece) = reply else {
+                return Err(format!("rank {owner} did not answer"));
+            };
+            let piece = piece.map_err(|e| format!("rank {owner}: {e}"))?;
+            if piece.len() != want {
+                return Err(format!(
+                    "rank {owner} sent {} of {want} chunks",
+                    piece.len()
+                ));
+            }
+            queue.extend(piece);
+        }
+        let c = queue.pop_front().expect("a piece was just read");
+        let n = map.chunk_range(u, i).len();
+        if (c.unit as usize, c.index as usize) != (u, i) || c.params.len() != n {
+            return Err(format!(
+                "rank {owner} sent chunk {}/{} ({} values) where {u}/{i} ({n}) was due",
+                c.unit,
+                c.index,
+                c.params.len()
+            ));
+        }
+        self.next = (u, i + 1);
+        Ok(Some((owner, c)))
+    }
+}
+
+/// The `param-sha256` of the parameters, read from their owners in canonical order, a piece
+/// per owner at a time (parameters only).
 pub async fn digest_params<T: Transport>(
     ranks: &[(RankId, ActorRef<RankMsg<T>>)],
     map: &ShardMap,
 ) -> Result<String, String> {
     let mut digest = ParamDigest::new();
-    for u in 0..map.units.len() {
-        for (owner, chunks) in map.owner_runs(u) {
-            let run =
-                map.chunk_range(u, chunks.start).start..map.chunk_range(u, chunks.end - 1).end;
-            let actor = actor_of(ranks, owner, u)?;
-            let mut at = run.start;
-            while at < run.end {
-                let elems = at..(at + DIGEST_PIECE_ELEMS).min(run.end);
-                let want = elems.len();
-                let reply = actor
-                    .call(
-                        |reply| RankMsg::UnitParams {
-                            unit: u,
-                            elems: elems.clone(),
-                            reply,
-                        },
-                        Some(Duration::from_secs(60)),
-                    )
-                    .await
-                    .map_err(|e| format!("rank {owner}: {e}"))?;
-                let ractor::rpc::CallResult::Success(piece) = reply else {
-                    return Err(format!("rank {owner} did not answer"));
-                };
-                let piece = piece.map_err(|e| format!("rank {owner}: {e}"))?;
-                if piece.len() != want {
-                    return Err(format!(
-                        "rank {owner} sent {} parameters of unit {u} for {want}",
-                        piece.len()
-                    ));
-                }
-                digest.update(&piece);
-                at = elems.end;
-            }
-        }
+    let mut chunks = Merged::new(ranks, map, true);
+    while let Some((_, c)) = chunks.next().await? {
+        digest.update(&c.params);
     }
     Ok(digest.finish())
 }
@@ -116,11 +179,11 @@ pub enum Streamed {
     SaveFailed(String),
 }
 
-/// Streams the snapshot of `progress` under `map` into `sink`: every chunk's state, read from
-/// its owner in (unit, index) order a piece of at most [`GROUP_ELEMS`] elements at a time (one
-/// chunk if larger), written on a thread of its own while the next piece is read. At most
-/// three pieces are in memory: one being read, one queued, one being written. An error is a
-/// rank that did not answer; the sink's own failures come back as [`Streamed::SaveFailed`].
+/// Streams the snapshot of `progress` under `map` into `sink`: every chunk's state in (unit,
+/// index) order ([`Merged`]: one piece per owner at a time), written on a thread of its own
+/// while the next pieces are read. Besides the owners' pieces, one batch is queued and one is
+/// being written. An error is a rank that did not answer; the sink's own failures come back as
+/// [`Streamed::SaveFailed`].
 pub async fn stream_snapshot<T: Transport>(
     ranks: &[(RankId, ActorRef<RankMsg<T>>)],
     map: &ShardMap,
@@ -151,32 +214,30 @@ pub async fn stream_snapshot<T: Transport>(
             let _ = done_tx.send(res);
         })
         .map_err(|e| format!("cannot start the snapshot stream's thread: {e}"))?;
-    'units: for u in 0..map.units.len() {
-        for (owner, run) in map.owner_runs(u) {
-            let actor = actor_of(ranks, owner, u)?;
-            for chunks in map.pieces(u, run, GROUP_ELEMS) {
-                let reply = actor
-                    .call(
-                        |reply| RankMsg::OwnedChunks {
-                            unit: u,
-                            chunks: chunks.clone(),
-                            reply,
-                        },
-                        Some(Duration::from_secs(60)),
-                    )
-                    .await
-                    .map_err(|e| format!("rank {owner}: {e}"))?;
-                let ractor::rpc::CallResult::Success(piece) = reply else {
-                    return Err(format!("rank {owner} did not answer"));
-                };
-                let piece = piece.map_err(|e| format!("rank {owner}: {e}"))?;
-                if tx.send(Some((owner, piece))).await.is_err() {
-                    break 'units; // the writer stopped on an error: it says which
-                }
+    let mut chunks = Merged::new(ranks, map, false);
+    // Consecutive chunks of one owner go to the writer together.
+    let mut batch: Option<(RankId, Vec<ChunkState>)> = None;
+    let mut writer_gone = false;
+    loop {
+        let next = chunks.next().await?;
+        let flush = match (&batch, &next) {
+            (Some((o, b)), Some((owner, _))) => o != owner || b.len() >= 64,
+            (Some(_), None) => true,
+            (None, _) => false,
+        };
+        if flush {
+            let b = batch.take();
+            if tx.send(b).await.is_err() {
+                writer_gone = true; // it stopped on an error: it says which
+                break;
             }
         }
+        let Some((owner, c)) = next else { break };
+        batch.get_or_insert_with(|| (owner, Vec::new())).1.push(c);
     }
-    let _ = tx.send(None).await;
+    if !writer_gone {
+        let _ = tx.send(None).await;
+    }
     let res = done
         .await
         .unwrap_or_else(|_| Err("the snapshot stream's thread panicked".into()));

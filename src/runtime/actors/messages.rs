@@ -99,18 +99,13 @@ pub enum RankMsg<T: Transport> {
     KillAt(u64),
     /// The state of every chunk this rank owns (consolidation, checkpoints).
     Collect(RpcReplyPort<Vec<ChunkState>>),
-    /// Parameters `elems` (unit coordinates, all in chunks this rank owns) of unit `unit`: the
-    /// end-of-run digest reads offloaded models piece by piece. In-process ranks only.
-    UnitParams {
-        unit: usize,
-        elems: std::ops::Range<usize>,
-        reply: RpcReplyPort<Result<Vec<f32>, String>>,
-    },
-    /// The state of chunks `chunks` of unit `unit`, all owned by this rank: a streamed snapshot
-    /// reads state on the tier piece by piece. In-process ranks only.
+    /// The state of chunks `chunks` (ascending indices) of unit `unit`, all owned by this rank;
+    /// with `params_only`, without optimizer state: streamed snapshots and the end-of-run
+    /// digest read state on the tier piece by piece. In-process ranks only.
     OwnedChunks {
         unit: usize,
-        chunks: std::ops::Range<usize>,
+        chunks: Vec<usize>,
+        params_only: bool,
         reply: RpcReplyPort<Result<Vec<ChunkState>, String>>,
     },
 }

@@ -316,20 +316,14 @@ impl<T: Transport> Actor for RankActor<T> {
                     .unwrap_or_default();
                 let _ = reply.send(chunks);
             }
-            RankMsg::UnitParams { unit, elems, reply } => {
-                let res = match slot.work.as_ref().and_then(|w| w.state.as_ref()) {
-                    Some(s) => s.unit_params(unit, elems),
-                    None => Err(format!("rank {rank} holds no state")),
-                };
-                let _ = reply.send(res);
-            }
             RankMsg::OwnedChunks {
                 unit,
                 chunks,
+                params_only,
                 reply,
             } => {
                 let res = match slot.work.as_ref().and_then(|w| w.state.as_ref()) {
-                    Some(s) => s.owned_chunks_in(unit, chunks),
+                    Some(s) => s.owned_chunks_in(unit, &chunks, params_only),
                     None => Err(format!("rank {rank} holds no state")),
                 };
                 let _ = reply.send(res);

@@ -198,7 +198,7 @@ pub fn replicate<T: Transport>(
             for (u, chunks) in batch {
                 piece.extend(
                     state
-                        .owned_chunks_in(*u, chunks.clone())
+                        .owned_chunks_in(*u, chunks, false)
                         .map_err(CommError::Storage)?,
                 );
             }

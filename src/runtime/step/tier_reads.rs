@@ -3,7 +3,6 @@
 //! dozens of times over; these read runs of consecutive chunks in one pass through the records,
 //! a bounded group at a time.
 
-use std::ops::Range;
 use std::sync::Mutex;
 
 use super::offload::read_shard_values;
@@ -42,7 +41,7 @@ impl RankState {
             return emit(out);
         };
         for u in 0..self.shards.len() {
-            self.tiered_chunks(t, u, false, 0..usize::MAX, emit)?;
+            self.tiered_chunks(t, u, false, &|_| true, false, emit)?;
             if self.stage != Stage::Zero3 {
                 // Stages 0-2 hold every parameter: the chunks without optimizer state here.
                 let shard = &self.shards[u];
@@ -72,29 +71,35 @@ impl RankState {
         owned_only: bool,
         out: &mut Vec<ChunkState>,
     ) -> Result<(), TierError> {
-        self.tiered_chunks(tier, u, owned_only, 0..usize::MAX, &mut |group| {
+        self.tiered_chunks(tier, u, owned_only, &|_| true, false, &mut |group| {
             out.extend(group);
             Ok(())
         })
     }
 
-    /// [`RankState::tiered_in_unit`] for the chunks with an index in `within` only.
+    /// [`RankState::tiered_in_unit`] for the chunks `within` says, a group at a time; with
+    /// `params_only`, without their optimizer state (not read).
     fn tiered_chunks(
         &self,
         tier: &Mutex<TierFile>,
         u: usize,
         owned_only: bool,
-        within: Range<usize>,
+        within: &dyn Fn(usize) -> bool,
+        params_only: bool,
         emit: &mut Emit<'_>,
     ) -> Result<(), TierError> {
         let shard = &self.shards[u];
         let kinds = self.tier_kinds();
-        let per = self.optim.state_per_param() as usize;
+        let per = if params_only {
+            0
+        } else {
+            self.optim.state_per_param() as usize
+        };
         // (chunk, its range in the unit, its offset in the shard) of the chunks wanted.
         let mut owned = Vec::new();
         let mut off = 0;
         for (&c, r) in shard.chunks.iter().zip(&shard.ranges) {
-            if within.contains(&c) && (!owned_only || self.map.owner(u, c) == self.rank) {
+            if within(c) && (!owned_only || self.map.owner(u, c) == self.rank) {
                 owned.push((c, r.clone(), off));
             }
             off += r.len();
@@ -159,36 +164,51 @@ impl RankState {
         Ok(())
     }
 
-    /// The state of chunks `chunks` of unit `u`, every one of which this rank must own, in
-    /// index order: a streamed checkpoint reads a rank's chunks a bounded piece at a time.
+    /// The state of chunks `chunks` of unit `u` (ascending indices), every one of which this
+    /// rank must own, in index order; with `params_only`, without optimizer state. Streamed
+    /// snapshots and digests read a rank's chunks a bounded piece at a time with this.
     pub fn owned_chunks_in(
         &self,
         u: usize,
-        chunks: Range<usize>,
+        chunks: &[usize],
+        params_only: bool,
     ) -> Result<Vec<ChunkState>, String> {
         let unit = self
             .map
             .units
             .get(u)
             .ok_or_else(|| format!("unit {u} does not exist"))?;
-        if chunks.end > unit.owners.len() || chunks.is_empty() {
-            return Err(format!("unit {u} has no chunks {chunks:?}"));
+        if chunks.is_empty() || !chunks.is_sorted_by(|a, b| a < b) {
+            return Err(format!(
+                "unit {u}: chunks {chunks:?} are not an ascending list"
+            ));
         }
-        if let Some(c) = chunks.clone().find(|&c| unit.owners[c] != self.rank) {
+        if let Some(&c) = chunks
+            .iter()
+            .find(|&&c| unit.owners.get(c) != Some(&self.rank))
+        {
             return Err(format!("chunk {u}/{c} is not owned by rank {}", self.rank));
         }
         let mut out = Vec::with_capacity(chunks.len());
         match &self.tier {
-            Some(t) => self
-                .tiered_chunks(t, u, true, chunks.clone(), &mut |group| {
+            Some(t) => {
+                let wanted = |c: usize| chunks.binary_search(&c).is_ok();
+                self.tiered_chunks(t, u, true, &wanted, params_only, &mut |group| {
                     out.extend(group);
                     Ok(())
                 })
-                .map_err(|e| e.to_string())?,
+                .map_err(|e| e.to_string())?
+            }
             None => {
-                for c in chunks.clone() {
+                for &c in chunks {
                     out.extend(self.try_chunk_state(u, c).map_err(|e| e.to_string())?);
                 }
+            }
+        }
+        if params_only {
+            for c in &mut out {
+                c.m = Vec::new();
+                c.v = Vec::new();
             }
         }
         if out.len() != chunks.len() {
@@ -197,52 +217,6 @@ impl RankState {
                 self.rank,
                 out.len()
             ));
-        }
-        Ok(out)
-    }
-
-    /// Parameters `elems` of unit `u` (unit coordinates), all in chunks this rank owns; read
-    /// from the tier when they live there, in one pass over the records.
-    pub fn unit_params(&self, u: usize, elems: Range<usize>) -> Result<Vec<f32>, String> {
-        let shard = self
-            .shards
-            .get(u)
-            .ok_or_else(|| format!("unit {u} does not exist"))?;
-        if self.stage != Stage::Zero3 {
-            return self.full[u]
-                .get(elems.clone())
-                .map(<[f32]>::to_vec)
-                .ok_or_else(|| format!("elements {elems:?} are outside unit {u}"));
-        }
-        // The requested elements, as runs of the shard (adjacent runs merged).
-        let mut runs: Vec<Range<usize>> = Vec::new();
-        let mut off = 0;
-        for (&c, r) in shard.chunks.iter().zip(&shard.ranges) {
-            let (a, b) = (r.start.max(elems.start), r.end.min(elems.end));
-            if a < b && self.map.owner(u, c) == self.rank {
-                let run = off + a - r.start..off + b - r.start;
-                match runs.last_mut() {
-                    Some(last) if last.end == run.start => last.end = run.end,
-                    _ => runs.push(run),
-                }
-            }
-            off += r.len();
-        }
-        if runs.iter().map(Range::len).sum::<usize>() != elems.len() {
-            return Err(format!(
-                "rank {} does not own all of elements {elems:?} of unit {u}",
-                self.rank
-            ));
-        }
-        let mut out = Vec::with_capacity(elems.len());
-        for run in runs {
-            match &self.tier {
-                Some(t) if self.params_on_tier() => {
-                    let mut t = t.lock().unwrap_or_else(|p| p.into_inner());
-                    out.extend(read_shard_values(&mut t, u, 0, run).map_err(|e| e.to_string())?);
-                }
-                _ => out.extend_from_slice(&shard.params[run]),
-            }
         }
         Ok(out)
     }
