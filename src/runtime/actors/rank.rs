@@ -189,8 +189,8 @@ impl<T: Transport> Actor for RankActor<T> {
                 on_thread(me, format!("rank-{rank}-reshard"), move || {
                     let owner = |u: usize, i: usize| old.owner(u, i);
                     let current = work.state.take();
-                    let base =
-                        |u: usize, i: usize| current.as_ref().and_then(|s| s.chunk_state(u, i));
+                    let reader = current.as_ref().map(|s| s.cached_chunks());
+                    let base = |u: usize, i: usize| reader.as_ref().and_then(|r| r.get(u, i));
                     let res = reshard_job(&setup, &owner, &old, &new, step, vanish).run(
                         rank,
                         &base,

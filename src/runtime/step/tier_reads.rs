@@ -221,3 +221,64 @@ impl RankState {
         Ok(out)
     }
 }
+
+/// Chunk states for a reshard's base, read through a one-group cache: with a tier, a miss reads
+/// the group of the shard that starts at the chunk (at most [`GROUP_ELEMS`] elements) and keeps
+/// it, so reading a unit's chunks in order passes through each tier record once rather than
+/// once per chunk (a record holds up to 32 default chunks).
+pub struct CachedChunks<'a> {
+    state: &'a RankState,
+    group: std::cell::RefCell<std::collections::BTreeMap<(usize, usize), ChunkState>>,
+}
+
+impl RankState {
+    pub fn cached_chunks(&self) -> CachedChunks<'_> {
+        CachedChunks {
+            state: self,
+            group: Default::default(),
+        }
+    }
+}
+
+impl CachedChunks<'_> {
+    /// [`RankState::chunk_state`] of (`u`, `i`).
+    pub fn get(&self, u: usize, i: usize) -> Option<ChunkState> {
+        let st = self.state;
+        let Some(t) = &st.tier else {
+            return st.chunk_state(u, i);
+        };
+        if let Some(c) = self.group.borrow().get(&(u, i)) {
+            return Some(c.clone());
+        }
+        let shard = st.shards.get(u)?;
+        let Some(at) = shard.chunks.iter().position(|&c| c == i) else {
+            return st.chunk_state(u, i); // not in the shard: nothing of it is on the tier
+        };
+        let mut elems = 0;
+        let window: Vec<usize> = shard.chunks[at..]
+            .iter()
+            .zip(&shard.ranges[at..])
+            .take_while(|(_, r)| {
+                elems += r.len();
+                elems <= GROUP_ELEMS
+            })
+            .map(|(&c, _)| c)
+            .collect();
+        let window = if window.is_empty() { vec![i] } else { window };
+        let mut sorted = window.clone();
+        sorted.sort_unstable();
+        let wanted = |c: usize| sorted.binary_search(&c).is_ok();
+        let mut group = std::collections::BTreeMap::new();
+        let read = st.tiered_chunks(t, u, false, &wanted, false, &mut |chunks| {
+            group.extend(chunks.into_iter().map(|c| ((u, c.index as usize), c)));
+            Ok(())
+        });
+        if let Err(e) = read {
+            tracing::error!(rank = st.rank, "{e}");
+            return None;
+        }
+        let c = group.get(&(u, i)).cloned();
+        *self.group.borrow_mut() = group;
+        c
+    }
+}
