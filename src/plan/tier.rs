@@ -556,7 +556,7 @@ fn refusal(
     );
     if r.backup > 0 {
         msg += &format!(
-            "; buddy backups hold {} per rank in RAM whatever the placement (--replicate-every 0 turns them off; a lost rank then stops the run)",
+            "; buddy backups hold {} per rank in RAM, or go to files beside the tier when state is offloaded (--replicate-every 0 turns them off; a lost rank then stops the run)",
             gib(r.backup)
         );
     }

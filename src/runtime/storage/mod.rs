@@ -3,7 +3,8 @@
 //! A placement from `plan::tier` says which state goes to the tier; [`TierSpec`] carries it with
 //! the directory and the I/O settings, and opens each rank's [`TierFile`] (one preallocated file
 //! in the rank's own subfolder) on a device: [`uring::UringDevice`] on the disk, or
-//! [`device::MemDevice`], the reference device tests inject faults into.
+//! [`device::MemDevice`], the reference device tests inject faults into. Buddy backups of
+//! offloaded state go to [`ChunkFile`]s beside the tier file.
 //!
 //! Imports: `plan`, `crate::runtime::alloc` and below; nothing above (the step uses this).
 
