@@ -145,6 +145,11 @@ pub enum Event {
         step: u64,
         now_ms: u64,
     },
+    /// The runtime held the ranks at a step boundary (a snapshot streamed off the tier) until
+    /// now: the current phase's time starts over.
+    Paused {
+        now_ms: u64,
+    },
     /// Snapshot at the next step boundary (a SIGTERM, an operator's request).
     SnapshotRequested,
     /// A rank the coordinator asked for is up and idle; `host` when the runtime knows where
@@ -249,8 +254,6 @@ enum Phase {
     Idle,
     Running {
         started_ms: u64,
-        /// When each rank last reported progress within this step.
-        heard_ms: BTreeMap<RankId, u64>,
     },
     /// Waiting for joiners to come up before a reshard.
     Spawning {
@@ -298,6 +301,8 @@ pub struct Coordinator {
     phase: Phase,
     reports: BTreeMap<RankId, StepReport>,
     snapshot_requested: bool,
+    /// When each rank last reported progress (a unit, a piece moved) in the current work.
+    heard_ms: BTreeMap<RankId, u64>,
     /// Operator requests waiting for the next step boundary.
     requested: Vec<Change>,
     /// Rank ids handed out so far (joiners take the next ones).
@@ -343,6 +348,7 @@ impl Coordinator {
             phase: Phase::Idle,
             reports: BTreeMap::new(),
             snapshot_requested: false,
+            heard_ms: BTreeMap::new(),
             requested: Vec::new(),
             next_rank,
             joiner_hosts: BTreeMap::new(),
@@ -513,11 +519,28 @@ impl Coordinator {
                 step,
                 now_ms,
             } => {
-                if let Phase::Running { heard_ms, .. } = &mut self.phase {
-                    // Work on an abandoned step or an old map says nothing about this one.
-                    if epoch == self.map.epoch && step == self.step && self.map.is_member(rank) {
-                        heard_ms.insert(rank, now_ms);
+                // Work on an abandoned step or round, or under an old map, says nothing about
+                // this one.
+                let current = match &self.phase {
+                    Phase::Running { .. } | Phase::Replicating { .. } => {
+                        (epoch, step) == (self.map.epoch, self.step)
                     }
+                    Phase::Resharding { new, step: at, .. } => (epoch, step) == (new.epoch, *at),
+                    _ => false,
+                };
+                if current {
+                    self.heard_ms.insert(rank, now_ms);
+                }
+                Vec::new()
+            }
+            Event::Paused { now_ms } => {
+                // The ranks waited on the runtime (a snapshot streamed off the tier): that
+                // time is not theirs.
+                match &mut self.phase {
+                    Phase::Running { started_ms }
+                    | Phase::Replicating { started_ms, .. }
+                    | Phase::Resharding { started_ms, .. } => *started_ms = now_ms,
+                    _ => {}
                 }
                 Vec::new()
             }
@@ -565,10 +588,7 @@ impl Coordinator {
                 ranks: self.map.members.clone(),
             }];
         }
-        self.phase = Phase::Running {
-            started_ms: now_ms,
-            heard_ms: BTreeMap::new(),
-        };
+        self.phase = Phase::Running { started_ms: now_ms };
         self.reports.clear();
         vec![Command::RunStep(StepPlan {
             epoch: self.map.epoch,
@@ -632,19 +652,13 @@ impl Coordinator {
 
     fn on_tick(&mut self, now_ms: u64) -> Vec<Command> {
         match self.phase {
-            Phase::Running {
-                started_ms,
-                ref heard_ms,
-            } => {
-                let silent_ms = |r: &RankId| {
-                    now_ms.saturating_sub(heard_ms.get(r).copied().unwrap_or(started_ms))
-                };
+            Phase::Running { started_ms } => {
                 let stuck: Vec<RankId> = self
                     .map
                     .members
                     .iter()
                     .filter(|r| !self.reports.contains_key(r))
-                    .filter(|r| silent_ms(r) > self.job.step_timeout_ms)
+                    .filter(|r| self.silent_ms(**r, started_ms, now_ms) > self.job.step_timeout_ms)
                     .copied()
                     .collect();
                 if stuck.is_empty() {
@@ -674,9 +688,31 @@ impl Coordinator {
                 }
                 out
             }
-            Phase::Resharding { started_ms, .. }
-            | Phase::Replicating { started_ms, .. }
-            | Phase::Recovering { started_ms, .. }
+            // Reshards and backups of state on a slow disk take as long as they need while their
+            // ranks keep moving pieces; waiting for survivors to go idle has no pieces to show.
+            Phase::Resharding {
+                started_ms,
+                ref waiting,
+                ..
+            }
+            | Phase::Replicating {
+                started_ms,
+                ref waiting,
+            } => {
+                let stuck: Vec<RankId> = waiting
+                    .iter()
+                    .filter(|r| self.silent_ms(**r, started_ms, now_ms) > self.job.step_timeout_ms)
+                    .copied()
+                    .collect();
+                if stuck.is_empty() {
+                    return Vec::new();
+                }
+                self.fail(format!(
+                    "membership change before step {} made no progress on ranks {stuck:?} for {} ms (step_timeout_ms)",
+                    self.step, self.job.step_timeout_ms
+                ))
+            }
+            Phase::Recovering { started_ms, .. }
                 if now_ms.saturating_sub(started_ms) > self.job.step_timeout_ms =>
             {
                 self.fail(format!(
@@ -686,6 +722,13 @@ impl Coordinator {
             }
             _ => Vec::new(),
         }
+    }
+
+    /// How long `rank` has been silent in a phase that started at `started_ms`: since its last
+    /// progress in this phase, or since the phase started.
+    fn silent_ms(&self, rank: RankId, started_ms: u64, now_ms: u64) -> u64 {
+        let heard = self.heard_ms.get(&rank).copied().unwrap_or(0);
+        now_ms.saturating_sub(heard.max(started_ms))
     }
 
     fn backup_due(&self) -> bool {
@@ -745,6 +788,7 @@ fn event_time(e: &Event) -> u64 {
         | Event::RankFailed { now_ms, .. }
         | Event::Tick { now_ms }
         | Event::Progress { now_ms, .. }
+        | Event::Paused { now_ms }
         | Event::Spawned { now_ms, .. }
         | Event::ReshardDone { now_ms, .. }
         | Event::StepAborted { now_ms, .. }

@@ -787,3 +787,39 @@ fn a_joiner_brings_its_host_into_the_map() {
     );
     assert_eq!(&c.map().hosts, &new.hosts, "committed with the hosts");
 }
+
+/// A backup of state on a slow disk runs past step_timeout_ms while its ranks move pieces; the
+/// rank that stops is named. A pause (a snapshot streamed at the boundary) restarts the clock.
+#[test]
+fn a_long_backup_lives_on_progress_and_a_pause_is_not_counted() {
+    let map = ShardMap::plan(&[100], &[0, 1], 10, 0).unwrap();
+    let epoch = map.epoch;
+    let mut c = Coordinator::new(backed_up(3, Vec::new()), map);
+    let cmds = c.handle(Event::Start { now_ms: 0 });
+    assert_eq!(kinds(&cmds), ["replicate"]);
+    let beat = |rank, now_ms| Event::Progress {
+        rank,
+        epoch,
+        step: 0,
+        now_ms,
+    };
+    for t in (900..=3600).step_by(900) {
+        c.handle(beat(0, t));
+        c.handle(beat(1, t));
+        assert!(c.handle(Event::Tick { now_ms: t + 50 }).is_empty(), "at {t}");
+    }
+    c.handle(beat(0, 4500));
+    let cmds = c.handle(Event::Tick { now_ms: 4700 });
+    let Command::Abort { reason } = &cmds[0] else {
+        panic!("{cmds:?}")
+    };
+    assert!(reason.contains("no progress on ranks [1]"), "{reason}");
+
+    // A pause restarts the phase's clock: silence is counted from it.
+    let map = ShardMap::plan(&[100], &[0, 1], 10, 0).unwrap();
+    let mut c = Coordinator::new(job(3), map);
+    c.handle(Event::Start { now_ms: 0 });
+    c.handle(Event::Paused { now_ms: 5000 });
+    assert!(c.handle(Event::Tick { now_ms: 5900 }).is_empty());
+    assert!(!c.handle(Event::Tick { now_ms: 6100 }).is_empty());
+}

@@ -186,7 +186,10 @@ impl<T: Transport> CoordState<T> {
                             let _ = self
                                 .events
                                 .send(ClusterEvent::SnapshotStreamed { step, saved });
-                            Vec::new()
+                            // The ranks waited for the stream; the next phase's time starts now.
+                            vec![Event::Paused {
+                                now_ms: self.clock.now_ms(),
+                            }]
                         }
                         Err(e) => vec![Event::RankFailed {
                             rank: u32::MAX,

@@ -273,7 +273,9 @@ impl<T: Transport> Actor for RankActor<T> {
                 let vanish = dooms(&setup, rank, step, Round::Replicate);
                 on_thread(me, format!("rank-{rank}-replicate"), move || {
                     let res = match work.state.as_ref() {
-                        Some(st) => replicate(st, &mut work.comm, step, vanish),
+                        Some(st) => {
+                            replicate(st, &mut work.comm, step, vanish, &setup.exec.progress)
+                        }
                         None => Err(CommError::Protocol {
                             from: rank,
                             what: "no state to replicate".into(),
@@ -386,6 +388,7 @@ fn reshard_job<'a>(
         storage: setup.storage.as_deref(),
         step,
         vanish,
+        progress: &setup.exec.progress,
     }
 }
 

@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use super::comm::{Comm, CommError};
 use super::parcel::{decode_parcel, encode_parcel};
+use super::progress::RunProgress;
 use super::rank_state::{ChunkState, RankState};
 use super::tier_reads::GROUP_ELEMS;
 use crate::plan::replica::{buddy, predecessor};
@@ -155,6 +156,7 @@ pub fn replicate<T: Transport>(
     comm: &mut Comm<T>,
     step: u64,
     vanish: bool,
+    progress: &RunProgress,
 ) -> Result<Backup, CommError> {
     let map = &state.map;
     let me = state.rank;
@@ -164,8 +166,12 @@ pub fn replicate<T: Transport>(
     let storage = |e: TierError| CommError::Storage(e.to_string());
     let dir = state.tier_dir();
     let mut local = Filling::new(dir.as_deref(), "local", map.epoch, step).map_err(storage)?;
+    let beat = || progress.beat(me, map.epoch, step);
     state
-        .for_each_held(&mut |group| local.extend(group))
+        .for_each_held(&mut |group| {
+            beat();
+            local.extend(group)
+        })
         .map_err(storage)?;
     let local = local.done().map_err(storage)?;
     // The replica goes to the buddy in pieces, piece k under tag k, each sent before piece k
@@ -203,6 +209,7 @@ pub fn replicate<T: Transport>(
                 );
             }
             comm.send(b, tag(sent), encode_parcel(&piece))?;
+            beat();
             sent += 1;
             if vanish {
                 continue; // sends everything, then stops
@@ -220,6 +227,7 @@ pub fn replicate<T: Transport>(
                 })?;
             let chunks = decode_parcel(p, &payload, &expect[got..got + count])?;
             held.extend(chunks).map_err(storage)?;
+            beat();
             got += count;
             k_in += 1;
         }

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use super::comm::{Comm, CommError};
 use super::parcel::{decode_parcel, encode_parcel};
+use super::progress::RunProgress;
 use super::rank_state::{ChunkSource, ChunkState, OptimSettings, RankState};
 use crate::model::Model;
 use crate::plan::{RankId, ShardMap, Stage};
@@ -104,6 +105,9 @@ pub struct Reshard<'a> {
     pub step: u64,
     /// Fault injection: the rank vanishes after sending half of what it owes.
     pub vanish: bool,
+    /// Where each parcel sent or received counts as progress (a reshard of state on a slow disk
+    /// takes as long as it needs while pieces move).
+    pub progress: &'a RunProgress,
 }
 
 impl Reshard<'_> {
@@ -135,6 +139,7 @@ impl Reshard<'_> {
                 .map(|&(u, i, need)| pick(base, me, self.optim, u, i, need))
                 .collect::<Result<_, _>>()?;
             comm.send(*to, tag, encode_parcel(&chunks))?;
+            self.progress.beat(me, self.new.epoch, self.step);
         }
         if vanish_after.is_some() {
             return Err(CommError::Vanished);
@@ -149,6 +154,7 @@ impl Reshard<'_> {
             for c in decode_parcel(*from, &payload, &expect)? {
                 received.insert((c.unit as usize, c.index as usize), c);
             }
+            self.progress.beat(me, self.new.epoch, self.step);
         }
         let source = |u: usize, i: usize| -> Option<ChunkState> {
             let own = base(u, i);
