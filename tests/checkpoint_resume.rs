@@ -77,6 +77,11 @@ fn resume_at_any_world_size_and_stage_is_bit_identical() {
     assert_eq!(r.sha(), want);
 }
 
+/// Flags that put the optimizer state on a tier in `dir`.
+fn optimizer_on_tier(dir: &std::path::Path) -> [&str; 4] {
+    ["--offload-optimizer", "nvme", "--nvme-dir", s(dir)]
+}
+
 /// From a snapshot in RAM and streamed off the tier alike.
 #[test]
 fn sigterm_saves_at_the_next_step_boundary_and_the_run_resumes() {
@@ -88,12 +93,7 @@ fn sigterm_saves_at_the_next_step_boundary_and_the_run_resumes() {
         let mut args = vec!["--steps", "5", "--ranks", "3", "--stage", "2"];
         args.extend(["--save-dir", s(&root), "--signal-at", "2"]);
         if tier {
-            args.extend([
-                "--offload-optimizer",
-                "nvme",
-                "--nvme-dir",
-                s(tier_dir.path()),
-            ]);
+            args.extend(optimizer_on_tier(tier_dir.path()));
         }
         let r = train_cli(&args);
         assert_eq!(r.code, 128 + 15, "{}\n{}", r.stdout, r.stderr);
@@ -157,12 +157,7 @@ fn crash_during_saves(want: &str, tier: bool) {
             &crash,
         ];
         if tier {
-            args.extend([
-                "--offload-optimizer",
-                "nvme",
-                "--nvme-dir",
-                s(tier_dir.path()),
-            ]);
+            args.extend(optimizer_on_tier(tier_dir.path()));
         }
         let r = train_cli(&args);
         let point = format!("{point} (tier: {tier})");

@@ -653,14 +653,12 @@ impl Coordinator {
     fn on_tick(&mut self, now_ms: u64) -> Vec<Command> {
         match self.phase {
             Phase::Running { started_ms } => {
-                let stuck: Vec<RankId> = self
+                let unreported = self
                     .map
                     .members
                     .iter()
-                    .filter(|r| !self.reports.contains_key(r))
-                    .filter(|r| self.silent_ms(**r, started_ms, now_ms) > self.job.step_timeout_ms)
-                    .copied()
-                    .collect();
+                    .filter(|r| !self.reports.contains_key(r));
+                let stuck = self.silent(unreported, started_ms, now_ms);
                 if stuck.is_empty() {
                     return Vec::new();
                 }
@@ -699,11 +697,7 @@ impl Coordinator {
                 started_ms,
                 ref waiting,
             } => {
-                let stuck: Vec<RankId> = waiting
-                    .iter()
-                    .filter(|r| self.silent_ms(**r, started_ms, now_ms) > self.job.step_timeout_ms)
-                    .copied()
-                    .collect();
+                let stuck = self.silent(waiting.iter(), started_ms, now_ms);
                 if stuck.is_empty() {
                     return Vec::new();
                 }
@@ -724,11 +718,22 @@ impl Coordinator {
         }
     }
 
-    /// How long `rank` has been silent in a phase that started at `started_ms`: since its last
-    /// progress in this phase, or since the phase started.
-    fn silent_ms(&self, rank: RankId, started_ms: u64, now_ms: u64) -> u64 {
-        let heard = self.heard_ms.get(&rank).copied().unwrap_or(0);
-        now_ms.saturating_sub(heard.max(started_ms))
+    /// The `ranks` silent for longer than `step_timeout_ms` in a phase that started at
+    /// `started_ms`: since their last progress in this phase, or since it started.
+    fn silent<'a>(
+        &self,
+        ranks: impl Iterator<Item = &'a RankId>,
+        started_ms: u64,
+        now_ms: u64,
+    ) -> Vec<RankId> {
+        let silent_ms = |r: &RankId| {
+            let heard = self.heard_ms.get(r).copied().unwrap_or(0);
+            now_ms.saturating_sub(heard.max(started_ms))
+        };
+        ranks
+            .filter(|r| silent_ms(r) > self.job.step_timeout_ms)
+            .copied()
+            .collect()
     }
 
     fn backup_due(&self) -> bool {

@@ -806,7 +806,10 @@ fn a_long_backup_lives_on_progress_and_a_pause_is_not_counted() {
     for t in (900..=3600).step_by(900) {
         c.handle(beat(0, t));
         c.handle(beat(1, t));
-        assert!(c.handle(Event::Tick { now_ms: t + 50 }).is_empty(), "at {t}");
+        assert!(
+            c.handle(Event::Tick { now_ms: t + 50 }).is_empty(),
+            "at {t}"
+        );
     }
     c.handle(beat(0, 4500));
     let cmds = c.handle(Event::Tick { now_ms: 4700 });
