@@ -34,6 +34,25 @@ fn launch_gives_the_in_process_digest_with_2_and_3_processes() {
     }
 }
 
+/// Workers with everything on their tiers (each under `worker-R/` of the one `--nvme-dir`): the
+/// run ends with the parameters' digest read from the workers a piece at a time (the
+/// coordinator gathers no chunks) and equals the in-process run's.
+#[test]
+fn launch_with_state_on_the_tier_gives_the_in_process_digest() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let flags = small("gpt", 3);
+    let reference = reference_digest(2, &flags);
+    let tier = ["--offload-optimizer", "nvme", "--offload-params", "nvme"];
+    let (code, out, err) = run(Command::new(EZERO)
+        .args(["launch", "--nprocs", "2", "--"])
+        .args(&flags)
+        .args(tier)
+        .args(["--offload-grads", "nvme", "--nvme-record-elems", "1024"])
+        .args(["--nvme-dir", dir.path().to_str().unwrap()]));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(digest(&out).as_deref(), Some(reference.as_str()), "{out}");
+}
+
 /// A coordinator and three workers.
 struct Job {
     coord: Proc,

@@ -242,6 +242,15 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     .map(|s| s.resume_with(format!("ezero launch --nprocs {} -- --resume", cfg.ranks)));
     let psi = param_count(&model.units());
     let floor = data.entropy_floor_nats();
+    // Each worker plans its own placement; this is one rank's plan on this machine.
+    let available = available_memory_bytes().unwrap_or(u64::MAX / 2);
+    let fit = plan_memory(&cfg, model.as_ref(), 1, false, available).unwrap_or_else(|_| {
+        evaluate(
+            &memory_demand(&cfg, model.as_ref(), 1, false),
+            Placement::RAM,
+            MIN_TILE_ELEMS,
+        )
+    });
     let opts = CoordinatorOptions {
         listen: listen.clone(),
         token,
@@ -257,6 +266,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         boundary_snapshot: saving.is_some().then_some(boundary),
         on_demand_snapshots: saving.is_some(),
         part_max_bytes,
+        state_on_tier: fit.placement.any_nvme(),
     };
     let started = Instant::now();
     let mut lines = StepLines {
@@ -298,15 +308,6 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         Err(e) => return Err(failure(e, lines.last_step, save_dir.as_deref())),
     };
     saved?;
-    // Each worker plans its own placement; this is one rank's plan on this machine.
-    let available = available_memory_bytes().unwrap_or(u64::MAX / 2);
-    let fit = plan_memory(&cfg, model.as_ref(), 1, false, available).unwrap_or_else(|_| {
-        evaluate(
-            &memory_demand(&cfg, model.as_ref(), 1, false),
-            Placement::RAM,
-            MIN_TILE_ELEMS,
-        )
-    });
     let summary = super::train::summarize(
         &cfg,
         psi,

@@ -113,8 +113,14 @@ impl Conn {
                 ToCoord::CollectReply { id, chunks } => {
                     let mut all = partial.remove(&id).unwrap_or_default();
                     all.extend(chunks);
-                    if let Some(port) = lock(&pending).remove(&id) {
-                        let _ = port.send(all);
+                    if let Some(p) = lock(&pending).remove(&id) {
+                        p.answer(all, None);
+                    }
+                }
+                ToCoord::CollectFailed { id, reason } => {
+                    partial.remove(&id);
+                    if let Some(p) = lock(&pending).remove(&id) {
+                        p.answer(Vec::new(), Some(format!("rank {rank}: {reason}")));
                     }
                 }
                 ToCoord::Progress { epoch, step } => {

@@ -169,6 +169,11 @@ pub enum ToCoord {
         id: u64,
         chunks: Vec<ChunkState>,
     },
+    /// A piece collect the rank could not answer, and why.
+    CollectFailed {
+        id: u64,
+        reason: String,
+    },
     Heartbeat,
     /// The worker's rank finished units within (epoch, step) since its last `Progress`: a
     /// long step is moving.
@@ -189,6 +194,7 @@ impl ToCoord {
             ToCoord::Report(_) => "a report",
             ToCoord::CollectPart { .. } => "a collect part",
             ToCoord::CollectReply { .. } => "a collect reply",
+            ToCoord::CollectFailed { .. } => "a failed collect",
             ToCoord::Heartbeat => "a heartbeat",
             ToCoord::Progress { .. } => "progress",
         }
@@ -227,6 +233,13 @@ pub enum ToWorker {
     Collect {
         id: u64,
     },
+    /// A piece of what the rank owns (`RankMsg::OwnedChunks`), answered like a collect.
+    OwnedChunks {
+        id: u64,
+        unit: usize,
+        chunks: Vec<usize>,
+        params_only: bool,
+    },
     /// Stop waiting in (epoch, step): it is being abandoned.
     Interrupt {
         epoch: u64,
@@ -250,6 +263,7 @@ impl ToWorker {
             ToWorker::Refused { .. } => "a refusal",
             ToWorker::Command(_) => "a command",
             ToWorker::Collect { .. } => "a collect",
+            ToWorker::OwnedChunks { .. } => "a piece collect",
             ToWorker::Interrupt { .. } => "an interrupt",
             ToWorker::Heartbeat => "a heartbeat",
             ToWorker::Stop { .. } => "a stop",

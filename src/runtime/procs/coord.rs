@@ -85,6 +85,9 @@ pub struct CoordinatorOptions {
     pub on_demand_snapshots: bool,
     /// Largest part of chunk states in one control frame (`state::STATE_PART_MAX_BYTES`).
     pub part_max_bytes: usize,
+    /// The workers keep state on their tiers: the run ends with the parameters' digest read a
+    /// piece per worker at a time, not with every chunk gathered here.
+    pub state_on_tier: bool,
 }
 
 /// Where a coordinator listens.
@@ -449,6 +452,8 @@ struct Run {
     writers: Tasks,
     tasks: Tasks,
     lobby: Arc<Lobby>,
+    /// `CoordinatorOptions::state_on_tier`.
+    state_on_tier: bool,
 }
 
 impl Run {
@@ -620,6 +625,7 @@ impl Run {
             writers,
             tasks,
             lobby,
+            state_on_tier: opts.state_on_tier,
         })
     }
 
@@ -664,6 +670,24 @@ impl Run {
         let end = end.map_err(ProcError::Aborted);
         monitor.ended(view, end.as_ref().map(|_| ()).map_err(|e| e.to_string()));
         end?;
+        if self.state_on_tier {
+            let reply = self
+                .coordinator
+                .call(CoordMsg::Digest, Some(Duration::from_secs(3600)))
+                .await;
+            let param_sha256 = match reply {
+                Ok(ractor::rpc::CallResult::Success(r)) => r.map_err(ProcError::Collect)?,
+                Ok(_) => return Err(ProcError::Collect("the coordinator did not answer".into())),
+                Err(e) => return Err(ProcError::Collect(e.to_string())),
+            };
+            return Ok(TrainOutcome {
+                records,
+                param_sha256,
+                params: Vec::new(),
+                resume_reads: Vec::new(),
+                net: Default::default(),
+            });
+        }
         let reply = self
             .coordinator
             .call(CoordMsg::Collect, Some(Duration::from_secs(120)))

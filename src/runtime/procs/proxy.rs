@@ -23,7 +23,33 @@ use crate::runtime::transport::detached::Detached;
 use crate::runtime::transport::Transport;
 
 /// Collect requests in flight, answered by the connection's reader when the chunks arrive.
-pub type PendingCollects = Arc<Mutex<HashMap<u64, RpcReplyPort<Vec<ChunkState>>>>>;
+pub type PendingCollects = Arc<Mutex<HashMap<u64, Pending>>>;
+
+/// Who waits for a collect's chunks.
+pub enum Pending {
+    /// Everything the rank owns (`RankMsg::Collect`).
+    All(RpcReplyPort<Vec<ChunkState>>),
+    /// A piece of it (`RankMsg::OwnedChunks`), or why not.
+    Piece(RpcReplyPort<Result<Vec<ChunkState>, String>>),
+}
+
+impl Pending {
+    /// Answers with `chunks`, or with `failed` for a piece (a whole collect gets nothing).
+    pub fn answer(self, chunks: Vec<ChunkState>, failed: Option<String>) {
+        match (self, failed) {
+            (Pending::All(port), None) => {
+                let _ = port.send(chunks);
+            }
+            (Pending::All(_), Some(_)) => {}
+            (Pending::Piece(port), None) => {
+                let _ = port.send(Ok(chunks));
+            }
+            (Pending::Piece(port), Some(why)) => {
+                let _ = port.send(Err(why));
+            }
+        }
+    }
+}
 
 pub struct RankProxy;
 
@@ -67,8 +93,23 @@ impl Actor for RankProxy {
         let out = match msg {
             RankMsg::Collect(port) => {
                 st.next_id += 1;
-                lock(&st.pending).insert(st.next_id, port);
+                lock(&st.pending).insert(st.next_id, Pending::All(port));
                 ToWorker::Collect { id: st.next_id }
+            }
+            RankMsg::OwnedChunks {
+                unit,
+                chunks,
+                params_only,
+                reply,
+            } => {
+                st.next_id += 1;
+                lock(&st.pending).insert(st.next_id, Pending::Piece(reply));
+                ToWorker::OwnedChunks {
+                    id: st.next_id,
+                    unit,
+                    chunks,
+                    params_only,
+                }
             }
             other => match RankCommand::from_msg(other) {
                 Some(cmd) => ToWorker::Command(cmd),

@@ -493,6 +493,49 @@ fn execute<T: Transport>(
                 }
             });
         }
+        ToWorker::OwnedChunks {
+            id,
+            unit,
+            chunks,
+            params_only,
+        } => {
+            let (actor, link) = (rank_actor.clone(), link.clone());
+            tokio::spawn(async move {
+                let reply = actor
+                    .call(
+                        |reply| RankMsg::OwnedChunks {
+                            unit,
+                            chunks,
+                            params_only,
+                            reply,
+                        },
+                        Some(Duration::from_secs(60)),
+                    )
+                    .await;
+                let piece = match reply {
+                    Ok(ractor::rpc::CallResult::Success(r)) => r,
+                    Ok(_) => Err("the rank did not answer".into()),
+                    Err(e) => Err(e.to_string()),
+                };
+                let chunks = match piece {
+                    Ok(c) => c,
+                    Err(reason) => {
+                        let _ = link.send(Some(ToCoord::CollectFailed { id, reason })).await;
+                        return;
+                    }
+                };
+                for (chunks, last) in parts(chunks, part_max_bytes) {
+                    let msg = if last {
+                        ToCoord::CollectReply { id, chunks }
+                    } else {
+                        ToCoord::CollectPart { id, chunks }
+                    };
+                    if link.send(Some(msg)).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
         ToWorker::Interrupt { epoch, step } => (hooks.interrupt)(epoch, step),
         ToWorker::AddPeer { rank: r, data_addr } => match data_addr.parse::<SocketAddr>() {
             Ok(addr) => (hooks.add_peer)(r, addr),
