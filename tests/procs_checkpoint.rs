@@ -27,6 +27,38 @@ fn strings(args: &[&str]) -> Vec<String> {
     args.iter().map(|a| a.to_string()).collect()
 }
 
+/// Workers with state on their tiers: checkpoints stream from them a piece at a time into the
+/// coordinator's save directory, verify, and resume in-process to the fault-free digest.
+#[test]
+fn a_launch_with_state_on_the_tier_streams_its_checkpoints() {
+    let t = tempfile::tempdir().unwrap();
+    let tier = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let want = reference_digest(2, &flags_with("gpt", 3, 4, &[]));
+    let root = t.path().join("ck");
+    let mut extra = vec!["--save-dir", s(&root), "--save-every", "2"];
+    extra.extend(["--offload-optimizer", "nvme", "--offload-params", "nvme"]);
+    extra.extend(["--nvme-dir", s(tier.path())]);
+    let saved = launch(2, &flags_with("gpt", 3, 4, &extra));
+    assert_eq!(
+        saved.matches(", streamed from the tier").count(),
+        2,
+        "{saved}"
+    );
+    assert_eq!(digest(&saved).as_deref(), Some(want.as_str()), "{saved}");
+    let at2 = step_dir(&root, 2);
+    ok(&ezero(&["checkpoint", "verify", s(&at2)]));
+    let resumed = ezero(&[
+        "train",
+        "--resume",
+        s(&at2),
+        "--ranks",
+        "1",
+        "--save-every",
+        "0",
+    ]);
+    assert_eq!(ok(&resumed).sha(), want);
+}
+
 #[test]
 fn a_launch_checkpoint_resumes_under_launch_and_train_and_the_reverse() {
     let t = tempfile::tempdir().unwrap();

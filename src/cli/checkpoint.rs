@@ -542,23 +542,8 @@ impl SavePlan {
 }
 
 impl Saving {
-    /// [`SavePlan::new`] then [`SavePlan::start`], for runs that never stream (worker
-    /// processes).
-    pub fn start(
-        cfg: &TrainConfig,
-        model: &dyn Model,
-        data: &Dataset,
-        args: &TrainArgs,
-        resumed_from: Option<&Path>,
-        boundary: &BoundarySnapshot,
-    ) -> Result<Option<Saving>, CliError> {
-        SavePlan::new(cfg, model, data, args)?
-            .map(|p| p.start(cfg, resumed_from, boundary))
-            .transpose()
-    }
-
     /// What the cluster needs to answer a signal with a snapshot at the next step boundary
-    /// (`Saving::start` makes SIGTERM and SIGINT set its flag): snapshots are taken only when
+    /// (`SavePlan::start` makes SIGTERM and SIGINT set its flag): snapshots are taken only when
     /// a save is due or asked for, not at every boundary in case a signal comes.
     pub fn boundary_snapshot(args: &TrainArgs) -> BoundarySnapshot {
         BoundarySnapshot {

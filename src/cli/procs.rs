@@ -28,7 +28,7 @@ use elastic_zero::runtime::procs::heartbeat::ProcsConfig;
 use elastic_zero::runtime::procs::state::{check_parts, STATE_PART_MAX_BYTES};
 use elastic_zero::runtime::procs::worker::{run_worker, WorkerOptions};
 
-use super::checkpoint::{self, SaveObserver, Saving};
+use super::checkpoint::{self, SaveObserver, SavePlan, Saving};
 use super::{CliError, TrainArgs};
 
 /// Heartbeat and join timing, shared by `coordinator` and `launch`.
@@ -231,15 +231,12 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let start = checkpoint::start_state(&cfg, model.as_ref(), resume.as_ref(), init)?;
     let resumed_from = resume.as_ref().map(|l| l.dir.clone());
     let boundary = Saving::boundary_snapshot(&args.train);
-    let saving = Saving::start(
-        &cfg,
-        model.as_ref(),
-        &data,
-        &args.train,
-        resumed_from.as_deref(),
-        &boundary,
-    )?
-    .map(|s| s.resume_with(format!("ezero launch --nprocs {} -- --resume", cfg.ranks)));
+    let save_plan = SavePlan::new(&cfg, model.as_ref(), &data, &args.train)?;
+    let snapshot_sink = save_plan.as_ref().map(SavePlan::sink);
+    let saving = save_plan
+        .map(|p| p.start(&cfg, resumed_from.as_deref(), &boundary))
+        .transpose()?
+        .map(|s| s.resume_with(format!("ezero launch --nprocs {} -- --resume", cfg.ranks)));
     let psi = param_count(&model.units());
     let floor = data.entropy_floor_nats();
     // Each worker plans its own placement; this is one rank's plan on this machine.
@@ -267,6 +264,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         on_demand_snapshots: saving.is_some(),
         part_max_bytes,
         state_on_tier: fit.placement.any_nvme(),
+        snapshot_sink,
     };
     let started = Instant::now();
     let mut lines = StepLines {

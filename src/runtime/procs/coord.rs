@@ -52,6 +52,7 @@ use crate::runtime::api::cluster::{consolidate, job_spec, Observer, TrainOutcome
 use crate::runtime::api::control::{ControlHandle, Monitor};
 use crate::runtime::api::http::{self, HttpLimits};
 use crate::runtime::clock::{Clock, SystemClock};
+use crate::runtime::step::snapshot::SnapshotSink;
 use crate::runtime::transport::detached::Detached;
 
 /// How long a new connection may take to say hello.
@@ -86,8 +87,11 @@ pub struct CoordinatorOptions {
     /// Largest part of chunk states in one control frame (`state::STATE_PART_MAX_BYTES`).
     pub part_max_bytes: usize,
     /// The workers keep state on their tiers: the run ends with the parameters' digest read a
-    /// piece per worker at a time, not with every chunk gathered here.
+    /// piece per worker at a time, not with every chunk gathered here, and snapshots stream
+    /// into `snapshot_sink` when there is one.
     pub state_on_tier: bool,
+    /// Where snapshots stream when the state is on the tiers (see `ClusterSpec::snapshot_sink`).
+    pub snapshot_sink: Option<Arc<dyn SnapshotSink>>,
 }
 
 /// Where a coordinator listens.
@@ -617,6 +621,9 @@ impl Run {
             joined: Default::default(),
         };
         lock(&tasks).push(tokio::spawn(joining.serve(join_rx)));
+        if let Some(sink) = opts.snapshot_sink.as_ref().filter(|_| opts.state_on_tier) {
+            let _ = coordinator.cast(CoordMsg::StreamSnapshots(Arc::clone(sink)));
+        }
         let _ = coordinator.cast(CoordMsg::Start { ranks });
         Ok(Run {
             coordinator,
