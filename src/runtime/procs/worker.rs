@@ -385,6 +385,25 @@ async fn write_loop(mut w: WriteHalf<ControlStream>, mut rx: mpsc::Receiver<Opti
     }
 }
 
+/// A collect's chunks in parts, each frame well under the frame limit; the reply ends it.
+async fn send_parts(
+    link: &mpsc::Sender<Option<ToCoord>>,
+    id: u64,
+    chunks: Vec<ChunkState>,
+    part_max_bytes: usize,
+) {
+    for (chunks, last) in parts(chunks, part_max_bytes) {
+        let msg = if last {
+            ToCoord::CollectReply { id, chunks }
+        } else {
+            ToCoord::CollectPart { id, chunks }
+        };
+        if link.send(Some(msg)).await.is_err() {
+            return;
+        }
+    }
+}
+
 /// Builds the rank from the welcome and runs it until the job ends for this worker.
 async fn serve<T: Transport>(
     welcome: Welcome,
@@ -479,17 +498,7 @@ fn execute<T: Transport>(
                     .call(RankMsg::Collect, Some(Duration::from_secs(60)))
                     .await;
                 if let Ok(ractor::rpc::CallResult::Success(chunks)) = reply {
-                    // In parts, each frame well under the frame limit; the reply ends it.
-                    for (chunks, last) in parts(chunks, part_max_bytes) {
-                        let msg = if last {
-                            ToCoord::CollectReply { id, chunks }
-                        } else {
-                            ToCoord::CollectPart { id, chunks }
-                        };
-                        if link.send(Some(msg)).await.is_err() {
-                            return;
-                        }
-                    }
+                    send_parts(&link, id, chunks, part_max_bytes).await;
                 }
             });
         }
@@ -517,21 +526,10 @@ fn execute<T: Transport>(
                     Ok(_) => Err("the rank did not answer".into()),
                     Err(e) => Err(e.to_string()),
                 };
-                let chunks = match piece {
-                    Ok(c) => c,
+                match piece {
+                    Ok(chunks) => send_parts(&link, id, chunks, part_max_bytes).await,
                     Err(reason) => {
                         let _ = link.send(Some(ToCoord::CollectFailed { id, reason })).await;
-                        return;
-                    }
-                };
-                for (chunks, last) in parts(chunks, part_max_bytes) {
-                    let msg = if last {
-                        ToCoord::CollectReply { id, chunks }
-                    } else {
-                        ToCoord::CollectPart { id, chunks }
-                    };
-                    if link.send(Some(msg)).await.is_err() {
-                        return;
                     }
                 }
             });
