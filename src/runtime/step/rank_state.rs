@@ -310,8 +310,14 @@ impl RankState {
         };
         let at = shard.chunks.iter().position(|&c| c == index);
         let off = at.map(|a| shard.ranges[..a].iter().map(Range::len).sum::<usize>());
-        if let Some(t) = &self.tier {
-            return self.tiered_chunk_state(t, unit, index, off, r);
+        if let (Some(t), Some(_)) = (&self.tier, off) {
+            // In the shard: what lives on the tier is read from it (tier_reads.rs).
+            let mut out = Vec::new();
+            self.tiered_chunks(t, unit, false, &|c| c == index, false, &mut |group| {
+                out.extend(group);
+                Ok(())
+            })?;
+            return Ok(out.pop());
         }
         let params = match (self.stage, off) {
             (Stage::Zero3, Some(off)) => shard.params[off..off + r.len()].to_vec(),
@@ -328,49 +334,6 @@ impl RankState {
             params,
             m: slice(&shard.opt.m),
             v: slice(&shard.opt.v),
-        }))
-    }
-
-    /// `chunk_state` for a rank with a tier: what is on the tier is read from it.
-    fn tiered_chunk_state(
-        &self,
-        tier: &Mutex<TierFile>,
-        unit: usize,
-        index: usize,
-        off: Option<usize>,
-        r: Range<usize>,
-    ) -> Result<Option<ChunkState>, TierError> {
-        let shard = &self.shards[unit];
-        let mut t = tier.lock().unwrap_or_else(|p| p.into_inner());
-        let kinds = t.layout.kinds;
-        let n = r.len();
-        let params = match (self.stage, off) {
-            (Stage::Zero3, Some(off)) if kinds.params => {
-                offload::read_shard_values(&mut t, unit, 0, off..off + n)?
-            }
-            (Stage::Zero3, Some(off)) => shard.params[off..off + n].to_vec(),
-            (Stage::Zero3, None) => return Ok(None),
-            _ => self.full[unit][r].to_vec(),
-        };
-        let mut state = [Vec::new(), Vec::new()];
-        if let Some(off) = off {
-            let per = self.optim.state_per_param() as usize;
-            for (k, s) in state.iter_mut().enumerate().take(per) {
-                *s = if kinds.state > 0 {
-                    offload::read_shard_values(&mut t, unit, kinds.state_at() + k, off..off + n)?
-                } else {
-                    let v = if k == 0 { &shard.opt.m } else { &shard.opt.v };
-                    v[off..off + n].to_vec()
-                };
-            }
-        }
-        let [m, v] = state;
-        Ok(Some(ChunkState {
-            unit: unit as u32,
-            index: index as u32,
-            params,
-            m,
-            v,
         }))
     }
 

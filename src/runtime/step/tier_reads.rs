@@ -79,7 +79,7 @@ impl RankState {
 
     /// [`RankState::tiered_in_unit`] for the chunks `within` says, a group at a time; with
     /// `params_only`, without their optimizer state (not read).
-    fn tiered_chunks(
+    pub(super) fn tiered_chunks(
         &self,
         tier: &Mutex<TierFile>,
         u: usize,
