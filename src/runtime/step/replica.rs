@@ -64,15 +64,6 @@ impl ChunkSet {
             })),
         }
     }
-
-    /// Bytes held in RAM.
-    fn bytes(&self) -> u64 {
-        let size = |c: &ChunkState| 4 * (c.params.len() + c.m.len() + c.v.len()) as u64;
-        match self {
-            ChunkSet::Ram(m) => m.values().map(size).sum(),
-            ChunkSet::Tier(_) => 0,
-        }
-    }
 }
 
 /// A [`ChunkSet`] being filled.
@@ -133,19 +124,18 @@ impl Backup {
                 None
             })
         };
-        match (read(&self.local), read(&self.held)) {
-            (Some(l), Some(h)) if l.m.is_empty() && l.v.is_empty() => Some(ChunkState {
-                params: l.params,
-                ..h
-            }),
-            (Some(l), _) => Some(l),
-            (None, h) => h,
+        // The replica is read only when the local copy lacks the optimizer state.
+        match read(&self.local) {
+            Some(l) if l.m.is_empty() && l.v.is_empty() => match read(&self.held) {
+                Some(h) => Some(ChunkState {
+                    params: l.params,
+                    ..h
+                }),
+                None => Some(l),
+            },
+            Some(l) => Some(l),
+            None => read(&self.held),
         }
-    }
-
-    /// Bytes this backup holds in RAM (none when it is on the tier).
-    pub fn bytes(&self) -> u64 {
-        self.local.bytes() + self.held.bytes()
     }
 }
 

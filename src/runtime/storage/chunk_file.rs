@@ -71,10 +71,6 @@ impl ChunkFile {
         })
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Bytes written so far.
     pub fn bytes(&self) -> u64 {
         self.len
