@@ -215,24 +215,30 @@ pub async fn stream_snapshot<T: Transport>(
         })
         .map_err(|e| format!("cannot start the snapshot stream's thread: {e}"))?;
     let mut chunks = Merged::new(ranks, map, false);
-    // Consecutive chunks of one owner go to the writer together.
+    // Consecutive chunks of one owner go to the writer together, at most a piece's elements
+    // (the planner counts one batch queued and one being written).
     let mut batch: Option<(RankId, Vec<ChunkState>)> = None;
+    let mut batch_elems = 0;
     let mut writer_gone = false;
     loop {
         let next = chunks.next().await?;
         let flush = match (&batch, &next) {
-            (Some((o, b)), Some((owner, _))) => o != owner || b.len() >= 64,
+            (Some((o, _)), Some((owner, c))) => {
+                o != owner || batch_elems + c.params.len() > GROUP_ELEMS
+            }
             (Some(_), None) => true,
             (None, _) => false,
         };
         if flush {
             let b = batch.take();
+            batch_elems = 0;
             if tx.send(b).await.is_err() {
                 writer_gone = true; // it stopped on an error: it says which
                 break;
             }
         }
         let Some((owner, c)) = next else { break };
+        batch_elems += c.params.len();
         batch.get_or_insert_with(|| (owner, Vec::new())).1.push(c);
     }
     if !writer_gone {
