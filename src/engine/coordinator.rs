@@ -95,11 +95,12 @@ pub struct JobSpec {
     pub steps: u64,
     pub micro_batches: u32,
     pub lr: LrSchedule,
-    /// A rank that has not reported progress (a finished unit pass or optimizer unit, or the
-    /// end of the step) for this long while a step runs fails the run; the start of the step
-    /// counts as progress. It measures silence, not length: a step that streams a large model
-    /// from a slow disk runs as long as it needs while its ranks keep finishing units.
-    /// Membership changes and joiners still get this long in all.
+    /// A rank that has not reported progress (a finished unit pass or optimizer unit, a backup
+    /// or reshard piece moved, or the end of its part) for this long while a step, backup or
+    /// reshard runs fails the run; the start of the phase counts as progress. It measures
+    /// silence, not length: a step that streams a large model from a slow disk runs as long as
+    /// it needs while its ranks keep finishing units. Joiners coming up and a recovery waiting
+    /// for the survivors still get this long in all.
     pub step_timeout_ms: u64,
     /// Gradient bound for the first step's exact-reduction scale.
     pub initial_grad_bound: f32,
@@ -137,8 +138,9 @@ pub enum Event {
     Tick {
         now_ms: u64,
     },
-    /// A rank finished some work within the running step (a unit pass, an optimizer unit): it
-    /// is alive and not stuck, however long the step takes.
+    /// A rank finished some work within the running step, backup or reshard of (epoch, step)
+    /// (a unit pass, an optimizer unit, a piece moved): it is alive and not stuck, however long
+    /// the phase takes.
     Progress {
         rank: RankId,
         epoch: u64,
@@ -602,7 +604,7 @@ impl Coordinator {
     }
 
     fn on_report(&mut self, report: StepReport, now_ms: u64) -> Vec<Command> {
-        let Phase::Running { started_ms, .. } = self.phase else {
+        let Phase::Running { started_ms } = self.phase else {
             return Vec::new();
         };
         if report.step != self.step || report.epoch != self.map.epoch {
