@@ -278,6 +278,14 @@ fn membership_line(m: &MembershipRecord, bytes: Option<u64>) -> String {
         m.moved_chunk_elems, m.min_chunk_elems
     );
     match m.rolled_back_to {
+        Some(back) if m.lost.is_empty() => format!(
+            "retry at step {}, epoch {}: every rank gave up on its peers and none is lost (frames lost on the network); ranks {:?} rolled back to the backup before step {back}, replaying {} step(s); {moved}; in {} ms",
+            m.step,
+            m.epoch,
+            m.after,
+            m.step.saturating_sub(back),
+            m.duration_ms
+        ),
         Some(back) => format!(
             "recovery at step {}, epoch {}: lost ranks {:?}, ranks {:?} -> {:?}; rolled back to the backup before step {back}, replaying {} step(s); {moved}; recovered in {} ms",
             m.step,

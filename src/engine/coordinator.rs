@@ -325,7 +325,17 @@ pub struct Coordinator {
     backup: Option<(u64, Progress)>,
     /// Ranks that reported an aborted step or round in the current one: alive and idle.
     aborted: BTreeSet<RankId>,
+    /// Rollbacks in a row after every rank gave up on its peers with none lost (frames lost on
+    /// the network); a completed step resets it.
+    network_retries: u32,
+    /// Such rollbacks over the whole run.
+    network_cuts: u64,
 }
+
+/// How many times in a row the ranks may give up on each other, with no rank lost, before the
+/// run stops: each time costs a rollback to the backup and one collective timeout, so a few
+/// ride out a dropped connection or a short partition, and a link that stays dead is reported.
+pub const MAX_NETWORK_RETRIES: u32 = 4;
 
 impl Coordinator {
     pub fn new(job: JobSpec, map: ShardMap) -> Self {
@@ -359,8 +369,16 @@ impl Coordinator {
             epoch_used,
             backup: None,
             aborted: BTreeSet::new(),
+            network_retries: 0,
+            network_cuts: 0,
             membership_log: Vec::new(),
         }
+    }
+
+    /// How many times the ranks gave up on each other with none lost, and the run rolled back
+    /// and went on with the same ranks.
+    pub fn network_cuts(&self) -> u64 {
+        self.network_cuts
     }
 
     /// Membership changes completed so far.
@@ -641,6 +659,7 @@ impl Coordinator {
             .map(|&m| exact::next_bound(m))
             .collect();
         self.step += 1;
+        self.network_retries = 0;
         let mut out = vec![Command::StepCompleted(Box::new(record))];
         let every = self.job.snapshot_every;
         let due = every > 0 && (self.step % every == 0 || self.step == self.job.steps);

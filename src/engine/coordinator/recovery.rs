@@ -7,9 +7,13 @@ use super::*;
 impl Coordinator {
     pub(super) fn on_aborted(&mut self, rank: RankId, reason: String, now_ms: u64) -> Vec<Command> {
         match &mut self.phase {
-            // Alive but stuck on a vanished peer: wait for the failure itself (or the deadline).
+            // Alive but stuck on a peer: wait for the failure itself (or the deadline), unless
+            // every rank still in the work gave up and none is lost.
             Phase::Running { .. } | Phase::Resharding { .. } | Phase::Replicating { .. } => {
                 self.aborted.insert(rank);
+                if self.all_gave_up() {
+                    return self.retry_after_cut(rank, reason, now_ms);
+                }
                 Vec::new()
             }
             Phase::Recovering { waiting, .. } => {
@@ -36,15 +40,66 @@ impl Coordinator {
         if known || self.timed_out_joiners.contains(&rank) {
             return Vec::new(); // already lost and retired, or never joined
         }
+        self.roll_back(Some(rank), reason, now_ms)
+    }
+
+    /// Whether every rank the running step or round waits for has aborted, so nothing more
+    /// will arrive: with no rank lost, the frames they wait for were lost between live ranks.
+    fn all_gave_up(&self) -> bool {
+        let waiting: Vec<RankId> = match &self.phase {
+            Phase::Running { .. } => self
+                .map
+                .members
+                .iter()
+                .copied()
+                .filter(|r| !self.reports.contains_key(r))
+                .collect(),
+            Phase::Replicating { waiting, .. } | Phase::Resharding { waiting, .. } => {
+                waiting.iter().copied().collect()
+            }
+            _ => return false,
+        };
+        !waiting.is_empty() && waiting.iter().all(|r| self.aborted.contains(r))
+    }
+
+    /// Every rank of the step or round gave up waiting on a peer, yet none is lost: a cut
+    /// connection or a blackholed link lost frames between live ranks, which no transport
+    /// retransmits across a new connection. The work is abandoned and redone from the
+    /// committed backup, with the same ranks, under a fresh epoch (late frames of the cut
+    /// work are then stale). At most `MAX_NETWORK_RETRIES` in a row: a link that never comes
+    /// back stops the run, naming what the ranks reported.
+    fn retry_after_cut(&mut self, rank: RankId, reason: String, now_ms: u64) -> Vec<Command> {
+        self.network_retries += 1;
         let step = self.step;
-        let fail_plain =
-            |c: &mut Self| c.fail(format!("rank {rank} failed at step {step}: {reason}"));
+        if self.network_retries > MAX_NETWORK_RETRIES {
+            return self.fail(format!(
+                "the ranks at step {step} gave up on each other {MAX_NETWORK_RETRIES} times in a row \
+                 without losing a rank (the last: rank {rank}: {reason}): frames between live \
+                 workers keep getting lost; check the network between them (firewall, MTU, a \
+                 link that drops connections)"
+            ));
+        }
+        self.network_cuts += 1;
+        self.roll_back(None, format!("rank {rank}: {reason}"), now_ms)
+    }
+
+    /// Abandons the unfinished step or round, adding `failed` (when a rank is gone) to the
+    /// lost ranks, and rebuilds from the committed backup onto the membership the work aimed
+    /// at, less the lost ranks.
+    fn roll_back(&mut self, failed: Option<RankId>, reason: String, now_ms: u64) -> Vec<Command> {
+        let step = self.step;
+        let who = match failed {
+            Some(rank) => format!("rank {rank} failed"),
+            None => "the ranks gave up on each other".to_string(),
+        };
+        let fail_plain = |c: &mut Self| c.fail(format!("{who} at step {step}: {reason}"));
+        let is_member = |m: &ShardMap| failed.is_none_or(|r| m.is_member(r));
         // What the abandoned work aimed at, who is still busy in it, and the round's
         // (epoch, step) to interrupt them in.
         let (mut lost, target, busy, round): (BTreeSet<RankId>, Vec<RankId>, Vec<RankId>, _) =
             match &self.phase {
                 Phase::Running { .. } => {
-                    if !self.map.is_member(rank) {
+                    if !is_member(&self.map) {
                         return fail_plain(self);
                     }
                     let busy = self
@@ -62,7 +117,7 @@ impl Coordinator {
                     )
                 }
                 Phase::Replicating { waiting, .. } => {
-                    if !self.map.is_member(rank) {
+                    if !is_member(&self.map) {
                         return fail_plain(self);
                     }
                     let busy = waiting.difference(&self.aborted).copied().collect();
@@ -80,7 +135,7 @@ impl Coordinator {
                     rollback,
                     ..
                 } => {
-                    if !self.map.is_member(rank) && !new.is_member(rank) {
+                    if !is_member(&self.map) && !is_member(new) {
                         return fail_plain(self);
                     }
                     let lost: BTreeSet<RankId> = rollback
@@ -93,6 +148,9 @@ impl Coordinator {
                 // Joiners are coming up and members are idle; a joiner that cannot start is
                 // not a loss but a failed change.
                 Phase::Spawning { waiting, next, .. } => {
+                    let Some(rank) = failed else {
+                        return fail_plain(self);
+                    };
                     if waiting.contains(&rank) {
                         return self.drop_joiner(rank, reason, now_ms);
                     }
@@ -108,6 +166,9 @@ impl Coordinator {
                 }
                 Phase::Recovering { lost, target, .. } => {
                     // A leaver still to send its chunks counts too.
+                    let Some(rank) = failed else {
+                        return fail_plain(self);
+                    };
                     if !self.map.is_member(rank) && !target.contains(&rank) {
                         return fail_plain(self);
                     }
@@ -123,19 +184,21 @@ impl Coordinator {
             } => (*started_ms, waiting.clone()),
             _ => (now_ms, busy.iter().copied().collect::<BTreeSet<_>>()),
         };
-        lost.insert(rank);
-        waiting.remove(&rank);
+        if let Some(rank) = failed {
+            lost.insert(rank);
+            waiting.remove(&rank);
+        }
         let target: Vec<RankId> = target.into_iter().filter(|r| !lost.contains(r)).collect();
         let lost_list: Vec<RankId> = lost.iter().copied().collect();
         let Some((epoch, _)) = &self.backup else {
             return self.fail(format!(
-                "rank {rank} failed at step {}: {reason}; no in-memory backup exists (replicate_every is 0 or the world has one rank): resume from your newest checkpoint",
+                "{who} at step {}: {reason}; no in-memory backup exists (replicate_every is 0 or the world has one rank): resume from your newest checkpoint",
                 self.step
             ));
         };
         if *epoch != self.map.epoch {
             return self.fail(format!(
-                "rank {rank} failed at step {}: {reason}; the backup predates the current shard map",
+                "{who} at step {}: {reason}; the backup predates the current shard map",
                 self.step
             ));
         }
@@ -158,7 +221,10 @@ impl Coordinator {
                 self.step
             ));
         }
-        let mut out = vec![Command::Retire { ranks: vec![rank] }];
+        let mut out: Vec<Command> = failed
+            .map(|rank| Command::Retire { ranks: vec![rank] })
+            .into_iter()
+            .collect();
         if let Some((epoch, step)) = round {
             let ranks: Vec<RankId> = waiting.iter().copied().collect();
             if !ranks.is_empty() {

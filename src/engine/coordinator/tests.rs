@@ -826,3 +826,92 @@ fn a_long_backup_lives_on_progress_and_a_pause_is_not_counted() {
     assert!(c.handle(Event::Tick { now_ms: 5900 }).is_empty());
     assert!(!c.handle(Event::Tick { now_ms: 6100 }).is_empty());
 }
+
+/// Every rank of a step gives up on its peers and none is lost (a dropped connection lost
+/// frames between live workers): the step is redone from the backup with the same ranks under a
+/// fresh epoch; a link that stays dead stops the run after `MAX_NETWORK_RETRIES` in a row, and a
+/// completed step resets the count.
+#[test]
+fn a_step_every_rank_gave_up_on_is_redone_from_the_backup_with_the_same_ranks() {
+    let map = ShardMap::plan(&[100], &[0, 1, 2], 10, 0).unwrap();
+    let mut c = Coordinator::new(backed_up(4, vec![]), map.clone());
+    assert_eq!(
+        kinds(&through_step0(&mut c, &[0, 1, 2])),
+        ["done", "replicate"]
+    );
+    assert_eq!(kinds(&all(&mut c, &[0, 1, 2], replicated(0, 1))), ["run"]);
+    // Rank 2 finished the step; 0 and 1 timed out waiting for each other.
+    assert!(c.handle(done(report_at(2, 0, 1), 2)).is_empty());
+    assert!(c.handle(aborted(0)).is_empty(), "rank 1 may still deliver");
+    let cmds = c.handle(aborted(1));
+    assert!(!kinds(&cmds).contains(&"retire"), "{:?}", kinds(&cmds));
+    assert!(!kinds(&cmds).contains(&"interrupt"), "nobody is still busy");
+    let (old, new, step, lost_ranks) = restore_of(&cmds);
+    assert_eq!((old, step, lost_ranks), (map, 1, vec![]));
+    assert_eq!(new.members, vec![0, 1, 2], "the same ranks");
+    assert_eq!(
+        new.epoch, 1,
+        "a fresh epoch: late frames of the cut step are stale"
+    );
+    assert_eq!(c.network_cuts(), 1);
+    let cmds = all(&mut c, &[0, 1, 2], resharded(1));
+    assert_eq!(kinds(&cmds), ["replicate"]);
+    let cmds = all(&mut c, &[0, 1, 2], replicated(1, 1));
+    assert_eq!(kinds(&cmds), ["membership", "run"]);
+    let rec = last_record(&c);
+    assert_eq!((rec.lost.clone(), rec.rolled_back_to), (vec![], Some(1)));
+
+    // A dead link: every retry is cut again, until the run stops saying so.
+    let mut epoch = 1;
+    for retry in 2..=MAX_NETWORK_RETRIES + 1 {
+        let cmds = all(&mut c, &[0, 1, 2], aborted);
+        if retry > MAX_NETWORK_RETRIES {
+            let [Command::Abort { reason }] = &cmds[..] else {
+                panic!("{:?}", kinds(&cmds))
+            };
+            assert!(
+                reason.contains("gave up on each other 4 times in a row"),
+                "{reason}"
+            );
+            assert!(reason.contains("check the network"), "{reason}");
+            break;
+        }
+        let (_, new, step, lost_ranks) = restore_of(&cmds);
+        assert_eq!((new.epoch, step, lost_ranks), (epoch + 1, 1, vec![]));
+        epoch += 1;
+        all(&mut c, &[0, 1, 2], resharded(epoch));
+        let cmds = all(&mut c, &[0, 1, 2], replicated(epoch, 1));
+        assert_eq!(kinds(&cmds), ["membership", "run"]);
+    }
+    assert_eq!(c.network_cuts(), u64::from(MAX_NETWORK_RETRIES));
+}
+
+/// A backup round every rank gave up on is redone the same way; without backups there is
+/// nothing to roll back to and the run stops, saying what to resume from.
+#[test]
+fn a_cut_backup_round_is_redone_and_without_backups_a_cut_step_stops() {
+    let map = ShardMap::plan(&[100], &[0, 1], 10, 0).unwrap();
+    let mut c = Coordinator::new(backed_up(3, vec![]), map.clone());
+    assert_eq!(
+        kinds(&through_step0(&mut c, &[0, 1])),
+        ["done", "replicate"]
+    );
+    let cmds = all(&mut c, &[0, 1], aborted);
+    let (_, new, step, lost_ranks) = restore_of(&cmds);
+    assert_eq!(
+        (new.members.clone(), step, lost_ranks),
+        (vec![0, 1], 0, vec![])
+    );
+
+    let mut c = Coordinator::new(job(3), map);
+    assert_eq!(kinds(&c.handle(Event::Start { now_ms: 0 })), ["run"]);
+    let cmds = all(&mut c, &[0, 1], aborted);
+    let [Command::Abort { reason }] = &cmds[..] else {
+        panic!("{:?}", kinds(&cmds))
+    };
+    assert!(
+        reason.starts_with("the ranks gave up on each other at step 0"),
+        "{reason}"
+    );
+    assert!(reason.contains("no in-memory backup exists"), "{reason}");
+}
