@@ -122,6 +122,10 @@ pub struct WorkerArgs {
     /// Where to accept peers' data connections (ip:port; port 0 picks one).
     #[arg(long, env = "EZERO_DATA_ADDR", default_value = "127.0.0.1:0")]
     pub data_listen: String,
+    /// The address peers dial to reach this worker's data plane, when it differs from the one
+    /// it listens on (NAT, a port forward, a proxy); ip:port. Default: the bound address.
+    #[arg(long, env = "EZERO_DATA_ADVERTISE")]
+    pub data_advertise: Option<String>,
     /// The cluster's secrets directory (its CA, or this worker's `rank-HINT.pem` and key, or
     /// `worker.pem` without --rank-hint): every connection is mutual TLS against that CA.
     /// Required.
@@ -392,8 +396,14 @@ impl Observer for &mut StepLines<'_> {
     }
 
     fn on_membership(&mut self, m: &MembershipRecord) {
+        // A rollback that lost no rank retried work whose frames the network lost.
+        let retry = if m.lost.is_empty() && m.rolled_back_to.is_some() {
+            ", retried after frames were lost on the network"
+        } else {
+            ""
+        };
         println!(
-            "membership epoch {}: ranks {:?} -> {:?}, lost {:?}",
+            "membership epoch {}: ranks {:?} -> {:?}, lost {:?}{retry}",
             m.epoch, m.before, m.after, m.lost
         );
     }
@@ -434,12 +444,24 @@ fn worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
     procs
         .validate()
         .map_err(|e| CliError::Usage(e.to_string()))?;
+    let data_advertise = args
+        .data_advertise
+        .as_deref()
+        .map(|a| {
+            a.parse().map_err(|_| {
+                CliError::Usage(format!(
+                    "--data-advertise {a:?}: expected ip:port, the address peers dial to reach this worker"
+                ))
+            })
+        })
+        .transpose()?;
     let opts = WorkerOptions {
         join: args.join.clone(),
         token,
         rank_hint: args.rank_hint,
         standby: args.standby,
         data_listen: args.data_listen.clone(),
+        data_advertise,
         tls,
         procs,
     };

@@ -147,10 +147,22 @@ impl Conn {
             let _ = link.try_send(Some(ToWorker::Heartbeat));
             let silent = lock(&self.live).silent(self.clock.now_ms());
             if let Some(ms) = silent {
-                self.proxy.stop(Some(format!(
+                let why = format!(
                     "rank {}: silent for {ms} ms (heartbeat_timeout_ms is {}); its process is hung or its link is down",
                     self.rank, procs.heartbeat_timeout_ms
-                )));
+                );
+                // A hung process may wake (SIGCONT, a healed link): the last words it reads
+                // say it is out, so it exits as failed and never acts on the stale state it
+                // holds. The connection closes after them.
+                let _ = link.try_send(Some(ToWorker::Stop {
+                    ok: false,
+                    reason: format!(
+                        "declared failed by the coordinator ({why}); the job goes on without \
+                         this rank, so this process is refused as stale"
+                    ),
+                }));
+                let _ = link.try_send(None);
+                self.proxy.stop(Some(why));
                 return;
             }
         }

@@ -62,6 +62,8 @@ pub struct WorkerOptions {
     pub standby: bool,
     /// Where to accept peers' data connections (`ip:port`; port 0 picks one).
     pub data_listen: String,
+    /// What peers dial instead of the bound address (NAT, a port forward, a proxy).
+    pub data_advertise: Option<SocketAddr>,
     /// This process's cluster certificate and CA, for every connection it makes or accepts.
     pub tls: ClusterTls,
     /// Only `connect_timeout_ms` and `join_timeout_ms` are used before the welcome; the
@@ -202,7 +204,12 @@ async fn run_rank(
                 },
             )?;
             let peers = exchange(data.local_addr(), link, &mut reader, join_ms, opts).await?;
-            let transport = data.into_transport(welcome.rank, peers.into_iter().collect());
+            // A write that cannot move a byte for a collective timeout (a frozen or blackholed
+            // peer whose window is full) fails like a lost peer, rather than block the rank.
+            let stall = Duration::from_millis(welcome_config(&welcome)?.collective_timeout_ms);
+            let transport = data
+                .into_transport(welcome.rank, peers.into_iter().collect())
+                .with_send_stall_timeout(stall);
             let interrupter = transport.interrupter();
             let book = transport.peer_book();
             let hooks = Hooks {
@@ -294,7 +301,7 @@ async fn exchange(
     opts: &WorkerOptions,
 ) -> Result<Vec<(RankId, SocketAddr)>, ProcError> {
     let bound_msg = ToCoord::Bound {
-        data_addr: bound.to_string(),
+        data_addr: opts.data_advertise.unwrap_or(bound).to_string(),
     };
     let _ = link.send(Some(bound_msg)).await;
     let ToWorker::Peers { peers } = next(reader, join_ms, &opts.join).await? else {
@@ -590,6 +597,14 @@ fn worker_storage(
     }))
 }
 
+/// The job's config as the coordinator sent it, checked.
+fn welcome_config(welcome: &Welcome) -> Result<TrainConfig, ProcError> {
+    let cfg: TrainConfig = serde_json::from_str(&welcome.config_json)
+        .map_err(|e| ProcError::Setup(format!("the coordinator sent an unreadable config: {e}")))?;
+    cfg.validate()?;
+    Ok(cfg)
+}
+
 /// The rank's actor, its end, and where it counts its progress.
 type Started<T> = (
     ActorRef<RankMsg<T>>,
@@ -604,9 +619,7 @@ async fn start_rank<T: Transport>(
     link: &mpsc::Sender<Option<ToCoord>>,
 ) -> Result<Started<T>, ProcError> {
     let rank = welcome.rank;
-    let cfg: TrainConfig = serde_json::from_str(&welcome.config_json)
-        .map_err(|e| ProcError::Setup(format!("the coordinator sent an unreadable config: {e}")))?;
-    cfg.validate()?;
+    let cfg = welcome_config(&welcome)?;
     let model = build_model(&cfg)?;
     let dataset = build_dataset(&cfg)?;
     let stage = Stage::from_u8(cfg.stage)

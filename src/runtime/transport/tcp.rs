@@ -70,6 +70,35 @@ enum Security {
 
 /// Where a connection's bytes go: a TLS stream, or (benchmark only) the bare socket.
 type Writer = Box<dyn Write + Send>;
+
+/// A dialled connection: what frames are written to, and the socket underneath, to ask the
+/// kernel whether the peer has closed it.
+struct Conn {
+    out: Writer,
+    sock: TcpStream,
+}
+
+/// Whether the kernel says this connection is no longer established: the peer closed it (its
+/// reader failed a check, its process restarted, a middlebox reset it). Writing there would
+/// lose the frame without an error, so the sender redials instead.
+fn peer_closed(sock: &TcpStream) -> bool {
+    /// `TCP_ESTABLISHED` of the kernel's TCP states (include/net/tcp_states.h).
+    const TCP_ESTABLISHED: u8 = 1;
+    use std::os::fd::AsRawFd;
+    // SAFETY: `info` is a plain C struct the kernel fills; `len` holds its size.
+    unsafe {
+        let mut info: libc::tcp_info = std::mem::zeroed();
+        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        let rc = libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        );
+        rc == 0 && info.tcpi_state != TCP_ESTABLISHED
+    }
+}
 type Reader = Box<dyn Read + Send>;
 
 impl TcpListenerHandle {
@@ -126,6 +155,7 @@ impl TcpListenerHandle {
             stats: self.stats,
             token: self.token,
             security: self.security,
+            send_stall: None,
         }
     }
 }
@@ -268,7 +298,8 @@ fn dial(
     security: &Security,
     token: &str,
     rank: RankId,
-) -> std::io::Result<Writer> {
+    send_stall: Option<Duration>,
+) -> std::io::Result<Conn> {
     let mut s = TcpStream::connect_timeout(&addr, DIAL_TIMEOUT)?;
     s.set_nodelay(true)?;
     set_timeouts(&s, Some(DIAL_TIMEOUT))?;
@@ -285,9 +316,10 @@ fn dial(
         }
     };
     out.write_all(&hello(token, rank))?;
-    // Sends block as long as the peer's window is full, as before TLS.
-    set_timeouts(&s, None)?;
-    Ok(out)
+    // Sends block while the peer's window is full, up to `send_stall` without progress.
+    s.set_read_timeout(None)?;
+    s.set_write_timeout(send_stall)?;
+    Ok(Conn { out, sock: s })
 }
 
 fn hello(token: &str, from: RankId) -> Vec<u8> {
@@ -379,7 +411,7 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, String> {
 }
 
 /// A peer's address and this rank's connection to it (dialled on first use).
-type PeerLink = Arc<(SocketAddr, Mutex<Option<Writer>>)>;
+type PeerLink = Arc<(SocketAddr, Mutex<Option<Conn>>)>;
 
 /// The ranks a transport can send to. Shared, so that a rank joining a running job can be added
 /// while the rank actor owns the transport.
@@ -414,6 +446,8 @@ pub struct TcpTransport {
     stats: Arc<DataStats>,
     token: Arc<str>,
     security: Security,
+    /// How long one write may move no byte before the send fails (`None`: no limit).
+    send_stall: Option<Duration>,
 }
 
 /// Wakes a rank from its current receive: the runtime's side door into the inbox.
@@ -442,6 +476,14 @@ impl Interrupter {
 }
 
 impl TcpTransport {
+    /// Fails a send whose write moves no byte for `stall` (the peer stopped reading: frozen,
+    /// or its link blackholed) instead of blocking the rank; the connection is dropped and the
+    /// next send redials. A peer that reads slowly still makes every write progress.
+    pub fn with_send_stall_timeout(mut self, stall: Duration) -> Self {
+        self.send_stall = Some(stall);
+        self
+    }
+
     pub fn interrupter(&self) -> Interrupter {
         Interrupter {
             tx: self.inbox_tx.clone(),
@@ -459,15 +501,24 @@ impl TcpTransport {
 
     fn write(
         &self,
-        conn: &mut Option<Writer>,
+        conn: &mut Option<Conn>,
         addr: SocketAddr,
         frame: &Frame,
     ) -> std::io::Result<()> {
+        if conn.as_ref().is_some_and(|c| peer_closed(&c.sock)) {
+            *conn = None;
+        }
         if conn.is_none() {
-            *conn = Some(dial(addr, &self.security, &self.token, self.rank)?);
+            *conn = Some(dial(
+                addr,
+                &self.security,
+                &self.token,
+                self.rank,
+                self.send_stall,
+            )?);
         }
         // Invariant: set just above when it was empty.
-        let s = conn.as_mut().expect("connected");
+        let s = &mut conn.as_mut().expect("connected").out;
         let header =
             encode_header(frame).map_err(|_| std::io::Error::other("frame over the size limit"))?;
         s.write_all(&header)?;
@@ -490,9 +541,17 @@ impl Transport for TcpTransport {
         let link = self.peers.get(to).ok_or(TransportError::UnknownPeer(to))?;
         let (addr, conn) = &*link;
         let mut conn = conn.lock().unwrap_or_else(|e| e.into_inner());
+        // A connection that broke under the write (reset, cut, stalled) is redialled once and
+        // the frame sent again whole: the receiver dropped the partial copy with the old
+        // connection, and drops a duplicate by its tag.
+        let first = match self.write(&mut conn, *addr, &frame) {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        *conn = None;
         self.write(&mut conn, *addr, &frame).map_err(|e| {
-            tracing::debug!("data plane: send to rank {to} failed: {e}");
-            // Drop the broken connection; a later send redials.
+            tracing::debug!("data plane: send to rank {to} failed ({first}), and again: {e}");
+            // A later send redials.
             *conn = None;
             TransportError::UnknownPeer(to)
         })
