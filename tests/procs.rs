@@ -9,8 +9,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::procs::{
-    coordinator, digest, flags_with, reference_digest, run, secrets, small, worker, Coordinator,
-    Proc, DEADLINE, EZERO,
+    control_addr, coordinator, digest, flags_with, http, reference_digest, run, secrets, small,
+    worker, Coordinator, Proc, DEADLINE, EZERO,
 };
 use elastic_zero::runtime::procs::control_plane::ToCoord;
 
@@ -386,23 +386,6 @@ fn launch_over_quic_gives_the_in_process_digest() {
 
 // ---- Recovery from kill -9 and the HTTP control endpoint in process mode ----
 
-/// One HTTP/1.1 request to the control endpoint; (status, body).
-fn http(addr: &str, method: &str, target: &str) -> (u16, String) {
-    let mut sock = std::net::TcpStream::connect(addr).expect("the endpoint accepts");
-    sock.set_read_timeout(Some(DEADLINE)).unwrap();
-    let req = format!("{method} {target} HTTP/1.1\r\nHost: test\r\nContent-Length: 0\r\n\r\n");
-    std::io::Write::write_all(&mut sock, req.as_bytes()).unwrap();
-    let mut text = String::new();
-    sock.read_to_string(&mut text).expect("an answer");
-    let status = text
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .expect("a status line");
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-    (status, body.to_string())
-}
-
 /// `GET /status`, once every worker has joined (503 `not_started` before).
 fn status(addr: &str) -> serde_json::Value {
     let deadline = Instant::now() + DEADLINE;
@@ -415,14 +398,6 @@ fn status(addr: &str) -> serde_json::Value {
         assert_eq!(code, 200, "{body}");
         return serde_json::from_str(&body).expect("status is JSON");
     }
-}
-
-/// The address in a `control endpoint: http://ADDR (...)` line.
-fn control_addr(line: &str) -> String {
-    line.strip_prefix("control endpoint: http://")
-        .and_then(|rest| rest.split_whitespace().next())
-        .expect("control endpoint line")
-        .to_string()
 }
 
 /// Polls `/status` until `done` holds for it, within the deadline.

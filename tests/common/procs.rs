@@ -265,3 +265,34 @@ impl Coordinator {
         Coordinator { proc, addr }
     }
 }
+
+/// One HTTP/1.1 request to a control endpoint; (status, body), or why there was no answer.
+pub fn try_http(addr: &str, method: &str, target: &str) -> Result<(u16, String), String> {
+    let mut sock = std::net::TcpStream::connect(addr).map_err(|e| format!("{addr}: {e}"))?;
+    sock.set_read_timeout(Some(DEADLINE))
+        .map_err(|e| e.to_string())?;
+    let req = format!("{method} {target} HTTP/1.1\r\nHost: test\r\nContent-Length: 0\r\n\r\n");
+    std::io::Write::write_all(&mut sock, req.as_bytes()).map_err(|e| e.to_string())?;
+    let mut text = String::new();
+    sock.read_to_string(&mut text).map_err(|e| e.to_string())?;
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("no status line in {text:?}"))?;
+    let body = text.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    Ok((status, body.to_string()))
+}
+
+/// One HTTP/1.1 request to a control endpoint, which must answer; (status, body).
+pub fn http(addr: &str, method: &str, target: &str) -> (u16, String) {
+    try_http(addr, method, target).expect("the endpoint answers")
+}
+
+/// The address in a `control endpoint: http://ADDR (...)` line.
+pub fn control_addr(line: &str) -> String {
+    line.strip_prefix("control endpoint: http://")
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect("control endpoint line")
+        .to_string()
+}

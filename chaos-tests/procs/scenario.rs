@@ -1,0 +1,285 @@
+//! Process-level chaos scenarios: pure data, drawn from a seed or read from a file.
+//!
+//! A scenario is a small job (2-4 workers, TCP or QUIC, a tiny model) and a schedule of
+//! faults, each at a step: the harness waits until `/status` shows that step, then strikes. What
+//! a fault strikes is a pick among the members at that moment (`pick % members`), so a
+//! schedule stays valid whatever the order of earlier events turned out to be.
+
+use serde::{Deserialize, Serialize};
+
+use elastic_zero::model::rng::SplitMix64;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    pub seed: u64,
+    /// Worker processes at the start (one rank each).
+    pub workers: usize,
+    /// The data plane: "tcp" or "quic".
+    pub transport: String,
+    /// "mlp" or "gpt".
+    pub model: String,
+    pub stage: u8,
+    pub steps: u64,
+    pub micro_batches: u32,
+    /// Buddy backups before every step (`--replicate-every 1`); off only to show that the
+    /// harness notices what they protect.
+    pub backups: bool,
+    pub faults: Vec<Fault>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fault {
+    /// Strike once `/status` reports this step (or later).
+    pub at_step: u64,
+    pub what: What,
+}
+
+/// When a kill lands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum During {
+    /// Whenever the harness gets there.
+    Anytime,
+    /// While a step waits for the victim (the harness freezes it first and checks `/status`).
+    Step,
+    /// While the buddy backup before a step waits for it.
+    Backup,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum What {
+    /// `kill -9` of a member's process.
+    Kill { pick: u32, during: During },
+    /// SIGSTOP past the heartbeat timeout, then SIGCONT: declared failed while frozen, and
+    /// refused when it wakes.
+    Freeze { pick: u32 },
+    /// Standby workers start and `POST /join?count=N` takes them.
+    Join { count: u32 },
+    /// `POST /ranks/{id}/drain`.
+    Drain { pick: u32 },
+    /// Everything into a member's data plane waits `ms` per read, for `for_ms`.
+    Delay { pick: u32, ms: u64, for_ms: u64 },
+    /// Every data connection into a member is reset (QUIC: its datagrams are lost briefly).
+    Cut { pick: u32 },
+    /// A member drops off the network for good: everything into and out of its process (data
+    /// plane and control connection) is swallowed. Declared failed after the heartbeat
+    /// timeout; the worker, hearing nothing, gives up too.
+    Blackhole { pick: u32 },
+    /// The members whose bit is set in `side` (by position) and the rest cannot reach each
+    /// other for `for_ms`; TCP bytes wait for the heal, QUIC datagrams are lost.
+    Partition { side: u32, for_ms: u64 },
+    /// A member's control connection goes silent for good: declared failed after the heartbeat
+    /// timeout; the worker, hearing nothing, gives up too.
+    ControlBlackhole { pick: u32 },
+}
+
+impl What {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            What::Kill { .. } => "kill",
+            What::Freeze { .. } => "freeze",
+            What::Join { .. } => "join",
+            What::Drain { .. } => "drain",
+            What::Delay { .. } => "delay",
+            What::Cut { .. } => "cut",
+            What::Blackhole { .. } => "blackhole",
+            What::Partition { .. } => "partition",
+            What::ControlBlackhole { .. } => "control_blackhole",
+        }
+    }
+
+    /// A fault that takes a member away for good.
+    pub fn loses_a_rank(&self) -> bool {
+        matches!(
+            self,
+            What::Kill { .. }
+                | What::Freeze { .. }
+                | What::Blackhole { .. }
+                | What::ControlBlackhole { .. }
+        )
+    }
+
+    /// Members it needs at least, and how it changes their number.
+    fn needs_and_delta(&self) -> (usize, i64) {
+        match self {
+            What::Kill { .. }
+            | What::Freeze { .. }
+            | What::Blackhole { .. }
+            | What::ControlBlackhole { .. }
+            | What::Drain { .. } => (2, -1),
+            What::Join { count } => (1, i64::from(*count)),
+            _ => (2, 0),
+        }
+    }
+}
+
+/// Most workers a scenario ever runs at once (initial plus joiners).
+pub const MAX_WORKERS: usize = 6;
+
+fn pick(rng: &mut SplitMix64, n: u64) -> u64 {
+    rng.next_u64() % n.max(1)
+}
+
+/// The scenario of `seed`.
+pub fn generate(seed: u64) -> Scenario {
+    let mut rng = SplitMix64::new(seed ^ 0x9E0C_E55E_D5EE_D000);
+    let workers = 2 + pick(&mut rng, 3) as usize;
+    let mut members = workers;
+    let mut started = workers;
+    let mut faults = Vec::new();
+    let mut at = 2 + pick(&mut rng, 3);
+    for _ in 0..1 + pick(&mut rng, 3) {
+        let p = pick(&mut rng, 64) as u32;
+        let what = match pick(&mut rng, 12) {
+            0 | 1 => What::Kill {
+                pick: p,
+                during: [During::Anytime, During::Step, During::Backup][pick(&mut rng, 3) as usize],
+            },
+            2 => What::Freeze { pick: p },
+            3 => What::Join {
+                count: 1 + pick(&mut rng, 2) as u32,
+            },
+            4 => What::Drain { pick: p },
+            5 => What::Delay {
+                pick: p,
+                ms: 1 + pick(&mut rng, 20),
+                for_ms: 300 + pick(&mut rng, 1200),
+            },
+            6 | 7 => What::Cut { pick: p },
+            8 => What::Blackhole { pick: p },
+            9 => What::Partition {
+                side: 1 + pick(&mut rng, 14) as u32,
+                for_ms: 200 + pick(&mut rng, 1500),
+            },
+            10 => What::Partition {
+                side: 1 + pick(&mut rng, 14) as u32,
+                for_ms: 200 + pick(&mut rng, 1500),
+            },
+            _ => What::ControlBlackhole { pick: p },
+        };
+        let (needs, delta) = what.needs_and_delta();
+        let grows_past = delta > 0 && started + delta as usize > MAX_WORKERS;
+        if members < needs || grows_past {
+            continue; // a fault this job cannot take now: skip it, as a valid schedule must
+        }
+        if delta > 0 {
+            started += delta as usize;
+        }
+        members = (members as i64 + delta) as usize;
+        faults.push(Fault { at_step: at, what });
+        at += 4 + pick(&mut rng, 5);
+    }
+    Scenario {
+        seed,
+        workers,
+        transport: if pick(&mut rng, 3) == 0 {
+            "quic"
+        } else {
+            "tcp"
+        }
+        .into(),
+        model: if pick(&mut rng, 4) == 0 { "gpt" } else { "mlp" }.into(),
+        stage: 1 + pick(&mut rng, 3) as u8,
+        steps: at + 200,
+        micro_batches: 4 + pick(&mut rng, 4) as u32,
+        backups: true,
+        faults,
+    }
+}
+
+impl Scenario {
+    /// Refuses what the harness cannot run, saying what is wrong.
+    pub fn check(&self) -> Result<(), String> {
+        if !(1..=MAX_WORKERS).contains(&self.workers) {
+            return Err(format!("workers {}: 1 to {MAX_WORKERS}", self.workers));
+        }
+        if !["tcp", "quic"].contains(&self.transport.as_str()) {
+            return Err(format!(
+                "transport {:?}: \"tcp\" or \"quic\"",
+                self.transport
+            ));
+        }
+        if !["mlp", "gpt"].contains(&self.model.as_str()) {
+            return Err(format!("model {:?}: \"mlp\" or \"gpt\"", self.model));
+        }
+        if self.stage > 3 {
+            return Err(format!("stage {}: 0 to 3", self.stage));
+        }
+        let mut members = self.workers;
+        let mut started = self.workers;
+        let mut last = 0;
+        for (i, f) in self.faults.iter().enumerate() {
+            if f.at_step < last || f.at_step >= self.steps {
+                return Err(format!(
+                    "faults[{i}].at_step {}: faults in step order, each before steps ({})",
+                    f.at_step, self.steps
+                ));
+            }
+            last = f.at_step;
+            let (needs, delta) = f.what.needs_and_delta();
+            if members < needs {
+                return Err(format!(
+                    "faults[{i}] ({}) needs {needs} members; the schedule leaves {members}",
+                    f.what.kind()
+                ));
+            }
+            if delta > 0 {
+                started += delta as usize;
+                if started > MAX_WORKERS {
+                    return Err(format!(
+                        "faults[{i}] starts worker {started}: at most {MAX_WORKERS}"
+                    ));
+                }
+            }
+            members = (members as i64 + delta) as usize;
+        }
+        Ok(())
+    }
+
+    /// Parses a scenario file (JSON, as the harness writes them).
+    pub fn parse(text: &str, source: &str) -> Result<Scenario, String> {
+        let s: Scenario = serde_json::from_str(text).map_err(|e| {
+            format!(
+                "{source}: line {} column {}: {e} (a scenario is the JSON the harness writes \
+                 next to a failing seed)",
+                e.line(),
+                e.column()
+            )
+        })?;
+        s.check().map_err(|e| format!("{source}: {e}"))?;
+        Ok(s)
+    }
+
+    /// Whether the run must end with the fault-free digest: yes, unless a rank is lost without
+    /// backups (then the documented stop).
+    pub fn expects_digest(&self) -> bool {
+        self.backups || !self.faults.iter().any(|f| f.what.loses_a_rank())
+    }
+}
+
+/// Which seeds to run, from the environment: `CHAOS_PROC_SEED=S` one, `CHAOS_PROC_SEEDS=N`
+/// seeds 0..N, `CHAOS_PROC_SEEDS=A..B` a range; `None` when neither is set.
+pub fn seeds_from_env(one: Option<&str>, many: Option<&str>) -> Result<Option<Vec<u64>>, String> {
+    if let Some(s) = one {
+        let seed = s
+            .trim()
+            .parse()
+            .map_err(|_| format!("CHAOS_PROC_SEED={s:?}: expected a seed number, e.g. 17"))?;
+        return Ok(Some(vec![seed]));
+    }
+    let Some(n) = many else {
+        return Ok(None);
+    };
+    let bad = || format!("CHAOS_PROC_SEEDS={n:?}: expected a count (200) or a range (100..300)");
+    let range = match n.trim().split_once("..") {
+        Some((a, b)) => a.parse().map_err(|_| bad())?..b.parse().map_err(|_| bad())?,
+        None => 0..n.trim().parse().map_err(|_| bad())?,
+    };
+    if range.is_empty() {
+        return Err(bad());
+    }
+    Ok(Some(range.collect()))
+}
