@@ -274,14 +274,23 @@ fn check(seed: u64) -> Result<(String, NetCounts), String> {
     Ok((format!("{memberships:?} losses {:?}", trace.1), net))
 }
 
+/// `CHAOS_SEED=S` or `CHAOS_SEEDS=N`; a value that is not a number stops the run saying so
+/// (falling back to the default would pass a soak that never ran).
 fn seeds() -> Vec<u64> {
     if let Ok(s) = std::env::var("CHAOS_SEED") {
-        return vec![s.parse().expect("CHAOS_SEED is a number")];
+        let seed = s
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("CHAOS_SEED={s:?}: expected a seed number, e.g. 1119"));
+        return vec![seed];
     }
-    let n = std::env::var("CHAOS_SEEDS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(300);
+    let n = match std::env::var("CHAOS_SEEDS") {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("CHAOS_SEEDS={v:?}: expected a count of seeds, e.g. 3000")),
+        Err(_) => 300,
+    };
     (0..n).collect()
 }
 
@@ -331,6 +340,25 @@ fn chaos_seeds_end_bit_identical_or_with_the_documented_error() {
     );
     eprintln!(
         "kills mid-round over all seeds: {reshard} mid-reshard, {replicate} mid-backup, {restore} mid-restore"
+    );
+    // The soak's report (BENCHMARKS.md): what the scripts asked for, and how many runs had to
+    // end with the documented stop.
+    let (mut kills, mut leaves, mut joins, mut stops, mut lossy) = (0, 0, 0, 0, 0);
+    for seed in seeds() {
+        let (cfg, expect) = scenario(seed);
+        kills += cfg.kill.len();
+        leaves += cfg.leave.len();
+        joins += cfg.join.iter().map(|j| j.value as usize).sum::<usize>();
+        stops += usize::from(expect.unrecoverable);
+        lossy += usize::from(cfg.net_drop_per_mille > 0);
+    }
+    eprintln!(
+        "soak: {} seeds, {} failed; scripted: {kills} kills in a step, {leaves} leaves, {joins} joins; \
+         {} kills mid-round; {lossy} seeds with a lossy network; {stops} documented stops expected \
+         (and seen)",
+        seeds().len(),
+        failures.len(),
+        reshard + replicate + restore
     );
     assert!(failures.is_empty(), "failing seeds: {failures:?}");
     if seeds().len() >= 50 {

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use super::net::{tcp_proxy, udp_proxy, Link, LinkState, Net, Proxy};
-use super::scenario::{During, Scenario, What};
+use super::scenario::{pair_positions, During, Expect, Scenario, What, CHUNK_ELEMS};
 use crate::common::procs::{control_addr, digest, try_http, EZERO};
 
 /// Heartbeats and timeouts of every scenario: a frozen or unreachable worker is declared failed
@@ -28,8 +28,6 @@ const COLLECTIVE_TIMEOUT_MS: u64 = 1000;
 const SCENARIO_DEADLINE: Duration = Duration::from_secs(240);
 /// One awaited change (a recovery, a join, a drain).
 const CHANGE_DEADLINE: Duration = Duration::from_secs(60);
-/// What a run without backups stops with when it loses a rank (README, "Losses").
-pub const DOCUMENTED_STOP: &str = "no in-memory backup exists";
 
 /// What one scenario did.
 #[derive(Debug, Default, serde::Serialize)]
@@ -242,7 +240,7 @@ pub fn train_flags(sc: &Scenario) -> Vec<String> {
         s("--steps"),
         sc.steps.to_string(),
         s("--chunk-elems"),
-        s("1000"),
+        CHUNK_ELEMS.to_string(),
         s("--warmup-steps"),
         s("1"),
         s("--sample-tokens"),
@@ -441,6 +439,35 @@ impl Run<'_> {
                     self.note(format!("rank {rank} is out of the members"));
                 }
             }
+            What::KillPair { a, b } => {
+                let Some(s) = self.status() else {
+                    return Ok(false);
+                };
+                let members = Self::members(&s);
+                let Some((x, y)) = pair_positions(members.len(), a, b) else {
+                    return Ok(false);
+                };
+                let ranks = [members[x], members[y]];
+                let mut hit = Vec::new();
+                for r in ranks {
+                    let Some(w) = self.worker_of(r) else {
+                        return Ok(false);
+                    };
+                    hit.push(w);
+                }
+                for &w in &hit {
+                    self.workers[w].proc.signal(libc::SIGKILL);
+                    self.workers[w].end = End::Killed;
+                }
+                self.note(format!("kill -9 workers {hit:?} (ranks {ranks:?}) at once"));
+                let out = self.until(CHANGE_DEADLINE, |s| {
+                    let m = Self::members(s);
+                    !m.contains(&ranks[0]) && !m.contains(&ranks[1])
+                });
+                if out.is_some() {
+                    self.note(format!("ranks {ranks:?} are out of the members"));
+                }
+            }
             What::Freeze { pick } => {
                 let Some((rank, w)) = self.victim(pick) else {
                     return Ok(false);
@@ -636,11 +663,11 @@ impl Run<'_> {
     }
 }
 
-/// Runs `sc` under `root` (a fresh folder). With `expect_digest` it must end with `reference`,
-/// the fault-free digest; otherwise with the documented stop.
-pub fn run(sc: &Scenario, reference: &str, root: &Path, expect_digest: bool) -> Outcome {
+/// Runs `sc` under `root` (a fresh folder); it must end as `expect` says (`reference` is the
+/// fault-free digest).
+pub fn run(sc: &Scenario, reference: &str, root: &Path, expect: &Expect) -> Outcome {
     let start = Instant::now();
-    let mut outcome = match run_inner(sc, reference, root, start, expect_digest) {
+    let mut outcome = match run_inner(sc, reference, root, start, expect) {
         Ok(o) => o,
         Err(e) => Outcome {
             seed: sc.seed,
@@ -657,7 +684,7 @@ fn run_inner(
     reference: &str,
     root: &Path,
     start: Instant,
-    expect_digest: bool,
+    expect: &Expect,
 ) -> Result<Outcome, String> {
     let dir = root.join(format!("seed-{}", sc.seed));
     let _ = std::fs::remove_dir_all(&dir);
@@ -713,8 +740,8 @@ fn run_inner(
         },
         ports: vec![coord_addr.port()],
     };
-    let result = drive(&mut run, reference, expect_digest);
-    let finish = finish(&mut run, expect_digest);
+    let result = drive(&mut run, reference, expect);
+    let finish = finish(&mut run, *expect == Expect::Digest);
     let mut out = std::mem::take(&mut run.out);
     out.failure = result.err().or(finish.err());
     for (k, v) in [
@@ -738,7 +765,7 @@ fn run_inner(
 }
 
 /// Starts the workers, strikes every fault, and checks how the job ended.
-fn drive(run: &mut Run, reference: &str, expect_digest: bool) -> Result<(), String> {
+fn drive(run: &mut Run, reference: &str, expect: &Expect) -> Result<(), String> {
     for i in 0..run.sc.workers {
         run.spawn_worker(Some(i), false)?;
     }
@@ -810,23 +837,26 @@ fn drive(run: &mut Run, reference: &str, expect_digest: bool) -> Result<(), Stri
     }
     let lines: Vec<&str> = stderr.lines().collect();
     let last_err = lines[lines.len().saturating_sub(4)..].join(" | ");
-    if expect_digest {
-        if code != Some(0) {
-            return Err(format!("the coordinator exited {code:?}: {last_err}"));
+    match expect {
+        Expect::Digest => {
+            if code != Some(0) {
+                return Err(format!("the coordinator exited {code:?}: {last_err}"));
+            }
+            let got = digest(&stdout);
+            if got.as_deref() != Some(reference) {
+                return Err(format!(
+                    "param-sha256 {got:?}, the fault-free run's is {reference}"
+                ));
+            }
         }
-        let got = digest(&stdout);
-        if got.as_deref() != Some(reference) {
-            return Err(format!(
-                "param-sha256 {got:?}, the fault-free run's is {reference}"
-            ));
+        Expect::Stop(text) => {
+            if code != Some(1) || !stderr.contains(text) {
+                return Err(format!(
+                    "expected the documented stop ({text:?}); the coordinator exited {code:?}: {last_err}"
+                ));
+            }
+            run.out.documented_stop = true;
         }
-    } else {
-        if code != Some(1) || !stderr.contains(DOCUMENTED_STOP) {
-            return Err(format!(
-                "expected the documented stop ({DOCUMENTED_STOP:?}); the coordinator exited {code:?}: {last_err}"
-            ));
-        }
-        run.out.documented_stop = true;
     }
     Ok(())
 }

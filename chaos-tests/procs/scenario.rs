@@ -7,7 +7,11 @@
 
 use serde::{Deserialize, Serialize};
 
+use elastic_zero::config::{ModelKind, TrainConfig};
+use elastic_zero::job::build_model;
 use elastic_zero::model::rng::SplitMix64;
+use elastic_zero::plan::replica::holders;
+use elastic_zero::plan::ShardMap;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -53,6 +57,10 @@ pub enum During {
 pub enum What {
     /// `kill -9` of a member's process.
     Kill { pick: u32, during: During },
+    /// `kill -9` of two members at once: the members at positions `a % n` and the one
+    /// `1 + b % (n - 1)` places after it. Only as the first fault, so that the planner can
+    /// tell from the initial shard map whether the buddy backups cover the pair.
+    KillPair { a: u32, b: u32 },
     /// SIGSTOP past the heartbeat timeout, then SIGCONT: declared failed while frozen, and
     /// refused when it wakes.
     Freeze { pick: u32 },
@@ -80,6 +88,7 @@ impl What {
     pub fn kind(&self) -> &'static str {
         match self {
             What::Kill { .. } => "kill",
+            What::KillPair { .. } => "kill_pair",
             What::Freeze { .. } => "freeze",
             What::Join { .. } => "join",
             What::Drain { .. } => "drain",
@@ -96,6 +105,7 @@ impl What {
         matches!(
             self,
             What::Kill { .. }
+                | What::KillPair { .. }
                 | What::Freeze { .. }
                 | What::Blackhole { .. }
                 | What::ControlBlackhole { .. }
@@ -110,6 +120,7 @@ impl What {
             | What::Blackhole { .. }
             | What::ControlBlackhole { .. }
             | What::Drain { .. } => (2, -1),
+            What::KillPair { .. } => (2, -2),
             What::Join { count } => (1, i64::from(*count)),
             _ => (2, 0),
         }
@@ -131,6 +142,16 @@ pub fn generate(seed: u64) -> Scenario {
     let mut started = workers;
     let mut faults = Vec::new();
     let mut at = 2 + pick(&mut rng, 3);
+    let pair = pick(&mut rng, 8) == 0;
+    if pair {
+        let what = What::KillPair {
+            a: pick(&mut rng, 64) as u32,
+            b: pick(&mut rng, 64) as u32,
+        };
+        faults.push(Fault { at_step: at, what });
+        members -= 2;
+        at += 4 + pick(&mut rng, 5);
+    }
     for _ in 0..1 + pick(&mut rng, 3) {
         let p = pick(&mut rng, 64) as u32;
         let what = match pick(&mut rng, 12) {
@@ -172,7 +193,7 @@ pub fn generate(seed: u64) -> Scenario {
         faults.push(Fault { at_step: at, what });
         at += 4 + pick(&mut rng, 5);
     }
-    Scenario {
+    let mut sc = Scenario {
         seed,
         workers,
         transport: if pick(&mut rng, 3) == 0 {
@@ -187,8 +208,28 @@ pub fn generate(seed: u64) -> Scenario {
         micro_batches: 4 + pick(&mut rng, 4) as u32,
         backups: true,
         faults,
+    };
+    // Once a pair kill is not covered, the run stops there: later faults would never strike.
+    if pair && sc.pair_uncovered().is_some() {
+        sc.faults.truncate(1);
+        sc.steps = sc.faults[0].at_step + 200;
     }
+    sc
 }
+
+/// How a scenario must end.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Expect {
+    /// Exit 0 with the fault-free `param-sha256`.
+    Digest,
+    /// Exit 1 with the documented error containing this text.
+    Stop(&'static str),
+}
+
+/// What a run that loses a rank without backups stops with (README, "Losses").
+pub const NO_BACKUP: &str = "no in-memory backup exists";
+/// What a run whose losses the backups do not cover stops with.
+pub const NO_OTHER_COPY: &str = "had no other copy";
 
 impl Scenario {
     /// Refuses what the harness cannot run, saying what is wrong.
@@ -212,6 +253,12 @@ impl Scenario {
         let mut started = self.workers;
         let mut last = 0;
         for (i, f) in self.faults.iter().enumerate() {
+            if i > 0 && matches!(f.what, What::KillPair { .. }) {
+                return Err(format!(
+                    "faults[{i}] (kill_pair): only as the first fault (its cover is judged on \
+                     the initial shard map)"
+                ));
+            }
             if f.at_step < last || f.at_step >= self.steps {
                 return Err(format!(
                     "faults[{i}].at_step {}: faults in step order, each before steps ({})",
@@ -253,12 +300,70 @@ impl Scenario {
         Ok(s)
     }
 
-    /// Whether the run must end with the fault-free digest: yes, unless a rank is lost without
-    /// backups (then the documented stop).
-    pub fn expects_digest(&self) -> bool {
-        self.backups || !self.faults.iter().any(|f| f.what.loses_a_rank())
+    /// How the run must end: with the fault-free digest, unless a rank is lost without backups
+    /// or a pair kill loses chunks' last copies (the planner's `holders` on the initial map
+    /// says which), which end with the documented stop.
+    pub fn expect(&self) -> Expect {
+        if !self.backups && self.faults.iter().any(|f| f.what.loses_a_rank()) {
+            return Expect::Stop(NO_BACKUP);
+        }
+        match self.pair_uncovered() {
+            Some(_) => Expect::Stop(NO_OTHER_COPY),
+            None => Expect::Digest,
+        }
+    }
+
+    /// The ranks a first-fault pair kill strikes (initial ranks are 0..workers).
+    pub fn pair(&self) -> Option<[u32; 2]> {
+        let f = self.faults.first()?;
+        let What::KillPair { a, b } = f.what else {
+            return None;
+        };
+        pair_positions(self.workers, a, b).map(|(x, y)| [x as u32, y as u32])
+    }
+
+    /// The chunks (unit, index) without a surviving copy after the pair kill, if any.
+    pub fn pair_uncovered(&self) -> Option<Vec<(usize, usize)>> {
+        let pair = self.pair()?;
+        let cfg = TrainConfig {
+            model: if self.model == "gpt" {
+                ModelKind::Gpt
+            } else {
+                ModelKind::Mlp
+            },
+            layers: 2,
+            d_model: 32,
+            heads: 4,
+            seq_len: 16,
+            ..TrainConfig::default()
+        };
+        let numels: Vec<usize> = build_model(&cfg)
+            .expect("the harness's model shape is valid")
+            .units()
+            .iter()
+            .map(|u| u.numel())
+            .collect();
+        let members: Vec<u32> = (0..self.workers as u32).collect();
+        // The coordinator's initial map: epoch 1, every worker on one host (id-order ring).
+        let map = ShardMap::plan(&numels, &members, CHUNK_ELEMS, 1).expect("a valid map");
+        holders(&map, &pair).err()
     }
 }
+
+/// `--chunk-elems` of every scenario.
+pub const CHUNK_ELEMS: usize = 1000;
+
+/// Positions (among `n` members) a pair kill strikes: two different ones.
+pub fn pair_positions(n: usize, a: u32, b: u32) -> Option<(usize, usize)> {
+    if n < 2 {
+        return None;
+    }
+    let x = a as usize % n;
+    let y = (x + 1 + b as usize % (n - 1)) % n;
+    Some((x, y))
+}
+
+impl Scenario {}
 
 /// Which seeds to run, from the environment: `CHAOS_PROC_SEED=S` one, `CHAOS_PROC_SEEDS=N`
 /// seeds 0..N, `CHAOS_PROC_SEEDS=A..B` a range; `None` when neither is set.
