@@ -11,7 +11,8 @@
 //!
 //! Which scenarios: `CHAOS_PROC_SEED=S` one seed, `CHAOS_PROC_SEEDS=N` (or `A..B`) seeds,
 //! `CHAOS_PROC_SCENARIO=FILE` a scenario file (as written next to a failing seed); otherwise
-//! the fixed CI set. `CHAOS_PROC_REPORT=FILE` writes the totals as JSON (the soak's report).
+//! the fixed CI set. `CHAOS_PROC_REPORT=FILE` writes the totals as JSON (the soak's report);
+//! `CHAOS_PROC_EVENTS=1` prints every scenario's observed events, not only a failing one's.
 //! Timing between processes is not deterministic: a seed replays the same schedule of faults,
 //! not the same interleaving (the README says what that means).
 
@@ -143,6 +144,7 @@ fn ci_set() -> Vec<Scenario> {
             vec![
                 fault(3, ControlBlackhole { pick: 1 }),
                 fault(8, Join { count: 2 }),
+                fault(13, KillMidReshard { pick: 0 }),
             ],
         ),
         fixed(
@@ -283,6 +285,7 @@ fn scenarios() {
     let mut totals: BTreeMap<String, u64> = BTreeMap::new();
     let mut add = |k: &str, v: u64| *totals.entry(k.to_string()).or_default() += v;
     let mut rss = Vec::new();
+    let mut harness_rss = Vec::new();
     for sc in &scenarios {
         sc.check().unwrap_or_else(|e| {
             panic!(
@@ -305,6 +308,9 @@ fn scenarios() {
             out.recoveries,
             out.network_retries
         );
+        if std::env::var_os("CHAOS_PROC_EVENTS").is_some() {
+            eprintln!("  events:\n    {}", out.events.join("\n    "));
+        }
         add("scenarios", 1);
         for (k, v) in &out.injected {
             add(&format!("injected_{k}"), *v);
@@ -318,6 +324,7 @@ fn scenarios() {
             add(&format!("net_{k}"), *v);
         }
         rss.push(out.coord_rss_kib);
+        harness_rss.push(leaks::rss_kib());
         if let Some(why) = &out.failure {
             add("failures", 1);
             let replay = record_failure(sc, &out);
@@ -340,6 +347,7 @@ fn scenarios() {
             "totals": totals,
             "coordinator_rss_growth_kib_max": growth,
             "coordinator_rss_kib": rss,
+            "harness_rss_kib_after_each": harness_rss,
             "failed_seeds": failures,
         });
         std::fs::write(&file, serde_json::to_string_pretty(&report).unwrap())

@@ -500,26 +500,10 @@ impl Run<'_> {
                     Some(s) => Self::members(&s).len(),
                     None => return Ok(false),
                 };
-                let mut spawned = Vec::new();
-                for _ in 0..count {
-                    let w = self.spawn_worker(None, true)?;
-                    self.workers[w].end = End::Standby;
-                    spawned.push(w);
-                }
-                let c = count as u64;
-                if self
-                    .until(CHANGE_DEADLINE, |s| s["standbys"].as_u64() >= Some(c))
-                    .is_none()
-                {
+                let Some(spawned) = self.start_standbys(count)? else {
                     return Ok(false);
-                }
-                let Ok((code, body)) =
-                    try_http(&self.control, "POST", &format!("/join?count={count}"))
-                else {
-                    return Ok(false); // the job ended
                 };
-                self.note(format!("POST /join?count={count}: {code} {body}"));
-                if code != 202 {
+                if !self.post_join(count) {
                     return Ok(false);
                 }
                 let want = before + count as usize;
@@ -530,6 +514,52 @@ impl Run<'_> {
                     self.note(format!("{count} joined"));
                     for w in spawned {
                         self.workers[w].end = End::WithJob;
+                    }
+                }
+            }
+            What::KillMidReshard { pick } => {
+                let Some((rank, w)) = self.victim(pick) else {
+                    return Ok(false);
+                };
+                let Some(spawned) = self.start_standbys(1)? else {
+                    return Ok(false);
+                };
+                let joiner = spawned[0];
+                // What the joiner receives is held (TCP) or slowed (QUIC: held datagrams are
+                // lost, and the joiner could not even connect), so the reshard admitting it
+                // lasts while the victim is struck.
+                let slow = if self.sc.transport == "quic" {
+                    LinkState::Delay(Duration::from_millis(3))
+                } else {
+                    LinkState::Hold
+                };
+                self.net.set(None, Link::Data(joiner), slow);
+                if !self.post_join(1) {
+                    self.net.set(None, Link::Data(joiner), LinkState::Pass);
+                    return Ok(false);
+                }
+                let seen = self.until(Duration::from_secs(10), |s| {
+                    s["activity"]["phase"] == "resharding"
+                });
+                self.workers[w].proc.signal(libc::SIGKILL);
+                self.workers[w].end = End::Killed;
+                self.note(format!(
+                    "kill -9 worker {w} (rank {rank}) {}",
+                    if seen.is_some() {
+                        "during the reshard admitting a joiner"
+                    } else {
+                        "(no reshard seen: struck anytime)"
+                    }
+                ));
+                std::thread::sleep(Duration::from_millis(100));
+                self.net.set(None, Link::Data(joiner), LinkState::Pass);
+                if let Some(s) = self.gone(rank) {
+                    self.note(format!("rank {rank} is out of the members"));
+                    // A joiner that survives still joins (README, "Losses between steps").
+                    let members = Self::members(&s);
+                    let joined = members.iter().any(|&r| self.worker_of(r) == Some(joiner));
+                    if joined {
+                        self.workers[joiner].end = End::WithJob;
                     }
                 }
             }
@@ -621,6 +651,30 @@ impl Run<'_> {
             }
         }
         Ok(true)
+    }
+
+    /// Starts `count` standby workers and waits until the coordinator holds them; `None` if it
+    /// never did (the job ended).
+    fn start_standbys(&mut self, count: u32) -> Result<Option<Vec<usize>>, String> {
+        let mut spawned = Vec::new();
+        for _ in 0..count {
+            let w = self.spawn_worker(None, true)?;
+            self.workers[w].end = End::Standby;
+            spawned.push(w);
+        }
+        let c = u64::from(count);
+        let held = self.until(CHANGE_DEADLINE, |s| s["standbys"].as_u64() >= Some(c));
+        Ok(held.map(|_| spawned))
+    }
+
+    /// `POST /join?count=N`; whether it was accepted.
+    fn post_join(&mut self, count: u32) -> bool {
+        let Ok((code, body)) = try_http(&self.control, "POST", &format!("/join?count={count}"))
+        else {
+            return false; // the job ended
+        };
+        self.note(format!("POST /join?count={count}: {code} {body}"));
+        code == 202
     }
 
     /// Freezes the victim until `/status` shows `phase` waiting for it, then `kill -9`; thaws

@@ -61,6 +61,9 @@ pub enum What {
     /// `1 + b % (n - 1)` places after it. Only as the first fault, so that the planner can
     /// tell from the initial shard map whether the buddy backups cover the pair.
     KillPair { a: u32, b: u32 },
+    /// A standby joins, its inbound data is held so that the reshard admitting it waits, and
+    /// a member is killed while `/status` shows that reshard.
+    KillMidReshard { pick: u32 },
     /// SIGSTOP past the heartbeat timeout, then SIGCONT: declared failed while frozen, and
     /// refused when it wakes.
     Freeze { pick: u32 },
@@ -89,6 +92,7 @@ impl What {
         match self {
             What::Kill { .. } => "kill",
             What::KillPair { .. } => "kill_pair",
+            What::KillMidReshard { .. } => "kill_mid_reshard",
             What::Freeze { .. } => "freeze",
             What::Join { .. } => "join",
             What::Drain { .. } => "drain",
@@ -106,6 +110,7 @@ impl What {
             self,
             What::Kill { .. }
                 | What::KillPair { .. }
+                | What::KillMidReshard { .. }
                 | What::Freeze { .. }
                 | What::Blackhole { .. }
                 | What::ControlBlackhole { .. }
@@ -122,7 +127,17 @@ impl What {
             | What::Drain { .. } => (2, -1),
             What::KillPair { .. } => (2, -2),
             What::Join { count } => (1, i64::from(*count)),
+            // One joins, one dies.
             _ => (2, 0),
+        }
+    }
+
+    /// Worker processes it starts.
+    fn starts(&self) -> usize {
+        match self {
+            What::Join { count } => *count as usize,
+            What::KillMidReshard { .. } => 1,
+            _ => 0,
         }
     }
 }
@@ -154,7 +169,7 @@ pub fn generate(seed: u64) -> Scenario {
     }
     for _ in 0..1 + pick(&mut rng, 3) {
         let p = pick(&mut rng, 64) as u32;
-        let what = match pick(&mut rng, 12) {
+        let what = match pick(&mut rng, 13) {
             0 | 1 => What::Kill {
                 pick: p,
                 during: [During::Anytime, During::Step, During::Backup][pick(&mut rng, 3) as usize],
@@ -179,16 +194,14 @@ pub fn generate(seed: u64) -> Scenario {
                 side: 1 + pick(&mut rng, 14) as u32,
                 for_ms: 200 + pick(&mut rng, 1500),
             },
+            11 => What::KillMidReshard { pick: p },
             _ => What::ControlBlackhole { pick: p },
         };
         let (needs, delta) = what.needs_and_delta();
-        let grows_past = delta > 0 && started + delta as usize > MAX_WORKERS;
-        if members < needs || grows_past {
+        if members < needs || started + what.starts() > MAX_WORKERS {
             continue; // a fault this job cannot take now: skip it, as a valid schedule must
         }
-        if delta > 0 {
-            started += delta as usize;
-        }
+        started += what.starts();
         members = (members as i64 + delta) as usize;
         faults.push(Fault { at_step: at, what });
         at += 4 + pick(&mut rng, 5);
@@ -273,13 +286,11 @@ impl Scenario {
                     f.what.kind()
                 ));
             }
-            if delta > 0 {
-                started += delta as usize;
-                if started > MAX_WORKERS {
-                    return Err(format!(
-                        "faults[{i}] starts worker {started}: at most {MAX_WORKERS}"
-                    ));
-                }
+            started += f.what.starts();
+            if started > MAX_WORKERS {
+                return Err(format!(
+                    "faults[{i}] starts worker {started}: at most {MAX_WORKERS}"
+                ));
             }
             members = (members as i64 + delta) as usize;
         }

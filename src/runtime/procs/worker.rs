@@ -38,7 +38,7 @@ use crate::job::{build_dataset, build_model};
 use crate::net::tls::{check_alpn, peer_server_name, ClusterTls, Protocol};
 use crate::plan::{RankId, Stage};
 use crate::runtime::actors::{RankActor, RankArgs, RankMsg, RankSetup, Work};
-use crate::runtime::api::cluster::{exec_config, prepare_storage};
+use crate::runtime::api::cluster::{exec_config, job_spec, prepare_storage};
 use crate::runtime::clock::{Clock, SystemClock};
 use crate::runtime::step::comm::Comm;
 use crate::runtime::step::exec::ExecConfig;
@@ -229,7 +229,15 @@ async fn run_rank(
             for &r in ranks.iter().filter(|r| **r > welcome.rank) {
                 let _ = control.send_control(r, bytes::Bytes::from_static(b"hello"));
             }
-            tokio::task::block_in_place(|| q.wait_connected(&ranks, join_ms))
+            // A joiner not up within step_timeout_ms is dropped from its change by the
+            // coordinator: waiting longer for its peers would only keep a dead process around.
+            let wait_ms = if welcome.map.is_member(welcome.rank) {
+                join_ms
+            } else {
+                let step_timeout_ms = job_spec(&welcome_config(&welcome)?, 0).step_timeout_ms;
+                join_ms.min(step_timeout_ms)
+            };
+            tokio::task::block_in_place(|| q.wait_connected(&ranks, wait_ms))
                 .map_err(|e| ProcError::Setup(format!("rank {}: {e}", welcome.rank)))?;
             let (control, joins) = (q.control(), q.control());
             let me = welcome.rank;
