@@ -19,6 +19,8 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
+#[path = "procs/child.rs"]
+mod child;
 #[path = "procs/job.rs"]
 mod job;
 #[path = "procs/leaks.rs"]
@@ -27,6 +29,8 @@ mod leaks;
 mod net;
 #[path = "procs/scenario.rs"]
 mod scenario;
+#[path = "procs/strike.rs"]
+mod strike;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

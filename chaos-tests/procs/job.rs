@@ -3,19 +3,18 @@
 //! documented stop, every process reaped, nothing left bound or on disk).
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Read};
 use std::net::{SocketAddr, TcpListener, UdpSocket};
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::Command;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::net::{tcp_proxy, udp_proxy, Link, LinkState, Net, Proxy};
-use super::scenario::{pair_positions, During, Expect, Scenario, What, CHUNK_ELEMS};
+use super::child::Child;
+use super::net::{tcp_proxy, udp_proxy, Link, Net, Proxy};
+use super::scenario::{Expect, Scenario, CHUNK_ELEMS};
 use crate::common::procs::{control_addr, digest, try_http, EZERO};
 
 /// Heartbeats and timeouts of every scenario: a frozen or unreachable worker is declared failed
@@ -27,7 +26,7 @@ const COLLECTIVE_TIMEOUT_MS: u64 = 1000;
 /// The whole scenario, start to last process reaped.
 const SCENARIO_DEADLINE: Duration = Duration::from_secs(240);
 /// One awaited change (a recovery, a join, a drain).
-const CHANGE_DEADLINE: Duration = Duration::from_secs(60);
+pub(crate) const CHANGE_DEADLINE: Duration = Duration::from_secs(60);
 
 /// What one scenario did.
 #[derive(Debug, Default, serde::Serialize)]
@@ -53,125 +52,9 @@ pub struct Outcome {
     pub wall_ms: u64,
 }
 
-/// A child process whose output is collected as it comes; dropping it kills and reaps it.
-struct Child {
-    child: std::process::Child,
-    out: Arc<Mutex<Vec<String>>>,
-    err: Arc<Mutex<String>>,
-    readers: Vec<JoinHandle<()>>,
-    status: Option<ExitStatus>,
-}
-
-impl Child {
-    fn spawn(cmd: &mut Command) -> Result<Child, String> {
-        let mut child = cmd
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|e| format!("cannot start {EZERO}: {e}"))?;
-        let out: Arc<Mutex<Vec<String>>> = Arc::default();
-        let err: Arc<Mutex<String>> = Arc::default();
-        let (o, stdout) = (out.clone(), child.stdout.take().unwrap());
-        let (e, mut stderr) = (err.clone(), child.stderr.take().unwrap());
-        let readers = vec![
-            std::thread::spawn(move || {
-                for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                    o.lock().unwrap().push(line);
-                }
-            }),
-            std::thread::spawn(move || {
-                let mut s = String::new();
-                let _ = stderr.read_to_string(&mut s);
-                *e.lock().unwrap() = s;
-            }),
-        ];
-        Ok(Child {
-            child,
-            out,
-            err,
-            readers,
-            status: None,
-        })
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn stdout(&self) -> Vec<String> {
-        self.out.lock().unwrap().clone()
-    }
-
-    fn stderr(&self) -> String {
-        self.err.lock().unwrap().clone()
-    }
-
-    /// The first stdout line starting with `prefix`, waiting until `deadline`.
-    fn line(&mut self, prefix: &str, deadline: Instant) -> Option<String> {
-        loop {
-            if let Some(l) = self.stdout().into_iter().find(|l| l.starts_with(prefix)) {
-                return Some(l);
-            }
-            if Instant::now() >= deadline || self.exited().is_some() {
-                return self.stdout().into_iter().find(|l| l.starts_with(prefix));
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    fn exited(&mut self) -> Option<ExitStatus> {
-        if self.status.is_none() {
-            self.status = self.child.try_wait().ok().flatten();
-        }
-        self.status
-    }
-
-    /// Waits for the exit until `deadline`; `None` if it was still running (it is then
-    /// thawed and killed).
-    fn wait(&mut self, deadline: Instant) -> Option<ExitStatus> {
-        loop {
-            if let Some(s) = self.exited() {
-                self.join_readers();
-                return Some(s);
-            }
-            if Instant::now() >= deadline {
-                self.reap();
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn signal(&self, sig: i32) {
-        // Invariant: the pid is our child's and it has not been reaped yet.
-        unsafe { libc::kill(self.pid() as i32, sig) };
-    }
-
-    fn reap(&mut self) {
-        if self.exited().is_none() {
-            self.signal(libc::SIGCONT);
-            let _ = self.child.kill();
-            self.status = self.child.wait().ok();
-        }
-        self.join_readers();
-    }
-
-    fn join_readers(&mut self) {
-        for r in self.readers.drain(..) {
-            let _ = r.join();
-        }
-    }
-}
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        self.reap();
-    }
-}
-
 /// How a worker's process must end.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum End {
+pub(crate) enum End {
     /// With the job: 0 when the job succeeded.
     WithJob,
     /// `kill -9`.
@@ -185,24 +68,24 @@ enum End {
     Standby,
 }
 
-struct Worker {
-    proc: Child,
-    rank: Option<u32>,
+pub(crate) struct Worker {
+    pub(crate) proc: Child,
+    pub(crate) rank: Option<u32>,
     proxies: Vec<Proxy>,
-    end: End,
+    pub(crate) end: End,
 }
 
 /// A scenario's running job and what the harness saw of it.
-struct Run<'a> {
-    sc: &'a Scenario,
+pub(crate) struct Run<'a> {
+    pub(crate) sc: &'a Scenario,
     dir: PathBuf,
     secrets: PathBuf,
     token: String,
-    net: Arc<Net>,
+    pub(crate) net: Arc<Net>,
     coord: Child,
     coord_addr: SocketAddr,
-    control: String,
-    workers: Vec<Worker>,
+    pub(crate) control: String,
+    pub(crate) workers: Vec<Worker>,
     start: Instant,
     out: Outcome,
     ports: Vec<u16>,
@@ -276,12 +159,12 @@ pub fn reference_digest(sc: &Scenario) -> Result<String, String> {
 }
 
 impl Run<'_> {
-    fn note(&mut self, what: String) {
+    pub(crate) fn note(&mut self, what: String) {
         let ms = self.start.elapsed().as_millis();
         self.out.events.push(format!("{ms:>6} ms  {what}"));
     }
 
-    fn status(&self) -> Option<Value> {
+    pub(crate) fn status(&self) -> Option<Value> {
         match try_http(&self.control, "GET", "/status") {
             Ok((200, body)) => serde_json::from_str(&body).ok(),
             _ => None,
@@ -296,7 +179,11 @@ impl Run<'_> {
     }
 
     /// Polls `/status` until `done` holds; `None` once the job has ended or at the deadline.
-    fn until(&mut self, deadline: Duration, done: impl Fn(&Value) -> bool) -> Option<Value> {
+    pub(crate) fn until(
+        &mut self,
+        deadline: Duration,
+        done: impl Fn(&Value) -> bool,
+    ) -> Option<Value> {
         let until = Instant::now() + deadline;
         while Instant::now() < until {
             // 503 until every worker has joined; nothing once the coordinator is gone.
@@ -321,7 +208,7 @@ impl Run<'_> {
         None
     }
 
-    fn members(s: &Value) -> Vec<u32> {
+    pub(crate) fn members(s: &Value) -> Vec<u32> {
         s["members"]
             .as_array()
             .map(|a| {
@@ -335,7 +222,7 @@ impl Run<'_> {
 
     /// The worker process holding `rank` (learned from its `ezero worker: rank R of W` line,
     /// waiting a little for one that was just taken by a join).
-    fn worker_of(&mut self, rank: u32) -> Option<usize> {
+    pub(crate) fn worker_of(&mut self, rank: u32) -> Option<usize> {
         let now = Instant::now();
         self.find_worker(rank, now)
             .or_else(|| self.find_worker(rank, now + Duration::from_secs(3)))
@@ -360,7 +247,11 @@ impl Run<'_> {
         None
     }
 
-    fn spawn_worker(&mut self, hint: Option<usize>, standby: bool) -> Result<usize, String> {
+    pub(crate) fn spawn_worker(
+        &mut self,
+        hint: Option<usize>,
+        standby: bool,
+    ) -> Result<usize, String> {
         let idx = self.workers.len();
         let quic = self.sc.transport == "quic";
         let data_port = free_port(quic)?;
@@ -398,322 +289,6 @@ impl Run<'_> {
             end: End::WithJob,
         });
         Ok(idx)
-    }
-
-    /// The member a pick strikes now, and its worker.
-    fn victim(&mut self, pick: u32) -> Option<(u32, usize)> {
-        let s = self.status()?;
-        let members = Self::members(&s);
-        if members.len() < 2 {
-            return None;
-        }
-        let rank = members[pick as usize % members.len()];
-        Some((rank, self.worker_of(rank)?))
-    }
-
-    fn gone(&mut self, rank: u32) -> Option<Value> {
-        self.until(CHANGE_DEADLINE, |s| !Self::members(s).contains(&rank))
-    }
-
-    fn strike(&mut self, what: &What) -> Result<bool, String> {
-        match *what {
-            What::Kill { pick, during } => {
-                let Some((rank, w)) = self.victim(pick) else {
-                    return Ok(false);
-                };
-                let phase = match during {
-                    During::Anytime => None,
-                    During::Step => Some("running"),
-                    During::Backup => Some("replicating"),
-                };
-                let landed = match phase {
-                    None => {
-                        self.workers[w].proc.signal(libc::SIGKILL);
-                        "anytime".to_string()
-                    }
-                    Some(p) => self.kill_during(rank, w, p),
-                };
-                self.workers[w].end = End::Killed;
-                self.note(format!("kill -9 worker {w} (rank {rank}), {landed}"));
-                if self.gone(rank).is_some() {
-                    self.note(format!("rank {rank} is out of the members"));
-                }
-            }
-            What::KillPair { a, b } => {
-                let Some(s) = self.status() else {
-                    return Ok(false);
-                };
-                let members = Self::members(&s);
-                let Some((x, y)) = pair_positions(members.len(), a, b) else {
-                    return Ok(false);
-                };
-                let ranks = [members[x], members[y]];
-                let mut hit = Vec::new();
-                for r in ranks {
-                    let Some(w) = self.worker_of(r) else {
-                        return Ok(false);
-                    };
-                    hit.push(w);
-                }
-                for &w in &hit {
-                    self.workers[w].proc.signal(libc::SIGKILL);
-                    self.workers[w].end = End::Killed;
-                }
-                self.note(format!("kill -9 workers {hit:?} (ranks {ranks:?}) at once"));
-                let out = self.until(CHANGE_DEADLINE, |s| {
-                    let m = Self::members(s);
-                    !m.contains(&ranks[0]) && !m.contains(&ranks[1])
-                });
-                if out.is_some() {
-                    self.note(format!("ranks {ranks:?} are out of the members"));
-                }
-            }
-            What::Freeze { pick } => {
-                let Some((rank, w)) = self.victim(pick) else {
-                    return Ok(false);
-                };
-                self.workers[w].proc.signal(libc::SIGSTOP);
-                self.workers[w].end = End::Refused;
-                self.note(format!("SIGSTOP worker {w} (rank {rank})"));
-                let out = self.gone(rank);
-                self.note(format!(
-                    "rank {rank} {} the members; SIGCONT",
-                    if out.is_some() { "left" } else { "never left" }
-                ));
-                self.workers[w].proc.signal(libc::SIGCONT);
-            }
-            What::ControlBlackhole { pick } => {
-                let Some((rank, w)) = self.victim(pick) else {
-                    return Ok(false);
-                };
-                self.net.set(None, Link::Control(w), LinkState::Blackhole);
-                self.workers[w].end = End::Refused;
-                self.note(format!(
-                    "control link of worker {w} (rank {rank}) goes dark"
-                ));
-                if self.gone(rank).is_some() {
-                    self.note(format!("rank {rank} is out of the members"));
-                }
-            }
-            What::Join { count } => {
-                let before = match self.status() {
-                    Some(s) => Self::members(&s).len(),
-                    None => return Ok(false),
-                };
-                let Some(spawned) = self.start_standbys(count)? else {
-                    return Ok(false);
-                };
-                if !self.post_join(count) {
-                    return Ok(false);
-                }
-                let want = before + count as usize;
-                if self
-                    .until(CHANGE_DEADLINE, |s| Self::members(s).len() >= want)
-                    .is_some()
-                {
-                    self.note(format!("{count} joined"));
-                    for w in spawned {
-                        self.workers[w].end = End::WithJob;
-                    }
-                }
-            }
-            What::KillMidReshard { pick } => {
-                let Some((rank, w)) = self.victim(pick) else {
-                    return Ok(false);
-                };
-                let Some(spawned) = self.start_standbys(1)? else {
-                    return Ok(false);
-                };
-                let joiner = spawned[0];
-                // What the joiner receives is held (TCP) or slowed (QUIC: held datagrams are
-                // lost, and the joiner could not even connect), so the reshard admitting it
-                // lasts while the victim is struck.
-                let slow = if self.sc.transport == "quic" {
-                    LinkState::Delay(Duration::from_millis(3))
-                } else {
-                    LinkState::Hold
-                };
-                self.net.set(None, Link::Data(joiner), slow);
-                if !self.post_join(1) {
-                    self.net.set(None, Link::Data(joiner), LinkState::Pass);
-                    return Ok(false);
-                }
-                let seen = self.until(Duration::from_secs(10), |s| {
-                    s["activity"]["phase"] == "resharding"
-                });
-                self.workers[w].proc.signal(libc::SIGKILL);
-                self.workers[w].end = End::Killed;
-                self.note(format!(
-                    "kill -9 worker {w} (rank {rank}) {}",
-                    if seen.is_some() {
-                        "during the reshard admitting a joiner"
-                    } else {
-                        "(no reshard seen: struck anytime)"
-                    }
-                ));
-                std::thread::sleep(Duration::from_millis(100));
-                self.net.set(None, Link::Data(joiner), LinkState::Pass);
-                if let Some(s) = self.gone(rank) {
-                    self.note(format!("rank {rank} is out of the members"));
-                    // A joiner that survives still joins (README, "Losses between steps").
-                    let members = Self::members(&s);
-                    let joined = members.iter().any(|&r| self.worker_of(r) == Some(joiner));
-                    if joined {
-                        self.workers[joiner].end = End::WithJob;
-                    }
-                }
-            }
-            What::Drain { pick } => {
-                let Some((rank, w)) = self.victim(pick) else {
-                    return Ok(false);
-                };
-                let Ok((code, body)) =
-                    try_http(&self.control, "POST", &format!("/ranks/{rank}/drain"))
-                else {
-                    return Ok(false); // the job ended
-                };
-                self.note(format!("POST /ranks/{rank}/drain: {code} {body}"));
-                if code != 202 {
-                    return Ok(false);
-                }
-                self.workers[w].end = End::Left;
-                if self.gone(rank).is_some() {
-                    self.note(format!("rank {rank} left"));
-                }
-            }
-            What::Delay { pick, ms, for_ms } => {
-                let Some((rank, w)) = self.victim(pick) else {
-                    return Ok(false);
-                };
-                let link = Link::Data(w);
-                self.net
-                    .set(None, link, LinkState::Delay(Duration::from_millis(ms)));
-                self.note(format!(
-                    "data into rank {rank} delayed {ms} ms for {for_ms} ms"
-                ));
-                std::thread::sleep(Duration::from_millis(for_ms));
-                self.net.set(None, link, LinkState::Pass);
-            }
-            What::Cut { pick } => {
-                let Some((rank, w)) = self.victim(pick) else {
-                    return Ok(false);
-                };
-                self.net.cut(Link::Data(w));
-                self.note(format!("data connections into rank {rank} cut"));
-            }
-            What::Blackhole { pick } => {
-                let Some((rank, w)) = self.victim(pick) else {
-                    return Ok(false);
-                };
-                self.net.set(None, Link::Data(w), LinkState::Blackhole);
-                self.net.set(None, Link::Control(w), LinkState::Blackhole);
-                for other in (0..self.workers.len()).filter(|&o| o != w) {
-                    self.net
-                        .set(Some(w), Link::Data(other), LinkState::Blackhole);
-                }
-                self.workers[w].end = End::Refused;
-                self.note(format!("worker {w} (rank {rank}) drops off the network"));
-                if self.gone(rank).is_some() {
-                    self.note(format!("rank {rank} is out of the members"));
-                }
-            }
-            What::Partition { side, for_ms } => {
-                let Some(s) = self.status() else {
-                    return Ok(false);
-                };
-                let members = Self::members(&s);
-                let mut a = Vec::new();
-                let mut b = Vec::new();
-                for (i, &r) in members.iter().enumerate() {
-                    let Some(w) = self.worker_of(r) else { continue };
-                    if side >> (i % 32) & 1 == 1 {
-                        a.push(w)
-                    } else {
-                        b.push(w)
-                    }
-                }
-                if a.is_empty() || b.is_empty() {
-                    return Ok(false);
-                }
-                let pairs: Vec<(usize, usize)> = a
-                    .iter()
-                    .flat_map(|&x| b.iter().flat_map(move |&y| [(x, y), (y, x)]))
-                    .collect();
-                for &(from, to) in &pairs {
-                    self.net.set(Some(from), Link::Data(to), LinkState::Hold);
-                }
-                self.note(format!("partition workers {a:?} | {b:?} for {for_ms} ms"));
-                std::thread::sleep(Duration::from_millis(for_ms));
-                for &(from, to) in &pairs {
-                    self.net.set(Some(from), Link::Data(to), LinkState::Pass);
-                }
-                self.note("partition healed".into());
-            }
-        }
-        Ok(true)
-    }
-
-    /// Starts `count` standby workers and waits until the coordinator holds them; `None` if it
-    /// never did (the job ended).
-    fn start_standbys(&mut self, count: u32) -> Result<Option<Vec<usize>>, String> {
-        let mut spawned = Vec::new();
-        for _ in 0..count {
-            let w = self.spawn_worker(None, true)?;
-            self.workers[w].end = End::Standby;
-            spawned.push(w);
-        }
-        let c = u64::from(count);
-        let held = self.until(CHANGE_DEADLINE, |s| s["standbys"].as_u64() >= Some(c));
-        Ok(held.map(|_| spawned))
-    }
-
-    /// `POST /join?count=N`; whether it was accepted.
-    fn post_join(&mut self, count: u32) -> bool {
-        let Ok((code, body)) = try_http(&self.control, "POST", &format!("/join?count={count}"))
-        else {
-            return false; // the job ended
-        };
-        self.note(format!("POST /join?count={count}: {code} {body}"));
-        code == 202
-    }
-
-    /// Freezes the victim until `/status` shows `phase` waiting for it, then `kill -9`; thaws
-    /// and tries a later moment otherwise. Falls back to a kill wherever it is after 30 tries.
-    fn kill_during(&mut self, rank: u32, w: usize, phase: &str) -> String {
-        for attempt in 0..30 {
-            self.workers[w].proc.signal(libc::SIGSTOP);
-            // Frozen, the victim sends nothing more: two equal answers mean its last words
-            // have arrived.
-            let mut seen = self.status();
-            loop {
-                std::thread::sleep(Duration::from_millis(60));
-                let again = self.status();
-                let same = |a: &Option<Value>, b: &Option<Value>| match (a, b) {
-                    (Some(a), Some(b)) => {
-                        a["activity"] == b["activity"] && a["awaiting"] == b["awaiting"]
-                    }
-                    _ => true,
-                };
-                if same(&seen, &again) {
-                    break;
-                }
-                seen = again;
-            }
-            let Some(s) = seen else { break };
-            let waits = s["awaiting"]
-                .as_array()
-                .is_some_and(|a| a.iter().any(|r| r.as_u64() == Some(rank.into())));
-            if s["activity"]["phase"] == phase && waits {
-                self.workers[w].proc.signal(libc::SIGKILL);
-                return format!("during {phase} {} (try {attempt})", s["activity"]["step"]);
-            }
-            self.workers[w].proc.signal(libc::SIGCONT);
-            let step = s["step"].as_u64();
-            let _ = self.until(Duration::from_secs(10), |s| s["step"].as_u64() != step);
-            std::thread::sleep(Duration::from_millis(attempt * 7 % 40));
-        }
-        self.workers[w].proc.signal(libc::SIGKILL);
-        format!("not caught during {phase} in 30 tries: struck anytime")
     }
 }
 

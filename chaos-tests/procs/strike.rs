@@ -1,0 +1,333 @@
+//! Striking a fault: what the harness does to the job for each kind, and what it waits to see
+//! before the next one.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use super::job::{End, Run, CHANGE_DEADLINE};
+use super::net::{Link, LinkState};
+use super::scenario::{pair_positions, During, What};
+use crate::common::procs::try_http;
+
+impl Run<'_> {
+    /// The member a pick strikes now, and its worker.
+    fn victim(&mut self, pick: u32) -> Option<(u32, usize)> {
+        let s = self.status()?;
+        let members = Self::members(&s);
+        if members.len() < 2 {
+            return None;
+        }
+        let rank = members[pick as usize % members.len()];
+        Some((rank, self.worker_of(rank)?))
+    }
+
+    /// Waits until `rank` is out of the members; `None` if the job ended first.
+    fn gone(&mut self, rank: u32) -> Option<Value> {
+        self.until(CHANGE_DEADLINE, |s| !Self::members(s).contains(&rank))
+    }
+
+    /// Strikes one fault and waits for what it must cause (a loss seen, a join or drain done, a
+    /// window of network trouble over); `false` when it could not be struck (too few members,
+    /// a refused request, the job ended).
+    pub(crate) fn strike(&mut self, what: &What) -> Result<bool, String> {
+        match *what {
+            What::Kill { pick, during } => {
+                let Some((rank, w)) = self.victim(pick) else {
+                    return Ok(false);
+                };
+                let phase = match during {
+                    During::Anytime => None,
+                    During::Step => Some("running"),
+                    During::Backup => Some("replicating"),
+                };
+                let landed = match phase {
+                    None => {
+                        self.workers[w].proc.signal(libc::SIGKILL);
+                        "anytime".to_string()
+                    }
+                    Some(p) => self.kill_during(rank, w, p),
+                };
+                self.workers[w].end = End::Killed;
+                self.note(format!("kill -9 worker {w} (rank {rank}), {landed}"));
+                if self.gone(rank).is_some() {
+                    self.note(format!("rank {rank} is out of the members"));
+                }
+            }
+            What::KillPair { a, b } => {
+                let Some(s) = self.status() else {
+                    return Ok(false);
+                };
+                let members = Self::members(&s);
+                let Some((x, y)) = pair_positions(members.len(), a, b) else {
+                    return Ok(false);
+                };
+                let ranks = [members[x], members[y]];
+                let mut hit = Vec::new();
+                for r in ranks {
+                    let Some(w) = self.worker_of(r) else {
+                        return Ok(false);
+                    };
+                    hit.push(w);
+                }
+                for &w in &hit {
+                    self.workers[w].proc.signal(libc::SIGKILL);
+                    self.workers[w].end = End::Killed;
+                }
+                self.note(format!("kill -9 workers {hit:?} (ranks {ranks:?}) at once"));
+                let out = self.until(CHANGE_DEADLINE, |s| {
+                    let m = Self::members(s);
+                    !m.contains(&ranks[0]) && !m.contains(&ranks[1])
+                });
+                if out.is_some() {
+                    self.note(format!("ranks {ranks:?} are out of the members"));
+                }
+            }
+            What::Freeze { pick } => {
+                let Some((rank, w)) = self.victim(pick) else {
+                    return Ok(false);
+                };
+                self.workers[w].proc.signal(libc::SIGSTOP);
+                self.workers[w].end = End::Refused;
+                self.note(format!("SIGSTOP worker {w} (rank {rank})"));
+                let out = self.gone(rank);
+                self.note(format!(
+                    "rank {rank} {} the members; SIGCONT",
+                    if out.is_some() { "left" } else { "never left" }
+                ));
+                self.workers[w].proc.signal(libc::SIGCONT);
+            }
+            What::ControlBlackhole { pick } => {
+                let Some((rank, w)) = self.victim(pick) else {
+                    return Ok(false);
+                };
+                self.net.set(None, Link::Control(w), LinkState::Blackhole);
+                self.workers[w].end = End::Refused;
+                self.note(format!(
+                    "control link of worker {w} (rank {rank}) goes dark"
+                ));
+                if self.gone(rank).is_some() {
+                    self.note(format!("rank {rank} is out of the members"));
+                }
+            }
+            What::Join { count } => {
+                let before = match self.status() {
+                    Some(s) => Self::members(&s).len(),
+                    None => return Ok(false),
+                };
+                let Some(spawned) = self.start_standbys(count)? else {
+                    return Ok(false);
+                };
+                if !self.post_join(count) {
+                    return Ok(false);
+                }
+                let want = before + count as usize;
+                if self
+                    .until(CHANGE_DEADLINE, |s| Self::members(s).len() >= want)
+                    .is_some()
+                {
+                    self.note(format!("{count} joined"));
+                    for w in spawned {
+                        self.workers[w].end = End::WithJob;
+                    }
+                }
+            }
+            What::KillMidReshard { pick } => {
+                let Some((rank, w)) = self.victim(pick) else {
+                    return Ok(false);
+                };
+                let Some(spawned) = self.start_standbys(1)? else {
+                    return Ok(false);
+                };
+                let joiner = spawned[0];
+                // What the joiner receives is held (TCP) or slowed (QUIC: held datagrams are
+                // lost, and the joiner could not even connect), so the reshard admitting it
+                // lasts while the victim is struck.
+                let slow = if self.sc.transport == "quic" {
+                    LinkState::Delay(Duration::from_millis(3))
+                } else {
+                    LinkState::Hold
+                };
+                self.net.set(None, Link::Data(joiner), slow);
+                if !self.post_join(1) {
+                    self.net.set(None, Link::Data(joiner), LinkState::Pass);
+                    return Ok(false);
+                }
+                let seen = self.until(Duration::from_secs(10), |s| {
+                    s["activity"]["phase"] == "resharding"
+                });
+                self.workers[w].proc.signal(libc::SIGKILL);
+                self.workers[w].end = End::Killed;
+                self.note(format!(
+                    "kill -9 worker {w} (rank {rank}) {}",
+                    if seen.is_some() {
+                        "during the reshard admitting a joiner"
+                    } else {
+                        "(no reshard seen: struck anytime)"
+                    }
+                ));
+                std::thread::sleep(Duration::from_millis(100));
+                self.net.set(None, Link::Data(joiner), LinkState::Pass);
+                if let Some(s) = self.gone(rank) {
+                    self.note(format!("rank {rank} is out of the members"));
+                    // A joiner that survives still joins (README, "Losses between steps").
+                    let members = Self::members(&s);
+                    let joined = members.iter().any(|&r| self.worker_of(r) == Some(joiner));
+                    if joined {
+                        self.workers[joiner].end = End::WithJob;
+                    }
+                }
+            }
+            What::Drain { pick } => {
+                let Some((rank, w)) = self.victim(pick) else {
+                    return Ok(false);
+                };
+                let Ok((code, body)) =
+                    try_http(&self.control, "POST", &format!("/ranks/{rank}/drain"))
+                else {
+                    return Ok(false); // the job ended
+                };
+                self.note(format!("POST /ranks/{rank}/drain: {code} {body}"));
+                if code != 202 {
+                    return Ok(false);
+                }
+                self.workers[w].end = End::Left;
+                if self.gone(rank).is_some() {
+                    self.note(format!("rank {rank} left"));
+                }
+            }
+            What::Delay { pick, ms, for_ms } => {
+                let Some((rank, w)) = self.victim(pick) else {
+                    return Ok(false);
+                };
+                let link = Link::Data(w);
+                self.net
+                    .set(None, link, LinkState::Delay(Duration::from_millis(ms)));
+                self.note(format!(
+                    "data into rank {rank} delayed {ms} ms for {for_ms} ms"
+                ));
+                std::thread::sleep(Duration::from_millis(for_ms));
+                self.net.set(None, link, LinkState::Pass);
+            }
+            What::Cut { pick } => {
+                let Some((rank, w)) = self.victim(pick) else {
+                    return Ok(false);
+                };
+                self.net.cut(Link::Data(w));
+                self.note(format!("data connections into rank {rank} cut"));
+            }
+            What::Blackhole { pick } => {
+                let Some((rank, w)) = self.victim(pick) else {
+                    return Ok(false);
+                };
+                self.net.set(None, Link::Data(w), LinkState::Blackhole);
+                self.net.set(None, Link::Control(w), LinkState::Blackhole);
+                for other in (0..self.workers.len()).filter(|&o| o != w) {
+                    self.net
+                        .set(Some(w), Link::Data(other), LinkState::Blackhole);
+                }
+                self.workers[w].end = End::Refused;
+                self.note(format!("worker {w} (rank {rank}) drops off the network"));
+                if self.gone(rank).is_some() {
+                    self.note(format!("rank {rank} is out of the members"));
+                }
+            }
+            What::Partition { side, for_ms } => {
+                let Some(s) = self.status() else {
+                    return Ok(false);
+                };
+                let members = Self::members(&s);
+                let mut a = Vec::new();
+                let mut b = Vec::new();
+                for (i, &r) in members.iter().enumerate() {
+                    let Some(w) = self.worker_of(r) else { continue };
+                    if side >> (i % 32) & 1 == 1 {
+                        a.push(w)
+                    } else {
+                        b.push(w)
+                    }
+                }
+                if a.is_empty() || b.is_empty() {
+                    return Ok(false);
+                }
+                let pairs: Vec<(usize, usize)> = a
+                    .iter()
+                    .flat_map(|&x| b.iter().flat_map(move |&y| [(x, y), (y, x)]))
+                    .collect();
+                for &(from, to) in &pairs {
+                    self.net.set(Some(from), Link::Data(to), LinkState::Hold);
+                }
+                self.note(format!("partition workers {a:?} | {b:?} for {for_ms} ms"));
+                std::thread::sleep(Duration::from_millis(for_ms));
+                for &(from, to) in &pairs {
+                    self.net.set(Some(from), Link::Data(to), LinkState::Pass);
+                }
+                self.note("partition healed".into());
+            }
+        }
+        Ok(true)
+    }
+
+    /// Starts `count` standby workers and waits until the coordinator holds them; `None` if it
+    /// never did (the job ended).
+    fn start_standbys(&mut self, count: u32) -> Result<Option<Vec<usize>>, String> {
+        let mut spawned = Vec::new();
+        for _ in 0..count {
+            let w = self.spawn_worker(None, true)?;
+            self.workers[w].end = End::Standby;
+            spawned.push(w);
+        }
+        let c = u64::from(count);
+        let held = self.until(CHANGE_DEADLINE, |s| s["standbys"].as_u64() >= Some(c));
+        Ok(held.map(|_| spawned))
+    }
+
+    /// `POST /join?count=N`; whether it was accepted.
+    fn post_join(&mut self, count: u32) -> bool {
+        let Ok((code, body)) = try_http(&self.control, "POST", &format!("/join?count={count}"))
+        else {
+            return false; // the job ended
+        };
+        self.note(format!("POST /join?count={count}: {code} {body}"));
+        code == 202
+    }
+
+    /// Freezes the victim until `/status` shows `phase` waiting for it, then `kill -9`; thaws
+    /// and tries a later moment otherwise. Falls back to a kill wherever it is after 30 tries.
+    fn kill_during(&mut self, rank: u32, w: usize, phase: &str) -> String {
+        for attempt in 0..30 {
+            self.workers[w].proc.signal(libc::SIGSTOP);
+            // Frozen, the victim sends nothing more: two equal answers mean its last words
+            // have arrived.
+            let mut seen = self.status();
+            loop {
+                std::thread::sleep(Duration::from_millis(60));
+                let again = self.status();
+                let same = |a: &Option<Value>, b: &Option<Value>| match (a, b) {
+                    (Some(a), Some(b)) => {
+                        a["activity"] == b["activity"] && a["awaiting"] == b["awaiting"]
+                    }
+                    _ => true,
+                };
+                if same(&seen, &again) {
+                    break;
+                }
+                seen = again;
+            }
+            let Some(s) = seen else { break };
+            let waits = s["awaiting"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|r| r.as_u64() == Some(rank.into())));
+            if s["activity"]["phase"] == phase && waits {
+                self.workers[w].proc.signal(libc::SIGKILL);
+                return format!("during {phase} {} (try {attempt})", s["activity"]["step"]);
+            }
+            self.workers[w].proc.signal(libc::SIGCONT);
+            let step = s["step"].as_u64();
+            let _ = self.until(Duration::from_secs(10), |s| s["step"].as_u64() != step);
+            std::thread::sleep(Duration::from_millis(attempt * 7 % 40));
+        }
+        self.workers[w].proc.signal(libc::SIGKILL);
+        format!("not caught during {phase} in 30 tries: struck anytime")
+    }
+}
