@@ -188,6 +188,7 @@ async fn run_rank(
     opts: &WorkerOptions,
 ) -> Result<WorkerOutcome, ProcError> {
     let join_ms = opts.procs.join_timeout_ms;
+    let cfg = welcome_config(&welcome)?;
     let start = if welcome.restore {
         Some(receive_start(&mut reader, join_ms, &opts.join).await?)
     } else {
@@ -206,7 +207,7 @@ async fn run_rank(
             let peers = exchange(data.local_addr(), link, &mut reader, join_ms, opts).await?;
             // A write that cannot move a byte for a collective timeout (a frozen or blackholed
             // peer whose window is full) fails like a lost peer, rather than block the rank.
-            let stall = Duration::from_millis(welcome_config(&welcome)?.collective_timeout_ms);
+            let stall = Duration::from_millis(cfg.collective_timeout_ms);
             let transport = data
                 .into_transport(welcome.rank, peers.into_iter().collect())
                 .with_send_stall_timeout(stall);
@@ -216,7 +217,7 @@ async fn run_rank(
                 interrupt: Box::new(move |e, s| interrupter.interrupt(e, s)),
                 add_peer: Box::new(move |r, a| book.add(r, a)),
             };
-            serve(welcome, start, transport, hooks, link, reader).await
+            serve(welcome, cfg, start, transport, hooks, link, reader).await
         }
         DataPlane::Quic => {
             let q = bind_quic(&welcome, opts)?;
@@ -234,8 +235,7 @@ async fn run_rank(
             let wait_ms = if welcome.map.is_member(welcome.rank) {
                 join_ms
             } else {
-                let step_timeout_ms = job_spec(&welcome_config(&welcome)?, 0).step_timeout_ms;
-                join_ms.min(step_timeout_ms)
+                join_ms.min(job_spec(&cfg, 0).step_timeout_ms)
             };
             tokio::task::block_in_place(|| q.wait_connected(&ranks, wait_ms))
                 .map_err(|e| ProcError::Setup(format!("rank {}: {e}", welcome.rank)))?;
@@ -251,7 +251,7 @@ async fn run_rank(
                     }
                 }),
             };
-            serve(welcome, start, q, hooks, link, reader).await
+            serve(welcome, cfg, start, q, hooks, link, reader).await
         }
     }
 }
@@ -422,6 +422,7 @@ async fn send_parts(
 /// Builds the rank from the welcome and runs it until the job ends for this worker.
 async fn serve<T: Transport>(
     welcome: Welcome,
+    cfg: TrainConfig,
     start: Option<Vec<ChunkState>>,
     transport: T,
     hooks: Hooks,
@@ -431,7 +432,8 @@ async fn serve<T: Transport>(
     let rank = welcome.rank;
     let procs = welcome.procs;
     let part_max_bytes = (welcome.part_max_bytes as usize).clamp(1, STATE_PART_LIMIT_BYTES);
-    let (rank_actor, mut ended, progress) = start_rank(welcome, start, transport, link).await?;
+    let (rank_actor, mut ended, progress) =
+        start_rank(welcome, cfg, start, transport, link).await?;
     let mut beat_sent = None;
     let _ = link.try_send(Some(ToCoord::Ready));
     let clock = SystemClock::default();
@@ -622,12 +624,12 @@ type Started<T> = (
 
 async fn start_rank<T: Transport>(
     welcome: Welcome,
+    cfg: TrainConfig,
     start: Option<Vec<ChunkState>>,
     transport: T,
     link: &mpsc::Sender<Option<ToCoord>>,
 ) -> Result<Started<T>, ProcError> {
     let rank = welcome.rank;
-    let cfg = welcome_config(&welcome)?;
     let model = build_model(&cfg)?;
     let dataset = build_dataset(&cfg)?;
     let stage = Stage::from_u8(cfg.stage)

@@ -505,9 +505,6 @@ impl TcpTransport {
         addr: SocketAddr,
         frame: &Frame,
     ) -> std::io::Result<()> {
-        if conn.as_ref().is_some_and(|c| peer_closed(&c.sock)) {
-            *conn = None;
-        }
         if conn.is_none() {
             *conn = Some(dial(
                 addr,
@@ -541,20 +538,30 @@ impl Transport for TcpTransport {
         let link = self.peers.get(to).ok_or(TransportError::UnknownPeer(to))?;
         let (addr, conn) = &*link;
         let mut conn = conn.lock().unwrap_or_else(|e| e.into_inner());
-        // A connection that broke under the write (reset, cut, stalled) is redialled once and
-        // the frame sent again whole: the receiver dropped the partial copy with the old
-        // connection, and drops a duplicate by its tag.
-        let first = match self.write(&mut conn, *addr, &frame) {
-            Ok(()) => return Ok(()),
-            Err(e) => e,
-        };
-        *conn = None;
-        self.write(&mut conn, *addr, &frame).map_err(|e| {
-            tracing::debug!("data plane: send to rank {to} failed ({first}), and again: {e}");
+        if conn.as_ref().is_some_and(|c| peer_closed(&c.sock)) {
+            *conn = None;
+        }
+        let reused = conn.is_some();
+        let failed = |conn: &mut Option<Conn>, e: std::io::Error| {
+            tracing::debug!("data plane: send to rank {to} failed: {e}");
             // A later send redials.
             *conn = None;
             TransportError::UnknownPeer(to)
-        })
+        };
+        match self.write(&mut conn, *addr, &frame) {
+            Ok(()) => Ok(()),
+            // A connection that broke under the write (reset, cut, stalled) is redialled once
+            // and the frame sent again whole: the receiver dropped the partial copy with the
+            // old connection, and drops a duplicate by its tag. A fresh dial that failed is
+            // not tried again at once: the peer is unreachable now.
+            Err(e) if reused => {
+                tracing::debug!("data plane: send to rank {to} broke ({e}); redialling");
+                *conn = None;
+                self.write(&mut conn, *addr, &frame)
+                    .map_err(|e| failed(&mut conn, e))
+            }
+            Err(e) => Err(failed(&mut conn, e)),
+        }
     }
 
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
