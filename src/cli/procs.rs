@@ -396,8 +396,7 @@ impl Observer for &mut StepLines<'_> {
     }
 
     fn on_membership(&mut self, m: &MembershipRecord) {
-        // A rollback that lost no rank retried work whose frames the network lost.
-        let retry = if m.lost.is_empty() && m.rolled_back_to.is_some() {
+        let retry = if m.is_network_retry() {
             ", retried after frames were lost on the network"
         } else {
             ""

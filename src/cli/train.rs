@@ -278,7 +278,7 @@ fn membership_line(m: &MembershipRecord, bytes: Option<u64>) -> String {
         m.moved_chunk_elems, m.min_chunk_elems
     );
     match m.rolled_back_to {
-        Some(back) if m.lost.is_empty() => format!(
+        Some(back) if m.is_network_retry() => format!(
             "retry at step {}, epoch {}: every rank gave up on its peers and none is lost (frames lost on the network); ranks {:?} rolled back to the backup before step {back}, replaying {} step(s); {moved}; in {} ms",
             m.step,
             m.epoch,

@@ -89,6 +89,14 @@ pub struct MembershipRecord {
     pub rolled_back_to: Option<u64>,
 }
 
+impl MembershipRecord {
+    /// A rollback that lost no rank: work whose frames the network lost, redone with the same
+    /// ranks.
+    pub fn is_network_retry(&self) -> bool {
+        self.lost.is_empty() && self.rolled_back_to.is_some()
+    }
+}
+
 /// What the coordinator needs to know about the job.
 #[derive(Clone, Debug)]
 pub struct JobSpec {
@@ -328,8 +336,6 @@ pub struct Coordinator {
     /// Rollbacks in a row after every rank gave up on its peers with none lost (frames lost on
     /// the network); a completed step resets it.
     network_retries: u32,
-    /// Such rollbacks over the whole run.
-    network_cuts: u64,
 }
 
 /// How many times in a row the ranks may give up on each other, with no rank lost, before the
@@ -370,15 +376,8 @@ impl Coordinator {
             backup: None,
             aborted: BTreeSet::new(),
             network_retries: 0,
-            network_cuts: 0,
             membership_log: Vec::new(),
         }
-    }
-
-    /// How many times the ranks gave up on each other with none lost, and the run rolled back
-    /// and went on with the same ranks.
-    pub fn network_cuts(&self) -> u64 {
-        self.network_cuts
     }
 
     /// Membership changes completed so far.

@@ -79,7 +79,6 @@ impl Coordinator {
                  link that drops connections)"
             ));
         }
-        self.network_cuts += 1;
         self.roll_back(None, format!("rank {rank}: {reason}"), now_ms)
     }
 
