@@ -328,7 +328,7 @@ fn scenarios() {
             add(&format!("net_{k}"), *v);
         }
         rss.push(out.coord_rss_kib);
-        harness_rss.push(leaks::rss_kib());
+        harness_rss.push(leaks::rss_kib("self").unwrap_or(0));
         if let Some(why) = &out.failure {
             add("failures", 1);
             let replay = record_failure(sc, &out);

@@ -172,10 +172,7 @@ impl Run<'_> {
     }
 
     fn coord_rss_kib(&self) -> Option<u64> {
-        let text = std::fs::read_to_string(format!("/proc/{}/status", self.coord.pid())).ok()?;
-        text.lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+        super::leaks::rss_kib(&self.coord.pid().to_string())
     }
 
     /// Polls `/status` until `done` holds; `None` once the job has ended or at the deadline.

@@ -65,11 +65,7 @@ pub fn ports_free(ports: &[u16]) -> Result<(), String> {
             if cols.len() < 4 || (listen_only && cols[3] != "0A") {
                 continue;
             }
-            let port = cols[1]
-                .rsplit(':')
-                .next()
-                .and_then(|p| u16::from_str_radix(p, 16).ok());
-            if let Some(p) = port.filter(|p| ports.contains(p)) {
+            if let Some(p) = proc_net_port(cols[1]).filter(|p| ports.contains(p)) {
                 bound.push(format!("{p} ({file})"));
             }
         }
@@ -91,14 +87,20 @@ pub fn fds() -> usize {
     std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
 }
 
-/// This process's resident memory, KiB (the harness runs every proxy: a soak must not grow it).
-pub fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
-        })
-        .unwrap_or(0)
+/// Resident memory of process `pid` (a number, or "self": the harness, which runs every proxy
+/// and must not grow over a soak), KiB; `None` once it is gone.
+pub fn rss_kib(pid: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+}
+
+/// The port of an address column of /proc/net/{tcp,udp}[6] (`0100007F:1F90`: hex after the
+/// colon).
+pub fn proc_net_port(column: &str) -> Option<u16> {
+    column
+        .rsplit(':')
+        .next()
+        .and_then(|p| u16::from_str_radix(p, 16).ok())
 }

@@ -22,6 +22,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::leaks::proc_net_port;
+
 const POLL: Duration = Duration::from_millis(25);
 const BUF_BYTES: usize = 64 << 10;
 /// How long a "cut" keeps a UDP link dark: QUIC has no connection to reset, so the nearest
@@ -145,19 +147,13 @@ impl Net {
 
 /// The inode of the TCP socket from local `port` to remote `to_port`, from /proc/net/tcp{,6}.
 fn socket_inode(port: u16, to_port: u16) -> Option<u64> {
-    let hex_port = |field: &str| {
-        field
-            .rsplit(':')
-            .next()
-            .and_then(|p| u16::from_str_radix(p, 16).ok())
-    };
     ["/proc/net/tcp", "/proc/net/tcp6"].iter().find_map(|f| {
         let text = std::fs::read_to_string(f).ok()?;
         text.lines().skip(1).find_map(|line| {
             let cols: Vec<&str> = line.split_whitespace().collect();
             (cols.len() > 9
-                && hex_port(cols[1]) == Some(port)
-                && hex_port(cols[2]) == Some(to_port))
+                && proc_net_port(cols[1]) == Some(port)
+                && proc_net_port(cols[2]) == Some(to_port))
             .then(|| cols[9].parse().ok())
             .flatten()
         })
