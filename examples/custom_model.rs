@@ -184,7 +184,7 @@ fn main() -> anyhow::Result<()> {
     let out = rt.block_on(train(
         spec,
         |rec: &elastic_zero::engine::coordinator::StepRecord| {
-            if rec.step % 5 == 0 {
+            if rec.step.is_multiple_of(5) {
                 println!("step {:>3}  loss {:.4}", rec.step, rec.loss);
             }
         },

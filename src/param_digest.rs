@@ -44,7 +44,7 @@ impl ParamDigest {
     /// otherwise hash a different model without noticing.
     pub fn update_le_bytes(&mut self, bytes: &[u8]) {
         assert!(
-            bytes.len() % 4 == 0,
+            bytes.len().is_multiple_of(4),
             "{} bytes are not a whole number of fp32 parameters",
             bytes.len()
         );

@@ -271,7 +271,9 @@ impl Observer for &mut Timed<'_> {
 
     fn on_snapshot(&mut self, s: crate::runtime::actors::Snapshot) {
         if let Some(w) = self.writer {
-            if self.save_every > 0 && s.progress.step % self.save_every == 0 && w.submit(s).is_ok()
+            if self.save_every > 0
+                && s.progress.step.is_multiple_of(self.save_every)
+                && w.submit(s).is_ok()
             {
                 self.in_flight += 1;
             }

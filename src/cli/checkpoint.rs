@@ -577,7 +577,8 @@ impl Saving {
     fn on_snapshot(&mut self, snap: Snapshot) {
         let step = snap.progress.step;
         let signal = self.signal.load(Ordering::SeqCst);
-        let due = self.save_every > 0 && (step % self.save_every == 0 || step == self.total_steps);
+        let due = self.save_every > 0
+            && (step.is_multiple_of(self.save_every) || step == self.total_steps);
         if signal == 0 && !due {
             return;
         }

@@ -374,7 +374,7 @@ impl Observer for &mut StepLines<'_> {
         self.last_step = Some(rec.step);
         let cfg = self.cfg;
         let log_every = (cfg.steps / 10).max(1);
-        if rec.step % log_every == 0 || rec.step + 1 == cfg.steps {
+        if rec.step.is_multiple_of(log_every) || rec.step + 1 == cfg.steps {
             let tps = cfg.tokens_per_step() as f64 / (rec.duration_ms.max(1) as f64 / 1e3);
             println!(
                 "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s{}",

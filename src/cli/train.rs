@@ -127,7 +127,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
                     tps,
                     mem.join(" ")
                 ));
-                if rec.step % log_every == 0 || rec.step + 1 == cfg.steps {
+                if rec.step.is_multiple_of(log_every) || rec.step + 1 == cfg.steps {
                     let line = format!(
                         "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s{}",
                         rec.step + 1,

@@ -63,7 +63,7 @@ impl TrainConfig {
             ));
         }
         let b = self.nvme_block_bytes;
-        if !(4096..=64 << 20).contains(&b) || b % 4096 != 0 {
+        if !(4096..=64 << 20).contains(&b) || !b.is_multiple_of(4096) {
             return Err(ConfigError::new(
                 "nvme_block_bytes",
                 format!("{b} must be a multiple of 4096 between 4 KiB and 64 MiB"),

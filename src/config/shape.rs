@@ -30,7 +30,9 @@ impl TrainConfig {
         positive("chunk_elems", self.chunk_elems)?;
         positive("max_live_units", self.max_live_units)?;
         positive("optimizer_threads", self.optimizer_threads)?;
-        if self.model == ModelKind::Gpt && (self.heads == 0 || self.d_model % self.heads != 0) {
+        if self.model == ModelKind::Gpt
+            && (self.heads == 0 || !self.d_model.is_multiple_of(self.heads))
+        {
             return Err(ConfigError::new(
                 "heads",
                 format!(

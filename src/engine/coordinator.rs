@@ -661,7 +661,7 @@ impl Coordinator {
         self.network_retries = 0;
         let mut out = vec![Command::StepCompleted(Box::new(record))];
         let every = self.job.snapshot_every;
-        let due = every > 0 && (self.step % every == 0 || self.step == self.job.steps);
+        let due = every > 0 && (self.step.is_multiple_of(every) || self.step == self.job.steps);
         if self.snapshot_requested || due {
             self.snapshot_requested = false;
             out.push(Command::Snapshot(self.progress()));

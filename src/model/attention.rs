@@ -46,7 +46,7 @@ impl AttnShape {
 
     fn head_dim(&self) -> usize {
         assert!(
-            self.heads > 0 && self.d_model % self.heads == 0,
+            self.heads > 0 && self.d_model.is_multiple_of(self.heads),
             "attention: heads {} must divide d_model {}",
             self.heads,
             self.d_model

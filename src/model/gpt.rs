@@ -62,11 +62,11 @@ impl GptConfig {
                 self.vocab
             ));
         }
-        if self.d_model % self.heads != 0 {
+        if !self.d_model.is_multiple_of(self.heads) {
             let d = self.d_model;
             let mut divisors: Vec<usize> = (1..)
                 .take_while(|h| h * h <= d)
-                .filter(|h| d % h == 0)
+                .filter(|h| d.is_multiple_of(*h))
                 .flat_map(|h| [h, d / h])
                 .collect();
             divisors.sort_unstable();

@@ -107,7 +107,7 @@ impl GradBuf {
     pub fn add_encoded(&mut self, offset: usize, bytes: &[u8]) -> bool {
         match self {
             GradBuf::Exact(v) => {
-                if bytes.len() % 8 != 0 || offset + bytes.len() / 8 > v.len() {
+                if !bytes.len().is_multiple_of(8) || offset + bytes.len() / 8 > v.len() {
                     return false;
                 }
                 for (a, b) in v[offset..].iter_mut().zip(bytes.chunks_exact(8)) {
@@ -117,7 +117,7 @@ impl GradBuf {
                 }
             }
             GradBuf::Fast(v) => {
-                if bytes.len() % 4 != 0 || offset + bytes.len() / 4 > v.len() {
+                if !bytes.len().is_multiple_of(4) || offset + bytes.len() / 4 > v.len() {
                     return false;
                 }
                 for (a, b) in v[offset..].iter_mut().zip(bytes.chunks_exact(4)) {
@@ -132,7 +132,7 @@ impl GradBuf {
     pub fn set_encoded(&mut self, offset: usize, bytes: &[u8]) -> bool {
         match self {
             GradBuf::Exact(v) => {
-                if bytes.len() % 8 != 0 || offset + bytes.len() / 8 > v.len() {
+                if !bytes.len().is_multiple_of(8) || offset + bytes.len() / 8 > v.len() {
                     return false;
                 }
                 for (a, b) in v[offset..].iter_mut().zip(bytes.chunks_exact(8)) {
@@ -140,7 +140,7 @@ impl GradBuf {
                 }
             }
             GradBuf::Fast(v) => {
-                if bytes.len() % 4 != 0 || offset + bytes.len() / 4 > v.len() {
+                if !bytes.len().is_multiple_of(4) || offset + bytes.len() / 4 > v.len() {
                     return false;
                 }
                 for (a, b) in v[offset..].iter_mut().zip(bytes.chunks_exact(4)) {

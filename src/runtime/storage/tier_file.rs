@@ -39,7 +39,7 @@ pub struct TierLayout {
 impl TierLayout {
     pub fn new(unit_lens: Vec<usize>, tile_elems: usize, kinds: RecordKinds) -> Self {
         assert!(
-            tile_elems > 0 && (4 * tile_elems) % BLOCK == 0,
+            tile_elems > 0 && (4 * tile_elems).is_multiple_of(BLOCK),
             "tiles are whole blocks"
         );
         let mut first = Vec::with_capacity(unit_lens.len() + 1);
@@ -266,7 +266,11 @@ impl TierFile {
         len: usize,
         buf: AlignedBuf,
     ) -> Result<Pending, TierError> {
-        debug_assert!(offset as usize % BLOCK == 0 && len % BLOCK == 0 && len <= buf.len());
+        debug_assert!(
+            (offset as usize).is_multiple_of(BLOCK)
+                && len.is_multiple_of(BLOCK)
+                && len <= buf.len()
+        );
         let ticket =
             submit(self.dev.as_mut(), op, offset, len, buf).map_err(|source| TierError::Io {
                 path: self.path.clone(),
