@@ -193,3 +193,67 @@ fn kept_activations_match_the_oracle_and_cost_memory() {
         );
     }
 }
+
+/// Every GEMM path this CPU has trains to the same bits (each output element is one FMA chain
+/// along k on every path), so ranks on different CPU generations agree; a path that is not
+/// there, or not a path, is refused before training.
+#[test]
+fn every_gemm_path_gives_the_same_digest() {
+    use elastic_zero::model::gemm::GemmPath;
+    let run = |path: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_ezero"))
+            .args([
+                "train",
+                "--model",
+                "gpt",
+                "--layers",
+                "1",
+                "--d-model",
+                "32",
+                "--heads",
+                "2",
+                "--seq-len",
+                "16",
+                "--ranks",
+                "2",
+                "--steps",
+                "2",
+                "--micro-batches",
+                "2",
+                "--micro-batch-size",
+                "2",
+                "--sample-tokens",
+                "0",
+            ])
+            .env("EZERO_GEMM", path)
+            .output()
+            .expect("ezero runs")
+    };
+    let digest = |path: &str| {
+        let out = run(path);
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        assert!(out.status.success(), "EZERO_GEMM={path}: {stdout}");
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("param-sha256: "))
+            .expect("a digest")
+            .to_string()
+    };
+    let paths = GemmPath::available();
+    assert!(!paths.is_empty());
+    let want = digest("portable");
+    for p in paths {
+        assert_eq!(digest(p.name()), want, "{p:?}");
+    }
+    let bad = run("avx9000");
+    assert_eq!(bad.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        err.contains("EZERO_GEMM") && err.contains("auto, avx512, avx2, portable"),
+        "{err}"
+    );
+    for p in GemmPath::ALL.into_iter().filter(|p| !p.supported()) {
+        let out = run(p.name());
+        assert_eq!(out.status.code(), Some(2), "{p:?} is not on this CPU");
+    }
+}

@@ -10,6 +10,7 @@
 //! must not use thread pools whose reduction order depends on the number of threads.
 
 pub mod attention;
+pub mod gemm;
 pub mod gpt;
 pub mod kernels;
 pub mod mlp;

@@ -3,14 +3,14 @@
 //!
 //! Everything here is a pure function of its arguments, bit for bit, so that ranks that recompute
 //! the same unit agree exactly (see the determinism contract in `model/mod.rs`):
-//! - matrix products go through single-threaded `matrixmultiply::sgemm` (no `threading`
-//!   feature), whose blocking and summation order depend only on the shapes;
+//! - matrix products go through our single-threaded `gemm`, where every output element is one
+//!   chain of FMAs along k whatever the kernel path (see `model/gemm`);
 //! - every other reduction (layernorm statistics, softmax sums, cross-entropy) runs over a fixed
 //!   number of lanes in a fixed order (`kernels::lane_sum`), in `f64` where it sums many terms;
 //!   bias and embedding gradients add row after row;
 //! - `exp` (softmax, cross-entropy, GELU) is our own polynomial, not the C library's, so it gives
-//!   the same bits on every host; Rust never fuses `a * b + c` into an FMA on its own, and the
-//!   multiversioned elementwise kernels never enable FMA.
+//!   the same bits on every host; outside GEMM, Rust never fuses `a * b + c` into an FMA on its own, and
+//!   the multiversioned elementwise kernels never enable FMA.
 //!
 //! The `*_into` forms write into caller-provided buffers (the models carve them from a reused
 //! `workspace::Scratch`); the allocating forms wrap them for tests and simple callers.
@@ -18,118 +18,11 @@
 use super::kernels::{cross_entropy_kernel, gelu_into, gelu_with_derivative_into, lane_sum};
 use crate::optim::{multiversion, Isa};
 
+pub(super) use super::gemm::{gemm, Layout};
+
 // ---------------------------------------------------------------------------------------------
 // Matrix products
 // ---------------------------------------------------------------------------------------------
-
-/// Where a (possibly strided) matrix lives inside a flat buffer.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Layout {
-    pub(super) offset: usize,
-    pub(super) rows: usize,
-    pub(super) cols: usize,
-    pub(super) row_stride: usize,
-    pub(super) col_stride: usize,
-}
-
-impl Layout {
-    /// Rows of `cols` contiguous elements, `row_stride` apart, starting at `offset`.
-    pub(super) fn strided(offset: usize, rows: usize, cols: usize, row_stride: usize) -> Self {
-        let col_stride = 1;
-        Self {
-            offset,
-            rows,
-            cols,
-            row_stride,
-            col_stride,
-        }
-    }
-
-    pub(super) fn row_major(rows: usize, cols: usize) -> Self {
-        Self::strided(0, rows, cols, cols)
-    }
-
-    pub(super) fn transposed(self) -> Self {
-        Self {
-            rows: self.cols,
-            cols: self.rows,
-            row_stride: self.col_stride,
-            col_stride: self.row_stride,
-            ..self
-        }
-    }
-
-    /// Whether every element lies inside a buffer of `len` elements (overflow means no).
-    fn fits(&self, len: usize) -> bool {
-        if self.rows == 0 || self.cols == 0 {
-            return true;
-        }
-        let last_row = (self.rows - 1).checked_mul(self.row_stride);
-        let last_col = (self.cols - 1).checked_mul(self.col_stride);
-        let last = last_row
-            .zip(last_col)
-            .and_then(|(r, c)| r.checked_add(c)?.checked_add(self.offset));
-        last.is_some_and(|i| i < len)
-    }
-}
-
-/// `C (+)= A · B` on strided views. `lc` must not map two elements to one slot (true for every
-/// layout built in this file: row-major, or row-major column blocks).
-pub(super) fn gemm(
-    a: &[f32],
-    la: Layout,
-    b: &[f32],
-    lb: Layout,
-    c: &mut [f32],
-    lc: Layout,
-    acc: bool,
-) {
-    assert!(
-        la.cols == lb.rows && lc.rows == la.rows && lc.cols == lb.cols,
-        "gemm shape mismatch: {la:?} x {lb:?} -> {lc:?}"
-    );
-    assert!(
-        la.fits(a.len()) && lb.fits(b.len()) && lc.fits(c.len()),
-        "gemm operand out of bounds"
-    );
-    let (m, k, n) = (la.rows, la.cols, lb.cols);
-    if m == 0 || n == 0 {
-        return;
-    }
-    if k == 0 {
-        if !acc {
-            for i in 0..m {
-                for j in 0..n {
-                    c[lc.offset + i * lc.row_stride + j * lc.col_stride] = 0.0;
-                }
-            }
-        }
-        return;
-    }
-    // With beta = 0 sgemm never reads C, so stale or NaN contents cannot leak in.
-    let beta = if acc { 1.0 } else { 0.0 };
-    // SAFETY: the `fits` checks above bound every element sgemm touches (offset plus strides
-    // times indices below rows/cols) inside the three slices; `c` is a unique borrow, so it
-    // aliases neither `a` nor `b`; and `lc` maps distinct (i, j) to distinct slots.
-    unsafe {
-        matrixmultiply::sgemm(
-            m,
-            k,
-            n,
-            1.0,
-            a.as_ptr().add(la.offset),
-            la.row_stride as isize,
-            la.col_stride as isize,
-            b.as_ptr().add(lb.offset),
-            lb.row_stride as isize,
-            lb.col_stride as isize,
-            beta,
-            c.as_mut_ptr().add(lc.offset),
-            lc.row_stride as isize,
-            lc.col_stride as isize,
-        );
-    }
-}
 
 pub(super) fn check_len(what: &str, got: usize, want: usize) {
     assert_eq!(got, want, "{what}: length {got}, expected {want}");
@@ -208,7 +101,7 @@ impl<'a> Linear<'a> {
             check_len("linear bias", b.len(), self.d_out);
         }
         assert!(
-            self.d_in > 0 && x.len() % self.d_in == 0,
+            self.d_in > 0 && x.len().is_multiple_of(self.d_in),
             "linear input not a multiple of d_in"
         );
         x.len() / self.d_in
@@ -377,7 +270,7 @@ impl<'a> LayerNorm<'a> {
         let d = self.weight.len();
         check_len("layernorm bias", self.bias.len(), d);
         assert!(
-            d > 0 && x.len() % d == 0,
+            d > 0 && x.len().is_multiple_of(d),
             "layernorm input not a multiple of {d}"
         );
         if let Some(st) = stats {
@@ -515,7 +408,7 @@ fn check_ids(what: &str, ids: &[u32], bound: usize) {
 /// Rows `table[ids[i]]` of a `[rows, d]` table, concatenated.
 pub fn embedding_forward(table: &[f32], ids: &[u32], d: usize) -> Vec<f32> {
     assert!(
-        d > 0 && table.len() % d == 0,
+        d > 0 && table.len().is_multiple_of(d),
         "embedding table not a multiple of {d}"
     );
     check_ids("embedding", ids, table.len() / d);
@@ -530,7 +423,7 @@ pub fn embedding_forward(table: &[f32], ids: &[u32], d: usize) -> Vec<f32> {
 /// repeated ids).
 pub fn embedding_backward(ids: &[u32], dy: &[f32], d: usize, grad_table: &mut [f32]) {
     assert!(
-        d > 0 && grad_table.len() % d == 0,
+        d > 0 && grad_table.len().is_multiple_of(d),
         "embedding grad not a multiple of {d}"
     );
     check_len("embedding dy", dy.len(), ids.len() * d);

@@ -153,12 +153,17 @@ fn init_is_pure_and_gpt2_style() {
 fn gradients_match_finite_differences() {
     let gpt = tiny();
     let params = perturbed(&gpt, 3, 0.3);
-    check_model_gradients(&gpt, &params, &batch_of(11, 2, 5, 1), 1e-2, 1e-2);
+    // eps trades the central difference's truncation error against f32 rounding noise: on
+    // the first batch eps 1e-2 left truncation error within 3% of the tolerance (a change of
+    // GEMM rounding tipped it); on the second, with smaller gradients, eps 5e-3 let rounding
+    // noise exceed it.
+    check_model_gradients(&gpt, &params, &batch_of(11, 2, 5, 1), 5e-3, 1e-2);
     check_model_gradients(&gpt, &params, &batch_of(11, 3, 3, 2), 1e-2, 1e-2);
 }
 
-/// Not part of the `Model` contract, but worth knowing (and pinning): sgemm blocks only along
-/// k, so a row's logits are the same bits whichever rows share its micro-batch.
+/// Not part of the `Model` contract, but worth knowing (and pinning): every element of a GEMM
+/// is one FMA chain along k, so a row's logits are the same bits whichever rows share its
+/// micro-batch.
 #[test]
 fn logits_of_a_row_do_not_depend_on_its_batch_mates() {
     let cfg = GptConfig {
@@ -199,10 +204,11 @@ fn backward_accumulates_into_grad_params() {
         &mut twice,
     );
     assert_eq!(dx, s.input_grads[1]);
-    // Equal up to rounding only: adding into a non-zero buffer changes the summation order.
+    // Equal up to rounding only: the FMA chain starts from the buffer's value, so its partial
+    // sums (which can be much larger than the result) round differently.
     for (t, g) in twice.iter().zip(&s.grads[1]) {
         assert!(
-            (t - 2.0 * g).abs() <= 1e-6 * g.abs().max(1e-3),
+            (t - 2.0 * g).abs() <= 1e-5 * g.abs().max(1e-3),
             "{t} vs 2 * {g}"
         );
     }
