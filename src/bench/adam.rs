@@ -101,7 +101,7 @@ fn bench_adam_with(numel: usize, threads: usize, min_time_s: f64, triad_elems: u
 
 /// Seconds per call of `f`: one warm-up call (page faults, cache state), then the median over
 /// [`REPEATS`] repeats, each calling `f` back to back for at least `repeat_s`.
-fn median_call_s(repeat_s: f64, mut f: impl FnMut()) -> f64 {
+pub(crate) fn median_call_s(repeat_s: f64, mut f: impl FnMut()) -> f64 {
     f();
     let mut per_call_s: Vec<f64> = (0..REPEATS)
         .map(|_| {

@@ -2,4 +2,5 @@
 
 pub mod adam;
 pub mod collectives;
+pub mod gemm;
 pub mod io;

@@ -3,6 +3,7 @@
 
 mod checkpoint;
 mod collectives;
+mod gemm;
 mod launch;
 mod procs;
 mod ticker;
@@ -85,6 +86,9 @@ pub enum BenchCommand {
     /// All-gather, reduce-scatter, all-reduce and broadcast bandwidth over the local or QUIC
     /// transport (JSON lines, nccl-tests definitions).
     Collectives(Box<collectives::CollectivesArgs>),
+    /// The model's matrix products: GFLOP/s per kernel path beside matrixmultiply and (with
+    /// --torch-python) PyTorch's single-thread GEMM, same shapes, same run.
+    Gemm(Box<gemm::BenchGemmArgs>),
 }
 
 /// `ezero train` flags. Every flag overrides the same key of `--config FILE`.
@@ -385,6 +389,8 @@ pub enum CliError {
 }
 
 pub fn run(cli: Cli) -> Result<(), CliError> {
+    // Checked before any work: a mistyped path must not silently run another one.
+    elastic_zero::model::gemm::GemmPath::from_env().map_err(CliError::Usage)?;
     match cli.command {
         Command::Train(args) => train::run(&args),
         Command::Checkpoint(cmd) => checkpoint::run(cmd),
@@ -393,6 +399,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Launch(args) => launch::run(&args),
         Command::Bench(BenchCommand::Checkpoint(args)) => checkpoint::run_bench(&args),
         Command::Bench(BenchCommand::Collectives(args)) => collectives::run(&args),
+        Command::Bench(BenchCommand::Gemm(args)) => gemm::run_bench(&args),
         Command::Bench(BenchCommand::Io {
             dir,
             size,
@@ -427,7 +434,7 @@ fn bench_io(
     queue_depth: u32,
     rounds: u32,
 ) -> Result<(), CliError> {
-    if block < 4096 || block % 4096 != 0 || block > 64 << 20 {
+    if block < 4096 || !block.is_multiple_of(4096) || block > 64 << 20 {
         return Err(CliError::Usage(format!(
             "--block {block}: use a multiple of 4096 between 4 KiB and 64 MiB"
         )));

@@ -1,0 +1,175 @@
+//! `ezero bench gemm`: the model's matrix products per kernel path, beside torch.
+
+use clap::Args;
+use elastic_zero::bench::gemm::{model_shapes, run, GemmBench, GemmResult};
+use elastic_zero::model::gemm::GemmPath;
+use elastic_zero::summary::median;
+
+use super::CliError;
+
+/// `ezero bench gemm` flags. The default shape is `benches/compare_train.py`'s GPT.
+#[derive(Args)]
+pub struct BenchGemmArgs {
+    #[arg(long, default_value_t = 256)]
+    pub d_model: usize,
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    #[arg(long, default_value_t = 128)]
+    pub seq_len: usize,
+    /// Sequences per micro-batch (rows of the linear products: this times --seq-len).
+    #[arg(long, default_value_t = 8)]
+    pub micro_batch_size: usize,
+    #[arg(long, default_value_t = 256)]
+    pub vocab: usize,
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// Seconds of timed work per measurement.
+    #[arg(long, default_value_t = 0.5)]
+    pub min_time_s: f64,
+    /// A Python with torch (e.g. the peers' venv): adds torch's single-thread GEMM on the same
+    /// shapes, in the same run.
+    #[arg(long, env = "EZERO_TORCH_PYTHON")]
+    pub torch_python: Option<String>,
+    /// Only these shapes (comma-separated names, e.g. `qkv.fwd,fc1.dx`); default all.
+    #[arg(long, value_delimiter = ',')]
+    pub shapes: Vec<String>,
+    /// Our kernel paths to time (comma-separated: avx512, avx2, portable); default every
+    /// vector path this CPU has (the portable one, ~1 GFLOP/s without hardware FMA, only when
+    /// there is none).
+    #[arg(long, value_delimiter = ',')]
+    pub paths: Vec<String>,
+    /// Skip the `matrixmultiply` column.
+    #[arg(long)]
+    pub no_matrixmultiply: bool,
+}
+
+pub fn run_bench(args: &BenchGemmArgs) -> Result<(), CliError> {
+    let sizes = [
+        args.d_model,
+        args.heads,
+        args.seq_len,
+        args.micro_batch_size,
+        args.vocab,
+    ];
+    if sizes.contains(&0) || args.rounds == 0 || !args.d_model.is_multiple_of(args.heads) {
+        return Err(CliError::Usage(
+            "--d-model, --heads, --seq-len, --micro-batch-size, --vocab and --rounds must be at \
+             least 1, and --heads must divide --d-model"
+                .into(),
+        ));
+    }
+    if !(args.min_time_s > 0.0 && args.min_time_s <= 60.0) {
+        return Err(CliError::Usage("--min-time-s must be in (0, 60]".into()));
+    }
+    let tokens = args.micro_batch_size * args.seq_len;
+    let mut shapes = model_shapes(args.d_model, args.heads, args.seq_len, tokens, args.vocab);
+    if !args.shapes.is_empty() {
+        if let Some(bad) = args
+            .shapes
+            .iter()
+            .find(|n| !shapes.iter().any(|s| &s.name == *n))
+        {
+            let names: Vec<_> = shapes.iter().map(|s| s.name.as_str()).collect();
+            return Err(CliError::Usage(format!(
+                "--shapes: no shape {bad:?}; the shapes are {}",
+                names.join(",")
+            )));
+        }
+        shapes.retain(|s| args.shapes.contains(&s.name));
+    }
+    let paths = if args.paths.is_empty() {
+        let mut v: Vec<GemmPath> = GemmPath::available().into_iter().rev().collect();
+        if v.len() > 1 {
+            v.retain(|p| *p != GemmPath::Portable);
+        }
+        v
+    } else {
+        let parsed: Result<Vec<GemmPath>, String> =
+            args.paths.iter().map(|p| GemmPath::parse(p)).collect();
+        parsed.map_err(|e| CliError::Usage(format!("--paths: {}", e.replace("EZERO_GEMM=", ""))))?
+    };
+    let b = GemmBench {
+        shapes: shapes.clone(),
+        rounds: args.rounds,
+        min_time_s: args.min_time_s,
+        torch_python: args.torch_python.clone(),
+        paths,
+        matrixmultiply: !args.no_matrixmultiply,
+    };
+    let mut all: Vec<GemmResult> = Vec::new();
+    run(&b, |r| {
+        if let Ok(line) = serde_json::to_string(&r) {
+            println!("{line}");
+        }
+        all.push(r);
+    })
+    .map_err(CliError::Failed)?;
+
+    let mut kernels: Vec<String> = Vec::new();
+    for r in &all {
+        if !kernels.contains(&r.kernel) {
+            kernels.push(r.kernel.clone());
+        }
+    }
+    let med = |shape: &str, kernel: &str| {
+        let xs = all
+            .iter()
+            .filter(|r| r.shape == shape && r.kernel == kernel)
+            .map(|r| r.gflops)
+            .collect();
+        median(xs)
+    };
+    let ours = format!("ezero-{}", GemmPath::current().name());
+    println!(
+        "\nGFLOP/s, median of {} rounds, one thread (ezero's path in use: {})",
+        args.rounds,
+        GemmPath::current().name()
+    );
+    let mut head = format!(
+        "{:<10} {:>5} {:>5} {:>5} {:>4}",
+        "shape", "m", "k", "n", "form"
+    );
+    for k in &kernels {
+        head += &format!(" {k:>15}");
+    }
+    let torch = kernels.iter().any(|k| k == "torch");
+    if torch {
+        head += &format!(" {:>12}", "ours/torch");
+    }
+    println!("{head}");
+    let (mut flops, mut ours_s, mut torch_s) = (0.0, 0.0, 0.0);
+    for s in &shapes {
+        let form = serde_json::to_string(&s.form)
+            .unwrap_or_default()
+            .replace('"', "");
+        let mut line = format!(
+            "{:<10} {:>5} {:>5} {:>5} {:>4}",
+            s.name, s.m, s.k, s.n, form
+        );
+        for k in &kernels {
+            line += &format!(" {:>15.1}", med(&s.name, k));
+        }
+        let (o, t) = (med(&s.name, &ours), med(&s.name, "torch"));
+        if torch {
+            line += &format!(" {:>12.2}", o / t);
+        }
+        println!("{line}");
+        flops += s.flops();
+        ours_s += s.flops() / (o * 1e9);
+        torch_s += s.flops() / (t * 1e9);
+    }
+    // Time-weighted over the shapes: what a step made of exactly these products would see.
+    let mut total = format!(
+        "all shapes (time-weighted): ours {:.1} GFLOP/s",
+        flops / ours_s / 1e9
+    );
+    if torch {
+        total += &format!(
+            ", torch {:.1} GFLOP/s, ours/torch {:.2}",
+            flops / torch_s / 1e9,
+            torch_s / ours_s
+        );
+    }
+    println!("{total}");
+    Ok(())
+}
