@@ -1,10 +1,10 @@
 """PyTorch's single-thread GEMM, driven by `ezero bench gemm --torch-python PY`.
 
 `ezero` runs this file (passed in the environment) with `PY -c ... <repeat_s>` and keeps the
-process: it writes one shape
-per line on stdin as JSON ({"name", "m", "k", "n", "form"}), right before or after timing the
-same shape itself, and reads back one JSON line {"shape", "gflops"}. Pairing each shape this
-way keeps the two measurements seconds apart on a machine whose speed drifts.
+process: it writes one shape per line on stdin as JSON ({"name", "m", "k", "n", "form"}),
+right before or after timing the same shape itself, and reads back one JSON line {"shape",
+"gflops"}. Pairing each shape this way keeps the two measurements seconds apart on a machine
+whose speed drifts.
 
 Each product writes into a preallocated output (`out=`), as ours does, and is timed like ours:
 one warm-up call, then the median of 5 repeats, each calling the product back to back for at

@@ -9,6 +9,7 @@ use crate::model::gpt::{Gpt, GptConfig};
 use crate::model::mlp::{Mlp, MlpConfig};
 use crate::model::Model;
 use crate::optim::{AdamHyper, LrSchedule, OptimSettings, OptimizerKind};
+use crate::plan::activations::{choose, ActivationCheckpointing, ActivationChoice};
 use crate::plan::tier::{machine_budget, place, Budget, Demand, Fit, FitError, Limits, Snapshots};
 use crate::plan::{ShardMap, Stage};
 
@@ -115,7 +116,12 @@ pub fn memory_demand(
         grad_elem_bytes: cfg.reduce.elem_bytes() as u64,
         state_per_param: optim_settings(cfg).state_per_param(),
         max_live_units: cfg.max_live_units as u64,
-        activation_bytes: activation_bytes(cfg, numels.len()),
+        // The least the policy allows; `plan_memory` settles auto.
+        activation_bytes: activation_bytes(
+            cfg,
+            numels.len(),
+            cfg.activation_policy() == ActivationCheckpointing::Never,
+        ),
         backups: cfg.replicate_every > 0 && cfg.ranks >= 2,
         snapshots: match (&cfg.save_dir, streamed_snapshots) {
             (None, _) => Snapshots::None,
@@ -128,8 +134,8 @@ pub fn memory_demand(
 
 /// An upper estimate of one rank's activation memory: every unit's saved input for the rank's
 /// micro-batches, the logits and their gradient, and one unit's intermediates while it is
-/// recomputed and differentiated (every unit's, kept, with `keep_activations`).
-fn activation_bytes(cfg: &TrainConfig, units: usize) -> u64 {
+/// recomputed and differentiated (every unit's when `keep`).
+fn activation_bytes(cfg: &TrainConfig, units: usize, keep: bool) -> u64 {
     let local_mbs = cfg.micro_batches.div_ceil(cfg.ranks.max(1)) as u64;
     let tokens = (cfg.micro_batch_size * cfg.seq_len) as u64;
     let d = cfg.d_model as u64;
@@ -139,7 +145,7 @@ fn activation_bytes(cfg: &TrainConfig, units: usize) -> u64 {
     // activation: about 16 d per token, plus the seq x seq attention weights per head; twice
     // for the backward's gradients of them.
     let per_unit = 2 * tokens * (16 * d + (cfg.heads * cfg.seq_len) as u64) * 4;
-    let kept = if cfg.keep_activations {
+    let kept = if keep {
         per_unit * units as u64 * local_mbs
     } else {
         per_unit
@@ -147,29 +153,41 @@ fn activation_bytes(cfg: &TrainConfig, units: usize) -> u64 {
     saved + logits + kept
 }
 
-/// Where the run's state goes and how much memory it needs, or why it cannot run in
-/// `available_bytes` (the machine's, used when `memory_max_bytes` is not set). The arguments
-/// are [`memory_demand`]'s.
+/// Where the run's state goes, whether blocks keep their activations, and how much memory it
+/// needs; or why it cannot run in `available_bytes` (the machine's, used when
+/// `memory_max_bytes` is not set). The arguments are [`memory_demand`]'s.
 pub fn plan_memory(
     cfg: &TrainConfig,
     model: &dyn Model,
     ranks_in_process: u64,
     streamed_snapshots: bool,
     available_bytes: u64,
-) -> Result<Fit, FitError> {
+) -> Result<(Fit, ActivationChoice), FitError> {
     let demand = memory_demand(cfg, model, ranks_in_process, streamed_snapshots);
-    place(
-        &demand,
-        &Limits {
-            optimizer: cfg.offload_optimizer,
-            params: cfg.offload_params,
-            grads: cfg.offload_grads,
-            has_nvme_dir: cfg.nvme_dir.is_some(),
-            budget: match cfg.memory_max_bytes {
-                Some(b) => Budget::Configured(b),
-                None => machine_budget(available_bytes),
-            },
-            tile_elems: cfg.nvme_record_elems,
+    let limits = Limits {
+        optimizer: cfg.offload_optimizer,
+        params: cfg.offload_params,
+        grads: cfg.offload_grads,
+        has_nvme_dir: cfg.nvme_dir.is_some(),
+        budget: match cfg.memory_max_bytes {
+            Some(b) => Budget::Configured(b),
+            None => machine_budget(available_bytes),
+        },
+        tile_elems: cfg.nvme_record_elems,
+    };
+    let units = model.units().len();
+    choose(
+        cfg.activation_policy(),
+        activation_bytes(cfg, units, true),
+        activation_bytes(cfg, units, false),
+        |activation_bytes| {
+            place(
+                &Demand {
+                    activation_bytes,
+                    ..demand
+                },
+                &limits,
+            )
         },
     )
 }

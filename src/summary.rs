@@ -69,6 +69,10 @@ pub struct TrainSummary {
     /// measured): what training itself needed.
     #[serde(default)]
     pub peak_rss_training_bytes: u64,
+    /// `kept` or `recomputed`: what the activation policy chose for this process's ranks
+    /// (empty where each worker process chooses for itself).
+    #[serde(default)]
+    pub activations: String,
 }
 
 /// Median of a list (0 for an empty one).

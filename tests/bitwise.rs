@@ -6,6 +6,7 @@ use crate::common;
 use common::{run_cfg, small};
 use elastic_zero::config::ModelKind;
 use elastic_zero::job::{build_dataset, build_model};
+use elastic_zero::plan::activations::ActivationCheckpointing;
 use elastic_zero::reduce::ReduceMode;
 use elastic_zero::reference::train_reference;
 use elastic_zero::summary::param_sha256;
@@ -169,10 +170,11 @@ fn kept_activations_match_the_oracle_and_cost_memory() {
     for stage in [1, 3] {
         let recompute = elastic_zero::config::TrainConfig {
             stage,
+            activation_checkpointing: ActivationCheckpointing::Always,
             ..base.clone()
         };
         let keep = elastic_zero::config::TrainConfig {
-            keep_activations: true,
+            activation_checkpointing: ActivationCheckpointing::Never,
             ..recompute.clone()
         };
         let peak = |out: &elastic_zero::runtime::api::cluster::TrainOutcome| {

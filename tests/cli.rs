@@ -264,3 +264,78 @@ fn bench_collectives_over_tcp_reports_every_op() {
         );
     }
 }
+
+/// `auto` keeps activations when they fit the budget and recomputes when only recomputing
+/// fits, says which at start, and trains to the same bits either way; `always` and
+/// `--keep-activations` together are refused.
+#[test]
+fn activation_checkpointing_auto_follows_the_budget() {
+    let base = [
+        "--layers",
+        "2",
+        "--d-model",
+        "64",
+        "--heads",
+        "2",
+        "--seq-len",
+        "64",
+        "--ranks",
+        "2",
+        "--micro-batches",
+        "4",
+        "--micro-batch-size",
+        "4",
+        "--steps",
+        "2",
+        "--sample-tokens",
+        "0",
+    ];
+    let run = |extra: &[&str]| {
+        let args: Vec<&str> = base.iter().chain(extra).copied().collect();
+        let (code, out, err) = train(&args);
+        assert_eq!(code, 0, "{out}\n{err}");
+        out
+    };
+    let line = |out: &str, prefix: &str| -> String {
+        out.lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no {prefix:?} line in\n{out}"))
+            .to_string()
+    };
+    let mib_after = |l: &str, key: &str| -> f64 {
+        let rest = &l[l.find(key).unwrap_or_else(|| panic!("{key:?} in {l}")) + key.len()..];
+        rest.trim_start()
+            .split(' ')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let digest = |out: &str| line(out, "param-sha256: ");
+
+    let kept = run(&[]);
+    let act = line(&kept, "activations: ");
+    assert!(act.starts_with("activations: kept (auto"), "{act}");
+    let (keep_mib, recompute_mib) = (
+        mib_after(&act, "),"),
+        mib_after(&act, "recomputing would need"),
+    );
+    assert!(keep_mib > recompute_mib, "{act}");
+    let total_mib = mib_after(&line(&kept, "memory: "), "about");
+    // A budget halfway between what recomputing and keeping need for the 2 ranks.
+    let budget_mib = total_mib - (keep_mib - recompute_mib);
+    let budget = format!("{}KiB", (budget_mib * 1024.0) as u64);
+    let recomputed = run(&["--memory-max", &budget]);
+    let act = line(&recomputed, "activations: ");
+    assert!(act.starts_with("activations: recomputed (auto"), "{act}");
+    assert!(line(&recomputed, "memory: ").contains("all state in RAM"));
+    assert_eq!(digest(&recomputed), digest(&kept));
+
+    let forced = run(&["--activation-checkpointing", "always"]);
+    assert!(
+        line(&forced, "activations: ").contains("recomputed (activation_checkpointing = always)")
+    );
+    let (code, _, err) = train(&["--activation-checkpointing", "always", "--keep-activations"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("keep_activations"), "{err}");
+}

@@ -19,6 +19,7 @@ pub const MAY_CHANGE: &[&str] = &[
     "chunk_elems",
     "max_live_units",
     "keep_activations",
+    "activation_checkpointing",
     "collective_timeout_ms",
     "optimizer_threads",
     "sample_tokens",

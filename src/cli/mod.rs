@@ -16,6 +16,7 @@ use clap::{Args, Parser, Subcommand};
 use elastic_zero::config::{
     parse_bytes, At, ConfigError, ModelKind, OptimizerChoice, RoundKill, TrainConfig,
 };
+use elastic_zero::plan::activations::ActivationCheckpointing;
 use elastic_zero::plan::tier::Offload;
 use elastic_zero::reduce::ReduceMode;
 
@@ -151,8 +152,13 @@ pub struct TrainArgs {
     /// ZeRO-3: units whose full parameters may be live at once.
     #[arg(long)]
     pub max_live_units: Option<usize>,
-    /// Keep forward intermediates for the backward instead of recomputing them (more memory,
-    /// less compute; same result) [default: off].
+    /// Recompute each block's forward in its backward (`always`), keep its intermediates from
+    /// the forward (`never`), or keep them when the memory planner says they fit the budget
+    /// (--memory-max, else 90% of the memory available) without more offload (`auto`). Same
+    /// result either way [default: auto].
+    #[arg(long, value_name = "auto|always|never")]
+    pub activation_checkpointing: Option<ActivationCheckpointing>,
+    /// Same as --activation-checkpointing never.
     #[arg(long)]
     pub keep_activations: bool,
     #[arg(long)]
@@ -351,6 +357,9 @@ impl TrainArgs {
         }
         if self.memory_max.is_some() {
             c.memory_max_bytes = self.memory_max;
+        }
+        if let Some(p) = self.activation_checkpointing {
+            c.activation_checkpointing = p;
         }
         if self.keep_activations {
             c.keep_activations = true;

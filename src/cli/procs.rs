@@ -245,13 +245,15 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let floor = data.entropy_floor_nats();
     // Each worker plans its own placement; this is one rank's plan on this machine.
     let available = available_memory_bytes().unwrap_or(u64::MAX / 2);
-    let fit = plan_memory(&cfg, model.as_ref(), 1, false, available).unwrap_or_else(|_| {
-        evaluate(
-            &memory_demand(&cfg, model.as_ref(), 1, false),
-            Placement::RAM,
-            MIN_TILE_ELEMS,
-        )
-    });
+    let fit = plan_memory(&cfg, model.as_ref(), 1, false, available)
+        .map(|(fit, _)| fit)
+        .unwrap_or_else(|_| {
+            evaluate(
+                &memory_demand(&cfg, model.as_ref(), 1, false),
+                Placement::RAM,
+                MIN_TILE_ELEMS,
+            )
+        });
     let opts = CoordinatorOptions {
         listen: listen.clone(),
         token,

@@ -93,7 +93,9 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     let cluster = rt.block_on(Cluster::start(spec)).map_err(cluster_error)?;
     ticker.step_boundary(0);
     let fit = *cluster.memory_plan();
+    let activations = *cluster.activation_plan();
     println!("{}", describe_fit(&fit, &cfg));
+    println!("{}", activations.describe());
     let saving = match save_plan
         .map(|p| p.start(&cfg, resumed_from.as_deref(), &boundary))
         .transpose()
@@ -185,6 +187,12 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         &fit,
     );
     summary.peak_rss_training_bytes = training_peak.get();
+    summary.activations = if activations.keep {
+        "kept"
+    } else {
+        "recomputed"
+    }
+    .into();
     println!(
         "done: {} steps in {:.1} s, loss {:.4} -> {:.4}{}, median step {:.3} s, {:.0} tokens/s",
         cfg.steps,
@@ -385,6 +393,7 @@ pub(super) fn summarize(
         io_wait_s_per_step: per_step(&|x| x.io_wait_s, true),
         peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
         peak_rss_training_bytes: 0,
+        activations: String::new(),
     }
 }
 

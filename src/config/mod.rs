@@ -28,6 +28,7 @@ pub use self::membership::{At, Round, RoundKill};
 pub use self::offload::{parse_bytes, NvmeFault};
 pub use self::optim::OptimizerChoice;
 pub use self::shape::ModelKind;
+use crate::plan::activations::ActivationCheckpointing;
 use crate::plan::tier::Offload;
 use crate::reduce::ReduceMode;
 
@@ -86,8 +87,11 @@ pub struct TrainConfig {
     pub chunk_elems: usize,
     /// ZeRO-3: units whose full parameters may be live at once (current + prefetched) (default 2).
     pub max_live_units: usize,
-    /// Keep each unit's forward intermediates until its backward instead of recomputing them
-    /// from the unit's input (memory for time; the same bits either way) (default false).
+    /// Whether blocks recompute their forward intermediates in the backward (`always`), keep
+    /// them from the forward (`never`), or keep them when the memory planner says they fit the
+    /// budget without more offload (`auto`). The same bits either way (default auto).
+    pub activation_checkpointing: ActivationCheckpointing,
+    /// Older spelling of `activation_checkpointing = "never"` (default false).
     pub keep_activations: bool,
     /// Deadline for any single receive inside a collective (default 30000).
     pub collective_timeout_ms: u64,
@@ -211,6 +215,7 @@ impl Default for TrainConfig {
             json: None,
             chunk_elems: 8192,
             max_live_units: 2,
+            activation_checkpointing: ActivationCheckpointing::Auto,
             keep_activations: false,
             collective_timeout_ms: 30_000,
             initial_grad_bound: 65536.0,
@@ -272,6 +277,15 @@ impl TrainConfig {
     /// concept live with it: the model's shape (`shape.rs`), the optimizer and its
     /// schedule (`optim.rs`), injected network faults (`faults.rs`), the membership script
     /// (`membership.rs`).
+    /// The activation policy in effect (`keep_activations` is `never`).
+    pub fn activation_policy(&self) -> ActivationCheckpointing {
+        if self.keep_activations {
+            ActivationCheckpointing::Never
+        } else {
+            self.activation_checkpointing
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.ranks == 0 {
             return Err(ConfigError::new(
@@ -294,6 +308,14 @@ impl TrainConfig {
         self.validate_shape()?;
         self.validate_optimizer()?;
         self.validate_faults()?;
+        if self.keep_activations && self.activation_checkpointing == ActivationCheckpointing::Always
+        {
+            return Err(ConfigError::new(
+                "keep_activations",
+                "keep_activations asks never to recompute, activation_checkpointing = \"always\" \
+                 always to: drop one (keep_activations means activation_checkpointing = \"never\")",
+            ));
+        }
         if self.collective_timeout_ms == 0 {
             return Err(ConfigError::new(
                 "collective_timeout_ms",

@@ -16,6 +16,7 @@ use crate::engine::coordinator::{
 };
 use crate::job::{build_dataset, build_model, lr_schedule, optim_settings, plan_memory};
 use crate::model::Model;
+use crate::plan::activations::ActivationChoice;
 use crate::plan::tier::Fit;
 use crate::plan::{ChunkId, RankId, ShardMap, Stage};
 use crate::runtime::actors::RankMsg;
@@ -139,8 +140,16 @@ pub struct Cluster {
     map: ShardMap,
     resume_reads: Vec<(RankId, u64)>,
     fit: Fit,
+    activations: ActivationChoice,
     /// Held while the run uses its tier directory.
     _tier_lock: Option<DirLock>,
+}
+
+/// The memory plan of a run and, when state goes to the tier, its checked and locked directory.
+pub struct PreparedStorage {
+    pub fit: Fit,
+    pub activations: ActivationChoice,
+    pub tier: Option<(TierSpec, DirLock)>,
 }
 
 /// Plans where the state of `ranks_in_process` ranks goes and, if anything goes to the tier,
@@ -150,12 +159,18 @@ pub fn prepare_storage(
     model: &dyn Model,
     ranks_in_process: u64,
     streamed_snapshots: bool,
-) -> Result<(Fit, Option<(TierSpec, DirLock)>), ClusterError> {
+) -> Result<PreparedStorage, ClusterError> {
     let available = available_memory_bytes().unwrap_or(u64::MAX / 2);
-    let fit = plan_memory(cfg, model, ranks_in_process, streamed_snapshots, available)
-        .map_err(|e| ClusterError::Memory(e.to_string()))?;
+    let (fit, activations) =
+        plan_memory(cfg, model, ranks_in_process, streamed_snapshots, available)
+            .map_err(|e| ClusterError::Memory(e.to_string()))?;
     if !fit.placement.any_nvme() {
-        return Ok((fit, None));
+        let tier = None;
+        return Ok(PreparedStorage {
+            fit,
+            activations,
+            tier,
+        });
     }
     let dir = cfg
         .nvme_dir
@@ -189,7 +204,12 @@ pub fn prepare_storage(
         }),
         ..spec
     };
-    Ok((fit, Some((spec, lock))))
+    let tier = Some((spec, lock));
+    Ok(PreparedStorage {
+        fit,
+        activations,
+        tier,
+    })
 }
 
 /// The config's fault-injection keys as the in-process network's faults.
@@ -229,14 +249,14 @@ pub fn job_spec(cfg: &TrainConfig, snapshot_every: u64) -> JobSpec {
     }
 }
 
-/// Per-step execution settings of a config.
-pub fn exec_config(cfg: &TrainConfig) -> ExecConfig {
+/// Per-step execution settings of a config, with the memory planner's activation choice.
+pub fn exec_config(cfg: &TrainConfig, activations: &ActivationChoice) -> ExecConfig {
     ExecConfig {
         micro_batch_size: cfg.micro_batch_size,
         seq_len: cfg.seq_len,
         seed: cfg.seed,
         max_live_units: cfg.max_live_units,
-        keep_activations: cfg.keep_activations,
+        keep_activations: activations.keep,
         grad_clip: cfg.grad_clip as f64,
         round_kills: cfg.kill_during.clone(),
         progress: Arc::default(),
@@ -259,8 +279,11 @@ impl Cluster {
         let map = ShardMap::plan(&numels, &members, cfg.chunk_elems, epoch)
             .map_err(|e| ClusterError::Spawn(e.to_string()))?;
         let streamed = spec.snapshot_sink.is_some();
-        let (fit, tier) =
-            prepare_storage(cfg, spec.model.as_ref(), u64::from(cfg.ranks), streamed)?;
+        let PreparedStorage {
+            fit,
+            activations,
+            tier,
+        } = prepare_storage(cfg, spec.model.as_ref(), u64::from(cfg.ranks), streamed)?;
         let (storage, tier_lock) = match tier {
             Some((spec, lock)) => (Some(Arc::new(spec)), Some(lock)),
             None => (None, None),
@@ -313,7 +336,7 @@ impl Cluster {
             data: Arc::clone(&spec.data),
             exec: ExecConfig {
                 progress: Arc::clone(&spec.progress),
-                ..exec_config(cfg)
+                ..exec_config(cfg, &activations)
             },
             storage: storage.clone(),
             disconnect: {
@@ -437,6 +460,7 @@ impl Cluster {
             map,
             resume_reads: restored.map(|r| r.per_rank).unwrap_or_default(),
             fit,
+            activations,
             _tier_lock: tier_lock,
         })
     }
@@ -458,6 +482,11 @@ impl Cluster {
     /// Where the ranks' state was placed (RAM or the tier) and the memory that needs.
     pub fn memory_plan(&self) -> &Fit {
         &self.fit
+    }
+
+    /// Whether blocks keep their activations, and what either choice costs a rank.
+    pub fn activation_plan(&self) -> &ActivationChoice {
+        &self.activations
     }
 
     /// On a resume: the bytes each rank read from the saved state (empty otherwise).

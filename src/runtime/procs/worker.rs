@@ -36,6 +36,7 @@ use crate::config::TrainConfig;
 use crate::job::optim_settings;
 use crate::job::{build_dataset, build_model};
 use crate::net::tls::{check_alpn, peer_server_name, ClusterTls, Protocol};
+use crate::plan::activations::ActivationChoice;
 use crate::plan::{RankId, Stage};
 use crate::runtime::actors::{RankActor, RankArgs, RankMsg, RankSetup, Work};
 use crate::runtime::api::cluster::{exec_config, job_spec, prepare_storage};
@@ -588,7 +589,7 @@ fn worker_storage(
     cfg: &TrainConfig,
     model: &dyn crate::model::Model,
     rank: RankId,
-) -> Result<Option<Arc<TierSpec>>, ProcError> {
+) -> Result<(Option<Arc<TierSpec>>, ActivationChoice), ProcError> {
     let mut cfg = cfg.clone();
     if let Some(dir) = &cfg.nvme_dir {
         let own = dir.join(format!("worker-{rank}"));
@@ -599,12 +600,14 @@ fn worker_storage(
         }
         cfg.nvme_dir = Some(own);
     }
-    let (_, tier) =
+    let prepared =
         prepare_storage(&cfg, model, 1, false).map_err(|e| ProcError::Setup(e.to_string()))?;
-    Ok(tier.map(|(spec, lock)| {
+    let (activations, tier) = (prepared.activations, prepared.tier);
+    let tier = tier.map(|(spec, lock)| {
         std::mem::forget(lock);
         Arc::new(spec)
-    }))
+    });
+    Ok((tier, activations))
 }
 
 /// The job's config as the coordinator sent it, checked.
@@ -635,7 +638,7 @@ async fn start_rank<T: Transport>(
     let stage = Stage::from_u8(cfg.stage)
         .ok_or_else(|| ProcError::Setup(format!("stage {} from the coordinator", cfg.stage)))?;
     let optim = optim_settings(&cfg);
-    let storage = worker_storage(&cfg, model.as_ref(), rank)?;
+    let (storage, activations) = worker_storage(&cfg, model.as_ref(), rank)?;
     // A joiner (not in the committed map) holds nothing until its reshard.
     let state = if welcome.map.is_member(rank) {
         Some(match start {
@@ -685,7 +688,7 @@ async fn start_rank<T: Transport>(
         data: dataset,
         exec: ExecConfig {
             progress: Arc::clone(&progress),
-            ..exec_config(&cfg)
+            ..exec_config(&cfg, &activations)
         },
         storage,
         // An injected kill (`--kill`, or an operator's `POST /ranks/{id}/kill`) ends this
