@@ -60,7 +60,7 @@ def cpu_seconds(time_v_stderr):
     return float(u.group(1)) + float(k.group(1)) if u and k else None
 
 
-def run_ours(ezero, ws, steps, per_rank, mb_size, tmpdir, replicate_every=0, keep_activations=False):
+def run_ours(ezero, ws, steps, per_rank, mb_size, tmpdir, replicate_every=0, activations=None):
     """Our ZeRO-3 run with M micro-batches of B sequences, M*B = per_rank*ws."""
     g = per_rank * ws
     m = g // mb_size
@@ -70,8 +70,8 @@ def run_ours(ezero, ws, steps, per_rank, mb_size, tmpdir, replicate_every=0, kee
            "--stage", "3", "--ranks", str(ws), "--micro-batches", str(m), "--micro-batch-size", str(mb_size),
            "--steps", str(steps), "--sample-tokens", "0", "--grad-clip", "0", "--lr", "1e-3",
            "--warmup-steps", "0", "--replicate-every", str(replicate_every), "--json", out]
-    if keep_activations:
-        cmd.insert(-2, "--keep-activations")
+    if activations:
+        cmd[-2:-2] = ["--activation-checkpointing", activations]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"ezero train failed ({p.returncode}): {p.stderr[-2000:]}")
@@ -132,7 +132,7 @@ def measure(args):
                     t0 = time.monotonic()
                     if who == "ours":
                         rec["ours"] = run_ours(ezero, ws, args.steps, args.batch_per_rank, args.micro_batch_size, tmpdir,
-                                              args.replicate_every, args.keep_activations)
+                                              args.replicate_every, args.activation_checkpointing)
                     else:
                         rec[who] = run_peer(args.python, args.peers, who, ws, args.steps, args.batch_per_rank, tmpdir)
                     rec[who]["load"] = sampler.window(t0, time.monotonic())
@@ -248,8 +248,11 @@ def main():
     ap.add_argument("--replicate-every", type=int, default=0,
                     help="ours: buddy backups every K steps (default 0: off, since FSDP2 and DeepSpeed keep none; "
                          "ezero's own default is 1)")
-    ap.add_argument("--keep-activations", action="store_true",
-                    help="ours: keep forward intermediates instead of recomputing them (the peers keep them too)")
+    ap.add_argument("--activation-checkpointing", choices=["auto", "always", "never"],
+                    help="ours: recompute each block's forward (always), keep its intermediates as the peers do "
+                         "(never), or ezero's default (auto: keep when they fit the memory budget, as here)")
+    ap.add_argument("--keep-activations", dest="activation_checkpointing", action="store_const", const="never",
+                    help="same as --activation-checkpointing never")
     ap.add_argument("--out", default="/tmp/ezero_bench/train_runs.json")
     ap.add_argument("--ezero")
     ap.add_argument("--no-build", action="store_true")

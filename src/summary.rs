@@ -24,8 +24,69 @@ pub struct RankSummary {
     /// Median over steps of parameter and gradient elements sent.
     pub elems_sent_per_step: u64,
     /// Median over steps of the seconds the rank spent in model compute (forward, backward and
-    /// loss); the rest of its step went to communication, the optimizer and waiting for peers.
+    /// loss).
     pub compute_s_per_step: f64,
+    /// Median over steps of the seconds of the optimizer update.
+    pub optimizer_s_per_step: f64,
+    /// Median over steps of the rest of the rank's step: sending and waiting on collectives
+    /// (gathers, reduce-scatters, the agreement round) and on its tier.
+    pub collectives_s_per_step: f64,
+    /// Median over steps of the step's wall time outside the rank's own work: the
+    /// coordinator's round trip (plan out, reports in) and idling for slower ranks' reports.
+    pub outside_s_per_step: f64,
+}
+
+/// Where one step's time went, as shares of its wall time averaged over ranks.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepBreakdown {
+    pub compute: f64,
+    pub collectives: f64,
+    pub optimizer: f64,
+    /// Coordinator round trip and idle.
+    pub outside: f64,
+}
+
+impl StepBreakdown {
+    pub fn of(record: &StepRecord) -> Self {
+        let wall = record.duration_ms as f64 / 1e3;
+        let n = record.reports.len() as f64;
+        if wall <= 0.0 || n == 0.0 {
+            return Self::default();
+        }
+        let mut b = Self::default();
+        for r in &record.reports {
+            let p = split(r, wall);
+            b.compute += p[0] / wall / n;
+            b.collectives += p[1] / wall / n;
+            b.optimizer += p[2] / wall / n;
+            b.outside += p[3] / wall / n;
+        }
+        b
+    }
+
+    /// `compute 81% collectives 9% optimizer 4% coordinator+idle 6%`.
+    pub fn describe(&self) -> String {
+        let pct = |x: f64| (x * 100.0).round();
+        format!(
+            "compute {}% collectives {}% optimizer {}% coordinator+idle {}%",
+            pct(self.compute),
+            pct(self.collectives),
+            pct(self.optimizer),
+            pct(self.outside)
+        )
+    }
+}
+
+/// One rank's step as [compute, collectives, optimizer, outside] seconds of a step that took
+/// `wall` on the coordinator. Clamped at 0: the coordinator's wall is whole milliseconds.
+fn split(r: &crate::engine::messages::StepReport, wall: f64) -> [f64; 4] {
+    let busy = r.busy_s.max(r.compute_s + r.optimizer_s);
+    [
+        r.compute_s,
+        (busy - r.compute_s - r.optimizer_s).max(0.0),
+        r.optimizer_s,
+        (wall - busy).max(0.0),
+    ]
 }
 
 /// The `--json` summary of a run.
@@ -73,6 +134,22 @@ pub struct TrainSummary {
     /// (empty where each worker process chooses for itself).
     #[serde(default)]
     pub activations: String,
+    /// Model FLOPs of one step: three times the forward's matrix products over the global
+    /// batch (`Model::forward_flops`; a recomputed forward is not counted). 0 when the model
+    /// does not say.
+    #[serde(default)]
+    pub model_flops_per_step: u64,
+    /// `model_flops_per_step / step_time_median_s`, in GFLOP/s.
+    #[serde(default)]
+    pub model_gflops_per_s: f64,
+    /// One thread's GEMM GFLOP/s on the model's largest linear product, measured after
+    /// training in the same process (`bench::gemm::peak_gflops`); 0 when not measured.
+    #[serde(default)]
+    pub gemm_peak_gflops: f64,
+    /// Model FLOPs utilisation: `model_gflops_per_s / (gemm_peak_gflops × compute threads)`,
+    /// where the compute threads are the ranks, at most the CPUs the process may use.
+    #[serde(default)]
+    pub mfu: f64,
 }
 
 /// Median of a list (0 for an empty one).
@@ -104,6 +181,19 @@ pub fn rank_summaries(records: &[StepRecord]) -> Vec<RankSummary> {
                     .collect();
                 median(xs)
             };
+            let part = |i: usize| {
+                let xs: Vec<f64> = records
+                    .iter()
+                    .flat_map(|rec| {
+                        let wall = rec.duration_ms as f64 / 1e3;
+                        rec.reports
+                            .iter()
+                            .filter(|x| x.rank == r.rank)
+                            .map(move |x| split(x, wall)[i])
+                    })
+                    .collect();
+                median(xs)
+            };
             RankSummary {
                 rank: r.rank,
                 resident_bytes: r.resident,
@@ -111,6 +201,9 @@ pub fn rank_summaries(records: &[StepRecord]) -> Vec<RankSummary> {
                 bytes_sent_per_step: of(&|x| x.bytes_sent as f64) as u64,
                 elems_sent_per_step: of(&|x| x.sent.elems() as f64) as u64,
                 compute_s_per_step: of(&|x| x.compute_s),
+                optimizer_s_per_step: part(2),
+                collectives_s_per_step: part(1),
+                outside_s_per_step: part(3),
             }
         })
         .collect()

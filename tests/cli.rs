@@ -168,6 +168,34 @@ fn json_summary_has_the_documented_fields() {
                 "resident_bytes.{key}"
             );
         }
+        // Where the rank's step went: measured, so positive where the rank did that work.
+        let secs = |k: &str| {
+            r[k].as_f64()
+                .unwrap_or_else(|| panic!("missing ranks[].{k}"))
+        };
+        assert!(secs("compute_s_per_step") > 0.0);
+        assert!(secs("optimizer_s_per_step") > 0.0);
+        assert!(secs("collectives_s_per_step") >= 0.0);
+        assert!(secs("outside_s_per_step") >= 0.0);
+        let parts = secs("compute_s_per_step")
+            + secs("optimizer_s_per_step")
+            + secs("collectives_s_per_step");
+        assert!(parts > 0.0);
+    }
+    // Model FLOPs utilisation is the model's to count: the MLP does not, so it is 0; the GPT's
+    // is checked in `mfu_is_reported_for_the_gpt`.
+    assert_eq!(v["model_flops_per_step"], 0);
+    let step = out
+        .lines()
+        .find(|l| l.starts_with("step "))
+        .expect("a progress line");
+    for part in [
+        "[compute ",
+        "% collectives ",
+        "% optimizer ",
+        "% coordinator+idle ",
+    ] {
+        assert!(step.contains(part), "{step}");
     }
     let last = out.lines().last().unwrap();
     assert_eq!(
@@ -338,4 +366,53 @@ fn activation_checkpointing_auto_follows_the_budget() {
     let (code, _, err) = train(&["--activation-checkpointing", "always", "--keep-activations"]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("keep_activations"), "{err}");
+}
+
+/// The GPT counts its FLOPs: the summary's model FLOPs are three forwards' worth (checked
+/// against the formula), and MFU is their rate over the GEMM peak measured in the same run.
+#[test]
+fn mfu_is_reported_for_the_gpt() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("s.json");
+    let j = json.display().to_string();
+    let (code, out, err) = train(&[
+        "--layers",
+        "2",
+        "--d-model",
+        "64",
+        "--heads",
+        "2",
+        "--seq-len",
+        "32",
+        "--ranks",
+        "2",
+        "--micro-batches",
+        "2",
+        "--micro-batch-size",
+        "2",
+        "--steps",
+        "6",
+        "--sample-tokens",
+        "0",
+        "--json",
+        &j,
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let (d, l, s, vocab, tokens) = (64u64, 2u64, 32u64, 256u64, 2 * 2 * 32u64);
+    let forward = tokens * (2 * l * (12 * d * d + 2 * s * d) + 2 * d * vocab);
+    assert_eq!(v["model_flops_per_step"].as_u64(), Some(3 * forward));
+    let (rate, peak, mfu) = (
+        v["model_gflops_per_s"].as_f64().unwrap(),
+        v["gemm_peak_gflops"].as_f64().unwrap(),
+        v["mfu"].as_f64().unwrap(),
+    );
+    assert!(rate > 0.0 && peak > 0.0 && mfu > 0.0, "{rate} {peak} {mfu}");
+    let step = v["step_time_median_s"].as_f64().unwrap();
+    assert!((rate - 3.0 * forward as f64 / step / 1e9).abs() <= 1e-9 * rate.max(1.0));
+    assert!(
+        out.contains("model FLOPs: ") && out.contains("MFU "),
+        "{out}"
+    );
 }

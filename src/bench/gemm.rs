@@ -117,6 +117,14 @@ pub fn model_shapes(
     out
 }
 
+/// GFLOP/s of one thread on the process's GEMM path for the model's largest linear product
+/// (`fc1.fwd`: `tokens × d_model → 4·d_model`), timed for about `min_time_s`: the peak that
+/// model FLOPs utilisation is reported against.
+pub fn peak_gflops(d_model: usize, tokens: usize, min_time_s: f64) -> f64 {
+    let shape = Shape::new("fc1.fwd", (tokens, d_model, 4 * d_model), Form::Nt);
+    shape.flops() / time_ours(&shape, Some(GemmPath::current()), min_time_s / 5.0) / 1e9
+}
+
 /// One measurement.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct GemmResult {

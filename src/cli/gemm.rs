@@ -1,9 +1,11 @@
 //! `ezero bench gemm`: the model's matrix products per kernel path, beside torch.
 
 use clap::Args;
-use elastic_zero::bench::gemm::{model_shapes, run, GemmBench, GemmResult};
+use elastic_zero::bench::gemm::{model_shapes, peak_gflops, run, GemmBench, GemmResult};
+use elastic_zero::config::TrainConfig;
 use elastic_zero::model::gemm::GemmPath;
-use elastic_zero::summary::median;
+use elastic_zero::model::Model;
+use elastic_zero::summary::{median, TrainSummary};
 
 use super::CliError;
 
@@ -172,4 +174,38 @@ pub fn run_bench(args: &BenchGemmArgs) -> Result<(), CliError> {
     }
     println!("{total}");
     Ok(())
+}
+
+/// Seconds of GEMM timed for the MFU's peak, after training (so training is not disturbed).
+const PEAK_TIME_S: f64 = 0.5;
+
+/// Fills the summary's model FLOPs and MFU (measuring the GEMM peak now), and returns the line
+/// to print; `None` when the model does not count its FLOPs or no step was timed.
+pub(super) fn add_mfu(
+    s: &mut TrainSummary,
+    model: &dyn Model,
+    cfg: &TrainConfig,
+) -> Option<String> {
+    let tokens = cfg.tokens_per_step() as u64;
+    let forward = model.forward_flops(tokens, cfg.seq_len as u64)?;
+    if s.step_time_median_s <= 0.0 {
+        return None;
+    }
+    let mb_tokens = cfg.micro_batch_size * cfg.seq_len;
+    s.model_flops_per_step = 3 * forward;
+    s.model_gflops_per_s = s.model_flops_per_step as f64 / s.step_time_median_s / 1e9;
+    s.gemm_peak_gflops = peak_gflops(cfg.d_model, mb_tokens, PEAK_TIME_S);
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = (cfg.ranks as usize).min(cpus);
+    s.mfu = s.model_gflops_per_s / (s.gemm_peak_gflops * threads as f64);
+    Some(format!(
+        "model FLOPs: {:.2} GFLOP a step, {:.1} GFLOP/s; MFU {:.2} against {} thread(s) x {:.1} GFLOP/s \
+         (GEMM peak on this CPU's {} path, measured now)",
+        s.model_flops_per_step as f64 / 1e9,
+        s.model_gflops_per_s,
+        s.mfu,
+        threads,
+        s.gemm_peak_gflops,
+        GemmPath::current().name()
+    ))
 }

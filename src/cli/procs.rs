@@ -27,6 +27,7 @@ use elastic_zero::runtime::procs::coord::{
 use elastic_zero::runtime::procs::heartbeat::ProcsConfig;
 use elastic_zero::runtime::procs::state::{check_parts, STATE_PART_MAX_BYTES};
 use elastic_zero::runtime::procs::worker::{run_worker, WorkerOptions};
+use elastic_zero::summary::StepBreakdown;
 
 use super::checkpoint::{self, SaveObserver, SavePlan, Saving};
 use super::{CliError, TrainArgs};
@@ -379,7 +380,7 @@ impl Observer for &mut StepLines<'_> {
         if rec.step.is_multiple_of(log_every) || rec.step + 1 == cfg.steps {
             let tps = cfg.tokens_per_step() as f64 / (rec.duration_ms.max(1) as f64 / 1e3);
             println!(
-                "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s{}",
+                "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s  [{}]{}",
                 rec.step + 1,
                 cfg.steps,
                 rec.loss,
@@ -388,6 +389,7 @@ impl Observer for &mut StepLines<'_> {
                     .unwrap_or_default(),
                 rec.grad_norm,
                 tps,
+                StepBreakdown::of(rec).describe(),
                 if rec.skipped {
                     "  [skipped: non-finite gradient]"
                 } else {

@@ -18,7 +18,7 @@ use elastic_zero::runtime::alloc::peak_rss_bytes;
 use elastic_zero::runtime::api::cluster::Observer;
 use elastic_zero::runtime::step::resume::ResumeSource;
 use elastic_zero::runtime::{ChangeRecord, Cluster, ClusterBuilder, ClusterError, ClusterSpec};
-use elastic_zero::summary::{median, rank_summaries, TrainSummary};
+use elastic_zero::summary::{median, rank_summaries, StepBreakdown, TrainSummary};
 
 use super::checkpoint::{self, SaveObserver, SavePlan, Saving};
 use super::ticker::Ticker;
@@ -131,7 +131,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
                 ));
                 if rec.step.is_multiple_of(log_every) || rec.step + 1 == cfg.steps {
                     let line = format!(
-                        "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s{}",
+                        "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s  [{}]{}",
                         rec.step + 1,
                         cfg.steps,
                         rec.loss,
@@ -140,6 +140,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
                             .unwrap_or_default(),
                         rec.grad_norm,
                         tps,
+                        StepBreakdown::of(rec).describe(),
                         if rec.skipped {
                             "  [skipped: non-finite gradient]"
                         } else {
@@ -224,6 +225,9 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         }
     }
     if let Some(path) = &cfg.json {
+        if let Some(line) = super::gemm::add_mfu(&mut summary, model.as_ref(), &cfg) {
+            println!("{line}");
+        }
         write_json_atomically(path, &summary)?;
     }
     println!("param-sha256: {}", summary.param_sha256);
@@ -394,6 +398,10 @@ pub(super) fn summarize(
         peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
         peak_rss_training_bytes: 0,
         activations: String::new(),
+        model_flops_per_step: 0,
+        model_gflops_per_s: 0.0,
+        gemm_peak_gflops: 0.0,
+        mfu: 0.0,
     }
 }
 

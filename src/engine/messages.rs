@@ -61,6 +61,13 @@ pub struct StepReport {
     pub stale_dropped: u64,
     /// Seconds of forward/backward compute on this rank.
     pub compute_s: f64,
+    /// Seconds of the optimizer update (including its tier I/O when state is offloaded).
+    #[serde(default)]
+    pub optimizer_s: f64,
+    /// Seconds from the step's start on this rank to its report: compute, optimizer, and the
+    /// rest, which is waiting on collectives (and on the tier).
+    #[serde(default)]
+    pub busy_s: f64,
     /// Bytes this rank read from and wrote to its NVMe tier in the step.
     #[serde(default)]
     pub tier_read_bytes: u64,

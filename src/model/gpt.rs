@@ -613,6 +613,18 @@ impl Model for Gpt {
     fn max_seq(&self) -> usize {
         self.cfg.seq_len
     }
+
+    fn forward_flops(&self, tokens: u64, seq: u64) -> Option<u64> {
+        let (d, v, l) = (
+            self.cfg.d_model as u64,
+            self.cfg.vocab as u64,
+            self.cfg.layers as u64,
+        );
+        // Per token: qkv (d x 3d), proj (d x d), fc1 (d x 4d), fc2 (4d x d) in every block,
+        // q kᵀ and P v (seq x d each) in every block, and the head (d x vocab).
+        let per_token = 2 * l * (12 * d * d + 2 * seq * d) + 2 * d * v;
+        Some(per_token * tokens)
+    }
 }
 
 #[cfg(test)]

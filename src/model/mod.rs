@@ -130,6 +130,16 @@ pub trait Model: Send + Sync + 'static {
 
     /// Longest sequence the model accepts (`usize::MAX` if unbounded).
     fn max_seq(&self) -> usize;
+
+    /// Floating-point operations of the matrix products of one forward pass over `tokens`
+    /// tokens in sequences of `seq` (2 per multiply-add; attention over its whole `seq × seq`
+    /// square, as PaLM's model FLOPs count it), or `None` if the model does not say. Model FLOPs
+    /// utilisation counts three times this per step (the forward and the backward's two
+    /// products), never a recomputed forward.
+    fn forward_flops(&self, tokens: u64, seq: u64) -> Option<u64> {
+        let _ = (tokens, seq);
+        None
+    }
 }
 
 /// Total parameter count of a list of units.

@@ -42,6 +42,8 @@ fn report(rank: RankId, step: u64) -> StepReport {
         peak_gathered_bytes: 0,
         stale_dropped: 0,
         compute_s: 0.0,
+        optimizer_s: 0.0,
+        busy_s: 0.0,
         tier_read_bytes: 0,
         tier_write_bytes: 0,
         io_wait_s: 0.0,

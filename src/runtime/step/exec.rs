@@ -75,6 +75,7 @@ pub fn run_step<T: Transport>(
     cfg: &ExecConfig,
     vanish_at: Option<usize>,
 ) -> Result<StepReport, CommError> {
+    let started = Instant::now();
     comm.begin_step(plan.epoch, plan.step);
     let io_before = st.tier_counters();
     let local = plan.local_micro_batches(st.rank);
@@ -94,7 +95,7 @@ pub fn run_step<T: Transport>(
         .collect();
     let program = phases(st.stage, st.units() as u32, cfg.max_live_units);
     let mut bounds = plan.grad_bounds.clone();
-    let mut compute_s = 0.0;
+    let (mut compute_s, mut optimizer_s) = (0.0, 0.0);
     for attempt in 0..MAX_ATTEMPTS {
         let exps: Vec<i32> = bounds
             .iter()
@@ -105,6 +106,7 @@ pub fn run_step<T: Transport>(
         let stop = vanish_at.map(|p| p.min(program.len() / 2));
         let outcome = pass.run(comm, &program, stop);
         compute_s += pass.compute_s;
+        optimizer_s += pass.optimizer_s;
         pass.release();
         let agreed = outcome?;
         let redo = agreed.overflow && !agreed.non_finite && attempt + 1 < MAX_ATTEMPTS;
@@ -138,6 +140,8 @@ pub fn run_step<T: Transport>(
             peak_gathered_bytes: st.ledger.peak_gathered(),
             stale_dropped: stats.stale_dropped + stats.duplicates_dropped,
             compute_s,
+            optimizer_s,
+            busy_s: started.elapsed().as_secs_f64(),
             tier_read_bytes: io.0 - io_before.0,
             tier_write_bytes: io.1 - io_before.1,
             io_wait_s: io.2 - io_before.2,
@@ -172,6 +176,7 @@ struct Pass<'a> {
     stats: Vec<QuantStats>,
     agreed: Option<Agreed>,
     compute_s: f64,
+    optimizer_s: f64,
 }
 
 impl<'a> Pass<'a> {
@@ -208,6 +213,7 @@ impl<'a> Pass<'a> {
             stats: vec![QuantStats::default(); units],
             agreed: None,
             compute_s: 0.0,
+            optimizer_s: 0.0,
         }
     }
 
@@ -307,7 +313,9 @@ impl<'a> Pass<'a> {
                 let (exps, m) = (self.exps.clone(), self.plan.micro_batches);
                 let (progress, rank) = (&self.cfg.progress, self.st.rank);
                 let (epoch, step) = (self.plan.epoch, self.plan.step);
-                self.st
+                let t0 = Instant::now();
+                let done = self
+                    .st
                     .apply_optimizer(
                         &exps,
                         m,
@@ -316,7 +324,9 @@ impl<'a> Pass<'a> {
                         self.plan.lr,
                         &mut || progress.beat(rank, epoch, step),
                     )
-                    .map_err(|e| CommError::Storage(e.to_string()))
+                    .map_err(|e| CommError::Storage(e.to_string()));
+                self.optimizer_s += t0.elapsed().as_secs_f64();
+                done
             }
             Phase::GatherParams => self.gather_params(comm),
         }
