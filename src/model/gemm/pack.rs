@@ -146,21 +146,21 @@ fn pack(
     pw: usize,
     dst: &mut [f32],
 ) {
-    for (t, panel) in dst
-        .chunks_exact_mut(kc * pw)
-        .take(width.div_ceil(pw))
-        .enumerate()
-    {
+    let panels = width.div_ceil(pw);
+    if view.row_stride == 1 {
+        #[cfg(target_arch = "x86_64")]
+        if transpose::supported() {
+            // SAFETY: AVX is present.
+            unsafe { deal_avx(src, view, w0, width, p0, kc, pw, dst) };
+            return;
+        }
+        deal(src, view, w0, width, p0, kc, pw, dst);
+        return;
+    }
+    for (t, panel) in dst.chunks_exact_mut(kc * pw).take(panels).enumerate() {
         let live = (width - t * pw).min(pw);
         let wt = w0 + t * pw;
-        if view.row_stride == 1 {
-            // The width is contiguous: each k step is one slice copy.
-            for (p, step) in panel.chunks_exact_mut(pw).enumerate() {
-                let s = view.index(wt, p0 + p);
-                step[..live].copy_from_slice(&src[s..s + live]);
-                step[live..].fill(0.0);
-            }
-        } else {
+        {
             // k is contiguous (or nothing is): read each row of the width along k, eight rows
             // by eight k steps at a time where the block is whole.
             let fast = view.col_stride == 1 && transpose::supported();
@@ -199,6 +199,69 @@ fn pack(
             }
         }
     }
+}
+
+/// [`pack`] where the width is contiguous (a transposed A, a row-major B): read each k step's
+/// whole run of the width in order (one pass down the source, which the prefetcher follows)
+/// and deal it out to the panels. The copies are 8 or 32 floats: as `copy_from_slice` each was
+/// a `memmove` call, a fifth of a weight-gradient product's time, so full runs are copied as
+/// fixed-size arrays, which compile to a few vector moves (with AVX, in [`deal_avx`]).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn deal(
+    src: &[f32],
+    view: Layout,
+    w0: usize,
+    width: usize,
+    p0: usize,
+    kc: usize,
+    pw: usize,
+    dst: &mut [f32],
+) {
+    fn fixed<const N: usize>(dst: &mut [f32], src: &[f32]) {
+        let v: &[f32; N] = src.try_into().expect("equal lengths");
+        let d: &mut [f32; N] = dst.try_into().expect("equal lengths");
+        *d = *v;
+    }
+    let panels = width.div_ceil(pw);
+    for p in 0..kc {
+        let s = view.index(w0, p0 + p);
+        let run = &src[s..s + width];
+        for t in 0..panels {
+            let live = (width - t * pw).min(pw);
+            let step = &mut dst[(t * kc + p) * pw..(t * kc + p + 1) * pw];
+            let from = &run[t * pw..t * pw + live];
+            match (live == pw, pw) {
+                (true, 8) => fixed::<8>(step, from),
+                (true, 16) => fixed::<16>(step, from),
+                (true, 32) => fixed::<32>(step, from),
+                _ => {
+                    step[..live].copy_from_slice(from);
+                    step[live..].fill(0.0);
+                }
+            }
+        }
+    }
+}
+
+/// [`deal`] compiled with AVX.
+///
+/// # Safety
+/// The CPU has AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn deal_avx(
+    src: &[f32],
+    view: Layout,
+    w0: usize,
+    width: usize,
+    p0: usize,
+    kc: usize,
+    pw: usize,
+    dst: &mut [f32],
+) {
+    deal(src, view, w0, width, p0, kc, pw, dst)
 }
 
 /// `C (+)= A · B` through microkernel `K`. Shapes and bounds were checked by the caller, and
