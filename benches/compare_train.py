@@ -13,6 +13,10 @@ Our ranks are one compute thread each (single-threaded GEMM, --optimizer-threads
 2-thread tokio runtime that only routes messages. Both sides therefore run ws compute threads
 on the 2 cores.
 
+Activations: ours runs with its default, activation_checkpointing = auto, which keeps each
+block's intermediates (as the peers do) when they fit the memory budget, as they do on this
+shape; --activation-checkpointing always makes ours recompute them.
+
 Step time: both sides report the median over steps 3..30 (ours skips 2 warm-up steps; the peer
 script is passed --warmup 2), where a step is forward + backward + optimizer and its time is the
 slowest rank's (ours: the coordinator's step wall time, which also includes the step's

@@ -13,17 +13,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use serde::{Deserialize, Serialize};
 
 use super::adam::median_call_s;
-use crate::model::gemm::{gemm_with, GemmPath, Layout};
-
-/// How the operands are stored: `nn` both row-major, `nt` B stored `[n, k]`, `tn` A stored
-/// `[k, m]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Form {
-    Nn,
-    Nt,
-    Tn,
-}
+use crate::model::gemm::{gemm_with, Form, GemmPath, Layout};
 
 /// One product of the model.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -52,27 +42,7 @@ impl Shape {
     }
 
     fn layouts(&self) -> (Layout, Layout, usize, usize) {
-        let (m, k, n) = (self.m, self.k, self.n);
-        match self.form {
-            Form::Nn => (
-                Layout::row_major(m, k),
-                Layout::row_major(k, n),
-                m * k,
-                k * n,
-            ),
-            Form::Nt => (
-                Layout::row_major(m, k),
-                Layout::row_major(n, k).transposed(),
-                m * k,
-                n * k,
-            ),
-            Form::Tn => (
-                Layout::row_major(k, m).transposed(),
-                Layout::row_major(k, n),
-                k * m,
-                k * n,
-            ),
-        }
+        self.form.layouts(self.m, self.k, self.n)
     }
 }
 

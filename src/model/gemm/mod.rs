@@ -129,6 +129,34 @@ impl GemmPath {
     }
 }
 
+/// How a product's operands are stored: `Nn` both row-major, `Nt` B stored `[n, k]` (a linear
+/// forward's weight), `Tn` A stored `[k, m]` (a weight gradient).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Form {
+    Nn,
+    Nt,
+    Tn,
+}
+
+impl Form {
+    /// A's and B's layouts for an `m × k × n` product in this form, and their buffers' lengths.
+    pub fn layouts(self, m: usize, k: usize, n: usize) -> (Layout, Layout, usize, usize) {
+        let (a, b) = match self {
+            Form::Nn => (Layout::row_major(m, k), Layout::row_major(k, n)),
+            Form::Nt => (
+                Layout::row_major(m, k),
+                Layout::row_major(n, k).transposed(),
+            ),
+            Form::Tn => (
+                Layout::row_major(k, m).transposed(),
+                Layout::row_major(k, n),
+            ),
+        };
+        (a, b, m * k, k * n)
+    }
+}
+
 /// `C (+)= A · B` with the process's path ([`GemmPath::current`]). `lc` must not map two
 /// elements to one slot (true of row-major layouts and of row-major column blocks).
 pub fn gemm(a: &[f32], la: Layout, b: &[f32], lb: Layout, c: &mut [f32], lc: Layout, acc: bool) {

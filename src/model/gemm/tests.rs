@@ -16,40 +16,19 @@ fn values(n: usize, seed: u32) -> Vec<f32> {
         .collect()
 }
 
+/// The three stored forms, plus column windows of wider row-major buffers at an offset, as
+/// attention's head views.
 #[derive(Clone, Copy, Debug)]
-enum Form {
-    /// A and B row-major.
-    Nn,
-    /// B stored as `[n, k]` (B transposed), as the linear forward.
-    Nt,
-    /// A stored as `[k, m]`, as a weight gradient.
-    Tn,
-    /// Column windows of wider row-major buffers at an offset, as attention's head views.
+enum View {
+    Stored(Form),
     Window,
 }
 
 /// Runs `path` and the reference on the same inputs and compares the bits.
-fn check(path: GemmPath, m: usize, k: usize, n: usize, form: Form, acc: bool) {
+fn check(path: GemmPath, m: usize, k: usize, n: usize, form: View, acc: bool) {
     let (la, lb, a_len, b_len) = match form {
-        Form::Nn => (
-            Layout::row_major(m, k),
-            Layout::row_major(k, n),
-            m * k,
-            k * n,
-        ),
-        Form::Nt => (
-            Layout::row_major(m, k),
-            Layout::row_major(n, k).transposed(),
-            m * k,
-            n * k,
-        ),
-        Form::Tn => (
-            Layout::row_major(k, m).transposed(),
-            Layout::row_major(k, n),
-            k * m,
-            k * n,
-        ),
-        Form::Window => (
+        View::Stored(f) => f.layouts(m, k, n),
+        View::Window => (
             Layout::strided(3, m, k, k + 5),
             Layout::strided(7, k, n, 2 * n + 1),
             3 + m * (k + 5),
@@ -57,7 +36,7 @@ fn check(path: GemmPath, m: usize, k: usize, n: usize, form: Form, acc: bool) {
         ),
     };
     let lc = match form {
-        Form::Window => Layout::strided(2, m, n, n + 3),
+        View::Window => Layout::strided(2, m, n, n + 3),
         _ => Layout::row_major(m, n),
     };
     let c_len = lc.offset + m * lc.row_stride;
@@ -110,7 +89,12 @@ fn every_path_matches_the_fma_chain_bit_for_bit() {
     ];
     for path in GemmPath::available() {
         for &(m, k, n) in &shapes {
-            for form in [Form::Nn, Form::Nt, Form::Tn, Form::Window] {
+            for form in [
+                View::Stored(Form::Nn),
+                View::Stored(Form::Nt),
+                View::Stored(Form::Tn),
+                View::Window,
+            ] {
                 for acc in [false, true] {
                     check(path, m, k, n, form, acc);
                 }
@@ -123,7 +107,7 @@ fn every_path_matches_the_fma_chain_bit_for_bit() {
 fn wide_products_cross_every_block_boundary() {
     // n crosses NC (1024 columns on AVX-512, 512 on AVX2), k crosses KC twice.
     for path in GemmPath::available() {
-        check(path, 9, 600, 1030, Form::Nt, true);
+        check(path, 9, 600, 1030, View::Stored(Form::Nt), true);
     }
 }
 
