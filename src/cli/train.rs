@@ -188,12 +188,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         &fit,
     );
     summary.peak_rss_training_bytes = training_peak.get();
-    summary.activations = if activations.keep {
-        "kept"
-    } else {
-        "recomputed"
-    }
-    .into();
+    summary.activations = activations.outcome().into();
     println!(
         "done: {} steps in {:.1} s, loss {:.4} -> {:.4}{}, median step {:.3} s, {:.0} tokens/s",
         cfg.steps,

@@ -273,10 +273,6 @@ impl TrainConfig {
         toml::Value::Table(merged).try_into().map_err(toml_error)
     }
 
-    /// Checks every field once; the runtime trusts a validated config. The checks of each
-    /// concept live with it: the model's shape (`shape.rs`), the optimizer and its
-    /// schedule (`optim.rs`), injected network faults (`faults.rs`), the membership script
-    /// (`membership.rs`).
     /// The activation policy in effect (`keep_activations` is `never`).
     pub fn activation_policy(&self) -> ActivationCheckpointing {
         if self.keep_activations {
@@ -286,6 +282,10 @@ impl TrainConfig {
         }
     }
 
+    /// Checks every field once; the runtime trusts a validated config. The checks of each
+    /// concept live with it: the model's shape (`shape.rs`), the optimizer and its
+    /// schedule (`optim.rs`), injected network faults (`faults.rs`), the membership script
+    /// (`membership.rs`).
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.ranks == 0 {
             return Err(ConfigError::new(

@@ -56,25 +56,29 @@ pub struct ActivationChoice {
 }
 
 impl ActivationChoice {
-    /// One line for the start of a run, e.g. `activations: kept (auto), 96.0 MiB per rank;
-    /// recomputing would need 24.0 MiB`.
+    /// `kept` or `recomputed` (the JSON summary's `activations`).
+    pub fn outcome(&self) -> &'static str {
+        if self.keep {
+            "kept"
+        } else {
+            "recomputed"
+        }
+    }
+
+    /// One line for the start of a run, e.g. `activations: kept (auto: keeping fits the
+    /// budget), 37.5 MiB per rank; recomputing would need 6.0 MiB`.
     pub fn describe(&self) -> String {
         let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1u64 << 20) as f64);
-        let (what, used, other, other_what) = if self.keep {
+        let (used, other, other_what) = if self.keep {
             (
-                "kept",
                 self.kept_bytes,
                 self.recomputed_bytes,
                 "recomputing would need",
             )
         } else {
-            (
-                "recomputed",
-                self.recomputed_bytes,
-                self.kept_bytes,
-                "keeping would need",
-            )
+            (self.recomputed_bytes, self.kept_bytes, "keeping would need")
         };
+        let what = self.outcome();
         let why = match (self.policy, self.keep) {
             (ActivationCheckpointing::Auto, true) => "auto: keeping fits the budget",
             (ActivationCheckpointing::Auto, false) => {

@@ -165,11 +165,10 @@ pub fn prepare_storage(
         plan_memory(cfg, model, ranks_in_process, streamed_snapshots, available)
             .map_err(|e| ClusterError::Memory(e.to_string()))?;
     if !fit.placement.any_nvme() {
-        let tier = None;
         return Ok(PreparedStorage {
             fit,
             activations,
-            tier,
+            tier: None,
         });
     }
     let dir = cfg
@@ -204,11 +203,10 @@ pub fn prepare_storage(
         }),
         ..spec
     };
-    let tier = Some((spec, lock));
     Ok(PreparedStorage {
         fit,
         activations,
-        tier,
+        tier: Some((spec, lock)),
     })
 }
 

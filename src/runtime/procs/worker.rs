@@ -602,12 +602,11 @@ fn worker_storage(
     }
     let prepared =
         prepare_storage(&cfg, model, 1, false).map_err(|e| ProcError::Setup(e.to_string()))?;
-    let (activations, tier) = (prepared.activations, prepared.tier);
-    let tier = tier.map(|(spec, lock)| {
+    let tier = prepared.tier.map(|(spec, lock)| {
         std::mem::forget(lock);
         Arc::new(spec)
     });
-    Ok((tier, activations))
+    Ok((tier, prepared.activations))
 }
 
 /// The job's config as the coordinator sent it, checked.
