@@ -77,8 +77,9 @@ pub(super) trait Microkernel {
     unsafe fn tile(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, load: bool);
 }
 
-/// Depth of a packed block: a B micro-panel (`KC × NR`) stays in L1 while the tiles of one
-/// column block run.
+/// Depth of a packed block, so C is loaded and stored once per 512 steps of each chain. At 512
+/// a B micro-panel (`KC × NR`, 64 KiB on AVX-512) streams from L2 rather than staying in L1;
+/// 512 still measured fastest on the k = 1024 model shapes (256 and 1024 were slower).
 const KC: usize = 512;
 /// Rows of A packed at once, in tiles (the packed block stays in L2).
 const MC_TILES: usize = 16;
@@ -146,55 +147,69 @@ fn pack(
     pw: usize,
     dst: &mut [f32],
 ) {
-    let panels = width.div_ceil(pw);
-    if view.row_stride == 1 {
-        #[cfg(target_arch = "x86_64")]
-        if transpose::supported() {
-            // SAFETY: AVX is present.
-            unsafe { deal_avx(src, view, w0, width, p0, kc, pw, dst) };
-            return;
-        }
-        deal(src, view, w0, width, p0, kc, pw, dst);
-        return;
+    if view.row_stride != 1 {
+        return gather(src, view, w0, width, p0, kc, pw, dst);
     }
-    for (t, panel) in dst.chunks_exact_mut(kc * pw).take(panels).enumerate() {
+    #[cfg(target_arch = "x86_64")]
+    if transpose::supported() {
+        // SAFETY: AVX is present.
+        return unsafe { deal_avx(src, view, w0, width, p0, kc, pw, dst) };
+    }
+    deal(src, view, w0, width, p0, kc, pw, dst)
+}
+
+/// [`pack`] where k is contiguous (a linear forward's weight, a row-major A), or nothing is:
+/// read each row of the width along k, eight rows by eight k steps at a time with AVX
+/// transposes where the block is whole.
+#[allow(clippy::too_many_arguments)]
+fn gather(
+    src: &[f32],
+    view: Layout,
+    w0: usize,
+    width: usize,
+    p0: usize,
+    kc: usize,
+    pw: usize,
+    dst: &mut [f32],
+) {
+    let fast = view.col_stride == 1 && transpose::supported();
+    let kc8 = kc / 8 * 8;
+    for (t, panel) in dst
+        .chunks_exact_mut(kc * pw)
+        .take(width.div_ceil(pw))
+        .enumerate()
+    {
         let live = (width - t * pw).min(pw);
         let wt = w0 + t * pw;
-        {
-            // k is contiguous (or nothing is): read each row of the width along k, eight rows
-            // by eight k steps at a time where the block is whole.
-            let fast = view.col_stride == 1 && transpose::supported();
-            let whole = if fast { live / 8 * 8 } else { 0 };
-            let kc8 = kc / 8 * 8;
-            for w in (0..whole).step_by(8) {
-                let row = view.index(wt + w, p0);
-                // Bounds of the block, checked once: rows w..w+8 of the width, k steps 0..kc8.
-                assert!(row + 7 * view.row_stride + kc8 <= src.len() || kc8 == 0);
-                for p in (0..kc8).step_by(8) {
-                    // SAFETY: AVX is present (`supported`); the 8 source rows hold k steps
-                    // p..p+8 (asserted above), and the destination rows p..p+8 of the panel
-                    // hold columns w..w+8 (w + 8 <= pw, (p + 8)·pw <= kc·pw).
-                    unsafe {
-                        transpose::transpose_8x8(
-                            src.as_ptr().add(row + p),
-                            view.row_stride,
-                            panel.as_mut_ptr().add(p * pw + w),
-                            pw,
-                        )
-                    };
-                }
+        let whole = if fast { live / 8 * 8 } else { 0 };
+        for w in (0..whole).step_by(8) {
+            let row = view.index(wt + w, p0);
+            // Bounds of the block, checked once: rows w..w+8 of the width, k steps 0..kc8.
+            assert!(row + 7 * view.row_stride + kc8 <= src.len() || kc8 == 0);
+            for p in (0..kc8).step_by(8) {
+                // SAFETY: AVX is present (`supported`); the 8 source rows hold k steps
+                // p..p+8 (asserted above), and the destination rows p..p+8 of the panel
+                // hold columns w..w+8 (w + 8 <= pw, (p + 8)·pw <= kc·pw).
+                unsafe {
+                    transpose::transpose_8x8(
+                        src.as_ptr().add(row + p),
+                        view.row_stride,
+                        panel.as_mut_ptr().add(p * pw + w),
+                        pw,
+                    )
+                };
             }
-            for w in 0..pw {
-                let first_p = if w < whole { kc8 } else { 0 };
-                if w < live {
-                    let row = view.index(wt + w, p0);
-                    for p in first_p..kc {
-                        panel[p * pw + w] = src[row + p * view.col_stride];
-                    }
-                } else {
-                    for p in 0..kc {
-                        panel[p * pw + w] = 0.0;
-                    }
+        }
+        for w in 0..pw {
+            let first_p = if w < whole { kc8 } else { 0 };
+            if w < live {
+                let row = view.index(wt + w, p0);
+                for p in first_p..kc {
+                    panel[p * pw + w] = src[row + p * view.col_stride];
+                }
+            } else {
+                for p in 0..kc {
+                    panel[p * pw + w] = 0.0;
                 }
             }
         }
@@ -203,9 +218,10 @@ fn pack(
 
 /// [`pack`] where the width is contiguous (a transposed A, a row-major B): read each k step's
 /// whole run of the width in order (one pass down the source, which the prefetcher follows)
-/// and deal it out to the panels. The copies are 8 or 32 floats: as `copy_from_slice` each was
-/// a `memmove` call, a fifth of a weight-gradient product's time, so full runs are copied as
-/// fixed-size arrays, which compile to a few vector moves (with AVX, in [`deal_avx`]).
+/// and deal it out to the panels. The copies are one panel width (4 to 32 floats): as
+/// `copy_from_slice` each was a `memmove` call, a fifth of a weight-gradient product's time, so
+/// full runs are copied as fixed-size arrays, which compile to a few vector moves (with AVX, in
+/// [`deal_avx`]).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn deal(
@@ -231,7 +247,10 @@ fn deal(
             let live = (width - t * pw).min(pw);
             let step = &mut dst[(t * kc + p) * pw..(t * kc + p + 1) * pw];
             let from = &run[t * pw..t * pw + live];
+            // Every path's MR and NR.
             match (live == pw, pw) {
+                (true, 4) => fixed::<4>(step, from),
+                (true, 6) => fixed::<6>(step, from),
                 (true, 8) => fixed::<8>(step, from),
                 (true, 16) => fixed::<16>(step, from),
                 (true, 32) => fixed::<32>(step, from),
