@@ -121,11 +121,21 @@ pub fn run_bench(args: &BenchGemmArgs) -> Result<(), CliError> {
             .collect();
         median(xs)
     };
-    let ours = format!("ezero-{}", GemmPath::current().name());
+    // The ratio column compares the path training uses, or the first one timed when
+    // --paths leaves it out.
+    let ours_path = b
+        .paths
+        .iter()
+        .copied()
+        .find(|p| *p == GemmPath::current())
+        .or(b.paths.first().copied())
+        .unwrap_or_else(GemmPath::current);
+    let ours = format!("ezero-{}", ours_path.name());
     println!(
-        "\nGFLOP/s, median of {} rounds, one thread (ezero's path in use: {})",
+        "\nGFLOP/s, median of {} rounds, one thread (ezero's path in use: {}; ours/torch: {})",
         args.rounds,
-        GemmPath::current().name()
+        GemmPath::current().name(),
+        ours_path.name()
     );
     let mut head = format!(
         "{:<10} {:>5} {:>5} {:>5} {:>4}",
