@@ -3,7 +3,8 @@
 //!
 //! The model is a bigram language model with a low-rank factorisation, split into two units:
 //! `embed` (a [vocab, rank] table) and `out` (a [rank, vocab] matrix plus bias). Each unit's
-//! parameters are one flat buffer; the runtime gathers, frees and shards them.
+//! parameters are one flat buffer; the runtime gathers, frees and shards them. Its kernels run on
+//! a compute backend (`model::backend`), here the CPU reference wrapped in a call counter.
 //!
 //! Run: `cargo run --release --example custom_model`
 
@@ -11,6 +12,8 @@ use std::sync::Arc;
 
 use elastic_zero::config::TrainConfig;
 use elastic_zero::data::{markov::MarkovSource, Dataset};
+use elastic_zero::model::backend::{Backend, Counting, Cpu, Op};
+use elastic_zero::model::gemm::Layout;
 use elastic_zero::model::{MicroBatch, Model, ParamSpec, UnitSpec};
 use elastic_zero::reference::train_reference;
 use elastic_zero::runtime::{train, ClusterSpec};
@@ -19,7 +22,10 @@ use elastic_zero::summary::param_sha256;
 const VOCAB: usize = 256;
 const RANK: usize = 16;
 
-struct LowRankBigram;
+/// The model and the backend its kernels run on (the runtime's optimizer uses it too).
+struct LowRankBigram {
+    be: Arc<dyn Backend>,
+}
 
 impl LowRankBigram {
     fn tokens(mb: &MicroBatch) -> usize {
@@ -71,24 +77,19 @@ impl Model for LowRankBigram {
     fn forward(&self, unit: usize, p: &[f32], x: &[f32], mb: &MicroBatch) -> Vec<f32> {
         let n = Self::tokens(mb);
         match unit {
-            0 => mb
-                .inputs
-                .iter()
-                .flat_map(|&t| p[t as usize * RANK..][..RANK].iter().copied())
-                .collect(),
+            0 => {
+                let mut h = vec![0f32; n * RANK];
+                self.be.embedding_forward(p, &mb.inputs, &mut h);
+                h
+            }
             _ => {
+                // logits = x · W + b, with x: [n, RANK], W: [RANK, VOCAB].
                 let (w, b) = p.split_at(RANK * VOCAB);
                 let mut out = vec![0f32; n * VOCAB];
-                for t in 0..n {
-                    let row = &mut out[t * VOCAB..][..VOCAB];
-                    row.copy_from_slice(b);
-                    for k in 0..RANK {
-                        let xk = x[t * RANK + k];
-                        for (o, &wv) in row.iter_mut().zip(&w[k * VOCAB..][..VOCAB]) {
-                            *o += xk * wv;
-                        }
-                    }
-                }
+                self.be.broadcast_rows(b, &mut out);
+                let (lx, lw) = (Layout::row_major(n, RANK), Layout::row_major(RANK, VOCAB));
+                let lo = Layout::row_major(n, VOCAB);
+                self.be.gemm(x, lx, w, lw, &mut out, lo, true);
                 out
             }
         }
@@ -106,56 +107,32 @@ impl Model for LowRankBigram {
         let n = Self::tokens(mb);
         match unit {
             0 => {
-                for (t, &tok) in mb.inputs.iter().enumerate() {
-                    for k in 0..RANK {
-                        gp[tok as usize * RANK + k] += g[t * RANK + k];
-                    }
-                }
+                self.be.embedding_backward(&mb.inputs, g, gp);
                 Vec::new()
             }
             _ => {
                 let (w, _) = p.split_at(RANK * VOCAB);
                 let (gw, gb) = gp.split_at_mut(RANK * VOCAB);
+                self.be.sum_rows(g, gb);
+                // dW += xᵀ · g, dx = g · Wᵀ.
+                let (lx, lg) = (Layout::row_major(n, RANK), Layout::row_major(n, VOCAB));
+                let lw = Layout::row_major(RANK, VOCAB);
+                self.be.gemm(x, lx.transposed(), g, lg, gw, lw, true);
                 let mut gx = vec![0f32; n * RANK];
-                for t in 0..n {
-                    let gr = &g[t * VOCAB..][..VOCAB];
-                    for (a, &v) in gb.iter_mut().zip(gr) {
-                        *a += v;
-                    }
-                    for k in 0..RANK {
-                        let xk = x[t * RANK + k];
-                        let wrow = &w[k * VOCAB..][..VOCAB];
-                        let mut acc = 0f32;
-                        for ((gwv, &gv), &wv) in
-                            gw[k * VOCAB..][..VOCAB].iter_mut().zip(gr).zip(wrow)
-                        {
-                            *gwv += xk * gv;
-                            acc += gv * wv;
-                        }
-                        gx[t * RANK + k] = acc;
-                    }
-                }
+                self.be.gemm(g, lg, w, lw.transposed(), &mut gx, lx, false);
                 gx
             }
         }
     }
 
     fn loss(&self, logits: &[f32], mb: &MicroBatch) -> (f32, Vec<f32>) {
-        let n = Self::tokens(mb);
         let mut grad = vec![0f32; logits.len()];
-        let mut total = 0f64;
-        for t in 0..n {
-            let row = &logits[t * VOCAB..][..VOCAB];
-            let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let sum: f64 = row.iter().map(|&v| ((v - max) as f64).exp()).sum();
-            let target = mb.targets[t] as usize;
-            total += sum.ln() - (row[target] - max) as f64;
-            for (j, gv) in grad[t * VOCAB..][..VOCAB].iter_mut().enumerate() {
-                let prob = (((row[j] - max) as f64).exp() / sum) as f32;
-                *gv = (prob - if j == target { 1.0 } else { 0.0 }) / n as f32;
-            }
-        }
-        ((total / n as f64) as f32, grad)
+        let loss = self.be.cross_entropy(logits, &mb.targets, VOCAB, &mut grad);
+        (loss, grad)
+    }
+
+    fn backend(&self) -> &dyn Backend {
+        &*self.be
     }
 
     fn vocab(&self) -> usize {
@@ -177,7 +154,9 @@ fn main() -> anyhow::Result<()> {
         chunk_elems: 512,
         ..TrainConfig::default()
     };
-    let model: Arc<dyn Model> = Arc::new(LowRankBigram);
+    // The CPU reference backend, wrapped to count what the model and the optimizer ask of it.
+    let be = Arc::new(Counting::new(Cpu));
+    let model: Arc<dyn Model> = Arc::new(LowRankBigram { be: be.clone() });
     let data = Arc::new(Dataset::Markov(MarkovSource::new(cfg.seed)));
     let spec = ClusterSpec::new(model.clone(), data.clone(), cfg.clone());
     let rt = tokio::runtime::Runtime::new()?;
@@ -197,5 +176,15 @@ fn main() -> anyhow::Result<()> {
         "the sharded run diverged from the oracle"
     );
     println!("bit-identical");
+    let calls: Vec<String> = Op::ALL
+        .into_iter()
+        .filter(|&op| be.calls(op) > 0)
+        .map(|op| format!("{op:?} {}", be.calls(op)))
+        .collect();
+    println!("backend calls: {}", calls.join(", "));
+    anyhow::ensure!(
+        be.calls(Op::Gemm) > 0 && be.calls(Op::OptimizerUpdate) > 0,
+        "the model's products and the optimizer must run on its backend"
+    );
     Ok(())
 }

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use crate::config::{ConfigError, ModelKind, OptimizerChoice, TrainConfig};
 use crate::data::{markov::MarkovSource, text::TextData, Dataset};
+use crate::model::backend::{Backend, Cpu};
 use crate::model::gpt::{Gpt, GptConfig};
 use crate::model::mlp::{Mlp, MlpConfig};
 use crate::model::Model;
@@ -18,22 +19,36 @@ pub const VOCAB: usize = 256;
 
 /// The built-in model the config names.
 pub fn build_model(cfg: &TrainConfig) -> Result<Arc<dyn Model>, ConfigError> {
+    build_model_on(cfg, Arc::new(Cpu))
+}
+
+/// The model the config names, its kernels running on `be`.
+pub fn build_model_on(
+    cfg: &TrainConfig,
+    be: Arc<dyn Backend>,
+) -> Result<Arc<dyn Model>, ConfigError> {
     match cfg.model {
-        ModelKind::Gpt => Gpt::new(GptConfig {
-            vocab: VOCAB,
-            seq_len: cfg.seq_len,
-            d_model: cfg.d_model,
-            heads: cfg.heads,
-            layers: cfg.layers,
-        })
+        ModelKind::Gpt => Gpt::with_backend(
+            GptConfig {
+                vocab: VOCAB,
+                seq_len: cfg.seq_len,
+                d_model: cfg.d_model,
+                heads: cfg.heads,
+                layers: cfg.layers,
+            },
+            be,
+        )
         .map(|m| Arc::new(m) as Arc<dyn Model>)
         .map_err(|e| ConfigError::new("model", e)),
-        ModelKind::Mlp => Mlp::new(MlpConfig {
-            vocab: VOCAB,
-            d_model: cfg.d_model,
-            hidden: 4 * cfg.d_model,
-            layers: cfg.layers,
-        })
+        ModelKind::Mlp => Mlp::with_backend(
+            MlpConfig {
+                vocab: VOCAB,
+                d_model: cfg.d_model,
+                hidden: 4 * cfg.d_model,
+                layers: cfg.layers,
+            },
+            be,
+        )
         .map(|m| Arc::new(m) as Arc<dyn Model>)
         .map_err(|e| ConfigError::new("model", e)),
     }

@@ -72,7 +72,9 @@ pub fn train_reference(
                     &mut g,
                 );
                 let st = &mut opt[u];
-                settings.update(&mut params[u], &g, &mut st.m, &mut st.v, opt_step, lr_now);
+                let (p, m, v) = (&mut params[u], &mut st.m, &mut st.v);
+                let be = model.backend();
+                be.optimizer_update(&settings, p, &g, m, v, opt_step, lr_now);
             }
         }
         bounds = stats.iter().map(|s| exact::next_bound(s.max_abs)).collect();

@@ -9,6 +9,7 @@
 mod common;
 
 mod accounting;
+mod backend;
 mod bitwise;
 mod checkpoint_integrity;
 mod checkpoint_resume;

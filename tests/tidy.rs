@@ -54,6 +54,24 @@ const IMPURE: &[&str] = &["crate::runtime", "tokio", "ractor", "quinn", "std::ne
 
 const FILE_LINES_MAX: usize = 1000;
 
+/// Models and their layers compute only through their backend (the compute seam): they may not
+/// name the CPU kernels behind it, only these shape and buffer helpers from those modules.
+const MODEL_CODE: &[&str] = &["model::gpt", "model::mlp", "model::layers"];
+const KERNEL_MODULES: &[&str] = &[
+    "model::ops",
+    "model::kernels",
+    "model::attention",
+    "model::gemm",
+    "optim",
+];
+const KERNEL_HELPERS: &[&str] = &[
+    "split_params",
+    "split_params_mut",
+    "check_len",
+    "AttnShape",
+    "Layout",
+];
+
 /// Folders holding Rust sources, relative to the repository root.
 const SOURCE_DIRS: &[&str] = &["src", "tests", "examples", "benches", "chaos-tests"];
 
@@ -529,6 +547,25 @@ fn check(root: &Path) -> Vec<Finding> {
             }
             if !named.local || s.in_bin {
                 continue;
+            }
+            let in_model = MODEL_CODE.iter().any(|m| s.module.join("::") == *m);
+            let kernel = KERNEL_MODULES
+                .iter()
+                .find(|k| full.starts_with(&format!("{k}::")));
+            let helper = named
+                .segs
+                .last()
+                .is_some_and(|l| KERNEL_HELPERS.contains(&l.as_str()));
+            if let (true, false, Some(k), false) = (in_model, named.in_test, kernel, helper) {
+                findings.push(Finding {
+                    file: s.rel.clone(),
+                    line: named.line,
+                    what: format!(
+                        "`{full}`: {} computes through its backend (`model::backend`), not \
+                         `{k}` directly, so a device backend runs all of it",
+                        s.module.join("::")
+                    ),
+                });
             }
             let Some((_, target)) = resolve(&src_dir, &named.segs) else {
                 continue;

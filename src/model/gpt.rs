@@ -9,14 +9,12 @@
 //! `backward` recomputes the unit's internals from its input (activation checkpointing at unit
 //! granularity), so nothing is cached between calls and every call is a pure function.
 
-use super::attention::{
-    attention_backward_from_probs, attention_forward_into, attention_forward_keep, AttnShape,
-};
-use super::kernels::{gelu_into, gelu_with_derivative_into};
-use super::ops::{
-    add_assign, cross_entropy, embedding_backward, embedding_forward, split_params,
-    split_params_mut, LayerNorm, Linear,
-};
+use std::sync::Arc;
+
+use super::attention::AttnShape;
+use super::backend::{Backend, Cpu};
+use super::layers::{LayerNorm, Linear};
+use super::ops::{split_params, split_params_mut};
 use super::rng::{init_unit_buffer, unit_spec, Init};
 use super::workspace::{carve, Scratch};
 use super::{Kept, MicroBatch, Model, UnitSpec};
@@ -95,6 +93,8 @@ pub struct Gpt {
     units: Vec<UnitSpec>,
     /// Init rule of every parameter of every unit, parallel to `units`.
     inits: Vec<Vec<Init>>,
+    /// Where every kernel runs.
+    be: Arc<dyn Backend>,
 }
 
 /// Lengths of a block's 12 parameters, in `UnitSpec` order.
@@ -143,7 +143,13 @@ fn block_unit(i: usize, d: usize) -> (UnitSpec, Vec<Init>) {
 }
 
 impl Gpt {
+    /// A GPT of shape `cfg` on the reference CPU backend.
     pub fn new(cfg: GptConfig) -> Result<Self, String> {
+        Self::with_backend(cfg, Arc::new(Cpu))
+    }
+
+    /// A GPT of shape `cfg` whose kernels run on `be`.
+    pub fn with_backend(cfg: GptConfig, be: Arc<dyn Backend>) -> Result<Self, String> {
         cfg.validate()?;
         let (d, v) = (cfg.d_model, cfg.vocab);
         let mut all = vec![unit_spec(
@@ -158,7 +164,12 @@ impl Gpt {
         head.push(("head.weight".into(), vec![v, d], Init::Normal));
         all.push(unit_spec("head".into(), head));
         let (units, inits) = all.into_iter().unzip();
-        Ok(Self { cfg, units, inits })
+        Ok(Self {
+            cfg,
+            units,
+            inits,
+            be,
+        })
     }
 
     pub fn config(&self) -> &GptConfig {
@@ -218,11 +229,12 @@ impl Gpt {
     fn embed_forward(&self, params: &[f32], mb: &MicroBatch) -> Vec<f32> {
         let d = self.cfg.d_model;
         let [tok, pos] = split_params(params, [self.cfg.vocab * d, self.cfg.seq_len * d]);
-        let mut h = embedding_forward(tok, &mb.inputs, d);
+        let mut h = vec![0.0; mb.inputs.len() * d];
+        self.be.embedding_forward(tok, &mb.inputs, &mut h);
         let pos = &pos[..mb.seq * d];
         // `max(1)`: with seq 0 there are no rows, and chunk lengths must be positive.
         for row in h.chunks_exact_mut(pos.len().max(1)) {
-            add_assign(row, pos);
+            self.be.add(row, pos);
         }
         h
     }
@@ -230,17 +242,18 @@ impl Gpt {
     fn embed_backward(&self, dout: &[f32], mb: &MicroBatch, grads: &mut [f32]) {
         let d = self.cfg.d_model;
         let [g_tok, g_pos] = split_params_mut(grads, [self.cfg.vocab * d, self.cfg.seq_len * d]);
-        embedding_backward(&mb.inputs, dout, d, g_tok);
+        self.be.embedding_backward(&mb.inputs, dout, g_tok);
         let g_pos = &mut g_pos[..mb.seq * d];
-        for row in dout.chunks_exact(g_pos.len().max(1)) {
-            add_assign(g_pos, row);
+        if !g_pos.is_empty() {
+            self.be.sum_rows(dout, g_pos);
         }
     }
 
-    fn head_parts<'a>(&self, params: &'a [f32]) -> (LayerNorm<'a>, Linear<'a>) {
+    fn head_parts<'a>(&'a self, params: &'a [f32]) -> (LayerNorm<'a>, Linear<'a>) {
         let (d, v) = (self.cfg.d_model, self.cfg.vocab);
         let [w, b, head] = split_params(params, head_lens(d, v));
-        (LayerNorm::new(w, b), Linear::new(head, None, d, v))
+        let be = &*self.be;
+        (LayerNorm::new(be, w, b), Linear::new(be, head, None, d, v))
     }
 
     fn head_forward(&self, params: &[f32], x: &[f32]) -> Vec<f32> {
@@ -277,6 +290,7 @@ impl Gpt {
 
 /// Views of one transformer block's parameters.
 struct Block<'a> {
+    be: &'a dyn Backend,
     ln1: LayerNorm<'a>,
     qkv: Linear<'a>,
     proj: Linear<'a>,
@@ -286,15 +300,16 @@ struct Block<'a> {
 }
 
 impl<'a> Block<'a> {
-    fn new(params: &'a [f32], d: usize) -> Self {
+    fn new(be: &'a dyn Backend, params: &'a [f32], d: usize) -> Self {
         let [ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b] =
             split_params(params, block_lens(d));
-        let lin = |weight, bias, d_in, d_out| Linear::new(weight, Some(bias), d_in, d_out);
+        let lin = |weight, bias, d_in, d_out| Linear::new(be, weight, Some(bias), d_in, d_out);
         Self {
-            ln1: LayerNorm::new(ln1_w, ln1_b),
+            be,
+            ln1: LayerNorm::new(be, ln1_w, ln1_b),
             qkv: lin(qkv_w, qkv_b, d, 3 * d),
             proj: lin(proj_w, proj_b, d, d),
-            ln2: LayerNorm::new(ln2_w, ln2_b),
+            ln2: LayerNorm::new(be, ln2_w, ln2_b),
             fc1: lin(fc1_w, fc1_b, d, 4 * d),
             fc2: lin(fc2_w, fc2_b, 4 * d, d),
         }
@@ -321,12 +336,10 @@ impl<'a> Block<'a> {
     fn forward_acts(&self, x: &[f32], s: AttnShape, a: &mut Acts) {
         self.ln1.forward_into(x, a.h1, a.st1);
         self.qkv.forward_into(a.h1, a.qkv);
-        match a.keep {
-            Keep::ForBackward => attention_forward_keep(a.qkv, s, a.att, a.probs),
-            Keep::OutputOnly => attention_forward_into(a.qkv, s, a.att, a.probs),
-        }
+        let keep = a.keep == Keep::ForBackward;
+        self.be.attention_forward(a.qkv, s, a.att, a.probs, keep);
         self.proj.forward_into(a.att, a.x2);
-        add_assign(a.x2, x);
+        self.be.add(a.x2, x);
         let st2 = match a.keep {
             Keep::ForBackward => &mut *a.st2,
             // ln1's statistics are dead once ln1 has run.
@@ -334,10 +347,8 @@ impl<'a> Block<'a> {
         };
         self.ln2.forward_into(a.x2, a.h2, st2);
         self.fc1.forward_into(a.h2, a.f);
-        match a.keep {
-            Keep::ForBackward => gelu_with_derivative_into(a.f, a.g, a.g_deriv),
-            Keep::OutputOnly => gelu_into(a.f, a.g),
-        }
+        let deriv = keep.then_some(&mut *a.g_deriv);
+        self.be.gelu(a.f, a.g, deriv);
     }
 
     /// The forward with its activations kept (`keep_activations`): the output equals
@@ -358,7 +369,7 @@ impl<'a> Block<'a> {
         self.forward_acts(x, s, &mut a);
         let mut out = vec![0.0; rd];
         self.fc2.forward_into(a.g, &mut out);
-        add_assign(&mut out, a.x2);
+        self.be.add(&mut out, a.x2);
         (out, ws)
     }
 
@@ -386,28 +397,27 @@ impl<'a> Block<'a> {
         let df = a.f;
         self.fc2
             .backward_into(a.g, dout, g_fc2_w, Some(g_fc2_b), df);
-        for (d, &gd) in df.iter_mut().zip(a.g_deriv.iter()) {
-            *d *= gd;
-        }
+        self.be.mul(df, a.g_deriv);
         let dh2 = &mut *dh;
         self.fc1
             .backward_into(a.h2, df, g_fc1_w, Some(g_fc1_b), dh2);
         self.ln2
             .backward_into(a.x2, a.st2, dh2, g_ln2_w, g_ln2_b, dx2);
-        add_assign(dx2, dout);
+        self.be.add(dx2, dout);
         // Attention half: x2 = x + proj(attn(qkv(ln1(x)))). `h2` and `df` are dead now.
         let datt = a.h2;
         self.proj
             .backward_into(a.att, dx2, g_proj_w, Some(g_proj_b), datt);
         let dqkv = &mut df[..3 * rd];
-        attention_backward_from_probs(a.qkv, a.probs, datt, s, dqkv, dp);
+        self.be
+            .attention_backward(a.qkv, a.probs, datt, s, dqkv, dp);
         let dh1 = dh;
         self.qkv
             .backward_into(a.h1, dqkv, g_qkv_w, Some(g_qkv_b), dh1);
         let mut dx = vec![0.0; rd];
         self.ln1
             .backward_into(x, a.st1, dh1, g_ln1_w, g_ln1_b, &mut dx);
-        add_assign(&mut dx, dx2);
+        self.be.add(&mut dx, dx2);
         dx
     }
 }
@@ -504,7 +514,7 @@ impl Model for Gpt {
         let (kind, s) = self.check(unit, params, x, mb);
         match kind {
             UnitKind::Embed => self.embed_forward(params, mb),
-            UnitKind::Block => Block::new(params, s.d_model).forward(x, s),
+            UnitKind::Block => Block::new(&*self.be, params, s.d_model).forward(x, s),
             UnitKind::Head => self.head_forward(params, x),
         }
     }
@@ -538,7 +548,9 @@ impl Model for Gpt {
                 self.embed_backward(grad_out, mb, grad_params);
                 Vec::new()
             }
-            UnitKind::Block => Block::new(params, s.d_model).backward(x, grad_out, s, grad_params),
+            UnitKind::Block => {
+                Block::new(&*self.be, params, s.d_model).backward(x, grad_out, s, grad_params)
+            }
             UnitKind::Head => self.head_backward(params, x, grad_out, grad_params),
         }
     }
@@ -555,7 +567,7 @@ impl Model for Gpt {
         if kind != UnitKind::Block {
             return (self.forward(unit, params, x, mb), None);
         }
-        let (out, acts) = Block::new(params, s.d_model).forward_keep(x, s);
+        let (out, acts) = Block::new(&*self.be, params, s.d_model).forward_keep(x, s);
         let kept = Kept {
             bytes: 4 * Acts::len(x.len(), s, Keep::ForBackward) as u64,
             data: Box::new(acts),
@@ -594,7 +606,14 @@ impl Model for Gpt {
         let mut ws = Scratch::take();
         let [dh, dx2, dp] = ws.carve([rd, rd, s.seq * s.seq]);
         let a = Acts::carve(acts, rd, s, Keep::ForBackward);
-        Block::new(params, s.d_model).backward_acts(x, grad_out, s, grad_params, a, [dh, dx2, dp])
+        Block::new(&*self.be, params, s.d_model).backward_acts(
+            x,
+            grad_out,
+            s,
+            grad_params,
+            a,
+            [dh, dx2, dp],
+        )
     }
 
     fn loss(&self, out: &[f32], mb: &MicroBatch) -> (f32, Vec<f32>) {
@@ -603,7 +622,15 @@ impl Model for Gpt {
             mb.batch * mb.seq,
             "micro-batch targets length"
         );
-        cross_entropy(out, &mb.targets, self.cfg.vocab)
+        let mut grad = vec![0.0; out.len()];
+        let loss = self
+            .be
+            .cross_entropy(out, &mb.targets, self.cfg.vocab, &mut grad);
+        (loss, grad)
+    }
+
+    fn backend(&self) -> &dyn Backend {
+        &*self.be
     }
 
     fn vocab(&self) -> usize {

@@ -5,10 +5,11 @@
 //! one unit per layer, head unit), the same init and determinism rules, but costs a few small
 //! matrix products per token and accepts sequences of any length.
 
-use super::ops::{
-    add_assign, cross_entropy, embedding_backward, embedding_forward, gelu_forward,
-    gelu_with_derivative, split_params, split_params_mut, LayerNorm, Linear,
-};
+use std::sync::Arc;
+
+use super::backend::{Backend, Cpu};
+use super::layers::{LayerNorm, Linear};
+use super::ops::{split_params, split_params_mut};
 use super::rng::{init_unit_buffer, unit_spec, Init};
 use super::{MicroBatch, Model, UnitSpec};
 
@@ -51,6 +52,8 @@ pub struct Mlp {
     units: Vec<UnitSpec>,
     /// Init rule of every parameter of every unit, parallel to `units`.
     inits: Vec<Vec<Init>>,
+    /// Where every kernel runs.
+    be: Arc<dyn Backend>,
 }
 
 /// Lengths of a layer's parameters: fc1 weight and bias, fc2 weight and bias.
@@ -64,7 +67,13 @@ fn head_lens(d: usize, vocab: usize) -> [usize; 4] {
 }
 
 impl Mlp {
+    /// An MLP of shape `cfg` on the reference CPU backend.
     pub fn new(cfg: MlpConfig) -> Result<Self, String> {
+        Self::with_backend(cfg, Arc::new(Cpu))
+    }
+
+    /// An MLP of shape `cfg` whose kernels run on `be`.
+    pub fn with_backend(cfg: MlpConfig, be: Arc<dyn Backend>) -> Result<Self, String> {
         cfg.validate()?;
         let (v, d, hid) = (cfg.vocab, cfg.d_model, cfg.hidden);
         let mut all = vec![unit_spec(
@@ -89,7 +98,12 @@ impl Mlp {
         ];
         all.push(unit_spec("head".into(), head));
         let (units, inits) = all.into_iter().unzip();
-        Ok(Self { cfg, units, inits })
+        Ok(Self {
+            cfg,
+            units,
+            inits,
+            be,
+        })
     }
 
     pub fn config(&self) -> &MlpConfig {
@@ -122,19 +136,24 @@ impl Mlp {
         }
     }
 
-    fn layer<'a>(&self, params: &'a [f32]) -> (Linear<'a>, Linear<'a>) {
+    fn layer<'a>(&'a self, params: &'a [f32]) -> (Linear<'a>, Linear<'a>) {
         let (d, hid) = (self.cfg.d_model, self.cfg.hidden);
         let [w1, b1, w2, b2] = split_params(params, layer_lens(d, hid));
+        let be = &*self.be;
         (
-            Linear::new(w1, Some(b1), d, hid),
-            Linear::new(w2, Some(b2), hid, d),
+            Linear::new(be, w1, Some(b1), d, hid),
+            Linear::new(be, w2, Some(b2), hid, d),
         )
     }
 
-    fn head<'a>(&self, params: &'a [f32]) -> (LayerNorm<'a>, Linear<'a>) {
+    fn head<'a>(&'a self, params: &'a [f32]) -> (LayerNorm<'a>, Linear<'a>) {
         let (d, v) = (self.cfg.d_model, self.cfg.vocab);
         let [w, b, hw, hb] = split_params(params, head_lens(d, v));
-        (LayerNorm::new(w, b), Linear::new(hw, Some(hb), d, v))
+        let be = &*self.be;
+        (
+            LayerNorm::new(be, w, b),
+            Linear::new(be, hw, Some(hb), d, v),
+        )
     }
 
     fn layer_backward(
@@ -147,13 +166,13 @@ impl Mlp {
         let (fc1, fc2) = self.layer(params);
         let [g_w1, g_b1, g_w2, g_b2] =
             split_params_mut(grads, layer_lens(self.cfg.d_model, self.cfg.hidden));
-        let (g, g_deriv) = gelu_with_derivative(&fc1.forward(x));
+        let f = fc1.forward(x);
+        let (mut g, mut g_deriv) = (vec![0.0; f.len()], vec![0.0; f.len()]);
+        self.be.gelu(&f, &mut g, Some(&mut g_deriv));
         let mut df = fc2.backward(&g, dout, g_w2, Some(g_b2));
-        for (d, &gd) in df.iter_mut().zip(&g_deriv) {
-            *d *= gd;
-        }
+        self.be.mul(&mut df, &g_deriv);
         let mut dx = fc1.backward(x, &df, g_w1, Some(g_b1));
-        add_assign(&mut dx, dout);
+        self.be.add(&mut dx, dout);
         dx
     }
 
@@ -193,11 +212,16 @@ impl Model for Mlp {
     fn forward(&self, unit: usize, params: &[f32], x: &[f32], mb: &MicroBatch) -> Vec<f32> {
         self.check(unit, params, x, mb);
         if unit == 0 {
-            embedding_forward(params, &mb.inputs, self.cfg.d_model)
+            let mut h = vec![0.0; mb.inputs.len() * self.cfg.d_model];
+            self.be.embedding_forward(params, &mb.inputs, &mut h);
+            h
         } else if unit <= self.cfg.layers {
             let (fc1, fc2) = self.layer(params);
-            let mut out = fc2.forward(&gelu_forward(&fc1.forward(x)));
-            add_assign(&mut out, x);
+            let f = fc1.forward(x);
+            let mut g = vec![0.0; f.len()];
+            self.be.gelu(&f, &mut g, None);
+            let mut out = fc2.forward(&g);
+            self.be.add(&mut out, x);
             out
         } else {
             let (ln_f, head) = self.head(params);
@@ -232,7 +256,8 @@ impl Model for Mlp {
             "unit {unit}: grad_out length"
         );
         if unit == 0 {
-            embedding_backward(&mb.inputs, grad_out, self.cfg.d_model, grad_params);
+            self.be
+                .embedding_backward(&mb.inputs, grad_out, grad_params);
             Vec::new()
         } else if is_head {
             self.head_backward(params, x, grad_out, grad_params)
@@ -247,7 +272,15 @@ impl Model for Mlp {
             mb.batch * mb.seq,
             "micro-batch targets length"
         );
-        cross_entropy(out, &mb.targets, self.cfg.vocab)
+        let mut grad = vec![0.0; out.len()];
+        let loss = self
+            .be
+            .cross_entropy(out, &mb.targets, self.cfg.vocab, &mut grad);
+        (loss, grad)
+    }
+
+    fn backend(&self) -> &dyn Backend {
+        &*self.be
     }
 
     fn vocab(&self) -> usize {

@@ -5,19 +5,26 @@
 //! which is what the shard planner cuts into chunks. The runtime supplies a unit's *full*
 //! parameters (gathered for ZeRO-3) to `forward` and `backward`; the model never sees shards.
 //!
+//! Kernels run on the model's [`Backend`] (the compute seam, `backend/`); the built-in models
+//! take one at construction and default to the CPU reference.
+//!
 //! Determinism contract (exact reduction relies on it): `forward`, `backward` and `loss` are pure
 //! functions of their arguments, bit for bit, whichever thread or rank calls them. Implementations
 //! must not use thread pools whose reduction order depends on the number of threads.
 
 pub mod attention;
+pub mod backend;
 pub mod gemm;
 pub mod gpt;
 pub mod kernels;
+pub mod layers;
 pub mod mlp;
 pub mod ops;
 pub mod rng;
 pub mod sample;
 pub(crate) mod workspace;
+
+use backend::Backend;
 
 /// One named parameter inside a unit's flat buffer.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -139,6 +146,12 @@ pub trait Model: Send + Sync + 'static {
     fn forward_flops(&self, tokens: u64, seq: u64) -> Option<u64> {
         let _ = (tokens, seq);
         None
+    }
+
+    /// Where the model's kernels run; the runtime updates the model's shards with it too
+    /// ([`Backend::optimizer_update`]). The default is the reference CPU backend.
+    fn backend(&self) -> &dyn Backend {
+        &backend::CPU
     }
 }
 

@@ -1,5 +1,7 @@
-//! Building blocks of the models: each op with its forward and its backward on flat row-major
-//! `f32` buffers, plus the helpers that cut a unit's flat parameter buffer into named pieces.
+//! The CPU implementations of the models' operations, each forward with its backward on flat
+//! row-major `f32` buffers, plus the helpers that cut a unit's flat parameter buffer into named
+//! pieces. Models reach them through their backend (`backend::Cpu` runs these); the layers that
+//! combine them are in `layers.rs`.
 //!
 //! Everything here is a pure function of its arguments, bit for bit, so that ranks that recompute
 //! the same unit agree exactly (see the determinism contract in `model/mod.rs`):
@@ -72,95 +74,37 @@ pub fn add_assign(acc: &mut [f32], x: &[f32]) {
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Linear
-// ---------------------------------------------------------------------------------------------
-
-/// `y = x · Wᵀ + b` over rows of `x`, with PyTorch's layout `W: [d_out, d_in]`.
-#[derive(Clone, Copy, Debug)]
-pub struct Linear<'a> {
-    pub weight: &'a [f32],
-    pub bias: Option<&'a [f32]>,
-    pub d_in: usize,
-    pub d_out: usize,
+/// `acc[i] *= x[i]`.
+pub fn mul_assign(acc: &mut [f32], x: &[f32]) {
+    check_len("mul_assign", x.len(), acc.len());
+    for (a, &b) in acc.iter_mut().zip(x) {
+        *a *= b;
+    }
 }
 
-impl<'a> Linear<'a> {
-    pub fn new(weight: &'a [f32], bias: Option<&'a [f32]>, d_in: usize, d_out: usize) -> Self {
-        Self {
-            weight,
-            bias,
-            d_in,
-            d_out,
-        }
-    }
+// ---------------------------------------------------------------------------------------------
+// Bias rows (a linear layer's bias and its gradient)
+// ---------------------------------------------------------------------------------------------
 
-    fn rows(&self, x: &[f32]) -> usize {
-        check_len("linear weight", self.weight.len(), self.d_out * self.d_in);
-        if let Some(b) = self.bias {
-            check_len("linear bias", b.len(), self.d_out);
-        }
-        assert!(
-            self.d_in > 0 && x.len().is_multiple_of(self.d_in),
-            "linear input not a multiple of d_in"
-        );
-        x.len() / self.d_in
+/// Every row of `y` (rows of `row.len()`) set to `row`.
+pub fn broadcast_rows(row: &[f32], y: &mut [f32]) {
+    assert!(
+        !row.is_empty() && y.len().is_multiple_of(row.len()),
+        "broadcast_rows: output not a multiple of the row"
+    );
+    for r in y.chunks_exact_mut(row.len()) {
+        r.copy_from_slice(row);
     }
+}
 
-    /// `x: [rows, d_in]` → `y: [rows, d_out]` (overwritten).
-    pub fn forward_into(&self, x: &[f32], y: &mut [f32]) {
-        let rows = self.rows(x);
-        check_len("linear output", y.len(), rows * self.d_out);
-        if let Some(b) = self.bias {
-            for row in y.chunks_exact_mut(self.d_out) {
-                row.copy_from_slice(b);
-            }
-        }
-        let (w, acc) = (self.weight, self.bias.is_some());
-        matmul_nt(x, w, y, rows, self.d_in, self.d_out, acc);
-    }
-
-    /// `x: [rows, d_in]` → `[rows, d_out]`.
-    pub fn forward(&self, x: &[f32]) -> Vec<f32> {
-        let mut y = vec![0.0; self.rows(x) * self.d_out];
-        self.forward_into(x, &mut y);
-        y
-    }
-
-    /// Adds `dL/dW` and `dL/db` into the gradient buffers and writes `dL/dx` into `dx`
-    /// (overwritten).
-    pub fn backward_into(
-        &self,
-        x: &[f32],
-        dy: &[f32],
-        grad_weight: &mut [f32],
-        grad_bias: Option<&mut [f32]>,
-        dx: &mut [f32],
-    ) {
-        let rows = self.rows(x);
-        check_len("linear dy", dy.len(), rows * self.d_out);
-        check_len("linear dx", dx.len(), rows * self.d_in);
-        matmul_tn(dy, x, grad_weight, self.d_out, rows, self.d_in, true);
-        if let Some(gb) = grad_bias {
-            check_len("linear grad bias", gb.len(), self.d_out);
-            for row in dy.chunks_exact(self.d_out) {
-                add_assign(gb, row);
-            }
-        }
-        matmul(dy, self.weight, dx, rows, self.d_out, self.d_in, false);
-    }
-
-    /// Adds `dL/dW` and `dL/db` into the gradient buffers and returns `dL/dx`.
-    pub fn backward(
-        &self,
-        x: &[f32],
-        dy: &[f32],
-        grad_weight: &mut [f32],
-        grad_bias: Option<&mut [f32]>,
-    ) -> Vec<f32> {
-        let mut dx = vec![0.0; self.rows(x) * self.d_in];
-        self.backward_into(x, dy, grad_weight, grad_bias, &mut dx);
-        dx
+/// `acc += Σ rows of x`, row after row.
+pub fn sum_rows(x: &[f32], acc: &mut [f32]) {
+    assert!(
+        !acc.is_empty() && x.len().is_multiple_of(acc.len()),
+        "sum_rows: input not a multiple of the row"
+    );
+    for r in x.chunks_exact(acc.len()) {
+        add_assign(acc, r);
     }
 }
 
@@ -170,17 +114,6 @@ impl<'a> Linear<'a> {
 
 /// PyTorch's `nn.LayerNorm` default epsilon.
 pub const LN_EPS: f64 = 1e-5;
-
-/// LayerNorm over the last dimension (`weight.len()`), biased variance like PyTorch.
-///
-/// The `*_into` forms take a `stats` buffer of `2 · rows` (mean, 1/std per row): the forward
-/// writes it and the backward reads it, so a backward that has just recomputed the forward does
-/// not recompute the statistics.
-#[derive(Clone, Copy, Debug)]
-pub struct LayerNorm<'a> {
-    pub weight: &'a [f32],
-    pub bias: &'a [f32],
-}
 
 /// Mean and 1/std of one row; two passes in f64 (fixed lanes) so the variance does not cancel.
 #[inline(always)]
@@ -260,75 +193,63 @@ multiversion!(fn ln_backward_kernel(
     dx: &mut [f32],
 ) => ln_backward_body);
 
-impl<'a> LayerNorm<'a> {
-    pub fn new(weight: &'a [f32], bias: &'a [f32]) -> Self {
-        Self { weight, bias }
-    }
+/// Row width of a layer norm over `weight`; checks `bias`, `x` and `stats` against it.
+fn ln_dim(x: &[f32], weight: &[f32], bias: &[f32], stats: &[f32]) -> usize {
+    let d = weight.len();
+    check_len("layernorm bias", bias.len(), d);
+    assert!(
+        d > 0 && x.len().is_multiple_of(d),
+        "layernorm input not a multiple of {d}"
+    );
+    check_len("layernorm stats", stats.len(), 2 * (x.len() / d));
+    d
+}
 
-    /// Row width; checks `x` and, if given, the stats buffer against it.
-    fn dim(&self, x: &[f32], stats: Option<&[f32]>) -> usize {
-        let d = self.weight.len();
-        check_len("layernorm bias", self.bias.len(), d);
-        assert!(
-            d > 0 && x.len().is_multiple_of(d),
-            "layernorm input not a multiple of {d}"
-        );
-        if let Some(st) = stats {
-            check_len("layernorm stats", st.len(), 2 * (x.len() / d));
-        }
-        d
-    }
+/// Layer norm over the last dimension (`weight.len()`), biased variance like PyTorch's
+/// `nn.LayerNorm`: `y` (overwritten) and the row statistics (mean, 1/std per row) into `stats`
+/// (`2 · rows`), which the backward reads instead of recomputing them.
+pub fn layer_norm_forward(
+    x: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    y: &mut [f32],
+    stats: &mut [f32],
+) {
+    ln_dim(x, weight, bias, stats);
+    check_len("layernorm output", y.len(), x.len());
+    ln_forward_kernel(Isa::best(), x, weight, bias, y, stats);
+}
 
-    /// `y = LN(x)` (overwritten), and the row statistics into `stats` (`2 · rows`).
-    pub fn forward_into(&self, x: &[f32], y: &mut [f32], stats: &mut [f32]) {
-        self.dim(x, Some(stats));
-        check_len("layernorm output", y.len(), x.len());
-        ln_forward_kernel(Isa::best(), x, self.weight, self.bias, y, stats);
-    }
-
-    pub fn forward(&self, x: &[f32]) -> Vec<f32> {
-        let d = self.dim(x, None);
-        let (mut y, mut stats) = (vec![0.0; x.len()], vec![0.0; 2 * (x.len() / d)]);
-        self.forward_into(x, &mut y, &mut stats);
-        y
-    }
-
-    /// Adds the weight and bias gradients and writes `dL/dx` into `dx` (overwritten), given the
-    /// `stats` that [`forward_into`](Self::forward_into) wrote for this `x`.
-    pub fn backward_into(
-        &self,
-        x: &[f32],
-        stats: &[f32],
-        dy: &[f32],
-        grad_weight: &mut [f32],
-        grad_bias: &mut [f32],
-        dx: &mut [f32],
-    ) {
-        let d = self.dim(x, Some(stats));
-        check_len("layernorm dy", dy.len(), x.len());
-        check_len("layernorm dx", dx.len(), x.len());
-        check_len("layernorm grad weight", grad_weight.len(), d);
-        check_len("layernorm grad bias", grad_bias.len(), d);
-        let w = self.weight;
-        let grads = (grad_weight, grad_bias);
-        ln_backward_kernel(Isa::best(), x, stats, dy, w, grads, dx);
-    }
-
-    /// Adds the weight and bias gradients and returns `dL/dx`.
-    pub fn backward(
-        &self,
-        x: &[f32],
-        dy: &[f32],
-        grad_weight: &mut [f32],
-        grad_bias: &mut [f32],
-    ) -> Vec<f32> {
-        let d = self.dim(x, None);
-        let (mut h, mut stats) = (vec![0.0; x.len()], vec![0.0; 2 * (x.len() / d)]);
-        self.forward_into(x, &mut h, &mut stats);
-        let mut dx = h; // reused: forward_into only ran for the statistics
-        self.backward_into(x, &stats, dy, grad_weight, grad_bias, &mut dx);
-        dx
-    }
+/// Adds the weight and bias gradients and writes `dL/dx` into `dx` (overwritten), given the
+/// `stats` that [`layer_norm_forward`] wrote for this `x`.
+pub fn layer_norm_backward(
+    x: &[f32],
+    stats: &[f32],
+    dy: &[f32],
+    weight: &[f32],
+    grad_weight: &mut [f32],
+    grad_bias: &mut [f32],
+    dx: &mut [f32],
+) {
+    let d = weight.len();
+    check_len("layernorm dy", dy.len(), x.len());
+    check_len("layernorm dx", dx.len(), x.len());
+    check_len("layernorm grad weight", grad_weight.len(), d);
+    check_len("layernorm grad bias", grad_bias.len(), d);
+    assert!(
+        d > 0 && x.len().is_multiple_of(d),
+        "layernorm input not a multiple of {d}"
+    );
+    check_len("layernorm stats", stats.len(), 2 * (x.len() / d));
+    ln_backward_kernel(
+        Isa::best(),
+        x,
+        stats,
+        dy,
+        weight,
+        (grad_weight, grad_bias),
+        dx,
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -405,18 +326,24 @@ fn check_ids(what: &str, ids: &[u32], bound: usize) {
     }
 }
 
-/// Rows `table[ids[i]]` of a `[rows, d]` table, concatenated.
-pub fn embedding_forward(table: &[f32], ids: &[u32], d: usize) -> Vec<f32> {
+/// Rows `table[ids[i]]` of a `[rows, d]` table into `y` (`ids.len() · d`).
+pub fn embedding_forward_into(table: &[f32], ids: &[u32], d: usize, y: &mut [f32]) {
     assert!(
         d > 0 && table.len().is_multiple_of(d),
         "embedding table not a multiple of {d}"
     );
+    check_len("embedding output", y.len(), ids.len() * d);
     check_ids("embedding", ids, table.len() / d);
-    let mut out = Vec::with_capacity(ids.len() * d);
-    for &id in ids {
-        out.extend_from_slice(&table[id as usize * d..(id as usize + 1) * d]);
+    for (&id, row) in ids.iter().zip(y.chunks_exact_mut(d)) {
+        row.copy_from_slice(&table[id as usize * d..(id as usize + 1) * d]);
     }
-    out
+}
+
+/// Rows `table[ids[i]]` of a `[rows, d]` table, concatenated.
+pub fn embedding_forward(table: &[f32], ids: &[u32], d: usize) -> Vec<f32> {
+    let mut y = vec![0.0; ids.len() * d];
+    embedding_forward_into(table, ids, d, &mut y);
+    y
 }
 
 /// Adds `dy` rows into `grad_table[ids[i]]`, in position order (fixed summation order for
@@ -433,21 +360,28 @@ pub fn embedding_backward(ids: &[u32], dy: &[f32], d: usize, grad_table: &mut [f
     }
 }
 
-/// Mean softmax cross-entropy (nats) of `logits: [n, vocab]` against `targets: [n]`, and its
-/// gradient with respect to the logits. Zero rows give loss 0 and an empty gradient.
+/// Mean softmax cross-entropy (nats) of `logits: [n, vocab]` against `targets: [n]`, with its
+/// gradient with respect to the logits into `grad` (overwritten). Zero rows give loss 0.
 ///
 /// # Panics
 /// If a target is `>= vocab` or the lengths disagree.
-pub fn cross_entropy(logits: &[f32], targets: &[u32], vocab: usize) -> (f32, Vec<f32>) {
+pub fn cross_entropy_into(logits: &[f32], targets: &[u32], vocab: usize, grad: &mut [f32]) -> f32 {
     check_len("cross_entropy logits", logits.len(), targets.len() * vocab);
+    check_len("cross_entropy grad", grad.len(), logits.len());
     check_ids("cross_entropy target", targets, vocab);
     if targets.is_empty() {
-        return (0.0, Vec::new());
+        return 0.0;
     }
-    let mut grad = vec![0.0; logits.len()];
     let mut total = 0.0f64;
-    cross_entropy_kernel(Isa::best(), logits, targets, vocab, &mut grad, &mut total);
-    ((total / targets.len() as f64) as f32, grad)
+    cross_entropy_kernel(Isa::best(), logits, targets, vocab, grad, &mut total);
+    (total / targets.len() as f64) as f32
+}
+
+/// [`cross_entropy_into`], allocating the gradient (empty for zero rows).
+pub fn cross_entropy(logits: &[f32], targets: &[u32], vocab: usize) -> (f32, Vec<f32>) {
+    let mut grad = vec![0.0; logits.len()];
+    let loss = cross_entropy_into(logits, targets, vocab, &mut grad);
+    (loss, grad)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -145,3 +145,33 @@ fn the_layout_table_follows_the_layers_and_the_tree() {
         "{found:?}"
     );
 }
+
+#[test]
+fn a_model_calling_a_kernel_around_its_backend_is_refused() {
+    let found = findings(&[
+        ("src/lib.rs", "pub mod model;\npub mod optim;\n"),
+        (
+            "src/model/mod.rs",
+            "pub mod backend;\npub mod gpt;\npub mod ops;\n",
+        ),
+        ("src/model/backend.rs", ""),
+        ("src/optim.rs", ""),
+        (
+            "src/model/ops.rs",
+            "pub fn split_params() {}\npub fn cross_entropy() {}\n",
+        ),
+        (
+            "src/model/gpt.rs",
+            "use super::ops::{cross_entropy, split_params};\nuse crate::optim::adam;\n",
+        ),
+    ]);
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(
+        found[0].starts_with("src/model/gpt.rs:1: `model::ops::cross_entropy`"),
+        "{found:?}"
+    );
+    assert!(
+        found[1].starts_with("src/model/gpt.rs:2: `optim::adam`"),
+        "{found:?}"
+    );
+}

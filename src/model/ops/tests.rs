@@ -1,6 +1,8 @@
 use super::super::rng::test_util::{bits, check_grad, dot, randn};
 use super::*;
 use crate::model::attention::{attention_backward, attention_forward, AttnShape};
+use crate::model::backend::Cpu;
+use crate::model::layers::{LayerNorm, Linear};
 
 fn naive_matmul(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
     let mut c = vec![0.0; m * n];
@@ -54,17 +56,17 @@ fn linear_gradients() {
     let b = randn(d_out, 3, 0.5);
     let r = randn(rows * d_out, 4, 1.0);
     let obj = |x: &[f32], w: &[f32], b: &[f32]| {
-        let lin = Linear::new(w, Some(b), d_in, d_out);
+        let lin = Linear::new(&Cpu, w, Some(b), d_in, d_out);
         dot(&lin.forward(x), &r)
     };
-    let lin = Linear::new(&w, Some(&b), d_in, d_out);
+    let lin = Linear::new(&Cpu, &w, Some(&b), d_in, d_out);
     let (mut gw, mut gb) = (vec![0.0; w.len()], vec![0.0; b.len()]);
     let gx = lin.backward(&x, &r, &mut gw, Some(&mut gb));
     check_grad("linear x", &x, &gx, 1e-2, 1e-3, &|v| obj(v, &w, &b));
     check_grad("linear w", &w, &gw, 1e-2, 1e-3, &|v| obj(&x, v, &b));
     check_grad("linear b", &b, &gb, 1e-2, 1e-3, &|v| obj(&x, &w, v));
     // No-bias form and accumulation into existing gradients.
-    let nb = Linear::new(&w, None, d_in, d_out);
+    let nb = Linear::new(&Cpu, &w, None, d_in, d_out);
     let mut gw2 = gw.clone();
     nb.backward(&x, &r, &mut gw2, None);
     let doubled: Vec<f32> = gw.iter().map(|g| 2.0 * g).collect();
@@ -84,7 +86,7 @@ fn layernorm_forward_normalises_and_gradients() {
         *v = *v * (1 + i / d) as f32 + (i / d) as f32; // rows with different mean and scale
     }
     let (ones, zeros) = (vec![1.0; d], vec![0.0; d]);
-    let y = LayerNorm::new(&ones, &zeros).forward(&x);
+    let y = LayerNorm::new(&Cpu, &ones, &zeros).forward(&x);
     for row in y.chunks(d) {
         let mean = row.iter().sum::<f32>() / d as f32;
         let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f32>() / d as f32;
@@ -96,9 +98,9 @@ fn layernorm_forward_normalises_and_gradients() {
     let w: Vec<f32> = randn(d, 6, 0.3).iter().map(|v| 1.0 + v).collect();
     let b = randn(d, 7, 0.3);
     let r = randn(rows * d, 8, 1.0);
-    let obj = |x: &[f32], w: &[f32], b: &[f32]| dot(&LayerNorm::new(w, b).forward(x), &r);
+    let obj = |x: &[f32], w: &[f32], b: &[f32]| dot(&LayerNorm::new(&Cpu, w, b).forward(x), &r);
     let (mut gw, mut gb) = (vec![0.0; d], vec![0.0; d]);
-    let gx = LayerNorm::new(&w, &b).backward(&x, &r, &mut gw, &mut gb);
+    let gx = LayerNorm::new(&Cpu, &w, &b).backward(&x, &r, &mut gw, &mut gb);
     check_grad("layernorm x", &x, &gx, 1e-2, 2e-3, &|v| obj(v, &w, &b));
     check_grad("layernorm w", &w, &gw, 1e-2, 1e-3, &|v| obj(&x, v, &b));
     check_grad("layernorm b", &b, &gb, 1e-2, 1e-3, &|v| obj(&x, &w, v));

@@ -10,6 +10,7 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 
+use crate::model::backend::Backend;
 use crate::optim::OptimSettings;
 use crate::plan::Stage;
 use crate::reduce::{GradBuf, ReduceMode};
@@ -96,8 +97,10 @@ fn drain(tier: &mut TierFile, writes: VecDeque<Pending>) -> Result<(), TierError
     first_err.map_or(Ok(()), Err)
 }
 
-/// What the optimizer step needs besides the tier: the settings and the step's scalars.
+/// What the optimizer step needs besides the tier: the backend that runs it, the settings and
+/// the step's scalars.
 pub struct StepArgs<'a> {
+    pub be: &'a dyn Backend,
     pub settings: OptimSettings,
     pub stage: Stage,
     pub mode: ReduceMode,
@@ -179,7 +182,7 @@ pub fn update_unit(
                 } else {
                     &a.g[sr]
                 };
-                a.settings.update(p, g, m, v, a.t, a.lr);
+                a.be.optimizer_update(&a.settings, p, g, m, v, a.t, a.lr);
             }
             let own = 0..kinds.grads_at();
             if own.is_empty() {

@@ -369,6 +369,8 @@ impl RankState {
         unit_done: &mut dyn FnMut(),
     ) -> Result<(), TierError> {
         let settings = self.optim;
+        let model = Arc::clone(&self.model);
+        let be = model.backend();
         for u in 0..self.specs.len() {
             let factor = grad_buf::mean_factor(self.mode, exps[u], micro_batches, clip_coef);
             let grads_on_tier = self.grads_on_tier();
@@ -389,6 +391,7 @@ impl RankState {
             if let Some(tier) = self.tier.as_ref() {
                 let mut tier = tier.lock().unwrap_or_else(|p| p.into_inner());
                 let args = offload::StepArgs {
+                    be,
                     settings,
                     stage: self.stage,
                     mode: self.mode,
@@ -421,7 +424,7 @@ impl RankState {
                 };
                 let m = sub(&mut shard.opt.m, off, n);
                 let v = sub(&mut shard.opt.v, off, n);
-                settings.update(p, &g[off..off + n], m, v, t, lr);
+                be.optimizer_update(&settings, p, &g[off..off + n], m, v, t, lr);
                 off += n;
             }
             self.ledger.free(Category::Transient, 4 * len as u64);

@@ -1,0 +1,153 @@
+//! The reference backend: the crate's own CPU kernels (`model/ops`, `model/attention`,
+//! `model/gemm`, `optim`), single-threaded per call except the optimizer's fixed split.
+
+use super::Backend;
+use crate::model::attention::{
+    attention_backward_from_probs, attention_forward_into, attention_forward_keep, AttnShape,
+};
+use crate::model::gemm::{gemm, Layout};
+use crate::model::kernels::{gelu_into, gelu_with_derivative_into};
+use crate::model::ops;
+use crate::optim::OptimSettings;
+
+/// The CPU backend. Every kernel picks its instruction set at run time (`EZERO_GEMM` forces the
+/// GEMM path) and gives the same bits on every path, so ranks on different CPUs agree.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cpu;
+
+impl Backend for Cpu {
+    fn name(&self) -> &str {
+        "cpu"
+    }
+
+    fn gemm(
+        &self,
+        a: &[f32],
+        la: Layout,
+        b: &[f32],
+        lb: Layout,
+        c: &mut [f32],
+        lc: Layout,
+        acc: bool,
+    ) {
+        gemm(a, la, b, lb, c, lc, acc);
+    }
+
+    fn layer_norm_forward(
+        &self,
+        x: &[f32],
+        weight: &[f32],
+        bias: &[f32],
+        y: &mut [f32],
+        stats: &mut [f32],
+    ) {
+        ops::layer_norm_forward(x, weight, bias, y, stats);
+    }
+
+    fn layer_norm_backward(
+        &self,
+        x: &[f32],
+        stats: &[f32],
+        dy: &[f32],
+        weight: &[f32],
+        grad_weight: &mut [f32],
+        grad_bias: &mut [f32],
+        dx: &mut [f32],
+    ) {
+        ops::layer_norm_backward(x, stats, dy, weight, grad_weight, grad_bias, dx);
+    }
+
+    fn gelu(&self, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>) {
+        match dydx {
+            Some(d) => gelu_with_derivative_into(x, y, d),
+            None => gelu_into(x, y),
+        }
+    }
+
+    fn attention_forward(
+        &self,
+        qkv: &[f32],
+        s: AttnShape,
+        y: &mut [f32],
+        probs: &mut [f32],
+        keep: bool,
+    ) {
+        if keep {
+            attention_forward_keep(qkv, s, y, probs);
+        } else {
+            attention_forward_into(qkv, s, y, probs);
+        }
+    }
+
+    fn attention_backward(
+        &self,
+        qkv: &[f32],
+        probs: &[f32],
+        dy: &[f32],
+        s: AttnShape,
+        dqkv: &mut [f32],
+        dp: &mut [f32],
+    ) {
+        attention_backward_from_probs(qkv, probs, dy, s, dqkv, dp);
+    }
+
+    fn cross_entropy(
+        &self,
+        logits: &[f32],
+        targets: &[u32],
+        vocab: usize,
+        grad: &mut [f32],
+    ) -> f32 {
+        ops::cross_entropy_into(logits, targets, vocab, grad)
+    }
+
+    fn embedding_forward(&self, table: &[f32], ids: &[u32], y: &mut [f32]) {
+        ops::embedding_forward_into(table, ids, row_width(y.len(), ids.len()), y);
+    }
+
+    fn embedding_backward(&self, ids: &[u32], dy: &[f32], grad_table: &mut [f32]) {
+        ops::embedding_backward(ids, dy, row_width(dy.len(), ids.len()), grad_table);
+    }
+
+    fn add(&self, acc: &mut [f32], x: &[f32]) {
+        ops::add_assign(acc, x);
+    }
+
+    fn mul(&self, acc: &mut [f32], x: &[f32]) {
+        ops::mul_assign(acc, x);
+    }
+
+    fn broadcast_rows(&self, row: &[f32], y: &mut [f32]) {
+        ops::broadcast_rows(row, y);
+    }
+
+    fn sum_rows(&self, x: &[f32], acc: &mut [f32]) {
+        ops::sum_rows(x, acc);
+    }
+
+    fn optimizer_update(
+        &self,
+        settings: &OptimSettings,
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        t: u64,
+        lr: f32,
+    ) {
+        settings.update(p, g, m, v, t, lr);
+    }
+}
+
+/// Width of the rows of an embedding call: `len / ids` (any positive width when there are no
+/// ids, which moves nothing).
+fn row_width(len: usize, ids: usize) -> usize {
+    if ids == 0 {
+        return 1;
+    }
+    assert!(
+        len.is_multiple_of(ids) && len > 0,
+        "embedding: {len} values for {ids} ids"
+    );
+    len / ids
+}
