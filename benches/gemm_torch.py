@@ -6,6 +6,9 @@ right before or after timing the same shape itself, and reads back one JSON line
 "gflops"}. Pairing each shape this way keeps the two measurements seconds apart on a machine
 whose speed drifts.
 
+With a second argument `bf16`, the operands and the output are bf16 (what a bf16 autocast or an
+FSDP2 `MixedPrecisionPolicy(param_dtype=bf16)` forward multiplies); otherwise f32.
+
 Each product writes into a preallocated output (`out=`), as ours does, and is timed like ours:
 one warm-up call, then the median of 5 repeats, each calling the product back to back for at
 least repeat_s seconds.
@@ -18,6 +21,7 @@ import torch
 
 torch.set_num_threads(1)
 repeat_s = float(sys.argv[1])
+dtype = torch.bfloat16 if sys.argv[2:] == ["bf16"] else torch.float32
 ops = {}
 
 for line in sys.stdin:
@@ -34,7 +38,7 @@ for line in sys.stdin:
             a, b = torch.randn(k, m, generator=g).t(), torch.randn(k, n, generator=g)
         else:
             sys.exit(f"unknown form {form!r}")
-        ops[key] = (a, b, torch.empty(m, n))
+        ops[key] = (a.to(dtype), b.to(dtype), torch.empty(m, n, dtype=dtype))
     a, b, c = ops[key]
     torch.mm(a, b, out=c)
     per_call = []

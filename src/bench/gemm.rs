@@ -13,7 +13,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use serde::{Deserialize, Serialize};
 
 use super::adam::median_call_s;
-use crate::model::gemm::{gemm_with, Form, GemmPath, Layout};
+use crate::model::gemm::{gemm_bf16_with, gemm_with, Bf16Path, Form, GemmPath, Layout};
 
 /// One product of the model.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -92,7 +92,30 @@ pub fn model_shapes(
 /// model FLOPs utilisation is reported against.
 pub fn peak_gflops(d_model: usize, tokens: usize, min_time_s: f64) -> f64 {
     let shape = Shape::new("fc1.fwd", (tokens, d_model, 4 * d_model), Form::Nt);
-    shape.flops() / time_ours(&shape, Some(GemmPath::current()), min_time_s / 5.0) / 1e9
+    let ours = Kernel::F32(GemmPath::current());
+    shape.flops() / time_ours(&shape, ours, min_time_s / 5.0) / 1e9
+}
+
+/// A kernel the benchmark times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// Our f32 GEMM on a path.
+    F32(GemmPath),
+    /// Our bf16 GEMM on a path (f32 in and out, bf16 operands).
+    Bf16(Bf16Path),
+    /// The `matrixmultiply` crate's f32 GEMM.
+    MatrixMultiply,
+}
+
+impl Kernel {
+    /// The name in results: `ezero-<path>`, `ezero-bf16-<path>` or `matrixmultiply`.
+    pub fn name(self) -> String {
+        match self {
+            Kernel::F32(p) => format!("ezero-{}", p.name()),
+            Kernel::Bf16(p) => format!("ezero-bf16-{}", p.name()),
+            Kernel::MatrixMultiply => "matrixmultiply".into(),
+        }
+    }
 }
 
 /// One measurement.
@@ -100,7 +123,7 @@ pub fn peak_gflops(d_model: usize, tokens: usize, min_time_s: f64) -> f64 {
 pub struct GemmResult {
     pub round: u32,
     pub shape: String,
-    /// `ezero-avx512`, `ezero-avx2`, `ezero-portable`, `matrixmultiply` or `torch`.
+    /// [`Kernel::name`], or `torch` (`torch-bf16` for bf16 operands and output).
     pub kernel: String,
     pub gflops: f64,
 }
@@ -112,14 +135,19 @@ fn values(len: usize, salt: usize) -> Vec<f32> {
 }
 
 /// Seconds per product of `shape` through `kernel` (median of the timed repeats).
-fn time_ours(shape: &Shape, path: Option<GemmPath>, repeat_s: f64) -> f64 {
+fn time_ours(shape: &Shape, kernel: Kernel, repeat_s: f64) -> f64 {
     let (la, lb, a_len, b_len) = shape.layouts();
     let lc = Layout::row_major(shape.m, shape.n);
     let (a, b) = (values(a_len, 1), values(b_len, 2));
     let mut c = vec![0.0f32; shape.m * shape.n];
-    match path {
-        Some(p) => median_call_s(repeat_s, || gemm_with(p, &a, la, &b, lb, &mut c, lc, false)),
-        None => median_call_s(repeat_s, || {
+    match kernel {
+        Kernel::F32(p) => {
+            median_call_s(repeat_s, || gemm_with(p, &a, la, &b, lb, &mut c, lc, false))
+        }
+        Kernel::Bf16(p) => median_call_s(repeat_s, || {
+            gemm_bf16_with(p, &a, la, &b, lb, &mut c, lc, false)
+        }),
+        Kernel::MatrixMultiply => median_call_s(repeat_s, || {
             // SAFETY: the layouts come from the shape and the buffers have their lengths
             // (`Shape::layouts`); `c` is a unique borrow.
             unsafe {
@@ -156,11 +184,12 @@ struct Torch {
 }
 
 impl Torch {
-    fn start(python: &str, repeat_s: f64) -> Result<Self, String> {
+    fn start(python: &str, repeat_s: f64, bf16: bool) -> Result<Self, String> {
         // The script goes in through the environment so that stdin stays free for shapes.
         let boot = "import os, sys; exec(compile(os.environ['EZERO_GEMM_TORCH'], 'gemm_torch.py', 'exec'))";
         let mut child = Command::new(python)
             .args(["-c", boot, &repeat_s.to_string()])
+            .args(bf16.then_some("bf16"))
             .env("EZERO_GEMM_TORCH", TORCH_SCRIPT)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -224,10 +253,11 @@ pub struct GemmBench {
     pub min_time_s: f64,
     /// A Python with torch, for the side-by-side column.
     pub torch_python: Option<String>,
-    /// Our kernel paths to time (each must be supported).
-    pub paths: Vec<GemmPath>,
-    /// Also time `matrixmultiply`.
-    pub matrixmultiply: bool,
+    /// Our kernels to time (each must be supported), `matrixmultiply` among them if wanted.
+    pub kernels: Vec<Kernel>,
+    /// Torch multiplies bf16 operands into a bf16 output (its mixed-precision matmul) rather
+    /// than f32 ones.
+    pub torch_bf16: bool,
 }
 
 /// Runs every kernel on every shape, round after round; torch times each shape right after
@@ -236,13 +266,10 @@ pub struct GemmBench {
 pub fn run(b: &GemmBench, mut emit: impl FnMut(GemmResult)) -> Result<(), String> {
     let repeat_s = b.min_time_s / 5.0;
     let mut torch = match &b.torch_python {
-        Some(py) => Some(Torch::start(py, repeat_s)?),
+        Some(py) => Some(Torch::start(py, repeat_s, b.torch_bf16)?),
         None => None,
     };
-    let mut kernels: Vec<Option<GemmPath>> = b.paths.iter().copied().map(Some).collect();
-    if b.matrixmultiply {
-        kernels.push(None);
-    }
+    let torch_name = if b.torch_bf16 { "torch-bf16" } else { "torch" };
     for round in 0..b.rounds {
         for shape in &b.shapes {
             let timed = |emit: &mut dyn FnMut(GemmResult), kernel: String, gflops: f64| {
@@ -256,16 +283,14 @@ pub fn run(b: &GemmBench, mut emit: impl FnMut(GemmResult)) -> Result<(), String
             };
             let torch_first = round % 2 == 1;
             if let (Some(t), true) = (torch.as_mut(), torch_first) {
-                timed(&mut emit, "torch".into(), t.time(shape)?);
+                timed(&mut emit, torch_name.into(), t.time(shape)?);
             }
-            for path in &kernels {
-                let s = time_ours(shape, *path, repeat_s);
-                let kernel =
-                    path.map_or("matrixmultiply".into(), |p| format!("ezero-{}", p.name()));
-                timed(&mut emit, kernel, shape.flops() / s / 1e9);
+            for &kernel in &b.kernels {
+                let s = time_ours(shape, kernel, repeat_s);
+                timed(&mut emit, kernel.name(), shape.flops() / s / 1e9);
             }
             if let (Some(t), false) = (torch.as_mut(), torch_first) {
-                timed(&mut emit, "torch".into(), t.time(shape)?);
+                timed(&mut emit, torch_name.into(), t.time(shape)?);
             }
         }
     }

@@ -1,9 +1,9 @@
 //! `ezero bench gemm`: the model's matrix products per kernel path, beside torch.
 
 use clap::Args;
-use elastic_zero::bench::gemm::{model_shapes, peak_gflops, run, GemmBench, GemmResult};
+use elastic_zero::bench::gemm::{model_shapes, peak_gflops, run, GemmBench, GemmResult, Kernel};
 use elastic_zero::config::TrainConfig;
-use elastic_zero::model::gemm::GemmPath;
+use elastic_zero::model::gemm::{Bf16Path, GemmPath};
 use elastic_zero::model::Model;
 use elastic_zero::summary::{median, TrainSummary};
 
@@ -43,6 +43,11 @@ pub struct BenchGemmArgs {
     /// Skip the `matrixmultiply` column.
     #[arg(long)]
     pub no_matrixmultiply: bool,
+    /// `fp32`, or `bf16`: our bf16 GEMM (bf16 operands, f32 accumulation; `vdpbf16ps` where the
+    /// CPU has AVX512_BF16, else the exact but slow portable emulation) beside torch's bf16
+    /// matmul, and no `matrixmultiply`.
+    #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
+    pub precision: String,
 }
 
 pub fn run_bench(args: &BenchGemmArgs) -> Result<(), CliError> {
@@ -90,13 +95,42 @@ pub fn run_bench(args: &BenchGemmArgs) -> Result<(), CliError> {
             args.paths.iter().map(|p| GemmPath::parse(p)).collect();
         parsed.map_err(|e| CliError::Usage(format!("--paths: {}", e.replace("EZERO_GEMM=", ""))))?
     };
+    let bf16 = args.precision == "bf16";
+    // The ratio column compares the path training uses, or the first one timed when
+    // --paths leaves it out.
+    let ours = if bf16 {
+        // The bf16 paths follow the f32 one forced: `portable` runs the portable emulation.
+        let forced_portable = paths.contains(&GemmPath::Portable) && !args.paths.is_empty();
+        let path = if forced_portable {
+            Bf16Path::Portable
+        } else {
+            Bf16Path::current()
+        };
+        Kernel::Bf16(path)
+    } else {
+        let path = paths
+            .iter()
+            .copied()
+            .find(|p| *p == GemmPath::current())
+            .or(paths.first().copied())
+            .unwrap_or_else(GemmPath::current);
+        Kernel::F32(path)
+    };
+    let mut kernels: Vec<Kernel> = if bf16 {
+        vec![ours]
+    } else {
+        paths.iter().copied().map(Kernel::F32).collect()
+    };
+    if !bf16 && !args.no_matrixmultiply {
+        kernels.push(Kernel::MatrixMultiply);
+    }
     let b = GemmBench {
         shapes: shapes.clone(),
         rounds: args.rounds,
         min_time_s: args.min_time_s,
         torch_python: args.torch_python.clone(),
-        paths,
-        matrixmultiply: !args.no_matrixmultiply,
+        kernels,
+        torch_bf16: bf16,
     };
     let mut all: Vec<GemmResult> = Vec::new();
     run(&b, |r| {
@@ -121,21 +155,13 @@ pub fn run_bench(args: &BenchGemmArgs) -> Result<(), CliError> {
             .collect();
         median(xs)
     };
-    // The ratio column compares the path training uses, or the first one timed when
-    // --paths leaves it out.
-    let ours_path = b
-        .paths
-        .iter()
-        .copied()
-        .find(|p| *p == GemmPath::current())
-        .or(b.paths.first().copied())
-        .unwrap_or_else(GemmPath::current);
-    let ours = format!("ezero-{}", ours_path.name());
+    let torch_name = if bf16 { "torch-bf16" } else { "torch" };
+    let ours_name = ours.name();
     println!(
         "\nGFLOP/s, median of {} rounds, one thread (ezero's path in use: {}; ours/torch: {})",
         args.rounds,
         GemmPath::current().name(),
-        ours_path.name()
+        ours_name
     );
     let mut head = format!(
         "{:<10} {:>5} {:>5} {:>5} {:>4}",
@@ -144,7 +170,7 @@ pub fn run_bench(args: &BenchGemmArgs) -> Result<(), CliError> {
     for k in &kernels {
         head += &format!(" {k:>15}");
     }
-    let torch = kernels.iter().any(|k| k == "torch");
+    let torch = kernels.iter().any(|k| k == torch_name);
     if torch {
         head += &format!(" {:>12}", "ours/torch");
     }
@@ -161,7 +187,7 @@ pub fn run_bench(args: &BenchGemmArgs) -> Result<(), CliError> {
         for k in &kernels {
             line += &format!(" {:>15.1}", med(&s.name, k));
         }
-        let (o, t) = (med(&s.name, &ours), med(&s.name, "torch"));
+        let (o, t) = (med(&s.name, &ours_name), med(&s.name, torch_name));
         if torch {
             line += &format!(" {:>12.2}", o / t);
         }

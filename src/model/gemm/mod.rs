@@ -19,12 +19,14 @@
 
 mod avx2;
 mod avx512;
+mod bf16;
 mod pack;
 mod portable;
 mod transpose;
 
 use std::sync::OnceLock;
 
+pub use bf16::{from_bf16, gemm_bf16, gemm_bf16_with, round_bf16, to_bf16, Bf16Path};
 pub use pack::Layout;
 
 /// Environment variable that forces a kernel path.

@@ -24,8 +24,59 @@ enum View {
     Window,
 }
 
-/// Runs `path` and the reference on the same inputs and compares the bits.
-fn check(path: GemmPath, m: usize, k: usize, n: usize, form: View, acc: bool) {
+/// A product under test: an f32 path against the FMA chain, or a bf16 path against the
+/// `vdpbf16ps` chain.
+#[derive(Clone, Copy, Debug)]
+enum Product {
+    F32(GemmPath),
+    Bf16(Bf16Path),
+}
+
+impl Product {
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        self,
+        a: &[f32],
+        la: Layout,
+        b: &[f32],
+        lb: Layout,
+        c: &mut [f32],
+        lc: Layout,
+        acc: bool,
+    ) {
+        match self {
+            Product::F32(p) => gemm_with(p, a, la, b, lb, c, lc, acc),
+            Product::Bf16(p) => gemm_bf16_with(p, a, la, b, lb, c, lc, acc),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        self,
+        a: &[f32],
+        la: Layout,
+        b: &[f32],
+        lb: Layout,
+        c: &mut [f32],
+        lc: Layout,
+        acc: bool,
+    ) {
+        match self {
+            Product::F32(_) => reference(a, la, b, lb, c, lc, acc),
+            Product::Bf16(_) => bf16::reference_bf16(a, la, b, lb, c, lc, acc),
+        }
+    }
+
+    /// Every product this CPU can run.
+    fn available() -> Vec<Product> {
+        let f32s = GemmPath::available().into_iter().map(Product::F32);
+        f32s.chain(Bf16Path::available().into_iter().map(Product::Bf16))
+            .collect()
+    }
+}
+
+/// Runs `path` and its reference on the same inputs and compares the bits.
+fn check(path: Product, m: usize, k: usize, n: usize, form: View, acc: bool) {
     let (la, lb, a_len, b_len) = match form {
         View::Stored(f) => f.layouts(m, k, n),
         View::Window => (
@@ -49,9 +100,9 @@ fn check(path: GemmPath, m: usize, k: usize, n: usize, form: View, acc: bool) {
         vec![f32::NAN; c_len]
     };
     let mut want = c0.clone();
-    reference(&a, la, &b, lb, &mut want, lc, acc);
+    path.reference(&a, la, &b, lb, &mut want, lc, acc);
     let mut got = c0.clone();
-    gemm_with(path, &a, la, &b, lb, &mut got, lc, acc);
+    path.run(&a, la, &b, lb, &mut got, lc, acc);
     for i in 0..m {
         for j in 0..n {
             let s = lc.index(i, j);
@@ -76,7 +127,7 @@ fn check(path: GemmPath, m: usize, k: usize, n: usize, form: View, acc: bool) {
 }
 
 #[test]
-fn every_path_matches_the_fma_chain_bit_for_bit() {
+fn every_path_matches_its_chain_bit_for_bit() {
     let shapes = [
         (1, 1, 1),
         (1, 7, 1),
@@ -84,10 +135,11 @@ fn every_path_matches_the_fma_chain_bit_for_bit() {
         (8, 32, 32),
         (6, 16, 16),
         (13, 40, 47),
-        (33, 257, 65), // k crosses a KC block
+        (33, 257, 65), // k crosses a KC block (f32)
         (130, 64, 33), // m crosses an MC block of every path
+        (9, 1025, 40), // k crosses a bf16 block, odd
     ];
-    for path in GemmPath::available() {
+    for path in Product::available() {
         for &(m, k, n) in &shapes {
             for form in [
                 View::Stored(Form::Nn),
@@ -106,23 +158,23 @@ fn every_path_matches_the_fma_chain_bit_for_bit() {
 #[test]
 fn wide_products_cross_every_block_boundary() {
     // n crosses NC (1024 columns on AVX-512, 512 on AVX2), k crosses KC twice.
-    for path in GemmPath::available() {
+    for path in Product::available() {
         check(path, 9, 600, 1030, View::Stored(Form::Nt), true);
     }
 }
 
 #[test]
 fn empty_depth_zeroes_or_keeps_c() {
-    for path in GemmPath::available() {
+    for path in Product::available() {
         let (la, lb, lc) = (
             Layout::row_major(2, 0),
             Layout::row_major(0, 3),
             Layout::row_major(2, 3),
         );
         let mut c = vec![5.0; 6];
-        gemm_with(path, &[], la, &[], lb, &mut c, lc, true);
+        path.run(&[], la, &[], lb, &mut c, lc, true);
         assert_eq!(c, vec![5.0; 6]);
-        gemm_with(path, &[], la, &[], lb, &mut c, lc, false);
+        path.run(&[], la, &[], lb, &mut c, lc, false);
         assert_eq!(c, vec![0.0; 6]);
     }
 }
@@ -156,4 +208,126 @@ fn out_of_bounds_views_are_refused() {
         la,
         false,
     );
+}
+
+#[test]
+fn bf16_rounds_to_nearest_even_and_flushes_denormals() {
+    let cases: [(f32, u16); 8] = [
+        (1.0, 0x3f80),
+        (f32::from_bits(0x3f80_8000), 0x3f80), // a tie rounds to the even 0x3f80
+        (f32::from_bits(0x3f81_8000), 0x3f82), // a tie rounds to the even 0x3f82
+        (f32::from_bits(0x3f80_8001), 0x3f81), // above the tie rounds up
+        (-2.5, 0xc020),
+        (f32::INFINITY, 0x7f80),
+        (1e-39, 0x0000),  // a denormal is a zero to `vdpbf16ps`
+        (-1e-40, 0x8000), // with its sign
+    ];
+    for (x, want) in cases {
+        assert_eq!(to_bf16(x), want, "{x:e}");
+    }
+    assert!(from_bf16(to_bf16(f32::NAN)).is_nan());
+    assert_eq!(
+        round_bf16(f32::MAX),
+        f32::INFINITY,
+        "rounds past the largest bf16"
+    );
+}
+
+#[test]
+fn bf16_paths_flush_denormal_sums_like_the_instruction() {
+    // Products near f32's smallest normal: the chain's denormal steps flush to zero, and a
+    // denormal C counts as zero; every path agrees with the written-out chain.
+    let (m, k, n) = (8, 6, 32);
+    let (la, lb, lc) = (
+        Layout::row_major(m, k),
+        Layout::row_major(k, n),
+        Layout::row_major(m, n),
+    );
+    let a: Vec<f32> = values(m * k, 5).iter().map(|v| v * 3e-19).collect();
+    let b: Vec<f32> = values(k * n, 6).iter().map(|v| v * 2e-19).collect();
+    let c0: Vec<f32> = values(m * n, 7).iter().map(|v| v * 1e-37).collect();
+    assert!(c0.iter().any(|v| v.is_subnormal()));
+    let mut want = c0.clone();
+    bf16::reference_bf16(&a, la, &b, lb, &mut want, lc, true);
+    assert!(want.iter().all(|v| !v.is_subnormal()));
+    for path in Bf16Path::available() {
+        let mut got = c0.clone();
+        gemm_bf16_with(path, &a, la, &b, lb, &mut got, lc, true);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "{path:?}");
+    }
+}
+
+#[test]
+fn bf16_products_are_close_to_f32_ones() {
+    // The rounding of the operands costs about 2^-8 relative per product; the sum stays
+    // within a few times that of the f32 product.
+    let (m, k, n) = (16, 256, 48);
+    let (la, lb, _, _) = Form::Nt.layouts(m, k, n);
+    let lc = Layout::row_major(m, n);
+    let a = values(m * k, 8);
+    let b = values(k * n, 9);
+    let (mut exact, mut half) = (vec![0.0; m * n], vec![0.0; m * n]);
+    reference(&a, la, &b, lb, &mut exact, lc, false);
+    gemm_bf16(&a, la, &b, lb, &mut half, lc, false);
+    let scale: f32 = (0..m * n)
+        .map(|s| {
+            let (i, j) = (s / n, s % n);
+            (0..k)
+                .map(|p| (a[la.index(i, p)] * b[lb.index(p, j)]).abs())
+                .sum::<f32>()
+        })
+        .fold(0.0, f32::max);
+    for (x, y) in exact.iter().zip(&half) {
+        assert!((x - y).abs() <= scale * 2.0f32.powi(-7), "{x} vs {y}");
+    }
+    assert_ne!(exact, half, "the operands were rounded");
+}
+
+#[test]
+fn bf16_vector_packing_rounds_as_the_scalar_one() {
+    if !Bf16Path::Avx512Bf16.supported() {
+        return;
+    }
+    // The conversion instruction against `to_bf16` on the patterns where rounding is subtle:
+    // denormals (the largest would round up to a normal were it not a zero), ties, NaNs
+    // (signalling, with payloads), the largest finite value (rounds to infinity).
+    let special: [u32; 12] = [
+        0x007f_ffff,
+        0x807f_ffff,
+        0x0000_0001,
+        0x3f80_8000,
+        0x3f81_8000,
+        0xbf80_8001,
+        0x7fc0_1234,
+        0x7f80_0001,
+        0xff80_0000,
+        0x7f7f_ffff,
+        0x0080_0000,
+        0x0000_0000,
+    ];
+    let (rows, k) = (40, 70);
+    let mixed = values(rows * k, 11);
+    let src: Vec<f32> = (0..rows * k)
+        .map(|i| {
+            if i % 3 == 0 {
+                f32::from_bits(special[(i / 3) % special.len()])
+            } else {
+                mixed[i]
+            }
+        })
+        .collect();
+    let kcp = k.div_ceil(2);
+    for (view, pw) in [
+        (Layout::row_major(rows, k), 8),              // k contiguous
+        (Layout::row_major(rows, k), 32),             // k contiguous, B's panel width
+        (Layout::row_major(k, rows).transposed(), 8), // width contiguous
+        (Layout::row_major(k, rows).transposed(), 32),
+    ] {
+        let len = rows.div_ceil(pw) * pw * kcp;
+        let (mut fast, mut slow) = (vec![7u32; len], vec![9u32; len]);
+        bf16::pack(&src, view, 0, rows, 0, k, pw, &mut fast, true);
+        bf16::pack_scalar(&src, view, 0, rows, 0, k, pw, &mut slow);
+        assert_eq!(fast, slow, "{view:?} panel width {pw}");
+    }
 }
