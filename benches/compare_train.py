@@ -64,7 +64,7 @@ def cpu_seconds(time_v_stderr):
     return float(u.group(1)) + float(k.group(1)) if u and k else None
 
 
-def run_ours(ezero, ws, steps, per_rank, mb_size, tmpdir, replicate_every=0, activations=None):
+def run_ours(ezero, ws, steps, per_rank, mb_size, tmpdir, replicate_every=0, activations=None, precision=None):
     """Our ZeRO-3 run with M micro-batches of B sequences, M*B = per_rank*ws."""
     g = per_rank * ws
     m = g // mb_size
@@ -76,6 +76,8 @@ def run_ours(ezero, ws, steps, per_rank, mb_size, tmpdir, replicate_every=0, act
            "--warmup-steps", "0", "--replicate-every", str(replicate_every), "--json", out]
     if activations:
         cmd[-2:-2] = ["--activation-checkpointing", activations]
+    if precision:
+        cmd[-2:-2] = ["--precision", precision]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"ezero train failed ({p.returncode}): {p.stderr[-2000:]}")
@@ -98,9 +100,10 @@ def run_ours(ezero, ws, steps, per_rank, mb_size, tmpdir, replicate_every=0, act
             "wall": wall}
 
 
-def run_peer(py, peers, mode, ws, steps, per_rank, tmpdir):
+def run_peer(py, peers, mode, ws, steps, per_rank, tmpdir, script=None):
     out = os.path.join(tmpdir, f"peer-{mode}-ws{ws}.json")
-    cmd = ["/usr/bin/time", "-v", py, os.path.join(peers, "train_fsdp.py"), "--modes", mode, "--world-sizes", str(ws),
+    script = script or os.path.join(peers, "train_fsdp.py")
+    cmd = ["/usr/bin/time", "-v", py, script, "--modes", mode, "--world-sizes", str(ws),
            "--steps", str(steps), "--warmup", "2", "--batch-per-rank", str(per_rank), "--json", out]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:

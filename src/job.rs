@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use crate::config::{ConfigError, ModelKind, OptimizerChoice, TrainConfig};
 use crate::data::{markov::MarkovSource, text::TextData, Dataset};
-use crate::model::backend::{Backend, Cpu};
+use crate::model::backend::Backend;
 use crate::model::gpt::{Gpt, GptConfig};
 use crate::model::mlp::{Mlp, MlpConfig};
 use crate::model::Model;
@@ -17,9 +17,9 @@ use crate::plan::{ShardMap, Stage};
 /// Byte-level vocabulary of every built-in model.
 pub const VOCAB: usize = 256;
 
-/// The built-in model the config names.
+/// The built-in model the config names, on the CPU backend of its `precision`.
 pub fn build_model(cfg: &TrainConfig) -> Result<Arc<dyn Model>, ConfigError> {
-    build_model_on(cfg, Arc::new(Cpu))
+    build_model_on(cfg, cfg.precision.cpu_backend())
 }
 
 /// The model the config names, its kernels running on `be`.

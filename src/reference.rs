@@ -9,6 +9,8 @@ use crate::config::TrainConfig;
 use crate::data::Dataset;
 use crate::engine::coordinator::mean_in_order;
 use crate::job::{lr_schedule, optim_settings};
+use crate::model::backend::Precision;
+use crate::model::gemm::round_bf16;
 use crate::model::Model;
 use crate::optim::OptimState;
 use crate::reduce::exact::{self, QuantStats};
@@ -99,6 +101,18 @@ fn accumulate(
         .collect();
     let mut stats = vec![QuantStats::default(); units];
     let mut losses = Vec::new();
+    // Under bf16 mixed precision the model computes with the parameters rounded to bf16.
+    let rounded: Vec<Vec<f32>>;
+    let params = match cfg.precision {
+        Precision::Fp32 => params,
+        Precision::Bf16 => {
+            rounded = params
+                .iter()
+                .map(|p| p.iter().map(|&x| round_bf16(x)).collect())
+                .collect();
+            &rounded[..]
+        }
+    };
     for i in 0..m {
         let mb = data.micro_batch(cfg.seed, step, i as u64, cfg.micro_batch_size, cfg.seq_len);
         let mut inputs: Vec<Vec<f32>> = vec![Vec::new()];

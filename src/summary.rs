@@ -134,6 +134,12 @@ pub struct TrainSummary {
     /// (empty where each worker process chooses for itself).
     #[serde(default)]
     pub activations: String,
+    /// `fp32` or `bf16` (the config's `precision`), and the backend the model computed on
+    /// (`cpu`, `cpu-bf16`).
+    #[serde(default)]
+    pub precision: String,
+    #[serde(default)]
+    pub backend: String,
     /// Model FLOPs of one step: three times the forward's matrix products over the global
     /// batch (`Model::forward_flops`; a recomputed forward is not counted). 0 when the model
     /// does not say.

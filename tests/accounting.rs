@@ -5,8 +5,9 @@ use crate::common;
 use common::{run_cfg, small};
 use elastic_zero::config::{ModelKind, TrainConfig};
 use elastic_zero::job::build_model;
+use elastic_zero::model::backend::Precision;
 use elastic_zero::plan::memory::resident;
-use elastic_zero::plan::volume::per_step;
+use elastic_zero::plan::volume::{param_elem_bytes, per_step};
 use elastic_zero::plan::{ShardMap, Stage};
 use elastic_zero::reduce::ReduceMode;
 use elastic_zero::runtime::transport::FRAME_HEADER_BYTES;
@@ -116,7 +117,7 @@ fn bytes_sent_match_2psi_and_3psi_plus_stated_overhead() {
                     total_elems += r.sent.elems();
                     // Overhead: a header per frame and the agreement message, never more than
                     // this bound: (units * 3 + 2) frames to each peer plus 4 KiB of agreement.
-                    let data = want.bytes(reduce.elem_bytes() as u64);
+                    let data = want.bytes(4, reduce.elem_bytes() as u64);
                     let frames_bound = (numels.len() as u64 * 3 + 2) * 2;
                     let overhead = r.bytes_sent - data;
                     assert!(
@@ -129,6 +130,55 @@ fn bytes_sent_match_2psi_and_3psi_plus_stated_overhead() {
             let per_step_total = total_elems / out.records.len() as u64;
             let collectives = if stage == 3 { 3 } else { 2 };
             assert_eq!(per_step_total, collectives * 2 * psi, "stage {stage}");
+        }
+    }
+}
+
+#[test]
+fn bf16_halves_stage3_parameter_bytes_and_keeps_the_resident_formula() {
+    // Under bf16 the gathers carry 2 bytes a parameter; the master weights, Adam state and
+    // gradients that ranks keep between steps are those of fp32 training.
+    for stage in 0..=3u8 {
+        let cfg = TrainConfig {
+            ranks: 3,
+            stage,
+            precision: Precision::Bf16,
+            ..small(ModelKind::Gpt)
+        };
+        let (map, numels) = map_for(&cfg);
+        let psi: u64 = numels.iter().sum::<usize>() as u64;
+        let st = Stage::from_u8(stage).unwrap();
+        let out = run_cfg(&cfg).unwrap();
+        let param_bytes = param_elem_bytes(st, Precision::Bf16.param_bytes());
+        assert_eq!(param_bytes, if stage == 3 { 2 } else { 4 });
+        let g = cfg.reduce.elem_bytes() as u64;
+        for rec in &out.records {
+            for r in &rec.reports {
+                let want = per_step(&map, st, r.rank);
+                assert_eq!(r.sent, want, "stage {stage} rank {}", r.rank);
+                let data = want.bytes(param_bytes, g);
+                let frames_bound = (numels.len() as u64 * 3 + 2) * 2;
+                let overhead = r.bytes_sent.checked_sub(data).unwrap_or_else(|| {
+                    panic!("stage {stage}: sent {} < data {data}", r.bytes_sent)
+                });
+                assert!(
+                    overhead <= frames_bound * FRAME_HEADER_BYTES + 2 * 4096,
+                    "stage {stage} overhead {overhead}"
+                );
+                let owned = map.owned_elems(r.rank) as u64;
+                assert_eq!(r.resident, resident(st, psi, owned, g, 2), "stage {stage}");
+            }
+        }
+        if stage == 3 {
+            // Summed over ranks and per step: (2·2 + g)·Ψ·(N-1) bytes of data.
+            let steps = out.records.len() as u64;
+            let data: u64 = out
+                .records
+                .iter()
+                .flat_map(|r| &r.reports)
+                .map(|r| r.sent.bytes(2, g))
+                .sum();
+            assert_eq!(data / steps, (2 * 2 + g) * psi * 2);
         }
     }
 }

@@ -6,6 +6,7 @@ use crate::common;
 use common::{run_cfg, small};
 use elastic_zero::config::ModelKind;
 use elastic_zero::job::{build_dataset, build_model};
+use elastic_zero::model::backend::Precision;
 use elastic_zero::plan::activations::ActivationCheckpointing;
 use elastic_zero::reduce::ReduceMode;
 use elastic_zero::reference::train_reference;
@@ -31,6 +32,33 @@ fn every_stage_and_world_size_matches_the_single_process_trainer() {
                 };
                 let got = param_sha256(&run_cfg(&cfg).unwrap().params);
                 assert_eq!(got, want, "{model:?} ranks {ranks} stage {stage}");
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_is_bit_identical_across_stages_and_world_sizes_and_differs_from_fp32() {
+    for model in [ModelKind::Mlp, ModelKind::Gpt] {
+        let base = elastic_zero::config::TrainConfig {
+            precision: Precision::Bf16,
+            ..small(model)
+        };
+        let want = oracle(&base);
+        let fp32 = oracle(&elastic_zero::config::TrainConfig {
+            precision: Precision::Fp32,
+            ..base.clone()
+        });
+        assert_ne!(want, fp32, "{model:?}: bf16 must change the arithmetic");
+        for ranks in 1..=4 {
+            for stage in 0..=3 {
+                let cfg = elastic_zero::config::TrainConfig {
+                    ranks,
+                    stage,
+                    ..base.clone()
+                };
+                let got = param_sha256(&run_cfg(&cfg).unwrap().params);
+                assert_eq!(got, want, "bf16 {model:?} ranks {ranks} stage {stage}");
             }
         }
     }

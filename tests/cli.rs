@@ -47,6 +47,8 @@ fn bad_input_is_one_line_exit_2_and_writes_nothing() {
     std::fs::write(&short, "tiny").unwrap();
     let unknown = dir.path().join("bad.toml");
     std::fs::write(&unknown, "ranks = 2\nbogus_key = 1\n").unwrap();
+    let fp16 = dir.path().join("fp16.toml");
+    std::fs::write(&fp16, "ranks = 2\nprecision = \"fp16\"\n").unwrap();
     let cases: Vec<(Vec<String>, &str)> = vec![
         (vec!["--stage".into(), "4".into()], "stage"),
         (vec!["--ranks".into(), "0".into()], "ranks"),
@@ -77,6 +79,10 @@ fn bad_input_is_one_line_exit_2_and_writes_nothing() {
         (
             vec!["--config".into(), unknown.display().to_string()],
             "bogus_key",
+        ),
+        (
+            vec!["--config".into(), fp16.display().to_string()],
+            "`precision`: ",
         ),
     ];
     for (extra, field) in cases {

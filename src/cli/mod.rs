@@ -16,6 +16,7 @@ use clap::{Args, Parser, Subcommand};
 use elastic_zero::config::{
     parse_bytes, At, ConfigError, ModelKind, OptimizerChoice, RoundKill, TrainConfig,
 };
+use elastic_zero::model::backend::Precision;
 use elastic_zero::plan::activations::ActivationCheckpointing;
 use elastic_zero::plan::tier::Offload;
 use elastic_zero::reduce::ReduceMode;
@@ -161,6 +162,11 @@ pub struct TrainArgs {
     /// Same as --activation-checkpointing never.
     #[arg(long)]
     pub keep_activations: bool,
+    /// `fp32`, or `bf16` mixed precision: bf16 parameters (gathered as bf16 at stage 3) and bf16
+    /// matrix-product operands with f32 accumulation; master weights, Adam state and the exact
+    /// gradient reduction stay fp32 [default: fp32].
+    #[arg(long, value_name = "fp32|bf16")]
+    pub precision: Option<Precision>,
     #[arg(long)]
     pub collective_timeout_ms: Option<u64>,
     #[arg(long)]
@@ -304,10 +310,14 @@ impl TrainArgs {
                 let text = std::fs::read_to_string(path).map_err(|e| {
                     ConfigError::new("config", format!("cannot read {}: {e}", path.display()))
                 })?;
-                match base {
-                    Some(b) => TrainConfig::from_toml_over(b, &text)?,
-                    None => TrainConfig::from_toml(&text)?,
-                }
+                let parsed = match base {
+                    Some(b) => TrainConfig::from_toml_over(b, &text),
+                    None => TrainConfig::from_toml(&text),
+                };
+                // Name the file: the message has the key and the line.
+                parsed.map_err(|e| {
+                    ConfigError::new(&e.field, format!("{}: {}", path.display(), e.message))
+                })?
             }
             None => base.cloned().unwrap_or_default(),
         };
@@ -363,6 +373,9 @@ impl TrainArgs {
         }
         if self.keep_activations {
             c.keep_activations = true;
+        }
+        if let Some(p) = self.precision {
+            c.precision = p;
         }
         if self.save_dir.is_some() {
             c.save_dir = self.save_dir.clone();

@@ -10,6 +10,8 @@ use elastic_zero::config::{ModelKind, TrainConfig};
 use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
 use elastic_zero::engine::messages::StepReport;
 use elastic_zero::job::{build_dataset, build_model};
+use elastic_zero::model::backend::Precision;
+use elastic_zero::model::gemm::Bf16Path;
 use elastic_zero::model::sample::generate;
 use elastic_zero::model::{param_count, Model};
 use elastic_zero::plan::tier::{gib, Fit, Tier};
@@ -76,6 +78,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         progress: Arc::default(),
         snapshot_sink: save_plan.as_ref().map(SavePlan::sink),
     };
+    let spec_backend = model.backend().name().to_string();
     let passes_per_step = 2 * model.units().len() as u64 * u64::from(cfg.ranks);
     let ticker = Ticker::start(
         bar.clone(),
@@ -96,6 +99,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     let activations = *cluster.activation_plan();
     println!("{}", describe_fit(&fit, &cfg));
     println!("{}", activations.describe());
+    println!("{}", describe_precision(&cfg, spec_backend.as_str()));
     let saving = match save_plan
         .map(|p| p.start(&cfg, resumed_from.as_deref(), &boundary))
         .transpose()
@@ -189,6 +193,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     );
     summary.peak_rss_training_bytes = training_peak.get();
     summary.activations = activations.outcome().into();
+    summary.backend = spec_backend.clone();
     println!(
         "done: {} steps in {:.1} s, loss {:.4} -> {:.4}{}, median step {:.3} s, {:.0} tokens/s",
         cfg.steps,
@@ -393,6 +398,8 @@ pub(super) fn summarize(
         peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
         peak_rss_training_bytes: 0,
         activations: String::new(),
+        precision: cfg.precision.name().into(),
+        backend: String::new(),
         model_flops_per_step: 0,
         model_gflops_per_s: 0.0,
         gemm_peak_gflops: 0.0,
@@ -401,6 +408,33 @@ pub(super) fn summarize(
 }
 
 /// The placement and the memory it needs, in one line for the banner.
+/// The start-of-run line on the arithmetic: the precision, the backend and, under bf16, which
+/// product path runs (the portable emulation is exact but slow).
+fn describe_precision(cfg: &TrainConfig, backend: &str) -> String {
+    match cfg.precision {
+        Precision::Fp32 => format!("precision: fp32 on {backend}"),
+        Precision::Bf16 => {
+            let path = Bf16Path::current();
+            let slow = if path == Bf16Path::Portable {
+                " (this CPU has no AVX512_BF16: the exact portable emulation, about 1 GFLOP/s; \
+                 --precision fp32 is much faster here)"
+            } else {
+                ""
+            };
+            let stage3 = if cfg.stage == 3 {
+                "parameters gathered as bf16"
+            } else {
+                "parameters rounded to bf16 per unit (fp32 master copy)"
+            };
+            format!(
+                "precision: bf16 on {backend}: {stage3}, bf16 products ({}){slow}, fp32 master \
+                 weights and Adam state",
+                path.name()
+            )
+        }
+    }
+}
+
 pub(super) fn describe_fit(fit: &Fit, cfg: &TrainConfig) -> String {
     let r = &fit.per_rank;
     let mut line = format!(

@@ -28,6 +28,7 @@ pub use self::membership::{At, Round, RoundKill};
 pub use self::offload::{parse_bytes, NvmeFault};
 pub use self::optim::OptimizerChoice;
 pub use self::shape::ModelKind;
+use crate::model::backend::Precision;
 use crate::plan::activations::ActivationCheckpointing;
 use crate::plan::tier::Offload;
 use crate::reduce::ReduceMode;
@@ -93,6 +94,11 @@ pub struct TrainConfig {
     pub activation_checkpointing: ActivationCheckpointing,
     /// Older spelling of `activation_checkpointing = "never"` (default false).
     pub keep_activations: bool,
+    /// `fp32`, or `bf16` mixed precision: the model computes with bf16 parameters and bf16
+    /// matrix-product operands (f32 accumulation), ZeRO-3 gathers parameters as bf16, and the
+    /// master weights, optimizer state and exact gradient reduction stay as in fp32 (default
+    /// fp32).
+    pub precision: Precision,
     /// Deadline for any single receive inside a collective (default 30000).
     pub collective_timeout_ms: u64,
     /// Bound on |gradient| for the first step's fixed-point scale; later steps derive it from the
@@ -216,6 +222,7 @@ impl Default for TrainConfig {
             chunk_elems: 8192,
             max_live_units: 2,
             activation_checkpointing: ActivationCheckpointing::Auto,
+            precision: Precision::Fp32,
             keep_activations: false,
             collective_timeout_ms: 30_000,
             initial_grad_bound: 65536.0,
@@ -260,17 +267,19 @@ impl Default for TrainConfig {
 impl TrainConfig {
     /// Parses a TOML config file's text; unknown keys and wrong types are errors.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        toml::from_str(text).map_err(toml_error)
+        toml::from_str(text).map_err(|e| toml_error(e, text))
     }
 
     /// Parses a TOML config file's text over `base`: keys the file sets replace `base`'s, the
     /// others keep `base`'s values (a resumed run starts from the checkpoint's config).
     pub fn from_toml_over(base: &TrainConfig, text: &str) -> Result<Self, ConfigError> {
-        let file: toml::Table = toml::from_str(text).map_err(toml_error)?;
+        let file: toml::Table = toml::from_str(text).map_err(|e| toml_error(e, text))?;
         let mut merged =
             toml::Table::try_from(base).map_err(|e| ConfigError::new("config", e.to_string()))?;
         merged.extend(file);
-        toml::Value::Table(merged).try_into().map_err(toml_error)
+        toml::Value::Table(merged)
+            .try_into()
+            .map_err(|e| toml_error(e, text))
     }
 
     /// The activation policy in effect (`keep_activations` is `never`).

@@ -96,6 +96,33 @@ fn a_file_over_a_base_keeps_the_base_where_silent() {
 }
 
 #[test]
+fn toml_errors_name_the_key_and_its_line() {
+    let text = "ranks = 2\n\nprecision = \"fp16\"\n";
+    for err in [
+        TrainConfig::from_toml(text).unwrap_err(),
+        TrainConfig::from_toml_over(&TrainConfig::default(), text).unwrap_err(),
+    ] {
+        assert_eq!(err.field, "precision");
+        assert!(
+            err.message.starts_with("line 3: ") && err.message.contains("`fp32` or `bf16`"),
+            "{err}"
+        );
+    }
+    let err = TrainConfig::from_toml("stage = 1\nbogus = 1\n").unwrap_err();
+    assert_eq!(
+        (err.field.as_str(), &err.message[..7]),
+        ("bogus", "line 2:")
+    );
+    let err = TrainConfig::from_toml("ranks = \"two\"\n").unwrap_err();
+    assert_eq!(
+        (err.field.as_str(), &err.message[..7]),
+        ("ranks", "line 1:")
+    );
+    let c = TrainConfig::from_toml("precision = \"bf16\"\n").unwrap();
+    assert_eq!(c.precision, crate::model::backend::Precision::Bf16);
+}
+
+#[test]
 fn membership_script_parses_from_toml() {
     let c = TrainConfig::from_toml("leave = [\"1@3\"]\njoin = [\"2@5\"]\n").unwrap();
     assert_eq!(c.leave, vec![At { value: 1, step: 3 }]);

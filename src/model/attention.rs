@@ -1,5 +1,6 @@
 //! Causal multi-head self-attention on the fused `qkv` projection, computed per (batch row,
-//! head) with strided gemms that skip the masked upper triangle.
+//! head) with strided gemms that skip the masked upper triangle. The products go through the
+//! `Product` the backend passes (the f32 GEMM, or the bf16 one under mixed precision).
 //!
 //! Rows are processed in blocks of [`BLOCK`] queries: block `r0..r1` only needs keys `0..r1`,
 //! so the score, `P·V`, `dP` and `dQ` products cover the causal lower triangle plus the diagonal
@@ -8,6 +9,7 @@
 //! every rank, so the result is a pure function of the inputs; the blocking depends only on the
 //! sequence length.
 
+use super::gemm::Product;
 use super::kernels::{softmax_backward_rows, softmax_rows};
 use super::ops::{check_len, gemm, Layout};
 use crate::optim::Isa;
@@ -103,11 +105,19 @@ fn window(t: usize, r0: usize, r1: usize, c0: usize, c1: usize) -> Layout {
 /// Causal `P = softmax(scale · q kᵀ)` of one (batch row, head) into the `[t, t]` block `p`.
 /// Only the lower triangle and the diagonal blocks are written (masked entries there are 0);
 /// entries right of a row's block are left as they were and never read.
-fn causal_probs(isa: Isa, qkv: &[f32], q: Layout, k: Layout, scale: f32, p: &mut [f32]) {
+fn causal_probs(
+    mm: Product,
+    isa: Isa,
+    qkv: &[f32],
+    q: Layout,
+    k: Layout,
+    scale: f32,
+    p: &mut [f32],
+) {
     let t = q.rows;
     for (r0, r1) in blocks(t) {
         let keys = Layout { rows: r1, ..k }.transposed();
-        gemm(
+        mm(
             qkv,
             rows(q, r0, r1),
             qkv,
@@ -122,7 +132,14 @@ fn causal_probs(isa: Isa, qkv: &[f32], q: Layout, k: Layout, scale: f32, p: &mut
 
 /// `y[b, :, h] = P v` for every (batch row, head); stores every head's `P` in `probs`
 /// (`[batch, heads, t, t]`) when given, for the backward, or uses `probs` as a `[t, t]` scratch.
-fn forward_impl(qkv: &[f32], s: AttnShape, y: &mut [f32], probs: &mut [f32], keep: bool) {
+fn forward_impl(
+    mm: Product,
+    qkv: &[f32],
+    s: AttnShape,
+    y: &mut [f32],
+    probs: &mut [f32],
+    keep: bool,
+) {
     s.check(qkv);
     check_len("attention output", y.len(), s.batch * s.seq * s.d_model);
     let (t, scale, isa) = (s.seq, s.scale(), Isa::best());
@@ -137,31 +154,44 @@ fn forward_impl(qkv: &[f32], s: AttnShape, y: &mut [f32], probs: &mut [f32], kee
             let [q, k, v] = s.qkv_views(b, h);
             let slot = if keep { b * s.heads + h } else { 0 };
             let p = &mut probs[slot * per_head..(slot + 1) * per_head];
-            causal_probs(isa, qkv, q, k, scale, p);
+            causal_probs(mm, isa, qkv, q, k, scale, p);
             let out = s.out_view(b, h);
             for (r0, r1) in blocks(t) {
                 let vals = Layout { rows: r1, ..v };
                 let pw = window(t, r0, r1, 0, r1);
-                gemm(p, pw, qkv, vals, y, rows(out, r0, r1), false); // y = P v
+                mm(p, pw, qkv, vals, y, rows(out, r0, r1), false); // y = P v
             }
         }
     }
 }
 
 /// Forward into `y: [batch, seq, d_model]`, using `scratch` (at least `seq²`) for `P`.
-pub fn attention_forward_into(qkv: &[f32], s: AttnShape, y: &mut [f32], scratch: &mut [f32]) {
-    forward_impl(qkv, s, y, scratch, false);
+pub fn attention_forward_into(
+    mm: Product,
+    qkv: &[f32],
+    s: AttnShape,
+    y: &mut [f32],
+    scratch: &mut [f32],
+) {
+    forward_impl(mm, qkv, s, y, scratch, false);
 }
 
 /// Forward into `y`, keeping every head's `P` in `probs` (`s.probs_len()`) for
 /// [`attention_backward_from_probs`].
-pub fn attention_forward_keep(qkv: &[f32], s: AttnShape, y: &mut [f32], probs: &mut [f32]) {
-    forward_impl(qkv, s, y, probs, true);
+pub fn attention_forward_keep(
+    mm: Product,
+    qkv: &[f32],
+    s: AttnShape,
+    y: &mut [f32],
+    probs: &mut [f32],
+) {
+    forward_impl(mm, qkv, s, y, probs, true);
 }
 
 /// `dL/dqkv` into `dqkv` (fully overwritten) given the forward input, the `P` kept by
 /// [`attention_forward_keep`] and `dL/dy`; `dp` is a scratch of at least `seq²`.
 pub fn attention_backward_from_probs(
+    mm: Product,
     qkv: &[f32],
     probs: &[f32],
     dy: &[f32],
@@ -186,7 +216,7 @@ pub fn attention_backward_from_probs(
             for (r0, r1) in blocks(t) {
                 // dP = dY vᵀ (live blocks), then dS in place.
                 let vals = Layout { rows: r1, ..v }.transposed();
-                gemm(
+                mm(
                     dy,
                     rows(dyv, r0, r1),
                     qkv,
@@ -200,14 +230,14 @@ pub fn attention_backward_from_probs(
             for (c0, c1) in blocks(t) {
                 // Keys c0..c1 are seen by queries c0..t only.
                 let pt = window(t, c0, t, c0, c1).transposed();
-                gemm(p, pt, dy, rows(dyv, c0, t), dqkv, rows(v, c0, c1), false); // dv = Pᵀ dY
-                gemm(dp, pt, qkv, rows(q, c0, t), dqkv, rows(k, c0, c1), false);
+                mm(p, pt, dy, rows(dyv, c0, t), dqkv, rows(v, c0, c1), false); // dv = Pᵀ dY
+                mm(dp, pt, qkv, rows(q, c0, t), dqkv, rows(k, c0, c1), false);
                 // dk = dSᵀ q
             }
             for (r0, r1) in blocks(t) {
                 let keys = Layout { rows: r1, ..k };
                 let dsw = window(t, r0, r1, 0, r1);
-                gemm(dp, dsw, qkv, keys, dqkv, rows(q, r0, r1), false); // dq = dS k
+                mm(dp, dsw, qkv, keys, dqkv, rows(q, r0, r1), false); // dq = dS k
             }
         }
     }
@@ -217,7 +247,7 @@ pub fn attention_backward_from_probs(
 pub fn attention_forward(qkv: &[f32], s: AttnShape) -> Vec<f32> {
     let mut y = vec![0.0; s.batch * s.seq * s.d_model];
     let mut p = vec![0.0; s.seq * s.seq];
-    attention_forward_into(qkv, s, &mut y, &mut p);
+    attention_forward_into(gemm, qkv, s, &mut y, &mut p);
     y
 }
 
@@ -225,9 +255,9 @@ pub fn attention_forward(qkv: &[f32], s: AttnShape) -> Vec<f32> {
 pub fn attention_backward(qkv: &[f32], dy: &[f32], s: AttnShape) -> Vec<f32> {
     let mut y = vec![0.0; s.batch * s.seq * s.d_model];
     let mut probs = vec![0.0; s.probs_len()];
-    attention_forward_keep(qkv, s, &mut y, &mut probs);
+    attention_forward_keep(gemm, qkv, s, &mut y, &mut probs);
     let mut dqkv = vec![0.0; qkv.len()];
     let mut dp = vec![0.0; s.seq * s.seq];
-    attention_backward_from_probs(qkv, &probs, dy, s, &mut dqkv, &mut dp);
+    attention_backward_from_probs(gemm, qkv, &probs, dy, s, &mut dqkv, &mut dp);
     dqkv
 }

@@ -4,7 +4,9 @@
 //! its partial sums to each chunk's owner), so a rank owning a fraction f of a unit sends
 //! f(N-1) of the unit per all-gather and (1-f) of it per reduce-scatter: (N-1)/N per collective
 //! when balanced, the same per-rank volume as a ring. Per step that is 2Ψ(N-1)/N for stages 0-2
-//! and 3Ψ(N-1)/N for stage 3 (the ZeRO paper's 2Ψ and 3Ψ, which drop the (N-1)/N).
+//! and 3Ψ(N-1)/N for stage 3 (the ZeRO paper's 2Ψ and 3Ψ, which drop the (N-1)/N). Under bf16
+//! mixed precision stage 3's parameter gathers are 2 bytes an element, so its bytes per step
+//! are (2·2Ψ + g·Ψ)(N-1)/N with g the gradient width.
 
 use serde::{Deserialize, Serialize};
 
@@ -14,7 +16,7 @@ use super::shard_map::{RankId, ShardMap};
 /// Data sent by one rank in one step (control messages excluded).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Volume {
-    /// Parameter elements sent (f32).
+    /// Parameter elements sent (`param_elem_bytes` each: see [`param_elem_bytes`]).
     pub param_elems: u64,
     /// Gradient elements sent (`grad_elem_bytes` each).
     pub grad_elems: u64,
@@ -25,8 +27,19 @@ impl Volume {
         self.param_elems + self.grad_elems
     }
 
-    pub fn bytes(&self, grad_elem_bytes: u64) -> u64 {
-        4 * self.param_elems + grad_elem_bytes * self.grad_elems
+    pub fn bytes(&self, param_elem_bytes: u64, grad_elem_bytes: u64) -> u64 {
+        param_elem_bytes * self.param_elems + grad_elem_bytes * self.grad_elems
+    }
+}
+
+/// Bytes of a parameter element on the wire: ZeRO-3's gathers carry what the model computes
+/// with (`model_param_bytes`: 2 under bf16 mixed precision, 4 in fp32); stages 1 and 2
+/// all-gather the updated fp32 values, because there a rank's full copy is also the fp32 master
+/// of the chunks it owns.
+pub fn param_elem_bytes(stage: Stage, model_param_bytes: u64) -> u64 {
+    match stage {
+        Stage::Zero3 => model_param_bytes,
+        _ => 4,
     }
 }
 

@@ -1,9 +1,12 @@
-//! Tensor values on the wire and on disk: raw little-endian f32, never run through a
-//! serializer (a per-element one cost a fifth of a step's CPU).
+//! Tensor values on the wire and on disk: raw little-endian f32 (or bf16 for gathered
+//! parameters under mixed precision), never run through a serializer (a per-element one cost a
+//! fifth of a step's CPU).
 
 use std::ops::Range;
 
 use bytes::Bytes;
+
+use crate::model::gemm::{from_bf16, to_bf16};
 
 /// Appends `v` as little-endian f32 bytes.
 pub fn put_f32s(out: &mut Vec<u8>, v: &[f32]) {
@@ -34,5 +37,23 @@ pub fn encode_f32(src: &[f32], ranges: impl Iterator<Item = Range<usize>>) -> By
 pub fn decode_f32_into(bytes: &[u8], dst: &mut [f32]) {
     for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
         *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+}
+
+/// `src` rounded to bf16 (`model::gemm::to_bf16`), as little-endian bytes: ZeRO-3's parameter
+/// gather under bf16 mixed precision, half the bytes of [`encode_f32`].
+pub fn encode_bf16(src: &[f32]) -> Bytes {
+    let mut out = vec![0u8; 2 * src.len()];
+    for (dst, &x) in out.chunks_exact_mut(2).zip(src) {
+        dst.copy_from_slice(&to_bf16(x).to_le_bytes());
+    }
+    Bytes::from(out)
+}
+
+/// Writes the `f32` values of little-endian bf16 `bytes` into `dst` (exact: every bf16 is an
+/// `f32`).
+pub fn decode_bf16_into(bytes: &[u8], dst: &mut [f32]) {
+    for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(2)) {
+        *d = from_bf16(u16::from_le_bytes([b[0], b[1]]));
     }
 }

@@ -1,11 +1,13 @@
-//! The reference backend: the crate's own CPU kernels (`model/ops`, `model/attention`,
-//! `model/gemm`, `optim`), single-threaded per call except the optimizer's fixed split.
+//! The reference backends: the crate's own CPU kernels (`model/ops`, `model/attention`,
+//! `model/gemm`, `optim`), single-threaded per call except the optimizer's fixed split. `Cpu`
+//! multiplies in f32; `CpuBf16` is the same except that every matrix product (the linear
+//! layers' and attention's) takes bf16 operands with f32 accumulation (`gemm_bf16`).
 
 use super::Backend;
 use crate::model::attention::{
     attention_backward_from_probs, attention_forward_into, attention_forward_keep, AttnShape,
 };
-use crate::model::gemm::{gemm, Layout};
+use crate::model::gemm::{gemm, gemm_bf16, Layout, Product};
 use crate::model::kernels::{gelu_into, gelu_with_derivative_into};
 use crate::model::ops;
 use crate::optim::OptimSettings;
@@ -73,9 +75,9 @@ impl Backend for Cpu {
         keep: bool,
     ) {
         if keep {
-            attention_forward_keep(qkv, s, y, probs);
+            attention_forward_keep(gemm, qkv, s, y, probs);
         } else {
-            attention_forward_into(qkv, s, y, probs);
+            attention_forward_into(gemm, qkv, s, y, probs);
         }
     }
 
@@ -88,7 +90,7 @@ impl Backend for Cpu {
         dqkv: &mut [f32],
         dp: &mut [f32],
     ) {
-        attention_backward_from_probs(qkv, probs, dy, s, dqkv, dp);
+        attention_backward_from_probs(gemm, qkv, probs, dy, s, dqkv, dp);
     }
 
     fn cross_entropy(
@@ -150,4 +152,135 @@ fn row_width(len: usize, ids: usize) -> usize {
         "embedding: {len} values for {ids} ids"
     );
     len / ids
+}
+
+/// The CPU backend under bf16 mixed precision: [`Cpu`] with every matrix product in bf16
+/// (operands rounded to bf16, f32 accumulation, `vdpbf16ps` where the CPU has AVX512_BF16).
+/// Everything else, the optimizer included, stays f32.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuBf16;
+
+impl CpuBf16 {
+    const MM: Product = gemm_bf16;
+}
+
+impl Backend for CpuBf16 {
+    fn name(&self) -> &str {
+        "cpu-bf16"
+    }
+
+    fn gemm(
+        &self,
+        a: &[f32],
+        la: Layout,
+        b: &[f32],
+        lb: Layout,
+        c: &mut [f32],
+        lc: Layout,
+        acc: bool,
+    ) {
+        Self::MM(a, la, b, lb, c, lc, acc);
+    }
+
+    fn layer_norm_forward(
+        &self,
+        x: &[f32],
+        weight: &[f32],
+        bias: &[f32],
+        y: &mut [f32],
+        stats: &mut [f32],
+    ) {
+        Cpu.layer_norm_forward(x, weight, bias, y, stats);
+    }
+
+    fn layer_norm_backward(
+        &self,
+        x: &[f32],
+        stats: &[f32],
+        dy: &[f32],
+        weight: &[f32],
+        grad_weight: &mut [f32],
+        grad_bias: &mut [f32],
+        dx: &mut [f32],
+    ) {
+        Cpu.layer_norm_backward(x, stats, dy, weight, grad_weight, grad_bias, dx);
+    }
+
+    fn gelu(&self, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>) {
+        Cpu.gelu(x, y, dydx);
+    }
+
+    fn attention_forward(
+        &self,
+        qkv: &[f32],
+        s: AttnShape,
+        y: &mut [f32],
+        probs: &mut [f32],
+        keep: bool,
+    ) {
+        if keep {
+            attention_forward_keep(Self::MM, qkv, s, y, probs);
+        } else {
+            attention_forward_into(Self::MM, qkv, s, y, probs);
+        }
+    }
+
+    fn attention_backward(
+        &self,
+        qkv: &[f32],
+        probs: &[f32],
+        dy: &[f32],
+        s: AttnShape,
+        dqkv: &mut [f32],
+        dp: &mut [f32],
+    ) {
+        attention_backward_from_probs(Self::MM, qkv, probs, dy, s, dqkv, dp);
+    }
+
+    fn cross_entropy(
+        &self,
+        logits: &[f32],
+        targets: &[u32],
+        vocab: usize,
+        grad: &mut [f32],
+    ) -> f32 {
+        Cpu.cross_entropy(logits, targets, vocab, grad)
+    }
+
+    fn embedding_forward(&self, table: &[f32], ids: &[u32], y: &mut [f32]) {
+        Cpu.embedding_forward(table, ids, y);
+    }
+
+    fn embedding_backward(&self, ids: &[u32], dy: &[f32], grad_table: &mut [f32]) {
+        Cpu.embedding_backward(ids, dy, grad_table);
+    }
+
+    fn add(&self, acc: &mut [f32], x: &[f32]) {
+        Cpu.add(acc, x);
+    }
+
+    fn mul(&self, acc: &mut [f32], x: &[f32]) {
+        Cpu.mul(acc, x);
+    }
+
+    fn broadcast_rows(&self, row: &[f32], y: &mut [f32]) {
+        Cpu.broadcast_rows(row, y);
+    }
+
+    fn sum_rows(&self, x: &[f32], acc: &mut [f32]) {
+        Cpu.sum_rows(x, acc);
+    }
+
+    fn optimizer_update(
+        &self,
+        settings: &OptimSettings,
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        t: u64,
+        lr: f32,
+    ) {
+        Cpu.optimizer_update(settings, p, g, m, v, t, lr);
+    }
 }

@@ -19,9 +19,10 @@ mod counting;
 mod cpu;
 
 pub use counting::{Counting, Op};
-pub use cpu::Cpu;
+pub use cpu::{Cpu, CpuBf16};
 
 use std::fmt;
+use std::sync::Arc;
 
 use super::attention::AttnShape;
 use super::gemm::Layout;
@@ -143,3 +144,52 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
 /// The reference CPU backend, for models and callers that do not choose one.
 pub static CPU: Cpu = Cpu;
+
+/// The arithmetic of the model's compute: what `precision` in the config chooses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Everything in f32.
+    #[default]
+    Fp32,
+    /// Mixed precision: the model computes with bf16 parameters (ZeRO-3 gathers them as bf16)
+    /// and bf16 matrix-product operands, accumulating in f32; master weights, optimizer state
+    /// and the exact gradient reduction stay as in f32 training.
+    Bf16,
+}
+
+impl Precision {
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+
+    /// Bytes of one parameter as the model sees it (and as ZeRO-3 gathers it).
+    pub fn param_bytes(self) -> u64 {
+        match self {
+            Precision::Fp32 => 4,
+            Precision::Bf16 => 2,
+        }
+    }
+
+    /// The CPU backend of this precision.
+    pub fn cpu_backend(self) -> Arc<dyn Backend> {
+        match self {
+            Precision::Fp32 => Arc::new(Cpu),
+            Precision::Bf16 => Arc::new(CpuBf16),
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fp32" => Ok(Precision::Fp32),
+            "bf16" => Ok(Precision::Bf16),
+            other => Err(format!("'{other}' is not a precision: use fp32 or bf16")),
+        }
+    }
+}

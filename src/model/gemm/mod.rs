@@ -159,6 +159,10 @@ impl Form {
     }
 }
 
+/// A matrix product with [`gemm`]'s signature: what code that runs several products (attention)
+/// takes, so a backend can hand it the f32 product or the bf16 one.
+pub type Product = fn(&[f32], Layout, &[f32], Layout, &mut [f32], Layout, bool);
+
 /// `C (+)= A · B` with the process's path ([`GemmPath::current`]). `lc` must not map two
 /// elements to one slot (true of row-major layouts and of row-major column blocks).
 pub fn gemm(a: &[f32], la: Layout, b: &[f32], lb: Layout, c: &mut [f32], lc: Layout, acc: bool) {

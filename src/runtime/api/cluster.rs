@@ -258,6 +258,7 @@ pub fn exec_config(cfg: &TrainConfig, activations: &ActivationChoice) -> ExecCon
         grad_clip: cfg.grad_clip as f64,
         round_kills: cfg.kill_during.clone(),
         progress: Arc::default(),
+        precision: cfg.precision,
     }
 }
 

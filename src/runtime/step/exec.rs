@@ -19,6 +19,8 @@ use super::tier_io::TierIo;
 use crate::data::Dataset;
 use crate::engine::ledger::Category;
 use crate::engine::messages::{StepPlan, StepReport};
+use crate::model::backend::Precision;
+use crate::model::gemm::round_bf16;
 use crate::model::{Kept, MicroBatch};
 use crate::plan::schedule::{phases, Phase};
 use crate::plan::volume::Volume;
@@ -26,7 +28,7 @@ use crate::plan::Stage;
 use crate::reduce::exact::{self, QuantStats};
 use crate::reduce::{grad_buf, GradBuf, SumSquares};
 use crate::runtime::transport::{Tag, TagKind, Transport};
-use crate::wire::f32s::{decode_f32_into, encode_f32};
+use crate::wire::f32s::{decode_bf16_into, decode_f32_into, encode_bf16, encode_f32};
 
 /// Per-run settings the step needs besides the plan.
 #[derive(Clone, Debug)]
@@ -43,6 +45,8 @@ pub struct ExecConfig {
     pub round_kills: Vec<crate::config::RoundKill>,
     /// Counts unit passes for the progress line of long steps.
     pub progress: std::sync::Arc<super::progress::RunProgress>,
+    /// `Bf16`: the model sees every parameter rounded to bf16, and ZeRO-3 gathers them as bf16.
+    pub precision: Precision,
 }
 
 /// The most passes a step takes (the first may overflow the fixed-point range).
@@ -260,7 +264,10 @@ impl<'a> Pass<'a> {
                     .own
                     .get(&unit)
                     .unwrap_or(&self.st.shards[unit as usize].params);
-                let payload = encode_f32(own, std::iter::once(0..own.len()));
+                let payload = match self.cfg.precision {
+                    Precision::Fp32 => encode_f32(own, std::iter::once(0..own.len())),
+                    Precision::Bf16 => encode_bf16(own),
+                };
                 let n = own.len() as u64;
                 // From now on the peers' chunks of this unit are in flight to us: account for
                 // them here, so the ledger shows the whole prefetched working set.
@@ -271,12 +278,20 @@ impl<'a> Pass<'a> {
             }
             Phase::WaitGather { unit, pass } => self.wait_gather(comm, unit, pass),
             Phase::Forward { unit } => {
-                self.timed(|p| p.forward(unit as usize));
+                self.timed(|p| {
+                    p.round_full(unit);
+                    p.forward(unit as usize);
+                    p.drop_rounded(unit);
+                });
                 self.unit_pass_done();
                 Ok(())
             }
             Phase::Backward { unit } => {
-                self.timed(|p| p.backward(unit as usize));
+                self.timed(|p| {
+                    p.round_full(unit);
+                    p.backward(unit as usize);
+                    p.drop_rounded(unit);
+                });
                 self.unit_pass_done();
                 Ok(())
             }
@@ -365,9 +380,26 @@ impl<'a> Pass<'a> {
             off += r.len();
         }
         let tag = self.tag(TagKind::Gather, unit, pass);
-        let res = collectives::wait_owned(comm, &self.st.map, u, tag, 4, |r, b| {
-            decode_f32_into(b, &mut full[r])
-        });
+        let precision = self.cfg.precision;
+        if precision == Precision::Bf16 {
+            // This rank's own chunks, as the peers receive them.
+            for r in &shard.ranges {
+                full[r.clone()].iter_mut().for_each(|x| *x = round_bf16(*x));
+            }
+        }
+        let elem_bytes = precision.param_bytes() as usize;
+        let res =
+            collectives::wait_owned(
+                comm,
+                &self.st.map,
+                u,
+                tag,
+                elem_bytes,
+                |r, b| match precision {
+                    Precision::Fp32 => decode_f32_into(b, &mut full[r]),
+                    Precision::Bf16 => decode_bf16_into(b, &mut full[r]),
+                },
+            );
         self.gathered.insert(unit, full);
         res
     }
@@ -408,13 +440,42 @@ impl<'a> Pass<'a> {
         }
     }
 
+    /// The parameters the model computes `u` with: the gathered unit at stage 3, the rank's
+    /// full copy at stages 0-2 (its bf16 rounding under mixed precision, see `round_full`).
     fn params(&self, u: usize) -> &[f32] {
-        match self.st.stage {
-            Stage::Zero3 => self
-                .gathered
-                .get(&(u as u32))
-                .expect("gathered before compute"),
-            _ => &self.st.full[u],
+        match (self.gathered.get(&(u as u32)), self.st.stage) {
+            (Some(g), _) => g,
+            (None, Stage::Zero3) => panic!("unit {u} computed before its gather"),
+            (None, _) => &self.st.full[u],
+        }
+    }
+
+    /// Stages 0-2 under bf16: the unit's full copy rounded to bf16 for one forward or backward
+    /// (the copy is the fp32 master of this rank's chunks, so it is not rounded in place); the
+    /// model sees the same values as from a stage-3 bf16 gather.
+    fn round_full(&mut self, unit: u32) {
+        if self.cfg.precision != Precision::Bf16 || self.st.stage == Stage::Zero3 {
+            return;
+        }
+        let rounded: Vec<f32> = self.st.full[unit as usize]
+            .iter()
+            .map(|&x| round_bf16(x))
+            .collect();
+        self.st
+            .ledger
+            .alloc(Category::Gathered, 4 * rounded.len() as u64);
+        self.gathered.insert(unit, rounded);
+    }
+
+    /// Frees what [`round_full`](Self::round_full) made.
+    fn drop_rounded(&mut self, unit: u32) {
+        if self.st.stage == Stage::Zero3 {
+            return;
+        }
+        if let Some(buf) = self.gathered.remove(&unit) {
+            self.st
+                .ledger
+                .free(Category::Gathered, 4 * buf.len() as u64);
         }
     }
 
