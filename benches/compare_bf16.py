@@ -46,8 +46,17 @@ def measure(args):
                         rec[who] = ct.run_ours(ezero, ws, args.steps, args.batch_per_rank, args.micro_batch_size,
                                                tmpdir, precision=who.split("_")[1])
                     else:
-                        rec[who] = ct.run_peer(args.python, args.peers, "fsdp2_full", ws, args.steps,
-                                               args.batch_per_rank, tmpdir, script=os.path.join(HERE, "fsdp2_bf16.py"))
+                        script = os.path.join(HERE, "fsdp2_bf16.py")
+                        peer = lambda: ct.run_peer(args.python, args.peers, "fsdp2_full", ws, args.steps,  # noqa: E731
+                                                   args.batch_per_rank, tmpdir, script=script)
+                        try:
+                            rec[who] = peer()
+                        except RuntimeError as e:
+                            # gloo's worker processes abort now and then (SIGABRT); one retry,
+                            # recorded.
+                            print(f"round {rnd} ws {ws} {who}: {e}; retrying once", flush=True)
+                            rec[who] = peer()
+                            rec[who]["retried_after"] = str(e)
                     rec[who]["load"] = sampler.window(t0, time.monotonic())
                     print(f"round {rnd} ws {ws} {who:<10} step {rec[who]['step_s'] * 1e3:7.1f} ms  "
                           f"loss {rec[who]['final_loss']:.3f}", flush=True)
