@@ -7,7 +7,8 @@
 #      plus 2 rounds x 3 steps for CPU seconds per step,
 #   5. one rank, no communication: ours vs torch `single`, 5 alternating pairs,
 #   6. NVMe offload: the tier's engine vs fio, offloaded vs in-RAM steps (TIER_DIR, on a disk),
-#   7. the chaos soak: 3000 seeds of the in-process harness (about 2 minutes).
+#   7. bf16: our bf16 GEMM vs torch's, and the bf16 step vs FSDP2 with bf16 mixed precision,
+#   8. the chaos soak: 3000 seeds of the in-process harness (about 2 minutes).
 # Raw JSON and the tables go to $OUT (default /tmp/ezero_bench).
 #
 #   bash benches/run_all.sh
@@ -28,4 +29,6 @@ OUT="$OUT" bash benches/compare_single_rank.sh 5 | tee "$OUT/single.txt"
 TIER_DIR=${TIER_DIR:-/var/tmp/ezero-tier}
 mkdir -p "$TIER_DIR"
 python3 benches/offload.py --dir "$TIER_DIR" --rounds "$ROUNDS" | tee "$OUT/offload.txt"
+./target/release/ezero bench gemm --precision bf16 --rounds "$ROUNDS" --torch-python /tmp/peers/venv/bin/python | tee "$OUT/gemm_bf16.txt"
+python3 benches/compare_bf16.py --rounds "$ROUNDS" --no-build | tee "$OUT/bf16.md"
 CHAOS_SEEDS=3000 cargo test --release --test chaos chaos_seeds 2>&1 | tee "$OUT/soak.txt"
