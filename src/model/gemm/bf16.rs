@@ -17,7 +17,7 @@
 
 use std::sync::Mutex;
 
-use super::pack::Layout;
+use super::pack::{on_tile, Layout};
 use super::GemmPath;
 
 /// A bf16 kernel path.
@@ -117,7 +117,6 @@ const KCP: usize = 256;
 const MC_TILES: usize = 16;
 /// Columns of B packed at once, in tiles (512 KiB of words at KCP: half of L2).
 const NC_TILES: usize = 16;
-const MAX_TILE: usize = 256;
 const POOL_MAX: usize = 16;
 
 /// A bf16 microkernel: an `MR × NR` tile from a packed A panel (`kcp` pairs of `MR` words) and
@@ -598,36 +597,13 @@ fn drive<K: Bf16Kernel>(
                         let mr = (mc - ir).min(K::MR);
                         let ap = apack[ir * kcp..].as_ptr();
                         let (i, j) = (i0 + ir, j0 + jr);
-                        if mr == K::MR && nr == K::NR && lc.col_stride == 1 {
+                        let tile = (K::MR, K::NR);
+                        on_tile(c, lc, (i, j), (mr, nr), tile, load, |dst, row_stride| {
                             // SAFETY: the caller checked the CPU; the panels hold kcp·MR and
-                            // kcp·NR words; the tile is inside C's layout, columns contiguous.
-                            unsafe {
-                                K::tile(
-                                    kcp,
-                                    ap,
-                                    bp,
-                                    c.as_mut_ptr().add(lc.index(i, j)),
-                                    lc.row_stride,
-                                    load,
-                                )
-                            };
-                        } else {
-                            let mut t = [0.0f32; MAX_TILE];
-                            if load {
-                                for ii in 0..mr {
-                                    for jj in 0..nr {
-                                        t[ii * K::NR + jj] = c[lc.index(i + ii, j + jj)];
-                                    }
-                                }
-                            }
-                            // SAFETY: as above, with the tile in `t` (MR·NR <= MAX_TILE).
-                            unsafe { K::tile(kcp, ap, bp, t.as_mut_ptr(), K::NR, load) };
-                            for ii in 0..mr {
-                                for jj in 0..nr {
-                                    c[lc.index(i + ii, j + jj)] = t[ii * K::NR + jj];
-                                }
-                            }
-                        }
+                            // kcp·NR words; `on_tile` hands a whole MR × NR tile, columns
+                            // contiguous.
+                            unsafe { K::tile(kcp, ap, bp, dst, row_stride, load) }
+                        });
                     }
                 }
             }

@@ -331,41 +331,52 @@ pub(super) fn drive<K: Microkernel>(
                         let mr = (mc - ir).min(K::MR);
                         let ap = apack[ir * kc..].as_ptr();
                         let (i, j) = (i0 + ir, j0 + jr);
-                        if mr == K::MR && nr == K::NR && lc.col_stride == 1 {
+                        let tile = (K::MR, K::NR);
+                        on_tile(c, lc, (i, j), (mr, nr), tile, load, |dst, row_stride| {
                             // SAFETY: the caller checked the CPU; the panels hold kc·MR and
-                            // kc·NR values (packed above); rows i..i+MR and columns j..j+NR are
-                            // inside C's layout, which `fits` c, and columns are contiguous.
-                            unsafe {
-                                K::tile(
-                                    kc,
-                                    ap,
-                                    bp,
-                                    c.as_mut_ptr().add(lc.index(i, j)),
-                                    lc.row_stride,
-                                    load,
-                                )
-                            };
-                        } else {
-                            let mut t = [0.0f32; MAX_TILE];
-                            if load {
-                                for ii in 0..mr {
-                                    for jj in 0..nr {
-                                        t[ii * K::NR + jj] = c[lc.index(i + ii, j + jj)];
-                                    }
-                                }
-                            }
-                            // SAFETY: as above, with the tile in `t` (MR·NR <= MAX_TILE).
-                            unsafe { K::tile(kc, ap, bp, t.as_mut_ptr(), K::NR, load) };
-                            for ii in 0..mr {
-                                for jj in 0..nr {
-                                    c[lc.index(i + ii, j + jj)] = t[ii * K::NR + jj];
-                                }
-                            }
-                        }
+                            // kc·NR values (packed above); `on_tile` hands a whole MR × NR
+                            // tile, columns contiguous.
+                            unsafe { K::tile(kc, ap, bp, dst, row_stride, load) }
+                        });
                     }
                 }
             }
         }
     }
     bufs.give_back();
+}
+
+/// Runs a microkernel on the `mr × nr` block of C at `(i, j)`, whose whole tile is `tile`
+/// (rows × columns): straight into C when the block is a whole tile with contiguous columns,
+/// else through a scratch tile that starts as C's block (when the chain continues, `load`) and
+/// is copied back. `kernel(dst, row_stride)` writes one whole tile at `dst`.
+pub(super) fn on_tile(
+    c: &mut [f32],
+    lc: Layout,
+    (i, j): (usize, usize),
+    (mr, nr): (usize, usize),
+    tile: (usize, usize),
+    load: bool,
+    kernel: impl FnOnce(*mut f32, usize),
+) {
+    if (mr, nr) == tile && lc.col_stride == 1 {
+        kernel(c[lc.index(i, j)..].as_mut_ptr(), lc.row_stride);
+        return;
+    }
+    let tnr = tile.1;
+    let mut t = [0.0f32; MAX_TILE];
+    debug_assert!(tile.0 * tnr <= MAX_TILE);
+    if load {
+        for ii in 0..mr {
+            for jj in 0..nr {
+                t[ii * tnr + jj] = c[lc.index(i + ii, j + jj)];
+            }
+        }
+    }
+    kernel(t.as_mut_ptr(), tnr);
+    for ii in 0..mr {
+        for jj in 0..nr {
+            c[lc.index(i + ii, j + jj)] = t[ii * tnr + jj];
+        }
+    }
 }
