@@ -182,3 +182,51 @@ fn bf16_halves_stage3_parameter_bytes_and_keeps_the_resident_formula() {
         }
     }
 }
+
+#[test]
+fn the_process_peak_is_the_ledgers_peak_plus_the_runtime() {
+    // One 50M-parameter block (1.6 GB of state and working set) in a process of its own, two
+    // steps (the second is the first with Adam's m and v resident). Its VmHWM while training
+    // must be the ledger's peak plus what any run of the binary holds (code, thread stacks:
+    // about 40-60 MiB here), not more: building the rank's state out of 8192-element chunk
+    // states used to leave their freed heap resident for the whole run (360 MiB here).
+    let t = tempfile::tempdir().unwrap();
+    let json = t.path().join("summary.json");
+    let r = common::ezero::ezero(&[
+        "train",
+        "--layers",
+        "1",
+        "--d-model",
+        "2048",
+        "--heads",
+        "16",
+        "--seq-len",
+        "32",
+        "--micro-batches",
+        "1",
+        "--micro-batch-size",
+        "1",
+        "--ranks",
+        "1",
+        "--stage",
+        "3",
+        "--steps",
+        "2",
+        "--sample-tokens",
+        "0",
+        "--json",
+        common::ezero::s(&json),
+    ]);
+    common::ezero::ok(&r);
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rss = summary["peak_rss_training_bytes"].as_u64().unwrap();
+    let ledger = summary["ranks"][0]["peak_bytes"].as_u64().unwrap();
+    let runtime_bytes = 96 << 20;
+    assert!(
+        rss <= ledger + runtime_bytes,
+        "VmHWM {rss} B is {} MiB over the ledger's peak {ledger} B (allowed: {} MiB)",
+        (rss.saturating_sub(ledger)) >> 20,
+        runtime_bytes >> 20
+    );
+}

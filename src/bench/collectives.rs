@@ -131,7 +131,7 @@ fn one<T: Transport>(
         Op::AllGather => {
             let t = tag(TagKind::Gather, iter);
             let n = b.mine.len() as u64 / 4;
-            post_owned(comm, map, 0, t, b.mine.clone(), n, true)?;
+            post_owned(comm, map, 0, t, || b.mine.clone(), n, true)?;
             let out = &mut b.out;
             wait_owned(comm, map, 0, t, 4, |r, bytes| {
                 decode_f32_into(bytes, &mut out[r])
@@ -161,7 +161,7 @@ fn one<T: Transport>(
             }
             let t = tag(TagKind::GatherGrads, iter);
             let n = reduced.len() as u64 / 4;
-            post_owned(comm, map, 0, t, Bytes::from(reduced), n, false)?;
+            post_owned(comm, map, 0, t, || Bytes::from(reduced), n, false)?;
             let acc = &mut b.acc;
             wait_owned(comm, map, 0, t, 4, |r, bytes| {
                 acc.set_encoded(r.start, bytes);

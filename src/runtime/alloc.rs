@@ -40,6 +40,17 @@ pub fn keep_freed_memory() -> bool {
     }
 }
 
+/// Hands the free memory inside the heap back to the kernel (glibc's `malloc_trim`). Building
+/// the ranks' state frees many chunk-sized buffers below the mmap threshold, which
+/// [`keep_freed_memory`] would otherwise keep resident for the whole run; call it once after.
+pub fn release_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap pages to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Memory this process could still use: the smaller of the kernel's `MemAvailable` and what the
 /// process's memory cgroup (v2 `memory.max`, v1 `memory.limit_in_bytes`) has left. `None` when
 /// neither can be read.

@@ -21,22 +21,23 @@ fn others(members: &[RankId], me: RankId) -> Vec<RankId> {
     members.iter().copied().filter(|&r| r != me).collect()
 }
 
-/// Sends this rank's chunks of `unit` (already concatenated in `payload`) to every peer.
+/// Sends this rank's chunks of `unit`, concatenated by `payload`, to every peer. The payload is
+/// made only when someone receives it: a lone rank would encode a whole unit for nobody.
 pub fn post_owned<T: Transport>(
     comm: &mut Comm<T>,
     map: &ShardMap,
     unit: usize,
     tag: Tag,
-    payload: Bytes,
+    payload: impl FnOnce() -> Bytes,
     elems: u64,
     is_param: bool,
 ) -> Result<(), CommError> {
     let me = comm.rank();
-    if map.owned_elems_in_unit(unit, me) == 0 {
+    let peers = others(&map.members, me);
+    if map.owned_elems_in_unit(unit, me) == 0 || peers.is_empty() {
         return Ok(());
     }
-    let peers = others(&map.members, me);
-    comm.send_to_each(&peers, tag, payload)?;
+    comm.send_to_each(&peers, tag, payload())?;
     let sent = elems * peers.len() as u64;
     if is_param {
         comm.count_elems(sent, 0);
@@ -252,7 +253,7 @@ mod tests {
                         map.owned_in_unit(0, r).map(|i| map.chunk_range(0, i)),
                     );
                     let n = map.owned_elems_in_unit(0, r) as u64;
-                    post_owned(&mut comm, &map, 0, tag, mine, n, true).unwrap();
+                    post_owned(&mut comm, &map, 0, tag, || mine, n, true).unwrap();
                     let mut out = vec![-1f32; 11];
                     for i in map.owned_in_unit(0, r) {
                         let rg = map.chunk_range(0, i);

@@ -264,7 +264,8 @@ impl<'a> Pass<'a> {
                     .own
                     .get(&unit)
                     .unwrap_or(&self.st.shards[unit as usize].params);
-                let payload = match self.cfg.precision {
+                let precision = self.cfg.precision;
+                let payload = || match precision {
                     Precision::Fp32 => encode_f32(own, std::iter::once(0..own.len())),
                     Precision::Bf16 => encode_bf16(own),
                 };
@@ -653,14 +654,17 @@ impl<'a> Pass<'a> {
                 .map(|i| map.chunk_range(u, i))
                 .collect();
             let elems: usize = ranges.iter().map(|r| r.len()).sum();
-            let payload: Vec<u8> = ranges.into_iter().flat_map(|r| buf.encode(r)).collect();
+            let payload = || {
+                let bytes: Vec<u8> = ranges.into_iter().flat_map(|r| buf.encode(r)).collect();
+                Bytes::from(bytes)
+            };
             let tag = Tag {
                 kind: TagKind::GatherGrads,
                 attempt: self.attempt,
                 unit: u as u32,
                 pass: 0,
             };
-            collectives::post_owned(comm, map, u, tag, Bytes::from(payload), elems as u64, false)?;
+            collectives::post_owned(comm, map, u, tag, payload, elems as u64, false)?;
         }
         let eb = self.st.mode.elem_bytes();
         for (u, buf) in w.iter_mut().enumerate() {
@@ -681,10 +685,13 @@ impl<'a> Pass<'a> {
         let map = &self.st.map;
         let me = self.st.rank;
         for u in 0..self.st.full.len() {
-            let payload = encode_f32(
-                &self.st.full[u],
-                map.owned_in_unit(u, me).map(|i| map.chunk_range(u, i)),
-            );
+            let full = &self.st.full[u];
+            let payload = || {
+                encode_f32(
+                    full,
+                    map.owned_in_unit(u, me).map(|i| map.chunk_range(u, i)),
+                )
+            };
             let tag = Tag {
                 kind: TagKind::GatherParams,
                 attempt: self.attempt,
