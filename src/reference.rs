@@ -70,9 +70,10 @@ pub fn train_reference(
                 let mut g = vec![0f32; grads[u].len()];
                 grads[u].to_f32(
                     0..g.len(),
-                    grad_buf::mean_factor(cfg.reduce, exps[u], m, clip),
+                    grad_buf::mean_factor(cfg.reduce, exps[u], m),
                     &mut g,
                 );
+                grad_buf::apply_clip(&mut g, clip);
                 let st = &mut opt[u];
                 let (p, m, v) = (&mut params[u], &mut st.m, &mut st.v);
                 let be = model.backend();

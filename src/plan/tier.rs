@@ -84,19 +84,15 @@ impl Placement {
     }
 
     /// What a tier record holds per element under this placement at `stage`, for an optimizer
-    /// with `state_per_param` values and gradients of `grad_elem_bytes`. Parameters are on the
-    /// tier only at stage 3 and gradients only at stages 2-3, whatever the placement says.
-    pub fn kinds(&self, stage: Stage, state_per_param: u64, grad_elem_bytes: u64) -> RecordKinds {
+    /// with `state_per_param` values. Parameters are on the tier only at stage 3 and gradients
+    /// only at stages 2-3, whatever the placement says.
+    pub fn kinds(&self, stage: Stage, state_per_param: u64) -> RecordKinds {
         let on = |t: Tier, n: u64| if t == Tier::Nvme { n as usize } else { 0 };
         let grads_tierable = matches!(stage, Stage::Zero2 | Stage::Zero3);
         RecordKinds {
             params: self.params == Tier::Nvme && stage == Stage::Zero3,
             state: on(self.optimizer, state_per_param),
-            grads: if grads_tierable {
-                on(self.grads, grad_elem_bytes / 4)
-            } else {
-                0
-            },
+            grads: if grads_tierable { on(self.grads, 1) } else { 0 },
         }
     }
 
@@ -116,14 +112,15 @@ impl Placement {
 }
 
 /// Which values a tier record holds, in order: the parameter (if on the tier), the optimizer's
-/// state values (if on the tier), then the gradient (if on the tier; an exact-mode gradient is 8
-/// bytes, two values).
+/// state values (if on the tier), then the gradient (if on the tier). The gradient on the tier
+/// is the `f32` mean, before clipping, in either reduction mode: the exact mode's 8-byte sums
+/// are only needed until they are reduced.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RecordKinds {
     pub params: bool,
     /// Optimizer values on the tier per element (0, 1 or 2).
     pub state: usize,
-    /// 4-byte values the gradient takes on the tier (0, 1 or 2).
+    /// Gradient values on the tier per element (0 or 1).
     pub grads: usize,
 }
 
@@ -447,23 +444,29 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
     } else {
         0
     };
-    // Backward: a unit's accumulator and its micro-batch gradient; the optimizer: one unit's
-    // gradient shard widened to f32. They do not overlap in time.
-    let working = gathered + (unit * (d.grad_elem_bytes + 4)).max(4 * unit);
+    // Backward: the unit accumulators and a micro-batch gradient; the optimizer: one unit's
+    // gradient shard widened to f32. They do not overlap in time. Stages 2-3 wait for a unit's
+    // reduce-scatter only after the next unit's backward (`schedule::phases`), so two
+    // accumulators are live; stages 0-1 accumulate into their resident whole-model gradients
+    // (counted there), and one is kept as a margin.
+    let accumulators = if matches!(d.stage, Stage::Zero2 | Stage::Zero3) {
+        2
+    } else {
+        1
+    };
+    let working = gathered + (unit * (accumulators * d.grad_elem_bytes + 4)).max(4 * unit);
     // Parameters on the tier: the shard read for a gather and the next one read ahead.
-    // Gradients on the tier: the reduced shard copied out of the accumulator, then written
-    // beside compute while the next unit's accumulator fills.
+    // Gradients on the tier: the reduced shard's f32 mean, made from the accumulator, then
+    // written beside compute while the next unit's accumulator fills.
     let shard = (unit * d.owned_elems).div_ceil(d.total_elems.max(1));
     let overlap = match (p.params, p.grads) {
-        (Tier::Nvme, Tier::Nvme) => (8 + d.grad_elem_bytes) * shard,
+        (Tier::Nvme, Tier::Nvme) => (8 + 4) * shard,
         (Tier::Nvme, _) => 8 * shard,
-        (_, Tier::Nvme) => d.grad_elem_bytes * shard,
+        (_, Tier::Nvme) => 4 * shard,
         _ => 0,
     };
     let working = working + overlap;
-    let values = p
-        .kinds(d.stage, d.state_per_param, d.grad_elem_bytes)
-        .values() as u64;
+    let values = p.kinds(d.stage, d.state_per_param).values() as u64;
     let staging = if p.any_nvme() {
         STAGING_BUFFERS * round_up(4 * tile_elems * values, IO_ALIGN_BYTES)
     } else {
@@ -479,6 +482,8 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
     };
     let (params, tier_params) = split(p.params, held.params);
     let (grads, tier_grads) = split(p.grads, held.grads);
+    // The tier keeps the gradient's f32 mean, whatever the accumulator's width.
+    let tier_grads = tier_grads / d.grad_elem_bytes.max(1) * 4;
     let (optimizer, tier_opt) = split(p.optimizer, held.optimizer);
     // With a tier, backups go to files beside it and snapshots stream off it, a piece at a
     // time; without one, both are whole copies in RAM.
@@ -726,6 +731,33 @@ mod tests {
     }
 
     #[test]
+    fn the_working_set_counts_what_the_step_holds_at_once() {
+        // One rank, everything on the tier, units of 10M elements, two gathered at a time. The
+        // backward holds two exact accumulators (the lagged reduce-scatter), a micro-batch
+        // gradient, and beside them the parameter shard read for a gather, the next one read
+        // ahead and the f32 mean gradient being written: 4·2 + 8·2 + 4 + 4·2 + 4 bytes an
+        // element of the unit.
+        let d = demand(Stage::Zero3, 100_000_000, 1);
+        let all = Placement {
+            optimizer: Tier::Nvme,
+            params: Tier::Nvme,
+            grads: Tier::Nvme,
+        };
+        let unit = 10_000_000;
+        let fit = evaluate(&d, all, DEFAULT_TILE_ELEMS);
+        assert_eq!(fit.per_rank.working, (8 + 16 + 4 + 8 + 4) * unit);
+        // Stage 1 accumulates into its resident gradients and keeps no gathered units.
+        let d1 = demand(Stage::Zero1, 100_000_000, 1);
+        let ram = Placement {
+            optimizer: Tier::Ram,
+            params: Tier::Ram,
+            grads: Tier::Ram,
+        };
+        let fit1 = evaluate(&d1, ram, DEFAULT_TILE_ELEMS);
+        assert_eq!(fit1.per_rank.working, (8 + 4) * unit);
+    }
+
+    #[test]
     fn memory_stays_bounded_as_the_model_grows() {
         // With everything offloaded, RAM grows only with the largest unit, not with the
         // parameter, optimizer or gradient state.
@@ -741,8 +773,8 @@ mod tests {
             large.per_rank.optimizer + large.per_rank.params + large.per_rank.grads,
             0
         );
-        // p 4 + m, v 8 + exact gradient 8 bytes per parameter.
-        assert_eq!(large.per_rank.tier, 20 << 28);
+        // p 4 + m, v 8 + the f32 mean gradient 4 bytes per parameter.
+        assert_eq!(large.per_rank.tier, 16 << 28);
     }
 
     #[test]

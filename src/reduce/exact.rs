@@ -113,8 +113,8 @@ fn quantize_add_body(acc: &mut [i64], g: &[f32], (scale, limit): (f64, f64), st:
 }
 
 /// Factor that turns a fixed-point sum into the mean gradient, times the clip coefficient.
-pub fn dequant_factor(s: i32, micro_batches: u32, clip_coef: f64) -> f64 {
-    clip_coef / (f64::powi(2.0, s) * micro_batches.max(1) as f64)
+pub fn dequant_factor(s: i32, micro_batches: u32) -> f64 {
+    1.0 / (f64::powi(2.0, s) * micro_batches.max(1) as f64)
 }
 
 /// Converts fixed-point sums to `f32` gradients: `(q * factor) as f32`, element by element.
@@ -230,7 +230,7 @@ mod tests {
             prop_assert_eq!(&sum, &all);
             // And the mean is close to the float mean.
             let mut out = vec![0f32; 5];
-            dequantize(&all, dequant_factor(s, m, 1.0), &mut out);
+            dequantize(&all, dequant_factor(s, m), &mut out);
             for i in 0..5 {
                 let mean: f64 = grads.iter().map(|g| g[i] as f64).sum::<f64>() / m as f64;
                 prop_assert!((out[i] as f64 - mean).abs() <= 1e-5 * mean.abs().max(1.0));

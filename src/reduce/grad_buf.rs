@@ -174,7 +174,41 @@ impl GradBuf {
         }
     }
 
-    /// Mean gradient of `range` as `f32`, times `factor`'s clip coefficient, into `out`.
+    /// The shard made of `ranges` (concatenated) times `factor` as `f32`, and its partial sum
+    /// of squares, as [`to_f32`](Self::to_f32) and [`sum_squares`](Self::sum_squares) give them
+    /// on a buffer holding that shard, without making one.
+    pub fn shard_mean(
+        &self,
+        ranges: &[std::ops::Range<usize>],
+        factor: f64,
+    ) -> (Vec<f32>, SumSquares) {
+        let len = ranges.iter().map(|r| r.len()).sum();
+        let mut out = Vec::with_capacity(len);
+        match self {
+            GradBuf::Exact(v) => {
+                // Integer sums of squares: the same whatever the ranges.
+                let mut ss = 0i128;
+                for r in ranges {
+                    ss += exact::sum_squares(&v[r.clone()]);
+                    let at = out.len();
+                    out.resize(at + r.len(), 0.0);
+                    exact::dequantize(&v[r.clone()], factor, &mut out[at..]);
+                }
+                (out, SumSquares::Exact(ss))
+            }
+            GradBuf::Fast(v) => {
+                for r in ranges {
+                    out.extend_from_slice(&v[r.clone()]);
+                }
+                let ss = out.iter().map(|&x| x as f64 * x as f64).sum();
+                let f = factor as f32;
+                out.iter_mut().for_each(|x| *x *= f);
+                (out, SumSquares::Fast(ss))
+            }
+        }
+    }
+
+    /// `range` times `factor` (see [`mean_factor`]) as `f32`, into `out`.
     pub fn to_f32(&self, range: std::ops::Range<usize>, factor: f64, out: &mut [f32]) {
         match self {
             GradBuf::Exact(v) => exact::dequantize(&v[range], factor, out),
@@ -212,11 +246,22 @@ impl SumSquares {
     }
 }
 
-/// Factor that turns accumulated sums into the clipped mean gradient.
-pub fn mean_factor(mode: ReduceMode, s: i32, micro_batches: u32, clip_coef: f64) -> f64 {
+/// Factor that turns accumulated sums into the mean gradient ([`GradBuf::to_f32`]).
+pub fn mean_factor(mode: ReduceMode, s: i32, micro_batches: u32) -> f64 {
     match mode {
-        ReduceMode::Exact => exact::dequant_factor(s, micro_batches, clip_coef),
-        ReduceMode::Fast => clip_coef / micro_batches.max(1) as f64,
+        ReduceMode::Exact => exact::dequant_factor(s, micro_batches),
+        ReduceMode::Fast => 1.0 / micro_batches.max(1) as f64,
+    }
+}
+
+/// Scales the mean gradient by the clip coefficient, in `f32`. Clipping is a second step, after
+/// the mean is rounded to `f32`, so that the mean can be stored as `f32` (on the NVMe tier)
+/// before the global norm is known and every path still computes the same bits. A coefficient
+/// of 1 changes nothing.
+pub fn apply_clip(g: &mut [f32], clip_coef: f64) {
+    if clip_coef != 1.0 {
+        let c = clip_coef as f32;
+        g.iter_mut().for_each(|x| *x *= c);
     }
 }
 

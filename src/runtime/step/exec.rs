@@ -606,32 +606,34 @@ impl<'a> Pass<'a> {
                     .map_err(|e| CommError::Storage(e.to_string()))?;
             }
         }
+        let on_tier = self.st.grads_on_tier();
         let mode = self.st.mode;
-        let mut spilled = self
-            .st
-            .grads_on_tier()
-            .then(|| GradBuf::zeros(mode, self.st.shards[u].len()));
         let shard = &mut self.st.shards[u];
-        let sg = match spilled.as_mut() {
-            Some(g) => g,
-            None => shard
+        let spilled = if on_tier {
+            // The mean gradient goes to the tier as f32 (4 bytes, not the accumulator's 8),
+            // before clipping, which needs the global norm: its partial sum of squares is taken
+            // now, from the exact sums, and the optimizer applies the clip coefficient when it
+            // reads the shard back, as the in-RAM path does after its mean.
+            let factor = grad_buf::mean_factor(mode, self.exps[u], self.plan.micro_batches);
+            Some(acc.shard_mean(&shard.ranges, factor))
+        } else {
+            let sg = shard
                 .grads
                 .as_mut()
-                .expect("stages 2/3 keep a gradient shard"),
+                .expect("stages 2/3 keep a gradient shard");
+            let mut off = 0;
+            for r in &shard.ranges {
+                sg.copy_from(off, &acc, r.clone());
+                off += r.len();
+            }
+            None
         };
-        let mut off = 0;
-        for r in &shard.ranges {
-            sg.copy_from(off, &acc, r.clone());
-            off += r.len();
-        }
         self.st.ledger.free(Category::Transient, acc.bytes() as u64);
         drop(acc);
         res?;
         match spilled {
-            Some(g) => {
-                // Kept now, exactly, for the clipping norm; the shard goes to the tier while
-                // the backward continues.
-                self.st.tier_grad_ss[u] = g.sum_squares(0..g.len());
+            Some((g, sum_squares)) => {
+                self.st.tier_grad_ss[u] = sum_squares;
                 let io = self.tier_io.as_mut().expect("a tier holds the gradients");
                 io.write_grads(u, g)
                     .map_err(|e| CommError::Storage(e.to_string()))

@@ -13,7 +13,7 @@ use std::ops::Range;
 use crate::model::backend::Backend;
 use crate::optim::OptimSettings;
 use crate::plan::Stage;
-use crate::reduce::{GradBuf, ReduceMode};
+use crate::reduce::grad_buf;
 use crate::runtime::storage::tier_file::Pending;
 use crate::runtime::storage::{AlignedBuf, TierError, TierFile};
 
@@ -103,13 +103,13 @@ pub struct StepArgs<'a> {
     pub be: &'a dyn Backend,
     pub settings: OptimSettings,
     pub stage: Stage,
-    pub mode: ReduceMode,
     pub t: u64,
     pub lr: f32,
-    /// The unit's gradient shard as f32, scaled (empty when the gradients are on the tier).
+    /// The unit's gradient shard as f32, the mean clipped (empty when the gradients are on
+    /// the tier).
     pub g: &'a [f32],
-    /// Turns the tier's stored gradient into the scaled f32 one (`grad_buf::mean_factor`).
-    pub factor: f64,
+    /// The clip coefficient, for a mean gradient read off the tier (`grad_buf::apply_clip`).
+    pub clip_coef: f64,
 }
 
 /// The parts of a unit's shard that stay in RAM (empty where they are on the tier).
@@ -156,7 +156,9 @@ pub fn update_unit(
             let tile = tier.layout.record_tile(rec);
             let (head, gcols) = buf.f32s_mut().split_at_mut(tile * kinds.grads_at());
             if kinds.grads > 0 {
-                grads_to_f32(a.mode, gcols, a.factor, &mut g_tile[..span.len()]);
+                let g = &mut g_tile[..span.len()];
+                g.copy_from_slice(&gcols[..span.len()]);
+                grad_buf::apply_clip(g, a.clip_coef);
             }
             let mut cols = head.chunks_mut(tile);
             let mut tp = if kinds.params { cols.next() } else { None };
@@ -203,43 +205,16 @@ pub fn update_unit(
     result.and(drained)
 }
 
-/// A stored gradient (exact: little-endian `i64` fixed point across two columns; fast: `f32`)
-/// as the scaled `f32` gradient, exactly as `GradBuf::to_f32` computes it.
-fn grads_to_f32(mode: ReduceMode, cols: &[f32], factor: f64, out: &mut [f32]) {
-    match mode {
-        ReduceMode::Exact => {
-            // SAFETY-free reinterpretation: read each i64 from its 8 bytes.
-            let bytes: &[u8] = f32_bytes(cols);
-            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(8)) {
-                let q = i64::from_le_bytes(b.try_into().expect("8 bytes"));
-                *o = (q as f64 * factor) as f32;
-            }
-        }
-        ReduceMode::Fast => {
-            let f = factor as f32;
-            for (o, &x) in out.iter_mut().zip(cols) {
-                *o = x * f;
-            }
-        }
-    }
-}
-
-fn f32_bytes(v: &[f32]) -> &[u8] {
-    // SAFETY: any f32 slice is a valid byte slice of four times its length.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
-}
-
-/// Writes unit `u`'s reduced gradient shard (`g`, the shard's length) into the gradient
-/// columns of its records.
-pub fn spill_grads(tier: &mut TierFile, u: usize, g: &GradBuf) -> Result<(), TierError> {
+/// Writes unit `u`'s mean gradient shard (`g`, the shard's length, before clipping) into the
+/// gradient column of its records.
+pub fn spill_grads(tier: &mut TierFile, u: usize, g: &[f32]) -> Result<(), TierError> {
     let kinds = tier.layout.kinds;
     let cols = kinds.grads_at()..kinds.values();
     let mut writes: VecDeque<Pending> = VecDeque::new();
     for rec in tier.layout.unit_records(u) {
         let mut buf = next_buf(tier, &mut writes)?;
         let (_, span) = tier.layout.record_span(rec);
-        let bytes = g.encode(span);
-        buf.bytes_mut()[..bytes.len()].copy_from_slice(&bytes);
+        buf.f32s_mut()[..span.len()].copy_from_slice(&g[span]);
         writes.push_back(tier.start_write_values(rec, cols.clone(), buf)?);
     }
     drain(tier, writes)

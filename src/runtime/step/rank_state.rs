@@ -165,8 +165,7 @@ impl RankState {
         {
             return Err("the shard map was planned for a different model".into());
         }
-        let mut tier =
-            open_tier(rank, stage, mode, &map, optim, storage).map_err(|e| e.to_string())?;
+        let mut tier = open_tier(rank, stage, &map, optim, storage).map_err(|e| e.to_string())?;
         let grads_on_tier = tier.as_ref().is_some_and(|t| t.layout.kinds.grads > 0);
         let shard_count = map.units.len();
         let mut ledger = Ledger::default();
@@ -361,8 +360,8 @@ impl RankState {
         self.specs.len()
     }
 
-    /// Applies the optimizer to every held chunk, with gradients scaled by `factor`
-    /// (mean over micro-batches times the clip coefficient). `unit_done` is called as each
+    /// Applies the optimizer to every held chunk, with the mean gradient over micro-batches
+    /// times the clip coefficient. `unit_done` is called as each
     /// unit's update finishes (the step's progress).
     pub fn apply_optimizer(
         &mut self,
@@ -377,7 +376,7 @@ impl RankState {
         let model = Arc::clone(&self.model);
         let be = model.backend();
         for u in 0..self.specs.len() {
-            let factor = grad_buf::mean_factor(self.mode, exps[u], micro_batches, clip_coef);
+            let factor = grad_buf::mean_factor(self.mode, exps[u], micro_batches);
             let grads_on_tier = self.grads_on_tier();
             let shard = &mut self.shards[u];
             let len = if grads_on_tier { 0 } else { shard.len() };
@@ -393,17 +392,17 @@ impl RankState {
                 }
                 off += r.len();
             }
+            grad_buf::apply_clip(&mut g, clip_coef);
             if let Some(tier) = self.tier.as_ref() {
                 let mut tier = tier.lock().unwrap_or_else(|p| p.into_inner());
                 let args = offload::StepArgs {
                     be,
                     settings,
                     stage: self.stage,
-                    mode: self.mode,
                     t,
                     lr,
                     g: &g,
-                    factor,
+                    clip_coef,
                 };
                 let parts = offload::ShardParts {
                     ranges: &shard.ranges,
@@ -481,7 +480,6 @@ impl RankState {
 fn open_tier(
     rank: RankId,
     stage: Stage,
-    mode: ReduceMode,
     map: &ShardMap,
     optim: OptimSettings,
     storage: Option<&TierSpec>,
@@ -489,9 +487,7 @@ fn open_tier(
     let Some(spec) = storage else {
         return Ok(None);
     };
-    let kinds = spec
-        .placement
-        .kinds(stage, optim.state_per_param(), mode.elem_bytes() as u64);
+    let kinds = spec.placement.kinds(stage, optim.state_per_param());
     if kinds.values() == 0 {
         return Ok(None);
     }

@@ -9,7 +9,6 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use super::offload;
-use crate::reduce::GradBuf;
 use crate::runtime::storage::{TierError, TierFile};
 
 type Read = JoinHandle<Result<Vec<f32>, TierError>>;
@@ -74,9 +73,9 @@ impl TierIo {
         }
     }
 
-    /// Starts writing unit `u`'s reduced gradient shard, after the previous write finishes
+    /// Starts writing unit `u`'s mean gradient shard, after the previous write finishes
     /// (whose error, if any, is returned instead).
-    pub fn write_grads(&mut self, u: usize, g: GradBuf) -> Result<(), TierError> {
+    pub fn write_grads(&mut self, u: usize, g: Vec<f32>) -> Result<(), TierError> {
         self.wait_write()?;
         let tier = Arc::clone(&self.tier);
         let h = std::thread::Builder::new()
