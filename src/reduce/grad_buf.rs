@@ -183,29 +183,27 @@ impl GradBuf {
         factor: f64,
     ) -> (Vec<f32>, SumSquares) {
         let len = ranges.iter().map(|r| r.len()).sum();
-        let mut out = Vec::with_capacity(len);
-        match self {
-            GradBuf::Exact(v) => {
-                // Integer sums of squares: the same whatever the ranges.
-                let mut ss = 0i128;
-                for r in ranges {
-                    ss += exact::sum_squares(&v[r.clone()]);
-                    let at = out.len();
-                    out.resize(at + r.len(), 0.0);
-                    exact::dequantize(&v[r.clone()], factor, &mut out[at..]);
-                }
-                (out, SumSquares::Exact(ss))
-            }
-            GradBuf::Fast(v) => {
-                for r in ranges {
-                    out.extend_from_slice(&v[r.clone()]);
-                }
-                let ss = out.iter().map(|&x| x as f64 * x as f64).sum();
-                let f = factor as f32;
-                out.iter_mut().for_each(|x| *x *= f);
-                (out, SumSquares::Fast(ss))
-            }
+        let mut out = vec![0f32; len];
+        let mut at = 0;
+        for r in ranges {
+            self.to_f32(r.clone(), factor, &mut out[at..at + r.len()]);
+            at += r.len();
         }
+        let ss = match self {
+            // Integer sums of squares: the same however the shard is cut.
+            GradBuf::Exact(_) => ranges.iter().fold(SumSquares::Exact(0), |ss, r| {
+                ss.plus(self.sum_squares(r.clone()))
+            }),
+            // A float sum, in the shard's order, as `sum_squares` over the shard adds it.
+            GradBuf::Fast(v) => SumSquares::Fast(
+                ranges
+                    .iter()
+                    .flat_map(|r| &v[r.clone()])
+                    .map(|&x| x as f64 * x as f64)
+                    .sum(),
+            ),
+        };
+        (out, ss)
     }
 
     /// `range` times `factor` (see [`mean_factor`]) as `f32`, into `out`.
