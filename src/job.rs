@@ -8,14 +8,12 @@ use crate::data::{markov::MarkovSource, text::TextData, Dataset};
 use crate::model::backend::Backend;
 use crate::model::gpt::{Gpt, GptConfig};
 use crate::model::mlp::{Mlp, MlpConfig};
+use crate::model::tie::Ties;
 use crate::model::Model;
 use crate::optim::{AdamHyper, LrSchedule, OptimSettings, OptimizerKind};
 use crate::plan::activations::{choose, ActivationCheckpointing, ActivationChoice};
 use crate::plan::tier::{machine_budget, place, Budget, Demand, Fit, FitError, Limits, Snapshots};
 use crate::plan::{ShardMap, Stage};
-
-/// Byte-level vocabulary of every built-in model.
-pub const VOCAB: usize = 256;
 
 /// The built-in model the config names, on the CPU backend of its `precision`.
 pub fn build_model(cfg: &TrainConfig) -> Result<Arc<dyn Model>, ConfigError> {
@@ -27,14 +25,25 @@ pub fn build_model_on(
     cfg: &TrainConfig,
     be: Arc<dyn Backend>,
 ) -> Result<Arc<dyn Model>, ConfigError> {
+    let model = build_unchecked(cfg, be)?;
+    Ties::of(&*model).map_err(|e| ConfigError::new("model", e))?;
+    Ok(model)
+}
+
+fn build_unchecked(cfg: &TrainConfig, be: Arc<dyn Backend>) -> Result<Arc<dyn Model>, ConfigError> {
     match cfg.model {
         ModelKind::Gpt => Gpt::with_backend(
             GptConfig {
-                vocab: VOCAB,
-                seq_len: cfg.seq_len,
+                vocab: cfg.vocab,
+                seq_len: match cfg.max_positions {
+                    0 => cfg.seq_len,
+                    p => p,
+                },
                 d_model: cfg.d_model,
                 heads: cfg.heads,
                 layers: cfg.layers,
+                gelu: cfg.gelu,
+                tie_embeddings: cfg.tie_embeddings,
             },
             be,
         )
@@ -42,7 +51,7 @@ pub fn build_model_on(
         .map_err(|e| ConfigError::new("model", e)),
         ModelKind::Mlp => Mlp::with_backend(
             MlpConfig {
-                vocab: VOCAB,
+                vocab: cfg.vocab,
                 d_model: cfg.d_model,
                 hidden: 4 * cfg.d_model,
                 layers: cfg.layers,
@@ -64,6 +73,18 @@ pub fn build_dataset(cfg: &TrainConfig) -> Result<Arc<Dataset>, ConfigError> {
     };
     data.validate(cfg.seq_len)
         .map_err(|e| ConfigError::new("data", e.to_string()))?;
+    if data.vocab() > cfg.vocab {
+        return Err(ConfigError::new(
+            "vocab",
+            format!(
+                "the data is byte-level (token ids 0-{}) but the model embeds only {} ids: \
+                 use a model with at least {} tokens",
+                data.vocab() - 1,
+                cfg.vocab,
+                data.vocab()
+            ),
+        ));
+    }
     Ok(Arc::new(data))
 }
 
@@ -128,6 +149,9 @@ pub fn memory_demand(
         total_elems: numels.iter().sum::<usize>() as u64,
         owned_elems: owned as u64,
         largest_unit_elems: numels.iter().copied().max().unwrap_or(0) as u64,
+        tied_elems: Ties::of(model)
+            .map(|t| (0..numels.len()).map(|u| t.borrowed_len(u)).sum::<usize>())
+            .unwrap_or(0) as u64,
         grad_elem_bytes: cfg.reduce.elem_bytes() as u64,
         state_per_param: optim_settings(cfg).state_per_param(),
         max_live_units: cfg.max_live_units as u64,
@@ -155,7 +179,7 @@ fn activation_bytes(cfg: &TrainConfig, units: usize, keep: bool) -> u64 {
     let tokens = (cfg.micro_batch_size * cfg.seq_len) as u64;
     let d = cfg.d_model as u64;
     let saved = units as u64 * local_mbs * tokens * d * 4;
-    let logits = 2 * tokens * VOCAB as u64 * 4;
+    let logits = 2 * tokens * cfg.vocab as u64 * 4;
     // Q, K, V, attention output, two norms, residuals and the 4d MLP before and after its
     // activation: about 16 d per token, plus the seq x seq attention weights per head; twice
     // for the backward's gradients of them.

@@ -11,6 +11,7 @@ use crate::engine::coordinator::mean_in_order;
 use crate::job::{lr_schedule, optim_settings};
 use crate::model::backend::Precision;
 use crate::model::gemm::round_bf16;
+use crate::model::tie::Ties;
 use crate::model::Model;
 use crate::optim::OptimState;
 use crate::reduce::exact::{self, QuantStats};
@@ -39,6 +40,8 @@ pub fn train_reference(
         .map(|p| OptimState::new(settings.kind, p.len()))
         .collect();
     let m = cfg.micro_batches;
+    let ties = Ties::of(model).expect("the model's ties are checked when it is built");
+    let terms = ties.terms();
     let mut bounds = vec![cfg.initial_grad_bound; units];
     let mut opt_step = 0u64;
     let mut losses = Vec::new();
@@ -47,9 +50,10 @@ pub fn train_reference(
         let (grads, stats, exps, step_losses) = loop {
             let exps: Vec<i32> = bounds
                 .iter()
-                .map(|&b| exact::scale_exponent(b, m))
+                .zip(&terms)
+                .map(|(&b, &t)| exact::scale_exponent(b, m * t))
                 .collect();
-            let (grads, stats, l) = accumulate(cfg, model, data, &params, &exps, step);
+            let (grads, stats, l) = accumulate(cfg, model, &ties, data, &params, &exps, step);
             let overflow = stats.iter().any(|s| s.overflow);
             let finite = stats.iter().all(|s| s.max_abs.is_finite());
             if overflow && finite && attempt == 0 {
@@ -89,6 +93,7 @@ pub fn train_reference(
 fn accumulate(
     cfg: &TrainConfig,
     model: &dyn Model,
+    ties: &Ties,
     data: &Dataset,
     params: &[Vec<f32>],
     exps: &[i32],
@@ -96,6 +101,7 @@ fn accumulate(
 ) -> (Vec<GradBuf>, Vec<QuantStats>, Vec<f32>) {
     let units = params.len();
     let m = cfg.micro_batches;
+    let terms = ties.terms();
     let mut grads: Vec<GradBuf> = params
         .iter()
         .map(|p| GradBuf::zeros(cfg.reduce, p.len()))
@@ -117,16 +123,23 @@ fn accumulate(
     for i in 0..m {
         let mb = data.micro_batch(cfg.seed, step, i as u64, cfg.micro_batch_size, cfg.seq_len);
         let mut inputs: Vec<Vec<f32>> = vec![Vec::new()];
-        for (u, p) in params.iter().enumerate() {
-            let out = model.forward(u, p, &inputs[u], &mb);
+        for u in 0..units {
+            let view = ties.view(u, |v| &params[v]);
+            let out = model.forward(u, &view, &inputs[u], &mb);
             inputs.push(out);
         }
         let (loss, mut g) = model.loss(&inputs[units], &mb);
         losses.push(loss);
         for u in (0..units).rev() {
-            let mut gp = vec![0f32; params[u].len()];
-            g = model.backward(u, &params[u], &inputs[u], &g, &mb, &mut gp);
-            stats[u] = stats[u].merge(grads[u].accumulate(0, &gp, exps[u], m));
+            let view = ties.view(u, |v| &params[v]);
+            let mut gp = vec![0f32; view.len()];
+            g = model.backward(u, &view, &inputs[u], &g, &mb, &mut gp);
+            for (t, r, part) in ties.split_grad(u, &mut gp) {
+                let o = t.owner;
+                let st = grads[o].accumulate(r.start, &part, exps[o], m * terms[o]);
+                stats[o] = stats[o].merge(st);
+            }
+            stats[u] = stats[u].merge(grads[u].accumulate(0, &gp, exps[u], m * terms[u]));
         }
     }
     (grads, stats, losses)

@@ -637,3 +637,51 @@ async fn status_and_metrics_show_each_ranks_tier() {
     }
     assert!(text.contains("# TYPE ezero_rank_tier_read_bytes_per_second gauge"));
 }
+
+/// Tied embeddings with state on the tier and through a leave, a join and a kill: the owner's
+/// accumulator takes the head's gradient wherever the embedding's chunks live.
+#[test]
+fn tied_embeddings_offload_and_move_like_any_other_parameter() {
+    let dir = tier_dir();
+    let base = TrainConfig {
+        steps: 5,
+        ranks: 3,
+        tie_embeddings: true,
+        ..small(ModelKind::Gpt)
+    };
+    let want = sha(&TrainConfig {
+        ranks: 1,
+        ..base.clone()
+    });
+    for stage in [1u8, 2, 3] {
+        let got = sha(&offloaded(
+            &TrainConfig {
+                stage,
+                ..base.clone()
+            },
+            dir.path(),
+            stage == 3,
+            stage >= 2,
+        ));
+        assert_eq!(got, want, "stage {stage} offloaded");
+    }
+    for (leave, join, kill) in [
+        (vec![at(1, 2)], vec![], vec![]),
+        (vec![], vec![at(2, 3)], vec![]),
+        (vec![], vec![], vec![at(2, 4)]),
+    ] {
+        let cfg = TrainConfig {
+            leave,
+            join,
+            kill,
+            ..base.clone()
+        };
+        assert_eq!(sha(&cfg), want, "{cfg:?}");
+        assert_eq!(
+            sha(&offloaded(&cfg, dir.path(), true, true)),
+            want,
+            "{cfg:?} offloaded"
+        );
+    }
+    assert_clean(dir.path());
+}

@@ -16,7 +16,7 @@ use clap::{Args, Parser, Subcommand};
 use elastic_zero::config::{
     parse_bytes, At, ConfigError, ModelKind, OptimizerChoice, RoundKill, TrainConfig,
 };
-use elastic_zero::model::backend::Precision;
+use elastic_zero::model::backend::{GeluForm, Precision};
 use elastic_zero::plan::activations::ActivationCheckpointing;
 use elastic_zero::plan::tier::Offload;
 use elastic_zero::reduce::ReduceMode;
@@ -114,6 +114,12 @@ pub struct TrainArgs {
     pub d_model: Option<usize>,
     #[arg(long)]
     pub heads: Option<usize>,
+    /// GPT: the LM head's weight is the token embedding (GPT-2's tying).
+    #[arg(long)]
+    pub tie_embeddings: bool,
+    /// GPT: the MLP's GELU, erf or tanh (GPT-2's gelu_new) [default: erf].
+    #[arg(long, value_name = "erf|tanh")]
+    pub gelu: Option<GeluForm>,
     #[arg(long)]
     pub seq_len: Option<usize>,
     /// Micro-batches per global step (the global batch; independent of --ranks).
@@ -373,6 +379,12 @@ impl TrainArgs {
         }
         if self.keep_activations {
             c.keep_activations = true;
+        }
+        if self.tie_embeddings {
+            c.tie_embeddings = true;
+        }
+        if let Some(g) = self.gelu {
+            c.gelu = g;
         }
         if let Some(p) = self.precision {
             c.precision = p;

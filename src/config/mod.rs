@@ -28,7 +28,7 @@ pub use self::membership::{At, Round, RoundKill};
 pub use self::offload::{parse_bytes, NvmeFault};
 pub use self::optim::OptimizerChoice;
 pub use self::shape::ModelKind;
-use crate::model::backend::Precision;
+use crate::model::backend::{GeluForm, Precision};
 use crate::plan::activations::ActivationCheckpointing;
 use crate::plan::tier::Offload;
 use crate::reduce::ReduceMode;
@@ -49,6 +49,21 @@ pub struct TrainConfig {
     pub d_model: usize,
     /// Attention heads; must divide `d_model` (default 4).
     pub heads: usize,
+    /// Token ids the model embeds and predicts (default 256: the built-in byte-level data).
+    pub vocab: usize,
+    /// GPT: rows of the position embedding, the longest sequence the model accepts; 0 means
+    /// `seq_len` (default 0).
+    pub max_positions: usize,
+    /// The Hugging Face model directory the run started from (`--init hf:DIR`): its
+    /// `config.json` set the shape above, and `checkpoint export --format hf` copies its
+    /// tokenizer files (default none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hf_dir: Option<PathBuf>,
+    /// GPT: the LM head's weight is the token embedding, as in GPT-2 (default false).
+    pub tie_embeddings: bool,
+    /// GPT: the MLP's GELU, `erf` (PyTorch's `nn.GELU()`) or `tanh` (GPT-2's `gelu_new`)
+    /// (default erf).
+    pub gelu: GeluForm,
     /// Tokens per sequence (default 64).
     pub seq_len: usize,
     /// Micro-batches per global step; the global batch never depends on the world size
@@ -201,6 +216,11 @@ impl Default for TrainConfig {
             layers: 2,
             d_model: 128,
             heads: 4,
+            vocab: 256,
+            max_positions: 0,
+            hf_dir: None,
+            tie_embeddings: false,
+            gelu: GeluForm::Erf,
             seq_len: 64,
             micro_batches: 8,
             micro_batch_size: 4,

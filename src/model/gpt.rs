@@ -12,10 +12,11 @@
 use std::sync::Arc;
 
 use super::attention::AttnShape;
-use super::backend::{Backend, Cpu};
+use super::backend::{Backend, Cpu, GeluForm};
 use super::layers::{LayerNorm, Linear};
 use super::ops::{split_params, split_params_mut};
 use super::rng::{init_unit_buffer, unit_spec, Init};
+use super::tie::Tie;
 use super::workspace::{carve, Scratch};
 use super::{Kept, MicroBatch, Model, UnitSpec};
 
@@ -28,6 +29,13 @@ pub struct GptConfig {
     pub d_model: usize,
     pub heads: usize,
     pub layers: usize,
+    /// The MLP's GELU: `erf` (default, PyTorch's `nn.GELU()`) or `tanh` (GPT-2's `gelu_new`).
+    #[serde(default)]
+    pub gelu: GeluForm,
+    /// The head's weight is the token embedding (`tok.weight`), as in GPT-2: the head unit
+    /// borrows it (see [`super::tie`]) and owns only `ln_f`.
+    #[serde(default)]
+    pub tie_embeddings: bool,
 }
 
 impl GptConfig {
@@ -39,6 +47,8 @@ impl GptConfig {
             d_model: 256,
             heads: 4,
             layers: 4,
+            gelu: GeluForm::Erf,
+            tie_embeddings: false,
         }
     }
 
@@ -161,7 +171,9 @@ impl Gpt {
         )];
         all.extend((0..cfg.layers).map(|i| block_unit(i, d)));
         let mut head: Vec<_> = layer_norm("ln_f", d).into();
-        head.push(("head.weight".into(), vec![v, d], Init::Normal));
+        if !cfg.tie_embeddings {
+            head.push(("head.weight".into(), vec![v, d], Init::Normal));
+        }
         all.push(unit_spec("head".into(), head));
         let (units, inits) = all.into_iter().unzip();
         Ok(Self {
@@ -174,6 +186,10 @@ impl Gpt {
 
     pub fn config(&self) -> &GptConfig {
         &self.cfg
+    }
+
+    fn block<'a>(&'a self, params: &'a [f32], d: usize) -> Block<'a> {
+        Block::new(&*self.be, params, d, self.cfg.gelu)
     }
 
     /// What `unit` is; panics on an index past the head.
@@ -200,7 +216,11 @@ impl Gpt {
         mb: &MicroBatch,
     ) -> (UnitKind, AttnShape) {
         let kind = self.kind(unit);
-        let want = self.units[unit].numel();
+        let borrowed = match kind {
+            UnitKind::Head if self.cfg.tie_embeddings => self.cfg.vocab * self.cfg.d_model,
+            _ => 0,
+        };
+        let want = self.units[unit].numel() + borrowed;
         assert_eq!(params.len(), want, "unit {unit}: parameter buffer length");
         assert!(
             mb.seq <= self.cfg.seq_len,
@@ -291,6 +311,7 @@ impl Gpt {
 /// Views of one transformer block's parameters.
 struct Block<'a> {
     be: &'a dyn Backend,
+    gelu: GeluForm,
     ln1: LayerNorm<'a>,
     qkv: Linear<'a>,
     proj: Linear<'a>,
@@ -300,12 +321,13 @@ struct Block<'a> {
 }
 
 impl<'a> Block<'a> {
-    fn new(be: &'a dyn Backend, params: &'a [f32], d: usize) -> Self {
+    fn new(be: &'a dyn Backend, params: &'a [f32], d: usize, gelu: GeluForm) -> Self {
         let [ln1_w, ln1_b, qkv_w, qkv_b, proj_w, proj_b, ln2_w, ln2_b, fc1_w, fc1_b, fc2_w, fc2_b] =
             split_params(params, block_lens(d));
         let lin = |weight, bias, d_in, d_out| Linear::new(be, weight, Some(bias), d_in, d_out);
         Self {
             be,
+            gelu,
             ln1: LayerNorm::new(be, ln1_w, ln1_b),
             qkv: lin(qkv_w, qkv_b, d, 3 * d),
             proj: lin(proj_w, proj_b, d, d),
@@ -348,7 +370,7 @@ impl<'a> Block<'a> {
         self.ln2.forward_into(a.x2, a.h2, st2);
         self.fc1.forward_into(a.h2, a.f);
         let deriv = keep.then_some(&mut *a.g_deriv);
-        self.be.gelu(a.f, a.g, deriv);
+        self.be.gelu(self.gelu, a.f, a.g, deriv);
     }
 
     /// The forward with its activations kept (`keep_activations`): the output equals
@@ -505,6 +527,17 @@ impl Model for Gpt {
         self.units.clone()
     }
 
+    fn ties(&self) -> Vec<Tie> {
+        match self.cfg.tie_embeddings {
+            true => vec![Tie {
+                owner: 0,
+                param: 0,
+                user: self.cfg.layers + 1,
+            }],
+            false => Vec::new(),
+        }
+    }
+
     fn init_unit(&self, unit: usize, seed: u64) -> Vec<f32> {
         let _ = self.kind(unit); // the range check
         init_unit_buffer(&self.units[unit], &self.inits[unit], seed, unit)
@@ -514,7 +547,7 @@ impl Model for Gpt {
         let (kind, s) = self.check(unit, params, x, mb);
         match kind {
             UnitKind::Embed => self.embed_forward(params, mb),
-            UnitKind::Block => Block::new(&*self.be, params, s.d_model).forward(x, s),
+            UnitKind::Block => self.block(params, s.d_model).forward(x, s),
             UnitKind::Head => self.head_forward(params, x),
         }
     }
@@ -548,9 +581,9 @@ impl Model for Gpt {
                 self.embed_backward(grad_out, mb, grad_params);
                 Vec::new()
             }
-            UnitKind::Block => {
-                Block::new(&*self.be, params, s.d_model).backward(x, grad_out, s, grad_params)
-            }
+            UnitKind::Block => self
+                .block(params, s.d_model)
+                .backward(x, grad_out, s, grad_params),
             UnitKind::Head => self.head_backward(params, x, grad_out, grad_params),
         }
     }
@@ -567,7 +600,7 @@ impl Model for Gpt {
         if kind != UnitKind::Block {
             return (self.forward(unit, params, x, mb), None);
         }
-        let (out, acts) = Block::new(&*self.be, params, s.d_model).forward_keep(x, s);
+        let (out, acts) = self.block(params, s.d_model).forward_keep(x, s);
         let kept = Kept {
             bytes: 4 * Acts::len(x.len(), s, Keep::ForBackward) as u64,
             data: Box::new(acts),
@@ -606,14 +639,8 @@ impl Model for Gpt {
         let mut ws = Scratch::take();
         let [dh, dx2, dp] = ws.carve([rd, rd, s.seq * s.seq]);
         let a = Acts::carve(acts, rd, s, Keep::ForBackward);
-        Block::new(&*self.be, params, s.d_model).backward_acts(
-            x,
-            grad_out,
-            s,
-            grad_params,
-            a,
-            [dh, dx2, dp],
-        )
+        self.block(params, s.d_model)
+            .backward_acts(x, grad_out, s, grad_params, a, [dh, dx2, dp])
     }
 
     fn loss(&self, out: &[f32], mb: &MicroBatch) -> (f32, Vec<f32>) {

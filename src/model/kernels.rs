@@ -176,6 +176,85 @@ pub fn gelu_with_derivative_into(x: &[f32], y: &mut [f32], dydx: &mut [f32]) {
     gelu_deriv_kernel(Isa::best(), x, y, dydx);
 }
 
+/// Which GELU a model uses: the exact erf form (PyTorch's `nn.GELU()`, our GPT) or the tanh
+/// approximation (`gelu_new` of GPT-2 and `gelu_pytorch_tanh`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GeluForm {
+    #[default]
+    Erf,
+    Tanh,
+}
+
+impl std::str::FromStr for GeluForm {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "erf" => Ok(Self::Erf),
+            "tanh" | "gelu_new" => Ok(Self::Tanh),
+            _ => Err(format!("unknown GELU `{s}`: use erf or tanh")),
+        }
+    }
+}
+
+/// `sqrt(2/π)`, the tanh form's constant.
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+
+/// `(σ(2u), du/dx)` for the tanh form, `u = sqrt(2/π)(x + 0.044715 x³)`:
+/// `0.5 (1 + tanh u) = σ(2u)`, computed from `e^(-|2u|)` so that only non-positive values are
+/// exponentiated and the left tail keeps its relative accuracy.
+#[inline(always)]
+fn tanh_gate(x: f32) -> (f32, f32) {
+    let x2 = x * x;
+    let z = 2.0 * SQRT_2_OVER_PI * (x + 0.044_715 * x2 * x);
+    let e = exp_f32(-z.abs());
+    let s = if z >= 0.0 {
+        1.0 / (1.0 + e)
+    } else {
+        e / (1.0 + e)
+    };
+    (s, SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044_715 * x2))
+}
+
+#[inline(always)]
+fn gelu_tanh_body(x: &[f32], y: &mut [f32]) {
+    for (o, &v) in y.iter_mut().zip(x) {
+        *o = v * tanh_gate(v).0;
+    }
+}
+
+/// `y = x σ(2u)`, `dy/dx = σ(2u) + x σ(2u)(1 − σ(2u)) · 2 du/dx`.
+#[inline(always)]
+fn gelu_tanh_deriv_body(x: &[f32], y: &mut [f32], dydx: &mut [f32]) {
+    for ((o, d), &v) in y.iter_mut().zip(dydx.iter_mut()).zip(x) {
+        let (s, du) = tanh_gate(v);
+        *o = v * s;
+        *d = s + v * (s * (1.0 - s)) * (2.0 * du);
+    }
+}
+
+multiversion!(fn gelu_tanh_kernel(x: &[f32], y: &mut [f32]) => gelu_tanh_body);
+multiversion!(fn gelu_tanh_deriv_kernel(x: &[f32], y: &mut [f32], dydx: &mut [f32]) => gelu_tanh_deriv_body);
+
+/// `y = gelu(x)` of `form`; with `dydx`, its derivative too (the same `y` bits).
+pub fn gelu_form_into(form: GeluForm, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>) {
+    match (form, dydx) {
+        (GeluForm::Erf, Some(d)) => gelu_with_derivative_into(x, y, d),
+        (GeluForm::Erf, None) => gelu_into(x, y),
+        (GeluForm::Tanh, Some(d)) => {
+            assert!(
+                x.len() == y.len() && x.len() == d.len(),
+                "gelu: input and output lengths"
+            );
+            gelu_tanh_deriv_kernel(Isa::best(), x, y, d)
+        }
+        (GeluForm::Tanh, None) => {
+            assert_eq!(x.len(), y.len(), "gelu: input and output lengths");
+            gelu_tanh_kernel(Isa::best(), x, y)
+        }
+    }
+}
+
 /// Causal softmax of rows `r0..r1` of a row-major `[t, t]` score block `p`, in place: row `i`
 /// has live entries `0..=i`, which become `softmax(scale · s)`; entries `i+1..r1` become 0 (the
 /// causal-block gemms read up to column `r1`); later columns are neither read nor written.
@@ -312,6 +391,30 @@ mod tests {
         }
     }
 
+    /// GPT-2's `gelu_new` written out in f64: `0.5 x (1 + tanh(sqrt(2/π)(x + 0.044715 x³)))`.
+    #[test]
+    fn tanh_gelu_matches_its_definition() {
+        let x: Vec<f32> = (0..4001).map(|i| (i as f32 - 2000.0) * 0.005).collect();
+        let (mut y, mut d) = (vec![0.0; x.len()], vec![0.0; x.len()]);
+        gelu_form_into(GeluForm::Tanh, &x, &mut y, Some(&mut d));
+        for ((&xv, &yv), &dv) in x.iter().zip(&y).zip(&d) {
+            let v = xv as f64;
+            let c = (2.0 / std::f64::consts::PI).sqrt();
+            let u = c * (v + 0.044715 * v * v * v);
+            let want = 0.5 * v * (1.0 + u.tanh());
+            let dwant = 0.5 * (1.0 + u.tanh())
+                + 0.5 * v * (1.0 - u.tanh().powi(2)) * c * (1.0 + 3.0 * 0.044715 * v * v);
+            assert!(
+                (yv as f64 - want).abs() <= 2e-6 * (1.0 + want.abs()),
+                "{xv}: {yv} vs {want}"
+            );
+            assert!(
+                (dv as f64 - dwant).abs() <= 2e-6 * (1.0 + dwant.abs()),
+                "{xv}: {dv} vs {dwant}"
+            );
+        }
+    }
+
     #[test]
     fn kernels_agree_bit_for_bit_across_instruction_sets() {
         let n = 2000;
@@ -321,13 +424,24 @@ mod tests {
             gelu_kernel(isa, &x, &mut y);
             gelu_deriv_kernel(isa, &x, &mut y2, &mut d);
             assert_eq!(y, y2, "forward and recompute must agree");
+            let (mut yt, mut yt2, mut dt) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+            gelu_tanh_kernel(isa, &x, &mut yt);
+            gelu_tanh_deriv_kernel(isa, &x, &mut yt2, &mut dt);
+            assert_eq!(yt, yt2, "tanh form: forward and recompute must agree");
             let t = 37;
             let mut p: Vec<f32> = x[..t * t].to_vec();
             softmax_rows(isa, &mut p, t, 0, t, 0.7);
             let mut dp: Vec<f32> = x[1..=t * t].to_vec();
             softmax_backward_rows(isa, &p, &mut dp, t, 0, t, 0.7);
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            [bits(&y), bits(&d), bits(&p), bits(&dp)]
+            [
+                bits(&y),
+                bits(&d),
+                bits(&p),
+                bits(&dp),
+                bits(&yt),
+                bits(&dt),
+            ]
         };
         let want = run(Isa::Portable);
         for isa in Isa::available() {

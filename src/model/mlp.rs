@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use super::backend::{Backend, Cpu};
+use super::backend::{Backend, Cpu, GeluForm};
 use super::layers::{LayerNorm, Linear};
 use super::ops::{split_params, split_params_mut};
 use super::rng::{init_unit_buffer, unit_spec, Init};
@@ -168,7 +168,7 @@ impl Mlp {
             split_params_mut(grads, layer_lens(self.cfg.d_model, self.cfg.hidden));
         let f = fc1.forward(x);
         let (mut g, mut g_deriv) = (vec![0.0; f.len()], vec![0.0; f.len()]);
-        self.be.gelu(&f, &mut g, Some(&mut g_deriv));
+        self.be.gelu(GeluForm::Erf, &f, &mut g, Some(&mut g_deriv));
         let mut df = fc2.backward(&g, dout, g_w2, Some(g_b2));
         self.be.mul(&mut df, &g_deriv);
         let mut dx = fc1.backward(x, &df, g_w1, Some(g_b1));
@@ -219,7 +219,7 @@ impl Model for Mlp {
             let (fc1, fc2) = self.layer(params);
             let f = fc1.forward(x);
             let mut g = vec![0.0; f.len()];
-            self.be.gelu(&f, &mut g, None);
+            self.be.gelu(GeluForm::Erf, &f, &mut g, None);
             let mut out = fc2.forward(&g);
             self.be.add(&mut out, x);
             out

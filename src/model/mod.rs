@@ -22,6 +22,7 @@ pub mod mlp;
 pub mod ops;
 pub mod rng;
 pub mod sample;
+pub mod tie;
 pub(crate) mod workspace;
 
 use backend::Backend;
@@ -80,6 +81,13 @@ pub trait Model: Send + Sync + 'static {
 
     /// Initial parameters of `unit` (length `units()[unit].numel()`), a pure function of `seed`.
     fn init_unit(&self, unit: usize, seed: u64) -> Vec<f32>;
+
+    /// Parameters that a later unit uses too (tied weights, see [`tie`]). `params` of the
+    /// forward and backward calls below is the unit's *view*: its own full parameters followed by
+    /// the ones it borrows, in this order; `grad_params` has the view's layout. Default: none.
+    fn ties(&self) -> Vec<tie::Tie> {
+        Vec::new()
+    }
 
     /// Runs `unit` forward on input activation `x` with the unit's full parameters.
     fn forward(&self, unit: usize, params: &[f32], x: &[f32], mb: &MicroBatch) -> Vec<f32>;

@@ -6,15 +6,16 @@
 
 use super::ops::exp;
 use super::rng::SplitMix64;
+use super::tie::Ties;
 use super::{MicroBatch, Model};
 
 /// Logits `[batch, seq, vocab]` of `mb`: every unit's forward in order, `params[u]` being unit
 /// `u`'s full flat buffer.
 pub fn forward_logits(model: &dyn Model, params: &[Vec<f32>], mb: &MicroBatch) -> Vec<f32> {
-    params
-        .iter()
-        .enumerate()
-        .fold(Vec::new(), |x, (unit, p)| model.forward(unit, p, &x, mb))
+    let ties = Ties::of(model).expect("the model's ties are checked when it is built");
+    (0..params.len()).fold(Vec::new(), |x, unit| {
+        model.forward(unit, &ties.view(unit, |u| &params[u]), &x, mb)
+    })
 }
 
 /// Continues `prompt` by `new_tokens` tokens and returns only the new ones.
@@ -97,6 +98,7 @@ fn pick(logits: &[f32], temperature: f32, rng: &mut SplitMix64) -> u32 {
 pub(crate) mod test_util {
     use super::super::rng::mix;
     use super::super::rng::test_util::{bits, check_grad, randn};
+    use super::super::tie::Ties;
     use super::super::{MicroBatch, Model};
     use super::forward_logits;
     use std::sync::Arc;
@@ -138,9 +140,10 @@ pub(crate) mod test_util {
         x: &[f32],
         mb: &MicroBatch,
     ) -> f64 {
+        let ties = Ties::of(model).expect("valid ties");
         let mut x = x.to_vec();
-        for (u, p) in params.iter().enumerate().skip(from) {
-            x = model.forward(u, p, &x, mb);
+        for u in from..params.len() {
+            x = model.forward(u, &ties.view(u, |v| &params[v]), &x, mb);
         }
         loss_f64(model, &x, mb)
     }
@@ -155,9 +158,10 @@ pub(crate) mod test_util {
     }
 
     pub fn step(model: &dyn Model, params: &[Vec<f32>], mb: &MicroBatch) -> Step {
+        let ties = Ties::of(model).expect("valid ties");
         let mut inputs = vec![Vec::new()];
-        for (u, p) in params.iter().enumerate() {
-            let out = model.forward(u, p, &inputs[u], mb);
+        for u in 0..params.len() {
+            let out = model.forward(u, &ties.view(u, |v| &params[v]), &inputs[u], mb);
             inputs.push(out);
         }
         let logits = inputs.pop().unwrap_or_default();
@@ -169,7 +173,17 @@ pub(crate) mod test_util {
         let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
         let mut input_grads = vec![Vec::new(); params.len()];
         for u in (0..params.len()).rev() {
-            g = model.backward(u, &params[u], &inputs[u], &g, mb, &mut grads[u]);
+            let view = ties.view(u, |v| &params[v]);
+            let mut gv = vec![0.0; view.len()];
+            g = model.backward(u, &view, &inputs[u], &g, mb, &mut gv);
+            // A tied parameter's gradient is the sum over its uses.
+            for (t, r, part) in ties.split_grad(u, &mut gv) {
+                grads[t.owner][r]
+                    .iter_mut()
+                    .zip(&part)
+                    .for_each(|(a, b)| *a += b);
+            }
+            grads[u].iter_mut().zip(&gv).for_each(|(a, b)| *a += b);
             input_grads[u] = g.clone();
         }
         Step {
@@ -267,6 +281,7 @@ pub(crate) mod test_util {
 
 #[cfg(test)]
 mod tests {
+    use super::super::backend::GeluForm;
     use super::super::gpt::{Gpt, GptConfig};
     use super::super::mlp::{Mlp, MlpConfig};
     use super::test_util::{perturbed, train};
@@ -295,6 +310,8 @@ mod tests {
             d_model: 8,
             heads: 2,
             layers: 2,
+            gelu: GeluForm::Erf,
+            tie_embeddings: false,
         };
         let gpt = Gpt::new(cfg).expect("valid config");
         let params = perturbed(&gpt, 4, 0.5);

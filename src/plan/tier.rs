@@ -163,6 +163,9 @@ pub struct Demand {
     /// Elements owned by the rank that owns the most.
     pub owned_elems: u64,
     pub largest_unit_elems: u64,
+    /// Elements of tied parameters (`model::tie`): the step holds a copy of them from the
+    /// owner's forward to the user's backward, and the user computes on a view holding them.
+    pub tied_elems: u64,
     /// Bytes per gradient element (8 for exact mode's fixed point, 4 for fast).
     pub grad_elem_bytes: u64,
     /// Optimizer values per parameter (Adam 2, SGD with momentum 1).
@@ -455,6 +458,14 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
         1
     };
     let working = gathered + (unit * (accumulators * d.grad_elem_bytes + 4)).max(4 * unit);
+    // Tied parameters: the lent copy and the user's view (4 B each), and at stages 2-3 the
+    // owner's accumulator, which the user's backward starts early.
+    let tied = match d.tied_elems {
+        0 => 0,
+        t if matches!(d.stage, Stage::Zero2 | Stage::Zero3) => 8 * t + unit * d.grad_elem_bytes,
+        t => 8 * t,
+    };
+    let working = working + tied;
     // Parameters on the tier: the shard read for a gather and the next one read ahead.
     // Gradients on the tier: the reduced shard's f32 mean, made from the accumulator, then
     // written beside compute while the next unit's accumulator fills.
@@ -655,6 +666,7 @@ mod tests {
             total_elems: total,
             owned_elems: total / ranks,
             largest_unit_elems: total / 10,
+            tied_elems: 0,
             grad_elem_bytes: 8,
             state_per_param: 2,
             max_live_units: 2,

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::Backend;
 use crate::model::attention::AttnShape;
 use crate::model::gemm::Layout;
+use crate::model::kernels::GeluForm;
 use crate::optim::OptimSettings;
 
 /// The operations of [`Backend`], one per method.
@@ -141,8 +142,8 @@ impl<B: Backend> Backend for Counting<B> {
         );
     }
 
-    fn gelu(&self, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>) {
-        self.count(Op::Gelu).gelu(x, y, dydx);
+    fn gelu(&self, form: GeluForm, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>) {
+        self.count(Op::Gelu).gelu(form, x, y, dydx);
     }
 
     fn attention_forward(

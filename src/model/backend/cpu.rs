@@ -8,7 +8,7 @@ use crate::model::attention::{
     attention_backward_from_probs, attention_forward_into, attention_forward_keep, AttnShape,
 };
 use crate::model::gemm::{gemm, gemm_bf16, Layout, Product};
-use crate::model::kernels::{gelu_into, gelu_with_derivative_into};
+use crate::model::kernels::{gelu_form_into, GeluForm};
 use crate::model::ops;
 use crate::optim::OptimSettings;
 
@@ -59,11 +59,8 @@ impl Backend for Cpu {
         ops::layer_norm_backward(x, stats, dy, weight, grad_weight, grad_bias, dx);
     }
 
-    fn gelu(&self, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>) {
-        match dydx {
-            Some(d) => gelu_with_derivative_into(x, y, d),
-            None => gelu_into(x, y),
-        }
+    fn gelu(&self, form: GeluForm, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>) {
+        gelu_form_into(form, x, y, dydx);
     }
 
     fn attention_forward(
@@ -206,8 +203,8 @@ impl Backend for CpuBf16 {
         Cpu.layer_norm_backward(x, stats, dy, weight, grad_weight, grad_bias, dx);
     }
 
-    fn gelu(&self, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>) {
-        Cpu.gelu(x, y, dydx);
+    fn gelu(&self, form: GeluForm, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>) {
+        Cpu.gelu(form, x, y, dydx);
     }
 
     fn attention_forward(

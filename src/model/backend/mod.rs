@@ -26,6 +26,7 @@ use std::sync::Arc;
 
 use super::attention::AttnShape;
 use super::gemm::Layout;
+pub use super::kernels::GeluForm;
 use crate::optim::OptimSettings;
 
 /// The operations a model's forward, backward and loss are made of, and the optimizer update.
@@ -75,8 +76,8 @@ pub trait Backend: Send + Sync + fmt::Debug {
         dx: &mut [f32],
     );
 
-    /// GELU (exact erf form) into `y`; with `dydx`, its derivative too (the same `y` bits).
-    fn gelu(&self, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>);
+    /// GELU of `form` into `y`; with `dydx`, its derivative too (the same `y` bits).
+    fn gelu(&self, form: GeluForm, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>);
 
     /// Causal self-attention on the fused `qkv` projection into `y`. With `keep`, every head's
     /// probabilities go to `probs` (`s.probs_len()`) for [`attention_backward`]; without, `probs`

@@ -1,3 +1,4 @@
+use super::super::backend::GeluForm;
 use super::super::param_count;
 use super::super::rng::test_util::bits;
 use super::super::rng::SplitMix64;
@@ -17,6 +18,8 @@ fn tiny() -> Gpt {
         d_model: 8,
         heads: 2,
         layers: 2,
+        gelu: GeluForm::Erf,
+        tie_embeddings: false,
     };
     Gpt::new(cfg).expect("valid config")
 }
@@ -96,6 +99,8 @@ fn new_rejects_bad_configs() {
         d_model: 8,
         heads: 2,
         layers: 2,
+        gelu: GeluForm::Erf,
+        tie_embeddings: false,
     };
     let err = Gpt::new(GptConfig {
         heads: 3,
@@ -161,6 +166,62 @@ fn gradients_match_finite_differences() {
     check_model_gradients(&gpt, &params, &batch_of(11, 3, 3, 2), 1e-2, 1e-2);
 }
 
+/// GPT-2's variant: the head borrows the token embedding. It must compute exactly what an
+/// untied GPT whose head weight equals the embedding computes, with the embedding's gradient
+/// the sum of both uses.
+#[test]
+fn a_tied_head_is_an_untied_head_holding_the_embedding() {
+    for gelu in [GeluForm::Erf, GeluForm::Tanh] {
+        let untied = Gpt::new(GptConfig { gelu, ..tiny().cfg }).expect("valid config");
+        let tied = Gpt::new(GptConfig {
+            gelu,
+            tie_embeddings: true,
+            ..tiny().cfg
+        })
+        .expect("valid config");
+        assert_eq!(tied.units().last().map(|u| u.params.len()), Some(2));
+        let tie = Tie {
+            owner: 0,
+            param: 0,
+            user: 3,
+        };
+        assert_eq!(tied.ties(), vec![tie]);
+        let mut p_untied = perturbed(&untied, 3, 0.3);
+        let tok = 11 * 8;
+        let head_w = p_untied[3].split_off(16);
+        p_untied[0][..tok].copy_from_slice(&head_w);
+        let mut p_tied = p_untied.clone();
+        p_untied[3].extend_from_slice(&head_w);
+        p_tied[3].truncate(16);
+        let mb = batch_of(11, 2, 5, 4);
+        let (a, b) = (step(&untied, &p_untied, &mb), step(&tied, &p_tied, &mb));
+        assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{gelu:?}");
+        assert_eq!(bits(&a.input_grads[1]), bits(&b.input_grads[1]), "{gelu:?}");
+        assert_eq!(bits(&a.grads[1]), bits(&b.grads[1]), "{gelu:?}");
+        assert_eq!(bits(&a.grads[3][..16]), bits(&b.grads[3]), "{gelu:?}");
+        for (i, (&g_tok, &g_head)) in a.grads[0][..tok].iter().zip(&a.grads[3][16..]).enumerate() {
+            assert_eq!(
+                b.grads[0][i].to_bits(),
+                (g_head + g_tok).to_bits(),
+                "{gelu:?} tok[{i}]: head then embedding use"
+            );
+        }
+    }
+}
+
+/// The tanh GELU and the tied head against finite differences.
+#[test]
+fn tied_tanh_gradients_match_finite_differences() {
+    let cfg = GptConfig {
+        gelu: GeluForm::Tanh,
+        tie_embeddings: true,
+        ..tiny().cfg
+    };
+    let gpt = Gpt::new(cfg).expect("valid config");
+    let params = perturbed(&gpt, 3, 0.3);
+    check_model_gradients(&gpt, &params, &batch_of(11, 2, 5, 3), 5e-3, 1e-2);
+}
+
 /// Not part of the `Model` contract, but worth knowing (and pinning): every element of a GEMM
 /// is one FMA chain along k, so a row's logits are the same bits whichever rows share its
 /// micro-batch.
@@ -172,6 +233,8 @@ fn logits_of_a_row_do_not_depend_on_its_batch_mates() {
         d_model: 256,
         heads: 4,
         layers: 1,
+        gelu: GeluForm::Erf,
+        tie_embeddings: false,
     };
     let gpt = Gpt::new(cfg).expect("valid config");
     let params = perturbed(&gpt, 6, 0.05);
@@ -266,6 +329,8 @@ fn deterministic_across_calls_and_threads() {
         d_model: 256,
         heads: 4,
         layers: 1,
+        gelu: GeluForm::Erf,
+        tie_embeddings: false,
     };
     let gpt = Gpt::new(cfg).expect("valid config");
     let params = perturbed(&gpt, 5, 0.05);
@@ -281,6 +346,8 @@ fn stale_scratch_does_not_leak() {
         d_model: 32,
         heads: 4,
         layers: 2,
+        gelu: GeluForm::Erf,
+        tie_embeddings: false,
     };
     let gpt = Gpt::new(cfg).expect("valid config");
     let params = perturbed(&gpt, 7, 0.05);
@@ -318,6 +385,8 @@ fn loss_falls_on_a_repeating_pattern() {
         d_model: 32,
         heads: 4,
         layers: 2,
+        gelu: GeluForm::Erf,
+        tie_embeddings: false,
     };
     let gpt = Gpt::new(cfg).expect("valid config");
     let digits = [3u32, 1, 4, 1, 5, 9, 2, 6];

@@ -21,6 +21,7 @@ use crate::engine::ledger::Category;
 use crate::engine::messages::{StepPlan, StepReport};
 use crate::model::backend::Precision;
 use crate::model::gemm::round_bf16;
+use crate::model::tie::Ties;
 use crate::model::{Kept, MicroBatch};
 use crate::plan::schedule::{phases, Phase};
 use crate::plan::volume::Volume;
@@ -98,14 +99,24 @@ pub fn run_step<T: Transport>(
         })
         .collect();
     let program = phases(st.stage, st.units() as u32, cfg.max_live_units);
+    let ties = Ties::of(&*st.model).map_err(|what| CommError::Protocol {
+        from: st.rank,
+        what: format!("the model's tied parameters: {what}"),
+    })?;
+    let terms: Vec<u32> = ties
+        .terms()
+        .iter()
+        .map(|t| t * plan.micro_batches)
+        .collect();
     let mut bounds = plan.grad_bounds.clone();
     let (mut compute_s, mut optimizer_s) = (0.0, 0.0);
     for attempt in 0..MAX_ATTEMPTS {
         let exps: Vec<i32> = bounds
             .iter()
-            .map(|&b| exact::scale_exponent(b, plan.micro_batches))
+            .zip(&terms)
+            .map(|(&b, &t)| exact::scale_exponent(b, t))
             .collect();
-        let mut pass = Pass::new(st, plan, &mbs, cfg, attempt, exps);
+        let mut pass = Pass::new(st, plan, &mbs, cfg, attempt, exps, (&ties, &terms));
         // An injected kill strikes halfway through the phase program.
         let stop = vanish_at.map(|p| p.min(program.len() / 2));
         let outcome = pass.run(comm, &program, stop);
@@ -163,6 +174,13 @@ struct Pass<'a> {
     cfg: &'a ExecConfig,
     attempt: u8,
     exps: Vec<i32>,
+    /// The model's tied parameters, and the gradient terms each unit's accumulator takes (the
+    /// micro-batches, times the uses of a lent parameter).
+    ties: (&'a Ties, &'a [u32]),
+    /// Values of each tie's parameter, copied at the owner's forward for the user.
+    lent: BTreeMap<usize, Vec<f32>>,
+    /// Accumulators of owner units that a user's backward started (stages 2-3).
+    early_acc: BTreeMap<u32, GradBuf>,
     /// Input activation of each unit (index u >= 1) per local micro-batch.
     saved: Vec<Vec<Vec<f32>>>,
     /// What each unit's forward kept for its backward, per local micro-batch
@@ -191,6 +209,7 @@ impl<'a> Pass<'a> {
         cfg: &'a ExecConfig,
         attempt: u8,
         exps: Vec<i32>,
+        ties: (&'a Ties, &'a [u32]),
     ) -> Self {
         let units = st.units();
         let tier_io = (st.params_on_tier() || st.grads_on_tier())
@@ -206,6 +225,9 @@ impl<'a> Pass<'a> {
             cfg,
             attempt,
             exps,
+            ties,
+            lent: BTreeMap::new(),
+            early_acc: BTreeMap::new(),
             saved: vec![Vec::new(); units],
             kept: (0..units).map(|_| Vec::new()).collect(),
             grad_out: vec![Vec::new(); mbs.len()],
@@ -481,17 +503,20 @@ impl<'a> Pass<'a> {
     }
 
     fn forward(&mut self, u: usize) {
+        self.lend(u);
         let last = u + 1 == self.st.units();
         let mut outs = Vec::with_capacity(self.mbs.len());
         let mut kept = Vec::with_capacity(self.mbs.len());
+        let view = self.borrowing_view(u);
         for (j, (idx, mb)) in self.mbs.iter().enumerate() {
             let x: &[f32] = if u == 0 { &[] } else { &self.saved[u][j] };
+            let params = view.as_deref().unwrap_or_else(|| self.params(u));
             let out = if self.cfg.keep_activations {
-                let (out, k) = self.st.model.forward_keep(u, self.params(u), x, mb);
+                let (out, k) = self.st.model.forward_keep(u, params, x, mb);
                 kept.push(k);
                 out
             } else {
-                self.st.model.forward(u, self.params(u), x, mb)
+                self.st.model.forward(u, params, x, mb)
             };
             if last {
                 let (loss, g) = self.st.model.loss(&out, mb);
@@ -501,6 +526,7 @@ impl<'a> Pass<'a> {
                 outs.push(out);
             }
         }
+        self.drop_view(view);
         let kept_bytes: u64 = kept.iter().flatten().map(|k| k.bytes).sum();
         let bytes = 4 * outs.iter().map(Vec::len).sum::<usize>() as u64 + kept_bytes;
         self.st.ledger.alloc(Category::Activations, bytes);
@@ -514,19 +540,26 @@ impl<'a> Pass<'a> {
 
     fn backward(&mut self, u: usize) {
         let numel = self.st.map.units[u].numel;
-        let (s, m) = (self.exps[u], self.plan.micro_batches);
+        let (s, m) = (self.exps[u], self.ties.1[u]);
         let mode = self.st.mode;
         let mut acc = match &mut self.st.whole_grads {
             Some(w) => std::mem::replace(&mut w[u], GradBuf::zeros(mode, 0)),
-            None => {
-                self.st
-                    .ledger
-                    .alloc(Category::Transient, (mode.elem_bytes() * numel) as u64);
-                GradBuf::zeros(mode, numel)
-            }
+            None => match self.early_acc.remove(&(u as u32)) {
+                Some(acc) => acc,
+                None => {
+                    self.st
+                        .ledger
+                        .alloc(Category::Transient, (mode.elem_bytes() * numel) as u64);
+                    GradBuf::zeros(mode, numel)
+                }
+            },
         };
-        let mut gp = vec![0f32; numel];
-        self.st.ledger.alloc(Category::Transient, 4 * numel as u64);
+        let view = self.borrowing_view(u);
+        let view_len = view.as_ref().map_or(numel, Vec::len);
+        let mut gp = vec![0f32; view_len];
+        self.st
+            .ledger
+            .alloc(Category::Transient, 4 * view_len as u64);
         let mut kept = std::mem::take(&mut self.kept[u]).into_iter();
         for j in 0..self.mbs.len() {
             gp.fill(0.0);
@@ -535,7 +568,7 @@ impl<'a> Pass<'a> {
             let kept_bytes = k.as_ref().map_or(0, |k| k.bytes);
             let gx = self.st.model.backward_kept(
                 u,
-                self.params(u),
+                view.as_deref().unwrap_or_else(|| self.params(u)),
                 x,
                 k,
                 &self.grad_out[j],
@@ -543,12 +576,17 @@ impl<'a> Pass<'a> {
                 &mut gp,
             );
             self.st.ledger.free(Category::Activations, kept_bytes);
-            self.stats[u] = self.stats[u].merge(acc.accumulate(0, &gp, s, m));
+            self.stats[u] = self.stats[u].merge(acc.accumulate(0, &gp[..numel], s, m));
+            self.give_back_grads(u, &gp[numel..]);
             let old = std::mem::replace(&mut self.grad_out[j], gx);
             let freed = old.len() as i64 - self.grad_out[j].len() as i64;
             self.adjust_activations(freed);
         }
-        self.st.ledger.free(Category::Transient, 4 * numel as u64);
+        self.st
+            .ledger
+            .free(Category::Transient, 4 * view_len as u64);
+        self.drop_view(view);
+        self.unlend(u);
         let saved = std::mem::take(&mut self.saved[u]);
         self.adjust_activations(saved.iter().map(Vec::len).sum::<usize>() as i64);
         match &mut self.st.whole_grads {
@@ -556,6 +594,83 @@ impl<'a> Pass<'a> {
             None => {
                 self.unit_acc.insert(u as u32, acc);
             }
+        }
+    }
+
+    /// At an owner's forward: copies the parameters it lends out of its full parameters, for
+    /// the users that run after it has been freed.
+    fn lend(&mut self, owner: usize) {
+        let lent: Vec<_> = self.ties.0.lent_by(owner).collect();
+        for (i, r) in lent {
+            if !self.lent.contains_key(&i) {
+                let copy = self.params(owner)[r].to_vec();
+                self.st
+                    .ledger
+                    .alloc(Category::Gathered, 4 * copy.len() as u64);
+                self.lent.insert(i, copy);
+            }
+        }
+    }
+
+    /// After a user's backward: the lent copies it borrowed are dead.
+    fn unlend(&mut self, user: usize) {
+        let borrowed: Vec<_> = self.ties.0.borrowed_by(user).map(|(i, ..)| i).collect();
+        for i in borrowed {
+            if let Some(copy) = self.lent.remove(&i) {
+                self.st
+                    .ledger
+                    .free(Category::Gathered, 4 * copy.len() as u64);
+            }
+        }
+    }
+
+    /// The view of a unit that borrows tied parameters (its own, then the lent copies);
+    /// `None` for a unit that borrows nothing, which computes on its parameters in place.
+    fn borrowing_view(&mut self, u: usize) -> Option<Vec<f32>> {
+        let ties = self.ties.0;
+        if ties.borrowed_len(u) == 0 {
+            return None;
+        }
+        let mut v = self.params(u).to_vec();
+        for (i, _, _) in ties.borrowed_by(u) {
+            let lent = self.lent.get(&i).expect("the owner's forward lent it");
+            v.extend_from_slice(lent);
+        }
+        self.st
+            .ledger
+            .alloc(Category::Transient, 4 * v.len() as u64);
+        Some(v)
+    }
+
+    fn drop_view(&mut self, view: Option<Vec<f32>>) {
+        if let Some(v) = view {
+            self.st.ledger.free(Category::Transient, 4 * v.len() as u64);
+        }
+    }
+
+    /// Adds the gradient a user computed for the parameters it borrows (`g`, in view order)
+    /// into the owners' accumulators, exactly: the owners' backward comes later.
+    fn give_back_grads(&mut self, user: usize, g: &[f32]) {
+        let ties = self.ties.0;
+        let mut off = 0;
+        for (_, t, r) in ties.borrowed_by(user) {
+            let part = &g[off..off + r.len()];
+            off += r.len();
+            let (s, m) = (self.exps[t.owner], self.ties.1[t.owner]);
+            let mode = self.st.mode;
+            let acc = match &mut self.st.whole_grads {
+                Some(w) => &mut w[t.owner],
+                None => {
+                    let numel = self.st.map.units[t.owner].numel;
+                    let ledger = &mut self.st.ledger;
+                    self.early_acc.entry(t.owner as u32).or_insert_with(|| {
+                        ledger.alloc(Category::Transient, (mode.elem_bytes() * numel) as u64);
+                        GradBuf::zeros(mode, numel)
+                    })
+                }
+            };
+            let stats = acc.accumulate(r.start, part, s, m);
+            self.stats[t.owner] = self.stats[t.owner].merge(stats);
         }
     }
 
@@ -828,8 +943,13 @@ impl<'a> Pass<'a> {
                 .ledger
                 .free(Category::Gathered, 4 * buf.len() as u64);
         }
-        for acc in self.unit_acc.values() {
+        for acc in self.unit_acc.values().chain(self.early_acc.values()) {
             self.st.ledger.free(Category::Transient, acc.bytes() as u64);
+        }
+        for copy in self.lent.values() {
+            self.st
+                .ledger
+                .free(Category::Gathered, 4 * copy.len() as u64);
         }
     }
 }
