@@ -17,6 +17,7 @@ mod checkpoint_tools;
 mod cli;
 mod control;
 mod elastic;
+mod hf;
 mod offload;
 mod procs;
 mod procs_checkpoint;

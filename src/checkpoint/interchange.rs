@@ -61,6 +61,11 @@ pub fn bf16_to_f32(h: u16) -> f32 {
     f32::from_bits((h as u32) << 16)
 }
 
+/// Every unit's full parameters from a loaded checkpoint.
+pub fn consolidated_params(loaded: &Loaded) -> Vec<Vec<f32>> {
+    consolidate(loaded, |c| &c.params)
+}
+
 /// One vector of every chunk (params, m or v), consolidated per unit.
 fn consolidate(loaded: &Loaded, field: fn(&ChunkState) -> &[f32]) -> Vec<Vec<f32>> {
     let map = &loaded.snapshot.map;

@@ -21,11 +21,13 @@
 //! - [`manifest`], [`codec`]: the on-disk format; [`meta`]: per-run manifest fields;
 //! - [`compat`]: whether a checkpoint may resume a given run;
 //! - [`interchange`]: safetensors export and import; [`bench`]: throughput and slowdown.
+//! - [`hf`]: Hugging Face model directories (GPT-2) in and out.
 
 pub mod bench;
 pub mod codec;
 pub mod compat;
 pub mod error;
+pub mod hf;
 pub mod interchange;
 pub mod manifest;
 pub mod meta;

@@ -16,7 +16,10 @@ use clap::{Args, Subcommand};
 
 use elastic_zero::checkpoint::bench::{bench_slowdown, bench_throughput};
 use elastic_zero::checkpoint::compat::check_resume;
-use elastic_zero::checkpoint::interchange::{export, import_params, ExportOptions};
+use elastic_zero::checkpoint::hf;
+use elastic_zero::checkpoint::interchange::{
+    consolidated_params, export, import_params, ExportOptions,
+};
 use elastic_zero::checkpoint::meta::data_sha256;
 use elastic_zero::checkpoint::{
     load_latest_valid, load_path, read_manifest, store, verify, CheckpointError, CheckpointMeta,
@@ -54,13 +57,21 @@ pub enum CheckpointCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Write consolidated weights as safetensors (names = the model's parameter names).
+    /// Write consolidated weights as safetensors (names = the model's parameter names), or with
+    /// --format hf as a Hugging Face GPT-2 directory transformers loads.
     Export {
         /// A checkpoint directory, or a save directory (its newest complete checkpoint).
         dir: PathBuf,
-        /// Output file, e.g. model.safetensors.
+        /// Output file, e.g. model.safetensors; with --format hf, a directory.
         #[arg(long)]
         out: PathBuf,
+        /// `safetensors` (one file, our names) or `hf` (config.json, sharded safetensors with
+        /// transformers' names and index, and the tokenizer files of the run's --init hf:DIR).
+        #[arg(long, default_value = "safetensors", value_name = "safetensors|hf")]
+        format: String,
+        /// --format hf: the largest weight shard, in bytes [default: 2 GiB].
+        #[arg(long, default_value_t = 2 << 30)]
+        max_shard_bytes: u64,
         /// Round weights to bf16 instead of fp32.
         #[arg(long)]
         bf16: bool,
@@ -132,8 +143,20 @@ pub fn run(cmd: CheckpointCommand) -> Result<(), CliError> {
         CheckpointCommand::Export {
             dir,
             out,
+            format,
+            max_shard_bytes,
             bf16,
             with_optimizer,
+        } if format == "hf" => export_hf(&dir, &out, bf16, with_optimizer, max_shard_bytes),
+        CheckpointCommand::Export { format, .. } if format != "safetensors" => Err(
+            CliError::Usage(format!("--format {format}: use safetensors or hf")),
+        ),
+        CheckpointCommand::Export {
+            dir,
+            out,
+            bf16,
+            with_optimizer,
+            ..
         } => {
             let loaded = load_path(&dir).map_err(usage)?;
             let r = export(
@@ -165,6 +188,53 @@ pub fn run(cmd: CheckpointCommand) -> Result<(), CliError> {
             Ok(())
         }
     }
+}
+
+/// `checkpoint export --format hf`.
+fn export_hf(
+    dir: &Path,
+    out: &Path,
+    bf16: bool,
+    with_optimizer: bool,
+    max_shard_bytes: u64,
+) -> Result<(), CliError> {
+    if with_optimizer {
+        return Err(CliError::Usage(
+            "--with-optimizer: a Hugging Face directory holds weights only; export the optimizer \
+             state with --format safetensors"
+                .into(),
+        ));
+    }
+    let loaded = load_path(dir).map_err(usage)?;
+    let cfg = &loaded.manifest.config;
+    if cfg.model != ModelKind::Gpt {
+        return Err(CliError::Usage(format!(
+            "{}: a {:?} model has no Hugging Face form; only GPT checkpoints export as GPT-2",
+            loaded.dir.display(),
+            cfg.model
+        )));
+    }
+    let params = consolidated_params(&loaded);
+    let r = hf::export_gpt2(
+        cfg,
+        &loaded.manifest.units,
+        &params,
+        out,
+        bf16,
+        max_shard_bytes,
+    )
+    .map_err(usage)?;
+    println!(
+        "exported {} step {} as GPT-2: {} tensors ({}, {} bytes) and {} files to {}",
+        loaded.dir.display(),
+        loaded.manifest.step,
+        r.tensors,
+        if bf16 { "bf16" } else { "fp32" },
+        r.weight_bytes,
+        r.files.len(),
+        out.display()
+    );
+    Ok(())
 }
 
 fn to_json<T: serde::Serialize>(v: &T) -> Result<String, CliError> {
@@ -340,7 +410,10 @@ pub fn resolve_train(
         return Err(CliError::Usage("--latest-valid needs --resume DIR".into()));
     }
     let Some(dir) = &args.resume else {
-        let cfg = args.resolve().map_err(|e| CliError::Usage(e.to_string()))?;
+        let mut cfg = args.resolve().map_err(|e| CliError::Usage(e.to_string()))?;
+        if let Some(hf_dir) = args.init.as_deref().and_then(hf::source_dir) {
+            apply_hf_shape(args, &mut cfg, &hf_dir)?;
+        }
         return Ok((cfg, None));
     };
     if args.init.is_some() {
@@ -393,12 +466,43 @@ pub fn check_compatible(
     .map_err(usage)
 }
 
-/// `--init FILE`: full parameters from a safetensors file.
+/// `--init hf:DIR`: the model's shape comes from `DIR/config.json`; a shape flag that says
+/// otherwise is refused rather than silently overridden.
+fn apply_hf_shape(args: &TrainArgs, cfg: &mut TrainConfig, dir: &Path) -> Result<(), CliError> {
+    let shape = hf::config::read_gpt2(dir).map_err(usage)?;
+    let from = dir.join("config.json");
+    let clash = |flag: &str, ours: Option<usize>, theirs: usize| match ours {
+        Some(v) if v != theirs => Err(CliError::Usage(format!(
+            "--{flag} {v} contradicts {} ({theirs}): drop the flag, the checkpoint sets it",
+            from.display()
+        ))),
+        _ => Ok(()),
+    };
+    clash("layers", args.layers, shape.layers)?;
+    clash("d-model", args.d_model, shape.d_model)?;
+    clash("heads", args.heads, shape.heads)?;
+    if args.model == Some(ModelKind::Mlp) {
+        return Err(CliError::Usage(format!(
+            "--model mlp contradicts {}: a GPT-2 checkpoint is a GPT",
+            from.display()
+        )));
+    }
+    shape.apply(cfg, dir);
+    cfg.validate()
+        .map_err(|e| CliError::Usage(format!("with {}: {e}", from.display())))
+}
+
+/// `--init FILE`: full parameters from a safetensors file; `--init hf:DIR`: from a Hugging
+/// Face model directory.
 pub fn init_params(args: &TrainArgs, model: &dyn Model) -> Result<Option<Vec<Vec<f32>>>, CliError> {
-    args.init
-        .as_deref()
-        .map(|p| import_params(p, &model.units()).map_err(usage))
-        .transpose()
+    let Some(init) = args.init.as_deref() else {
+        return Ok(None);
+    };
+    let units = model.units();
+    match hf::source_dir(init) {
+        Some(dir) => hf::import_gpt2(&dir, &units).map(Some).map_err(usage),
+        None => import_params(init, &units).map(Some).map_err(usage),
+    }
 }
 
 /// The state a job with worker processes starts from: `--resume` (each rank's owned chunks,

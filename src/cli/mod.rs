@@ -220,7 +220,9 @@ pub struct TrainArgs {
     /// that passes.
     #[arg(long)]
     pub latest_valid: bool,
-    /// Start from the weights in this safetensors file (fresh optimizer state).
+    /// Start from the weights in this safetensors file (fresh optimizer state), or from a
+    /// Hugging Face GPT-2 directory (`hf:DIR`, or a directory), whose config.json sets the
+    /// model's shape.
     #[arg(long)]
     pub init: Option<PathBuf>,
     /// Crash tests: STEP:POINT aborts the process at that point of that step's save.

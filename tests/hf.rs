@@ -1,0 +1,315 @@
+//! Hugging Face GPT-2 directories: what transformers computes on a checkpoint is what our GPT
+//! computes on it after `--init hf:DIR`, an exported directory has transformers' layout and
+//! reads back bit for bit, and bad directories are refused naming the file and the problem.
+//!
+//! The fixture (`tests/fixtures/hf/`) is a tiny random GPT-2 that transformers 5.24 saved
+//! sharded, with the logits, loss and gradients transformers computed on one batch;
+//! `tests/fixtures/hf/make_gpt2.py` wrote it.
+
+use std::path::{Path, PathBuf};
+
+use crate::common;
+
+use common::ezero::{ezero, ok, refused, s, step_dir};
+use elastic_zero::checkpoint::hf::{self, files::TensorDir, gpt2};
+use elastic_zero::checkpoint::interchange::consolidated_params;
+use elastic_zero::checkpoint::read::load_path;
+use elastic_zero::config::TrainConfig;
+use elastic_zero::job::build_model;
+use elastic_zero::model::tie::Ties;
+use elastic_zero::model::{MicroBatch, Model};
+use elastic_zero::summary::param_sha256;
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/gpt2-tiny")
+}
+
+fn expected() -> TensorDir {
+    TensorDir::open_file(&fixture().with_file_name("gpt2-tiny-expected.safetensors")).unwrap()
+}
+
+/// The model `--init hf:DIR` builds, and its parameters from the directory.
+fn load(dir: &Path) -> (std::sync::Arc<dyn Model>, Vec<Vec<f32>>, TrainConfig) {
+    let mut cfg = TrainConfig {
+        seq_len: 8,
+        ..TrainConfig::default()
+    };
+    hf::config::read_gpt2(dir).unwrap().apply(&mut cfg, dir);
+    let model = build_model(&cfg).unwrap();
+    let params = hf::import_gpt2(dir, &model.units()).unwrap();
+    (model, params, cfg)
+}
+
+fn close(what: &str, ours: &[f32], theirs: &[f32]) {
+    assert_eq!(ours.len(), theirs.len(), "{what}: length");
+    let scale = theirs.iter().fold(0f32, |m, x| m.max(x.abs()));
+    for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
+        assert!(
+            (a - b).abs() <= 2e-5 * scale + 1e-7,
+            "{what}[{i}]: ours {a}, transformers {b} (scale {scale})"
+        );
+    }
+}
+
+#[test]
+fn a_gpt2_checkpoint_computes_what_transformers_computes() {
+    let (model, params, cfg) = load(&fixture());
+    assert!(cfg.tie_embeddings, "GPT-2 ties its head to wte");
+    let exp = expected();
+    let ids: Vec<u32> = {
+        let info = &exp.tensors["input_ids"];
+        let bytes = std::fs::read(&info.file).unwrap();
+        let raw = &bytes[info.start as usize..(info.start + info.len) as usize];
+        raw.chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().unwrap()) as u32)
+            .collect()
+    };
+    let (rows, cols) = (2, 9);
+    assert_eq!(ids.len(), rows * cols);
+    let mb = MicroBatch {
+        inputs: ids
+            .chunks(cols)
+            .flat_map(|r| r[..cols - 1].to_vec())
+            .collect(),
+        targets: ids.chunks(cols).flat_map(|r| r[1..].to_vec()).collect(),
+        batch: rows,
+        seq: cols - 1,
+    };
+    // Forward through every unit's view, the loss, then the backward with the tied gradient
+    // added to its owner, as the runtime does.
+    let ties = Ties::of(model.as_ref()).unwrap();
+    let units = model.units();
+    let mut inputs = vec![Vec::new()];
+    for u in 0..units.len() {
+        let out = model.forward(u, &ties.view(u, |v| &params[v]), &inputs[u], &mb);
+        inputs.push(out);
+    }
+    let logits = inputs.pop().unwrap();
+    close("logits", &logits, &exp.read_f32("logits").unwrap());
+    let (loss, mut g) = model.loss(&logits, &mb);
+    close("loss", &[loss], &exp.read_f32("loss").unwrap());
+    let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
+    for u in (0..units.len()).rev() {
+        let view = ties.view(u, |v| &params[v]);
+        let mut gv = vec![0.0; view.len()];
+        g = model.backward(u, &view, &inputs[u], &g, &mb, &mut gv);
+        for (t, r, part) in ties.split_grad(u, &mut gv) {
+            grads[t.owner][r]
+                .iter_mut()
+                .zip(&part)
+                .for_each(|(a, b)| *a += b);
+        }
+        grads[u].iter_mut().zip(&gv).for_each(|(a, b)| *a += b);
+    }
+    let mut checked = 0;
+    for t in gpt2::export_tensors(&units, &grads) {
+        let (name, _, ours) = t.unwrap();
+        close(
+            &name,
+            &ours,
+            &exp.read_f32(&format!("grad.{name}")).unwrap(),
+        );
+        checked += 1;
+    }
+    // wte, wpe, 12 per block, ln_f's two; no lm_head (tied).
+    assert_eq!(checked, 2 + 2 * 12 + 2);
+}
+
+/// A copy of the fixture whose weights are rewritten by `edit` (name, shape, values).
+fn variant(
+    edit: impl Fn(&mut Vec<(String, Vec<usize>, Vec<f32>)>),
+    dtype: safetensors::Dtype,
+) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let td = TensorDir::open(&fixture()).unwrap();
+    let mut tensors: Vec<_> = td
+        .tensors
+        .iter()
+        .map(|(n, i)| (n.clone(), i.shape.clone(), td.read_f32(n).unwrap()))
+        .collect();
+    edit(&mut tensors);
+    let out = tensors
+        .into_iter()
+        .map(|(name, shape, v)| hf::files::OutTensor {
+            name,
+            shape,
+            bytes: match dtype {
+                safetensors::Dtype::BF16 => v
+                    .iter()
+                    .flat_map(|&x| {
+                        elastic_zero::checkpoint::interchange::f32_to_bf16(x).to_le_bytes()
+                    })
+                    .collect(),
+                _ => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            },
+        })
+        .collect();
+    hf::files::write_checkpoint(dir.path(), out, dtype, u64::MAX).unwrap();
+    std::fs::copy(
+        fixture().join("config.json"),
+        dir.path().join("config.json"),
+    )
+    .unwrap();
+    dir
+}
+
+#[test]
+fn hub_names_bf16_weights_and_stale_buffers_load() {
+    let (_, want, _) = load(&fixture());
+    // The hub's gpt2 has no `transformer.` prefix and carries the old attention buffers.
+    let hub = variant(
+        |t| {
+            for (n, _, _) in t.iter_mut() {
+                *n = n.trim_start_matches("transformer.").to_string();
+            }
+            t.push(("h.0.attn.bias".into(), vec![1, 1, 16, 16], vec![1.0; 256]));
+            t.push(("h.0.attn.masked_bias".into(), vec![], vec![-1e4]));
+        },
+        safetensors::Dtype::F32,
+    );
+    let (_, got, _) = load(hub.path());
+    assert_eq!(param_sha256(&got), param_sha256(&want));
+    let bf16 = variant(|_| {}, safetensors::Dtype::BF16);
+    let (_, got, _) = load(bf16.path());
+    let rounded: Vec<Vec<f32>> = want
+        .iter()
+        .map(|u| {
+            u.iter()
+                .map(|&x| elastic_zero::model::gemm::round_bf16(x))
+                .collect()
+        })
+        .collect();
+    assert_eq!(param_sha256(&got), param_sha256(&rounded));
+}
+
+#[test]
+fn bad_directories_are_refused_naming_the_file_and_the_problem() {
+    let train = |dir: &Path| {
+        ezero(&[
+            "train",
+            "--init",
+            &format!("hf:{}", s(dir)),
+            "--seq-len",
+            "8",
+            "--steps",
+            "1",
+        ])
+    };
+    let empty = tempfile::tempdir().unwrap();
+    refused(&train(empty.path()), "no config.json", "Hugging Face");
+    let llama = tempfile::tempdir().unwrap();
+    std::fs::write(
+        llama.path().join("config.json"),
+        r#"{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}"#,
+    )
+    .unwrap();
+    refused(&train(llama.path()), "config.json", "supported: gpt2");
+    let missing = variant(
+        |t| t.retain(|(n, _, _)| n != "transformer.h.1.mlp.c_fc.weight"),
+        safetensors::Dtype::F32,
+    );
+    refused(
+        &train(missing.path()),
+        "transformer.h.1.mlp.c_fc.weight",
+        "has no tensor",
+    );
+    let wrong = variant(
+        |t| {
+            for (n, shape, _) in t.iter_mut() {
+                if n == "transformer.h.0.attn.c_proj.weight" {
+                    shape.reverse();
+                    shape[0] = 16;
+                    shape[1] = 64;
+                }
+            }
+        },
+        safetensors::Dtype::F32,
+    );
+    refused(
+        &train(wrong.path()),
+        "transformer.h.0.attn.c_proj.weight",
+        "has shape",
+    );
+    let long = ezero(&[
+        "train",
+        "--init",
+        &format!("hf:{}", s(&fixture())),
+        "--seq-len",
+        "32",
+    ]);
+    refused(&long, "config.json", "max_positions");
+    let clash = ezero(&[
+        "train",
+        "--init",
+        &format!("hf:{}", s(&fixture())),
+        "--d-model",
+        "64",
+    ]);
+    refused(&clash, "--d-model 64", "contradicts");
+}
+
+#[test]
+fn fine_tuned_weights_export_as_a_directory_transformers_reads() {
+    let t = tempfile::tempdir().unwrap();
+    let saves = t.path().join("saves");
+    ok(&ezero(&[
+        "train",
+        "--init",
+        &format!("hf:{}", s(&fixture())),
+        "--seq-len",
+        "8",
+        "--steps",
+        "2",
+        "--ranks",
+        "2",
+        "--micro-batches",
+        "2",
+        "--sample-tokens",
+        "0",
+        "--save-dir",
+        s(&saves),
+        "--save-every",
+        "2",
+    ]));
+    let out = t.path().join("export");
+    ok(&ezero(&[
+        "checkpoint",
+        "export",
+        s(&step_dir(&saves, 2)),
+        "--format",
+        "hf",
+        "--out",
+        s(&out),
+        "--max-shard-bytes",
+        "50000",
+    ]));
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["model_type"], "gpt2");
+    assert_eq!(cfg["architectures"][0], "GPT2LMHeadModel");
+    assert_eq!(cfg["tie_word_embeddings"], true);
+    assert_eq!(cfg["activation_function"], "gelu_new");
+    assert_eq!(cfg["n_positions"], 16);
+    assert!(
+        out.join("generation_config.json").exists(),
+        "companion files copied"
+    );
+    let td = TensorDir::open(&out).unwrap();
+    assert!(td.tensors.keys().all(|k| k.starts_with("transformer.")));
+    assert!(
+        !td.tensors.contains_key("lm_head.weight"),
+        "tied: no lm_head"
+    );
+    assert!(out.join(hf::files::INDEX_FILE).exists(), "sharded at 50 kB");
+    let bytes = std::fs::read(td.tensors.values().next().unwrap().file.clone()).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    assert_eq!(
+        header["__metadata__"]["format"], "pt",
+        "transformers requires it"
+    );
+    // The export reads back to the checkpoint's weights, bit for bit.
+    let (_, back, _) = load(&out);
+    let saved = consolidated_params(&load_path(&step_dir(&saves, 2)).unwrap());
+    assert_eq!(param_sha256(&back), param_sha256(&saved));
+}
