@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::config::{ConfigError, ModelKind, OptimizerChoice, TrainConfig};
-use crate::data::{markov::MarkovSource, text::TextData, Dataset};
+use crate::data::{markov::MarkovSource, text::TextData, Dataset, TokenData};
 use crate::model::backend::Backend;
 use crate::model::gpt::{Gpt, GptConfig};
 use crate::model::mlp::{Mlp, MlpConfig};
@@ -65,11 +65,26 @@ fn build_unchecked(cfg: &TrainConfig, be: Arc<dyn Backend>) -> Result<Arc<dyn Mo
 
 /// The dataset the config names: a text file, or the embedded Markov corpus.
 pub fn build_dataset(cfg: &TrainConfig) -> Result<Arc<Dataset>, ConfigError> {
-    let data = match &cfg.data {
-        Some(path) => Dataset::Text(
+    let data = match (&cfg.data, cfg.tokenizer_path()) {
+        (Some(path), Some(tok)) => Dataset::Tokens(
+            TokenData::load(path, cfg.data_format, &tok, cfg.token_cache().as_deref())
+                .map_err(|e| ConfigError::new("data", e.to_string()))?,
+        ),
+        (Some(_), None) if cfg.hf_dir.is_some() => {
+            let dir = cfg.hf_dir.as_deref().unwrap_or(std::path::Path::new(""));
+            return Err(ConfigError::new(
+                "tokenizer",
+                format!(
+                    "{} has no tokenizer.json, and the model's ids are not bytes: pass \
+                     --tokenizer FILE",
+                    dir.display()
+                ),
+            ));
+        }
+        (Some(path), None) => Dataset::Text(
             TextData::load(path).map_err(|e| ConfigError::new("data", e.to_string()))?,
         ),
-        None => Dataset::Markov(MarkovSource::new(cfg.seed)),
+        (None, _) => Dataset::Markov(MarkovSource::new(cfg.seed)),
     };
     data.validate(cfg.seq_len)
         .map_err(|e| ConfigError::new("data", e.to_string()))?;
@@ -77,8 +92,8 @@ pub fn build_dataset(cfg: &TrainConfig) -> Result<Arc<Dataset>, ConfigError> {
         return Err(ConfigError::new(
             "vocab",
             format!(
-                "the data is byte-level (token ids 0-{}) but the model embeds only {} ids: \
-                 use a model with at least {} tokens",
+                "the data's ids reach {} but the model embeds only {} ids: use a tokenizer that \
+                 matches the model, or a model with at least {} tokens",
                 data.vocab() - 1,
                 cfg.vocab,
                 data.vocab()

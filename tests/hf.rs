@@ -7,6 +7,7 @@
 //! `tests/fixtures/hf/make_gpt2.py` wrote it.
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use crate::common;
 
@@ -312,4 +313,141 @@ fn fine_tuned_weights_export_as_a_directory_transformers_reads() {
     let (_, back, _) = load(&out);
     let saved = consolidated_params(&load_path(&step_dir(&saves, 2)).unwrap());
     assert_eq!(param_sha256(&back), param_sha256(&saved));
+}
+
+fn sample() -> (String, Vec<u32>, u32) {
+    let path = fixture().with_file_name("gpt2-tiny-sample.json");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let ids = v["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    (
+        v["text"].as_str().unwrap().to_string(),
+        ids,
+        v["eot"].as_u64().unwrap() as u32,
+    )
+}
+
+#[test]
+fn corpora_are_tokenized_as_the_python_tokenizer_does_and_cached() {
+    use elastic_zero::data::{DataFormat, TokenData};
+    let (text, ids, eot) = sample();
+    let t = tempfile::tempdir().unwrap();
+    let tokenizer = fixture().join("tokenizer.json");
+    let cache = t.path().join("cache");
+    let plain = t.path().join("corpus.txt");
+    std::fs::write(&plain, &text).unwrap();
+    let load = |p: &Path, f| TokenData::load(p, f, &tokenizer, Some(&cache)).unwrap();
+    let first = load(&plain, DataFormat::Auto);
+    assert!(
+        first.describe().contains("tokenized"),
+        "{}",
+        first.describe()
+    );
+    assert_eq!(first.vocab(), 300);
+    let again = load(&plain, DataFormat::Text);
+    assert!(again.describe().contains("cache"), "{}", again.describe());
+    let whole = |d: &TokenData| d.micro_batch(0, 0, 0, 1, d.len_tokens() - 1);
+    let mb = whole(&first);
+    assert_eq!(
+        [&mb.inputs[..], &mb.targets[mb.targets.len() - 1..]].concat(),
+        ids
+    );
+    assert_eq!(whole(&again), mb);
+    // A damaged cache is not used: the corpus is tokenized again.
+    for f in std::fs::read_dir(&cache).unwrap() {
+        let p = f.unwrap().path();
+        let mut b = std::fs::read(&p).unwrap();
+        let last = b.len() - 1;
+        b[last] ^= 1;
+        std::fs::write(&p, b).unwrap();
+    }
+    let redone = load(&plain, DataFormat::Text);
+    assert!(redone.describe().contains("tokenized"));
+    assert_eq!(whole(&redone), mb);
+    // JSON Lines: one document per record, joined by the end-of-text token.
+    let jsonl = t.path().join("corpus.jsonl");
+    let rec = serde_json::json!({ "text": text }).to_string();
+    std::fs::write(&jsonl, format!("{rec}\n\n{rec}\n")).unwrap();
+    let docs = load(&jsonl, DataFormat::Auto);
+    let mb = whole(&docs);
+    let mut want = ids.clone();
+    want.push(eot);
+    want.extend(&ids);
+    assert_eq!(
+        [&mb.inputs[..], &mb.targets[mb.targets.len() - 1..]].concat(),
+        want
+    );
+}
+
+#[test]
+fn fine_tuning_reads_the_models_tokenizer_and_refuses_bad_data() {
+    let t = tempfile::tempdir().unwrap();
+    let (text, _, _) = sample();
+    let jsonl = t.path().join("corpus.jsonl");
+    let rec = serde_json::json!({ "text": text.repeat(4) }).to_string();
+    std::fs::write(&jsonl, format!("{rec}\n{rec}\n")).unwrap();
+    let cache = t.path().join("cache");
+    let train = |data: &Path, extra: &[&str]| {
+        let init = format!("hf:{}", s(&fixture()));
+        let mut args = vec![
+            "train",
+            "--init",
+            &init,
+            "--seq-len",
+            "8",
+            "--steps",
+            "2",
+            "--ranks",
+            "2",
+            "--micro-batches",
+            "2",
+            "--sample-tokens",
+            "0",
+            "--data",
+            s(data),
+        ];
+        args.extend_from_slice(extra);
+        Command::new(env!("CARGO_BIN_EXE_ezero"))
+            .args(&args)
+            .env("XDG_CACHE_HOME", &cache)
+            .output()
+            .unwrap()
+    };
+    let out = train(&jsonl, &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("tokens(") && stdout.contains("300-id vocabulary"),
+        "{stdout}"
+    );
+    // A record without `text`, named by file and line.
+    let broken = t.path().join("broken.jsonl");
+    std::fs::write(&broken, format!("{rec}\n{{\"txt\": \"x\"}}\n")).unwrap();
+    let out = train(&broken, &[]);
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("broken.jsonl:2") && err.contains("`text`"),
+        "{err}"
+    );
+    // A tokenizer with more ids than the model embeds.
+    let out = ezero(&[
+        "train",
+        "--data",
+        s(&jsonl),
+        "--tokenizer",
+        s(&fixture().join("tokenizer.json")),
+        "--steps",
+        "1",
+    ]);
+    refused(&out, "vocab", "the model embeds only 256 ids");
 }

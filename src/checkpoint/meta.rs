@@ -95,7 +95,15 @@ impl CheckpointMeta {
 
 /// SHA-256 of the config's data file, if it names one.
 pub fn data_sha256(config: &TrainConfig) -> Result<Option<String>, CheckpointError> {
-    config.data.as_deref().map(sha256_file).transpose()
+    let Some(data) = config.data.as_deref() else {
+        return Ok(None);
+    };
+    let sha = sha256_file(data)?;
+    // Tokenized data is the pair: another tokenizer gives other ids from the same text.
+    match config.tokenizer_path() {
+        Some(t) => Ok(Some(format!("{sha}+tokenizer:{}", sha256_file(&t)?))),
+        None => Ok(Some(sha)),
+    }
 }
 
 fn sha256_file(path: &Path) -> Result<String, CheckpointError> {

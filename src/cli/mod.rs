@@ -16,6 +16,7 @@ use clap::{Args, Parser, Subcommand};
 use elastic_zero::config::{
     parse_bytes, At, ConfigError, ModelKind, OptimizerChoice, RoundKill, TrainConfig,
 };
+use elastic_zero::data::DataFormat;
 use elastic_zero::model::backend::{GeluForm, Precision};
 use elastic_zero::plan::activations::ActivationCheckpointing;
 use elastic_zero::plan::tier::Offload;
@@ -220,6 +221,12 @@ pub struct TrainArgs {
     /// that passes.
     #[arg(long)]
     pub latest_valid: bool,
+    /// Tokenize --data with this tokenizer.json [default: the --init hf:DIR's tokenizer.json].
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// --data layout: auto (.jsonl/.json are JSON Lines with a `text` field), text or jsonl.
+    #[arg(long, value_name = "auto|text|jsonl")]
+    pub data_format: Option<DataFormat>,
     /// Start from the weights in this safetensors file (fresh optimizer state), or from a
     /// Hugging Face GPT-2 directory (`hf:DIR`, or a directory), whose config.json sets the
     /// model's shape.
@@ -384,6 +391,12 @@ impl TrainArgs {
         }
         if self.tie_embeddings {
             c.tie_embeddings = true;
+        }
+        if let Some(t) = &self.tokenizer {
+            c.tokenizer = Some(t.clone());
+        }
+        if let Some(f) = self.data_format {
+            c.data_format = f;
         }
         if let Some(g) = self.gelu {
             c.gelu = g;

@@ -28,6 +28,7 @@ pub use self::membership::{At, Round, RoundKill};
 pub use self::offload::{parse_bytes, NvmeFault};
 pub use self::optim::OptimizerChoice;
 pub use self::shape::ModelKind;
+use crate::data::DataFormat;
 use crate::model::backend::{GeluForm, Precision};
 use crate::plan::activations::ActivationCheckpointing;
 use crate::plan::tier::Offload;
@@ -97,6 +98,17 @@ pub struct TrainConfig {
     pub reduce: ReduceMode,
     /// Train on this file's bytes instead of the embedded Markov corpus.
     pub data: Option<PathBuf>,
+    /// Tokenize `data` with this `tokenizer.json` (default: the `hf_dir`'s, if it has one;
+    /// without either, `data` is read as bytes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
+    /// `auto` (`.jsonl`/`.json` are JSON Lines with a `text` field, anything else text),
+    /// `text` or `jsonl` (default auto).
+    pub data_format: DataFormat,
+    /// Where tokenized corpora are cached (default `$XDG_CACHE_HOME/elastic-zero/tokens`, or
+    /// `~/.cache/elastic-zero/tokens`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_cache_dir: Option<PathBuf>,
     /// Write a JSON summary here.
     pub json: Option<PathBuf>,
     /// Elements per shard chunk: the unit of ownership and of rebalancing (default 8192).
@@ -221,6 +233,9 @@ impl Default for TrainConfig {
             hf_dir: None,
             tie_embeddings: false,
             gelu: GeluForm::Erf,
+            tokenizer: None,
+            data_format: DataFormat::Auto,
+            token_cache_dir: None,
             seq_len: 64,
             micro_batches: 8,
             micro_batch_size: 4,
@@ -368,6 +383,24 @@ impl TrainConfig {
             }
         }
         Ok(())
+    }
+
+    /// The tokenizer `data` is read with: `tokenizer`, else the `hf_dir`'s `tokenizer.json`.
+    pub fn tokenizer_path(&self) -> Option<PathBuf> {
+        self.tokenizer.clone().or_else(|| {
+            let t = self.hf_dir.as_ref()?.join("tokenizer.json");
+            t.is_file().then_some(t)
+        })
+    }
+
+    /// Where tokenized corpora are cached (see `token_cache_dir`).
+    pub fn token_cache(&self) -> Option<PathBuf> {
+        self.token_cache_dir.clone().or_else(|| {
+            let base = std::env::var_os("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+            Some(base.join("elastic-zero").join("tokens"))
+        })
     }
 
     /// Tokens in one global batch.

@@ -7,9 +7,11 @@
 
 pub mod markov;
 pub mod text;
+pub mod tokens;
 
 pub use markov::MarkovSource;
 pub use text::TextData;
+pub use tokens::{DataFormat, TokenData};
 
 use std::fmt;
 use std::path::PathBuf;
@@ -26,6 +28,8 @@ pub enum Dataset {
     Markov(MarkovSource),
     /// The bytes of a file.
     Text(TextData),
+    /// A corpus's token ids under a Hugging Face tokenizer.
+    Tokens(TokenData),
 }
 
 impl Dataset {
@@ -42,6 +46,7 @@ impl Dataset {
         match self {
             Dataset::Markov(source) => source.micro_batch(seed, step, index, batch, seq),
             Dataset::Text(text) => text.micro_batch(seed, step, index, batch, seq),
+            Dataset::Tokens(t) => t.micro_batch(seed, step, index, batch, seq),
         }
     }
 
@@ -50,19 +55,23 @@ impl Dataset {
         match self {
             Dataset::Markov(_) => Ok(()),
             Dataset::Text(text) => text.validate(seq),
+            Dataset::Tokens(t) => t.validate(seq),
         }
     }
 
-    /// Vocabulary size of the token ids produced (always [`VOCAB`]).
+    /// Ids the source can produce: [`VOCAB`] for bytes, the tokenizer's vocabulary otherwise.
     pub fn vocab(&self) -> usize {
-        VOCAB
+        match self {
+            Dataset::Tokens(t) => t.vocab(),
+            _ => VOCAB,
+        }
     }
 
     /// The lowest achievable mean cross-entropy (nats/token) when it is known exactly.
     pub fn entropy_floor_nats(&self) -> Option<f64> {
         match self {
             Dataset::Markov(source) => Some(source.entropy_rate_nats()),
-            Dataset::Text(_) => None,
+            Dataset::Text(_) | Dataset::Tokens(_) => None,
         }
     }
 
@@ -71,6 +80,7 @@ impl Dataset {
         match self {
             Dataset::Markov(source) => source.describe(),
             Dataset::Text(text) => text.describe(),
+            Dataset::Tokens(t) => t.describe(),
         }
     }
 }
@@ -83,11 +93,21 @@ pub enum DataError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// The tokenizer could not be read or could not encode the corpus.
+    Tokenizer { path: PathBuf, what: String },
+    /// A JSON Lines record that is not JSON or has no `text`.
+    Jsonl {
+        path: PathBuf,
+        line: usize,
+        what: String,
+    },
     /// The file is shorter than one training row.
     TooShort {
         path: PathBuf,
         len_bytes: usize,
         seq: usize,
+        /// What `len_bytes` counts: bytes, or tokens.
+        unit: &'static str,
     },
 }
 
@@ -97,13 +117,18 @@ impl fmt::Display for DataError {
             DataError::Io { path, source } => {
                 write!(f, "cannot read text data file {}: {source}", path.display())
             }
+            DataError::Tokenizer { path, what } => write!(f, "{}: {what}", path.display()),
+            DataError::Jsonl { path, line, what } => {
+                write!(f, "{}:{line}: {what}", path.display())
+            }
             DataError::TooShort {
                 path,
                 len_bytes,
                 seq,
+                unit,
             } => write!(
                 f,
-                "text data file {} has {len_bytes} bytes, but seq {seq} needs at least {} \
+                "text data file {} has {len_bytes} {unit}, but seq {seq} needs at least {} \
                  (seq + 1: the inputs plus one next-token target); use a longer file or \
                  seq <= {}",
                 path.display(),
@@ -118,8 +143,37 @@ impl std::error::Error for DataError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             DataError::Io { source, .. } => Some(source),
-            DataError::TooShort { .. } => None,
+            _ => None,
         }
+    }
+}
+
+/// `batch` rows of `seq + 1` consecutive ids of `data` starting at hashed offsets
+/// (`mix(coords ++ [row])` modulo the number of windows); inputs are the first `seq` of each
+/// window, targets the last `seq`. The caller checked that `data` holds one window.
+pub(crate) fn sample_windows<T: Copy + Into<u32>>(
+    data: &[T],
+    coords: [u64; 3],
+    batch: usize,
+    seq: usize,
+) -> MicroBatch {
+    // Windows of seq + 1 ids start at 0..=len - seq - 1.
+    let windows = (data.len() - seq) as u64;
+    let mut inputs = Vec::with_capacity(batch * seq);
+    let mut targets = Vec::with_capacity(batch * seq);
+    let [seed, step, index] = coords;
+    for r in 0..batch {
+        // The remainder is below `windows`, itself a usize, so the cast is lossless.
+        let start = (mix(&[seed, step, index, r as u64]) % windows) as usize;
+        let window = &data[start..start + seq + 1];
+        inputs.extend(window[..seq].iter().map(|&b| b.into()));
+        targets.extend(window[1..].iter().map(|&b| b.into()));
+    }
+    MicroBatch {
+        inputs,
+        targets,
+        batch,
+        seq,
     }
 }
 

@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{mix, DataError};
+use super::{sample_windows, DataError};
 use crate::model::MicroBatch;
 
 /// The whole file in memory (training corpora for this runtime are small).
@@ -33,6 +33,7 @@ impl TextData {
                 path: self.path.clone(),
                 len_bytes: self.bytes.len(),
                 seq,
+                unit: "bytes",
             });
         }
         Ok(())
@@ -61,23 +62,7 @@ impl TextData {
         if let Err(e) = self.validate(seq) {
             panic!("{e}");
         }
-        // Windows of seq + 1 bytes start at 0..=len - seq - 1.
-        let windows = (self.bytes.len() - seq) as u64;
-        let mut inputs = Vec::with_capacity(batch * seq);
-        let mut targets = Vec::with_capacity(batch * seq);
-        for r in 0..batch {
-            // The remainder is below `windows`, itself a usize, so the cast is lossless.
-            let start = (mix(&[seed, step, index, r as u64]) % windows) as usize;
-            let window = &self.bytes[start..start + seq + 1];
-            inputs.extend(window[..seq].iter().map(|&b| u32::from(b)));
-            targets.extend(window[1..].iter().map(|&b| u32::from(b)));
-        }
-        MicroBatch {
-            inputs,
-            targets,
-            batch,
-            seq,
-        }
+        sample_windows(&self.bytes, [seed, step, index], batch, seq)
     }
 
     /// One line for logs.
