@@ -451,3 +451,43 @@ fn fine_tuning_reads_the_models_tokenizer_and_refuses_bad_data() {
     ]);
     refused(&out, "vocab", "the model embeds only 256 ids");
 }
+
+#[test]
+fn generate_continues_a_prompt_from_a_directory_or_a_checkpoint() {
+    let t = tempfile::tempdir().unwrap();
+    let init = format!("hf:{}", s(&fixture()));
+    let gen = |source: &[&str], seed: &str| {
+        let mut args = vec!["generate", "--prompt", "The model", "--max-new-tokens", "6"];
+        args.extend_from_slice(source);
+        args.extend_from_slice(&["--seed", seed, "--top-k", "20"]);
+        ok(&ezero(&args)).stdout.clone()
+    };
+    let a = gen(&["--init", &init], "1");
+    assert!(a.starts_with("The model"), "{a}");
+    assert_eq!(a, gen(&["--init", &init], "1"), "a seed fixes the draw");
+    let saves = t.path().join("saves");
+    ok(&ezero(&[
+        "train",
+        "--init",
+        &init,
+        "--seq-len",
+        "8",
+        "--steps",
+        "1",
+        "--micro-batches",
+        "1",
+        "--sample-tokens",
+        "0",
+        "--save-dir",
+        s(&saves),
+        "--save-every",
+        "1",
+    ]));
+    let b = gen(&["--checkpoint", s(&saves)], "1");
+    assert!(b.starts_with("The model"), "{b}");
+    refused(
+        &ezero(&["generate", "--prompt", "x"]),
+        "--init",
+        "--checkpoint",
+    );
+}

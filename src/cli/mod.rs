@@ -4,6 +4,7 @@
 mod checkpoint;
 mod collectives;
 mod gemm;
+mod generate;
 mod launch;
 mod procs;
 mod ticker;
@@ -40,6 +41,8 @@ pub enum Command {
     /// Micro-benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Continue a prompt with a Hugging Face GPT-2 directory or a checkpoint (KV cache).
+    Generate(Box<generate::GenerateArgs>),
     /// Verify, inspect or export a checkpoint.
     #[command(subcommand)]
     Checkpoint(checkpoint::CheckpointCommand),
@@ -443,6 +446,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::Train(args) => train::run(&args),
         Command::Checkpoint(cmd) => checkpoint::run(cmd),
+        Command::Generate(args) => generate::run(&args),
         Command::Coordinator(args) => procs::run_coordinator_cmd(&args),
         Command::Worker(args) => procs::run_worker_cmd(&args),
         Command::Launch(args) => launch::run(&args),

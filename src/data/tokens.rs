@@ -58,6 +58,11 @@ impl DataFormat {
 /// Tokens that end a document, in the order they are looked for.
 const END_OF_TEXT: &[&str] = &["<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>"];
 
+/// The tokenizer's end-of-text token, if it has one of the usual ones.
+pub fn end_of_text(tok: &tokenizers::Tokenizer) -> Option<u32> {
+    END_OF_TEXT.iter().find_map(|t| tok.token_to_id(t))
+}
+
 /// Magic and version of a token cache file.
 const CACHE_MAGIC: &[u8; 8] = b"EZTOKS01";
 
@@ -127,7 +132,7 @@ impl TokenData {
             DataFormat::Jsonl => jsonl_texts(data, &text)?,
             _ => vec![text],
         };
-        let eot = END_OF_TEXT.iter().find_map(|t| tok.token_to_id(t));
+        let eot = end_of_text(&tok);
         let mut tokens = Vec::new();
         for (i, doc) in docs.iter().enumerate() {
             let enc = tok.encode(doc.as_str(), false).map_err(|e| {

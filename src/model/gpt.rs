@@ -18,7 +18,7 @@ use super::ops::{split_params, split_params_mut};
 use super::rng::{init_unit_buffer, unit_spec, Init};
 use super::tie::Tie;
 use super::workspace::{carve, Scratch};
-use super::{Kept, MicroBatch, Model, UnitSpec};
+use super::{Decoder, Kept, MicroBatch, Model, UnitSpec};
 
 /// Shape of a [`Gpt`].
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -527,6 +527,10 @@ impl Model for Gpt {
         self.units.clone()
     }
 
+    fn decoder<'a>(&'a self, params: &'a [Vec<f32>]) -> Option<Box<dyn Decoder + 'a>> {
+        Some(Box::new(decode::GptDecoder::new(self, params)))
+    }
+
     fn ties(&self) -> Vec<Tie> {
         match self.cfg.tie_embeddings {
             true => vec![Tie {
@@ -681,5 +685,6 @@ impl Model for Gpt {
     }
 }
 
+mod decode;
 #[cfg(test)]
 mod tests;

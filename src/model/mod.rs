@@ -82,6 +82,13 @@ pub trait Model: Send + Sync + 'static {
     /// Initial parameters of `unit` (length `units()[unit].numel()`), a pure function of `seed`.
     fn init_unit(&self, unit: usize, seed: u64) -> Vec<f32>;
 
+    /// Incremental decoding with a KV cache over the full parameters of every unit, if the
+    /// model has one (generation falls back to re-running the forward on the whole context).
+    fn decoder<'a>(&'a self, params: &'a [Vec<f32>]) -> Option<Box<dyn Decoder + 'a>> {
+        let _ = params;
+        None
+    }
+
     /// Parameters that a later unit uses too (tied weights, see [`tie`]). `params` of the
     /// forward and backward calls below is the unit's *view*: its own full parameters followed by
     /// the ones it borrows, in this order; `grad_params` has the view's layout. Default: none.
@@ -161,6 +168,20 @@ pub trait Model: Send + Sync + 'static {
     fn backend(&self) -> &dyn Backend {
         &backend::CPU
     }
+}
+
+/// A model's decoding state for generation: feed tokens one at a time, get the next-token
+/// logits.
+pub trait Decoder {
+    /// Tokens fed so far.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The most tokens it can hold (the model's position table).
+    fn capacity(&self) -> usize;
+    /// Feeds `token` at position `len()` and returns the logits for the token after it.
+    fn push(&mut self, token: u32) -> Vec<f32>;
 }
 
 /// Total parameter count of a list of units.

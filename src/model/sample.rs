@@ -61,6 +61,59 @@ pub fn generate(
     tokens.split_off(prompt.len())
 }
 
+/// How [`generate_cached`] samples.
+#[derive(Clone, Copy, Debug)]
+pub struct Sampling {
+    pub new_tokens: usize,
+    /// `<= 0` (or NaN): greedy.
+    pub temperature: f32,
+    /// Draw only among the `top_k` largest logits; 0 keeps them all.
+    pub top_k: usize,
+    pub seed: u64,
+    /// Stop after emitting this token (the tokenizer's end of text).
+    pub stop: Option<u32>,
+}
+
+/// Continues `prompt` with the model's KV-cache decoder ([`Model::decoder`]), or, for a model
+/// without one, by re-running the forward on the context ([`generate`]). Returns only the new
+/// tokens; with a decoder it stops at the model's position table.
+pub fn generate_cached(
+    model: &dyn Model,
+    params: &[Vec<f32>],
+    prompt: &[u32],
+    s: Sampling,
+) -> Vec<u32> {
+    let Some(mut dec) = model.decoder(params) else {
+        return generate(model, params, prompt, s.new_tokens, s.temperature, s.seed);
+    };
+    let mut rng = SplitMix64::new(s.seed);
+    let mut out = Vec::new();
+    // Learned positions end at the table: the context is the prompt's last `capacity` tokens.
+    let ctx = &prompt[prompt.len() - prompt.len().min(dec.capacity())..];
+    let Some(mut logits) = ctx.iter().map(|&t| dec.push(t)).last() else {
+        return out;
+    };
+    while out.len() < s.new_tokens {
+        if s.top_k > 0 && s.top_k < logits.len() {
+            let mut sorted = logits.clone();
+            sorted.sort_unstable_by(|a, b| b.total_cmp(a));
+            let kth = sorted[s.top_k - 1];
+            logits
+                .iter_mut()
+                .filter(|v| **v < kth)
+                .for_each(|v| *v = f32::NEG_INFINITY);
+        }
+        let next = pick(&logits, s.temperature, &mut rng);
+        out.push(next);
+        let full = dec.len() == dec.capacity();
+        if out.len() == s.new_tokens || Some(next) == s.stop || full {
+            break;
+        }
+        logits = dec.push(next);
+    }
+    out
+}
+
 /// Index of the first largest logit (NaNs never win).
 fn argmax(logits: &[f32]) -> usize {
     let mut best = 0;

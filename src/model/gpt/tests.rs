@@ -408,3 +408,55 @@ fn loss_falls_on_a_repeating_pattern() {
     assert!((first - 10f32.ln()).abs() < 0.1, "initial loss {first}");
     assert!(last < 0.1, "loss only fell from {first} to {last}");
 }
+
+/// The KV-cache decoder gives the full forward's logits at every position (to rounding: its
+/// attention sums in another order), and greedy generation picks the same tokens.
+#[test]
+fn the_kv_cache_decoder_matches_the_full_forward() {
+    use super::super::sample::{generate, generate_cached, Sampling};
+    for tie_embeddings in [false, true] {
+        let gpt = Gpt::new(GptConfig {
+            tie_embeddings,
+            gelu: GeluForm::Tanh,
+            ..tiny().cfg
+        })
+        .expect("valid config");
+        let params = perturbed(&gpt, 5, 0.5);
+        let mb = batch_of(11, 1, 5, 3);
+        let full = forward_logits(&gpt, &params, &mb);
+        let mut dec = gpt.decoder(&params).expect("the GPT decodes");
+        for (i, &t) in mb.inputs.iter().enumerate() {
+            let row = dec.push(t);
+            for (a, b) in row.iter().zip(&full[i * 11..(i + 1) * 11]) {
+                assert!((a - b).abs() < 1e-5, "position {i}: {a} vs {b}");
+            }
+        }
+        assert_eq!(dec.len(), dec.capacity());
+        let greedy = Sampling {
+            new_tokens: 3,
+            temperature: 0.0,
+            top_k: 0,
+            seed: 1,
+            stop: None,
+        };
+        let prompt = &mb.inputs[..2];
+        assert_eq!(
+            generate_cached(&gpt, &params, prompt, greedy),
+            generate(&gpt, &params, prompt, 3, 0.0, 1)
+        );
+        // Top-1 sampling is greedy whatever the temperature; the table bounds the output.
+        let top1 = Sampling {
+            temperature: 5.0,
+            top_k: 1,
+            new_tokens: 10,
+            ..greedy
+        };
+        let out = generate_cached(&gpt, &params, prompt, top1);
+        assert_eq!(
+            out.len(),
+            5 - 2 + 1,
+            "the prompt's 2 positions, then 3 more, and the last"
+        );
+        assert_eq!(&out[..3], &generate(&gpt, &params, prompt, 3, 0.0, 1)[..]);
+    }
+}

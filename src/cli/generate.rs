@@ -1,0 +1,112 @@
+//! `ezero generate`: continue a prompt with a Hugging Face GPT-2 directory or a checkpoint,
+//! through the model's tokenizer and its KV-cache decoder.
+
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+
+use elastic_zero::checkpoint::hf;
+use elastic_zero::checkpoint::interchange::consolidated_params;
+use elastic_zero::checkpoint::read::load_path;
+use elastic_zero::config::TrainConfig;
+use elastic_zero::data::tokens::end_of_text;
+use elastic_zero::job::build_model;
+use elastic_zero::model::sample::{generate_cached, Sampling};
+
+use super::CliError;
+
+/// `ezero generate` flags.
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// A Hugging Face GPT-2 directory (`hf:DIR`, or a directory).
+    #[arg(long, conflicts_with = "checkpoint")]
+    pub init: Option<PathBuf>,
+    /// A checkpoint directory, or a save directory (its newest complete checkpoint).
+    #[arg(long)]
+    pub checkpoint: Option<PathBuf>,
+    /// The text to continue.
+    #[arg(long)]
+    pub prompt: String,
+    #[arg(long, default_value_t = 50)]
+    pub max_new_tokens: usize,
+    /// Softmax temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Draw among the K likeliest tokens only; 0 keeps all.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// tokenizer.json [default: the model directory's, or the checkpoint run's; without one,
+    /// text is bytes].
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+}
+
+fn usage(e: impl std::fmt::Display) -> CliError {
+    CliError::Usage(e.to_string())
+}
+
+pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
+    let (cfg, params) = match (&args.init, &args.checkpoint) {
+        (Some(init), None) => {
+            let dir = hf::source_dir(init)
+                .ok_or_else(|| usage(format!("--init {}: not a directory", init.display())))?;
+            let shape = hf::config::read_gpt2(&dir).map_err(usage)?;
+            let mut cfg = TrainConfig::default();
+            shape.apply(&mut cfg, &dir);
+            cfg.seq_len = shape.positions;
+            let model = build_model(&cfg).map_err(usage)?;
+            let params = hf::import_gpt2(&dir, &model.units()).map_err(usage)?;
+            (cfg, params)
+        }
+        (None, Some(ckpt)) => {
+            let loaded = load_path(ckpt).map_err(usage)?;
+            let params = consolidated_params(&loaded);
+            (loaded.manifest.config, params)
+        }
+        _ => return Err(usage("give the model: --init hf:DIR or --checkpoint DIR")),
+    };
+    let model = build_model(&cfg).map_err(usage)?;
+    let tokenizer = match args.tokenizer.clone().or_else(|| cfg.tokenizer_path()) {
+        Some(p) => Some(load_tokenizer(&p)?),
+        None => None,
+    };
+    let prompt: Vec<u32> = match &tokenizer {
+        Some(t) => t
+            .encode(args.prompt.as_str(), false)
+            .map_err(|e| usage(format!("--prompt: cannot encode: {e}")))?
+            .get_ids()
+            .to_vec(),
+        None => args.prompt.bytes().map(u32::from).collect(),
+    };
+    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= model.vocab()) {
+        return Err(usage(format!(
+            "--prompt: token id {bad} is beyond the model's {} ids: give the model's tokenizer",
+            model.vocab()
+        )));
+    }
+    let sampling = Sampling {
+        new_tokens: args.max_new_tokens,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        seed: args.seed,
+        stop: tokenizer.as_ref().and_then(end_of_text),
+    };
+    let out = generate_cached(model.as_ref(), &params, &prompt, sampling);
+    let text = match &tokenizer {
+        Some(t) => t
+            .decode(&out, true)
+            .map_err(|e| CliError::Failed(format!("cannot decode: {e}")))?,
+        None => {
+            String::from_utf8_lossy(&out.iter().map(|&t| t as u8).collect::<Vec<_>>()).into_owned()
+        }
+    };
+    println!("{}{text}", args.prompt);
+    Ok(())
+}
+
+fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, CliError> {
+    tokenizers::Tokenizer::from_file(path)
+        .map_err(|e| usage(format!("{}: not a tokenizer.json: {e}", path.display())))
+}
