@@ -17,7 +17,7 @@ use elastic_zero::checkpoint::interchange::consolidated_params;
 use elastic_zero::checkpoint::read::load_path;
 use elastic_zero::config::TrainConfig;
 use elastic_zero::job::build_model;
-use elastic_zero::model::tie::Ties;
+use elastic_zero::model::sample::forward_backward;
 use elastic_zero::model::{MicroBatch, Model};
 use elastic_zero::summary::param_sha256;
 
@@ -39,6 +39,28 @@ fn load(dir: &Path) -> (std::sync::Arc<dyn Model>, Vec<Vec<f32>>, TrainConfig) {
     let model = build_model(&cfg).unwrap();
     let params = hf::import_gpt2(dir, &model.units()).unwrap();
     (model, params, cfg)
+}
+
+/// `ezero train` from the fixture: 2 ranks, 2 micro-batches of seq 8, then `extra`.
+fn fine_tune_args(extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = [
+        "train",
+        "--seq-len",
+        "8",
+        "--ranks",
+        "2",
+        "--micro-batches",
+        "2",
+        "--sample-tokens",
+        "0",
+        "--init",
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    args.push(format!("hf:{}", s(&fixture())));
+    args.extend(extra.iter().map(|a| a.to_string()));
+    args
 }
 
 fn close(what: &str, ours: &[f32], theirs: &[f32]) {
@@ -76,34 +98,12 @@ fn a_gpt2_checkpoint_computes_what_transformers_computes() {
         batch: rows,
         seq: cols - 1,
     };
-    // Forward through every unit's view, the loss, then the backward with the tied gradient
-    // added to its owner, as the runtime does.
-    let ties = Ties::of(model.as_ref()).unwrap();
+    let step = forward_backward(model.as_ref(), &params, &mb);
+    close("logits", &step.logits, &exp.read_f32("logits").unwrap());
+    close("loss", &[step.loss], &exp.read_f32("loss").unwrap());
     let units = model.units();
-    let mut inputs = vec![Vec::new()];
-    for u in 0..units.len() {
-        let out = model.forward(u, &ties.view(u, |v| &params[v]), &inputs[u], &mb);
-        inputs.push(out);
-    }
-    let logits = inputs.pop().unwrap();
-    close("logits", &logits, &exp.read_f32("logits").unwrap());
-    let (loss, mut g) = model.loss(&logits, &mb);
-    close("loss", &[loss], &exp.read_f32("loss").unwrap());
-    let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
-    for u in (0..units.len()).rev() {
-        let view = ties.view(u, |v| &params[v]);
-        let mut gv = vec![0.0; view.len()];
-        g = model.backward(u, &view, &inputs[u], &g, &mb, &mut gv);
-        for (t, r, part) in ties.split_grad(u, &mut gv) {
-            grads[t.owner][r]
-                .iter_mut()
-                .zip(&part)
-                .for_each(|(a, b)| *a += b);
-        }
-        grads[u].iter_mut().zip(&gv).for_each(|(a, b)| *a += b);
-    }
     let mut checked = 0;
-    for t in gpt2::export_tensors(&units, &grads) {
+    for t in gpt2::export_tensors(&units, &step.grads) {
         let (name, _, ours) = t.unwrap();
         close(
             &name,
@@ -253,25 +253,8 @@ fn bad_directories_are_refused_naming_the_file_and_the_problem() {
 fn fine_tuned_weights_export_as_a_directory_transformers_reads() {
     let t = tempfile::tempdir().unwrap();
     let saves = t.path().join("saves");
-    ok(&ezero(&[
-        "train",
-        "--init",
-        &format!("hf:{}", s(&fixture())),
-        "--seq-len",
-        "8",
-        "--steps",
-        "2",
-        "--ranks",
-        "2",
-        "--micro-batches",
-        "2",
-        "--sample-tokens",
-        "0",
-        "--save-dir",
-        s(&saves),
-        "--save-every",
-        "2",
-    ]));
+    let save = ["--steps", "2", "--save-dir", s(&saves), "--save-every", "2"];
+    ok(&ezero(&fine_tune_args(&save)));
     let out = t.path().join("export");
     ok(&ezero(&[
         "checkpoint",
@@ -392,33 +375,14 @@ fn fine_tuning_reads_the_models_tokenizer_and_refuses_bad_data() {
     let rec = serde_json::json!({ "text": text.repeat(4) }).to_string();
     std::fs::write(&jsonl, format!("{rec}\n{rec}\n")).unwrap();
     let cache = t.path().join("cache");
-    let train = |data: &Path, extra: &[&str]| {
-        let init = format!("hf:{}", s(&fixture()));
-        let mut args = vec![
-            "train",
-            "--init",
-            &init,
-            "--seq-len",
-            "8",
-            "--steps",
-            "2",
-            "--ranks",
-            "2",
-            "--micro-batches",
-            "2",
-            "--sample-tokens",
-            "0",
-            "--data",
-            s(data),
-        ];
-        args.extend_from_slice(extra);
+    let train = |data: &Path| {
         Command::new(env!("CARGO_BIN_EXE_ezero"))
-            .args(&args)
+            .args(fine_tune_args(&["--steps", "2", "--data", s(data)]))
             .env("XDG_CACHE_HOME", &cache)
             .output()
             .unwrap()
     };
-    let out = train(&jsonl, &[]);
+    let out = train(&jsonl);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -432,7 +396,7 @@ fn fine_tuning_reads_the_models_tokenizer_and_refuses_bad_data() {
     // A record without `text`, named by file and line.
     let broken = t.path().join("broken.jsonl");
     std::fs::write(&broken, format!("{rec}\n{{\"txt\": \"x\"}}\n")).unwrap();
-    let out = train(&broken, &[]);
+    let out = train(&broken);
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -466,23 +430,8 @@ fn generate_continues_a_prompt_from_a_directory_or_a_checkpoint() {
     assert!(a.starts_with("The model"), "{a}");
     assert_eq!(a, gen(&["--init", &init], "1"), "a seed fixes the draw");
     let saves = t.path().join("saves");
-    ok(&ezero(&[
-        "train",
-        "--init",
-        &init,
-        "--seq-len",
-        "8",
-        "--steps",
-        "1",
-        "--micro-batches",
-        "1",
-        "--sample-tokens",
-        "0",
-        "--save-dir",
-        s(&saves),
-        "--save-every",
-        "1",
-    ]));
+    let save = ["--steps", "1", "--save-dir", s(&saves), "--save-every", "1"];
+    ok(&ezero(&fine_tune_args(&save)));
     let b = gen(&["--checkpoint", s(&saves)], "1");
     assert!(b.starts_with("The model"), "{b}");
     refused(

@@ -145,6 +145,53 @@ fn pick(logits: &[f32], temperature: f32, rng: &mut SplitMix64) -> u32 {
     best as u32 // only reachable through rounding at the very top of the range
 }
 
+/// Everything one forward and backward pass over a micro-batch computes: the loss, each
+/// unit's parameter gradient (a tied parameter's summed over its uses, in its owner), each
+/// unit's input and the gradient `backward` returned for it.
+pub struct Step {
+    pub loss: f32,
+    pub logits: Vec<f32>,
+    pub grads: Vec<Vec<f32>>,
+    pub inputs: Vec<Vec<f32>>,
+    pub input_grads: Vec<Vec<f32>>,
+}
+
+/// The forward through every unit's view ([`Ties::view`]), the loss and the backward, in f32,
+/// on whole parameters: what one rank computes for one micro-batch, without quantization.
+pub fn forward_backward(model: &dyn Model, params: &[Vec<f32>], mb: &MicroBatch) -> Step {
+    let ties = Ties::of(model).expect("the model's ties are checked when it is built");
+    let mut inputs = vec![Vec::new()];
+    for u in 0..params.len() {
+        let out = model.forward(u, &ties.view(u, |v| &params[v]), &inputs[u], mb);
+        inputs.push(out);
+    }
+    let logits = inputs.pop().unwrap_or_default();
+    let (loss, mut g) = model.loss(&logits, mb);
+    let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
+    let mut input_grads = vec![Vec::new(); params.len()];
+    for u in (0..params.len()).rev() {
+        let view = ties.view(u, |v| &params[v]);
+        let mut gv = vec![0.0; view.len()];
+        g = model.backward(u, &view, &inputs[u], &g, mb, &mut gv);
+        // A tied parameter's gradient is the sum over its uses.
+        for (t, r, part) in ties.split_grad(u, &mut gv) {
+            grads[t.owner][r]
+                .iter_mut()
+                .zip(&part)
+                .for_each(|(a, b)| *a += b);
+        }
+        grads[u].iter_mut().zip(&gv).for_each(|(a, b)| *a += b);
+        input_grads[u] = g.clone();
+    }
+    Step {
+        loss,
+        logits,
+        grads,
+        inputs,
+        input_grads,
+    }
+}
+
 /// Model-level test harness shared by the GPT and MLP tests: chained backward, whole-model
 /// gradient checks, determinism checks and a tiny Adam loop.
 #[cfg(test)]
@@ -201,50 +248,17 @@ pub(crate) mod test_util {
         loss_f64(model, &x, mb)
     }
 
-    /// Everything one training step computes: loss, per-unit parameter gradients, per-unit inputs
-    /// and the gradients `backward` returned for them.
-    pub struct Step {
-        pub loss: f32,
-        pub grads: Vec<Vec<f32>>,
-        pub inputs: Vec<Vec<f32>>,
-        pub input_grads: Vec<Vec<f32>>,
-    }
+    pub use super::Step;
 
+    /// [`forward_backward`](super::forward_backward), with its f32 loss checked against the
+    /// f64 one.
     pub fn step(model: &dyn Model, params: &[Vec<f32>], mb: &MicroBatch) -> Step {
-        let ties = Ties::of(model).expect("valid ties");
-        let mut inputs = vec![Vec::new()];
-        for u in 0..params.len() {
-            let out = model.forward(u, &ties.view(u, |v| &params[v]), &inputs[u], mb);
-            inputs.push(out);
-        }
-        let logits = inputs.pop().unwrap_or_default();
-        let (loss, mut g) = model.loss(&logits, mb);
+        let s = super::forward_backward(model, params, mb);
         assert!(
-            (loss as f64 - loss_f64(model, &logits, mb)).abs() < 1e-5,
+            (s.loss as f64 - loss_f64(model, &s.logits, mb)).abs() < 1e-5,
             "loss value"
         );
-        let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
-        let mut input_grads = vec![Vec::new(); params.len()];
-        for u in (0..params.len()).rev() {
-            let view = ties.view(u, |v| &params[v]);
-            let mut gv = vec![0.0; view.len()];
-            g = model.backward(u, &view, &inputs[u], &g, mb, &mut gv);
-            // A tied parameter's gradient is the sum over its uses.
-            for (t, r, part) in ties.split_grad(u, &mut gv) {
-                grads[t.owner][r]
-                    .iter_mut()
-                    .zip(&part)
-                    .for_each(|(a, b)| *a += b);
-            }
-            grads[u].iter_mut().zip(&gv).for_each(|(a, b)| *a += b);
-            input_grads[u] = g.clone();
-        }
-        Step {
-            loss,
-            grads,
-            inputs,
-            input_grads,
-        }
+        s
     }
 
     /// Finite-difference check of every parameter of every unit and of every unit's input
