@@ -440,3 +440,68 @@ fn generate_continues_a_prompt_from_a_directory_or_a_checkpoint() {
         "--checkpoint",
     );
 }
+
+fn digest(stdout: &str) -> String {
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("param-sha256: "))
+        .unwrap_or_else(|| panic!("no digest in:\n{stdout}"))
+        .to_string()
+}
+
+/// Worker processes start from the directory too, and train the in-process run's bits; on
+/// real text (the fixture's own script, through its tokenizer) the loss falls.
+#[test]
+fn worker_processes_fine_tune_the_same_bits_and_the_loss_falls() {
+    let t = tempfile::tempdir().unwrap();
+    let corpus = fixture().with_file_name("make_gpt2.py");
+    let cache = t.path().join("cache");
+    let run = |args: Vec<String>| {
+        let out = Command::new(env!("CARGO_BIN_EXE_ezero"))
+            .args(args)
+            .env("XDG_CACHE_HOME", &cache)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        stdout
+    };
+    let json = t.path().join("summary.json");
+    let train = fine_tune_args(&[
+        "--steps",
+        "30",
+        "--lr",
+        "1e-2",
+        "--data",
+        s(&corpus),
+        "--json",
+        s(&json),
+    ]);
+    let in_process = run(train.clone());
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let (first, last) = (
+        summary["first_loss"].as_f64().unwrap(),
+        summary["final_loss"].as_f64().unwrap(),
+    );
+    assert!(
+        last < first - 1.0,
+        "the loss must fall on real text: {first} -> {last}"
+    );
+    // The same job as worker processes: launch sets the world size from --nprocs.
+    let mut launch: Vec<String> = ["launch", "--nprocs", "2", "--"].map(String::from).to_vec();
+    let mut rest = train.into_iter().skip(1);
+    while let Some(a) = rest.next() {
+        match a.as_str() {
+            "--ranks" | "--json" => {
+                rest.next();
+            }
+            _ => launch.push(a),
+        }
+    }
+    assert_eq!(digest(&run(launch)), digest(&in_process));
+}
