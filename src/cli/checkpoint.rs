@@ -501,7 +501,10 @@ pub fn init_params(args: &TrainArgs, model: &dyn Model) -> Result<Option<Vec<Vec
     let units = model.units();
     match hf::source_dir(init) {
         Some(dir) => hf::import_gpt2(&dir, &units).map(Some).map_err(usage),
-        None => import_params(init, &units).map(Some).map_err(usage),
+        None => {
+            hf::refuse_gguf(init).map_err(usage)?;
+            import_params(init, &units).map(Some).map_err(usage)
+        }
     }
 }
 

@@ -50,6 +50,7 @@ fn usage(e: impl std::fmt::Display) -> CliError {
 pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
     let (cfg, params) = match (&args.init, &args.checkpoint) {
         (Some(init), None) => {
+            hf::refuse_gguf(init).map_err(usage)?;
             let dir = hf::source_dir(init)
                 .ok_or_else(|| usage(format!("--init {}: not a directory", init.display())))?;
             let shape = hf::config::read_gpt2(&dir).map_err(usage)?;
