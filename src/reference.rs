@@ -134,12 +134,13 @@ fn accumulate(
             let view = ties.view(u, |v| &params[v]);
             let mut gp = vec![0f32; view.len()];
             g = model.backward(u, &view, &inputs[u], &g, &mb, &mut gp);
-            for (t, r, part) in ties.split_grad(u, &mut gp) {
+            for (t, r, part) in ties.borrowed_grads(u, &gp) {
                 let o = t.owner;
-                let st = grads[o].accumulate(r.start, &part, exps[o], m * terms[o]);
+                let st = grads[o].accumulate(r.start, part, exps[o], m * terms[o]);
                 stats[o] = stats[o].merge(st);
             }
-            stats[u] = stats[u].merge(grads[u].accumulate(0, &gp, exps[u], m * terms[u]));
+            let own = ties.own_grad(u, &gp);
+            stats[u] = stats[u].merge(grads[u].accumulate(0, own, exps[u], m * terms[u]));
         }
     }
     (grads, stats, losses)

@@ -174,13 +174,14 @@ pub fn forward_backward(model: &dyn Model, params: &[Vec<f32>], mb: &MicroBatch)
         let mut gv = vec![0.0; view.len()];
         g = model.backward(u, &view, &inputs[u], &g, mb, &mut gv);
         // A tied parameter's gradient is the sum over its uses.
-        for (t, r, part) in ties.split_grad(u, &mut gv) {
+        for (t, r, part) in ties.borrowed_grads(u, &gv) {
             grads[t.owner][r]
                 .iter_mut()
-                .zip(&part)
+                .zip(part)
                 .for_each(|(a, b)| *a += b);
         }
-        grads[u].iter_mut().zip(&gv).for_each(|(a, b)| *a += b);
+        let own = ties.own_grad(u, &gv);
+        grads[u].iter_mut().zip(own).for_each(|(a, b)| *a += b);
         input_grads[u] = g.clone();
     }
     Step {

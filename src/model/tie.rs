@@ -73,10 +73,6 @@ impl Ties {
         })
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.ties.is_empty()
-    }
-
     /// `(tie index, owner range)` of the parameters `owner` lends to later units.
     pub fn lent_by(&self, owner: usize) -> impl Iterator<Item = (usize, Range<usize>)> + '_ {
         self.ties
@@ -108,7 +104,7 @@ impl Ties {
     pub fn terms(&self) -> Vec<u32> {
         let mut t = vec![1u32; self.units];
         for (tie, _) in &self.ties {
-            t[tie.owner] = t[tie.owner].max(1) + 1;
+            t[tie.owner] += 1;
         }
         t
     }
@@ -116,31 +112,45 @@ impl Ties {
     /// The buffer `unit` computes with: its own parameters, then the ones it borrows.
     /// `params(u)` gives unit `u`'s full parameters.
     pub fn view<'a>(&self, unit: usize, params: impl Fn(usize) -> &'a [f32]) -> Cow<'a, [f32]> {
+        self.view_of(unit, params(unit), |_, t, r| &params(t.owner)[r])
+    }
+
+    /// The view of `unit` from its own parameters `own` and `borrowed(tie index, tie, owner
+    /// range)`, the values of each parameter it borrows (the owner's, or a copy of them).
+    pub fn view_of<'a>(
+        &self,
+        unit: usize,
+        own: &'a [f32],
+        borrowed: impl Fn(usize, Tie, Range<usize>) -> &'a [f32],
+    ) -> Cow<'a, [f32]> {
         if self.borrowed_len(unit) == 0 {
-            return Cow::Borrowed(params(unit));
+            return Cow::Borrowed(own);
         }
-        let mut v = params(unit).to_vec();
-        for (_, t, r) in self.borrowed_by(unit) {
-            v.extend_from_slice(&params(t.owner)[r]);
+        let mut v = own.to_vec();
+        for (i, t, r) in self.borrowed_by(unit) {
+            v.extend_from_slice(borrowed(i, t, r));
         }
         Cow::Owned(v)
     }
 
-    /// Splits a user's view gradient: the own part stays in `grad` (truncated), and each
-    /// borrowed part is returned with its tie, to be added to the owner's gradient.
-    pub fn split_grad(
-        &self,
+    /// The part of a gradient in `unit`'s view layout that belongs to its own parameters.
+    pub fn own_grad<'g>(&self, unit: usize, view_grad: &'g [f32]) -> &'g [f32] {
+        &view_grad[..view_grad.len() - self.borrowed_len(unit)]
+    }
+
+    /// The parts of a gradient in `unit`'s view layout that belong to the parameters it
+    /// borrows, each with its tie and owner range, to be added to the owner's gradient.
+    pub fn borrowed_grads<'g>(
+        &'g self,
         unit: usize,
-        grad: &mut Vec<f32>,
-    ) -> Vec<(Tie, Range<usize>, Vec<f32>)> {
-        let own = grad.len() - self.borrowed_len(unit);
-        let mut rest = grad.split_off(own);
-        let mut out = Vec::new();
-        for (_, t, r) in self.borrowed_by(unit) {
-            let tail = rest.split_off(r.len());
-            out.push((t, r, std::mem::replace(&mut rest, tail)));
-        }
-        out
+        view_grad: &'g [f32],
+    ) -> impl Iterator<Item = (Tie, Range<usize>, &'g [f32])> + 'g {
+        let mut off = self.own_grad(unit, view_grad).len();
+        self.borrowed_by(unit).map(move |(_, t, r)| {
+            let part = &view_grad[off..off + r.len()];
+            off += r.len();
+            (t, r, part)
+        })
     }
 }
 
@@ -192,14 +202,11 @@ mod tests {
         ];
         assert_eq!(&*ties.view(2, |u| &bufs[u]), &[9., 10., 6., 7.]);
         assert!(matches!(ties.view(1, |u| &bufs[u]), Cow::Borrowed(_)));
-        let mut g = vec![1., 2., 3., 4.];
-        let parts = ties.split_grad(2, &mut g);
-        assert_eq!(g, vec![1., 2.]);
+        let g = [1., 2., 3., 4.];
+        assert_eq!(ties.own_grad(2, &g), &[1., 2.]);
+        let parts: Vec<_> = ties.borrowed_grads(2, &g).collect();
         assert_eq!(parts.len(), 1);
-        assert_eq!(
-            (parts[0].1.clone(), parts[0].2.clone()),
-            (6..8, vec![3., 4.])
-        );
+        assert_eq!((parts[0].1.clone(), parts[0].2), (6..8, &[3., 4.][..]));
     }
 
     #[test]

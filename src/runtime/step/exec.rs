@@ -576,8 +576,9 @@ impl<'a> Pass<'a> {
                 &mut gp,
             );
             self.st.ledger.free(Category::Activations, kept_bytes);
-            self.stats[u] = self.stats[u].merge(acc.accumulate(0, &gp[..numel], s, m));
-            self.give_back_grads(u, &gp[numel..]);
+            let own = self.ties.0.own_grad(u, &gp);
+            self.stats[u] = self.stats[u].merge(acc.accumulate(0, own, s, m));
+            self.give_back_grads(u, &gp);
             let old = std::mem::replace(&mut self.grad_out[j], gx);
             let freed = old.len() as i64 - self.grad_out[j].len() as i64;
             self.adjust_activations(freed);
@@ -627,15 +628,13 @@ impl<'a> Pass<'a> {
     /// The view of a unit that borrows tied parameters (its own, then the lent copies);
     /// `None` for a unit that borrows nothing, which computes on its parameters in place.
     fn borrowing_view(&mut self, u: usize) -> Option<Vec<f32>> {
-        let ties = self.ties.0;
-        if ties.borrowed_len(u) == 0 {
+        let lent = &self.lent;
+        let view = self.ties.0.view_of(u, self.params(u), |i, _, _| {
+            lent.get(&i).expect("the owner's forward lent it")
+        });
+        let std::borrow::Cow::Owned(v) = view else {
             return None;
-        }
-        let mut v = self.params(u).to_vec();
-        for (i, _, _) in ties.borrowed_by(u) {
-            let lent = self.lent.get(&i).expect("the owner's forward lent it");
-            v.extend_from_slice(lent);
-        }
+        };
         self.st
             .ledger
             .alloc(Category::Transient, 4 * v.len() as u64);
@@ -648,14 +647,11 @@ impl<'a> Pass<'a> {
         }
     }
 
-    /// Adds the gradient a user computed for the parameters it borrows (`g`, in view order)
-    /// into the owners' accumulators, exactly: the owners' backward comes later.
-    fn give_back_grads(&mut self, user: usize, g: &[f32]) {
+    /// Adds the gradient a user computed for the parameters it borrows (the tail of its view
+    /// gradient) into the owners' accumulators, exactly: the owners' backward comes later.
+    fn give_back_grads(&mut self, user: usize, view_grad: &[f32]) {
         let ties = self.ties.0;
-        let mut off = 0;
-        for (_, t, r) in ties.borrowed_by(user) {
-            let part = &g[off..off + r.len()];
-            off += r.len();
+        for (t, r, part) in ties.borrowed_grads(user, view_grad) {
             let (s, m) = (self.exps[t.owner], self.ties.1[t.owner]);
             let mode = self.st.mode;
             let acc = match &mut self.st.whole_grads {
