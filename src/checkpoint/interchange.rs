@@ -98,7 +98,8 @@ fn named<'a>(
     })
 }
 
-fn to_bytes(values: &[f32], bf16: bool) -> Vec<u8> {
+/// `values` as little-endian f32 bytes, or rounded to bf16 (`f32_to_bf16`).
+pub(crate) fn to_bytes(values: &[f32], bf16: bool) -> Vec<u8> {
     if bf16 {
         values
             .iter()

@@ -16,7 +16,7 @@ use safetensors::tensor::{Dtype, TensorView};
 use serde::Deserialize;
 
 use super::super::error::{CheckpointError, IoContext};
-use super::super::interchange::bf16_to_f32;
+use crate::wire::f32s::{decode_bf16_into, get_f32s};
 
 /// The single-file checkpoint's name.
 pub const SINGLE_FILE: &str = "model.safetensors";
@@ -163,14 +163,12 @@ impl TensorDir {
             .and_then(|f| f.read_exact_at(&mut bytes, info.start))
             .at(&info.file, "read")?;
         Ok(match dtype {
-            StDtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            StDtype::Bf16 => bytes
-                .chunks_exact(2)
-                .map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
-                .collect(),
+            StDtype::F32 => get_f32s(&bytes),
+            StDtype::Bf16 => {
+                let mut out = vec![0f32; bytes.len() / 2];
+                decode_bf16_into(&bytes, &mut out);
+                out
+            }
             StDtype::F16 => bytes
                 .chunks_exact(2)
                 .map(|b| f16_to_f32(u16::from_le_bytes([b[0], b[1]])))

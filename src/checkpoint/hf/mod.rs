@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::Dtype;
 
 use super::error::{CheckpointError, IoContext};
-use super::interchange::f32_to_bf16;
+use super::interchange::to_bytes;
 use crate::config::TrainConfig;
 use crate::model::UnitSpec;
 
@@ -90,13 +90,7 @@ pub fn export_gpt2(
             path: out.to_path_buf(),
             what,
         })?;
-        let bytes = match bf16 {
-            true => v
-                .iter()
-                .flat_map(|&x| f32_to_bf16(x).to_le_bytes())
-                .collect(),
-            false => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        };
+        let bytes = to_bytes(&v, bf16);
         tensors.push(files::OutTensor { name, shape, bytes });
     }
     let count = tensors.len();
