@@ -70,20 +70,21 @@ pub fn build_dataset(cfg: &TrainConfig) -> Result<Arc<Dataset>, ConfigError> {
             TokenData::load(path, cfg.data_format, &tok, cfg.token_cache().as_deref())
                 .map_err(|e| ConfigError::new("data", e.to_string()))?,
         ),
-        (Some(_), None) if cfg.hf_dir.is_some() => {
-            let dir = cfg.hf_dir.as_deref().unwrap_or(std::path::Path::new(""));
-            return Err(ConfigError::new(
-                "tokenizer",
-                format!(
-                    "{} has no tokenizer.json, and the model's ids are not bytes: pass \
-                     --tokenizer FILE",
-                    dir.display()
-                ),
-            ));
-        }
-        (Some(path), None) => Dataset::Text(
-            TextData::load(path).map_err(|e| ConfigError::new("data", e.to_string()))?,
-        ),
+        (Some(path), None) => match &cfg.hf_dir {
+            Some(dir) => {
+                return Err(ConfigError::new(
+                    "tokenizer",
+                    format!(
+                        "{} has no tokenizer.json, and the model's ids are not bytes: pass \
+                         --tokenizer FILE",
+                        dir.display()
+                    ),
+                ))
+            }
+            None => Dataset::Text(
+                TextData::load(path).map_err(|e| ConfigError::new("data", e.to_string()))?,
+            ),
+        },
         (None, _) => Dataset::Markov(MarkovSource::new(cfg.seed)),
     };
     data.validate(cfg.seq_len)

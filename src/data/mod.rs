@@ -148,6 +148,25 @@ impl std::error::Error for DataError {
     }
 }
 
+/// Checks that a corpus of `len` ids (counted in `unit`) at `path` holds one window of
+/// `seq + 1`: the inputs plus one next-token target.
+pub(crate) fn check_windows(
+    path: &std::path::Path,
+    len: usize,
+    seq: usize,
+    unit: &'static str,
+) -> Result<(), DataError> {
+    if len < seq + 1 {
+        return Err(DataError::TooShort {
+            path: path.to_path_buf(),
+            len_bytes: len,
+            seq,
+            unit,
+        });
+    }
+    Ok(())
+}
+
 /// `batch` rows of `seq + 1` consecutive ids of `data` starting at hashed offsets
 /// (`mix(coords ++ [row])` modulo the number of windows); inputs are the first `seq` of each
 /// window, targets the last `seq`. The caller checked that `data` holds one window.

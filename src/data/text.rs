@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{sample_windows, DataError};
+use super::{check_windows, sample_windows, DataError};
 use crate::model::MicroBatch;
 
 /// The whole file in memory (training corpora for this runtime are small).
@@ -28,15 +28,7 @@ impl TextData {
 
     /// Checks that the file holds at least one row: `seq` inputs plus one target byte.
     pub fn validate(&self, seq: usize) -> Result<(), DataError> {
-        if self.bytes.len() < seq + 1 {
-            return Err(DataError::TooShort {
-                path: self.path.clone(),
-                len_bytes: self.bytes.len(),
-                seq,
-                unit: "bytes",
-            });
-        }
-        Ok(())
+        check_windows(&self.path, self.bytes.len(), seq, "bytes")
     }
 
     pub fn len_bytes(&self) -> usize {

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use super::{sample_windows, DataError};
+use super::{check_windows, sample_windows, DataError};
 use crate::model::MicroBatch;
 
 /// How the data file is laid out.
@@ -157,15 +157,7 @@ impl TokenData {
 
     /// Checks that the corpus holds at least one row of `seq` tokens plus the target.
     pub fn validate(&self, seq: usize) -> Result<(), DataError> {
-        if self.tokens.len() < seq + 1 {
-            return Err(DataError::TooShort {
-                path: self.path.clone(),
-                len_bytes: self.tokens.len(),
-                seq,
-                unit: "tokens",
-            });
-        }
-        Ok(())
+        check_windows(&self.path, self.tokens.len(), seq, "tokens")
     }
 
     pub fn vocab(&self) -> usize {
