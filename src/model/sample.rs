@@ -35,6 +35,23 @@ pub fn generate(
     temperature: f32,
     seed: u64,
 ) -> Vec<u32> {
+    let s = Sampling {
+        new_tokens,
+        temperature,
+        top_k: 0,
+        seed,
+        stop: None,
+    };
+    generate_recompute(model, params, prompt, s)
+}
+
+/// [`generate`] with every [`Sampling`] setting: the forward re-run on the context per token.
+fn generate_recompute(
+    model: &dyn Model,
+    params: &[Vec<f32>],
+    prompt: &[u32],
+    s: Sampling,
+) -> Vec<u32> {
     assert_eq!(
         params.len(),
         model.units().len(),
@@ -44,9 +61,9 @@ pub fn generate(
     if prompt.is_empty() || window == 0 {
         return Vec::new();
     }
-    let mut rng = SplitMix64::new(seed);
+    let mut rng = SplitMix64::new(s.seed);
     let mut tokens = prompt.to_vec();
-    for _ in 0..new_tokens {
+    for _ in 0..s.new_tokens {
         let ctx = &tokens[tokens.len() - tokens.len().min(window)..];
         let mb = MicroBatch {
             inputs: ctx.to_vec(),
@@ -54,9 +71,12 @@ pub fn generate(
             batch: 1,
             seq: ctx.len(),
         };
-        let logits = forward_logits(model, params, &mb);
-        let next = pick(&logits[(ctx.len() - 1) * vocab..], temperature, &mut rng);
+        let mut logits = forward_logits(model, params, &mb).split_off((ctx.len() - 1) * vocab);
+        let next = draw(&mut logits, &s, &mut rng);
         tokens.push(next);
+        if Some(next) == s.stop {
+            break;
+        }
     }
     tokens.split_off(prompt.len())
 }
@@ -75,7 +95,7 @@ pub struct Sampling {
 }
 
 /// Continues `prompt` with the model's KV-cache decoder ([`Model::decoder`]), or, for a model
-/// without one, by re-running the forward on the context ([`generate`]). Returns only the new
+/// without one, by re-running the forward on the context (as [`generate`] does). Returns only the new
 /// tokens; with a decoder it stops at the model's position table.
 pub fn generate_cached(
     model: &dyn Model,
@@ -84,7 +104,7 @@ pub fn generate_cached(
     s: Sampling,
 ) -> Vec<u32> {
     let Some(mut dec) = model.decoder(params) else {
-        return generate(model, params, prompt, s.new_tokens, s.temperature, s.seed);
+        return generate_recompute(model, params, prompt, s);
     };
     let mut rng = SplitMix64::new(s.seed);
     let mut out = Vec::new();
@@ -94,16 +114,7 @@ pub fn generate_cached(
         return out;
     };
     while out.len() < s.new_tokens {
-        if s.top_k > 0 && s.top_k < logits.len() {
-            let mut sorted = logits.clone();
-            sorted.sort_unstable_by(|a, b| b.total_cmp(a));
-            let kth = sorted[s.top_k - 1];
-            logits
-                .iter_mut()
-                .filter(|v| **v < kth)
-                .for_each(|v| *v = f32::NEG_INFINITY);
-        }
-        let next = pick(&logits, s.temperature, &mut rng);
+        let next = draw(&mut logits, &s, &mut rng);
         out.push(next);
         let full = dec.len() == dec.capacity();
         if out.len() == s.new_tokens || Some(next) == s.stop || full {
@@ -112,6 +123,21 @@ pub fn generate_cached(
         logits = dec.push(next);
     }
     out
+}
+
+/// The next token from the last position's `logits`: only the `top_k` largest compete (all
+/// with 0), then [`pick`].
+fn draw(logits: &mut [f32], s: &Sampling, rng: &mut SplitMix64) -> u32 {
+    if s.top_k > 0 && s.top_k < logits.len() {
+        let mut sorted = logits.to_vec();
+        sorted.sort_unstable_by(|a, b| b.total_cmp(a));
+        let kth = sorted[s.top_k - 1];
+        logits
+            .iter_mut()
+            .filter(|v| **v < kth)
+            .for_each(|v| *v = f32::NEG_INFINITY);
+    }
+    pick(logits, s.temperature, rng)
 }
 
 /// Index of the first largest logit (NaNs never win).
