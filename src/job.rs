@@ -7,6 +7,7 @@ use crate::config::{ConfigError, ModelKind, OptimizerChoice, TrainConfig};
 use crate::data::{markov::MarkovSource, text::TextData, Dataset, TokenData};
 use crate::model::backend::Backend;
 use crate::model::gpt::{Gpt, GptConfig};
+use crate::model::llama::{Llama, LlamaConfig};
 use crate::model::mlp::{Mlp, MlpConfig};
 use crate::model::tie::Ties;
 use crate::model::Model;
@@ -35,14 +36,30 @@ fn build_unchecked(cfg: &TrainConfig, be: Arc<dyn Backend>) -> Result<Arc<dyn Mo
         ModelKind::Gpt => Gpt::with_backend(
             GptConfig {
                 vocab: cfg.vocab,
-                seq_len: match cfg.max_positions {
-                    0 => cfg.seq_len,
-                    p => p,
-                },
+                seq_len: cfg.positions(),
                 d_model: cfg.d_model,
                 heads: cfg.heads,
                 layers: cfg.layers,
                 gelu: cfg.gelu,
+                tie_embeddings: cfg.tie_embeddings,
+            },
+            be,
+        )
+        .map(|m| Arc::new(m) as Arc<dyn Model>)
+        .map_err(|e| ConfigError::new("model", e)),
+        ModelKind::Llama => Llama::with_backend(
+            LlamaConfig {
+                vocab: cfg.vocab,
+                max_positions: cfg.positions(),
+                d_model: cfg.d_model,
+                heads: cfg.heads,
+                kv_heads: cfg.kv_heads(),
+                head_dim: cfg.head_dim(),
+                ffn: cfg.ffn(),
+                layers: cfg.layers,
+                rope_theta: cfg.rope_theta,
+                norm_eps: cfg.norm_eps,
+                qkv_bias: cfg.qkv_bias,
                 tie_embeddings: cfg.tie_embeddings,
             },
             be,

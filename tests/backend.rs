@@ -12,7 +12,7 @@ use elastic_zero::summary::param_sha256;
 
 #[test]
 fn the_built_in_models_train_through_their_backend_with_the_same_bits() {
-    for kind in [ModelKind::Mlp, ModelKind::Gpt] {
+    for kind in [ModelKind::Mlp, ModelKind::Gpt, ModelKind::Llama] {
         for stage in [1, 3] {
             let cfg = TrainConfig {
                 ranks: 2,
@@ -26,9 +26,15 @@ fn the_built_in_models_train_through_their_backend_with_the_same_bits() {
             let out = train_blocking(ClusterSpec::new(model, data, cfg.clone()), ()).unwrap();
             assert_eq!(param_sha256(&out.params), want, "{kind:?} stage {stage}");
             // The MLP has no attention; everything else each model needs went through `be`.
+            let llama_only = [Op::RmsNormForward, Op::RmsNormBackward, Op::Silu, Op::Rope];
             let unused = match kind {
-                ModelKind::Mlp => vec![Op::AttentionForward, Op::AttentionBackward],
-                ModelKind::Gpt => vec![],
+                ModelKind::Mlp => [
+                    &llama_only[..],
+                    &[Op::AttentionForward, Op::AttentionBackward],
+                ]
+                .concat(),
+                ModelKind::Gpt => llama_only.to_vec(),
+                ModelKind::Llama => vec![Op::LayerNormForward, Op::LayerNormBackward, Op::Gelu],
             };
             assert_eq!(be.never_called(), unused, "{kind:?} stage {stage}");
             // Every step updates every unit's shard on every rank that owns a piece of it.

@@ -153,6 +153,30 @@ fn kills_combined_with_leaves_and_joins_still_match() {
     assert_eq!(lost, vec![vec![], vec![0], vec![], vec![4]], "{log:?}");
 }
 
+/// The Llama (tied head, grouped-query attention, q/k/v biases) through the same events.
+#[test]
+fn a_llama_through_leave_join_and_kill_matches_a_fixed_world() {
+    let base = TrainConfig {
+        steps: 6,
+        ranks: 4,
+        ..small(ModelKind::Llama)
+    };
+    let want = param_sha256(&run_cfg(&base).unwrap().params);
+    for stage in [1u8, 3] {
+        let cfg = TrainConfig {
+            stage,
+            leave: vec![at(3, 1)],
+            join: vec![at(2, 3)],
+            kill: vec![at(0, 2), at(4, 4)],
+            ..base.clone()
+        };
+        let (out, log) = run_logged(&cfg).unwrap();
+        assert_eq!(param_sha256(&out.params), want, "stage {stage}");
+        let lost: Vec<Vec<u32>> = log.iter().map(|r| r.lost.clone()).collect();
+        assert_eq!(lost, vec![vec![], vec![0], vec![], vec![4]], "{log:?}");
+    }
+}
+
 #[test]
 fn losses_without_a_live_copy_stop_the_run_and_say_so() {
     let base = TrainConfig {

@@ -12,7 +12,7 @@ use std::process::Command;
 use crate::common;
 
 use common::ezero::{ezero, ok, refused, s, step_dir};
-use elastic_zero::checkpoint::hf::{self, files::TensorDir, gpt2};
+use elastic_zero::checkpoint::hf::{self, files::TensorDir};
 use elastic_zero::checkpoint::interchange::consolidated_params;
 use elastic_zero::checkpoint::read::load_path;
 use elastic_zero::config::TrainConfig;
@@ -22,22 +22,25 @@ use elastic_zero::model::{MicroBatch, Model};
 use elastic_zero::summary::param_sha256;
 
 fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/gpt2-tiny")
+    fixture_named("gpt2-tiny")
 }
 
-fn expected() -> TensorDir {
-    TensorDir::open_file(&fixture().with_file_name("gpt2-tiny-expected.safetensors")).unwrap()
+/// A model directory under `tests/fixtures/hf/`.
+pub(crate) fn fixture_named(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(name)
 }
 
 /// The model `--init hf:DIR` builds, and its parameters from the directory.
-fn load(dir: &Path) -> (std::sync::Arc<dyn Model>, Vec<Vec<f32>>, TrainConfig) {
+pub(crate) fn load(dir: &Path) -> (std::sync::Arc<dyn Model>, Vec<Vec<f32>>, TrainConfig) {
     let mut cfg = TrainConfig {
         seq_len: 8,
         ..TrainConfig::default()
     };
-    hf::config::read_gpt2(dir).unwrap().apply(&mut cfg, dir);
+    hf::config::read(dir).unwrap().apply(&mut cfg, dir);
     let model = build_model(&cfg).unwrap();
-    let params = hf::import_gpt2(dir, &model.units()).unwrap();
+    let params = hf::import(dir, &model.units()).unwrap();
     (model, params, cfg)
 }
 
@@ -74,11 +77,14 @@ fn close(what: &str, ours: &[f32], theirs: &[f32]) {
     }
 }
 
-#[test]
-fn a_gpt2_checkpoint_computes_what_transformers_computes() {
-    let (model, params, cfg) = load(&fixture());
-    assert!(cfg.tie_embeddings, "GPT-2 ties its head to wte");
-    let exp = expected();
+/// Our model from fixture `name` against what transformers computed on it
+/// (`<name>-expected.safetensors`): logits, loss and every parameter's gradient, by
+/// transformers' name. Returns how many gradients were compared.
+pub(crate) fn matches_transformers(name: &str) -> usize {
+    let dir = fixture_named(name);
+    let (model, params, _) = load(&dir);
+    let exp =
+        TensorDir::open_file(&dir.with_file_name(format!("{name}-expected.safetensors"))).unwrap();
     let ids: Vec<u32> = {
         let info = &exp.tensors["input_ids"];
         let bytes = std::fs::read(&info.file).unwrap();
@@ -102,8 +108,10 @@ fn a_gpt2_checkpoint_computes_what_transformers_computes() {
     close("logits", &step.logits, &exp.read_f32("logits").unwrap());
     close("loss", &[step.loss], &exp.read_f32("loss").unwrap());
     let units = model.units();
+    let td = TensorDir::open(&dir).unwrap();
+    let naming = hf::naming(&hf::config::read(&dir).unwrap(), &td);
     let mut checked = 0;
-    for t in gpt2::export_tensors(&units, &step.grads) {
+    for t in hf::source::export_tensors(&*naming, &units, &step.grads) {
         let (name, _, ours) = t.unwrap();
         close(
             &name,
@@ -112,8 +120,15 @@ fn a_gpt2_checkpoint_computes_what_transformers_computes() {
         );
         checked += 1;
     }
+    checked
+}
+
+#[test]
+fn a_gpt2_checkpoint_computes_what_transformers_computes() {
+    let (_, _, cfg) = load(&fixture());
+    assert!(cfg.tie_embeddings, "GPT-2 ties its head to wte");
     // wte, wpe, 12 per block, ln_f's two; no lm_head (tied).
-    assert_eq!(checked, 2 + 2 * 12 + 2);
+    assert_eq!(matches_transformers("gpt2-tiny"), 2 + 2 * 12 + 2);
 }
 
 /// A copy of the fixture whose weights are rewritten by `edit` (name, shape, values).
@@ -211,10 +226,14 @@ fn bad_directories_are_refused_naming_the_file_and_the_problem() {
     let llama = tempfile::tempdir().unwrap();
     std::fs::write(
         llama.path().join("config.json"),
-        r#"{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}"#,
+        r#"{"model_type": "mistral", "architectures": ["MistralForCausalLM"]}"#,
     )
     .unwrap();
-    refused(&train(llama.path()), "config.json", "supported: gpt2");
+    refused(
+        &train(llama.path()),
+        "config.json",
+        "supported: gpt2, llama, qwen2",
+    );
     let missing = variant(
         |t| t.retain(|(n, _, _)| n != "transformer.h.1.mlp.c_fc.weight"),
         safetensors::Dtype::F32,

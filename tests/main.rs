@@ -18,6 +18,7 @@ mod cli;
 mod control;
 mod elastic;
 mod hf;
+mod hf_llama;
 mod offload;
 mod procs;
 mod procs_checkpoint;

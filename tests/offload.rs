@@ -58,7 +58,7 @@ fn assert_clean(dir: &Path) {
 #[test]
 fn offload_matches_ram_at_every_stage_and_world_size() {
     let dir = tier_dir();
-    for model in [ModelKind::Gpt, ModelKind::Mlp] {
+    for model in [ModelKind::Gpt, ModelKind::Llama, ModelKind::Mlp] {
         let base = TrainConfig {
             steps: 3,
             ..small(model)

@@ -207,15 +207,14 @@ fn export_hf(
     }
     let loaded = load_path(dir).map_err(usage)?;
     let cfg = &loaded.manifest.config;
-    if cfg.model != ModelKind::Gpt {
+    if cfg.model == ModelKind::Mlp {
         return Err(CliError::Usage(format!(
-            "{}: a {:?} model has no Hugging Face form; only GPT checkpoints export as GPT-2",
+            "{}: an MLP has no Hugging Face form; GPT and Llama checkpoints export",
             loaded.dir.display(),
-            cfg.model
         )));
     }
     let params = consolidated_params(&loaded);
-    let r = hf::export_gpt2(
+    let r = hf::export(
         cfg,
         &loaded.manifest.units,
         &params,
@@ -225,9 +224,10 @@ fn export_hf(
     )
     .map_err(usage)?;
     println!(
-        "exported {} step {} as GPT-2: {} tensors ({}, {} bytes) and {} files to {}",
+        "exported {} step {} as {}: {} tensors ({}, {} bytes) and {} files to {}",
         loaded.dir.display(),
         loaded.manifest.step,
+        r.family,
         r.tensors,
         if bf16 { "bf16" } else { "fp32" },
         r.weight_bytes,
@@ -286,6 +286,16 @@ fn inspect(path: &Path, json: bool) -> Result<(), CliError> {
             ModelKind::Gpt => format!(
                 "gpt (layers {}, d_model {}, heads {}, seq_len {})",
                 c.layers, c.d_model, c.heads, c.seq_len
+            ),
+            ModelKind::Llama => format!(
+                "llama (layers {}, d_model {}, heads {}/{} kv, head_dim {}, ffn {}, positions {})",
+                c.layers,
+                c.d_model,
+                c.heads,
+                c.kv_heads(),
+                c.head_dim(),
+                c.ffn(),
+                c.positions()
             ),
             ModelKind::Mlp => format!("mlp (layers {}, d_model {})", c.layers, c.d_model),
         },
@@ -469,8 +479,9 @@ pub fn check_compatible(
 /// `--init hf:DIR`: the model's shape comes from `DIR/config.json`; a shape flag that says
 /// otherwise is refused rather than silently overridden.
 fn apply_hf_shape(args: &TrainArgs, cfg: &mut TrainConfig, dir: &Path) -> Result<(), CliError> {
-    let shape = hf::config::read_gpt2(dir).map_err(usage)?;
+    let shape = hf::config::read(dir).map_err(usage)?;
     let from = dir.join("config.json");
+    let (layers, d_model, heads) = shape.layers_width_heads();
     let clash = |flag: &str, ours: Option<usize>, theirs: usize| match ours {
         Some(v) if v != theirs => Err(CliError::Usage(format!(
             "--{flag} {v} contradicts {} ({theirs}): drop the flag, the checkpoint sets it",
@@ -478,13 +489,19 @@ fn apply_hf_shape(args: &TrainArgs, cfg: &mut TrainConfig, dir: &Path) -> Result
         ))),
         _ => Ok(()),
     };
-    clash("layers", args.layers, shape.layers)?;
-    clash("d-model", args.d_model, shape.d_model)?;
-    clash("heads", args.heads, shape.heads)?;
-    if args.model == Some(ModelKind::Mlp) {
+    clash("layers", args.layers, layers)?;
+    clash("d-model", args.d_model, d_model)?;
+    clash("heads", args.heads, heads)?;
+    let family = match shape {
+        hf::config::HfShape::Gpt2(_) => ModelKind::Gpt,
+        hf::config::HfShape::Llama(_) => ModelKind::Llama,
+    };
+    if let Some(m) = args.model.filter(|&m| m != family) {
         return Err(CliError::Usage(format!(
-            "--model mlp contradicts {}: a GPT-2 checkpoint is a GPT",
-            from.display()
+            "--model {} contradicts {}: that checkpoint is a {}",
+            m.name(),
+            from.display(),
+            family.name()
         )));
     }
     shape.apply(cfg, dir);
@@ -500,7 +517,7 @@ pub fn init_params(args: &TrainArgs, model: &dyn Model) -> Result<Option<Vec<Vec
     };
     let units = model.units();
     match hf::source_dir(init) {
-        Some(dir) => hf::import_gpt2(&dir, &units).map(Some).map_err(usage),
+        Some(dir) => hf::import(&dir, &units).map(Some).map_err(usage),
         None => {
             hf::refuse_gguf(init).map_err(usage)?;
             import_params(init, &units).map(Some).map_err(usage)

@@ -53,12 +53,12 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
             hf::refuse_gguf(init).map_err(usage)?;
             let dir = hf::source_dir(init)
                 .ok_or_else(|| usage(format!("--init {}: not a directory", init.display())))?;
-            let shape = hf::config::read_gpt2(&dir).map_err(usage)?;
+            let shape = hf::config::read(&dir).map_err(usage)?;
             let mut cfg = TrainConfig::default();
             shape.apply(&mut cfg, &dir);
-            cfg.seq_len = shape.positions;
+            cfg.seq_len = shape.positions();
             let model = build_model(&cfg).map_err(usage)?;
-            let params = hf::import_gpt2(&dir, &model.units()).map_err(usage)?;
+            let params = hf::import(&dir, &model.units()).map_err(usage)?;
             (cfg, params)
         }
         (None, Some(ckpt)) => {

@@ -109,7 +109,7 @@ pub struct TrainArgs {
     /// ZeRO stage 0|1|2|3 [default: 3].
     #[arg(long)]
     pub stage: Option<u8>,
-    /// gpt|mlp [default: gpt].
+    /// gpt|llama|mlp [default: gpt].
     #[arg(long, value_parser = parse_model)]
     pub model: Option<ModelKind>,
     #[arg(long)]
@@ -118,9 +118,27 @@ pub struct TrainArgs {
     pub d_model: Option<usize>,
     #[arg(long)]
     pub heads: Option<usize>,
-    /// GPT: the LM head's weight is the token embedding (GPT-2's tying).
+    /// GPT and Llama: the LM head's weight is the token embedding (GPT-2's tying).
     #[arg(long)]
     pub tie_embeddings: bool,
+    /// Llama: key/value heads (grouped-query attention) [default: --heads].
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// Llama: width of one head [default: d_model / heads].
+    #[arg(long)]
+    pub head_dim: Option<usize>,
+    /// Llama: the SwiGLU MLP's inner width [default: 8·d_model/3 rounded up to 64].
+    #[arg(long)]
+    pub ffn: Option<usize>,
+    /// Llama: RoPE base θ [default: 10000].
+    #[arg(long)]
+    pub rope_theta: Option<f64>,
+    /// Llama: RMSNorm epsilon [default: 1e-5].
+    #[arg(long)]
+    pub norm_eps: Option<f64>,
+    /// Llama: biases on the q/k/v projections (Qwen2).
+    #[arg(long)]
+    pub qkv_bias: bool,
     /// GPT: the MLP's GELU, erf or tanh (GPT-2's gelu_new) [default: erf].
     #[arg(long, value_name = "erf|tanh")]
     pub gelu: Option<GeluForm>,
@@ -283,11 +301,7 @@ fn parse_control_addr(s: &str) -> Result<std::net::SocketAddr, String> {
 }
 
 fn parse_model(s: &str) -> Result<ModelKind, String> {
-    match s {
-        "gpt" => Ok(ModelKind::Gpt),
-        "mlp" => Ok(ModelKind::Mlp),
-        _ => Err(format!("unknown model `{s}`: use gpt or mlp")),
-    }
+    s.parse()
 }
 
 fn parse_optimizer(s: &str) -> Result<OptimizerChoice, String> {
@@ -394,6 +408,24 @@ impl TrainArgs {
         }
         if self.tie_embeddings {
             c.tie_embeddings = true;
+        }
+        if let Some(v) = self.kv_heads {
+            c.kv_heads = v;
+        }
+        if let Some(v) = self.head_dim {
+            c.head_dim = v;
+        }
+        if let Some(v) = self.ffn {
+            c.ffn = v;
+        }
+        if let Some(v) = self.rope_theta {
+            c.rope_theta = v;
+        }
+        if let Some(v) = self.norm_eps {
+            c.norm_eps = v;
+        }
+        if self.qkv_bias {
+            c.qkv_bias = true;
         }
         if let Some(t) = &self.tokenizer {
             c.tokenizer = Some(t.clone());

@@ -39,10 +39,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         "ezero train: ZeRO-{} on {} rank actors, {} model, {} parameters, {} reduction, data: {}",
         cfg.stage,
         cfg.ranks,
-        match cfg.model {
-            ModelKind::Gpt => "gpt",
-            ModelKind::Mlp => "mlp",
-        },
+        cfg.model.name(),
         psi,
         if cfg.reduce == elastic_zero::reduce::ReduceMode::Exact {
             "exact"
@@ -215,7 +212,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
             r.rank, r.resident_bytes.params, r.resident_bytes.grads, r.resident_bytes.optimizer, r.peak_bytes, r.bytes_sent_per_step
         );
     }
-    if cfg.model == ModelKind::Gpt && cfg.sample_tokens > 0 {
+    if cfg.model != ModelKind::Mlp && cfg.sample_tokens > 0 {
         if outcome.params.is_empty() {
             println!(
                 "sample: skipped (the parameters are on the tier and are not gathered into memory)"

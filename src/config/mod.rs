@@ -34,6 +34,23 @@ use crate::plan::activations::ActivationCheckpointing;
 use crate::plan::tier::Offload;
 use crate::reduce::ReduceMode;
 
+/// The RoPE base of Llama 1 and 2.
+pub const DEFAULT_ROPE_THETA: f64 = 10_000.0;
+/// The RMSNorm epsilon of Llama 1 and SmolLM2.
+pub const DEFAULT_NORM_EPS: f64 = 1e-5;
+
+fn is_zero(v: &usize) -> bool {
+    *v == 0
+}
+
+fn is_default_theta(v: &f64) -> bool {
+    *v == DEFAULT_ROPE_THETA
+}
+
+fn is_default_eps(v: &f64) -> bool {
+    *v == DEFAULT_NORM_EPS
+}
+
 /// Everything a training run needs. Defaults are the `ezero train` demo job.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -42,7 +59,7 @@ pub struct TrainConfig {
     pub ranks: u32,
     /// ZeRO stage 0-3 (default 3).
     pub stage: u8,
-    /// `gpt` or `mlp` (default gpt).
+    /// `gpt`, `llama` or `mlp` (default gpt).
     pub model: ModelKind,
     /// Transformer blocks (GPT) or hidden layers (MLP) (default 2).
     pub layers: usize,
@@ -65,6 +82,25 @@ pub struct TrainConfig {
     /// GPT: the MLP's GELU, `erf` (PyTorch's `nn.GELU()`) or `tanh` (GPT-2's `gelu_new`)
     /// (default erf).
     pub gelu: GeluForm,
+    /// Llama: key/value heads (grouped-query attention); 0 means `heads` (default 0).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub kv_heads: usize,
+    /// Llama: width of one attention head; 0 means `d_model / heads` (default 0).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub head_dim: usize,
+    /// Llama: the SwiGLU MLP's inner width; 0 means `8 · d_model / 3` rounded up to a
+    /// multiple of 64 (default 0).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub ffn: usize,
+    /// Llama: the RoPE base θ (default 10000).
+    #[serde(skip_serializing_if = "is_default_theta")]
+    pub rope_theta: f64,
+    /// Llama: the RMSNorm epsilon (default 1e-5).
+    #[serde(skip_serializing_if = "is_default_eps")]
+    pub norm_eps: f64,
+    /// Llama: biases on the q/k/v projections, as in Qwen2 (default false).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub qkv_bias: bool,
     /// Tokens per sequence (default 64).
     pub seq_len: usize,
     /// Micro-batches per global step; the global batch never depends on the world size
@@ -233,6 +269,12 @@ impl Default for TrainConfig {
             hf_dir: None,
             tie_embeddings: false,
             gelu: GeluForm::Erf,
+            kv_heads: 0,
+            head_dim: 0,
+            ffn: 0,
+            rope_theta: DEFAULT_ROPE_THETA,
+            norm_eps: DEFAULT_NORM_EPS,
+            qkv_bias: false,
             tokenizer: None,
             data_format: DataFormat::Auto,
             token_cache_dir: None,

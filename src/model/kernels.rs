@@ -255,6 +255,51 @@ pub fn gelu_form_into(form: GeluForm, x: &[f32], y: &mut [f32], dydx: Option<&mu
     }
 }
 
+/// `σ(x)` from `e^(-|x|)`, so only non-positive values are exponentiated and neither tail
+/// overflows.
+#[inline(always)]
+fn sigmoid(x: f32) -> f32 {
+    let e = exp_f32(-x.abs());
+    if x >= 0.0 {
+        1.0 / (1.0 + e)
+    } else {
+        e / (1.0 + e)
+    }
+}
+
+#[inline(always)]
+fn silu_body(x: &[f32], y: &mut [f32]) {
+    for (o, &v) in y.iter_mut().zip(x) {
+        *o = v * sigmoid(v);
+    }
+}
+
+/// `y = x σ(x)`, `dy/dx = σ(x) (1 + x (1 − σ(x)))`.
+#[inline(always)]
+fn silu_deriv_body(x: &[f32], y: &mut [f32], dydx: &mut [f32]) {
+    for ((o, d), &v) in y.iter_mut().zip(dydx.iter_mut()).zip(x) {
+        let s = sigmoid(v);
+        *o = v * s;
+        *d = s * (1.0 + v * (1.0 - s));
+    }
+}
+
+multiversion!(fn silu_kernel(x: &[f32], y: &mut [f32]) => silu_body);
+multiversion!(fn silu_deriv_kernel(x: &[f32], y: &mut [f32], dydx: &mut [f32]) => silu_deriv_body);
+
+/// SiLU (`swish`, Llama's MLP gate) into `y`; with `dydx`, its derivative too (the same `y`
+/// bits).
+pub fn silu_into(x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>) {
+    assert_eq!(x.len(), y.len(), "silu: input and output lengths");
+    match dydx {
+        Some(d) => {
+            assert_eq!(x.len(), d.len(), "silu: derivative length");
+            silu_deriv_kernel(Isa::best(), x, y, d)
+        }
+        None => silu_kernel(Isa::best(), x, y),
+    }
+}
+
 /// Causal softmax of rows `r0..r1` of a row-major `[t, t]` score block `p`, in place: row `i`
 /// has live entries `0..=i`, which become `softmax(scale · s)`; entries `i+1..r1` become 0 (the
 /// causal-block gemms read up to column `r1`); later columns are neither read nor written.

@@ -18,6 +18,7 @@ pub mod gemm;
 pub mod gpt;
 pub mod kernels;
 pub mod layers;
+pub mod llama;
 pub mod mlp;
 pub mod ops;
 pub mod rng;

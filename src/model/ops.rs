@@ -413,5 +413,11 @@ pub fn split_params_mut<const N: usize>(buf: &mut [f32], lens: [usize; N]) -> [&
     })
 }
 
+mod rms_norm;
+mod rope;
+
+pub use rms_norm::{rms_norm_backward, rms_norm_forward};
+pub use rope::{rope_rotate, RopeTable};
+
 #[cfg(test)]
 mod tests;

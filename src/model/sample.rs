@@ -223,12 +223,27 @@ pub fn forward_backward(model: &dyn Model, params: &[Vec<f32>], mb: &MicroBatch)
 /// gradient checks, determinism checks and a tiny Adam loop.
 #[cfg(test)]
 pub(crate) mod test_util {
-    use super::super::rng::mix;
     use super::super::rng::test_util::{bits, check_grad, randn};
+    use super::super::rng::{mix, SplitMix64};
     use super::super::tie::Ties;
     use super::super::{MicroBatch, Model};
     use super::forward_logits;
     use std::sync::Arc;
+
+    /// A micro-batch of `batch` rows of `seq` tokens from a fixed pseudo-random stream.
+    pub fn batch_of(vocab: usize, batch: usize, seq: usize, seed: u64) -> MicroBatch {
+        let mut rng = SplitMix64::new(seed);
+        let toks: Vec<u32> = (0..batch * (seq + 1))
+            .map(|_| (rng.next_u64() % vocab as u64) as u32)
+            .collect();
+        let rows = toks.chunks(seq + 1);
+        MicroBatch {
+            inputs: rows.clone().flat_map(|r| r[..seq].to_vec()).collect(),
+            targets: rows.flat_map(|r| r[1..].to_vec()).collect(),
+            batch,
+            seq,
+        }
+    }
 
     /// Initial parameters plus N(0, std) noise, so that no gradient term is negligible.
     pub fn perturbed(model: &dyn Model, seed: u64, std: f64) -> Vec<Vec<f32>> {

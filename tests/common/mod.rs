@@ -9,9 +9,16 @@ use elastic_zero::runtime::api::cluster::Observer;
 use elastic_zero::runtime::{train, ClusterError, ClusterSpec, TrainOutcome};
 
 /// A small, fast config: a 2-layer MLP (or GPT) that trains a few steps in well under a second.
+/// A small job of `model`. The Llama is the family's every feature at once: grouped-query
+/// attention (4 heads over 2), Qwen2's q/k/v biases and a tied head.
 pub fn small(model: ModelKind) -> TrainConfig {
+    let llama = model == ModelKind::Llama;
     TrainConfig {
         model,
+        kv_heads: if llama { 2 } else { 0 },
+        ffn: if llama { 48 } else { 0 },
+        qkv_bias: llama,
+        tie_embeddings: llama,
         layers: 2,
         d_model: 32,
         heads: 4,

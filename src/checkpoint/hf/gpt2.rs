@@ -5,9 +5,7 @@
 //! hub's checkpoints name tensors without the `transformer.` prefix that `save_pretrained`
 //! writes. With tied embeddings there is no `lm_head.weight`: our head borrows `tok.weight`.
 
-use super::super::error::CheckpointError;
-use super::files::TensorDir;
-use crate::model::UnitSpec;
+use super::source::{Naming, TensorSource};
 
 /// Buffers of old checkpoints that are not parameters (transformers PR #24113).
 const STALE_BUFFERS: &[&str] = &[".attn.bias", ".attn.masked_bias"];
@@ -53,95 +51,34 @@ fn stored_name(hf: &str, prefixed: bool) -> String {
     }
 }
 
-/// `[rows, cols]` row-major into `[cols, rows]`.
-pub fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0f32; v.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            out[c * rows + r] = v[r * cols + c];
-        }
-    }
-    out
+/// GPT-2's names, with or without the `transformer.` prefix (the hub's files have none,
+/// `save_pretrained` writes it).
+pub struct Gpt2Names {
+    pub prefixed: bool,
 }
 
-/// Every unit's full parameters from a GPT-2 checkpoint directory: each tensor is checked
-/// against the shape our unit expects (named when missing or wrong), converted to f32, and
-/// transposed where transformers' layout differs. Tensors the model does not use are refused,
-/// except the stale attention buffers and a tied checkpoint's `lm_head.weight`.
-pub fn import(td: &TensorDir, units: &[UnitSpec]) -> Result<Vec<Vec<f32>>, CheckpointError> {
-    let prefixed = td.tensors.keys().any(|k| k.starts_with("transformer."));
-    let mut unused: std::collections::BTreeSet<&str> =
-        td.tensors.keys().map(String::as_str).collect();
-    let bad = |what: String| CheckpointError::Incompatible {
-        path: td.dir.clone(),
-        what,
-    };
-    let mut out = Vec::with_capacity(units.len());
-    for u in units {
-        let mut buf = Vec::with_capacity(u.numel());
-        for p in &u.params {
-            let (hf, conv) = hf_name(&p.name)
-                .ok_or_else(|| bad(format!("our parameter `{}` has no GPT-2 name", p.name)))?;
-            let name = stored_name(&hf, prefixed);
-            let want: Vec<usize> = match conv {
-                true => p.shape.iter().rev().copied().collect(),
-                false => p.shape.clone(),
-            };
-            let info = td.tensors.get(&name).ok_or_else(|| {
-                bad(format!(
-                    "has no tensor `{name}` (the model needs shape {want:?})"
-                ))
-            })?;
-            if info.shape != want {
-                return Err(bad(format!(
-                    "tensor `{name}` has shape {:?}; this model needs {want:?}",
-                    info.shape
-                )));
-            }
-            let v = td.read_f32(&name)?;
-            match conv {
-                true => buf.extend(transpose(&v, want[0], want[1])),
-                false => buf.extend(v),
-            }
-            unused.remove(name.as_str());
+impl Gpt2Names {
+    /// The spelling `src` uses.
+    pub fn of(src: &dyn TensorSource) -> Self {
+        Self {
+            prefixed: src.names().iter().any(|k| k.starts_with("transformer.")),
         }
-        out.push(buf);
     }
-    unused.retain(|n| !STALE_BUFFERS.iter().any(|s| n.ends_with(s)) && *n != "lm_head.weight");
-    if let Some(extra) = unused.iter().next() {
-        return Err(bad(format!(
-            "tensor `{extra}` is not a parameter of this GPT-2 ({} such tensors)",
-            unused.len()
-        )));
-    }
-    Ok(out)
 }
 
-/// transformers' stored name and layout of each of our parameters, in unit order, for export:
-/// `(name, shape as stored, values as stored)`.
-pub fn export_tensors<'a>(
-    units: &'a [UnitSpec],
-    params: &'a [Vec<f32>],
-) -> impl Iterator<Item = Result<(String, Vec<usize>, Vec<f32>), String>> + 'a {
-    units.iter().zip(params).flat_map(|(u, buf)| {
-        let mut off = 0;
-        u.params.iter().map(move |p| {
-            let n = p.numel();
-            let v = &buf[off..off + n];
-            off += n;
-            let (hf, conv) = hf_name(&p.name)
-                .ok_or_else(|| format!("parameter `{}` has no GPT-2 name", p.name))?;
-            let name = stored_name(&hf, true);
-            Ok(match conv {
-                true => (
-                    name,
-                    vec![p.shape[1], p.shape[0]],
-                    transpose(v, p.shape[0], p.shape[1]),
-                ),
-                false => (name, p.shape.clone(), v.to_vec()),
-            })
-        })
-    })
+impl Naming for Gpt2Names {
+    fn family(&self) -> &str {
+        "GPT-2"
+    }
+
+    fn stored(&self, ours: &str) -> Option<(String, bool)> {
+        hf_name(ours).map(|(n, t)| (stored_name(&n, self.prefixed), t))
+    }
+
+    /// The stale attention buffers, and a tied checkpoint's `lm_head.weight`.
+    fn ignorable(&self, stored: &str) -> bool {
+        STALE_BUFFERS.iter().any(|s| stored.ends_with(s)) || stored == "lm_head.weight"
+    }
 }
 
 #[cfg(test)]
@@ -167,7 +104,7 @@ mod tests {
         assert_eq!(stored_name("lm_head.weight", true), "lm_head.weight");
         assert_eq!(stored_name("wte.weight", true), "transformer.wte.weight");
         assert_eq!(
-            transpose(&[1., 2., 3., 4., 5., 6.], 2, 3),
+            super::super::source::transpose(&[1., 2., 3., 4., 5., 6.], 2, 3),
             vec![1., 4., 2., 5., 3., 6.]
         );
     }

@@ -3,13 +3,16 @@
 //!
 //! - [`config`]: the family and shape from `config.json`, and the one to write.
 //! - [`files`]: safetensors headers, tensor reads at their offsets, sharded writes.
-//! - [`gpt2`]: GPT-2's names and layouts against our GPT's.
+//! - [`source`]: named tensors in, checked against our units, whatever holds them.
+//! - [`gpt2`], [`llama`]: each family's names and layouts against our models'.
 //!
-//! Only GPT-2 is read so far; another `model_type` is refused naming the supported ones.
+//! GPT-2, Llama and Qwen2 are read; another `model_type` is refused naming the supported ones.
 
 pub mod config;
 pub mod files;
 pub mod gpt2;
+pub mod llama;
+pub mod source;
 
 use std::path::{Path, PathBuf};
 
@@ -59,23 +62,40 @@ pub fn refuse_gguf(path: &Path) -> Result<(), CheckpointError> {
     }
 }
 
-/// Full parameters of every unit from the GPT-2 directory `dir`.
-pub fn import_gpt2(dir: &Path, units: &[UnitSpec]) -> Result<Vec<Vec<f32>>, CheckpointError> {
-    gpt2::import(&files::TensorDir::open(dir)?, units)
+/// How `shape`'s family names its tensors in `src`.
+pub fn naming(shape: &config::HfShape, src: &dyn source::TensorSource) -> Box<dyn source::Naming> {
+    match shape {
+        config::HfShape::Gpt2(_) => Box::new(gpt2::Gpt2Names::of(src)),
+        config::HfShape::Llama(l) => Box::new(llama::LlamaNames::of(
+            src,
+            if l.qkv_bias { "Qwen2" } else { "Llama" },
+        )),
+    }
 }
 
-/// What [`export_gpt2`] wrote.
+/// Full parameters of every unit from the model directory `dir` (its `config.json` says the
+/// family).
+pub fn import(dir: &Path, units: &[UnitSpec]) -> Result<Vec<Vec<f32>>, CheckpointError> {
+    let shape = config::read(dir)?;
+    let td = files::TensorDir::open(dir)?;
+    source::import(&td, &*naming(&shape, &td), units)
+}
+
+/// What [`export`] wrote.
 #[derive(Debug)]
 pub struct HfExport {
     pub files: Vec<PathBuf>,
     pub weight_bytes: u64,
+    /// The family it was written as (`gpt2`, `llama`, `qwen2`).
+    pub family: String,
     pub tensors: usize,
 }
 
-/// Writes `params` of a GPT trained with `cfg` as a GPT-2 directory transformers loads:
-/// `config.json`, the weights (f32, or bf16 with `bf16`) in shards of at most
-/// `max_shard_bytes`, and the source directory's tokenizer and generation files if it has them.
-pub fn export_gpt2(
+/// Writes `params` of a model trained with `cfg` as a directory transformers loads (a GPT as
+/// GPT-2, a Llama as Llama or, with q/k/v biases, Qwen2): `config.json`, the weights (f32, or
+/// bf16 with `bf16`) in shards of at most `max_shard_bytes`, and the source directory's
+/// tokenizer and generation files if it has them.
+pub fn export(
     cfg: &TrainConfig,
     units: &[UnitSpec],
     params: &[Vec<f32>],
@@ -83,9 +103,20 @@ pub fn export_gpt2(
     bf16: bool,
     max_shard_bytes: u64,
 ) -> Result<HfExport, CheckpointError> {
+    let shape = config::HfShape::of(cfg).ok_or_else(|| CheckpointError::Incompatible {
+        path: out.to_path_buf(),
+        what: format!("a {:?} model has no Hugging Face form", cfg.model),
+    })?;
+    let naming: Box<dyn source::Naming> = match &shape {
+        config::HfShape::Gpt2(_) => Box::new(gpt2::Gpt2Names { prefixed: true }),
+        config::HfShape::Llama(_) => Box::new(llama::LlamaNames {
+            prefixed: true,
+            family: "Llama",
+        }),
+    };
     std::fs::create_dir_all(out).at(out, "create")?;
     let mut tensors = Vec::new();
-    for t in gpt2::export_tensors(units, params) {
+    for t in source::export_tensors(&*naming, units, params) {
         let (name, shape, v) = t.map_err(|what| CheckpointError::Incompatible {
             path: out.to_path_buf(),
             what,
@@ -97,8 +128,7 @@ pub fn export_gpt2(
     let dtype = if bf16 { Dtype::BF16 } else { Dtype::F32 };
     let (mut written, weight_bytes) =
         files::write_checkpoint(out, tensors, dtype, max_shard_bytes)?;
-    let shape = config::Gpt2Shape::of(cfg);
-    let mut json = config::gpt2_json(&shape, cfg.hf_dir.as_deref());
+    let mut json = shape.to_json(cfg.hf_dir.as_deref());
     json.insert(
         "dtype".into(),
         if bf16 { "bfloat16" } else { "float32" }.into(),
@@ -121,5 +151,10 @@ pub fn export_gpt2(
         files: written,
         weight_bytes,
         tensors: count,
+        family: json
+            .get("model_type")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or_default()
+            .to_string(),
     })
 }

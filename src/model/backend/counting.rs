@@ -8,6 +8,7 @@ use super::Backend;
 use crate::model::attention::AttnShape;
 use crate::model::gemm::Layout;
 use crate::model::kernels::GeluForm;
+use crate::model::ops::RopeTable;
 use crate::optim::OptimSettings;
 
 /// The operations of [`Backend`], one per method.
@@ -17,6 +18,10 @@ pub enum Op {
     LayerNormForward,
     LayerNormBackward,
     Gelu,
+    RmsNormForward,
+    RmsNormBackward,
+    Silu,
+    Rope,
     AttentionForward,
     AttentionBackward,
     CrossEntropy,
@@ -30,11 +35,15 @@ pub enum Op {
 }
 
 impl Op {
-    pub const ALL: [Op; 14] = [
+    pub const ALL: [Op; 18] = [
         Op::Gemm,
         Op::LayerNormForward,
         Op::LayerNormBackward,
         Op::Gelu,
+        Op::RmsNormForward,
+        Op::RmsNormBackward,
+        Op::Silu,
+        Op::Rope,
         Op::AttentionForward,
         Op::AttentionBackward,
         Op::CrossEntropy,
@@ -144,6 +153,48 @@ impl<B: Backend> Backend for Counting<B> {
 
     fn gelu(&self, form: GeluForm, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>) {
         self.count(Op::Gelu).gelu(form, x, y, dydx);
+    }
+
+    fn rms_norm_forward(
+        &self,
+        x: &[f32],
+        weight: &[f32],
+        eps: f64,
+        y: &mut [f32],
+        inv: &mut [f32],
+    ) {
+        self.count(Op::RmsNormForward)
+            .rms_norm_forward(x, weight, eps, y, inv);
+    }
+
+    fn rms_norm_backward(
+        &self,
+        x: &[f32],
+        inv: &[f32],
+        dy: &[f32],
+        weight: &[f32],
+        grad_weight: &mut [f32],
+        dx: &mut [f32],
+    ) {
+        self.count(Op::RmsNormBackward)
+            .rms_norm_backward(x, inv, dy, weight, grad_weight, dx);
+    }
+
+    fn silu(&self, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>) {
+        self.count(Op::Silu).silu(x, y, dydx);
+    }
+
+    fn rope(
+        &self,
+        x: &mut [f32],
+        width: usize,
+        seq: usize,
+        pos0: usize,
+        table: &RopeTable,
+        inverse: bool,
+    ) {
+        self.count(Op::Rope)
+            .rope(x, width, seq, pos0, table, inverse);
     }
 
     fn attention_forward(

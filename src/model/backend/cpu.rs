@@ -8,8 +8,8 @@ use crate::model::attention::{
     attention_backward_from_probs, attention_forward_into, attention_forward_keep, AttnShape,
 };
 use crate::model::gemm::{gemm, gemm_bf16, Layout, Product};
-use crate::model::kernels::{gelu_form_into, GeluForm};
-use crate::model::ops;
+use crate::model::kernels::{gelu_form_into, silu_into, GeluForm};
+use crate::model::ops::{self, RopeTable};
 use crate::optim::OptimSettings;
 
 /// The CPU backend. Every kernel picks its instruction set at run time (`EZERO_GEMM` forces the
@@ -61,6 +61,45 @@ impl Backend for Cpu {
 
     fn gelu(&self, form: GeluForm, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>) {
         gelu_form_into(form, x, y, dydx);
+    }
+
+    fn rms_norm_forward(
+        &self,
+        x: &[f32],
+        weight: &[f32],
+        eps: f64,
+        y: &mut [f32],
+        inv: &mut [f32],
+    ) {
+        ops::rms_norm_forward(x, weight, eps, y, inv);
+    }
+
+    fn rms_norm_backward(
+        &self,
+        x: &[f32],
+        inv: &[f32],
+        dy: &[f32],
+        weight: &[f32],
+        grad_weight: &mut [f32],
+        dx: &mut [f32],
+    ) {
+        ops::rms_norm_backward(x, inv, dy, weight, grad_weight, dx);
+    }
+
+    fn silu(&self, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>) {
+        silu_into(x, y, dydx);
+    }
+
+    fn rope(
+        &self,
+        x: &mut [f32],
+        width: usize,
+        seq: usize,
+        pos0: usize,
+        table: &RopeTable,
+        inverse: bool,
+    ) {
+        ops::rope_rotate(x, width, seq, pos0, table, inverse);
     }
 
     fn attention_forward(
@@ -205,6 +244,45 @@ impl Backend for CpuBf16 {
 
     fn gelu(&self, form: GeluForm, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>) {
         Cpu.gelu(form, x, y, dydx);
+    }
+
+    fn rms_norm_forward(
+        &self,
+        x: &[f32],
+        weight: &[f32],
+        eps: f64,
+        y: &mut [f32],
+        inv: &mut [f32],
+    ) {
+        Cpu.rms_norm_forward(x, weight, eps, y, inv);
+    }
+
+    fn rms_norm_backward(
+        &self,
+        x: &[f32],
+        inv: &[f32],
+        dy: &[f32],
+        weight: &[f32],
+        grad_weight: &mut [f32],
+        dx: &mut [f32],
+    ) {
+        Cpu.rms_norm_backward(x, inv, dy, weight, grad_weight, dx);
+    }
+
+    fn silu(&self, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>) {
+        Cpu.silu(x, y, dydx);
+    }
+
+    fn rope(
+        &self,
+        x: &mut [f32],
+        width: usize,
+        seq: usize,
+        pos0: usize,
+        table: &RopeTable,
+        inverse: bool,
+    ) {
+        Cpu.rope(x, width, seq, pos0, table, inverse);
     }
 
     fn attention_forward(

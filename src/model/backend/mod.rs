@@ -27,6 +27,7 @@ use std::sync::Arc;
 use super::attention::AttnShape;
 use super::gemm::Layout;
 pub use super::kernels::GeluForm;
+use super::ops::RopeTable;
 use crate::optim::OptimSettings;
 
 /// The operations a model's forward, backward and loss are made of, and the optimizer update.
@@ -78,6 +79,38 @@ pub trait Backend: Send + Sync + fmt::Debug {
 
     /// GELU of `form` into `y`; with `dydx`, its derivative too (the same `y` bits).
     fn gelu(&self, form: GeluForm, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>);
+
+    /// RMSNorm over rows of `weight.len()` with `eps` inside the root: `y` (overwritten) and
+    /// each row's 1/rms into `inv` (`rows`).
+    fn rms_norm_forward(&self, x: &[f32], weight: &[f32], eps: f64, y: &mut [f32], inv: &mut [f32]);
+
+    /// Adds the weight gradient and writes `dL/dx` into `dx` (overwritten), given the `inv` the
+    /// forward wrote for this `x`.
+    fn rms_norm_backward(
+        &self,
+        x: &[f32],
+        inv: &[f32],
+        dy: &[f32],
+        weight: &[f32],
+        grad_weight: &mut [f32],
+        dx: &mut [f32],
+    );
+
+    /// SiLU into `y`; with `dydx`, its derivative too (the same `y` bits).
+    fn silu(&self, x: &[f32], y: &mut [f32], dydx: Option<&mut [f32]>);
+
+    /// Rotary embedding of every head of every row of `x` (rows of `width`) in place, by the
+    /// angles of `table`: row `r` at position `r % seq`, or `pos0 + r` when `seq` is 0. With
+    /// `inverse`, the opposite rotation (the backward).
+    fn rope(
+        &self,
+        x: &mut [f32],
+        width: usize,
+        seq: usize,
+        pos0: usize,
+        table: &RopeTable,
+        inverse: bool,
+    );
 
     /// Causal self-attention on the fused `qkv` projection into `y`. With `keep`, every head's
     /// probabilities go to `probs` (`s.probs_len()`) for [`attention_backward`]; without, `probs`

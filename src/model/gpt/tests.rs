@@ -1,10 +1,9 @@
 use super::super::backend::GeluForm;
 use super::super::param_count;
 use super::super::rng::test_util::bits;
-use super::super::rng::SplitMix64;
 use super::super::sample::forward_logits;
 use super::super::sample::test_util::{
-    assert_deterministic, check_model_gradients, fingerprint, perturbed, step, train,
+    assert_deterministic, batch_of, check_model_gradients, fingerprint, perturbed, step, train,
 };
 use super::super::workspace::poison_pool;
 use super::super::ParamSpec;
@@ -22,21 +21,6 @@ fn tiny() -> Gpt {
         tie_embeddings: false,
     };
     Gpt::new(cfg).expect("valid config")
-}
-
-/// A micro-batch of `batch` rows of `seq` tokens from a fixed pseudo-random stream.
-fn batch_of(vocab: usize, batch: usize, seq: usize, seed: u64) -> MicroBatch {
-    let mut rng = SplitMix64::new(seed);
-    let toks: Vec<u32> = (0..batch * (seq + 1))
-        .map(|_| (rng.next_u64() % vocab as u64) as u32)
-        .collect();
-    let rows = toks.chunks(seq + 1);
-    MicroBatch {
-        inputs: rows.clone().flat_map(|r| r[..seq].to_vec()).collect(),
-        targets: rows.flat_map(|r| r[1..].to_vec()).collect(),
-        batch,
-        seq,
-    }
 }
 
 #[test]
