@@ -27,6 +27,7 @@ pub mod bench;
 pub mod codec;
 pub mod compat;
 pub mod error;
+pub mod gguf;
 pub mod hf;
 pub mod interchange;
 pub mod manifest;
