@@ -215,14 +215,10 @@ fn bad_directories_are_refused_naming_the_file_and_the_problem() {
     refused(&train(empty.path()), "no config.json", "Hugging Face");
     let gguf = empty.path().join("SmolLM2-135M-Instruct.Q4_1.gguf");
     std::fs::write(&gguf, b"GGUF\x03\x00\x00\x00").unwrap();
-    let not_read = "GGUF file, which is not read yet";
-    refused(
-        &ezero(&["train", "--init", s(&gguf)]),
-        "Q4_1.gguf",
-        not_read,
-    );
+    let damaged = "truncated GGUF";
+    refused(&ezero(&["train", "--init", s(&gguf)]), "Q4_1.gguf", damaged);
     let gen = ["generate", "--init", s(&gguf), "--prompt", "x"];
-    refused(&ezero(&gen), "Q4_1.gguf", not_read);
+    refused(&ezero(&gen), "Q4_1.gguf", damaged);
     let llama = tempfile::tempdir().unwrap();
     std::fs::write(
         llama.path().join("config.json"),

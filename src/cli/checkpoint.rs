@@ -17,9 +17,7 @@ use clap::{Args, Subcommand};
 use elastic_zero::checkpoint::bench::{bench_slowdown, bench_throughput};
 use elastic_zero::checkpoint::compat::check_resume;
 use elastic_zero::checkpoint::hf;
-use elastic_zero::checkpoint::interchange::{
-    consolidated_params, export, import_params, ExportOptions,
-};
+use elastic_zero::checkpoint::interchange::{consolidated_params, export, ExportOptions};
 use elastic_zero::checkpoint::meta::data_sha256;
 use elastic_zero::checkpoint::{
     load_latest_valid, load_path, read_manifest, store, verify, CheckpointError, CheckpointMeta,
@@ -421,9 +419,7 @@ pub fn resolve_train(
     }
     let Some(dir) = &args.resume else {
         let mut cfg = args.resolve().map_err(|e| CliError::Usage(e.to_string()))?;
-        if let Some(hf_dir) = args.init.as_deref().and_then(hf::source_dir) {
-            apply_hf_shape(args, &mut cfg, &hf_dir)?;
-        }
+        super::init::apply_pretrained_shape(args, &mut cfg)?;
         return Ok((cfg, None));
     };
     if args.init.is_some() {
@@ -476,53 +472,12 @@ pub fn check_compatible(
     .map_err(usage)
 }
 
-/// `--init hf:DIR`: the model's shape comes from `DIR/config.json`; a shape flag that says
-/// otherwise is refused rather than silently overridden.
-fn apply_hf_shape(args: &TrainArgs, cfg: &mut TrainConfig, dir: &Path) -> Result<(), CliError> {
-    let shape = hf::config::read(dir).map_err(usage)?;
-    let from = dir.join("config.json");
-    let (layers, d_model, heads) = shape.layers_width_heads();
-    let clash = |flag: &str, ours: Option<usize>, theirs: usize| match ours {
-        Some(v) if v != theirs => Err(CliError::Usage(format!(
-            "--{flag} {v} contradicts {} ({theirs}): drop the flag, the checkpoint sets it",
-            from.display()
-        ))),
-        _ => Ok(()),
-    };
-    clash("layers", args.layers, layers)?;
-    clash("d-model", args.d_model, d_model)?;
-    clash("heads", args.heads, heads)?;
-    let family = match shape {
-        hf::config::HfShape::Gpt2(_) => ModelKind::Gpt,
-        hf::config::HfShape::Llama(_) => ModelKind::Llama,
-    };
-    if let Some(m) = args.model.filter(|&m| m != family) {
-        return Err(CliError::Usage(format!(
-            "--model {} contradicts {}: that checkpoint is a {}",
-            m.name(),
-            from.display(),
-            family.name()
-        )));
-    }
-    shape.apply(cfg, dir);
-    cfg.validate()
-        .map_err(|e| CliError::Usage(format!("with {}: {e}", from.display())))
-}
-
-/// `--init FILE`: full parameters from a safetensors file; `--init hf:DIR`: from a Hugging
-/// Face model directory.
+/// `--init`'s parameters (see [`super::init`]); `None` without `--init`.
 pub fn init_params(args: &TrainArgs, model: &dyn Model) -> Result<Option<Vec<Vec<f32>>>, CliError> {
     let Some(init) = args.init.as_deref() else {
         return Ok(None);
     };
-    let units = model.units();
-    match hf::source_dir(init) {
-        Some(dir) => hf::import(&dir, &units).map(Some).map_err(usage),
-        None => {
-            hf::refuse_gguf(init).map_err(usage)?;
-            import_params(init, &units).map(Some).map_err(usage)
-        }
-    }
+    super::init::import(&super::init::InitSource::of(init), &model.units()).map(Some)
 }
 
 /// The state a job with worker processes starts from: `--resume` (each rank's owned chunks,

@@ -5,7 +5,6 @@ use std::path::{Path, PathBuf};
 
 use clap::Args;
 
-use elastic_zero::checkpoint::hf;
 use elastic_zero::checkpoint::interchange::consolidated_params;
 use elastic_zero::checkpoint::read::load_path;
 use elastic_zero::config::TrainConfig;
@@ -13,6 +12,7 @@ use elastic_zero::data::tokens::end_of_text;
 use elastic_zero::job::build_model;
 use elastic_zero::model::sample::{generate_cached, Sampling};
 
+use super::init::{import, pretrained, InitSource};
 use super::CliError;
 
 /// `ezero generate` flags.
@@ -50,15 +50,19 @@ fn usage(e: impl std::fmt::Display) -> CliError {
 pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
     let (cfg, params) = match (&args.init, &args.checkpoint) {
         (Some(init), None) => {
-            hf::refuse_gguf(init).map_err(usage)?;
-            let dir = hf::source_dir(init)
-                .ok_or_else(|| usage(format!("--init {}: not a directory", init.display())))?;
-            let shape = hf::config::read(&dir).map_err(usage)?;
+            let src = InitSource::of(init);
+            let cache = TrainConfig::default().token_cache();
+            let p = pretrained(&src, cache.as_deref())?.ok_or_else(|| {
+                usage(format!(
+                    "--init {}: not a Hugging Face directory or a GGUF file",
+                    init.display()
+                ))
+            })?;
             let mut cfg = TrainConfig::default();
-            shape.apply(&mut cfg, &dir);
-            cfg.seq_len = shape.positions();
+            p.shape.apply(&mut cfg, &p.dir);
+            cfg.seq_len = p.shape.positions();
             let model = build_model(&cfg).map_err(usage)?;
-            let params = hf::import(&dir, &model.units()).map_err(usage)?;
+            let params = import(&src, &model.units())?;
             (cfg, params)
         }
         (None, Some(ckpt)) => {

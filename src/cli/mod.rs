@@ -5,6 +5,7 @@ mod checkpoint;
 mod collectives;
 mod gemm;
 mod generate;
+mod init;
 mod launch;
 mod procs;
 mod ticker;

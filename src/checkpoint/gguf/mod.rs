@@ -11,6 +11,7 @@
 //! - [`names`]: llama.cpp against Hugging Face tensor names, and the q/k permutation;
 //! - [`llama`]: the model shape; [`tokenizer`]: `tokenizer.json`.
 
+pub mod hf_view;
 pub mod llama;
 pub mod names;
 pub mod parse;

@@ -42,26 +42,6 @@ pub fn source_dir(init: &Path) -> Option<PathBuf> {
     }
 }
 
-/// Refuses a GGUF file (by its magic, whatever its name): it is not read yet, and reading it
-/// as safetensors would only say that it is not one.
-pub fn refuse_gguf(path: &Path) -> Result<(), CheckpointError> {
-    let mut magic = [0u8; 4];
-    let is_gguf = std::fs::File::open(path)
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
-        .is_ok()
-        && &magic == b"GGUF";
-    match is_gguf {
-        true => Err(CheckpointError::Incompatible {
-            path: path.to_path_buf(),
-            what: "is a GGUF file, which is not read yet: convert it to a Hugging Face \
-                   directory (transformers: from_pretrained(dir, gguf_file=...) then \
-                   save_pretrained) and pass --init hf:DIR"
-                .into(),
-        }),
-        false => Ok(()),
-    }
-}
-
 /// How `shape`'s family names its tensors in `src`.
 pub fn naming(shape: &config::HfShape, src: &dyn source::TensorSource) -> Box<dyn source::Naming> {
     match shape {
