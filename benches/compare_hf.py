@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Fine-tuning GPT-2 124M, side by side: `ezero train --init hf:DIR` with ZeRO-3 against
-transformers' `GPT2LMHeadModel` under FSDP2 (benches/fsdp2_hf_gpt2.py), same shape and global
-batch (seq 256, 8 sequences per step), runs alternating, never two at once.
+"""Fine-tuning a Hugging Face model, side by side: `ezero train --init hf:DIR` with ZeRO-3
+against transformers' model under FSDP2 (benches/fsdp2_hf_gpt2.py, benches/fsdp2_hf_llama.py),
+same shape and global batch (seq 256, 8 sequences per step), runs alternating, never two at
+once. `--model gpt2` is GPT-2 124M, `--model smollm2` SmolLM2-135M (Llama: 30 layers of 576,
+9 heads over 3 kv heads, tied 49152-token embedding).
 
-DIR is a random-init GPT-2 124M that transformers saves here (`GPT2Config()`; no download).
-Both train on byte-level data (ids below 256 of the 50257): the step's cost does not depend on
-which ids they are.
+DIR is a random-init model of that shape that transformers saves here (no download). Both
+train on byte-level data (ids below 256): the step's cost does not depend on which ids they
+are.
 
-    python3 benches/compare_hf.py --rounds 2 --world-sizes 2
+    python3 benches/compare_hf.py --model smollm2 --rounds 2 --world-sizes 2
 
 Prints a markdown table (median over rounds of each run's median step, min–max) and writes the
 records to --out.
@@ -32,12 +34,26 @@ SEQ, GLOBAL = 256, 8
 WHO = ["ours", "ours_no_backups", "fsdp2"]
 
 
-def make_model(py, out):
+# Per model: the transformers class and config that make DIR, the peer script, its shape flags.
+MODELS = {
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config()", "fsdp2_hf_gpt2.py",
+             ["--vocab", "50257", "--d-model", "768", "--heads", "12", "--layers", "12"]),
+    "smollm2": ("LlamaForCausalLM",
+                "LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, "
+                "num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5, "
+                "rope_parameters={'rope_type': 'default', 'rope_theta': 100000.0}, tie_word_embeddings=True)",
+                "fsdp2_hf_llama.py",
+                ["--vocab", "49152", "--d-model", "576", "--heads", "9", "--layers", "30"]),
+}
+
+
+def make_model(py, model, out):
     if os.path.exists(os.path.join(out, "config.json")):
         return
+    cls, cfg, _, _ = MODELS[model]
     code = (
-        "import torch; from transformers import GPT2Config, GPT2LMHeadModel; torch.manual_seed(0); "
-        f"GPT2LMHeadModel(GPT2Config()).save_pretrained({out!r})"
+        f"import torch; from transformers import {cls}, {cfg.split('(')[0]}; torch.manual_seed(0); "
+        f"{cls}({cfg}).save_pretrained({out!r})"
     )
     subprocess.run([py, "-c", code], check=True)
 
@@ -59,23 +75,26 @@ def run_ours(ezero, model_dir, ws, steps, tmpdir, extra=()):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--world-sizes", type=int, nargs="+", default=[2])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--python", default="/tmp/peers/venv/bin/python")
     ap.add_argument("--peers", default=os.path.join(ROOT, "..", "shared", "peers"))
-    ap.add_argument("--out", default="/tmp/ezero_bench/compare_hf.json")
+    ap.add_argument("--out", help="[default: /tmp/ezero_bench/compare_hf_MODEL.json]")
     ap.add_argument("--ezero")
     ap.add_argument("--no-build", action="store_true")
     args = ap.parse_args()
     ezero = args.ezero or os.path.join(ROOT, "target", "release", "ezero")
     if not args.no_build:
         subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
+    args.out = args.out or f"/tmp/ezero_bench/compare_hf_{args.model}.json"
     tmpdir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(tmpdir, exist_ok=True)
-    model_dir = os.path.join(tmpdir, "gpt2-124m")
-    make_model(args.python, model_dir)
-    shape = ["--vocab", "50257", "--d-model", "768", "--heads", "12", "--layers", "12", "--seq", str(SEQ)]
+    model_dir = os.path.join(tmpdir, {"gpt2": "gpt2-124m", "smollm2": "smollm2-135m"}[args.model])
+    make_model(args.python, args.model, model_dir)
+    _, _, peer_script, shape = MODELS[args.model]
+    shape = shape + ["--seq", str(SEQ)]
     records = []
     with benchlib.LoadSampler(1.0) as sampler:
         for rnd in range(args.rounds):
@@ -90,7 +109,7 @@ def main():
                     elif who == "ours_no_backups":
                         rec[who] = run_ours(ezero, model_dir, ws, args.steps, tmpdir, ["--replicate-every", "0"])
                     else:
-                        script = os.path.join(HERE, "fsdp2_hf_gpt2.py")
+                        script = os.path.join(HERE, peer_script)
                         rec[who] = run_peer(args, ws, tmpdir, script, shape)
                     rec[who]["load"] = sampler.window(t0, time.monotonic())
                     print(json.dumps({"round": rnd, "ws": ws, who: rec[who]}), flush=True)
@@ -111,7 +130,7 @@ def main():
 
 
 def run_peer(args, ws, tmpdir, script, shape):
-    out = os.path.join(tmpdir, f"peer-hf-ws{ws}.json")
+    out = os.path.join(tmpdir, f"peer-hf-{os.path.basename(script)}-ws{ws}.json")
     cmd = ["/usr/bin/time", "-v", args.python, script, "--modes", "fsdp2_full", "--world-sizes", str(ws),
            "--steps", str(args.steps), "--warmup", "2", "--batch-per-rank", str(GLOBAL // ws),
            "--json", out] + shape

@@ -213,10 +213,23 @@ fn activation_bytes(cfg: &TrainConfig, units: usize, keep: bool) -> u64 {
     let d = cfg.d_model as u64;
     let saved = units as u64 * local_mbs * tokens * d * 4;
     let logits = 2 * tokens * cfg.vocab as u64 * 4;
-    // Q, K, V, attention output, two norms, residuals and the 4d MLP before and after its
-    // activation: about 16 d per token, plus the seq x seq attention weights per head; twice
-    // for the backward's gradients of them.
-    let per_unit = 2 * tokens * (16 * d + (cfg.heads * cfg.seq_len) as u64) * 4;
+    let per_token = match cfg.model {
+        // Q, K, V, attention output, two norms, residuals and the 4d MLP before and after
+        // its activation: about 16 d.
+        ModelKind::Gpt | ModelKind::Mlp => 16 * d,
+        // Three d-wide (norms, residual), compact q/k/v, the fused q|k|v with repeated kv
+        // heads and the attention output (5 q-wide), and the SwiGLU's gate, up, SiLU, its
+        // derivative and the product (5 ffn-wide).
+        ModelKind::Llama => {
+            let (q, kv) = (
+                (cfg.heads * cfg.head_dim()) as u64,
+                (cfg.kv_heads() * cfg.head_dim()) as u64,
+            );
+            3 * d + 6 * q + 2 * kv + 5 * cfg.ffn() as u64
+        }
+    };
+    // Plus the seq x seq attention weights per head; twice for the backward's gradients.
+    let per_unit = 2 * tokens * (per_token + (cfg.heads * cfg.seq_len) as u64) * 4;
     let kept = if keep {
         per_unit * units as u64 * local_mbs
     } else {

@@ -13,10 +13,11 @@
 use std::sync::Mutex;
 
 /// Arenas kept for reuse; more concurrent callers than this allocate and drop their own. With
-/// `keep_activations` every block of every local micro-batch holds one arena from its forward
+/// kept activations every block of every local micro-batch holds one arena from its forward
 /// to its backward, so the pool must cover layers × micro-batches × ranks in this process plus
-/// one per computing rank; it only ever holds as many as were live at once.
-const POOL_MAX: usize = 64;
+/// a few per computing rank (SmolLM2's 30 layers at 2 ranks overflowed 64, and every step
+/// page-faulted ~2 GB of arenas afresh); it only ever holds as many as were live at once.
+const POOL_MAX: usize = 1024;
 
 static POOL: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
 
