@@ -30,8 +30,14 @@ import compare_train as ct  # noqa: E402
 ROOT = os.path.dirname(HERE)
 SEQ, GLOBAL = 256, 8
 # Ours with its defaults (buddy backups of every rank's state each step, which FSDP2 has no
-# counterpart of), ours without backups, and the peer.
-WHO = ["ours", "ours_no_backups", "fsdp2"]
+# counterpart of), ours without backups, ours without backups recomputing every block's
+# activations in the backward (FSDP2's peer keeps them), and the peer.
+WHO = ["ours", "ours_no_backups", "ours_recompute", "fsdp2"]
+EXTRA = {
+    "ours": [],
+    "ours_no_backups": ["--replicate-every", "0"],
+    "ours_recompute": ["--replicate-every", "0", "--activation-checkpointing", "always"],
+}
 
 
 # Per model: the transformers class and config that make DIR, the peer script, its shape flags.
@@ -104,10 +110,8 @@ def main():
                 rec = {"round": rnd, "ws": ws, "order": order}
                 for who in order:
                     t0 = time.monotonic()
-                    if who == "ours":
-                        rec[who] = run_ours(ezero, model_dir, ws, args.steps, tmpdir)
-                    elif who == "ours_no_backups":
-                        rec[who] = run_ours(ezero, model_dir, ws, args.steps, tmpdir, ["--replicate-every", "0"])
+                    if who in EXTRA:
+                        rec[who] = run_ours(ezero, model_dir, ws, args.steps, tmpdir, EXTRA[who])
                     else:
                         script = os.path.join(HERE, peer_script)
                         rec[who] = run_peer(args, ws, tmpdir, script, shape)

@@ -11,6 +11,7 @@ use elastic_zero::config::TrainConfig;
 use elastic_zero::data::tokens::end_of_text;
 use elastic_zero::job::build_model;
 use elastic_zero::model::sample::{generate_cached, Sampling};
+use elastic_zero::model::Model;
 
 use super::init::{import, pretrained, InitSource};
 use super::CliError;
@@ -77,41 +78,63 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
         Some(p) => Some(load_tokenizer(&p)?),
         None => None,
     };
-    let prompt: Vec<u32> = match &tokenizer {
+    let sampling = Sampling {
+        new_tokens: args.max_new_tokens,
+        temperature: args.temperature,
+        top_k: args.top_k,
+        seed: args.seed,
+        stop: None,
+    };
+    let text = continue_text(
+        model.as_ref(),
+        &params,
+        tokenizer.as_ref(),
+        &args.prompt,
+        sampling,
+    )?;
+    println!("{}{text}", args.prompt);
+    Ok(())
+}
+
+/// `prompt` continued by `sampling` (its `stop` set to the tokenizer's end-of-text), as text:
+/// through `tokenizer`, or bytes without one.
+pub(super) fn continue_text(
+    model: &dyn Model,
+    params: &[Vec<f32>],
+    tokenizer: Option<&tokenizers::Tokenizer>,
+    prompt: &str,
+    sampling: Sampling,
+) -> Result<String, CliError> {
+    let ids: Vec<u32> = match tokenizer {
         Some(t) => t
-            .encode(args.prompt.as_str(), false)
+            .encode(prompt, false)
             .map_err(|e| usage(format!("--prompt: cannot encode: {e}")))?
             .get_ids()
             .to_vec(),
-        None => args.prompt.bytes().map(u32::from).collect(),
+        None => prompt.bytes().map(u32::from).collect(),
     };
-    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= model.vocab()) {
+    if let Some(bad) = ids.iter().find(|&&t| t as usize >= model.vocab()) {
         return Err(usage(format!(
             "--prompt: token id {bad} is beyond the model's {} ids: give the model's tokenizer",
             model.vocab()
         )));
     }
     let sampling = Sampling {
-        new_tokens: args.max_new_tokens,
-        temperature: args.temperature,
-        top_k: args.top_k,
-        seed: args.seed,
-        stop: tokenizer.as_ref().and_then(end_of_text),
+        stop: tokenizer.and_then(end_of_text),
+        ..sampling
     };
-    let out = generate_cached(model.as_ref(), &params, &prompt, sampling);
-    let text = match &tokenizer {
+    let out = generate_cached(model, params, &ids, sampling);
+    match tokenizer {
         Some(t) => t
             .decode(&out, true)
-            .map_err(|e| CliError::Failed(format!("cannot decode: {e}")))?,
-        None => {
-            String::from_utf8_lossy(&out.iter().map(|&t| t as u8).collect::<Vec<_>>()).into_owned()
-        }
-    };
-    println!("{}{text}", args.prompt);
-    Ok(())
+            .map_err(|e| CliError::Failed(format!("cannot decode: {e}"))),
+        None => Ok(
+            String::from_utf8_lossy(&out.iter().map(|&t| t as u8).collect::<Vec<_>>()).into_owned(),
+        ),
+    }
 }
 
-fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, CliError> {
+pub(super) fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, CliError> {
     tokenizers::Tokenizer::from_file(path)
         .map_err(|e| usage(format!("{}: not a tokenizer.json: {e}", path.display())))
 }

@@ -12,7 +12,7 @@ use elastic_zero::engine::messages::StepReport;
 use elastic_zero::job::{build_dataset, build_model};
 use elastic_zero::model::backend::Precision;
 use elastic_zero::model::gemm::Bf16Path;
-use elastic_zero::model::sample::generate;
+use elastic_zero::model::sample::{generate, Sampling};
 use elastic_zero::model::{param_count, Model};
 use elastic_zero::plan::tier::{gib, Fit, Tier};
 use elastic_zero::plan::RankId;
@@ -491,7 +491,25 @@ fn tier_name(t: Tier) -> String {
     }
 }
 
+/// A short continuation from the trained model: of "The" through the run's tokenizer, or of
+/// "the " in bytes for the built-in byte-level data.
 fn print_sample(model: &dyn Model, params: &[Vec<f32>], cfg: &TrainConfig) {
+    if let Some(path) = cfg.tokenizer_path() {
+        let sampling = Sampling {
+            new_tokens: cfg.sample_tokens,
+            temperature: 0.8,
+            top_k: 40,
+            seed: cfg.seed,
+            stop: None,
+        };
+        let text = super::generate::load_tokenizer(&path)
+            .and_then(|t| super::generate::continue_text(model, params, Some(&t), "The", sampling));
+        match text {
+            Ok(text) => println!("sample: The{}", text.replace('\n', " ")),
+            Err(CliError::Usage(e) | CliError::Failed(e)) => println!("sample: skipped ({e})"),
+        }
+        return;
+    }
     let prompt: Vec<u32> = b"the ".iter().map(|&b| b as u32).collect();
     let out = generate(model, params, &prompt, cfg.sample_tokens, 0.8, cfg.seed);
     let text: String = out.iter().map(|&t| printable(t)).collect();

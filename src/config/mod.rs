@@ -169,7 +169,7 @@ pub struct TrainConfig {
     pub initial_grad_bound: f32,
     /// Threads for the optimizer step on each rank (default 1).
     pub optimizer_threads: usize,
-    /// Tokens to sample from the trained model at the end (GPT only; default 160).
+    /// Tokens to sample from the trained model at the end (GPT and Llama; default 160).
     pub sample_tokens: usize,
     /// Ranks that drain and leave at the start of a step (`RANK@STEP`).
     pub leave: Vec<At>,
