@@ -31,4 +31,7 @@ mkdir -p "$TIER_DIR"
 python3 benches/offload.py --dir "$TIER_DIR" --rounds "$ROUNDS" | tee "$OUT/offload.txt"
 ./target/release/ezero bench gemm --precision bf16 --rounds "$ROUNDS" --torch-python /tmp/peers/venv/bin/python | tee "$OUT/gemm_bf16.txt"
 python3 benches/compare_bf16.py --rounds "$ROUNDS" --no-build | tee "$OUT/bf16.md"
+/tmp/peers/venv/bin/pip install --quiet transformers
+python3 benches/compare_hf.py --model gpt2 --rounds 2 --world-sizes 2 --no-build | tee "$OUT/hf_gpt2.md"
+python3 benches/compare_hf.py --model smollm2 --rounds 2 --world-sizes 2 --no-build | tee "$OUT/hf_smollm2.md"
 CHAOS_SEEDS=3000 cargo test --release --test chaos chaos_seeds 2>&1 | tee "$OUT/soak.txt"
