@@ -243,6 +243,44 @@ pub fn attention_backward_from_probs(
     }
 }
 
+/// One query row's attention over cached keys and values (incremental decoding): `q` is one
+/// head (`head_dim` wide); the head's key and value of position `t` are
+/// `keys[t·stride + offset..][..head_dim]` (likewise `values`), for every cached position;
+/// the softmax-weighted sum of the values goes to `out`. Scaled by 1/sqrt(head_dim) like the
+/// full forward; summed in position order (not the blocked order of the full forward, so equal
+/// to it up to rounding).
+pub(crate) fn attend_cached(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    stride: usize,
+    offset: usize,
+    out: &mut [f32],
+) {
+    let hd = q.len();
+    let n = keys.len() / stride;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut p = vec![0f32; n];
+    let mut max = f32::NEG_INFINITY;
+    for (t, pt) in p.iter_mut().enumerate() {
+        let k = &keys[t * stride + offset..][..hd];
+        *pt = scale * q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>();
+        max = max.max(*pt);
+    }
+    let mut sum = 0.0;
+    for pt in p.iter_mut() {
+        *pt = (*pt - max).exp();
+        sum += *pt;
+    }
+    out.fill(0.0);
+    for (t, pt) in p.iter().enumerate() {
+        let v = &values[t * stride + offset..][..hd];
+        for (o, vv) in out.iter_mut().zip(v) {
+            *o += pt / sum * vv;
+        }
+    }
+}
+
 /// Allocating forward (tests and simple callers).
 pub fn attention_forward(qkv: &[f32], s: AttnShape) -> Vec<f32> {
     let mut y = vec![0.0; s.batch * s.seq * s.d_model];

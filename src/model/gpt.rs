@@ -532,14 +532,7 @@ impl Model for Gpt {
     }
 
     fn ties(&self) -> Vec<Tie> {
-        match self.cfg.tie_embeddings {
-            true => vec![Tie {
-                owner: 0,
-                param: 0,
-                user: self.cfg.layers + 1,
-            }],
-            false => Vec::new(),
-        }
+        Tie::head_on_embedding(self.cfg.tie_embeddings, self.cfg.layers)
     }
 
     fn init_unit(&self, unit: usize, seed: u64) -> Vec<f32> {
@@ -648,16 +641,7 @@ impl Model for Gpt {
     }
 
     fn loss(&self, out: &[f32], mb: &MicroBatch) -> (f32, Vec<f32>) {
-        assert_eq!(
-            mb.targets.len(),
-            mb.batch * mb.seq,
-            "micro-batch targets length"
-        );
-        let mut grad = vec![0.0; out.len()];
-        let loss = self
-            .be
-            .cross_entropy(out, &mb.targets, self.cfg.vocab, &mut grad);
-        (loss, grad)
+        super::lm_loss(&*self.be, self.cfg.vocab, out, mb)
     }
 
     fn backend(&self) -> &dyn Backend {

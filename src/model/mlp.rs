@@ -267,16 +267,7 @@ impl Model for Mlp {
     }
 
     fn loss(&self, out: &[f32], mb: &MicroBatch) -> (f32, Vec<f32>) {
-        assert_eq!(
-            mb.targets.len(),
-            mb.batch * mb.seq,
-            "micro-batch targets length"
-        );
-        let mut grad = vec![0.0; out.len()];
-        let loss = self
-            .be
-            .cross_entropy(out, &mb.targets, self.cfg.vocab, &mut grad);
-        (loss, grad)
+        super::lm_loss(&*self.be, self.cfg.vocab, out, mb)
     }
 
     fn backend(&self) -> &dyn Backend {

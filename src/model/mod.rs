@@ -185,6 +185,24 @@ pub trait Decoder {
     fn push(&mut self, token: u32) -> Vec<f32>;
 }
 
+/// Mean cross-entropy of logits `out` (`[rows, vocab]`) against the micro-batch's targets, and
+/// its gradient, on `be`: the loss of every built-in language model.
+pub(crate) fn lm_loss(
+    be: &dyn Backend,
+    vocab: usize,
+    out: &[f32],
+    mb: &MicroBatch,
+) -> (f32, Vec<f32>) {
+    assert_eq!(
+        mb.targets.len(),
+        mb.batch * mb.seq,
+        "micro-batch targets length"
+    );
+    let mut grad = vec![0.0; out.len()];
+    let loss = be.cross_entropy(out, &mb.targets, vocab, &mut grad);
+    (loss, grad)
+}
+
 /// Total parameter count of a list of units.
 pub fn param_count(units: &[UnitSpec]) -> usize {
     units.iter().map(UnitSpec::numel).sum()

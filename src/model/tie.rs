@@ -27,6 +27,21 @@ pub struct Tie {
     pub user: usize,
 }
 
+impl Tie {
+    /// The tie of a language model whose head (the last unit, after `layers` blocks) uses the
+    /// token embedding (parameter 0 of unit 0) as its weight; none when `tied` is false.
+    pub fn head_on_embedding(tied: bool, layers: usize) -> Vec<Tie> {
+        match tied {
+            true => vec![Tie {
+                owner: 0,
+                param: 0,
+                user: layers + 1,
+            }],
+            false => Vec::new(),
+        }
+    }
+}
+
 /// The ties of a model, checked and resolved to element ranges of the owners' flat buffers.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Ties {

@@ -8,6 +8,7 @@
 
 use super::super::{Decoder, Model};
 use super::{Gpt, UnitKind};
+use crate::model::attention::attend_cached;
 use crate::model::layers::{LayerNorm, Linear};
 use crate::model::ops::split_params;
 
@@ -52,31 +53,14 @@ impl<'a> GptDecoder<'a> {
         self.keys[layer].extend_from_slice(&qkv[d..2 * d]);
         self.values[layer].extend_from_slice(&qkv[2 * d..]);
         let (keys, values) = (&self.keys[layer], &self.values[layer]);
-        let n = self.pos + 1;
         let hd = d / h;
-        let scale = 1.0 / (hd as f32).sqrt();
         let mut att = vec![0f32; d];
-        let mut p = vec![0f32; n];
         for head in 0..h {
-            let q = &qkv[head * hd..(head + 1) * hd];
-            let mut max = f32::NEG_INFINITY;
-            for (j, pj) in p.iter_mut().enumerate() {
-                let k = &keys[j * d + head * hd..j * d + (head + 1) * hd];
-                *pj = scale * q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>();
-                max = max.max(*pj);
-            }
-            let mut sum = 0.0;
-            for pj in p.iter_mut() {
-                *pj = (*pj - max).exp();
-                sum += *pj;
-            }
-            let out = &mut att[head * hd..(head + 1) * hd];
-            for (j, pj) in p.iter().enumerate() {
-                let v = &values[j * d + head * hd..j * d + (head + 1) * hd];
-                for (o, vv) in out.iter_mut().zip(v) {
-                    *o += pj / sum * vv;
-                }
-            }
+            let (q, out) = (
+                &qkv[head * hd..(head + 1) * hd],
+                &mut att[head * hd..(head + 1) * hd],
+            );
+            attend_cached(q, keys, values, d, head * hd, out);
         }
         let mut y = vec![0f32; d];
         b.proj.forward_into(&att, &mut y);

@@ -5,6 +5,7 @@
 
 use super::super::{Decoder, Model};
 use super::{Layer, Llama};
+use crate::model::attention::attend_cached;
 use crate::model::layers::Linear;
 
 /// A Llama's decoding state: its parameters and every layer's cached keys and values.
@@ -50,31 +51,14 @@ impl<'a> LlamaDecoder<'a> {
         self.keys[layer].extend_from_slice(&k);
         self.values[layer].extend_from_slice(&v);
         let (keys, values) = (&self.keys[layer], &self.values[layer]);
-        let n = self.pos + 1;
-        let scale = 1.0 / (hd as f32).sqrt();
         let mut att = vec![0f32; qw];
-        let mut p = vec![0f32; n];
         for head in 0..c.heads {
-            let j = head / group;
-            let qh = &q[head * hd..(head + 1) * hd];
-            let mut max = f32::NEG_INFINITY;
-            for (t, pt) in p.iter_mut().enumerate() {
-                let kt = &keys[t * kvw + j * hd..][..hd];
-                *pt = scale * qh.iter().zip(kt).map(|(a, b)| a * b).sum::<f32>();
-                max = max.max(*pt);
-            }
-            let mut sum = 0.0;
-            for pt in p.iter_mut() {
-                *pt = (*pt - max).exp();
-                sum += *pt;
-            }
-            let out = &mut att[head * hd..(head + 1) * hd];
-            for (t, pt) in p.iter().enumerate() {
-                let vt = &values[t * kvw + j * hd..][..hd];
-                for (o, vv) in out.iter_mut().zip(vt) {
-                    *o += pt / sum * vv;
-                }
-            }
+            let (q, out) = (
+                &q[head * hd..(head + 1) * hd],
+                &mut att[head * hd..(head + 1) * hd],
+            );
+            // Query head `head` reads its group's key/value head.
+            attend_cached(q, keys, values, kvw, (head / group) * hd, out);
         }
         let mut y = vec![0f32; d];
         l.o.forward_into(&att, &mut y);
