@@ -352,3 +352,86 @@ fn a_gguf_model_fine_tunes_resumes_exports_and_generates() {
     ]);
     assert!(gen.starts_with("The model"), "{gen}");
 }
+
+/// The round trip through transformers: GPT-2, Llama (tied and untied) and Qwen2 weights of
+/// ours, exported, load in transformers with no missing or unexpected keys and give our
+/// logits (to 1e-4 of their scale) on a batch. Runs when a Python with torch and transformers
+/// is found (`EZERO_TRANSFORMERS_PYTHON`, default `/tmp/peers/venv/bin/python`, which
+/// `../shared/peers/setup.sh` makes); otherwise it says so and passes (CI has no torch: its
+/// wheels are 2.5 GB).
+#[test]
+fn exports_load_in_transformers_with_our_logits() {
+    use elastic_zero::model::sample::forward_logits;
+    use elastic_zero::model::MicroBatch;
+    use std::process::Command;
+    let python = std::env::var("EZERO_TRANSFORMERS_PYTHON")
+        .unwrap_or_else(|_| "/tmp/peers/venv/bin/python".into());
+    let has = Command::new(&python)
+        .args(["-c", "import torch, transformers, safetensors"])
+        .output()
+        .map(|o| o.status.success())
+        .unwrap_or(false);
+    if !has {
+        eprintln!("skipped: no Python with torch and transformers at {python}");
+        return;
+    }
+    let script = fixture_named("check_export.py");
+    for name in ["gpt2-tiny", "llama-tiny", "llama-untied", "qwen2-tiny"] {
+        let (model, mut params, cfg) = load(&fixture_named(name));
+        // Our weights, not the source's: every value moved a little.
+        for (u, unit) in params.iter_mut().enumerate() {
+            for (i, v) in unit.iter_mut().enumerate() {
+                *v += 1e-3 * (((u * 7919 + i * 104729) % 2003) as f32 / 1001.5 - 1.0);
+            }
+        }
+        let t = tempfile::tempdir().unwrap();
+        let out = t.path().join("export");
+        hf::export(&cfg, &model.units(), &params, &out, false, 40_000).unwrap();
+        let vocab = model.vocab() as u32;
+        let ids: Vec<u32> = (0..16u32).map(|i| (i * 37 + 11) % vocab).collect();
+        let mb = MicroBatch {
+            inputs: ids.clone(),
+            targets: ids.clone(),
+            batch: 2,
+            seq: 8,
+        };
+        let logits = forward_logits(model.as_ref(), &params, &mb);
+        let id_bytes: Vec<u8> = ids.iter().flat_map(|&i| (i as i64).to_le_bytes()).collect();
+        let logit_bytes: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let views = [
+            (
+                "input_ids",
+                safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::I64,
+                    vec![2, 8],
+                    &id_bytes,
+                )
+                .unwrap(),
+            ),
+            (
+                "logits",
+                safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::F32,
+                    vec![logits.len()],
+                    &logit_bytes,
+                )
+                .unwrap(),
+            ),
+        ];
+        let expect = t.path().join("expect.safetensors");
+        safetensors::serialize_to_file(views, None, &expect).unwrap();
+        let run = Command::new(&python)
+            .arg(&script)
+            .arg(&out)
+            .arg("--expect")
+            .arg(&expect)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        assert!(
+            run.status.success() && stdout.contains("equal ours"),
+            "{name}: {stdout}{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+    }
+}
