@@ -71,7 +71,7 @@ fn close(what: &str, ours: &[f32], theirs: &[f32]) {
     let scale = theirs.iter().fold(0f32, |m, x| m.max(x.abs()));
     for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
         assert!(
-            (a - b).abs() <= 2e-5 * scale + 1e-7,
+            (a - b).abs() <= 1e-5 * scale + 1e-7,
             "{what}[{i}]: ours {a}, transformers {b} (scale {scale})"
         );
     }
