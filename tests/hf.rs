@@ -109,7 +109,7 @@ pub(crate) fn matches_transformers(name: &str) -> usize {
     close("loss", &[step.loss], &exp.read_f32("loss").unwrap());
     let units = model.units();
     let td = TensorDir::open(&dir).unwrap();
-    let naming = hf::naming(&hf::config::read(&dir).unwrap(), &td);
+    let naming = hf::naming_of(&hf::config::read(&dir).unwrap(), &td);
     let mut checked = 0;
     for t in hf::source::export_tensors(&*naming, &units, &step.grads) {
         let (name, _, ours) = t.unwrap();

@@ -44,10 +44,7 @@ impl Gpt2Shape {
     pub fn of(cfg: &TrainConfig) -> Self {
         Self {
             vocab: cfg.vocab,
-            positions: match cfg.max_positions {
-                0 => cfg.seq_len,
-                p => p,
-            },
+            positions: cfg.positions(),
             d_model: cfg.d_model,
             layers: cfg.layers,
             heads: cfg.heads,

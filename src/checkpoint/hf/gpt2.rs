@@ -5,7 +5,10 @@
 //! hub's checkpoints name tensors without the `transformer.` prefix that `save_pretrained`
 //! writes. With tied embeddings there is no `lm_head.weight`: our head borrows `tok.weight`.
 
-use super::source::{Naming, TensorSource};
+use super::source::Naming;
+
+/// The base-model prefix `save_pretrained` writes (the hub's own files have none).
+pub const PREFIX: &str = "transformer.";
 
 /// Buffers of old checkpoints that are not parameters (transformers PR #24113).
 const STALE_BUFFERS: &[&str] = &[".attn.bias", ".attn.masked_bias"];
@@ -46,7 +49,7 @@ pub fn hf_name(ours: &str) -> Option<(String, bool)> {
 /// Where a name of transformers' sits in the checkpoint: `lm_head` is never prefixed.
 fn stored_name(hf: &str, prefixed: bool) -> String {
     match prefixed && !hf.starts_with("lm_head.") {
-        true => format!("transformer.{hf}"),
+        true => format!("{PREFIX}{hf}"),
         false => hf.to_string(),
     }
 }
@@ -55,15 +58,6 @@ fn stored_name(hf: &str, prefixed: bool) -> String {
 /// `save_pretrained` writes it).
 pub struct Gpt2Names {
     pub prefixed: bool,
-}
-
-impl Gpt2Names {
-    /// The spelling `src` uses.
-    pub fn of(src: &dyn TensorSource) -> Self {
-        Self {
-            prefixed: src.names().iter().any(|k| k.starts_with("transformer.")),
-        }
-    }
 }
 
 impl Naming for Gpt2Names {

@@ -2,7 +2,10 @@
 //! (our Llama uses transformers' `state_dict` names), with or without the `model.` prefix of a
 //! `*ForCausalLM` checkpoint.
 
-use super::source::{Naming, TensorSource};
+use super::source::Naming;
+
+/// The base-model prefix of a `*ForCausalLM` checkpoint; our names carry it.
+pub const PREFIX: &str = "model.";
 
 /// Llama/Qwen2 names; `prefixed`: the checkpoint spells `model.layers…` (every
 /// `save_pretrained` of a causal LM does), else the bare `layers…` of a `LlamaModel`.
@@ -11,24 +14,14 @@ pub struct LlamaNames {
     pub family: &'static str,
 }
 
-impl LlamaNames {
-    /// The spelling `src` uses.
-    pub fn of(src: &dyn TensorSource, family: &'static str) -> Self {
-        Self {
-            prefixed: src.names().iter().any(|k| k.starts_with("model.")),
-            family,
-        }
-    }
-}
-
 impl Naming for LlamaNames {
     fn family(&self) -> &str {
         self.family
     }
 
     fn stored(&self, ours: &str) -> Option<(String, bool)> {
-        let known = ours.starts_with("model.") || ours == "lm_head.weight";
-        let name = match (self.prefixed, ours.strip_prefix("model.")) {
+        let known = ours.starts_with(PREFIX) || ours == "lm_head.weight";
+        let name = match (self.prefixed, ours.strip_prefix(PREFIX)) {
             (false, Some(bare)) => bare.to_string(),
             _ => ours.to_string(),
         };

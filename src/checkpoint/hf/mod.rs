@@ -42,15 +42,29 @@ pub fn source_dir(init: &Path) -> Option<PathBuf> {
     }
 }
 
-/// How `shape`'s family names its tensors in `src`.
-pub fn naming(shape: &config::HfShape, src: &dyn source::TensorSource) -> Box<dyn source::Naming> {
+/// How `shape`'s family names its tensors; `prefixed`: with the base-model prefix
+/// (`transformer.`, `model.`), as `save_pretrained` and our export write them.
+pub fn naming(shape: &config::HfShape, prefixed: bool) -> Box<dyn source::Naming> {
     match shape {
-        config::HfShape::Gpt2(_) => Box::new(gpt2::Gpt2Names::of(src)),
-        config::HfShape::Llama(l) => Box::new(llama::LlamaNames::of(
-            src,
-            if l.qkv_bias { "Qwen2" } else { "Llama" },
-        )),
+        config::HfShape::Gpt2(_) => Box::new(gpt2::Gpt2Names { prefixed }),
+        config::HfShape::Llama(l) => Box::new(llama::LlamaNames {
+            prefixed,
+            family: if l.qkv_bias { "Qwen2" } else { "Llama" },
+        }),
     }
+}
+
+/// How `shape`'s family names its tensors in `src`: with the base-model prefix if any of
+/// `src`'s names has it.
+pub fn naming_of(
+    shape: &config::HfShape,
+    src: &dyn source::TensorSource,
+) -> Box<dyn source::Naming> {
+    let prefix = match shape {
+        config::HfShape::Gpt2(_) => gpt2::PREFIX,
+        config::HfShape::Llama(_) => llama::PREFIX,
+    };
+    naming(shape, src.names().iter().any(|k| k.starts_with(prefix)))
 }
 
 /// Full parameters of every unit from the model directory `dir` (its `config.json` says the
@@ -58,7 +72,7 @@ pub fn naming(shape: &config::HfShape, src: &dyn source::TensorSource) -> Box<dy
 pub fn import(dir: &Path, units: &[UnitSpec]) -> Result<Vec<Vec<f32>>, CheckpointError> {
     let shape = config::read(dir)?;
     let td = files::TensorDir::open(dir)?;
-    source::import(&td, &*naming(&shape, &td), units)
+    source::import(&td, &*naming_of(&shape, &td), units)
 }
 
 /// What [`export`] wrote.
@@ -87,13 +101,7 @@ pub fn export(
         path: out.to_path_buf(),
         what: format!("a {:?} model has no Hugging Face form", cfg.model),
     })?;
-    let naming: Box<dyn source::Naming> = match &shape {
-        config::HfShape::Gpt2(_) => Box::new(gpt2::Gpt2Names { prefixed: true }),
-        config::HfShape::Llama(_) => Box::new(llama::LlamaNames {
-            prefixed: true,
-            family: "Llama",
-        }),
-    };
+    let naming = naming(&shape, true);
     std::fs::create_dir_all(out).at(out, "create")?;
     let mut tensors = Vec::new();
     for t in source::export_tensors(&*naming, units, params) {
