@@ -5,8 +5,8 @@
 //! - `gguf:FILE` or any file starting with the GGUF magic: a llama.cpp file of the Llama
 //!   family, dequantized to f32. Its `config.json`, `tokenizer.json` and
 //!   `generation_config.json` are written once into a directory under the token cache (keyed
-//!   by the file's SHA-256), which then serves as the run's `hf_dir`: tokenizing, export and
-//!   generation work as from a Hugging Face directory;
+//!   by the SHA-256 of the file's header), which then serves as the run's `hf_dir`:
+//!   tokenizing, export and generation work as from a Hugging Face directory;
 //! - anything else: a safetensors file of our own parameter names (`checkpoint export`).
 
 use std::io::Read;
@@ -96,10 +96,12 @@ fn gguf_companions(f: &GgufFile, cache: Option<&Path>) -> Result<PathBuf, CliErr
             f.path().display()
         ))
     })?;
-    let mut file =
+    // The companions derive from the header alone (metadata and tensor infos), so that is
+    // what keys them: hashing the weights too would read the whole file at every start.
+    let file =
         std::fs::File::open(f.path()).map_err(|e| usage(format!("{}: {e}", f.path().display())))?;
     let mut hasher = Sha256::new();
-    std::io::copy(&mut file, &mut hasher)
+    std::io::copy(&mut file.take(f.data_offset()), &mut hasher)
         .map_err(|e| usage(format!("{}: {e}", f.path().display())))?;
     let key: String = hasher.finalize()[..8]
         .iter()
