@@ -17,7 +17,7 @@ use sha2::{Digest, Sha256};
 use elastic_zero::checkpoint::gguf::GgufFile;
 use elastic_zero::checkpoint::hf::{self, config::HfShape};
 use elastic_zero::checkpoint::interchange::import_params;
-use elastic_zero::config::{ModelKind, TrainConfig};
+use elastic_zero::config::TrainConfig;
 use elastic_zero::model::UnitSpec;
 
 use super::{CliError, TrainArgs};
@@ -144,10 +144,7 @@ pub fn apply_pretrained_shape(args: &TrainArgs, cfg: &mut TrainConfig) -> Result
     clash("layers", args.layers, layers)?;
     clash("d-model", args.d_model, d_model)?;
     clash("heads", args.heads, heads)?;
-    let family = match p.shape {
-        HfShape::Gpt2(_) => ModelKind::Gpt,
-        HfShape::Llama(_) => ModelKind::Llama,
-    };
+    let family = p.shape.model();
     if let Some(m) = args.model.filter(|&m| m != family) {
         return Err(CliError::Usage(format!(
             "--model {} contradicts {from}: that checkpoint is a {}",

@@ -125,6 +125,14 @@ impl HfShape {
         }
     }
 
+    /// The model this shape builds.
+    pub fn model(&self) -> ModelKind {
+        match self {
+            Self::Gpt2(_) => ModelKind::Gpt,
+            Self::Llama(_) => ModelKind::Llama,
+        }
+    }
+
     /// `(layers, d_model, heads)`, which shape flags may not contradict.
     pub fn layers_width_heads(&self) -> (usize, usize, usize) {
         match self {

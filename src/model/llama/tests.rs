@@ -1,7 +1,8 @@
 use super::super::rng::test_util::bits;
 use super::super::sample::forward_logits;
 use super::super::sample::test_util::{
-    assert_deterministic, batch_of, check_model_gradients, fingerprint, perturbed, step, train,
+    assert_deterministic, assert_learns_pi_digits, batch_of, check_model_gradients, fingerprint,
+    perturbed, step,
 };
 use super::super::workspace::poison_pool;
 use super::*;
@@ -269,22 +270,7 @@ fn loss_falls_on_a_repeating_pattern() {
         ..tiny()
     };
     let m = llama(cfg);
-    let digits = [3u32, 1, 4, 1, 5, 9, 2, 6];
-    let batch = |step: usize| {
-        let (b, t) = (4, 16);
-        let tok = |r: usize, i: usize| digits[(step * 3 + r * 5 + i) % digits.len()];
-        MicroBatch {
-            inputs: (0..b * t).map(|k| tok(k / t, k % t)).collect(),
-            targets: (0..b * t).map(|k| tok(k / t, k % t + 1)).collect(),
-            batch: b,
-            seq: t,
-        }
-    };
-    let mut params: Vec<Vec<f32>> = (0..m.units().len()).map(|u| m.init_unit(u, 1)).collect();
-    let losses = train(&m, &mut params, 100, 3e-3, batch);
-    let (first, last) = (losses[0], losses[losses.len() - 1]);
-    assert!((first - 10f32.ln()).abs() < 0.1, "initial loss {first}");
-    assert!(last < 0.1, "loss only fell from {first} to {last}");
+    assert_learns_pi_digits(&m);
 }
 
 /// The KV-cache decoder (rotating each new row at its position, attending over `kv_heads`
