@@ -327,3 +327,21 @@ fn smollm2_135m_q4_1() {
         assert_eq!(tok.encode(text, true).unwrap().get_ids(), ids, "{text:?}");
     }
 }
+
+#[test]
+fn any_range_reads_as_the_same_slice_of_the_whole_tensor() {
+    // Every type, and q/k whose rows are permuted within heads: ranges that start and end
+    // mid-block, mid-row and mid-head give exactly the whole tensor's elements.
+    let g = GgufFile::open(&fixture(TINY)).unwrap();
+    for name in g.hf_names() {
+        let (_, whole) = g.read_hf(&name).unwrap().unwrap();
+        let n = whole.len();
+        for (a, b) in [(0, n), (0, 1), (n - 1, n), (n / 3, n / 2 + 7), (5, 5)] {
+            let (a, b) = (a.min(n), b.min(n).max(a.min(n)));
+            let part = g.read_hf_range(&name, a..b).unwrap().unwrap();
+            assert!(bits(&part) == bits(&whole[a..b]), "{name}[{a}..{b}]");
+        }
+        let err = g.read_hf_range(&name, 0..n + 1).unwrap_err().to_string();
+        assert!(err.contains("past its"), "{err}");
+    }
+}

@@ -44,6 +44,107 @@ pub(crate) fn load(dir: &Path) -> (std::sync::Arc<dyn Model>, Vec<Vec<f32>>, Tra
     (model, params, cfg)
 }
 
+#[test]
+#[allow(clippy::single_range_in_vec_init)]
+fn ranks_read_only_the_ranges_they_keep() {
+    use elastic_zero::model::weights::WeightSource;
+    let dir = fixture();
+    let (model, whole, _) = load(&dir);
+    let units = model.units();
+    // GPT-2 stores its Conv1D weights transposed (read whole) and the rest as we lay them out
+    // (read by byte range): any ranges read as the same elements as the whole unit.
+    let w = hf::weights(&dir, &units).unwrap();
+    for (u, full) in whole.iter().enumerate() {
+        let n = full.len();
+        let ranges = [0..1, 3..n / 4, n / 2..n / 2 + 5, n - 2..n];
+        let got = w.read(u, &ranges).unwrap();
+        for (r, v) in ranges.iter().zip(&got) {
+            assert_eq!(v[..], full[r.clone()], "unit {u} {r:?}");
+        }
+    }
+    // A range inside the embedding reads its elements' bytes and nothing more.
+    let w = hf::weights(&dir, &units).unwrap();
+    let emb = &units[0].params[0];
+    assert_eq!(emb.name, "tok.weight");
+    let dtype_bytes = {
+        let td = TensorDir::open(&dir).unwrap();
+        let (_, t) = td
+            .tensors
+            .iter()
+            .find(|(k, _)| k.ends_with("wte.weight"))
+            .unwrap();
+        t.len / t.shape.iter().product::<usize>() as u64
+    };
+    w.read(0, &[10..10 + emb.numel() / 2]).unwrap();
+    assert_eq!(
+        w.source().bytes_read(),
+        (emb.numel() / 2) as u64 * dtype_bytes
+    );
+    assert!(w
+        .read(0, &[0..units[0].numel() + 1])
+        .unwrap_err()
+        .contains("past unit 0"));
+}
+
+#[test]
+fn under_stage_3_the_ranks_together_read_the_model_once() {
+    use elastic_zero::model::weights::WeightSource;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    /// Counts the elements asked for.
+    struct Counted<W>(W, AtomicUsize);
+    impl<W: WeightSource> WeightSource for Counted<W> {
+        fn read(
+            &self,
+            unit: usize,
+            ranges: &[std::ops::Range<usize>],
+        ) -> Result<Vec<Vec<f32>>, String> {
+            let n: usize = ranges.iter().map(|r| r.len()).sum();
+            self.1.fetch_add(n, Ordering::Relaxed);
+            self.0.read(unit, ranges)
+        }
+        fn describe(&self) -> String {
+            self.0.describe()
+        }
+    }
+
+    let dir = fixture();
+    let (model, whole, cfg) = load(&dir);
+    let numel: usize = whole.iter().map(Vec::len).sum();
+    for (stage, ranks) in [(3, 2), (3, 3), (2, 2)] {
+        let cfg = TrainConfig {
+            stage,
+            ranks,
+            steps: 2,
+            chunk_elems: 64,
+            ..cfg.clone()
+        };
+        let run = |init: Arc<dyn WeightSource>| {
+            let data = elastic_zero::job::build_dataset(&cfg).unwrap();
+            let spec = elastic_zero::runtime::ClusterSpec {
+                init: Some(init),
+                ..elastic_zero::runtime::ClusterSpec::new(model.clone(), data, cfg.clone())
+            };
+            crate::common::train_blocking(spec, ())
+                .unwrap()
+                .param_sha256
+        };
+        let counted = Arc::new(Counted(
+            hf::weights(&dir, &model.units()).unwrap(),
+            AtomicUsize::new(0),
+        ));
+        let from_file = run(counted.clone());
+        let each_rank_whole = if stage == 3 { 1 } else { ranks as usize };
+        assert_eq!(
+            counted.1.load(Ordering::Relaxed),
+            numel * each_rank_whole,
+            "stage {stage}, {ranks} ranks"
+        );
+        assert_eq!(from_file, run(Arc::new(whole.clone())), "stage {stage}");
+    }
+}
+
 /// `ezero train` from the fixture: 2 ranks, 2 micro-batches of seq 8, then `extra`.
 fn fine_tune_args(extra: &[&str]) -> Vec<String> {
     let mut args: Vec<String> = [

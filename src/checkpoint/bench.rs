@@ -302,7 +302,7 @@ pub fn bench_slowdown(
             config: cfg.clone(),
             model: model.clone(),
             data: data.clone(),
-            init_params: None,
+            init: None,
             resume: None,
             snapshot_every,
             panic_at: None,

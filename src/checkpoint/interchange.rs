@@ -8,12 +8,15 @@
 //! `<name>.momentum_buffer`) and is always fp32, because rounding Adam's second moment changes
 //! the next update.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, TensorView};
 
 use super::error::{CheckpointError, IoContext};
+pub use super::hf::files::{bf16_to_f32, f32_to_bf16};
+use super::hf::files::{to_bytes, TensorDir};
+use super::hf::source::{NamedWeights, Naming};
 use super::read::Loaded;
 use super::write::{tmp_path, write_synced};
 use crate::model::UnitSpec;
@@ -44,21 +47,6 @@ pub fn optimizer_path(out: &Path) -> PathBuf {
         .file_stem()
         .map_or_else(|| "model".into(), |s| s.to_string_lossy().into_owned());
     out.with_file_name(format!("{stem}.optimizer.safetensors"))
-}
-
-/// Round-to-nearest-even conversion of an f32 to bf16 bits (NaN stays NaN).
-pub fn f32_to_bf16(x: f32) -> u16 {
-    let b = x.to_bits();
-    if x.is_nan() {
-        return ((b >> 16) as u16) | 0x0040;
-    }
-    let round = 0x7fff + ((b >> 16) & 1);
-    (b.wrapping_add(round) >> 16) as u16
-}
-
-/// The f32 with the same value as bf16 bits `h` (exact).
-pub fn bf16_to_f32(h: u16) -> f32 {
-    f32::from_bits((h as u32) << 16)
 }
 
 /// Every unit's full parameters from a loaded checkpoint.
@@ -96,18 +84,6 @@ fn named<'a>(
             )
         })
     })
-}
-
-/// `values` as little-endian f32 bytes, or rounded to bf16 (`f32_to_bf16`).
-pub(crate) fn to_bytes(values: &[f32], bf16: bool) -> Vec<u8> {
-    if bf16 {
-        values
-            .iter()
-            .flat_map(|&x| f32_to_bf16(x).to_le_bytes())
-            .collect()
-    } else {
-        values.iter().flat_map(|x| x.to_le_bytes()).collect()
-    }
 }
 
 /// Serializes named tensors and writes them atomically (temporary file, sync, rename).
@@ -190,66 +166,37 @@ pub fn export(
     Ok(report)
 }
 
-/// Reads full per-unit parameters for a model with `units` from a safetensors file whose
-/// tensors are named as the model's parameters (fp32 or bf16). Every parameter must be there
-/// with its shape, and nothing else may be.
+/// Our own parameter names: a file `checkpoint export` wrote stores each parameter under its
+/// name, in our layout.
+struct OwnNames;
+
+impl Naming for OwnNames {
+    fn family(&self) -> &str {
+        "model"
+    }
+
+    fn stored(&self, ours: &str) -> Option<(String, bool)> {
+        Some((ours.to_string(), false))
+    }
+
+    fn ignorable(&self, _: &str) -> bool {
+        false
+    }
+}
+
+/// The weights of a model with `units` in a safetensors file whose tensors are named as the
+/// model's parameters (fp32, fp16 or bf16): every parameter must be there with its shape, and
+/// nothing else may be. Values are read by range when a rank asks.
+pub fn weights(
+    path: &Path,
+    units: &[UnitSpec],
+) -> Result<NamedWeights<TensorDir>, CheckpointError> {
+    NamedWeights::open(TensorDir::open_file(path)?, &OwnNames, units)
+}
+
+/// Every unit's full parameters from such a file.
 pub fn import_params(path: &Path, units: &[UnitSpec]) -> Result<Vec<Vec<f32>>, CheckpointError> {
-    let bad = |what: String| CheckpointError::Safetensors {
-        path: path.to_path_buf(),
-        what,
-    };
-    let bytes = std::fs::read(path).at(path, "read")?;
-    let st = SafeTensors::deserialize(&bytes)
-        .map_err(|e| bad(format!("not a safetensors file: {e}")))?;
-    let mut unused: BTreeMap<String, ()> = st
-        .names()
-        .into_iter()
-        .map(|n| (n.to_string(), ()))
-        .collect();
-    let mut out = Vec::with_capacity(units.len());
-    for u in units {
-        let mut buf = Vec::with_capacity(u.numel());
-        for p in &u.params {
-            let t = st
-                .tensor(&p.name)
-                .map_err(|_| bad(format!("has no tensor `{}` (shape {:?})", p.name, p.shape)))?;
-            if t.shape() != p.shape.as_slice() {
-                return Err(bad(format!(
-                    "tensor `{}` has shape {:?}, the model expects {:?}",
-                    p.name,
-                    t.shape(),
-                    p.shape
-                )));
-            }
-            match t.dtype() {
-                Dtype::F32 => buf.extend(
-                    t.data()
-                        .chunks_exact(4)
-                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-                ),
-                Dtype::BF16 => buf.extend(
-                    t.data()
-                        .chunks_exact(2)
-                        .map(|b| bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))),
-                ),
-                other => {
-                    return Err(bad(format!(
-                        "tensor `{}` is {other:?}; only F32 and BF16 can be imported",
-                        p.name
-                    )))
-                }
-            }
-            unused.remove(&p.name);
-        }
-        out.push(buf);
-    }
-    if let Some(extra) = unused.keys().next() {
-        return Err(bad(format!(
-            "tensor `{extra}` is not a parameter of this model ({} extra tensors)",
-            unused.len()
-        )));
-    }
-    Ok(out)
+    weights(path, units)?.read_all()
 }
 
 #[cfg(test)]

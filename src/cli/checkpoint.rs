@@ -27,6 +27,7 @@ use elastic_zero::config::{ModelKind, TrainConfig};
 use elastic_zero::data::Dataset;
 use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
 use elastic_zero::job::optim_settings;
+use elastic_zero::model::weights::WeightSource;
 use elastic_zero::model::Model;
 use elastic_zero::plan::RankId;
 use elastic_zero::runtime::actors::{BoundarySnapshot, Snapshot};
@@ -472,22 +473,27 @@ pub fn check_compatible(
     .map_err(usage)
 }
 
-/// `--init`'s parameters (see [`super::init`]); `None` without `--init`.
-pub fn init_params(args: &TrainArgs, model: &dyn Model) -> Result<Option<Vec<Vec<f32>>>, CliError> {
+/// `--init`'s weights (see [`super::init`]), checked against the model but not yet read;
+/// `None` without `--init`.
+pub fn init_weights(
+    args: &TrainArgs,
+    model: &dyn Model,
+) -> Result<Option<Arc<dyn WeightSource>>, CliError> {
     let Some(init) = args.init.as_deref() else {
         return Ok(None);
     };
-    super::init::import(&super::init::InitSource::of(init), &model.units()).map(Some)
+    super::init::weights(&super::init::InitSource::of(init), &model.units()).map(Some)
 }
 
 /// The state a job with worker processes starts from: `--resume` (each rank's owned chunks,
 /// read now by one thread per rank, so damaged state is refused before any process starts) or
-/// `--init` (the file's parameters); `None` for the model's initialisation.
+/// `--init` (the file's weights, read for each worker as its start is sent); `None` for the
+/// model's initialisation.
 pub fn start_state(
     cfg: &TrainConfig,
     model: &dyn Model,
     resume: Option<&CheckpointSource>,
-    init: Option<Vec<Vec<f32>>>,
+    init: Option<Arc<dyn WeightSource>>,
 ) -> Result<Option<StartState>, CliError> {
     let numels: Vec<usize> = model.units().iter().map(|u| u.numel()).collect();
     if let Some(src) = resume {
@@ -495,9 +501,10 @@ pub fn start_state(
             .map(Some)
             .map_err(|why| CliError::Usage(format!("--resume: {why}")));
     }
-    init.map(|params| {
-        StartState::from_params(
-            &params,
+    init.map(|weights| {
+        StartState::from_weights(
+            weights,
+            &numels,
             cfg.ranks,
             cfg.chunk_elems,
             optim_settings(cfg).kind,

@@ -11,13 +11,15 @@
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
 use elastic_zero::checkpoint::gguf::GgufFile;
 use elastic_zero::checkpoint::hf::{self, config::HfShape};
-use elastic_zero::checkpoint::interchange::import_params;
+use elastic_zero::checkpoint::interchange;
 use elastic_zero::config::TrainConfig;
+use elastic_zero::model::weights::WeightSource;
 use elastic_zero::model::UnitSpec;
 
 use super::{CliError, TrainArgs};
@@ -157,13 +159,28 @@ pub fn apply_pretrained_shape(args: &TrainArgs, cfg: &mut TrainConfig) -> Result
         .map_err(|e| CliError::Usage(format!("with {from}: {e}")))
 }
 
-/// Every unit's full parameters from `src`.
+/// `src`'s weights for a model of `units`: names and shapes checked now (a mismatch is refused
+/// before anything starts), values read by range as each rank builds its state.
+pub fn weights(src: &InitSource, units: &[UnitSpec]) -> Result<Arc<dyn WeightSource>, CliError> {
+    Ok(match src {
+        InitSource::Hf(dir) => Arc::new(hf::weights(dir, units).map_err(usage)?),
+        InitSource::Gguf(path) => Arc::new(
+            GgufFile::open(path)
+                .and_then(|f| f.weights(units))
+                .map_err(usage)?,
+        ),
+        InitSource::Safetensors(path) => {
+            Arc::new(interchange::weights(path, units).map_err(usage)?)
+        }
+    })
+}
+
+/// Every unit's full parameters from `src` (`ezero generate` holds the whole model).
 pub fn import(src: &InitSource, units: &[UnitSpec]) -> Result<Vec<Vec<f32>>, CliError> {
-    match src {
-        InitSource::Hf(dir) => hf::import(dir, units).map_err(usage),
-        InitSource::Gguf(path) => GgufFile::open(path)
-            .and_then(|f| f.import(units))
-            .map_err(usage),
-        InitSource::Safetensors(path) => import_params(path, units).map_err(usage),
-    }
+    let w = weights(src, units)?;
+    units
+        .iter()
+        .enumerate()
+        .map(|(u, spec)| w.read_unit(u, spec.numel()).map_err(usage))
+        .collect()
 }

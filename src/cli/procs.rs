@@ -231,7 +231,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     if let Some(source) = &resume {
         checkpoint::check_compatible(source, &cfg, model.as_ref())?;
     }
-    let init = checkpoint::init_params(&args.train, model.as_ref())?;
+    let init = checkpoint::init_weights(&args.train, model.as_ref())?;
     // Read before the save directory is made: damaged saved state changes nothing.
     let start = checkpoint::start_state(&cfg, model.as_ref(), resume.as_ref(), init)?;
     let resumed_from = resume.as_ref().map(|l| l.dir.clone());

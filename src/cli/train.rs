@@ -33,7 +33,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     if let Some(source) = &resume {
         checkpoint::check_compatible(source, &cfg, model.as_ref())?;
     }
-    let init_params = checkpoint::init_params(args, model.as_ref())?;
+    let init_params = checkpoint::init_weights(args, model.as_ref())?;
     let psi = param_count(&model.units());
     println!(
         "ezero train: ZeRO-{} on {} rank actors, {} model, {} parameters, {} reduction, data: {}",
@@ -62,7 +62,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         config: cfg.clone(),
         model: model.clone(),
         data: data.clone(),
-        init_params,
+        init: init_params,
         resume: resume.map(|s| Arc::new(s) as Arc<dyn ResumeSource>),
         // Only when a save is due: a signal asks for its own snapshot through `boundary`.
         snapshot_every: if cfg.save_dir.is_some() {

@@ -24,6 +24,7 @@ pub mod ops;
 pub mod rng;
 pub mod sample;
 pub mod tie;
+pub mod weights;
 pub(crate) mod workspace;
 
 use backend::Backend;

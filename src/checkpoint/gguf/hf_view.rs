@@ -4,14 +4,21 @@
 //! run that starts from GGUF tokenizes, exports and generates exactly as one that starts from
 //! the equivalent Hugging Face directory.
 
+use std::ops::Range;
 use std::path::Path;
 
 use super::{GgufFile, GgufLlama};
 use crate::checkpoint::error::{CheckpointError, IoContext};
 use crate::checkpoint::hf::config::{llama_json, LlamaShape};
 use crate::checkpoint::hf::llama::LlamaNames;
-use crate::checkpoint::hf::source::{self, TensorSource};
+use crate::checkpoint::hf::source::{NamedWeights, TensorSource};
 use crate::model::UnitSpec;
+
+/// GGUF files name tensors as transformers' Llama does, with the `model.` prefix.
+const NAMES: LlamaNames = LlamaNames {
+    prefixed: true,
+    family: "Llama (GGUF)",
+};
 
 impl TensorSource for GgufFile {
     fn origin(&self) -> &Path {
@@ -27,14 +34,10 @@ impl TensorSource for GgufFile {
         self.tensor(&gguf).map(|t| t.shape())
     }
 
-    fn read_f32(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
-        match self.read_hf(name)? {
-            Some((_, v)) => Ok(v),
-            None => Err(CheckpointError::incompatible(
-                self.path(),
-                format!("has no tensor for `{name}`"),
-            )),
-        }
+    fn read_range(&self, name: &str, range: Range<usize>) -> Result<Vec<f32>, CheckpointError> {
+        self.read_hf_range(name, range)?.ok_or_else(|| {
+            CheckpointError::incompatible(self.path(), format!("has no tensor for `{name}`"))
+        })
     }
 }
 
@@ -61,11 +64,13 @@ impl GgufLlama {
 impl GgufFile {
     /// Every unit's full parameters (dequantized to f32) for a model of `units`.
     pub fn import(&self, units: &[UnitSpec]) -> Result<Vec<Vec<f32>>, CheckpointError> {
-        let naming = LlamaNames {
-            prefixed: true,
-            family: "Llama (GGUF)",
-        };
-        source::import(self, &naming, units)
+        NamedWeights::open(self, &NAMES, units)?.read_all()
+    }
+
+    /// The weights of a model of `units` (names and shapes checked now), read by range when
+    /// asked.
+    pub fn weights(self, units: &[UnitSpec]) -> Result<NamedWeights<GgufFile>, CheckpointError> {
+        NamedWeights::open(self, &NAMES, units)
     }
 
     /// Writes `config.json`, `tokenizer.json` and `generation_config.json` for this model into

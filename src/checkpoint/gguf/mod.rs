@@ -21,6 +21,7 @@ pub mod value;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -44,6 +45,8 @@ pub struct GgufFile {
     tensors: Vec<GgufTensorInfo>,
     by_name: HashMap<String, usize>,
     data_offset: u64,
+    /// Open for positioned reads from any thread.
+    file: File,
 }
 
 impl GgufFile {
@@ -70,6 +73,7 @@ impl GgufFile {
             tensors: h.tensors,
             by_name,
             data_offset: h.data_offset,
+            file: File::open(path).at(path, "open")?,
         })
     }
 
@@ -126,32 +130,85 @@ impl GgufFile {
     /// as f32, q/k permutation undone. `Ok(None)` when the file has no such tensor. Reads only
     /// that tensor's bytes.
     pub fn read_hf(&self, hf_name: &str) -> Result<Option<HfTensor>, CheckpointError> {
+        let Some(info) = names::to_gguf(hf_name).and_then(|(g, _)| self.tensor(&g)) else {
+            return Ok(None);
+        };
+        let shape = info.shape();
+        let values = self.read_hf_range(hf_name, 0..info.n_elements())?;
+        Ok(values.map(|v| (shape, v)))
+    }
+
+    /// Elements `range` (PyTorch row-major order) of a tensor by its Hugging Face name, q/k
+    /// permutation undone; `Ok(None)` when the file has no such tensor. Reads only the rows
+    /// holding them (a q/k tensor's rows are permuted within each head, so its whole heads),
+    /// since quantization blocks lie within rows; a vector is read whole.
+    pub fn read_hf_range(
+        &self,
+        hf_name: &str,
+        range: Range<usize>,
+    ) -> Result<Option<Vec<f32>>, CheckpointError> {
         let Some((gguf_name, permuted)) = names::to_gguf(hf_name) else {
             return Ok(None);
         };
         let Some(info) = self.tensor(&gguf_name) else {
             return Ok(None);
         };
-        let values = self.read_values(info)?;
-        let shape = info.shape();
-        let heads_key = match permuted {
-            Permuted::No => return Ok(Some((shape, values))),
-            Permuted::Query => "llama.attention.head_count",
-            Permuted::Key => "llama.attention.head_count_kv",
-        };
-        let n = self.heads(heads_key, permuted)?;
-        let rows = shape[0];
-        let cols = shape.get(1).copied().unwrap_or(1);
-        if n == 0 || !rows.is_multiple_of(2 * n) {
+        let numel = info.n_elements();
+        if range.start > range.end || range.end > numel {
             return Err(CheckpointError::incompatible(
                 &self.path,
                 format!(
-                    "tensor {gguf_name:?} has {rows} rows, not a whole number of rotary pairs \
-                     for {n} heads ({heads_key})"
+                    "elements {}..{} of tensor {gguf_name:?} are past its {numel}",
+                    range.start, range.end
                 ),
             ));
         }
-        Ok(Some((shape, names::unpermute(&values, rows, cols, n))))
+        let shape = info.shape();
+        let (rows, cols) = match shape.len() {
+            0 | 1 => (1, numel),
+            _ => (shape[0], numel / shape[0].max(1)),
+        };
+        if numel == 0 || range.is_empty() {
+            return Ok(Some(Vec::new()));
+        }
+        let per_head = match permuted {
+            Permuted::No => 1,
+            Permuted::Query | Permuted::Key => {
+                let key = match permuted {
+                    Permuted::Query => "llama.attention.head_count",
+                    _ => "llama.attention.head_count_kv",
+                };
+                let n = self.heads(key, permuted)?;
+                if n == 0 || shape.len() < 2 || !rows.is_multiple_of(2 * n) {
+                    return Err(CheckpointError::incompatible(
+                        &self.path,
+                        format!(
+                            "tensor {gguf_name:?} has {rows} rows, not a whole number of \
+                             rotary pairs for {n} heads ({key})"
+                        ),
+                    ));
+                }
+                rows / n
+            }
+        };
+        let first = range.start / cols / per_head * per_head;
+        let end = (range.end.div_ceil(cols)).div_ceil(per_head) * per_head;
+        // Whole rows are whole blocks (ggml quantizes along rows), so rows divide the bytes.
+        let row_bytes = info.n_bytes / rows as u64;
+        let mut bytes = vec![0u8; ((end - first) as u64 * row_bytes) as usize];
+        self.file
+            .read_exact_at(
+                &mut bytes,
+                self.data_offset + info.offset + first as u64 * row_bytes,
+            )
+            .at(&self.path, "read")?;
+        let mut values = vec![0f32; (end - first) * cols];
+        quant::dequantize(info.ty, &bytes, &mut values);
+        if per_head > 1 {
+            values = names::unpermute(&values, end - first, cols, (end - first) / per_head);
+        }
+        let base = first * cols;
+        Ok(Some(values[range.start - base..range.end - base].to_vec()))
     }
 
     /// The head count that shapes a q or k permutation; k falls back to q's count, as
@@ -169,18 +226,6 @@ impl GgufFile {
                     format!("{key} is missing or not an integer, and q/k rows cannot be un-permuted without it"),
                 )
             })
-    }
-
-    /// A tensor's values in file layout, dequantized.
-    fn read_values(&self, info: &GgufTensorInfo) -> Result<Vec<f32>, CheckpointError> {
-        let file = File::open(&self.path).at(&self.path, "open")?;
-        // `open` checked that these bytes lie inside the file, so `n_bytes` is bounded by its size.
-        let mut bytes = vec![0u8; info.n_bytes as usize];
-        file.read_exact_at(&mut bytes, self.data_offset + info.offset)
-            .at(&self.path, "read")?;
-        let mut out = vec![0f32; info.n_elements()];
-        quant::dequantize(info.ty, &bytes, &mut out);
-        Ok(out)
     }
 
     /// Writes a Hugging Face `tokenizer.json` built from the byte-level BPE vocabulary in the

@@ -9,8 +9,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use safetensors::tensor::{Dtype, TensorView};
 use serde::Deserialize;
@@ -68,7 +70,13 @@ pub struct TensorInfo {
 #[derive(Debug)]
 pub struct TensorDir {
     pub dir: PathBuf,
+    /// What was opened (the directory, or the one file), for messages.
+    pub origin: PathBuf,
     pub tensors: BTreeMap<String, TensorInfo>,
+    /// Each file, open for positioned reads from any thread (ranks read their ranges at once).
+    open: HashMap<PathBuf, File>,
+    /// Bytes of tensor data read so far.
+    bytes_read: AtomicU64,
 }
 
 #[derive(Deserialize)]
@@ -125,30 +133,53 @@ impl TensorDir {
     /// One safetensors file by its path.
     pub fn open_file(path: &Path) -> Result<Self, CheckpointError> {
         let dir = path.parent().unwrap_or(Path::new("."));
-        Self::of_files(dir, vec![path.to_path_buf()])
+        let mut td = Self::of_files(dir, vec![path.to_path_buf()])?;
+        td.origin = path.to_path_buf();
+        Ok(td)
     }
 
     fn of_files(dir: &Path, files: Vec<PathBuf>) -> Result<Self, CheckpointError> {
         let mut tensors = BTreeMap::new();
+        let mut open = HashMap::new();
         for f in files {
             for (name, info) in read_header(&f)? {
                 if tensors.insert(name.clone(), info).is_some() {
                     return Err(bad(&f, format!("tensor `{name}` is in two shards")));
                 }
             }
+            let file = File::open(&f).at(&f, "open")?;
+            open.insert(f, file);
         }
         Ok(Self {
             dir: dir.to_path_buf(),
+            origin: dir.to_path_buf(),
             tensors,
+            open,
+            bytes_read: AtomicU64::new(0),
         })
+    }
+
+    /// Bytes of tensor data read since the directory was opened.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(Ordering::Relaxed)
     }
 
     /// Reads tensor `name` as f32 values in its stored (row-major) order.
     pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
+        let n = self
+            .tensors
+            .get(name)
+            .map_or(0, |t| t.shape.iter().product());
+        self.read_range(name, 0..n)
+    }
+
+    /// Reads elements `range` of tensor `name` (stored row-major order) as f32: only those
+    /// elements' bytes.
+    pub fn read_range(&self, name: &str, range: Range<usize>) -> Result<Vec<f32>, CheckpointError> {
         let info = self
             .tensors
             .get(name)
-            .ok_or_else(|| bad(&self.dir, format!("has no tensor `{name}`")))?;
+            .ok_or_else(|| bad(&self.origin, format!("has no tensor `{name}`")))?;
         let dtype = info.dtype.ok_or_else(|| {
             bad(
                 &info.file,
@@ -158,10 +189,26 @@ impl TensorDir {
                 ),
             )
         })?;
-        let mut bytes = vec![0u8; info.len as usize];
-        File::open(&info.file)
-            .and_then(|f| f.read_exact_at(&mut bytes, info.start))
+        let elem = dtype.bytes();
+        let numel = info.len / elem;
+        if range.start > range.end || range.end as u64 > numel {
+            return Err(bad(
+                &info.file,
+                format!(
+                    "elements {}..{} of tensor `{name}` are past its {numel}",
+                    range.start, range.end
+                ),
+            ));
+        }
+        let mut bytes = vec![0u8; range.len() * elem as usize];
+        let file = self
+            .open
+            .get(&info.file)
+            .ok_or_else(|| bad(&info.file, "was not opened with the directory".to_string()))?;
+        file.read_exact_at(&mut bytes, info.start + range.start as u64 * elem)
             .at(&info.file, "read")?;
+        self.bytes_read
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
         Ok(match dtype {
             StDtype::F32 => get_f32s(&bytes),
             StDtype::Bf16 => {
@@ -227,6 +274,33 @@ fn read_header(path: &Path) -> Result<Vec<(String, TensorInfo)>, CheckpointError
         ));
     }
     Ok(out)
+}
+
+/// Round-to-nearest-even conversion of an f32 to bf16 bits (NaN stays NaN).
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) as u16) | 0x0040;
+    }
+    let round = 0x7fff + ((b >> 16) & 1);
+    (b.wrapping_add(round) >> 16) as u16
+}
+
+/// The f32 with the same value as bf16 bits `h` (exact).
+pub fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+/// `values` as little-endian f32 bytes, or rounded to bf16 (`f32_to_bf16`).
+pub fn to_bytes(values: &[f32], bf16: bool) -> Vec<u8> {
+    if bf16 {
+        values
+            .iter()
+            .flat_map(|&x| f32_to_bf16(x).to_le_bytes())
+            .collect()
+    } else {
+        values.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
 }
 
 /// IEEE half to f32 (exact: every f16 is an f32).

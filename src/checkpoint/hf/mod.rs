@@ -19,9 +19,9 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::Dtype;
 
 use super::error::{CheckpointError, IoContext};
-use super::interchange::to_bytes;
 use crate::config::TrainConfig;
 use crate::model::UnitSpec;
+use files::to_bytes;
 
 /// Files that are not weights but belong with them: tokenizers and generation defaults.
 pub const COMPANION_FILES: &[&str] = &[
@@ -67,12 +67,21 @@ pub fn naming_of(
     naming(shape, src.names().iter().any(|k| k.starts_with(prefix)))
 }
 
-/// Full parameters of every unit from the model directory `dir` (its `config.json` says the
-/// family).
-pub fn import(dir: &Path, units: &[UnitSpec]) -> Result<Vec<Vec<f32>>, CheckpointError> {
+/// The weights of the model directory `dir` (its `config.json` says the family) for a model
+/// of `units`: every name and shape checked now, values read by range when a rank asks.
+pub fn weights(
+    dir: &Path,
+    units: &[UnitSpec],
+) -> Result<source::NamedWeights<files::TensorDir>, CheckpointError> {
     let shape = config::read(dir)?;
     let td = files::TensorDir::open(dir)?;
-    source::import(&td, &*naming_of(&shape, &td), units)
+    let naming = naming_of(&shape, &td);
+    source::NamedWeights::open(td, &*naming, units)
+}
+
+/// Full parameters of every unit from the model directory `dir`.
+pub fn import(dir: &Path, units: &[UnitSpec]) -> Result<Vec<Vec<f32>>, CheckpointError> {
+    weights(dir, units)?.read_all()
 }
 
 /// What [`export`] wrote.

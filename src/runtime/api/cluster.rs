@@ -4,6 +4,7 @@
 //! config, a model (any `Model`, including one defined outside this crate) and a dataset; get
 //! back an event stream of finished steps and, at the end, the consolidated parameters.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use ractor::{Actor, ActorRef};
@@ -15,6 +16,7 @@ use crate::engine::coordinator::{
     Change, Coordinator, JobSpec, MembershipRecord, Refusal, ScriptedChange, StepRecord,
 };
 use crate::job::{build_dataset, build_model, lr_schedule, optim_settings, plan_memory};
+use crate::model::weights::{ModelInit, WeightSource};
 use crate::model::Model;
 use crate::plan::activations::ActivationChoice;
 use crate::plan::tier::Fit;
@@ -66,10 +68,12 @@ pub struct ClusterSpec {
     pub config: TrainConfig,
     pub model: Arc<dyn Model>,
     pub data: Arc<Dataset>,
-    /// Start from these full parameters instead of the model's initialisation.
-    pub init_params: Option<Vec<Vec<f32>>>,
+    /// Start from these weights instead of the model's initialisation (a `Vec<Vec<f32>>` of
+    /// full parameters per unit, or a checkpoint read a piece at a time). Each rank reads the
+    /// chunks it keeps: under stage 3 only its own.
+    pub init: Option<Arc<dyn WeightSource>>,
     /// Continue from saved state (any world size, stage or chunk size); wins over
-    /// `init_params`. Each rank reads only the chunks it owns under the new map.
+    /// `init`. Each rank reads only the chunks it owns under the new map.
     pub resume: Option<Arc<dyn ResumeSource>>,
     /// Emit a snapshot after every this many steps and after the last one (0: never unless
     /// asked).
@@ -106,7 +110,7 @@ impl ClusterSpec {
             config,
             model,
             data,
-            init_params: None,
+            init: None,
             resume: None,
             snapshot_every: 0,
             panic_at: None,
@@ -307,16 +311,16 @@ impl Cluster {
         };
         // Given weights, or the model's initialisation made unit by unit as each rank builds
         // its state (so the whole model is never in RAM at once).
-        let (model, seed, init) = (Arc::clone(&spec.model), cfg.seed, spec.init_params.as_ref());
         let progress = Arc::clone(&spec.progress);
         progress.init_started(u64::from(cfg.ranks) * numels.len() as u64);
-        let unit_params = move |u: usize| {
-            let params = match init {
-                Some(p) => p.get(u).cloned(),
-                None => (u < model.units().len()).then(|| model.init_unit(u, seed)),
-            };
-            progress.init_unit_built();
-            params
+        let weights = CountedWeights {
+            inner: spec.init.clone().unwrap_or_else(|| {
+                Arc::new(ModelInit {
+                    model: Arc::clone(&spec.model),
+                    seed: cfg.seed,
+                })
+            }),
+            progress,
         };
         let faults = net_faults(cfg);
         let net = if faults.any() {
@@ -425,7 +429,7 @@ impl Cluster {
                     Arc::clone(&spec.model),
                     map.clone(),
                     optim,
-                    &unit_params,
+                    &weights,
                     storage.as_deref(),
                 )
                 .map_err(|e| ClusterError::Spawn(format!("building rank {rank}: {e}")))?,
@@ -697,4 +701,22 @@ pub fn consolidate(map: &ShardMap, chunks: &[ChunkState]) -> Vec<Vec<f32>> {
         out[c.unit as usize][r].copy_from_slice(&c.params);
     }
     out
+}
+
+/// A weight source that counts each unit a rank reads, for the progress line.
+struct CountedWeights {
+    inner: Arc<dyn WeightSource>,
+    progress: Arc<RunProgress>,
+}
+
+impl WeightSource for CountedWeights {
+    fn read(&self, unit: usize, ranges: &[Range<usize>]) -> Result<Vec<Vec<f32>>, String> {
+        let read = self.inner.read(unit, ranges);
+        self.progress.init_unit_built();
+        read
+    }
+
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
 }

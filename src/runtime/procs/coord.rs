@@ -776,11 +776,26 @@ async fn send_start(
     };
     let stage = crate::plan::Stage::from_u8(cfg.stage)
         .ok_or_else(|| ProcError::Setup(format!("stage {}", cfg.stage)))?;
-    for (chunks, last) in parts(start.chunks_for(rank, stage), opts.part_max_bytes) {
+    // New weights are read here, a unit at a time; a failed read stops the parts and the job.
+    let unreadable = std::cell::RefCell::new(None);
+    let chunks = start
+        .chunks_for(rank, stage)
+        .map_while(|c| c.map_err(|e| *unreadable.borrow_mut() = Some(e)).ok());
+    for (chunks, last) in parts(chunks, opts.part_max_bytes) {
+        if let Some(e) = unreadable.borrow_mut().take() {
+            return Err(ProcError::Setup(format!(
+                "rank {rank}: its starting weights: {e}"
+            )));
+        }
         let part = ToWorker::StatePart { chunks, last };
         write_msg(&mut j.writer, &part).await.map_err(failed)?;
     }
-    Ok(())
+    match unreadable.take() {
+        Some(e) => Err(ProcError::Setup(format!(
+            "rank {rank}: its starting weights: {e}"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// The next setup message from `rank`, or why none came.

@@ -14,13 +14,16 @@
 //! holds at most one part beyond what it keeps (the sender builds them one at a time).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use crate::config::{ConfigError, TrainConfig};
 use crate::engine::coordinator::Progress;
+use crate::model::weights::WeightSource;
 use crate::optim::{OptimState, OptimizerKind};
 use crate::plan::{ChunkId, RankId, ShardMap, Stage};
 use crate::runtime::step::rank_state::ChunkState;
 use crate::runtime::step::resume::{read_owned_chunks, ResumeSource};
+use crate::runtime::step::start_weights::{kept_chunks, read_chunks};
 
 /// Default largest part of chunk states in one control frame, by the bytes of its values.
 pub const STATE_PART_MAX_BYTES: usize = 32 << 20;
@@ -51,16 +54,28 @@ pub fn check_parts(cfg: &TrainConfig, part_max_bytes: usize) -> Result<(), Confi
 }
 
 /// Where a process-mode job starts when it does not start from the model's initialisation.
-#[derive(Debug, Clone)]
 pub struct StartState {
     /// The map for this run (members `0..ranks`).
     pub map: ShardMap,
     /// Where training stands: `Some` on a resume, `None` for new weights (`--init`).
     pub progress: Option<Progress>,
-    /// Every chunk of `map`.
-    pub chunks: BTreeMap<ChunkId, ChunkState>,
+    /// Where each worker's chunks come from.
+    pub chunks: StartChunks,
     /// On a resume: the bytes each rank's reader took from the saved state, by rank.
     pub reads: Vec<(RankId, u64)>,
+}
+
+/// The chunk states a process-mode job starts from.
+pub enum StartChunks {
+    /// Every chunk of the map, read from saved state before any worker was admitted.
+    Saved(BTreeMap<ChunkId, ChunkState>),
+    /// New weights with zeroed optimizer state, read for each worker while its start is sent:
+    /// only the chunks that worker keeps, a unit at a time, so the coordinator never holds
+    /// the whole model.
+    Weights {
+        source: Arc<dyn WeightSource>,
+        optimizer: OptimizerKind,
+    },
 }
 
 impl StartState {
@@ -87,68 +102,88 @@ impl StartState {
         Ok(Self {
             map,
             progress: Some(src.progress().clone()),
-            chunks: restored.chunks,
+            chunks: StartChunks::Saved(restored.chunks),
             reads: restored.per_rank,
         })
     }
 
-    /// Full parameters per unit (`--init`) as chunks with zeroed optimizer state.
-    pub fn from_params(
-        params: &[Vec<f32>],
+    /// New weights (`--init`) for units of `numels` elements, with zeroed optimizer state.
+    /// Nothing is read until a worker's chunks are asked for.
+    pub fn from_weights(
+        source: Arc<dyn WeightSource>,
+        numels: &[usize],
         ranks: u32,
         chunk_elems: usize,
         optimizer: OptimizerKind,
     ) -> Result<Self, String> {
-        let numels: Vec<usize> = params.iter().map(Vec::len).collect();
         let members: Vec<RankId> = (0..ranks).collect();
-        let map = ShardMap::plan(&numels, &members, chunk_elems, 1).map_err(|e| e.to_string())?;
-        let probe = OptimState::new(optimizer, 1);
-        let zeros = |keep: bool, n: usize| if keep { vec![0f32; n] } else { Vec::new() };
-        let mut chunks = BTreeMap::new();
-        for (u, unit) in map.units.iter().enumerate() {
-            for i in 0..unit.owners.len() {
-                let r = map.chunk_range(u, i);
-                let n = r.len();
-                let id = ChunkId {
-                    unit: u as u32,
-                    index: i as u32,
-                };
-                let state = ChunkState {
-                    unit: u as u32,
-                    index: i as u32,
-                    params: params[u][r].to_vec(),
-                    m: zeros(!probe.m.is_empty(), n),
-                    v: zeros(!probe.v.is_empty(), n),
-                };
-                chunks.insert(id, state);
-            }
-        }
+        let map = ShardMap::plan(numels, &members, chunk_elems, 1).map_err(|e| e.to_string())?;
         Ok(Self {
             map,
             progress: None,
-            chunks,
+            chunks: StartChunks::Weights { source, optimizer },
             reads: Vec::new(),
         })
     }
 
     /// The chunk states `rank`'s state is built from under `stage`, in (unit, index) order:
     /// stage 3 keeps only its own chunks; stages 1 and 2 hold every chunk's parameters and the
-    /// optimizer state of their own; stage 0 holds everything.
-    pub fn chunks_for(&self, rank: RankId, stage: Stage) -> impl Iterator<Item = ChunkState> + '_ {
-        let owned = move |id: &ChunkId| self.map.owner(id.unit as usize, id.index as usize) == rank;
-        self.chunks
-            .iter()
-            .filter_map(move |(id, c)| match (stage, owned(id)) {
-                (_, true) | (Stage::Zero0, false) => Some(c.clone()),
-                (Stage::Zero3, false) => None,
-                (_, false) => Some(ChunkState {
-                    m: Vec::new(),
-                    v: Vec::new(),
-                    unit: c.unit,
-                    index: c.index,
-                    params: c.params.clone(),
-                }),
-            })
+    /// optimizer state of their own; stage 0 holds everything. New weights are read here, a
+    /// unit at a time; a read that fails ends the sequence with its error.
+    pub fn chunks_for(
+        &self,
+        rank: RankId,
+        stage: Stage,
+    ) -> Box<dyn Iterator<Item = Result<ChunkState, String>> + '_> {
+        let map = &self.map;
+        let keeps_state =
+            move |u: usize, i: usize| stage == Stage::Zero0 || map.owner(u, i) == rank;
+        match &self.chunks {
+            StartChunks::Saved(chunks) => Box::new(chunks.iter().filter_map(move |(id, c)| {
+                let (u, i) = (id.unit as usize, id.index as usize);
+                match (stage, keeps_state(u, i)) {
+                    (_, true) => Some(Ok(c.clone())),
+                    (Stage::Zero3, false) => None,
+                    (_, false) => Some(Ok(ChunkState {
+                        m: Vec::new(),
+                        v: Vec::new(),
+                        unit: c.unit,
+                        index: c.index,
+                        params: c.params.clone(),
+                    })),
+                }
+            })),
+            StartChunks::Weights { source, optimizer } => {
+                let probe = OptimState::new(*optimizer, 1);
+                let (with_m, with_v) = (!probe.m.is_empty(), !probe.v.is_empty());
+                Box::new((0..map.units.len()).flat_map(move |u| {
+                    let kept = kept_chunks(map, u, rank, stage);
+                    let read = read_chunks(&**source, map, u, &kept)
+                        .map_err(|e| format!("reading {}: {e}", source.describe()));
+                    let states: Vec<Result<ChunkState, String>> = match read {
+                        Err(e) => vec![Err(e)],
+                        Ok(read) => read
+                            .into_iter()
+                            .map(|(i, params)| {
+                                let keep = keeps_state(u, i);
+                                let zeros = |on: bool| match on && keep {
+                                    true => vec![0f32; params.len()],
+                                    false => Vec::new(),
+                                };
+                                Ok(ChunkState {
+                                    unit: u as u32,
+                                    index: i as u32,
+                                    m: zeros(with_m),
+                                    v: zeros(with_v),
+                                    params,
+                                })
+                            })
+                            .collect(),
+                    };
+                    states
+                }))
+            }
+        }
     }
 }
 
@@ -234,19 +269,47 @@ mod tests {
     #[test]
     fn each_stage_gets_what_its_state_is_built_from() {
         let params = vec![vec![0.5f32; 10], vec![0.25f32; 7]];
-        let s = StartState::from_params(&params, 2, 4, OptimizerKind::AdamW).unwrap();
-        let total = s.chunks.len();
+        let s = StartState::from_weights(
+            Arc::new(params.clone()),
+            &[10, 7],
+            2,
+            4,
+            OptimizerKind::AdamW,
+        )
+        .unwrap();
+        let total = s.map.units.iter().map(|u| u.owners.len()).sum::<usize>();
         let owned = |r: RankId| s.map.owned_chunks(r).len();
+        let chunks = |rank, stage| -> Vec<ChunkState> {
+            s.chunks_for(rank, stage).map(Result::unwrap).collect()
+        };
         for rank in 0..2 {
-            let z3: Vec<_> = s.chunks_for(rank, Stage::Zero3).collect();
+            let z3 = chunks(rank, Stage::Zero3);
             assert_eq!(z3.len(), owned(rank));
             assert!(z3.iter().all(|c| c.m.len() == c.params.len()));
-            let z1: Vec<_> = s.chunks_for(rank, Stage::Zero1).collect();
+            let z1 = chunks(rank, Stage::Zero1);
             assert_eq!(z1.len(), total);
             let with_state = z1.iter().filter(|c| !c.m.is_empty()).count();
             assert_eq!(with_state, owned(rank));
-            let z0: Vec<_> = s.chunks_for(rank, Stage::Zero0).collect();
+            for c in &z1 {
+                let r = s.map.chunk_range(c.unit as usize, c.index as usize);
+                assert_eq!(c.params[..], params[c.unit as usize][r]);
+            }
+            let z0 = chunks(rank, Stage::Zero0);
             assert!(z0.iter().all(|c| c.v.len() == c.params.len()));
         }
+        // A read that fails ends the sequence with the source's error.
+        let short = StartState::from_weights(
+            Arc::new(vec![vec![0f32; 10]]),
+            &[10, 7],
+            2,
+            4,
+            OptimizerKind::AdamW,
+        )
+        .unwrap();
+        let err = short
+            .chunks_for(0, Stage::Zero3)
+            .find_map(Result::err)
+            .unwrap();
+        assert!(err.contains("no such unit"), "{err}");
     }
 }

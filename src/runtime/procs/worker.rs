@@ -35,6 +35,7 @@ use super::state::{parts, STATE_PART_LIMIT_BYTES};
 use crate::config::TrainConfig;
 use crate::job::optim_settings;
 use crate::job::{build_dataset, build_model};
+use crate::model::weights::ModelInit;
 use crate::net::tls::{check_alpn, peer_server_name, ClusterTls, Protocol};
 use crate::plan::activations::ActivationChoice;
 use crate::plan::{RankId, Stage};
@@ -660,8 +661,10 @@ async fn start_rank<T: Transport>(
                 })?
             }
             None => {
-                let units = model.units().len();
-                let unit_params = |u: usize| (u < units).then(|| model.init_unit(u, cfg.seed));
+                let weights = ModelInit {
+                    model: Arc::clone(&model),
+                    seed: cfg.seed,
+                };
                 RankState::from_full_params(
                     rank,
                     stage,
@@ -669,7 +672,7 @@ async fn start_rank<T: Transport>(
                     Arc::clone(&model),
                     welcome.map.clone(),
                     optim,
-                    &unit_params,
+                    &weights,
                     storage.as_deref(),
                 )
                 .map_err(|e| ProcError::Setup(format!("rank {rank}: building its state: {e}")))?

@@ -17,6 +17,7 @@ pub mod replica;
 pub mod reshard;
 pub mod resume;
 pub mod snapshot;
+pub mod start_weights;
 pub mod tier_io;
 pub mod tier_reads;
 pub mod work;

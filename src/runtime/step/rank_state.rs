@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::ledger::{Category, Ledger};
+use crate::model::weights::WeightSource;
 use crate::model::{Model, UnitSpec};
 pub use crate::optim::OptimSettings;
 use crate::optim::OptimState;
@@ -21,6 +22,7 @@ use crate::reduce::{grad_buf, GradBuf, ReduceMode};
 use crate::runtime::storage::{RecordKinds, TierError, TierFile, TierLayout, TierSpec};
 
 use super::offload;
+use super::start_weights::{kept_chunks, read_chunks};
 
 /// This rank's slice of one unit.
 pub struct UnitShard {
@@ -84,14 +86,14 @@ pub struct ChunkState {
     pub v: Vec<f32>,
 }
 
-/// A unit's full initial parameters (`None`: no such unit).
-pub type UnitParams<'a> = dyn Fn(usize) -> Option<Vec<f32>> + 'a;
-
 /// Where a rank being built gets chunk states from: `None` means the chunk is unavailable.
 pub type ChunkSource<'a> = dyn Fn(usize, usize) -> Option<ChunkState> + 'a;
 
 impl RankState {
-    /// Builds the rank's state from full parameters with fresh optimizer state.
+    /// Builds the rank's state from starting weights with fresh optimizer state. The chunks
+    /// the rank keeps are read unit by unit, each unit's in one request of coalesced ranges:
+    /// under stage 3 only the rank's own chunks are read, and no more than one unit's worth is
+    /// held beyond the state being built.
     #[allow(clippy::too_many_arguments)]
     pub fn from_full_params(
         rank: RankId,
@@ -100,23 +102,34 @@ impl RankState {
         model: Arc<dyn Model>,
         map: ShardMap,
         optim: OptimSettings,
-        unit_params: &UnitParams<'_>,
+        weights: &dyn WeightSource,
         storage: Option<&TierSpec>,
     ) -> Result<Self, String> {
         let probe = OptimState::new(optim.kind, 1);
-        // Units are asked for in order, chunk by chunk: keep the current one, so a unit is made
-        // once and the whole model never sits in RAM at once.
-        let current: std::cell::RefCell<Option<(usize, Vec<f32>)>> = Default::default();
+        // The chunks read of the unit being built, taken as they are used.
+        type Current = Option<(usize, BTreeMap<usize, Vec<f32>>)>;
+        let current: std::cell::RefCell<Current> = Default::default();
+        let failed: std::cell::RefCell<Option<String>> = Default::default();
         let fresh = |u: usize, i: usize| {
-            let r = map.chunk_range(u, i);
             let mut cur = current.borrow_mut();
             if cur.as_ref().map(|c| c.0) != Some(u) {
-                *cur = Some((u, unit_params(u)?));
+                let read = if u < map.units.len() {
+                    read_chunks(weights, &map, u, &kept_chunks(&map, u, rank, stage))
+                } else {
+                    Err(format!("unit {u} is not in the map"))
+                };
+                match read {
+                    Ok(chunks) => *cur = Some((u, chunks)),
+                    Err(e) => {
+                        *failed.borrow_mut() = Some(e);
+                        return None;
+                    }
+                }
             }
-            let params = &cur.as_ref()?.1;
+            let params = cur.as_mut()?.1.remove(&i)?;
             let zeros = |keep: bool| {
                 if keep {
-                    vec![0f32; r.len()]
+                    vec![0f32; params.len()]
                 } else {
                     Vec::new()
                 }
@@ -124,9 +137,9 @@ impl RankState {
             Some(ChunkState {
                 unit: u as u32,
                 index: i as u32,
-                params: params.get(r.clone())?.to_vec(),
                 m: zeros(!probe.m.is_empty()),
                 v: zeros(!probe.v.is_empty()),
+                params,
             })
         };
         Self::from_chunks(
@@ -139,6 +152,10 @@ impl RankState {
             &fresh,
             storage,
         )
+        .map_err(|e| match failed.take() {
+            Some(why) => format!("reading {}: {why}", weights.describe()),
+            None => e,
+        })
     }
 
     /// Builds the rank's state for `map` from chunk states. A rank reads the optimizer state of
