@@ -125,10 +125,10 @@ impl Model for LowRankBigram {
         }
     }
 
-    fn loss(&self, logits: &[f32], mb: &MicroBatch) -> (f32, Vec<f32>) {
-        let mut grad = vec![0f32; logits.len()];
-        let loss = self.be.cross_entropy(logits, &mb.targets, VOCAB, &mut grad);
-        (loss, grad)
+    fn loss(&self, mut logits: Vec<f32>, mb: &MicroBatch) -> (f32, Vec<f32>) {
+        // The logits' buffer becomes their gradient.
+        let loss = self.be.cross_entropy(&mut logits, &mb.targets, VOCAB);
+        (loss, logits)
     }
 
     fn backend(&self) -> &dyn Backend {

@@ -205,14 +205,15 @@ pub fn memory_demand(
 }
 
 /// An upper estimate of one rank's activation memory: every unit's saved input for the rank's
-/// micro-batches, the logits and their gradient, and one unit's intermediates while it is
-/// recomputed and differentiated (every unit's when `keep`).
+/// micro-batches, each micro-batch's logits (which the loss turns into their gradient in
+/// place), and one unit's intermediates while it is recomputed and differentiated (every
+/// unit's when `keep`).
 fn activation_bytes(cfg: &TrainConfig, units: usize, keep: bool) -> u64 {
     let local_mbs = cfg.micro_batches.div_ceil(cfg.ranks.max(1)) as u64;
     let tokens = (cfg.micro_batch_size * cfg.seq_len) as u64;
     let d = cfg.d_model as u64;
     let saved = units as u64 * local_mbs * tokens * d * 4;
-    let logits = 2 * tokens * cfg.vocab as u64 * 4;
+    let logits = local_mbs * tokens * cfg.vocab as u64 * 4;
     let per_token = match cfg.model {
         // Q, K, V, attention output, two norms, residuals and the 4d MLP before and after
         // its activation: about 16 d.

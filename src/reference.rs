@@ -128,7 +128,8 @@ fn accumulate(
             let out = model.forward(u, &view, &inputs[u], &mb);
             inputs.push(out);
         }
-        let (loss, mut g) = model.loss(&inputs[units], &mb);
+        let logits = inputs.pop().unwrap_or_default();
+        let (loss, mut g) = model.loss(logits, &mb);
         losses.push(loss);
         for u in (0..units).rev() {
             let view = ties.view(u, |v| &params[v]);

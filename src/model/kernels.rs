@@ -358,26 +358,18 @@ multiversion!(pub(crate) fn softmax_backward_rows(
 /// Cross-entropy of `logits: [n, vocab]` rows against `targets`: writes `softmax(row) / n - onehot / n`
 /// into `grad` and returns the summed per-row loss `Σ (max + ln Σ e^(v - max) - row[t])` in f64.
 #[inline(always)]
-fn cross_entropy_body(
-    logits: &[f32],
-    targets: &[u32],
-    vocab: usize,
-    grad: &mut [f32],
-    total: &mut f64,
-) {
+fn cross_entropy_body(logits: &mut [f32], targets: &[u32], vocab: usize, total: &mut f64) {
     let inv_n = 1.0 / targets.len() as f64;
     let mut sum_loss = 0.0f64;
-    for ((row, g), &t) in logits
-        .chunks_exact(vocab)
-        .zip(grad.chunks_exact_mut(vocab))
-        .zip(targets)
-    {
-        let max = lane_max(row);
-        for (gv, &v) in g.iter_mut().zip(row) {
-            *gv = exp_f32(v - max);
+    for (g, &t) in logits.chunks_exact_mut(vocab).zip(targets) {
+        // The row becomes its gradient: what the loss needs of it is read first.
+        let max = lane_max(g);
+        let target = g[t as usize];
+        for gv in g.iter_mut() {
+            *gv = exp_f32(*gv - max);
         }
         let sum = lane_sum(vocab, 0.0f64, |j| g[j] as f64);
-        sum_loss += max as f64 + sum.ln() - row[t as usize] as f64;
+        sum_loss += max as f64 + sum.ln() - target as f64;
         let factor = (inv_n / sum) as f32;
         for gv in g.iter_mut() {
             *gv *= factor;
@@ -388,10 +380,9 @@ fn cross_entropy_body(
 }
 
 multiversion!(pub(crate) fn cross_entropy_kernel(
-    logits: &[f32],
+    logits: &mut [f32],
     targets: &[u32],
     vocab: usize,
-    grad: &mut [f32],
     total: &mut f64,
 ) => cross_entropy_body);
 

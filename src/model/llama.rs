@@ -725,7 +725,7 @@ impl Model for Llama {
             .backward_acts(x, grad_out, s, grad_params, a)
     }
 
-    fn loss(&self, out: &[f32], mb: &MicroBatch) -> (f32, Vec<f32>) {
+    fn loss(&self, out: Vec<f32>, mb: &MicroBatch) -> (f32, Vec<f32>) {
         super::lm_loss(&*self.be, self.cfg.vocab, out, mb)
     }
 

@@ -146,8 +146,9 @@ pub trait Model: Send + Sync + 'static {
         self.backward(unit, params, x, grad_out, mb, grad_params)
     }
 
-    /// Mean cross-entropy (nats per token) of the last unit's output, and its gradient.
-    fn loss(&self, out: &[f32], mb: &MicroBatch) -> (f32, Vec<f32>);
+    /// Mean cross-entropy (nats per token) of the last unit's output, and its gradient, which
+    /// may reuse `out`'s buffer (the logits are the largest activation of a language model).
+    fn loss(&self, out: Vec<f32>, mb: &MicroBatch) -> (f32, Vec<f32>);
 
     /// Vocabulary size of the token ids the model consumes (for data validation and sampling).
     fn vocab(&self) -> usize;
@@ -187,11 +188,11 @@ pub trait Decoder {
 }
 
 /// Mean cross-entropy of logits `out` (`[rows, vocab]`) against the micro-batch's targets, and
-/// its gradient, on `be`: the loss of every built-in language model.
+/// its gradient in `out`'s buffer, on `be`: the loss of every built-in language model.
 pub(crate) fn lm_loss(
     be: &dyn Backend,
     vocab: usize,
-    out: &[f32],
+    mut out: Vec<f32>,
     mb: &MicroBatch,
 ) -> (f32, Vec<f32>) {
     assert_eq!(
@@ -199,9 +200,8 @@ pub(crate) fn lm_loss(
         mb.batch * mb.seq,
         "micro-batch targets length"
     );
-    let mut grad = vec![0.0; out.len()];
-    let loss = be.cross_entropy(out, &mb.targets, vocab, &mut grad);
-    (loss, grad)
+    let loss = be.cross_entropy(&mut out, &mb.targets, vocab);
+    (loss, out)
 }
 
 /// Total parameter count of a list of units.

@@ -360,27 +360,27 @@ pub fn embedding_backward(ids: &[u32], dy: &[f32], d: usize, grad_table: &mut [f
     }
 }
 
-/// Mean softmax cross-entropy (nats) of `logits: [n, vocab]` against `targets: [n]`, with its
-/// gradient with respect to the logits into `grad` (overwritten). Zero rows give loss 0.
+/// Mean softmax cross-entropy (nats) of `logits: [n, vocab]` against `targets: [n]`; the
+/// logits are overwritten with its gradient with respect to them (a language model's logits
+/// are its largest activation, so the gradient takes their place). Zero rows give loss 0.
 ///
 /// # Panics
 /// If a target is `>= vocab` or the lengths disagree.
-pub fn cross_entropy_into(logits: &[f32], targets: &[u32], vocab: usize, grad: &mut [f32]) -> f32 {
+pub fn cross_entropy_in_place(logits: &mut [f32], targets: &[u32], vocab: usize) -> f32 {
     check_len("cross_entropy logits", logits.len(), targets.len() * vocab);
-    check_len("cross_entropy grad", grad.len(), logits.len());
     check_ids("cross_entropy target", targets, vocab);
     if targets.is_empty() {
         return 0.0;
     }
     let mut total = 0.0f64;
-    cross_entropy_kernel(Isa::best(), logits, targets, vocab, grad, &mut total);
+    cross_entropy_kernel(Isa::best(), logits, targets, vocab, &mut total);
     (total / targets.len() as f64) as f32
 }
 
-/// [`cross_entropy_into`], allocating the gradient (empty for zero rows).
+/// [`cross_entropy_in_place`] on a copy: the loss and the gradient (empty for zero rows).
 pub fn cross_entropy(logits: &[f32], targets: &[u32], vocab: usize) -> (f32, Vec<f32>) {
-    let mut grad = vec![0.0; logits.len()];
-    let loss = cross_entropy_into(logits, targets, vocab, &mut grad);
+    let mut grad = logits.to_vec();
+    let loss = cross_entropy_in_place(&mut grad, targets, vocab);
     (loss, grad)
 }
 

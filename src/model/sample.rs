@@ -192,7 +192,7 @@ pub fn forward_backward(model: &dyn Model, params: &[Vec<f32>], mb: &MicroBatch)
         inputs.push(out);
     }
     let logits = inputs.pop().unwrap_or_default();
-    let (loss, mut g) = model.loss(&logits, mb);
+    let (loss, mut g) = model.loss(logits.clone(), mb);
     let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
     let mut input_grads = vec![Vec::new(); params.len()];
     for u in (0..params.len()).rev() {

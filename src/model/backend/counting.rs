@@ -222,15 +222,9 @@ impl<B: Backend> Backend for Counting<B> {
             .attention_backward(qkv, probs, dy, s, dqkv, dp);
     }
 
-    fn cross_entropy(
-        &self,
-        logits: &[f32],
-        targets: &[u32],
-        vocab: usize,
-        grad: &mut [f32],
-    ) -> f32 {
+    fn cross_entropy(&self, logits: &mut [f32], targets: &[u32], vocab: usize) -> f32 {
         self.count(Op::CrossEntropy)
-            .cross_entropy(logits, targets, vocab, grad)
+            .cross_entropy(logits, targets, vocab)
     }
 
     fn embedding_forward(&self, table: &[f32], ids: &[u32], y: &mut [f32]) {

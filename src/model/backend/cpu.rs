@@ -129,14 +129,8 @@ impl Backend for Cpu {
         attention_backward_from_probs(gemm, qkv, probs, dy, s, dqkv, dp);
     }
 
-    fn cross_entropy(
-        &self,
-        logits: &[f32],
-        targets: &[u32],
-        vocab: usize,
-        grad: &mut [f32],
-    ) -> f32 {
-        ops::cross_entropy_into(logits, targets, vocab, grad)
+    fn cross_entropy(&self, logits: &mut [f32], targets: &[u32], vocab: usize) -> f32 {
+        ops::cross_entropy_in_place(logits, targets, vocab)
     }
 
     fn embedding_forward(&self, table: &[f32], ids: &[u32], y: &mut [f32]) {
@@ -312,14 +306,8 @@ impl Backend for CpuBf16 {
         attention_backward_from_probs(Self::MM, qkv, probs, dy, s, dqkv, dp);
     }
 
-    fn cross_entropy(
-        &self,
-        logits: &[f32],
-        targets: &[u32],
-        vocab: usize,
-        grad: &mut [f32],
-    ) -> f32 {
-        Cpu.cross_entropy(logits, targets, vocab, grad)
+    fn cross_entropy(&self, logits: &mut [f32], targets: &[u32], vocab: usize) -> f32 {
+        Cpu.cross_entropy(logits, targets, vocab)
     }
 
     fn embedding_forward(&self, table: &[f32], ids: &[u32], y: &mut [f32]) {

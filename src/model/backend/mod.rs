@@ -138,10 +138,9 @@ pub trait Backend: Send + Sync + fmt::Debug {
         dp: &mut [f32],
     );
 
-    /// Mean softmax cross-entropy of `logits: [n, vocab]` against `targets`, with its gradient
-    /// into `grad` (overwritten). Zero rows give 0.
-    fn cross_entropy(&self, logits: &[f32], targets: &[u32], vocab: usize, grad: &mut [f32])
-        -> f32;
+    /// Mean softmax cross-entropy of `logits: [n, vocab]` against `targets`; the logits are
+    /// overwritten with its gradient. Zero rows give 0.
+    fn cross_entropy(&self, logits: &mut [f32], targets: &[u32], vocab: usize) -> f32;
 
     /// Rows `table[ids[i]]` of a `[rows, y.len() / ids.len()]` table into `y`.
     fn embedding_forward(&self, table: &[f32], ids: &[u32], y: &mut [f32]);

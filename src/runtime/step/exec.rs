@@ -519,7 +519,7 @@ impl<'a> Pass<'a> {
                 self.st.model.forward(u, params, x, mb)
             };
             if last {
-                let (loss, g) = self.st.model.loss(&out, mb);
+                let (loss, g) = self.st.model.loss(out, mb);
                 self.losses.push((*idx, loss));
                 outs.push(g);
             } else {
