@@ -25,8 +25,10 @@ impl Resident {
 
 /// What a rank that owns `owned_elems` of a `total_elems` model holds between steps.
 ///
-/// `grad_elem_bytes` is the reduction mode's accumulator width; `optimizer_state_per_param` is 2
-/// for Adam (m, v), 1 for SGD with momentum.
+/// `grad_elem_bytes` is the reduction mode's accumulator width, which stages 0-1 keep for the
+/// whole model; stages 2-3 keep only the reduced shard's mean as f32 (4 bytes), made from the
+/// exact sums when the unit's reduce-scatter completes. `optimizer_state_per_param` is 2 for
+/// Adam (m, v), 1 for SGD with momentum.
 pub fn resident(
     stage: Stage,
     total_elems: u64,
@@ -41,9 +43,13 @@ pub fn resident(
         Stage::Zero2 => (total_elems, owned_elems, owned_elems),
         Stage::Zero3 => (owned_elems, owned_elems, owned_elems),
     };
+    let grad_bytes = match stage {
+        Stage::Zero0 | Stage::Zero1 => grad_elem_bytes,
+        Stage::Zero2 | Stage::Zero3 => 4,
+    };
     Resident {
         params: 4 * params,
-        grads: grad_elem_bytes * grads,
+        grads: grad_bytes * grads,
         optimizer: opt * optimizer,
     }
 }
@@ -74,9 +80,13 @@ mod tests {
     }
 
     #[test]
-    fn stage3_is_sixteen_bytes_per_owned_param_in_fast_mode() {
-        let r = resident(Stage::Zero3, 1000, 250, 4, 2);
-        assert_eq!(r.total(), 16 * 250);
+    fn stage3_is_sixteen_bytes_per_owned_param() {
+        // Whatever the accumulator's width: the reduced shard is kept as its f32 mean.
+        for width in [4, 8] {
+            let r = resident(Stage::Zero3, 1000, 250, width, 2);
+            assert_eq!(r.total(), 16 * 250);
+        }
+        assert_eq!(resident(Stage::Zero1, 1000, 250, 8, 2).grads, 8 * 1000);
         assert_eq!(resident(Stage::Zero0, 1000, 250, 4, 2).total(), 16 * 1000);
     }
 }

@@ -493,8 +493,6 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
     };
     let (params, tier_params) = split(p.params, held.params);
     let (grads, tier_grads) = split(p.grads, held.grads);
-    // The tier keeps the gradient's f32 mean, whatever the accumulator's width.
-    let tier_grads = tier_grads / d.grad_elem_bytes.max(1) * 4;
     let (optimizer, tier_opt) = split(p.optimizer, held.optimizer);
     // With a tier, backups go to files beside it and snapshots stream off it, a piece at a
     // time; without one, both are whole copies in RAM.
@@ -695,9 +693,10 @@ mod tests {
         assert_eq!(fit.placement, Placement::RAM);
         assert_eq!(fit.staging_buffers, 0);
         assert_eq!(fit.per_rank.tier, 0);
-        // 4 (p) + 8 (m, v) + 8 (exact grads) bytes per parameter, plus the working set.
+        // 4 (p) + 8 (m, v) + 4 (the reduced gradient's f32 mean, whatever the accumulator's
+        // width) bytes per parameter, plus the working set.
         assert_eq!(fit.per_rank.params + fit.per_rank.optimizer, 12_000_000);
-        assert_eq!(fit.per_rank.grads, 8_000_000);
+        assert_eq!(fit.per_rank.grads, 4_000_000);
     }
 
     #[test]
@@ -832,7 +831,7 @@ mod tests {
         let d = demand(Stage::Zero2, 100_000_000, 1);
         let lim = Limits {
             has_nvme_dir: false,
-            ..limits(Offload::Auto, Offload::Auto, 1 << 31)
+            ..limits(Offload::Auto, Offload::Auto, 1 << 30)
         };
         let FitError::DoesNotFit(msg) = place(&d, &lim).unwrap_err() else {
             panic!()

@@ -184,6 +184,17 @@ impl GradBuf {
     ) -> (Vec<f32>, SumSquares) {
         let len = ranges.iter().map(|r| r.len()).sum();
         let mut out = vec![0f32; len];
+        let ss = self.shard_mean_into(ranges, factor, &mut out);
+        (out, ss)
+    }
+
+    /// [`shard_mean`](Self::shard_mean) into `out` (the shard's length).
+    pub fn shard_mean_into(
+        &self,
+        ranges: &[std::ops::Range<usize>],
+        factor: f64,
+        out: &mut [f32],
+    ) -> SumSquares {
         let mut at = 0;
         for r in ranges {
             self.to_f32(r.clone(), factor, &mut out[at..at + r.len()]);
@@ -203,7 +214,7 @@ impl GradBuf {
                     .sum(),
             ),
         };
-        (out, ss)
+        ss
     }
 
     /// `range` times `factor` (see [`mean_factor`]) as `f32`, into `out`.

@@ -717,26 +717,22 @@ impl<'a> Pass<'a> {
                     .map_err(|e| CommError::Storage(e.to_string()))?;
             }
         }
+        // The mean gradient is kept as f32 (4 bytes, not the accumulator's 8), in RAM or on the
+        // tier, before clipping, which needs the global norm: its partial sum of squares is
+        // taken now, from the exact sums, and the optimizer applies the clip coefficient when
+        // it reads the shard.
         let on_tier = self.st.grads_on_tier();
         let mode = self.st.mode;
+        let factor = grad_buf::mean_factor(mode, self.exps[u], self.plan.micro_batches);
         let shard = &mut self.st.shards[u];
         let spilled = if on_tier {
-            // The mean gradient goes to the tier as f32 (4 bytes, not the accumulator's 8),
-            // before clipping, which needs the global norm: its partial sum of squares is taken
-            // now, from the exact sums, and the optimizer applies the clip coefficient when it
-            // reads the shard back, as the in-RAM path does after its mean.
-            let factor = grad_buf::mean_factor(mode, self.exps[u], self.plan.micro_batches);
             Some(acc.shard_mean(&shard.ranges, factor))
         } else {
             let sg = shard
                 .grads
                 .as_mut()
                 .expect("stages 2/3 keep a gradient shard");
-            let mut off = 0;
-            for r in &shard.ranges {
-                sg.copy_from(off, &acc, r.clone());
-                off += r.len();
-            }
+            self.st.grad_ss[u] = acc.shard_mean_into(&shard.ranges, factor, sg);
             None
         };
         self.st.ledger.free(Category::Transient, acc.bytes() as u64);
@@ -744,7 +740,7 @@ impl<'a> Pass<'a> {
         res?;
         match spilled {
             Some((g, sum_squares)) => {
-                self.st.tier_grad_ss[u] = sum_squares;
+                self.st.grad_ss[u] = sum_squares;
                 let io = self.tier_io.as_mut().expect("a tier holds the gradients");
                 io.write_grads(u, g)
                     .map_err(|e| CommError::Storage(e.to_string()))
@@ -833,10 +829,10 @@ impl<'a> Pass<'a> {
     fn owned_sum_squares(&self, u: usize) -> SumSquares {
         let mode = self.st.mode;
         if self.st.grads_on_tier() {
-            return self.st.tier_grad_ss[u];
+            return self.st.grad_ss[u];
         }
         match (&self.st.shards[u].grads, &self.st.whole_grads) {
-            (Some(sg), _) if self.st.stage != Stage::Zero0 => sg.sum_squares(0..sg.len()),
+            (Some(_), _) if self.st.stage != Stage::Zero0 => self.st.grad_ss[u],
             (_, Some(w)) => self
                 .st
                 .map

@@ -33,8 +33,11 @@ pub struct UnitShard {
     /// Master parameters of the held chunks (stage 3 only; stages 0-2 use the full copy).
     pub params: Vec<f32>,
     pub opt: OptimState,
-    /// Reduced gradient of the held chunks (stages 2 and 3).
-    pub grads: Option<GradBuf>,
+    /// Reduced mean gradient of the held chunks as f32 (stages 2 and 3), before clipping: made
+    /// from the exact sums when the unit's reduce-scatter completes, with its partial sum of
+    /// squares beside it ([`RankState::grad_ss`]), so the accumulator's 8 bytes an element
+    /// live only while the unit is reduced.
+    pub grads: Option<Vec<f32>>,
 }
 
 impl UnitShard {
@@ -68,9 +71,10 @@ pub struct RankState {
     pub tier: Option<Arc<Mutex<TierFile>>>,
     /// What the tier holds (fixed when the file is made), readable without its lock.
     kinds: RecordKinds,
-    /// With gradients on the tier: each unit's partial sum of squares, taken when the unit's
-    /// reduced shard was written there (what `Agree` needs without reading it back).
-    pub tier_grad_ss: Vec<crate::reduce::SumSquares>,
+    /// Stages 2-3: each unit's partial sum of squares of its reduced gradient shard, taken from
+    /// the exact sums when the shard was made (what `Agree` needs; with gradients on the tier,
+    /// without reading them back).
+    pub grad_ss: Vec<crate::reduce::SumSquares>,
 }
 
 /// One chunk's complete training state: master parameters and optimizer state. This is the
@@ -250,7 +254,7 @@ impl RankState {
                 }
             }
             let grads = (matches!(stage, Stage::Zero2 | Stage::Zero3) && !grads_on_tier)
-                .then(|| GradBuf::zeros(mode, len));
+                .then(|| vec![0f32; len]);
             ledger.alloc(
                 Category::Params,
                 4 * (shard_params.len() + full[u].len()) as u64,
@@ -258,7 +262,7 @@ impl RankState {
             ledger.alloc(Category::Optimizer, opt.bytes() as u64);
             ledger.alloc(
                 Category::Grads,
-                grads.as_ref().map_or(0, |g| g.bytes() as u64),
+                grads.as_ref().map_or(0, |g| 4 * g.len() as u64),
             );
             shards.push(UnitShard {
                 chunks,
@@ -296,7 +300,7 @@ impl RankState {
                 .as_ref()
                 .map_or(RecordKinds::default(), |t| t.layout.kinds),
             tier: tier.map(|t| Arc::new(Mutex::new(t))),
-            tier_grad_ss: vec![crate::reduce::SumSquares::zero(mode); shard_count],
+            grad_ss: vec![crate::reduce::SumSquares::zero(mode); shard_count],
         })
     }
 
@@ -403,7 +407,7 @@ impl RankState {
             for r in shard.ranges.iter().filter(|_| !grads_on_tier) {
                 let out = &mut g[off..off + r.len()];
                 match (&shard.grads, &self.whole_grads) {
-                    (Some(sg), _) => sg.to_f32(off..off + r.len(), factor, out),
+                    (Some(sg), _) => out.copy_from_slice(&sg[off..off + r.len()]),
                     (None, Some(w)) => w[u].to_f32(r.clone(), factor, out),
                     (None, None) => unreachable!("every stage keeps gradients somewhere"),
                 }
