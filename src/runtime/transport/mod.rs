@@ -15,6 +15,8 @@ pub mod local;
 pub mod net_faults;
 pub mod quic;
 pub mod tcp;
+#[cfg(feature = "ucx")]
+pub mod ucx;
 
 use crate::plan::RankId;
 pub use crate::wire::frame::{Frame, Tag, TagKind, FRAME_HEADER_BYTES};

@@ -1,0 +1,750 @@
+//! One UCP context and worker per engine, owned by one OS thread (a UCP worker in
+//! `UCS_THREAD_MODE_SINGLE` may only be touched by its thread).
+//!
+//! The thread drains its command queue, progresses the worker until nothing moves, hands
+//! received messages to the bounded inbox, then arms the worker and sleeps on its event fd for
+//! at most [`IDLE_POLL_MS`]. Other threads queue commands and wake it with `ucp_worker_signal`
+//! (safe from any thread). Buffers are owned: a send's bytes and header live in a box that the
+//! completion frees; a rendezvous receive lands in a buffer the thread allocates at the size the
+//! sender announced, after checking it against the limit.
+//!
+//! While the inbox is full the thread stops progressing, so UCX's own flow control holds the
+//! senders back: what the engine holds is bounded by the inbox and one message per peer.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::{c_void, CString};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::{check, library, status_text, sys, UcxError};
+
+/// The active-message id our messages use.
+const AM_ID: u32 = 0;
+/// The longest the thread sleeps on the worker's event fd: it bounds the cost of a wake-up
+/// that arrives between arming and sleeping.
+const IDLE_POLL_MS: i32 = 10;
+/// How long closing endpoints may take when the engine stops.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How an engine is set up.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// This engine's id, carried in every message's header so the receiver knows the sender.
+    pub id: u32,
+    /// UCX transports (`UCX_TLS`), set in code so that the environment does not choose them.
+    pub transports: String,
+    /// The largest message taken, in bytes; a larger one is refused by the receiver (counted).
+    pub max_message_bytes: usize,
+    /// Commands queued for the thread at most.
+    pub queue_max: usize,
+    /// Received messages held at most before the thread stops progressing.
+    pub inbox_max: usize,
+}
+
+impl EngineConfig {
+    /// Shared memory only (SysV or POSIX segments, CMA zero copy, loopback), 256 MiB messages.
+    pub fn shared_memory(id: u32) -> Self {
+        Self {
+            id,
+            transports: "sysv,posix,cma,self".into(),
+            max_message_bytes: crate::wire::DEFAULT_MAX_FRAME_BYTES as usize,
+            queue_max: 1024,
+            inbox_max: 1024,
+        }
+    }
+}
+
+/// What arrives.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Inbound {
+    /// A message from engine `from`.
+    Message { from: u32, bytes: Vec<u8> },
+    /// UCX reported that the endpoint to `peer` failed; it is closed.
+    PeerLost { peer: u32, why: String },
+}
+
+/// Counters of what the engine refused or lost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineCounts {
+    /// Messages over `max_message_bytes` or with a malformed header, dropped.
+    pub refused: u64,
+    /// Sends or receives that completed with an error.
+    pub failed: u64,
+}
+
+enum Cmd {
+    Connect {
+        peer: u32,
+        address: Vec<u8>,
+        done: SyncSender<Result<(), UcxError>>,
+    },
+    Send {
+        peer: u32,
+        bytes: Vec<u8>,
+    },
+    Stop,
+}
+
+/// The worker pointer for `ucp_worker_signal`, cleared before the worker is destroyed.
+type Waker = Arc<Mutex<Option<usize>>>;
+
+/// A UCP worker on its own thread.
+pub struct Engine {
+    id: u32,
+    address: Vec<u8>,
+    commands: SyncSender<Cmd>,
+    inbox: Receiver<Inbound>,
+    waker: Waker,
+    counts: Arc<Mutex<EngineCounts>>,
+    max_message_bytes: usize,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Engine {
+    /// Opens libucp, makes the context and worker on a new thread, and returns once the
+    /// worker's address is known.
+    pub fn start(cfg: EngineConfig) -> Result<Self, UcxError> {
+        let ucp = library()?;
+        let (commands, rx) = mpsc::sync_channel(cfg.queue_max.max(1));
+        let (inbox_tx, inbox) = mpsc::sync_channel(cfg.inbox_max.max(1));
+        let (ready_tx, ready) = mpsc::sync_channel(1);
+        let waker: Waker = Arc::default();
+        let counts: Arc<Mutex<EngineCounts>> = Arc::default();
+        let (thread_waker, thread_counts, thread_cfg) =
+            (Arc::clone(&waker), Arc::clone(&counts), cfg.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("ucx-engine-{}", cfg.id))
+            .spawn(move || {
+                run(
+                    ucp,
+                    thread_cfg,
+                    rx,
+                    inbox_tx,
+                    ready_tx,
+                    thread_waker,
+                    thread_counts,
+                )
+            })
+            .map_err(|e| UcxError::Call {
+                call: "spawning the engine thread",
+                status: e.to_string(),
+            })?;
+        let address = ready.recv().map_err(|_| UcxError::Stopped)??;
+        Ok(Self {
+            id: cfg.id,
+            address,
+            commands,
+            inbox,
+            waker,
+            counts,
+            max_message_bytes: cfg.max_message_bytes,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// The worker's address, for peers to connect with (an opaque blob of a few hundred bytes).
+    pub fn address(&self) -> &[u8] {
+        &self.address
+    }
+
+    /// Opens an endpoint to `peer` at `address` (a peer engine's [`Engine::address`]).
+    pub fn connect(&self, peer: u32, address: Vec<u8>) -> Result<(), UcxError> {
+        let (done, answer) = mpsc::sync_channel(1);
+        self.submit(Cmd::Connect {
+            peer,
+            address,
+            done,
+        })?;
+        answer.recv().map_err(|_| UcxError::Stopped)?
+    }
+
+    /// Queues `bytes` for `peer`; waits only while the command queue is full.
+    pub fn send(&self, peer: u32, bytes: Vec<u8>) -> Result<(), UcxError> {
+        if bytes.len() > self.max_message_bytes {
+            return Err(UcxError::TooLarge {
+                len: bytes.len(),
+                max: self.max_message_bytes,
+            });
+        }
+        self.submit(Cmd::Send { peer, bytes })
+    }
+
+    /// The next message or event, waiting at most `timeout`.
+    pub fn recv_timeout(&self, timeout: Duration) -> Result<Inbound, RecvTimeoutError> {
+        self.inbox.recv_timeout(timeout)
+    }
+
+    pub fn counts(&self) -> EngineCounts {
+        *self.counts.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn submit(&self, cmd: Cmd) -> Result<(), UcxError> {
+        self.commands.send(cmd).map_err(|_| UcxError::Stopped)?;
+        wake(&self.waker);
+        Ok(())
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let _ = self.commands.send(Cmd::Stop);
+        wake(&self.waker);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn wake(waker: &Waker) {
+    let w = waker.lock().unwrap_or_else(|p| p.into_inner());
+    if let (Some(worker), Ok(ucp)) = (*w, library()) {
+        // SAFETY: the worker is alive while the waker holds it (the thread clears it under this
+        // lock before destroying the worker); ucp_worker_signal is safe from any thread.
+        unsafe { (ucp.ucp_worker_signal)(worker as sys::ucp_worker_h) };
+    }
+}
+
+/// What the callbacks reach, on the engine thread only.
+struct State {
+    ucp: &'static sys::Ucp,
+    worker: sys::ucp_worker_h,
+    max_message_bytes: usize,
+    received: VecDeque<Inbound>,
+    /// Rendezvous messages announced in the AM callback, received after progress returns:
+    /// (sender, descriptor, length).
+    announced: Vec<(u32, *mut c_void, usize)>,
+    counts: Arc<Mutex<EngineCounts>>,
+}
+
+impl State {
+    fn count(&self, f: impl FnOnce(&mut EngineCounts)) {
+        f(&mut self.counts.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+}
+
+/// A send in flight: what must outlive it.
+struct SendOp {
+    _header: [u8; 4],
+    _bytes: Vec<u8>,
+    state: *mut State,
+}
+
+/// A rendezvous receive in flight.
+struct RecvOp {
+    from: u32,
+    buf: Vec<u8>,
+    state: *mut State,
+}
+
+/// The argument of an endpoint's error handler.
+struct EpArg {
+    peer: u32,
+    state: *mut State,
+}
+
+unsafe extern "C" fn on_am(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: sys::size_t,
+    data: *mut c_void,
+    length: sys::size_t,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    let st = &mut *(arg as *mut State);
+    let length = length as usize;
+    let rndv = (*param).recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0;
+    if header_length != 4 || length > st.max_message_bytes {
+        st.count(|c| c.refused += 1);
+        // A rendezvous descriptor is dropped by returning an error, which the sender sees.
+        return if rndv {
+            sys::UCS_ERR_MESSAGE_TRUNCATED
+        } else {
+            sys::UCS_OK
+        };
+    }
+    let from = u32::from_le_bytes(*(header as *const [u8; 4]));
+    if rndv {
+        st.announced.push((from, data, length));
+        return sys::UCS_INPROGRESS;
+    }
+    let bytes = std::slice::from_raw_parts(data as *const u8, length).to_vec();
+    st.received.push_back(Inbound::Message { from, bytes });
+    sys::UCS_OK
+}
+
+unsafe extern "C" fn on_sent(request: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
+    let op = Box::from_raw(user as *mut SendOp);
+    let st = &*op.state;
+    if status != sys::UCS_OK {
+        st.count(|c| c.failed += 1);
+    }
+    (st.ucp.ucp_request_free)(request);
+}
+
+unsafe extern "C" fn on_received(
+    request: *mut c_void,
+    status: sys::ucs_status_t,
+    _length: sys::size_t,
+    user: *mut c_void,
+) {
+    let op = Box::from_raw(user as *mut RecvOp);
+    let st = &mut *op.state;
+    finish_recv(st, *op, status);
+    (st.ucp.ucp_request_free)(request);
+}
+
+fn finish_recv(st: &mut State, op: RecvOp, status: sys::ucs_status_t) {
+    if status == sys::UCS_OK {
+        st.received.push_back(Inbound::Message {
+            from: op.from,
+            bytes: op.buf,
+        });
+    } else {
+        st.count(|c| c.failed += 1);
+    }
+}
+
+unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
+    let a = &*(arg as *const EpArg);
+    let st = &mut *a.state;
+    let why = status_text(st.ucp, status);
+    st.received
+        .push_back(Inbound::PeerLost { peer: a.peer, why });
+}
+
+/// `UCS_PTR_IS_ERR` / `UCS_PTR_STATUS` of a returned request pointer.
+fn ptr_status(p: *mut c_void) -> Option<sys::ucs_status_t> {
+    let v = p as isize;
+    (v < 0 && v >= sys::UCS_ERR_LAST as isize).then_some(v as sys::ucs_status_t)
+}
+
+/// The context and worker, made on the engine thread.
+fn open(
+    ucp: &'static sys::Ucp,
+    cfg: &EngineConfig,
+) -> Result<(sys::ucp_context_h, sys::ucp_worker_h), UcxError> {
+    // SAFETY: every parameter struct is zeroed and its field mask names the fields set.
+    unsafe {
+        let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
+        check(
+            ucp,
+            "ucp_config_read",
+            (ucp.ucp_config_read)(std::ptr::null(), std::ptr::null(), &mut config),
+        )?;
+        // The rank decides these, not the user's shell.
+        let settings = [
+            ("TLS", cfg.transports.as_str()),
+            // Keep shared memory and CMA under peer-failure handling (§4 of UCX.md): without
+            // these UCX moves same-host traffic to TCP loopback.
+            // (`CMA_MEMORY_INVALIDATE` is a memory-domain setting that this call cannot reach:
+            // [`super::library`] sets it in the environment before libucp is loaded.)
+            ("MM_ERROR_HANDLING", "y"),
+        ];
+        for (key, value) in settings {
+            let (k, v) = (CString::new(key).unwrap(), CString::new(value).unwrap());
+            let s = (ucp.ucp_config_modify)(config, k.as_ptr(), v.as_ptr());
+            if let Err(e) = check(ucp, "ucp_config_modify", s) {
+                (ucp.ucp_config_release)(config);
+                return Err(UcxError::Call {
+                    call: "ucp_config_modify",
+                    status: format!("{key}={value}: {e}"),
+                });
+            }
+        }
+        let mut params: sys::ucp_params_t = std::mem::zeroed();
+        params.field_mask = sys::UCP_PARAM_FIELD_FEATURES as u64;
+        params.features = (sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP) as u64;
+        let mut ctx: sys::ucp_context_h = std::ptr::null_mut();
+        let s = (ucp.ucp_init_version)(
+            sys::UCP_API_MAJOR,
+            sys::UCP_API_MINOR,
+            &params,
+            config,
+            &mut ctx,
+        );
+        (ucp.ucp_config_release)(config);
+        check(ucp, "ucp_init_version", s)?;
+        let mut wp: sys::ucp_worker_params_t = std::mem::zeroed();
+        wp.field_mask = sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64;
+        wp.thread_mode = sys::UCS_THREAD_MODE_SINGLE;
+        let mut worker: sys::ucp_worker_h = std::ptr::null_mut();
+        if let Err(e) = check(
+            ucp,
+            "ucp_worker_create",
+            (ucp.ucp_worker_create)(ctx, &wp, &mut worker),
+        ) {
+            (ucp.ucp_cleanup)(ctx);
+            return Err(e);
+        }
+        Ok((ctx, worker))
+    }
+}
+
+/// The worker's address as bytes.
+unsafe fn worker_address(ucp: &sys::Ucp, worker: sys::ucp_worker_h) -> Result<Vec<u8>, UcxError> {
+    let mut addr: *mut sys::ucp_address_t = std::ptr::null_mut();
+    let mut len: sys::size_t = 0;
+    check(
+        ucp,
+        "ucp_worker_get_address",
+        (ucp.ucp_worker_get_address)(worker, &mut addr, &mut len),
+    )?;
+    let out = std::slice::from_raw_parts(addr as *const u8, len as usize).to_vec();
+    (ucp.ucp_worker_release_address)(worker, addr);
+    Ok(out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    ucp: &'static sys::Ucp,
+    cfg: EngineConfig,
+    commands: Receiver<Cmd>,
+    inbox: SyncSender<Inbound>,
+    ready: SyncSender<Result<Vec<u8>, UcxError>>,
+    waker: Waker,
+    counts: Arc<Mutex<EngineCounts>>,
+) {
+    let (ctx, worker) = match open(ucp, &cfg) {
+        Ok(v) => v,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    // Boxed so the callbacks' pointer to it stays put.
+    let state = Box::into_raw(Box::new(State {
+        ucp,
+        worker,
+        max_message_bytes: cfg.max_message_bytes,
+        received: VecDeque::new(),
+        announced: Vec::new(),
+        counts,
+    }));
+    let mut eps: HashMap<u32, (sys::ucp_ep_h, *mut EpArg)> = HashMap::new();
+    // SAFETY: the worker, the state and the endpoints are used on this thread only, and each
+    // op's box lives until its completion callback (or the immediate completion) frees it.
+    unsafe {
+        let setup = (|| {
+            let mut hp: sys::ucp_am_handler_param_t = std::mem::zeroed();
+            hp.field_mask = (sys::UCP_AM_HANDLER_PARAM_FIELD_ID
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG) as u64;
+            hp.id = AM_ID;
+            hp.cb = Some(on_am);
+            hp.arg = state as *mut c_void;
+            check(
+                ucp,
+                "ucp_worker_set_am_recv_handler",
+                (ucp.ucp_worker_set_am_recv_handler)(worker, &hp),
+            )?;
+            let mut efd = -1;
+            check(
+                ucp,
+                "ucp_worker_get_efd",
+                (ucp.ucp_worker_get_efd)(worker, &mut efd),
+            )?;
+            Ok::<_, UcxError>((worker_address(ucp, worker)?, efd))
+        })();
+        let efd = match setup {
+            Ok((address, efd)) => {
+                *waker.lock().unwrap_or_else(|p| p.into_inner()) = Some(worker as usize);
+                let _ = ready.send(Ok(address));
+                efd
+            }
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                drop(Box::from_raw(state));
+                (ucp.ucp_worker_destroy)(worker);
+                (ucp.ucp_cleanup)(ctx);
+                return;
+            }
+        };
+        let st = &mut *state;
+        let mut stopping = false;
+        let mut held: VecDeque<Inbound> = VecDeque::new();
+        loop {
+            while let Ok(cmd) = commands.try_recv() {
+                match cmd {
+                    Cmd::Stop => stopping = true,
+                    Cmd::Connect {
+                        peer,
+                        address,
+                        done,
+                    } => {
+                        let _ = done.send(connect(st, state, &mut eps, peer, &address));
+                    }
+                    Cmd::Send { peer, bytes } => match eps.get(&peer) {
+                        Some(&(ep, _)) => send(st, state, ep, cfg.id, bytes),
+                        None => st.count(|c| c.failed += 1),
+                    },
+                }
+            }
+            if stopping {
+                break;
+            }
+            // Backpressure: while the inbox is full nothing more is taken off the wire.
+            if held.len() < cfg.inbox_max {
+                while (ucp.ucp_worker_progress)(worker) != 0 {}
+                for (from, desc, len) in std::mem::take(&mut st.announced) {
+                    receive(st, state, from, desc, len);
+                }
+                held.extend(st.received.drain(..));
+            }
+            while let Some(m) = held.pop_front() {
+                match inbox.try_send(m) {
+                    Ok(()) => {}
+                    Err(TrySendError::Full(m)) => {
+                        held.push_front(m);
+                        break;
+                    }
+                    // Nobody reads any more: the engine is being dropped.
+                    Err(TrySendError::Disconnected(_)) => {
+                        held.clear();
+                        break;
+                    }
+                }
+            }
+            if !held.is_empty() {
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+            match (ucp.ucp_worker_arm)(worker) {
+                sys::UCS_OK => {
+                    let mut fd = libc::pollfd {
+                        fd: efd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    };
+                    libc::poll(&mut fd, 1, IDLE_POLL_MS);
+                }
+                // Events arrived after the last progress: progress again.
+                _ => continue,
+            }
+        }
+        close_all(st, &mut eps);
+        *waker.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        (ucp.ucp_worker_destroy)(worker);
+        drop(Box::from_raw(state));
+        (ucp.ucp_cleanup)(ctx);
+    }
+}
+
+unsafe fn connect(
+    st: &mut State,
+    state: *mut State,
+    eps: &mut HashMap<u32, (sys::ucp_ep_h, *mut EpArg)>,
+    peer: u32,
+    address: &[u8],
+) -> Result<(), UcxError> {
+    if eps.contains_key(&peer) {
+        return Ok(());
+    }
+    let arg = Box::into_raw(Box::new(EpArg { peer, state }));
+    let mut p: sys::ucp_ep_params_t = std::mem::zeroed();
+    p.field_mask = (sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+        | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+        | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER) as u64;
+    p.address = address.as_ptr() as *const sys::ucp_address_t;
+    p.err_mode = sys::UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = Some(on_ep_error);
+    p.err_handler.arg = arg as *mut c_void;
+    let mut ep: sys::ucp_ep_h = std::ptr::null_mut();
+    match check(
+        st.ucp,
+        "ucp_ep_create",
+        (st.ucp.ucp_ep_create)(st.worker, &p, &mut ep),
+    ) {
+        Ok(()) => {
+            eps.insert(peer, (ep, arg));
+            Ok(())
+        }
+        Err(e) => {
+            drop(Box::from_raw(arg));
+            Err(e)
+        }
+    }
+}
+
+unsafe fn send(st: &mut State, state: *mut State, ep: sys::ucp_ep_h, me: u32, bytes: Vec<u8>) {
+    let op = Box::new(SendOp {
+        _header: me.to_le_bytes(),
+        _bytes: bytes,
+        state,
+    });
+    let (header, data, len) = (
+        op._header.as_ptr() as *const c_void,
+        op._bytes.as_ptr() as *const c_void,
+        op._bytes.len(),
+    );
+    let user = Box::into_raw(op) as *mut c_void;
+    let mut p: sys::ucp_request_param_t = std::mem::zeroed();
+    p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = Some(on_sent);
+    p.user_data = user;
+    let req = (st.ucp.ucp_am_send_nbx)(ep, AM_ID, header, 4, data, len as sys::size_t, &p);
+    if req.is_null() {
+        // Completed at once: the callback will not run.
+        drop(Box::from_raw(user as *mut SendOp));
+    } else if ptr_status(req).is_some() {
+        drop(Box::from_raw(user as *mut SendOp));
+        st.count(|c| c.failed += 1);
+    }
+}
+
+unsafe fn receive(st: &mut State, state: *mut State, from: u32, desc: *mut c_void, len: usize) {
+    let op = Box::new(RecvOp {
+        from,
+        buf: vec![0u8; len],
+        state,
+    });
+    let buf = op.buf.as_ptr() as *mut c_void;
+    let user = Box::into_raw(op) as *mut c_void;
+    let mut p: sys::ucp_request_param_t = std::mem::zeroed();
+    p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.recv_am = Some(on_received);
+    p.user_data = user;
+    let req = (st.ucp.ucp_am_recv_data_nbx)(st.worker, desc, buf, len as sys::size_t, &p);
+    if req.is_null() {
+        finish_recv(st, *Box::from_raw(user as *mut RecvOp), sys::UCS_OK);
+    } else if let Some(s) = ptr_status(req) {
+        finish_recv(st, *Box::from_raw(user as *mut RecvOp), s);
+    }
+}
+
+/// Closes every endpoint, progressing until each close completes or [`CLOSE_TIMEOUT`].
+unsafe fn close_all(st: &mut State, eps: &mut HashMap<u32, (sys::ucp_ep_h, *mut EpArg)>) {
+    let deadline = Instant::now() + CLOSE_TIMEOUT;
+    let mut pending = Vec::new();
+    let mut args = Vec::new();
+    for (_, (ep, arg)) in eps.drain() {
+        let mut p: sys::ucp_request_param_t = std::mem::zeroed();
+        p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        let req = (st.ucp.ucp_ep_close_nbx)(ep, &p);
+        if !req.is_null() && ptr_status(req).is_none() {
+            pending.push(req);
+        }
+        args.push(arg);
+    }
+    while !pending.is_empty() && Instant::now() < deadline {
+        (st.ucp.ucp_worker_progress)(st.worker);
+        pending.retain(|&r| {
+            let done = (st.ucp.ucp_request_check_status)(r) != sys::UCS_INPROGRESS;
+            if done {
+                (st.ucp.ucp_request_free)(r);
+            }
+            !done
+        });
+    }
+    // An error handler may run until its endpoint's close completes: its argument is freed
+    // only then (a close that timed out leaks 16 bytes rather than risk a dangling pointer).
+    if pending.is_empty() {
+        for arg in args {
+            drop(Box::from_raw(arg));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether libucx is here; without it the test skips, unless it is required.
+    fn available() -> bool {
+        match library() {
+            Ok(_) => true,
+            Err(e) if super::super::required_by_tests() => panic!("EZERO_REQUIRE_UCX=1: {e}"),
+            Err(e) => {
+                eprintln!("skipped: {e}");
+                false
+            }
+        }
+    }
+
+    fn pair() -> Option<(Engine, Engine)> {
+        if !available() {
+            return None;
+        }
+        let a = Engine::start(EngineConfig::shared_memory(0)).unwrap();
+        let b = Engine::start(EngineConfig::shared_memory(1)).unwrap();
+        a.connect(1, b.address().to_vec()).unwrap();
+        b.connect(0, a.address().to_vec()).unwrap();
+        Some((a, b))
+    }
+
+    fn next(e: &Engine) -> Inbound {
+        e.recv_timeout(Duration::from_secs(10)).expect("a message")
+    }
+
+    #[test]
+    fn messages_of_every_protocol_arrive_whole_and_in_order() {
+        let Some((a, b)) = pair() else { return };
+        // Eager short, eager copy, and rendezvous into a buffer the receiver allocates.
+        let sizes = [0usize, 90, 5000, 1 << 20, 16 << 20];
+        for (k, &n) in sizes.iter().enumerate() {
+            let bytes: Vec<u8> = (0..n).map(|i| (i * 31 + k) as u8).collect();
+            a.send(1, bytes).unwrap();
+        }
+        for (k, &n) in sizes.iter().enumerate() {
+            let want: Vec<u8> = (0..n).map(|i| (i * 31 + k) as u8).collect();
+            assert_eq!(
+                next(&b),
+                Inbound::Message {
+                    from: 0,
+                    bytes: want
+                },
+                "size {n}"
+            );
+        }
+        b.send(0, b"back".to_vec()).unwrap();
+        assert_eq!(
+            next(&a),
+            Inbound::Message {
+                from: 1,
+                bytes: b"back".to_vec()
+            }
+        );
+        assert_eq!(b.counts(), EngineCounts::default());
+    }
+
+    #[test]
+    fn oversize_messages_are_refused_by_the_sender_and_the_receiver() {
+        if !available() {
+            return;
+        }
+        let a = Engine::start(EngineConfig::shared_memory(0)).unwrap();
+        let b = Engine::start(EngineConfig {
+            max_message_bytes: 1 << 16,
+            ..EngineConfig::shared_memory(1)
+        })
+        .unwrap();
+        a.connect(1, b.address().to_vec()).unwrap();
+        // The receiver's limit: counted and dropped, and what follows still arrives.
+        a.send(1, vec![7u8; 1 << 20]).unwrap();
+        a.send(1, vec![1u8; 10]).unwrap();
+        assert_eq!(
+            next(&b),
+            Inbound::Message {
+                from: 0,
+                bytes: vec![1u8; 10]
+            }
+        );
+        assert_eq!(b.counts().refused, 1);
+        // The sender's own limit.
+        let small = Engine::start(EngineConfig {
+            max_message_bytes: 8,
+            ..EngineConfig::shared_memory(2)
+        })
+        .unwrap();
+        assert!(matches!(
+            small.send(1, vec![0; 9]),
+            Err(UcxError::TooLarge { len: 9, max: 8 })
+        ));
+    }
+}

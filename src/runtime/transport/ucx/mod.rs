@@ -1,0 +1,112 @@
+//! UCX (UCP) between processes on one host: shared memory (`sysv`, `posix`, `cma`) behind our
+//! own thin binding, built with the `ucx` cargo feature.
+//!
+//! - [`sys`]: bindgen output from the 1.13 headers, checked in; `libucp.so.0` is opened at run
+//!   time, so a build with the feature runs on a machine without libucx and says what to
+//!   install only when UCX is asked for ([`library`]).
+//! - [`engine`]: one UCP context and worker per process, owned by one OS thread that
+//!   progresses, arms the worker and sleeps on its event fd; other threads submit through a
+//!   bounded channel and wake it with `ucp_worker_signal`. Messages are active messages whose
+//!   payload the receiver places into a buffer it allocates (rendezvous above the eager size).
+//!
+//! Not yet here (issue 17): the `Transport` over the engine with our frame checks, bootstrap of
+//! worker addresses over the mutual-TLS control plane, `--transport ucx`, failure detection
+//! tuned for shared memory, and the benchmark.
+
+pub mod engine;
+pub mod sys;
+
+use std::sync::OnceLock;
+
+/// The shared library that holds UCP.
+pub const LIBRARY: &str = "libucp.so.0";
+
+/// UCX settings that only the environment reaches, set by [`library`] before it loads libucp.
+/// No UCX signal handlers over Rust's; CMA kept under peer-failure handling (UCX.md §4); and
+/// no mmap/munmap hooks patched into the process (`MEM_EVENTS`: they serve registration caches,
+/// which shared memory through `sysv`/`posix`/`cma` does not use).
+pub const PROCESS_SETTINGS: [(&str, &str); 3] = [
+    ("UCX_ERROR_SIGNALS", ""),
+    ("UCX_CMA_MEMORY_INVALIDATE", "y"),
+    ("UCX_MEM_EVENTS", "n"),
+];
+
+/// Why UCX cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UcxError {
+    /// libucp could not be opened or lacks a function we call.
+    #[error(
+        "UCX is not installed: {0} (install libucx0, e.g. `apt install libucx0`, or use another transport)"
+    )]
+    Missing(String),
+    /// A UCP call failed.
+    #[error("UCX {call} failed: {status}")]
+    Call { call: &'static str, status: String },
+    /// The engine's thread has stopped.
+    #[error("the UCX engine has stopped")]
+    Stopped,
+    /// A message larger than the engine accepts.
+    #[error("a message of {len} bytes is over the {max}-byte limit")]
+    TooLarge { len: usize, max: usize },
+    /// No endpoint to that peer.
+    #[error("no UCX endpoint to peer {0}")]
+    NoPeer(u32),
+}
+
+/// libucp's functions, loaded once per process.
+pub fn library() -> Result<&'static sys::Ucp, UcxError> {
+    static LIB: OnceLock<Result<sys::Ucp, UcxError>> = OnceLock::new();
+    LIB.get_or_init(|| {
+        // Read by libucs when it loads, so they cannot go through `ucp_config_modify`.
+        for (key, value) in PROCESS_SETTINGS {
+            std::env::set_var(key, value);
+        }
+        load(LIBRARY)
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+/// Opens `name` and resolves every UCP function we call.
+fn load(name: &str) -> Result<sys::Ucp, UcxError> {
+    // SAFETY: loading libucp runs its initialisers, which only set up UCX's own state.
+    unsafe { sys::Ucp::new(name) }.map_err(|e| UcxError::Missing(e.to_string()))
+}
+
+/// Whether the tests must find libucx rather than skip (`EZERO_REQUIRE_UCX=1`, which `.ci/run`
+/// sets after installing it).
+pub fn required_by_tests() -> bool {
+    std::env::var("EZERO_REQUIRE_UCX").is_ok_and(|v| v == "1")
+}
+
+/// A UCS status as text.
+fn status_text(ucp: &sys::Ucp, status: sys::ucs_status_t) -> String {
+    // SAFETY: ucs_status_string returns a static string for any value.
+    let s = unsafe { std::ffi::CStr::from_ptr((ucp.ucs_status_string)(status)) };
+    format!("{} ({status})", s.to_string_lossy())
+}
+
+/// `Ok` for `UCS_OK`, else the call and its status.
+fn check(ucp: &sys::Ucp, call: &'static str, status: sys::ucs_status_t) -> Result<(), UcxError> {
+    match status {
+        sys::UCS_OK => Ok(()),
+        s => Err(UcxError::Call {
+            call,
+            status: status_text(ucp, s),
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_library_says_what_to_install() {
+        let e = load("libucp-not-here.so.0").err().unwrap();
+        assert!(matches!(e, UcxError::Missing(_)));
+        let msg = e.to_string();
+        assert!(msg.contains("apt install libucx0"), "{msg}");
+        assert!(msg.contains("libucp-not-here.so.0"), "{msg}");
+    }
+}
