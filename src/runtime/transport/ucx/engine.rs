@@ -95,10 +95,13 @@ pub struct Engine {
     id: u32,
     address: Vec<u8>,
     commands: SyncSender<Cmd>,
-    inbox: Receiver<Inbound>,
+    /// Behind a lock so that the engine is `Sync` (one reader in practice: its transport).
+    inbox: Mutex<Receiver<Inbound>>,
     waker: Waker,
     counts: Arc<Mutex<EngineCounts>>,
     max_message_bytes: usize,
+    /// Peers with an endpoint (a send to another is refused at once).
+    peers: Mutex<std::collections::BTreeSet<u32>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -136,10 +139,11 @@ impl Engine {
             id: cfg.id,
             address,
             commands,
-            inbox,
+            inbox: Mutex::new(inbox),
             waker,
             counts,
             max_message_bytes: cfg.max_message_bytes,
+            peers: Mutex::default(),
             thread: Some(thread),
         })
     }
@@ -161,7 +165,12 @@ impl Engine {
             address,
             done,
         })?;
-        answer.recv().map_err(|_| UcxError::Stopped)?
+        answer.recv().map_err(|_| UcxError::Stopped)??;
+        self.peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(peer);
+        Ok(())
     }
 
     /// Queues `bytes` for `peer`; waits only while the command queue is full.
@@ -172,12 +181,23 @@ impl Engine {
                 max: self.max_message_bytes,
             });
         }
+        if !self
+            .peers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&peer)
+        {
+            return Err(UcxError::NoPeer(peer));
+        }
         self.submit(Cmd::Send { peer, bytes })
     }
 
     /// The next message or event, waiting at most `timeout`.
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Inbound, RecvTimeoutError> {
-        self.inbox.recv_timeout(timeout)
+        self.inbox
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .recv_timeout(timeout)
     }
 
     pub fn counts(&self) -> EngineCounts {
@@ -345,6 +365,9 @@ fn open(
             // (`CMA_MEMORY_INVALIDATE` is a memory-domain setting that this call cannot reach:
             // [`super::library`] sets it in the environment before libucp is loaded.)
             ("MM_ERROR_HANDLING", "y"),
+            // Shared memory notices a dead peer only by keepalive, every 20 s by default; the
+            // control plane's heartbeats and every collective's deadline stay the authority.
+            ("KEEPALIVE_INTERVAL", "1s"),
         ];
         for (key, value) in settings {
             let (k, v) = (CString::new(key).unwrap(), CString::new(value).unwrap());
@@ -711,6 +734,90 @@ mod tests {
             }
         );
         assert_eq!(b.counts(), EngineCounts::default());
+    }
+
+    /// The peer process of [`a_peer_process_echoes_and_its_death_is_reported`]: run as this
+    /// test binary with `EZERO_UCX_PEER=1`; reads the parent's address (hex) on stdin, prints
+    /// its own, echoes one message, then waits to be killed.
+    #[test]
+    fn ucx_peer_process() {
+        if std::env::var("EZERO_UCX_PEER").is_err() {
+            return;
+        }
+        let e = Engine::start(EngineConfig::shared_memory(1)).unwrap();
+        println!("address {}", hex(e.address()));
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).unwrap();
+        e.connect(0, unhex(line.trim())).unwrap();
+        let Inbound::Message { bytes, .. } = next(&e) else {
+            panic!("expected a message")
+        };
+        e.send(0, bytes.iter().rev().copied().collect()).unwrap();
+        std::thread::sleep(Duration::from_secs(60));
+    }
+
+    fn hex(b: &[u8]) -> String {
+        b.iter().map(|x| format!("{x:02x}")).collect()
+    }
+
+    fn unhex(s: &str) -> Vec<u8> {
+        (0..s.len() / 2)
+            .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn a_peer_process_echoes_and_its_death_is_reported() {
+        use std::io::{BufRead, Write};
+        if std::env::var("EZERO_UCX_PEER").is_ok() || !available() {
+            return;
+        }
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "runtime::transport::ucx::engine::tests::ucx_peer_process",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env("EZERO_UCX_PEER", "1")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let address = loop {
+            let mut line = String::new();
+            assert!(out.read_line(&mut line).unwrap() > 0, "the peer exited");
+            // libtest may have printed the test's name on the same line.
+            if let Some((_, a)) = line.trim().split_once("address ") {
+                break unhex(a);
+            }
+        };
+        let e = Engine::start(EngineConfig::shared_memory(0)).unwrap();
+        e.connect(1, address).unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        writeln!(stdin, "{}", hex(e.address())).unwrap();
+        let msg: Vec<u8> = (0..(4u32 << 20)).map(|i| (i % 253) as u8).collect();
+        e.send(1, msg.clone()).unwrap();
+        let back = next(&e);
+        assert_eq!(
+            back,
+            Inbound::Message {
+                from: 1,
+                bytes: msg.iter().rev().copied().collect()
+            }
+        );
+        // kill -9: the endpoint's failure is reported, within a few keepalive rounds.
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let started = Instant::now();
+        match e.recv_timeout(Duration::from_secs(30)) {
+            Ok(Inbound::PeerLost { peer: 1, why }) => {
+                eprintln!("peer loss reported after {:?}: {why}", started.elapsed())
+            }
+            other => panic!("expected the peer's loss, got {other:?}"),
+        }
     }
 
     #[test]
