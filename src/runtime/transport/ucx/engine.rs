@@ -676,19 +676,8 @@ unsafe fn close_all(st: &mut State, eps: &mut HashMap<u32, (sys::ucp_ep_h, *mut 
 
 #[cfg(test)]
 mod tests {
+    use super::super::available_for_tests as available;
     use super::*;
-
-    /// Whether libucx is here; without it the test skips, unless it is required.
-    fn available() -> bool {
-        match library() {
-            Ok(_) => true,
-            Err(e) if super::super::required_by_tests() => panic!("EZERO_REQUIRE_UCX=1: {e}"),
-            Err(e) => {
-                eprintln!("skipped: {e}");
-                false
-            }
-        }
-    }
 
     fn pair() -> Option<(Engine, Engine)> {
         if !available() {

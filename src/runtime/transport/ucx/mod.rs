@@ -84,6 +84,20 @@ pub fn required_by_tests() -> bool {
     std::env::var("EZERO_REQUIRE_UCX").is_ok_and(|v| v == "1")
 }
 
+/// For tests: whether libucx is here. Without it a test skips, saying so, unless
+/// [`required_by_tests`].
+#[cfg(test)]
+pub(crate) fn available_for_tests() -> bool {
+    match library() {
+        Ok(_) => true,
+        Err(e) if required_by_tests() => panic!("EZERO_REQUIRE_UCX=1: {e}"),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            false
+        }
+    }
+}
+
 /// A UCS status as text.
 fn status_text(ucp: &sys::Ucp, status: sys::ucs_status_t) -> String {
     // SAFETY: ucs_status_string returns a static string for any value.

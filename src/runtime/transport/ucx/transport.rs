@@ -124,23 +124,12 @@ impl Transport for UcxTransport {
 
 #[cfg(test)]
 mod tests {
+    use super::super::available_for_tests as available;
     use super::super::engine::EngineConfig;
-    use super::super::{library, required_by_tests};
     use super::*;
     use crate::runtime::transport::{Tag, TagKind};
     use bytes::Bytes;
     use std::sync::atomic::Ordering;
-
-    fn available() -> bool {
-        match library() {
-            Ok(_) => true,
-            Err(e) if required_by_tests() => panic!("EZERO_REQUIRE_UCX=1: {e}"),
-            Err(e) => {
-                eprintln!("skipped: {e}");
-                false
-            }
-        }
-    }
 
     fn frame(from: RankId, unit: u32, payload: Vec<u8>) -> Frame {
         Frame {
