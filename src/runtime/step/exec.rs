@@ -828,18 +828,18 @@ impl<'a> Pass<'a> {
     /// Partial sum of squares of the reduced gradient over the chunks this rank owns.
     fn owned_sum_squares(&self, u: usize) -> SumSquares {
         let mode = self.st.mode;
-        if self.st.grads_on_tier() {
+        // Stages 2-3 took it when the unit's reduced shard was made (in RAM or on the tier).
+        if matches!(self.st.stage, Stage::Zero2 | Stage::Zero3) {
             return self.st.grad_ss[u];
         }
-        match (&self.st.shards[u].grads, &self.st.whole_grads) {
-            (Some(_), _) if self.st.stage != Stage::Zero0 => self.st.grad_ss[u],
-            (_, Some(w)) => self
+        match &self.st.whole_grads {
+            Some(w) => self
                 .st
                 .map
                 .owned_in_unit(u, self.st.rank)
                 .map(|i| w[u].sum_squares(self.st.map.chunk_range(u, i)))
                 .fold(SumSquares::zero(mode), SumSquares::plus),
-            _ => SumSquares::zero(mode),
+            None => SumSquares::zero(mode),
         }
     }
 

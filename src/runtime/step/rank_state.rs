@@ -202,7 +202,7 @@ impl RankState {
             let fetch =
                 |i: usize| source(u, i).ok_or_else(|| format!("chunk {u}/{i} is not available"));
             let mut by_index = BTreeMap::new();
-            for &i in if stage == Stage::Zero3 { &chunks } else { &all } {
+            for i in kept_chunks(&map, u, rank, stage) {
                 let c = fetch(i)?;
                 if c.params.len() != map.chunk_range(u, i).len() {
                     return Err(format!(
@@ -400,21 +400,29 @@ impl RankState {
             let factor = grad_buf::mean_factor(self.mode, exps[u], micro_batches);
             let grads_on_tier = self.grads_on_tier();
             let shard = &mut self.shards[u];
-            let len = if grads_on_tier { 0 } else { shard.len() };
-            let mut g = vec![0f32; len];
-            self.ledger.alloc(Category::Transient, 4 * len as u64);
-            let mut off = 0;
-            for r in shard.ranges.iter().filter(|_| !grads_on_tier) {
-                let out = &mut g[off..off + r.len()];
-                match (&shard.grads, &self.whole_grads) {
-                    (Some(sg), _) => out.copy_from_slice(&sg[off..off + r.len()]),
-                    (None, Some(w)) => w[u].to_f32(r.clone(), factor, out),
-                    (None, None) => unreachable!("every stage keeps gradients somewhere"),
+            // Stages 2-3 keep the shard's f32 mean, which is clipped where it lies (the next
+            // reduce-scatter rewrites all of it) and put back after the update; stages 0-1
+            // widen their owned ranges of the whole-model accumulators into a buffer of the
+            // step; with gradients on the tier the update reads them there.
+            let (mut g, transient) = match (shard.grads.take(), &self.whole_grads) {
+                (Some(sg), _) => (sg, 0),
+                (None, _) if grads_on_tier => (Vec::new(), 0),
+                (None, Some(w)) => {
+                    let mut g = vec![0f32; shard.len()];
+                    let mut off = 0;
+                    for r in &shard.ranges {
+                        w[u].to_f32(r.clone(), factor, &mut g[off..off + r.len()]);
+                        off += r.len();
+                    }
+                    let bytes = 4 * g.len() as u64;
+                    (g, bytes)
                 }
-                off += r.len();
-            }
+                (None, None) => unreachable!("every stage keeps gradients somewhere"),
+            };
+            let kept_shard = matches!(self.stage, Stage::Zero2 | Stage::Zero3) && !grads_on_tier;
+            self.ledger.alloc(Category::Transient, transient);
             grad_buf::apply_clip(&mut g, clip_coef);
-            if let Some(tier) = self.tier.as_ref() {
+            let res = if let Some(tier) = self.tier.as_ref() {
                 let mut tier = tier.lock().unwrap_or_else(|p| p.into_inner());
                 let args = offload::StepArgs {
                     be,
@@ -431,28 +439,31 @@ impl RankState {
                     m: &mut shard.opt.m,
                     v: &mut shard.opt.v,
                 };
-                let res = offload::update_unit(&mut tier, u, parts, &mut self.full[u], &args);
-                self.ledger.free(Category::Transient, 4 * len as u64);
-                res?;
-                unit_done();
-                continue;
+                offload::update_unit(&mut tier, u, parts, &mut self.full[u], &args)
+            } else {
+                let mut off = 0;
+                for r in &shard.ranges {
+                    let n = r.len();
+                    // Stage 3 updates its shard; stages 0-2 update the full copy in place,
+                    // chunk by chunk. The optimizer is elementwise, so where it is cut changes
+                    // no bits.
+                    let p = if self.stage == Stage::Zero3 {
+                        &mut shard.params[off..off + n]
+                    } else {
+                        &mut self.full[u][r.clone()]
+                    };
+                    let m = sub(&mut shard.opt.m, off, n);
+                    let v = sub(&mut shard.opt.v, off, n);
+                    be.optimizer_update(&settings, p, &g[off..off + n], m, v, t, lr);
+                    off += n;
+                }
+                Ok(())
+            };
+            if kept_shard {
+                shard.grads = Some(g);
             }
-            let mut off = 0;
-            for r in &shard.ranges {
-                let n = r.len();
-                // Stage 3 updates its shard; stages 0-2 update the full copy in place, chunk by
-                // chunk. The optimizer is elementwise, so where it is cut changes no bits.
-                let p = if self.stage == Stage::Zero3 {
-                    &mut shard.params[off..off + n]
-                } else {
-                    &mut self.full[u][r.clone()]
-                };
-                let m = sub(&mut shard.opt.m, off, n);
-                let v = sub(&mut shard.opt.v, off, n);
-                be.optimizer_update(&settings, p, &g[off..off + n], m, v, t, lr);
-                off += n;
-            }
-            self.ledger.free(Category::Transient, 4 * len as u64);
+            self.ledger.free(Category::Transient, transient);
+            res?;
             unit_done();
         }
         Ok(())
