@@ -12,7 +12,7 @@ use std::process::Command;
 use crate::common;
 
 use common::ezero::{ezero, ok, refused, s, step_dir};
-use elastic_zero::checkpoint::hf::{self, files::TensorDir};
+use elastic_zero::checkpoint::hf::{self, files::TensorDir, source::TensorSource};
 use elastic_zero::checkpoint::interchange::consolidated_params;
 use elastic_zero::checkpoint::read::load_path;
 use elastic_zero::config::TrainConfig;

@@ -164,15 +164,6 @@ impl TensorDir {
         self.bytes_read.load(Ordering::Relaxed)
     }
 
-    /// Reads tensor `name` as f32 values in its stored (row-major) order.
-    pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, CheckpointError> {
-        let n = self
-            .tensors
-            .get(name)
-            .map_or(0, |t| t.shape.iter().product());
-        self.read_range(name, 0..n)
-    }
-
     /// Reads elements `range` of tensor `name` (stored row-major order) as f32: only those
     /// elements' bytes.
     pub fn read_range(&self, name: &str, range: Range<usize>) -> Result<Vec<f32>, CheckpointError> {
@@ -388,6 +379,7 @@ pub fn write_checkpoint(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::hf::source::TensorSource;
 
     #[test]
     fn f16_converts_exactly() {

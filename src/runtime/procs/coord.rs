@@ -781,21 +781,21 @@ async fn send_start(
     let chunks = start
         .chunks_for(rank, stage)
         .map_while(|c| c.map_err(|e| *unreadable.borrow_mut() = Some(e)).ok());
+    let unread = || {
+        let e = unreadable.borrow_mut().take()?;
+        Some(ProcError::Setup(format!(
+            "rank {rank}: its starting weights: {e}"
+        )))
+    };
     for (chunks, last) in parts(chunks, opts.part_max_bytes) {
-        if let Some(e) = unreadable.borrow_mut().take() {
-            return Err(ProcError::Setup(format!(
-                "rank {rank}: its starting weights: {e}"
-            )));
+        // A part cut short by a failed read is not sent.
+        if let Some(e) = unread() {
+            return Err(e);
         }
         let part = ToWorker::StatePart { chunks, last };
         write_msg(&mut j.writer, &part).await.map_err(failed)?;
     }
-    match unreadable.take() {
-        Some(e) => Err(ProcError::Setup(format!(
-            "rank {rank}: its starting weights: {e}"
-        ))),
-        None => Ok(()),
-    }
+    unread().map_or(Ok(()), Err)
 }
 
 /// The next setup message from `rank`, or why none came.
