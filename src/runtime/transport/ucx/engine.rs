@@ -488,7 +488,8 @@ fn run(
                 return;
             }
         };
-        let st = &mut *state;
+        // The callbacks reach the state through its raw pointer while progress runs, so no
+        // reference to it is held across a UCX call: each use below takes a short one.
         let mut stopping = false;
         let mut held: VecDeque<Inbound> = VecDeque::new();
         loop {
@@ -500,11 +501,11 @@ fn run(
                         address,
                         done,
                     } => {
-                        let _ = done.send(connect(st, state, &mut eps, peer, &address));
+                        let _ = done.send(connect(state, &mut eps, peer, &address));
                     }
                     Cmd::Send { peer, bytes } => match eps.get(&peer) {
-                        Some(&(ep, _)) => send(st, state, ep, cfg.id, bytes),
-                        None => st.count(|c| c.failed += 1),
+                        Some(&(ep, _)) => send(state, ep, cfg.id, bytes),
+                        None => (*state).count(|c| c.failed += 1),
                     },
                 }
             }
@@ -514,10 +515,10 @@ fn run(
             // Backpressure: while the inbox is full nothing more is taken off the wire.
             if held.len() < cfg.inbox_max {
                 while (ucp.ucp_worker_progress)(worker) != 0 {}
-                for (from, desc, len) in std::mem::take(&mut st.announced) {
-                    receive(st, state, from, desc, len);
+                for (from, desc, len) in std::mem::take(&mut (*state).announced) {
+                    receive(state, from, desc, len);
                 }
-                held.extend(st.received.drain(..));
+                held.extend((*state).received.drain(..));
             }
             while let Some(m) = held.pop_front() {
                 match inbox.try_send(m) {
@@ -550,7 +551,7 @@ fn run(
                 _ => continue,
             }
         }
-        close_all(st, &mut eps);
+        close_all(state, &mut eps);
         *waker.lock().unwrap_or_else(|p| p.into_inner()) = None;
         (ucp.ucp_worker_destroy)(worker);
         drop(Box::from_raw(state));
@@ -559,7 +560,6 @@ fn run(
 }
 
 unsafe fn connect(
-    st: &mut State,
     state: *mut State,
     eps: &mut HashMap<u32, (sys::ucp_ep_h, *mut EpArg)>,
     peer: u32,
@@ -579,9 +579,9 @@ unsafe fn connect(
     p.err_handler.arg = arg as *mut c_void;
     let mut ep: sys::ucp_ep_h = std::ptr::null_mut();
     match check(
-        st.ucp,
+        (*state).ucp,
         "ucp_ep_create",
-        (st.ucp.ucp_ep_create)(st.worker, &p, &mut ep),
+        ((*state).ucp.ucp_ep_create)((*state).worker, &p, &mut ep),
     ) {
         Ok(()) => {
             eps.insert(peer, (ep, arg));
@@ -594,7 +594,7 @@ unsafe fn connect(
     }
 }
 
-unsafe fn send(st: &mut State, state: *mut State, ep: sys::ucp_ep_h, me: u32, bytes: Vec<u8>) {
+unsafe fn send(state: *mut State, ep: sys::ucp_ep_h, me: u32, bytes: Vec<u8>) {
     let op = Box::new(SendOp {
         _header: me.to_le_bytes(),
         _bytes: bytes,
@@ -610,17 +610,18 @@ unsafe fn send(st: &mut State, state: *mut State, ep: sys::ucp_ep_h, me: u32, by
     p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send = Some(on_sent);
     p.user_data = user;
-    let req = (st.ucp.ucp_am_send_nbx)(ep, AM_ID, header, 4, data, len as sys::size_t, &p);
+    let ucp = (*state).ucp;
+    let req = (ucp.ucp_am_send_nbx)(ep, AM_ID, header, 4, data, len as sys::size_t, &p);
     if req.is_null() {
         // Completed at once: the callback will not run.
         drop(Box::from_raw(user as *mut SendOp));
     } else if ptr_status(req).is_some() {
         drop(Box::from_raw(user as *mut SendOp));
-        st.count(|c| c.failed += 1);
+        (*state).count(|c| c.failed += 1);
     }
 }
 
-unsafe fn receive(st: &mut State, state: *mut State, from: u32, desc: *mut c_void, len: usize) {
+unsafe fn receive(state: *mut State, from: u32, desc: *mut c_void, len: usize) {
     let op = Box::new(RecvOp {
         from,
         buf: vec![0u8; len],
@@ -632,16 +633,22 @@ unsafe fn receive(st: &mut State, state: *mut State, from: u32, desc: *mut c_voi
     p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.recv_am = Some(on_received);
     p.user_data = user;
-    let req = (st.ucp.ucp_am_recv_data_nbx)(st.worker, desc, buf, len as sys::size_t, &p);
+    let (ucp, worker) = ((*state).ucp, (*state).worker);
+    let req = (ucp.ucp_am_recv_data_nbx)(worker, desc, buf, len as sys::size_t, &p);
     if req.is_null() {
-        finish_recv(st, *Box::from_raw(user as *mut RecvOp), sys::UCS_OK);
+        finish_recv(
+            &mut *state,
+            *Box::from_raw(user as *mut RecvOp),
+            sys::UCS_OK,
+        );
     } else if let Some(s) = ptr_status(req) {
-        finish_recv(st, *Box::from_raw(user as *mut RecvOp), s);
+        finish_recv(&mut *state, *Box::from_raw(user as *mut RecvOp), s);
     }
 }
 
 /// Closes every endpoint, progressing until each close completes or [`CLOSE_TIMEOUT`].
-unsafe fn close_all(st: &mut State, eps: &mut HashMap<u32, (sys::ucp_ep_h, *mut EpArg)>) {
+unsafe fn close_all(state: *mut State, eps: &mut HashMap<u32, (sys::ucp_ep_h, *mut EpArg)>) {
+    let (ucp, worker) = ((*state).ucp, (*state).worker);
     let deadline = Instant::now() + CLOSE_TIMEOUT;
     let mut pending = Vec::new();
     let mut args = Vec::new();
@@ -649,18 +656,18 @@ unsafe fn close_all(st: &mut State, eps: &mut HashMap<u32, (sys::ucp_ep_h, *mut 
         let mut p: sys::ucp_request_param_t = std::mem::zeroed();
         p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
         p.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
-        let req = (st.ucp.ucp_ep_close_nbx)(ep, &p);
+        let req = (ucp.ucp_ep_close_nbx)(ep, &p);
         if !req.is_null() && ptr_status(req).is_none() {
             pending.push(req);
         }
         args.push(arg);
     }
     while !pending.is_empty() && Instant::now() < deadline {
-        (st.ucp.ucp_worker_progress)(st.worker);
+        (ucp.ucp_worker_progress)(worker);
         pending.retain(|&r| {
-            let done = (st.ucp.ucp_request_check_status)(r) != sys::UCS_INPROGRESS;
+            let done = (ucp.ucp_request_check_status)(r) != sys::UCS_INPROGRESS;
             if done {
-                (st.ucp.ucp_request_free)(r);
+                (ucp.ucp_request_free)(r);
             }
             !done
         });
