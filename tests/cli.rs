@@ -422,3 +422,16 @@ fn mfu_is_reported_for_the_gpt() {
         "{out}"
     );
 }
+
+/// A build without the `ucx` feature says how to get it.
+#[cfg(not(feature = "ucx"))]
+#[test]
+fn transport_ucx_without_the_feature_says_how_to_build_it() {
+    let out = ezero()
+        .args(["launch", "--transport", "ucx", "--nprocs", "2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("`ucx` cargo feature"), "{err}");
+}

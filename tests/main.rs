@@ -23,6 +23,8 @@ mod hf_llama;
 mod offload;
 mod procs;
 mod procs_checkpoint;
+#[cfg(feature = "ucx")]
+mod procs_ucx;
 mod quic;
 mod resume;
 mod tidy;

@@ -54,20 +54,32 @@ fn launch_with_state_on_the_tier_gives_the_in_process_digest() {
 }
 
 /// A coordinator and three workers.
-struct Job {
-    coord: Proc,
-    workers: Vec<Proc>,
+pub struct Job {
+    pub coord: Proc,
+    pub workers: Vec<Proc>,
     _secrets: tempfile::TempDir,
 }
 
 /// Fast heartbeats and no in-memory backups, training long enough that a fault lands mid-run.
-fn start_job(port_hint: &str) -> Job {
+pub fn start_job(port_hint: &str) -> Job {
+    start_job_over(port_hint, "tcp")
+}
+
+/// [`start_job`] over data plane `transport`.
+pub fn start_job_over(port_hint: &str, transport: &str) -> Job {
     let flags = flags_with("mlp", 3, 1_000_000, &["--replicate-every", "0"]);
-    let timing = ["--heartbeat-ms", "100", "--heartbeat-timeout-ms", "1000"];
+    let timing = [
+        "--heartbeat-ms",
+        "100",
+        "--heartbeat-timeout-ms",
+        "1000",
+        "--transport",
+        transport,
+    ];
     start_job_with(port_hint, &flags, &timing)
 }
 
-fn start_job_with(port_hint: &str, flags: &[String], coord_flags: &[&str]) -> Job {
+pub fn start_job_with(port_hint: &str, flags: &[String], coord_flags: &[&str]) -> Job {
     let token = format!("test-token-{port_hint}");
     let dir = secrets();
     let Coordinator { proc: coord, addr } = Coordinator::spawn(
@@ -90,7 +102,7 @@ fn start_job_with(port_hint: &str, flags: &[String], coord_flags: &[&str]) -> Jo
 impl Job {
     /// After rank 1 was hit: the coordinator and the other workers exit within the deadline,
     /// non-zero, naming rank 1.
-    fn assert_rank_1_reported(mut self, expect: &str) {
+    pub fn assert_rank_1_reported(mut self, expect: &str) {
         let deadline = Instant::now() + DEADLINE;
         let status = self.coord.wait_until(deadline);
         let err = self.coord.stderr();
@@ -428,6 +440,11 @@ fn signal(pid: u32, sig: &str) {
 /// lands inside that step. Otherwise it thaws the worker and tries again at a later step.
 #[test]
 fn kill_9_of_a_worker_inside_a_step_is_recovered_with_the_fault_free_digest() {
+    kill_9_inside_a_step_is_recovered("tcp");
+}
+
+/// The test above over data plane `transport`; `GET /status` names it for every pair.
+pub fn kill_9_inside_a_step_is_recovered(transport: &str) {
     let flags = flags_with("mlp", 3, 300, &["--replicate-every", "1"]);
     let reference = reference_digest(3, &flags);
     // A long heartbeat timeout: a frozen worker must not be declared failed while it is frozen.
@@ -438,12 +455,19 @@ fn kill_9_of_a_worker_inside_a_step_is_recovered_with_the_fault_free_digest() {
         "60000",
         "--control",
         "127.0.0.1:0",
+        "--transport",
+        transport,
     ];
-    let mut job = start_job_with("chaos", &flags, &timing);
+    let mut job = start_job_with(&format!("chaos-{transport}"), &flags, &timing);
     let addr = control_addr(&job.coord.wait_for_line("control endpoint: "));
-    poll(&addr, "three completed steps", |s| {
+    let s = poll(&addr, "three completed steps", |s| {
         s["telemetry"]["steps_completed"].as_u64() >= Some(3)
     });
+    let pairs = s["data_planes"]
+        .as_array()
+        .expect("data_planes in process mode");
+    assert_eq!(pairs.len(), 3, "{s}");
+    assert!(pairs.iter().all(|p| p["plane"] == transport), "{s}");
     let pid = job.workers[1].id();
     let waits_for_1 = |s: &serde_json::Value| {
         s["activity"]["phase"] == "running"

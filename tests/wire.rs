@@ -6,7 +6,8 @@ use proptest::prelude::*;
 
 use elastic_zero::runtime::transport::{Frame, Tag, TagKind};
 use elastic_zero::wire::{
-    decode, encode_to_vec, Lane, StreamDecoder, WireError, WireMsg, WireStats, WIRE_VERSION,
+    decode, decode_owned, encode_to_vec, Lane, StreamDecoder, WireError, WireMsg, WireStats,
+    WIRE_VERSION,
 };
 
 const MAX: u32 = 1 << 16;
@@ -103,6 +104,9 @@ proptest! {
             let (back, used) = decode(&bytes, MAX).unwrap();
             prop_assert_eq!(used, bytes.len());
             prop_assert!(same(m, &back));
+            let (owned, used) = decode_owned(Bytes::from(bytes.clone()), MAX).unwrap();
+            prop_assert_eq!(used, bytes.len());
+            prop_assert!(same(m, &owned));
             all.extend_from_slice(&bytes);
         }
         let got = stream(&all, &cuts).unwrap();
@@ -133,6 +137,7 @@ proptest! {
         let i = at.index(bytes.len());
         bytes[i] ^= x;
         prop_assert!(decode(&bytes, MAX).is_err());
+        prop_assert!(decode_owned(Bytes::from(bytes.clone()), MAX).is_err());
         prop_assert!(stream(&bytes, &[]).is_err());
         prop_assert!(stream(&bytes, &cuts).is_err());
     }

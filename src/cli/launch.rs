@@ -37,8 +37,9 @@ pub struct LaunchArgs {
     /// SIGKILL halfway through the next step; for tests and demos).
     #[arg(long, requires = "control")]
     pub control_allow_kill: bool,
-    /// Data plane between workers: tcp or quic [default: tcp]. Every connection of the launch
-    /// (data plane and control) is mutual TLS with a CA made for this launch.
+    /// Data plane between workers [default: tcp]: tcp, quic, or ucx (shared memory between
+    /// the workers, which a launch runs on this machine). Every connection of the launch
+    /// (control, TCP and QUIC data) is mutual TLS with a CA made for this launch.
     #[arg(long, value_parser = parse_data_plane)]
     pub transport: Option<DataPlane>,
     /// Use this secrets directory (an operator's CA) instead of a fresh CA made for this launch.
@@ -95,6 +96,7 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
     let procs = a.procs.resolve()?;
     let token = new_token();
     let transport = a.transport.unwrap_or(DataPlane::Tcp);
+    super::procs::check_data_plane(transport)?;
     let secrets = match &a.secrets {
         Some(dir) => Secrets {
             dir: dir.clone(),
@@ -114,14 +116,7 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
                 .flat_map(|c| ["--control".to_string(), c.to_string()]),
         )
         .args(a.control_allow_kill.then_some("--control-allow-kill"))
-        .args([
-            "--transport",
-            if transport == DataPlane::Quic {
-                "quic"
-            } else {
-                "tcp"
-            },
-        ])
+        .args(["--transport", transport.name()])
         .args(a.procs.to_flags())
         .arg("--secrets")
         .arg(&secrets.dir)

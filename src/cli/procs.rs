@@ -94,8 +94,9 @@ pub struct CoordinatorArgs {
     /// every worker connection is mutual TLS against that CA. Required.
     #[arg(long, env = "EZERO_SECRETS_DIR", value_name = "DIR")]
     pub secrets: Option<PathBuf>,
-    /// Data plane between workers: tcp or quic, both mutual TLS against the cluster CA
-    /// [default: tcp].
+    /// Data plane between workers [default: tcp]: tcp or quic, both mutual TLS against the
+    /// cluster CA, or ucx: shared memory between the workers confirmed to run on one host as
+    /// one user, TLS TCP between the others.
     #[arg(long, value_parser = parse_data_plane)]
     pub transport: Option<DataPlane>,
     /// File holding the cluster token workers must present (or set EZERO_CLUSTER_TOKEN).
@@ -202,8 +203,22 @@ pub fn parse_data_plane(s: &str) -> Result<DataPlane, String> {
     match s {
         "quic" => Ok(DataPlane::Quic),
         "tcp" => Ok(DataPlane::Tcp),
-        _ => Err(format!("unknown transport `{s}`: use quic or tcp")),
+        "ucx" if cfg!(feature = "ucx") => Ok(DataPlane::Ucx),
+        "ucx" => Err(elastic_zero::runtime::transport::NO_UCX_BUILD.into()),
+        _ => Err(format!("unknown transport `{s}`: use tcp, quic or ucx")),
     }
+}
+
+/// Under `--transport ucx`, that libucx can be loaded here (exit 2 with what to install before
+/// any process starts; the workers of a launch run on this machine).
+pub fn check_data_plane(plane: DataPlane) -> Result<(), CliError> {
+    #[cfg(feature = "ucx")]
+    if plane == DataPlane::Ucx {
+        elastic_zero::runtime::transport::ucx::library()
+            .map_err(|e| CliError::Usage(format!("--transport ucx: {e}")))?;
+    }
+    let _ = plane;
+    Ok(())
 }
 
 pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
@@ -224,6 +239,8 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let part_max_bytes = args.state_part_max_bytes.unwrap_or(STATE_PART_MAX_BYTES);
     check_parts(&cfg, part_max_bytes).map_err(|e| CliError::Usage(e.to_string()))?;
     let procs = args.procs.resolve()?;
+    let data_plane = args.transport.unwrap_or(DataPlane::Tcp);
+    check_data_plane(data_plane)?;
     let token = token(args.token_file.as_ref())?;
     let tls = cluster_tls(args.secrets.as_ref(), "coordinator")?;
     let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
@@ -260,7 +277,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         token,
         tls,
         procs,
-        data_plane: args.transport.unwrap_or(DataPlane::Tcp),
+        data_plane,
         control: args.train.control,
         allow_kill: args.train.control_allow_kill,
         start,
@@ -472,7 +489,11 @@ fn worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
     // A standby never taken by a join has no rank.
     let who =
         |rank: Option<u32>| rank.map_or_else(|| "standby".to_string(), |r| format!("rank {r}"));
-    match runtime()?.block_on(run_worker(opts, on_welcome)) {
+    let outcome = runtime()?.block_on(run_worker(opts, on_welcome));
+    if let Some(plane) = outcome.as_ref().ok().and_then(|o| o.data_plane.as_ref()) {
+        println!("ezero worker: data plane: {plane}");
+    }
+    match outcome {
         Ok(out) if out.ok => {
             println!("ezero worker: {}: {}", who(out.rank), out.reason);
             Ok(())

@@ -219,6 +219,22 @@ pub(super) fn decode_body(h: usize, rest: Bytes, got: u32) -> Result<WireMsg, Wi
 
 /// Decodes the frame at the start of `buf`; returns it and the bytes it used.
 pub fn decode(buf: &[u8], max_frame_bytes: u32) -> Result<(WireMsg, usize), WireError> {
+    decode_with(buf, max_frame_bytes, |body| {
+        Bytes::copy_from_slice(&buf[body])
+    })
+}
+
+/// [`decode`] of a buffer the caller gives up: the payload is a slice of it, not a copy (a
+/// frame received whole, as one UCX message).
+pub fn decode_owned(buf: Bytes, max_frame_bytes: u32) -> Result<(WireMsg, usize), WireError> {
+    decode_with(&buf, max_frame_bytes, |body| buf.slice(body))
+}
+
+fn decode_with(
+    buf: &[u8],
+    max_frame_bytes: u32,
+    body_of: impl FnOnce(std::ops::Range<usize>) -> Bytes,
+) -> Result<(WireMsg, usize), WireError> {
     if buf.len() < PREFIX_BYTES {
         return Err(WireError::Truncated {
             have: buf.len(),
@@ -235,6 +251,6 @@ pub fn decode(buf: &[u8], max_frame_bytes: u32) -> Result<(WireMsg, usize), Wire
         });
     }
     let got = checksum(&prefix, &buf[PREFIX_BYTES..total - CHECKSUM_BYTES]);
-    let rest = Bytes::copy_from_slice(&buf[PREFIX_BYTES..total]);
+    let rest = body_of(PREFIX_BYTES..total);
     Ok((decode_body(h, rest, got)?, total))
 }

@@ -15,7 +15,9 @@ use ractor::rpc::CallResult;
 use ractor::{ActorRef, RpcReplyPort};
 use tokio::sync::broadcast;
 
-use super::status::{ChangeRecord, MapTracker, RunState, StateLayout, Status, Telemetry};
+use super::status::{
+    ChangeRecord, MapTracker, PlanePair, RunState, StateLayout, Status, Telemetry,
+};
 use crate::config::TrainConfig;
 use crate::engine::coordinator::{Change, Refusal};
 use crate::job::optim_settings;
@@ -95,6 +97,12 @@ pub trait Standbys: Send + Sync {
     fn connected(&self) -> usize;
 }
 
+/// Which data plane each pair of worker processes uses (process mode).
+pub trait DataPlanes: Send + Sync {
+    /// Every pair of `members` with the plane it uses.
+    fn pairs(&self, members: &[RankId]) -> Vec<PlanePair>;
+}
+
 /// What the pump and every handle share.
 struct Shared {
     telemetry: Mutex<Telemetry>,
@@ -144,8 +152,16 @@ pub struct ControlHandle {
     layout: StateLayout,
     allow_kill: bool,
     snapshots: bool,
-    /// Where joins find their worker processes (process mode only).
-    standbys: Option<Arc<dyn Standbys>>,
+    /// Process mode only.
+    workers: Option<Workers>,
+}
+
+/// What a handle on a process coordinator reaches besides the actor.
+#[derive(Clone)]
+pub struct Workers {
+    /// Where joins find their worker processes.
+    pub standbys: Arc<dyn Standbys>,
+    pub planes: Arc<dyn DataPlanes>,
 }
 
 /// Feeds a handle's counters from the run's events: the in-process pump and the process
@@ -214,7 +230,7 @@ impl ControlHandle {
 
     /// A handle on a process coordinator's actor (see `procs::coord`), and the monitor that
     /// the coordinator feeds with the run's events. `map` is the initial shard map; joins take
-    /// their workers from `standbys`.
+    /// their workers from `workers.standbys`.
     /// `snapshots`: the coordinator's observer keeps snapshots, so `request_snapshot` is
     /// accepted; the process coordinator hands the one it asks for to
     /// `Observer::on_requested_snapshot` (`Monitor::requested_snapshot`).
@@ -224,12 +240,12 @@ impl ControlHandle {
         config: &TrainConfig,
         allow_kill: bool,
         snapshots: bool,
-        standbys: Arc<dyn Standbys>,
+        workers: Workers,
     ) -> (ControlHandle, Monitor) {
         let layout = layout_of(config);
         let coordinator = CoordRef::Procs(coordinator);
-        let standbys = Some(standbys);
-        Self::with_monitor(coordinator, map, layout, allow_kill, snapshots, standbys)
+        let workers = Some(workers);
+        Self::with_monitor(coordinator, map, layout, allow_kill, snapshots, workers)
     }
 
     /// A handle on an in-process coordinator actor, and the monitor its pump feeds.
@@ -250,7 +266,7 @@ impl ControlHandle {
         layout: StateLayout,
         allow_kill: bool,
         snapshots: bool,
-        standbys: Option<Arc<dyn Standbys>>,
+        workers: Option<Workers>,
     ) -> (ControlHandle, Monitor) {
         let shared = new_shared();
         let handle = ControlHandle {
@@ -259,7 +275,7 @@ impl ControlHandle {
             layout,
             allow_kill,
             snapshots,
-            standbys,
+            workers,
         };
         let monitor = Monitor {
             shared,
@@ -283,7 +299,7 @@ impl ControlHandle {
                 "join count must be at least 1".into(),
             ));
         }
-        let Some(standbys) = &self.standbys else {
+        let Some(standbys) = self.workers.as_ref().map(|w| &w.standbys) else {
             return self.request(Change::Join(count)).await;
         };
         standbys.reserve(count).map_err(ControlError::NoStandby)?;
@@ -332,7 +348,10 @@ impl ControlHandle {
             None => ask!(self, p => CoordMsg::View(p))?,
         };
         let mut status = Status::build(&view, &self.shared.telemetry(), self.layout);
-        status.standbys = self.standbys.as_ref().map(|s| s.connected());
+        if let Some(w) = &self.workers {
+            status.standbys = Some(w.standbys.connected());
+            status.data_planes = Some(w.planes.pairs(&view.map.members));
+        }
         Ok(status)
     }
 

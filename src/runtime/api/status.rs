@@ -257,6 +257,17 @@ pub struct Status {
     /// in-process).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub standbys: Option<usize>,
+    /// With worker processes: the data plane each pair of members uses (`ucx`, `tcp` or
+    /// `quic`; absent in-process).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data_planes: Option<Vec<PlanePair>>,
+}
+
+/// The data plane between two members.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PlanePair {
+    pub ranks: [RankId; 2],
+    pub plane: String,
 }
 
 /// The counters of `Telemetry` without the history (which `Status` lists once).
@@ -328,6 +339,7 @@ impl Status {
             },
             membership: t.history.iter().cloned().collect(),
             standbys: None,
+            data_planes: None,
         }
     }
 

@@ -18,7 +18,7 @@ use crate::runtime::step::rank_state::ChunkState;
 use crate::runtime::transport::Transport;
 
 /// Version of the control protocol; a peer speaking another is refused.
-pub const CONTROL_VERSION: u8 = 3;
+pub const CONTROL_VERSION: u8 = 4;
 /// Largest control frame after the handshake (chunk states for consolidation travel here).
 pub const CONTROL_FRAME_MAX_BYTES: u32 = 1 << 30;
 /// Largest frame accepted before a peer has authenticated.
@@ -155,6 +155,9 @@ pub enum ToCoord {
     /// worker there.
     Bound {
         data_addr: String,
+        /// Under `DataPlane::Ucx`: the worker's UCX address and where it runs, for the
+        /// coordinator to pick UCX for the peers on its host.
+        ucx: Option<UcxBound>,
     },
     /// Connected to every peer, state built, the rank actor running: it can take steps.
     Ready,
@@ -212,7 +215,7 @@ pub enum ToWorker {
     },
     /// Every member's data-plane address, once all are bound.
     Peers {
-        peers: Vec<(RankId, String)>,
+        peers: Vec<DataPeer>,
     },
     /// The hello was refused (bad token, too many standbys); the connection closes next.
     Refused {
@@ -225,10 +228,7 @@ pub enum ToWorker {
         heartbeat_timeout_ms: u64,
     },
     /// A rank joined the running job: the data plane can reach it here.
-    AddPeer {
-        rank: RankId,
-        data_addr: String,
-    },
+    AddPeer(DataPeer),
     Command(RankCommand),
     Collect {
         id: u64,
@@ -268,7 +268,7 @@ impl ToWorker {
             ToWorker::Heartbeat => "a heartbeat",
             ToWorker::Stop { .. } => "a stop",
             ToWorker::Standby { .. } => "a standby notice",
-            ToWorker::AddPeer { .. } => "a new peer",
+            ToWorker::AddPeer(_) => "a new peer",
         }
     }
 }
@@ -295,10 +295,44 @@ pub struct Welcome {
 /// Which transport ranks use between themselves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum DataPlane {
-    /// Plain TCP, peers authenticated by the cluster token (no encryption).
+    /// TCP with mutual TLS against the cluster CA.
     Tcp,
     /// QUIC with mutual TLS against the cluster CA.
     Quic,
+    /// UCX shared memory between the workers the coordinator confirmed to share a host and
+    /// user; TCP with mutual TLS between the others (`procs::planes`).
+    Ucx,
+}
+
+impl DataPlane {
+    pub fn name(self) -> &'static str {
+        match self {
+            DataPlane::Tcp => "tcp",
+            DataPlane::Quic => "quic",
+            DataPlane::Ucx => "ucx",
+        }
+    }
+}
+
+/// A worker's UCX side, as it reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UcxBound {
+    /// `ucp_worker_get_address`: only ever sent over this authenticated connection.
+    pub address: Vec<u8>,
+    /// The host and its namespaces (`planes::host_identity`).
+    pub host: String,
+    /// The worker's effective user id.
+    pub uid: u32,
+}
+
+/// A peer's data-plane address as the coordinator sends it to one worker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataPeer {
+    pub rank: RankId,
+    /// The TCP or QUIC address.
+    pub data_addr: String,
+    /// Set when this pair uses UCX: the peer's worker address.
+    pub ucx: Option<Vec<u8>>,
 }
 
 /// The rank-bound commands of `RankMsg`, without reply ports or local handles.

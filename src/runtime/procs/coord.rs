@@ -17,7 +17,7 @@
 //! control connection, it ends its own process with SIGKILL halfway through the next step.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -37,6 +37,7 @@ pub use super::error::ProcError;
 use super::heartbeat::ProcsConfig;
 use super::join::Joining;
 use super::link::{write_loop, ControlReader, ControlWriter, Links, Tasks, LINK_QUEUE_MAX};
+use super::planes::{Endpoint, Endpoints};
 use super::proxy::lock;
 use super::standby::Lobby;
 use super::state::{check_parts, parts, StartState};
@@ -49,7 +50,7 @@ use crate::runtime::actors::{
     BoundarySnapshot, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank,
 };
 use crate::runtime::api::cluster::{consolidate, job_spec, Observer, TrainOutcome};
-use crate::runtime::api::control::{ControlHandle, Monitor};
+use crate::runtime::api::control::{ControlHandle, DataPlanes, Monitor, Workers};
 use crate::runtime::api::http::{self, HttpLimits};
 use crate::runtime::clock::{Clock, SystemClock};
 use crate::runtime::step::snapshot::SnapshotSink;
@@ -236,7 +237,10 @@ pub async fn run_coordinator(
         &cfg,
         opts.allow_kill,
         opts.on_demand_snapshots,
-        lobby,
+        Workers {
+            standbys: lobby,
+            planes: Arc::clone(&run.endpoints) as Arc<dyn DataPlanes>,
+        },
     );
     let _ = ready.send(());
     let server = match held {
@@ -456,6 +460,7 @@ struct Run {
     writers: Tasks,
     tasks: Tasks,
     lobby: Arc<Lobby>,
+    endpoints: Arc<Endpoints>,
     /// `CoordinatorOptions::state_on_tier`.
     state_on_tier: bool,
 }
@@ -477,6 +482,8 @@ impl Run {
         let links: Links = Arc::default();
         let mut writers = Vec::new();
         let mut readers = Vec::new();
+        let control_ips: BTreeMap<RankId, IpAddr> =
+            joined.iter().map(|j| (j.rank, j.peer.ip())).collect();
         let wait = deadline.max(Instant::now() + Duration::from_millis(procs.join_timeout_ms));
         for mut j in joined {
             let welcome = Welcome {
@@ -503,11 +510,15 @@ impl Run {
             lock(&links).insert(j.rank, tx);
             readers.push((j.rank, j.reader));
         }
-        let mut peers = Vec::new();
+        let endpoints = Arc::new(Endpoints::new(data_plane));
         for (rank, reader) in &mut readers {
             match expect(*rank, reader, wait, "bound").await? {
-                ToCoord::Bound { data_addr } if data_addr.parse::<SocketAddr>().is_ok() => {
-                    peers.push((*rank, data_addr))
+                ToCoord::Bound { data_addr, ucx } if data_addr.parse::<SocketAddr>().is_ok() => {
+                    let control_ip = control_ips[rank];
+                    endpoints.insert(
+                        *rank,
+                        Endpoint::reported(data_plane, data_addr, ucx, control_ip),
+                    );
                 }
                 other => {
                     return Err(ProcError::Setup(format!(
@@ -517,12 +528,12 @@ impl Run {
                 }
             }
         }
-        for l in lock(&links).values() {
+        let ranks: Vec<RankId> = readers.iter().map(|(r, _)| *r).collect();
+        for (&r, l) in lock(&links).iter() {
             let _ = l.try_send(Some(ToWorker::Peers {
-                peers: peers.clone(),
+                peers: endpoints.peers_for(r, ranks.iter().copied()),
             }));
         }
-        let data_addrs = Arc::new(Mutex::new(peers.into_iter().collect()));
         for (rank, reader) in &mut readers {
             match expect(*rank, reader, wait, "ready").await? {
                 ToCoord::Ready => {}
@@ -613,7 +624,7 @@ impl Run {
             part_max_bytes: opts.part_max_bytes as u64,
             lobby: Arc::clone(&lobby),
             links: Arc::clone(&links),
-            data_addrs,
+            endpoints: Arc::clone(&endpoints),
             coordinator: coordinator.clone(),
             clock,
             tasks: Arc::clone(&tasks),
@@ -632,6 +643,7 @@ impl Run {
             writers,
             tasks,
             lobby,
+            endpoints,
             state_on_tier: opts.state_on_tier,
         })
     }

@@ -4,7 +4,6 @@
 //! member's, wait until it is connected and ready, then start its proxy and report
 //! `CoordMsg::Joined`. Any failure is reported as the rank failing to start, with the reason.
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +16,7 @@ use super::conn::{start_proxy, Inbox};
 use super::control_plane::{DataPlane, ToCoord, ToWorker, Welcome};
 use super::heartbeat::ProcsConfig;
 use super::link::{Links, Tasks};
+use super::planes::{Endpoint, Endpoints};
 use super::proxy::lock;
 use super::standby::{self, Lobby, Standby};
 use crate::plan::RankId;
@@ -34,8 +34,8 @@ pub(super) struct Joining {
     pub part_max_bytes: u64,
     pub lobby: Arc<Lobby>,
     pub links: Links,
-    /// Every worker's data-plane address, by rank.
-    pub data_addrs: Arc<std::sync::Mutex<BTreeMap<RankId, String>>>,
+    /// Every worker's data-plane endpoint, by rank.
+    pub endpoints: Arc<Endpoints>,
     pub coordinator: ActorRef<CoordMsg<Detached>>,
     pub clock: Arc<dyn Clock>,
     pub tasks: Tasks,
@@ -80,7 +80,7 @@ impl Joining {
         };
         let peer = standby.peer;
         match self.bring_up(rank, &mut standby).await {
-            Ok(data_addr) => {
+            Ok(()) => {
                 tracing::info!("rank {rank} joined from {peer}");
                 let Standby {
                     link,
@@ -90,7 +90,6 @@ impl Joining {
                 } = standby;
                 lock(&self.writers).push(writer);
                 lock(&self.links).insert(rank, link.clone());
-                lock(&self.data_addrs).insert(rank, data_addr);
                 lock(&self.joined).push(rank);
                 start_proxy(
                     rank,
@@ -111,8 +110,8 @@ impl Joining {
         }
     }
 
-    /// Welcome, data addresses both ways, ready; returns the joiner's data address.
-    async fn bring_up(&self, rank: RankId, s: &mut Standby) -> Result<String, String> {
+    /// Welcome, data addresses both ways, ready; the joiner's endpoint is recorded.
+    async fn bring_up(&self, rank: RankId, s: &mut Standby) -> Result<(), String> {
         let view = self
             .coordinator
             .call(CoordMsg::View, Some(Duration::from_secs(5)))
@@ -135,32 +134,29 @@ impl Joining {
         };
         send(s, ToWorker::Welcome(Box::new(welcome)))?;
         let deadline = Instant::now() + Duration::from_millis(self.procs.join_timeout_ms);
-        let data_addr = match expect(&mut s.inbox, deadline, "bound").await? {
-            ToCoord::Bound { data_addr } if data_addr.parse::<SocketAddr>().is_ok() => data_addr,
+        match expect(&mut s.inbox, deadline, "bound").await? {
+            ToCoord::Bound { data_addr, ucx } if data_addr.parse::<SocketAddr>().is_ok() => {
+                let e = Endpoint::reported(self.data_plane, data_addr, ucx, s.peer.ip());
+                self.endpoints.insert(rank, e);
+            }
             other => return Err(format!("sent {} instead of its data address", other.kind())),
         };
-        let mut peers: Vec<(RankId, String)> = {
-            let addrs = lock(&self.data_addrs);
-            ranks
-                .iter()
-                .filter_map(|r| addrs.get(r).map(|a| (*r, a.clone())))
-                .collect()
-        };
+        let peers = self.endpoints.peers_for(rank, ranks.iter().copied());
         {
             let links = lock(&self.links);
-            for (r, _) in &peers {
-                if let Some(l) = links.get(r) {
-                    let _ = l.try_send(Some(ToWorker::AddPeer {
-                        rank,
-                        data_addr: data_addr.clone(),
-                    }));
+            for p in &peers {
+                if let Some(l) = links.get(&p.rank) {
+                    for me in self.endpoints.peers_for(p.rank, [rank]) {
+                        let _ = l.try_send(Some(ToWorker::AddPeer(me)));
+                    }
                 }
             }
         }
-        peers.push((rank, data_addr.clone()));
+        let mut peers = peers;
+        peers.extend(self.endpoints.peers_for(rank, [rank]));
         send(s, ToWorker::Peers { peers })?;
         match expect(&mut s.inbox, deadline, "ready").await? {
-            ToCoord::Ready => Ok(data_addr),
+            ToCoord::Ready => Ok(()),
             other => Err(format!("sent {} instead of ready", other.kind())),
         }
     }

@@ -12,6 +12,7 @@ pub mod error;
 pub mod heartbeat;
 mod join;
 mod link;
+pub mod planes;
 pub mod proxy;
 mod standby;
 pub mod state;

@@ -25,11 +25,14 @@ use tokio::time::Instant;
 use tokio_rustls::TlsConnector;
 
 use super::control_plane::{
-    read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, CONTROL_FRAME_MAX_BYTES,
+    read_msg, write_msg, DataPeer, DataPlane, ToCoord, ToWorker, UcxBound, Welcome,
+    CONTROL_FRAME_MAX_BYTES,
 };
 use super::error::ProcError;
 use super::heartbeat::{Liveness, ProcsConfig};
 use super::link::LINK_QUEUE_MAX;
+#[cfg(feature = "ucx")]
+use super::planes::{host_identity, user_id};
 use super::proxy::{CoordProxy, CoordProxyArgs, WorkerEnd};
 use super::state::{parts, STATE_PART_LIMIT_BYTES};
 use crate::config::TrainConfig;
@@ -48,8 +51,17 @@ use crate::runtime::step::progress::RunProgress;
 use crate::runtime::step::rank_state::{ChunkState, RankState};
 use crate::runtime::storage::TierSpec;
 use crate::runtime::transport::quic::{QuicConfig, QuicTransport};
-use crate::runtime::transport::tcp::TcpListenerHandle;
+#[cfg(feature = "ucx")]
+use crate::runtime::transport::tcp::DATA_FRAME_MAX_BYTES;
+use crate::runtime::transport::tcp::{TcpListenerHandle, TcpTransport};
+#[cfg(feature = "ucx")]
+use crate::runtime::transport::ucx::{
+    engine::{Engine, EngineConfig},
+    mixed::MixedTransport,
+};
 use crate::runtime::transport::Transport;
+#[cfg(not(feature = "ucx"))]
+use crate::runtime::transport::NO_UCX_BUILD;
 
 /// The control connection to the coordinator, after the TLS handshake.
 type ControlStream = tokio_rustls::client::TlsStream<TcpStream>;
@@ -81,6 +93,8 @@ pub struct WorkerOutcome {
     /// The coordinator's stop was a success (job finished or this rank left).
     pub ok: bool,
     pub reason: String,
+    /// Under `--transport ucx`: which peers went over UCX and what arrived that way.
+    pub data_plane: Option<String>,
 }
 
 /// Joins, runs the rank, returns when the job ends for this worker. `on_welcome` hears the rank
@@ -160,6 +174,7 @@ async fn await_welcome(
                     rank: None,
                     ok,
                     reason,
+                    data_plane: None,
                 }))
             }
             Ok(ToWorker::Refused { reason }) => {
@@ -198,32 +213,67 @@ async fn run_rank(
     };
     match welcome.data_plane {
         DataPlane::Tcp => {
-            let data = TcpListenerHandle::bind(&opts.data_listen, &opts.token, &opts.tls).map_err(
-                |e| {
-                    ProcError::Setup(format!(
-                        "cannot listen for peers on {}: {e}",
-                        opts.data_listen
-                    ))
-                },
-            )?;
-            let peers = exchange(data.local_addr(), link, &mut reader, join_ms, opts).await?;
-            // A write that cannot move a byte for a collective timeout (a frozen or blackholed
-            // peer whose window is full) fails like a lost peer, rather than block the rank.
-            let stall = Duration::from_millis(cfg.collective_timeout_ms);
-            let transport = data
-                .into_transport(welcome.rank, peers.into_iter().collect())
-                .with_send_stall_timeout(stall);
+            let data = bind_tcp(opts)?;
+            let peers = exchange(data.local_addr(), None, link, &mut reader, join_ms, opts).await?;
+            let transport = tcp_transport(data, &welcome, &cfg, &peers);
             let interrupter = transport.interrupter();
             let book = transport.peer_book();
             let hooks = Hooks {
                 interrupt: Box::new(move |e, s| interrupter.interrupt(e, s)),
-                add_peer: Box::new(move |r, a| book.add(r, a)),
+                add_peer: Box::new(move |p| book.add(p.rank, p.addr)),
             };
             serve(welcome, cfg, start, transport, hooks, link, reader).await
         }
+        #[cfg(feature = "ucx")]
+        DataPlane::Ucx => {
+            let data = bind_tcp(opts)?;
+            let engine = start_ucx(welcome.rank)?;
+            let ucx = UcxBound {
+                address: engine.address().to_vec(),
+                host: host_identity(),
+                uid: user_id(),
+            };
+            let bound = data.local_addr();
+            let peers = exchange(bound, Some(ucx), link, &mut reader, join_ms, opts).await?;
+            let tcp = tcp_transport(data, &welcome, &cfg, &peers);
+            let (interrupter, book) = (tcp.interrupter(), tcp.peer_book());
+            let transport = MixedTransport::new(tcp, engine, DATA_FRAME_MAX_BYTES)
+                .map_err(|e| ProcError::Setup(format!("rank {}: {e}", welcome.rank)))?;
+            let routes = transport.routes();
+            for p in peers.into_iter().filter(|p| p.rank != welcome.rank) {
+                if let Some(address) = p.ucx {
+                    routes.add(p.rank, address).map_err(|e| {
+                        ProcError::Setup(format!(
+                            "rank {}: UCX to rank {}: {e}",
+                            welcome.rank, p.rank
+                        ))
+                    })?;
+                }
+            }
+            let report = routes.clone();
+            let hooks = Hooks {
+                interrupt: Box::new(move |e, s| interrupter.interrupt(e, s)),
+                add_peer: Box::new(move |p| {
+                    book.add(p.rank, p.addr);
+                    if let Some(address) = p.ucx {
+                        // The pair falls back to nothing: the joiner's collectives time out
+                        // and the coordinator drops it from its change.
+                        if let Err(e) = routes.add(p.rank, address) {
+                            tracing::warn!("UCX to joining rank {}: {e}", p.rank);
+                        }
+                    }
+                }),
+            };
+            let mut outcome = serve(welcome, cfg, start, transport, hooks, link, reader).await?;
+            outcome.data_plane = Some(report.describe());
+            Ok(outcome)
+        }
+        #[cfg(not(feature = "ucx"))]
+        DataPlane::Ucx => Err(ProcError::Setup(NO_UCX_BUILD.into())),
         DataPlane::Quic => {
             let q = bind_quic(&welcome, opts)?;
-            let peers = exchange(q.local_addr(), link, &mut reader, join_ms, opts).await?;
+            let peers = exchange(q.local_addr(), None, link, &mut reader, join_ms, opts).await?;
+            let peers: Vec<(RankId, SocketAddr)> = peers.iter().map(|p| (p.rank, p.addr)).collect();
             q.add_peers(&peers);
             let ranks: Vec<RankId> = peers.iter().map(|(r, _)| *r).collect();
             // A dialled peer learns who we are from our first stream: open it now, so that
@@ -246,8 +296,9 @@ async fn run_rank(
             let hooks = Hooks {
                 interrupt: Box::new(move |e, s| control.interrupt(e, s)),
                 // The lower rank dials; the joiner learns who we are from our first stream.
-                add_peer: Box::new(move |r, a| {
-                    joins.add_peers(&[(r, a)]);
+                add_peer: Box::new(move |p| {
+                    let r = p.rank;
+                    joins.add_peers(&[(r, p.addr)]);
                     if r > me {
                         let _ = joins.send_control(r, bytes::Bytes::from_static(b"hello"));
                     }
@@ -302,16 +353,27 @@ async fn receive_start(
     }
 }
 
-/// Reports this worker's data address and waits for everyone's.
+/// A peer's data-plane address as this worker uses it.
+struct Peer {
+    rank: RankId,
+    addr: SocketAddr,
+    /// Its UCX worker address, when the coordinator picked UCX for this pair.
+    #[cfg_attr(not(feature = "ucx"), allow(dead_code))]
+    ucx: Option<Vec<u8>>,
+}
+
+/// Reports this worker's data address (and UCX side) and waits for everyone's.
 async fn exchange(
     bound: SocketAddr,
+    ucx: Option<UcxBound>,
     link: &mpsc::Sender<Option<ToCoord>>,
     reader: &mut ControlReader,
     join_ms: u64,
     opts: &WorkerOptions,
-) -> Result<Vec<(RankId, SocketAddr)>, ProcError> {
+) -> Result<Vec<Peer>, ProcError> {
     let bound_msg = ToCoord::Bound {
         data_addr: opts.data_advertise.unwrap_or(bound).to_string(),
+        ucx,
     };
     let _ = link.send(Some(bound_msg)).await;
     let ToWorker::Peers { peers } = next(reader, join_ms, &opts.join).await? else {
@@ -319,14 +381,59 @@ async fn exchange(
             "the coordinator did not send the peer list".into(),
         ));
     };
-    peers
-        .into_iter()
-        .map(|(r, a)| {
-            a.parse::<SocketAddr>()
-                .map(|a| (r, a))
-                .map_err(|_| ProcError::Setup(format!("rank {r}'s data address `{a}` is invalid")))
-        })
-        .collect()
+    peers.into_iter().map(peer).collect()
+}
+
+fn peer(p: DataPeer) -> Result<Peer, ProcError> {
+    let addr = p.data_addr.parse::<SocketAddr>().map_err(|_| {
+        ProcError::Setup(format!(
+            "rank {}'s data address `{}` is invalid",
+            p.rank, p.data_addr
+        ))
+    })?;
+    Ok(Peer {
+        rank: p.rank,
+        addr,
+        ucx: p.ucx,
+    })
+}
+
+fn bind_tcp(opts: &WorkerOptions) -> Result<TcpListenerHandle, ProcError> {
+    TcpListenerHandle::bind(&opts.data_listen, &opts.token, &opts.tls).map_err(|e| {
+        ProcError::Setup(format!(
+            "cannot listen for peers on {}: {e}",
+            opts.data_listen
+        ))
+    })
+}
+
+/// The TCP plane to `peers`.
+fn tcp_transport(
+    data: TcpListenerHandle,
+    welcome: &Welcome,
+    cfg: &TrainConfig,
+    peers: &[Peer],
+) -> TcpTransport {
+    // A write that cannot move a byte for a collective timeout (a frozen or blackholed peer
+    // whose window is full) fails like a lost peer, rather than block the rank.
+    let stall = Duration::from_millis(cfg.collective_timeout_ms);
+    data.into_transport(
+        welcome.rank,
+        peers.iter().map(|p| (p.rank, p.addr)).collect(),
+    )
+    .with_send_stall_timeout(stall)
+}
+
+/// This rank's UCX engine: shared memory only, frames up to the TCP plane's limit.
+#[cfg(feature = "ucx")]
+fn start_ucx(rank: RankId) -> Result<Arc<Engine>, ProcError> {
+    let cfg = EngineConfig {
+        max_message_bytes: DATA_FRAME_MAX_BYTES as usize + (1 << 10),
+        ..EngineConfig::shared_memory(rank)
+    };
+    Engine::start(cfg)
+        .map(Arc::new)
+        .map_err(|e| ProcError::Setup(format!("rank {rank}: {e}")))
 }
 
 fn bind_quic(welcome: &Welcome, opts: &WorkerOptions) -> Result<QuicTransport, ProcError> {
@@ -554,9 +661,9 @@ fn execute<T: Transport>(
             });
         }
         ToWorker::Interrupt { epoch, step } => (hooks.interrupt)(epoch, step),
-        ToWorker::AddPeer { rank: r, data_addr } => match data_addr.parse::<SocketAddr>() {
-            Ok(addr) => (hooks.add_peer)(r, addr),
-            Err(_) => tracing::warn!("rank {r}'s data address `{data_addr}` is invalid; ignored"),
+        ToWorker::AddPeer(p) => match peer(p) {
+            Ok(p) => (hooks.add_peer)(p),
+            Err(e) => tracing::warn!("{e}; ignored"),
         },
         ToWorker::Heartbeat
         | ToWorker::Welcome(_)
@@ -569,6 +676,7 @@ fn execute<T: Transport>(
                 rank: Some(rank),
                 ok,
                 reason,
+                data_plane: None,
             })
         }
     }
@@ -580,7 +688,7 @@ struct Hooks {
     /// Wakes the rank from an abandoned (epoch, step).
     interrupt: Box<dyn Fn(u64, u64) + Send + Sync>,
     /// Makes a rank that joined the running job reachable at its data address.
-    add_peer: Box<dyn Fn(RankId, SocketAddr) + Send + Sync>,
+    add_peer: Box<dyn Fn(Peer) + Send + Sync>,
 }
 
 /// A worker process's tier: its own folder (`worker-RANK`) under the configured directory, so

@@ -19,6 +19,9 @@ pub mod tcp;
 pub mod ucx;
 
 use crate::plan::RankId;
+
+/// What `--transport ucx` says on a build without the `ucx` feature.
+pub const NO_UCX_BUILD: &str = "--transport ucx: this ezero was built without UCX; rebuild with the `ucx` cargo feature (on by default: `cargo build --release`, or add `--features ucx` after `--no-default-features`)";
 pub use crate::wire::frame::{Frame, Tag, TagKind, FRAME_HEADER_BYTES};
 
 /// Expected transport failures: typed, never panics.

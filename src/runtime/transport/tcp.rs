@@ -494,6 +494,12 @@ impl TcpTransport {
         Arc::clone(&self.stats)
     }
 
+    /// A way into this rank's inbox for another plane's frames (UCX beside TCP), which then
+    /// arrive through `recv_timeout` with TCP's.
+    pub fn inbox_sender(&self) -> Sender<Frame> {
+        self.inbox_tx.clone()
+    }
+
     /// The peers this endpoint sends to, for adding a joiner while a rank actor owns it.
     pub fn peer_book(&self) -> PeerBook {
         self.peers.clone()

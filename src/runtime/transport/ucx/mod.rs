@@ -18,6 +18,7 @@
 //! 1 s; about 1 s after a kill -9 in the test) as `Inbound::PeerLost`.
 
 pub mod engine;
+pub mod mixed;
 pub mod sys;
 pub mod transport;
 
@@ -25,6 +26,8 @@ use std::sync::OnceLock;
 
 /// The shared library that holds UCP.
 pub const LIBRARY: &str = "libucp.so.0";
+/// Names another libucp to load instead (a UCX built elsewhere, e.g. with RDMA support).
+pub const LIBRARY_ENV: &str = "EZERO_UCX_LIBRARY";
 
 /// UCX settings that only the environment reaches, set by [`library`] before it loads libucp.
 /// No UCX signal handlers over Rust's; CMA kept under peer-failure handling (UCX.md §4); and
@@ -66,7 +69,8 @@ pub fn library() -> Result<&'static sys::Ucp, UcxError> {
         for (key, value) in PROCESS_SETTINGS {
             std::env::set_var(key, value);
         }
-        load(LIBRARY)
+        let name = std::env::var(LIBRARY_ENV).unwrap_or_else(|_| LIBRARY.to_string());
+        load(&name)
     })
     .as_ref()
     .map_err(Clone::clone)

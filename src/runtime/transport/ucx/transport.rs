@@ -3,28 +3,184 @@
 //! planes check theirs; a frame that fails a check is counted in [`WireStats`] and dropped,
 //! and so is one whose `from` is not the engine that sent it.
 //!
-//! Worker addresses come from outside (the control plane, once it carries them; tests pass
-//! them directly): this module never listens.
+//! The frame is sent as three parts (header, payload, checksum) that UCX gathers where they lie,
+//! so the payload is not copied on the sending side, and one encoding serves every peer of a
+//! broadcast; the receiver's frame is a slice of the buffer the message landed in.
+//!
+//! [`UcxPlane`] is the sending side plus a thread that checks arriving messages and delivers the
+//! frames into an inbox it is given: its own in [`UcxTransport`], the TCP plane's in
+//! [`super::mixed::MixedTransport`]. Worker addresses come from outside (the control plane;
+//! tests pass them directly): this module never listens.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
-use super::engine::{Engine, Inbound};
+use bytes::Bytes;
+
+use super::engine::{Engine, EngineCounts, Inbound};
 use super::UcxError;
 use crate::plan::RankId;
 use crate::runtime::transport::{Frame, Transport, TransportError};
-use crate::wire::{decode, encode_to_vec, WireMsg, WireStats};
+use crate::wire::{decode_owned, encode, WireMsg, WireStats};
 
-/// A rank's endpoint on the UCX plane.
-pub struct UcxTransport {
+/// Frames delivered, and their payload bytes.
+#[derive(Default, Debug)]
+pub struct Received {
+    pub frames: AtomicU64,
+    pub bytes: AtomicU64,
+}
+
+/// How often the delivering thread looks at its stop flag while no message arrives.
+const DELIVER_POLL: Duration = Duration::from_millis(50);
+
+/// The UCX side of a rank's data plane.
+pub struct UcxPlane {
     rank: RankId,
     engine: Arc<Engine>,
-    max_frame_bytes: u32,
     stats: Arc<WireStats>,
-    /// Frames a rank sends itself skip UCX.
-    loopback: (Sender<Frame>, Receiver<Frame>),
+    received: Arc<Received>,
+    stop: Arc<AtomicBool>,
+    deliverer: Option<JoinHandle<()>>,
+}
+
+impl UcxPlane {
+    /// Sends as `rank` over `engine` (whose id must be `rank`); frames that arrive, checked
+    /// against `max_frame_bytes`, go to `deliver`.
+    pub fn start(
+        rank: RankId,
+        engine: Arc<Engine>,
+        max_frame_bytes: u32,
+        deliver: Sender<Frame>,
+    ) -> Result<Self, UcxError> {
+        assert_eq!(engine.id(), rank, "the engine speaks for this rank");
+        let stats: Arc<WireStats> = Arc::default();
+        let received: Arc<Received> = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (e, halt) = (Arc::clone(&engine), Arc::clone(&stop));
+        let counters = (Arc::clone(&stats), Arc::clone(&received));
+        let deliverer = std::thread::Builder::new()
+            .name(format!("ucx-deliver-{rank}"))
+            .spawn(move || deliver_loop(&e, max_frame_bytes, &counters, &halt, &deliver))
+            .map_err(|e| UcxError::Call {
+                call: "spawning the delivering thread",
+                status: e.to_string(),
+            })?;
+        Ok(Self {
+            rank,
+            engine,
+            stats,
+            received,
+            stop,
+            deliverer: Some(deliverer),
+        })
+    }
+
+    /// Opens the endpoint to `peer` at its worker `address`.
+    pub fn connect(&self, peer: RankId, address: Vec<u8>) -> Result<(), UcxError> {
+        self.engine.connect(peer, address)
+    }
+
+    /// What arriving frames were refused for.
+    pub fn stats(&self) -> &Arc<WireStats> {
+        &self.stats
+    }
+
+    /// Frames received over UCX.
+    pub fn received(&self) -> &Received {
+        &self.received
+    }
+
+    /// This side's worker address, for peers to connect with.
+    pub fn engine_address(&self) -> &[u8] {
+        self.engine.address()
+    }
+
+    /// The engine's own counts (messages it refused, operations that failed).
+    pub fn engine_counts(&self) -> EngineCounts {
+        self.engine.counts()
+    }
+
+    /// Sends `frame` to each of `to` (none of them this rank), encoded once.
+    pub fn send_to_each(&self, to: &[RankId], frame: Frame) -> Result<(), TransportError> {
+        let parts: Vec<Bytes> = encode(&WireMsg::Frame(frame)).into();
+        for &peer in to {
+            debug_assert_ne!(peer, self.rank, "a rank's frames to itself skip UCX");
+            self.engine
+                .send_parts(peer, parts.clone())
+                .map_err(|e| match e {
+                    UcxError::Stopped => TransportError::Closed,
+                    _ => TransportError::UnknownPeer(peer),
+                })?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for UcxPlane {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.deliverer.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Checks one message from engine `from`: a whole frame of ours, from that rank.
+fn accept(from: u32, bytes: Vec<u8>, max_frame_bytes: u32, stats: &WireStats) -> Option<Frame> {
+    let len = bytes.len();
+    match decode_owned(Bytes::from(bytes), max_frame_bytes) {
+        Ok((WireMsg::Frame(f), used)) if used == len && f.from == from => Some(f),
+        Ok(_) => {
+            // Trailing bytes, another message kind, or a frame claiming another sender.
+            stats.header.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+        Err(e) => {
+            stats.count(&e);
+            None
+        }
+    }
+}
+
+fn deliver_loop(
+    engine: &Engine,
+    max_frame_bytes: u32,
+    (stats, received): &(Arc<WireStats>, Arc<Received>),
+    stop: &AtomicBool,
+    deliver: &Sender<Frame>,
+) {
+    while !stop.load(Ordering::Relaxed) {
+        match engine.recv_timeout(DELIVER_POLL) {
+            Ok(Inbound::Message { from, bytes }) => {
+                if let Some(f) = accept(from, bytes, max_frame_bytes, stats) {
+                    received.frames.fetch_add(1, Ordering::Relaxed);
+                    let n = f.payload.len() as u64;
+                    received.bytes.fetch_add(n, Ordering::Relaxed);
+                    if deliver.send(f).is_err() {
+                        return;
+                    }
+                }
+            }
+            // The collective waiting on that peer fails at its deadline; the control plane's
+            // heartbeats decide membership.
+            Ok(Inbound::PeerLost { peer, why }) => {
+                tracing::warn!("ucx: the endpoint to rank {peer} failed: {why}");
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return,
+        }
+    }
+}
+
+/// A rank's endpoint with UCX to every peer.
+pub struct UcxTransport {
+    plane: UcxPlane,
+    inbox_tx: Sender<Frame>,
+    inbox_rx: Receiver<Frame>,
 }
 
 impl UcxTransport {
@@ -36,88 +192,55 @@ impl UcxTransport {
         peers: &BTreeMap<RankId, Vec<u8>>,
         max_frame_bytes: u32,
     ) -> Result<Self, UcxError> {
-        assert_eq!(engine.id(), rank, "the engine speaks for this rank");
+        let (inbox_tx, inbox_rx) = mpsc::channel();
+        let plane = UcxPlane::start(rank, engine, max_frame_bytes, inbox_tx.clone())?;
         for (&peer, address) in peers.iter().filter(|(&p, _)| p != rank) {
-            engine.connect(peer, address.clone())?;
+            plane.connect(peer, address.clone())?;
         }
         Ok(Self {
-            rank,
-            engine,
-            max_frame_bytes,
-            stats: Arc::default(),
-            loopback: mpsc::channel(),
+            plane,
+            inbox_tx,
+            inbox_rx,
         })
     }
 
     /// What arriving frames were refused for.
     pub fn stats(&self) -> &Arc<WireStats> {
-        &self.stats
-    }
-
-    /// Checks one message from engine `from`: a whole frame of ours, from that rank.
-    fn accept(&self, from: u32, bytes: &[u8]) -> Option<Frame> {
-        match decode(bytes, self.max_frame_bytes) {
-            Ok((WireMsg::Frame(f), used)) if used == bytes.len() && f.from == from => Some(f),
-            Ok(_) => {
-                // Trailing bytes, another message kind, or a frame claiming another sender.
-                self.stats
-                    .header
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                None
-            }
-            Err(e) => {
-                self.stats.count(&e);
-                None
-            }
-        }
+        self.plane.stats()
     }
 }
 
 impl Transport for UcxTransport {
     fn rank(&self) -> RankId {
-        self.rank
+        self.plane.rank
     }
 
     fn send(&self, to: RankId, frame: Frame) -> Result<(), TransportError> {
-        if to == self.rank {
-            return self
-                .loopback
-                .0
-                .send(frame)
-                .map_err(|_| TransportError::Closed);
+        self.send_to_each(&[to], frame)
+    }
+
+    fn send_to_each(&self, to: &[RankId], frame: Frame) -> Result<(), TransportError> {
+        let me = self.plane.rank;
+        let others: Vec<RankId> = to.iter().copied().filter(|&r| r != me).collect();
+        if others.len() < to.len() {
+            self.inbox_tx
+                .send(frame.clone())
+                .map_err(|_| TransportError::Closed)?;
         }
-        let bytes = encode_to_vec(&WireMsg::Frame(frame));
-        self.engine.send(to, bytes).map_err(|e| match e {
-            UcxError::Stopped => TransportError::Closed,
-            _ => TransportError::UnknownPeer(to),
-        })
+        if others.is_empty() {
+            return Ok(());
+        }
+        self.plane.send_to_each(&others, frame)
     }
 
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
-        let deadline = Instant::now() + Duration::from_millis(timeout_ms);
-        loop {
-            if let Ok(f) = self.loopback.1.try_recv() {
-                return Ok(f);
-            }
-            // Short waits, so that a frame sent to ourselves is not held behind a long one.
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.engine.recv_timeout(left.min(Duration::from_millis(5))) {
-                Ok(Inbound::Message { from, bytes }) => {
-                    if let Some(f) = self.accept(from, &bytes) {
-                        return Ok(f);
-                    }
-                }
-                // The collective waiting on that peer fails at its deadline; the control plane's
-                // heartbeats decide membership.
-                Ok(Inbound::PeerLost { peer, why }) => {
-                    tracing::warn!("ucx: the endpoint to rank {peer} failed: {why}");
-                }
-                Err(RecvTimeoutError::Disconnected) => return Err(TransportError::Closed),
-                Err(RecvTimeoutError::Timeout) => {}
-            }
-            if Instant::now() >= deadline {
-                return Err(TransportError::Timeout(timeout_ms));
-            }
+        match self
+            .inbox_rx
+            .recv_timeout(Duration::from_millis(timeout_ms))
+        {
+            Ok(f) => Ok(f),
+            Err(RecvTimeoutError::Timeout) => Err(TransportError::Timeout(timeout_ms)),
+            Err(RecvTimeoutError::Disconnected) => Err(TransportError::Closed),
         }
     }
 }
@@ -128,6 +251,7 @@ mod tests {
     use super::super::engine::EngineConfig;
     use super::*;
     use crate::runtime::transport::{Tag, TagKind};
+    use crate::wire::encode_to_vec;
     use bytes::Bytes;
     use std::sync::atomic::Ordering;
 
@@ -185,6 +309,15 @@ mod tests {
             Err(TransportError::UnknownPeer(9))
         ));
         assert_eq!(t[2].stats().snapshot().total(), 0);
+        // One encoding to several peers and to itself.
+        let payload: Vec<u8> = (0..(3 << 20)).map(|i| (i % 241) as u8).collect();
+        t[1].send_to_each(&[0, 1, 2], frame(1, 9, payload.clone()))
+            .unwrap();
+        for (r, t) in t.iter_mut().enumerate() {
+            let f = t.recv_timeout(10_000).unwrap();
+            assert_eq!((f.from, f.tag.unit), (1, 9));
+            assert_eq!(f.payload, Bytes::from(payload.clone()), "rank {r}");
+        }
     }
 
     #[test]
@@ -203,7 +336,7 @@ mod tests {
         let mut oversize = good.clone();
         oversize[1..5].copy_from_slice(&(128u32 << 20).to_le_bytes());
         for bytes in [damaged, forged, oversize, good] {
-            t[0].engine.send(1, bytes).unwrap();
+            t[0].plane.engine.send(1, bytes).unwrap();
         }
         let f = t[1].recv_timeout(10_000).unwrap();
         assert_eq!((f.from, f.payload.len()), (0, 100));

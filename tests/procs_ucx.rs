@@ -1,0 +1,151 @@
+//! Worker processes over the UCX data plane (`--transport ucx`): the in-process digest at 2 and
+//! 3 processes and stages 1 and 3, with joins and leaves, kill -9 recovered from buddy backups,
+//! and a stop naming the rank without them. Each worker's last line says which peers it reached
+//! over UCX and what arrived that way, so a run that quietly fell back to TCP fails.
+//!
+//! Without libucx the tests skip, saying so, unless `EZERO_REQUIRE_UCX=1` (set by `.ci/run`
+//! after installing it).
+
+use crate::common;
+use crate::procs::{kill_9_inside_a_step_is_recovered, start_job_over};
+
+use std::process::Command;
+
+use common::procs::{digest, flags_with, reference_digest, run, small, EZERO};
+use elastic_zero::runtime::transport::ucx;
+
+fn available() -> bool {
+    match ucx::library() {
+        Ok(_) => true,
+        Err(e) if ucx::required_by_tests() => panic!("EZERO_REQUIRE_UCX=1: {e}"),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            false
+        }
+    }
+}
+
+/// Every worker reached every other over UCX and received frames that way.
+fn assert_all_over_ucx(out: &str, nprocs: u32) {
+    for r in 0..nprocs {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("[worker {r}] ezero worker: data plane: ")))
+            .unwrap_or_else(|| panic!("worker {r} reports its data plane: {out}"));
+        let others: Vec<String> = (0..nprocs)
+            .filter(|&p| p != r)
+            .map(|p| p.to_string())
+            .collect();
+        assert!(
+            line.contains(&format!("ucx to ranks [{}]", others.join(", "))),
+            "{line}"
+        );
+        let frames: u64 = line
+            .split_once(" (")
+            .and_then(|(_, rest)| rest.split_once(" frames"))
+            .and_then(|(n, _)| n.parse().ok())
+            .unwrap_or_else(|| panic!("a frame count: {line}"));
+        assert!(frames > 0, "{line}");
+    }
+}
+
+#[test]
+fn launch_over_ucx_gives_the_in_process_digest_at_2_and_3_processes() {
+    if !available() {
+        return;
+    }
+    for (nprocs, stage, model) in [(2, 1, "gpt"), (3, 1, "mlp"), (2, 3, "mlp"), (3, 3, "gpt")] {
+        let flags = small(model, stage);
+        let reference = reference_digest(nprocs, &flags);
+        let (code, out, err) = run(Command::new(EZERO)
+            .args([
+                "launch",
+                "--transport",
+                "ucx",
+                "--nprocs",
+                &nprocs.to_string(),
+            ])
+            .arg("--")
+            .args(&flags));
+        let case = format!("{nprocs} processes, stage {stage}, {model}");
+        assert_eq!(code, 0, "{case}: {out}\n{err}");
+        assert_eq!(digest(&out), Some(reference), "{case}: {out}");
+        assert_all_over_ucx(&out, nprocs);
+    }
+}
+
+/// A leave moves the leaver's chunks peer to peer over UCX; a joiner is reached over UCX by
+/// the members (`AddPeer`) and reaches them (its peer list).
+#[test]
+fn leave_and_join_over_ucx_give_the_in_process_digest() {
+    if !available() {
+        return;
+    }
+    for (nprocs, extra) in [(3, ["--leave", "1@1"]), (2, ["--join", "1@3"])] {
+        let flags = flags_with("mlp", 3, 5, &extra);
+        let reference = reference_digest(nprocs, &flags_with("mlp", 3, 5, &[]));
+        let (code, out, err) = run(Command::new(EZERO)
+            .args([
+                "launch",
+                "--transport",
+                "ucx",
+                "--nprocs",
+                &nprocs.to_string(),
+            ])
+            .arg("--")
+            .args(&flags));
+        let case = format!("{nprocs} processes {extra:?}");
+        assert_eq!(code, 0, "{case}: {out}\n{err}");
+        assert_eq!(digest(&out), Some(reference), "{case}: {out}");
+        if extra[0] == "--join" {
+            assert!(out.contains("ranks [0, 1] -> [0, 1, 2]"), "{out}");
+            assert_all_over_ucx(&out, 3);
+        } else {
+            assert!(out.contains("left the job"), "{out}");
+        }
+    }
+}
+
+#[test]
+fn kill_9_over_ucx_is_recovered_from_buddy_backups_with_the_fault_free_digest() {
+    if !available() {
+        return;
+    }
+    kill_9_inside_a_step_is_recovered("ucx");
+}
+
+/// Without backups the job cannot recover: it stops, naming the killed rank.
+#[test]
+fn kill_9_over_ucx_without_backups_stops_naming_the_rank() {
+    if !available() {
+        return;
+    }
+    let mut job = start_job_over("ucx-kill", "ucx");
+    job.coord.wait_for_line("step ");
+    job.workers[1].kill().expect("SIGKILL worker 1");
+    job.assert_rank_1_reported("control connection lost");
+}
+
+/// libucx missing at run time (here: another library name asked for): one line saying what to
+/// install, exit 2, before any process starts; the same from `ezero coordinator`.
+#[test]
+fn a_missing_libucx_is_one_line_exit_2() {
+    for args in [
+        vec!["launch", "--transport", "ucx", "--nprocs", "2", "--"],
+        vec![
+            "coordinator",
+            "--listen",
+            "127.0.0.1:0",
+            "--transport",
+            "ucx",
+        ],
+    ] {
+        let (code, out, err) = run(Command::new(EZERO)
+            .args(&args)
+            .args(["--steps", "1"])
+            .env(ucx::LIBRARY_ENV, "libucp-not-installed.so.0"));
+        assert_eq!(code, 2, "{args:?}: {out}\n{err}");
+        assert!(err.contains("apt install libucx0"), "{err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
+}
