@@ -1,13 +1,15 @@
-//! `ezero bench collectives`: collective bandwidth over the local or the QUIC transport.
+//! `ezero bench collectives`: collective bandwidth over the local, TCP, QUIC or UCX transport.
 //!
 //! `--transport quic` (the default mode) starts `--nprocs` child `ezero` processes on loopback,
 //! one rank each, with certificates from a throwaway cluster CA: the honest setup, with
 //! encryption and the kernel's UDP path in every byte. `--threads` runs the ranks as threads of
 //! this process instead (each with its own endpoint), labelled `"mode": "threads"`.
+//! `--transport ucx` starts child processes too, talking over UCX shared memory (the
+//! transports a job's UCX plane uses between workers on one host).
 //!
 //! Children talk to the parent over their stdin/stdout: each prints `ADDR <rank> <addr>` once
-//! bound, the parent answers with every rank's address on one line, and rank 0 prints the JSON
-//! result lines, which the parent passes through.
+//! bound (a UCX worker address in hex), the parent answers with every rank's address on one
+//! line, and rank 0 prints the JSON result lines, which the parent passes through.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
@@ -31,7 +33,8 @@ use super::CliError;
 
 #[derive(Args, Clone)]
 pub struct CollectivesArgs {
-    /// local|quic|tcp (tcp: the TCP data plane, mutual TLS, ranks as threads of this process).
+    /// local|quic|tcp|ucx (tcp: the TCP data plane, mutual TLS, ranks as threads of this
+    /// process; ucx: UCX shared memory between child processes).
     #[arg(long, default_value = "quic")]
     pub transport: String,
     /// Ranks (processes for quic, threads for local).
@@ -111,11 +114,19 @@ fn parse_size(s: &str) -> Option<usize> {
 
 fn plan(a: &CollectivesArgs) -> Result<Plan, CliError> {
     let usage = |m: String| Err(CliError::Usage(m));
-    if !matches!(a.transport.as_str(), "local" | "quic" | "tcp") {
+    if !matches!(a.transport.as_str(), "local" | "quic" | "tcp" | "ucx") {
         return usage(format!(
-            "--transport: `{}` is not local, quic or tcp",
+            "--transport: `{}` is not local, quic, tcp or ucx",
             a.transport
         ));
+    }
+    if a.transport == "ucx" {
+        if !cfg!(feature = "ucx") {
+            return usage(elastic_zero::runtime::transport::NO_UCX_BUILD.into());
+        }
+        if a.threads {
+            return usage("--threads is for --transport quic only".into());
+        }
     }
     if a.plaintext && a.transport != "tcp" {
         return usage("--plaintext is for --transport tcp only".into());
@@ -263,6 +274,12 @@ pub fn run(a: &CollectivesArgs) -> Result<(), CliError> {
     if a.transport == "tcp" {
         return run_tcp(&members, a);
     }
+    if a.transport == "ucx" {
+        #[cfg(feature = "ucx")]
+        elastic_zero::runtime::transport::ucx::library()
+            .map_err(|e| CliError::Usage(format!("--transport ucx: {e}")))?;
+        return spawn_children(a, None);
+    }
 
     let cfg = quic_config(a)?;
     let nanos = std::time::SystemTime::now()
@@ -302,7 +319,7 @@ fn run_quic(
         }
         return run_threads(ts, members, a, "threads");
     }
-    spawn_children(a, dir)
+    spawn_children(a, Some(dir))
 }
 
 /// The TCP data plane (mutual TLS as in a job, or `--plaintext`; one connection per peer
@@ -369,13 +386,15 @@ fn run_threads<T: Transport>(
     first_err.map_or(Ok(()), Err)
 }
 
-fn spawn_children(a: &CollectivesArgs, secrets: &std::path::Path) -> Result<(), CliError> {
+/// One child process per rank; `secrets`: the CA directory the QUIC children take their
+/// certificates from.
+fn spawn_children(a: &CollectivesArgs, secrets: Option<&std::path::Path>) -> Result<(), CliError> {
     let exe = std::env::current_exe().map_err(|e| CliError::Failed(e.to_string()))?;
     let fail = |m: String| CliError::Failed(m);
     let mut children = Vec::new();
     for r in 0..a.nprocs {
         let mut cmd = Command::new(&exe);
-        cmd.args(["bench", "collectives", "--transport", "quic"])
+        cmd.args(["bench", "collectives", "--transport", &a.transport])
             .args([
                 "--nprocs",
                 &a.nprocs.to_string(),
@@ -400,10 +419,11 @@ fn spawn_children(a: &CollectivesArgs, secrets: &std::path::Path) -> Result<(), 
             ])
             .args(["--io-threads", &a.io_threads.to_string()])
             .args(["--worker-rank", &r.to_string()])
-            .arg("--secrets")
-            .arg(secrets)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped());
+        if let Some(dir) = secrets {
+            cmd.arg("--secrets").arg(dir);
+        }
         if a.no_gso {
             cmd.arg("--no-gso");
         }
@@ -495,7 +515,63 @@ fn drive_children(children: &mut [std::process::Child]) -> Result<(), CliError> 
     Ok(())
 }
 
+/// The peer list a child reads on stdin: `rank=address,...`.
+fn read_peers<A>(
+    rank: u32,
+    parse: impl Fn(&str) -> Option<A>,
+) -> Result<Vec<(RankId, A)>, CliError> {
+    let fail = |m: String| CliError::Failed(format!("rank {rank}: {m}"));
+    let mut line = String::new();
+    std::io::stdin()
+        .read_line(&mut line)
+        .map_err(|e| fail(e.to_string()))?;
+    let mut peers = Vec::new();
+    for item in line.trim().split(',') {
+        let parsed = item
+            .split_once('=')
+            .and_then(|(r, ad)| Some((r.parse::<u32>().ok()?, parse(ad)?)));
+        peers.push(parsed.ok_or_else(|| fail(format!("bad peer list entry `{item}`")))?);
+    }
+    Ok(peers)
+}
+
+/// A child rank over UCX shared memory.
+#[cfg(feature = "ucx")]
+fn ucx_worker(rank: u32, a: &CollectivesArgs) -> Result<(), CliError> {
+    use elastic_zero::runtime::transport::ucx::engine::{Engine, EngineConfig};
+    use elastic_zero::runtime::transport::ucx::transport::UcxTransport;
+    let fail = |m: String| CliError::Failed(format!("rank {rank}: {m}"));
+    let largest = plan(a)?.sizes.into_iter().max().unwrap_or(0);
+    let cfg = EngineConfig {
+        max_message_bytes: largest + (64 << 10),
+        ..EngineConfig::shared_memory(rank)
+    };
+    let engine = Engine::start(cfg).map_err(|e| fail(e.to_string()))?;
+    let hex: String = engine
+        .address()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    println!("ADDR {rank} {hex}");
+    let peers = read_peers(rank, |h| {
+        (0..h.len() / 2)
+            .map(|i| u8::from_str_radix(h.get(2 * i..2 * i + 2)?, 16).ok())
+            .collect::<Option<Vec<u8>>>()
+    })?;
+    let members: Vec<RankId> = peers.iter().map(|p| p.0).collect();
+    let peers: BTreeMap<RankId, Vec<u8>> = peers.into_iter().collect();
+    let max_frame = u32::try_from(largest + 1024).unwrap_or(u32::MAX);
+    let t = UcxTransport::connect(rank, std::sync::Arc::new(engine), &peers, max_frame)
+        .map_err(|e| fail(e.to_string()))?;
+    // Dropping the transport at the end waits for this rank's sends to complete.
+    run_rank(t, &members, a, "processes", &|| ())
+}
+
 fn worker(rank: u32, a: &CollectivesArgs) -> Result<(), CliError> {
+    #[cfg(feature = "ucx")]
+    if a.transport == "ucx" {
+        return ucx_worker(rank, a);
+    }
     let fail = |m: String| CliError::Failed(format!("rank {rank}: {m}"));
     let dir = a
         .secrets
@@ -505,17 +581,7 @@ fn worker(rank: u32, a: &CollectivesArgs) -> Result<(), CliError> {
     let cfg = quic_config(a)?;
     let t = QuicTransport::bind(rank, loopback(), &id, &cfg).map_err(|e| fail(e.to_string()))?;
     println!("ADDR {rank} {}", t.local_addr());
-    let mut line = String::new();
-    std::io::stdin()
-        .read_line(&mut line)
-        .map_err(|e| fail(e.to_string()))?;
-    let mut peers = Vec::new();
-    for item in line.trim().split(',') {
-        let parsed = item
-            .split_once('=')
-            .and_then(|(r, ad)| Some((r.parse::<u32>().ok()?, ad.parse::<SocketAddr>().ok()?)));
-        peers.push(parsed.ok_or_else(|| fail(format!("bad peer list entry `{item}`")))?);
-    }
+    let peers = read_peers(rank, |ad| ad.parse::<SocketAddr>().ok())?;
     let members: Vec<RankId> = peers.iter().map(|p| p.0).collect();
     t.add_peers(&peers);
     t.wait_connected(&members, cfg.connect_timeout_ms)

@@ -158,8 +158,59 @@ pub(super) fn decode_body(h: usize, rest: Bytes, got: u32) -> Result<WireMsg, Wi
     if got != expected {
         return Err(WireError::Checksum { expected, got });
     }
-    let (header, used): (Header, usize) = bincode::decode_from_slice(&rest[..h], config())
-        .map_err(|e| WireError::Header(e.to_string()))?;
+    decode_header(&rest[..h], rest.slice(h..body))
+}
+
+/// A message as two pieces: the payload, and everything `encode` puts around it (prefix and
+/// header, then the checksum) in one small buffer. The UCX plane sends the payload where it
+/// lies, so that it can land in the receiver's buffer with one copy.
+pub fn encode_split(msg: &WireMsg) -> (Vec<u8>, Bytes) {
+    let [head, payload, sum] = encode(msg);
+    let mut around = Vec::with_capacity(head.len() + sum.len());
+    around.extend_from_slice(&head);
+    around.extend_from_slice(&sum);
+    (around, payload)
+}
+
+/// Decodes what [`encode_split`] made, with every check of [`decode`].
+pub fn decode_split(
+    around: &[u8],
+    payload: Bytes,
+    max_frame_bytes: u32,
+) -> Result<WireMsg, WireError> {
+    if around.len() < PREFIX_BYTES + CHECKSUM_BYTES {
+        return Err(WireError::Truncated {
+            have: around.len(),
+            need: PREFIX_BYTES + CHECKSUM_BYTES,
+        });
+    }
+    let prefix: [u8; PREFIX_BYTES] = around[..PREFIX_BYTES].try_into().expect("length checked");
+    let (body, h) = check_prefix(&prefix, max_frame_bytes)?;
+    let header = &around[PREFIX_BYTES..around.len() - CHECKSUM_BYTES];
+    if header.len() != h || body != h + payload.len() {
+        return Err(WireError::Truncated {
+            have: PREFIX_BYTES + header.len() + payload.len() + CHECKSUM_BYTES,
+            need: PREFIX_BYTES + body + CHECKSUM_BYTES,
+        });
+    }
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&prefix);
+    crc.update(header);
+    crc.update(&payload);
+    let got = crc.finalize();
+    let c = &around[around.len() - CHECKSUM_BYTES..];
+    let expected = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    if got != expected {
+        return Err(WireError::Checksum { expected, got });
+    }
+    decode_header(header, payload)
+}
+
+/// The message of a checked frame: its header bytes and its payload.
+fn decode_header(head: &[u8], payload: Bytes) -> Result<WireMsg, WireError> {
+    let h = head.len();
+    let (header, used): (Header, usize) =
+        bincode::decode_from_slice(head, config()).map_err(|e| WireError::Header(e.to_string()))?;
     if used != h {
         return Err(WireError::Header(format!(
             "{} stray bytes after the header",
@@ -171,10 +222,9 @@ pub(super) fn decode_body(h: usize, rest: Bytes, got: u32) -> Result<WireMsg, Wi
     let mut canon = [0u8; MAX_HEADER_BYTES];
     let n = bincode::encode_into_slice(&header, &mut canon, config())
         .map_err(|e| WireError::Header(e.to_string()))?;
-    if canon[..n] != rest[..h] {
+    if canon[..n] != head[..] {
         return Err(WireError::Header("non-canonical header encoding".into()));
     }
-    let payload = rest.slice(h..body);
     let empty = |kind: &'static str| {
         if payload.is_empty() {
             Ok(())
@@ -222,12 +272,6 @@ pub fn decode(buf: &[u8], max_frame_bytes: u32) -> Result<(WireMsg, usize), Wire
     decode_with(buf, max_frame_bytes, |body| {
         Bytes::copy_from_slice(&buf[body])
     })
-}
-
-/// [`decode`] of a buffer the caller gives up: the payload is a slice of it, not a copy (a
-/// frame received whole, as one UCX message).
-pub fn decode_owned(buf: Bytes, max_frame_bytes: u32) -> Result<(WireMsg, usize), WireError> {
-    decode_with(&buf, max_frame_bytes, |body| buf.slice(body))
 }
 
 fn decode_with(

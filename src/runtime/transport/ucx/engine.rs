@@ -24,6 +24,9 @@ use super::{check, library, status_text, sys, UcxError};
 
 /// The active-message id our messages use.
 const AM_ID: u32 = 0;
+/// The largest header a message may carry beside its payload (it travels in UCX's active
+/// message header, with the 4-byte sender id before it).
+pub const HEADER_MAX_BYTES: usize = 256;
 /// The longest the thread sleeps on the worker's event fd: it bounds the cost of a wake-up
 /// that arrives between arming and sleeping.
 const IDLE_POLL_MS: i32 = 10;
@@ -61,8 +64,12 @@ impl EngineConfig {
 /// What arrives.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Inbound {
-    /// A message from engine `from`.
-    Message { from: u32, bytes: Vec<u8> },
+    /// A message from engine `from`: its small header and its payload.
+    Message {
+        from: u32,
+        header: Vec<u8>,
+        bytes: Bytes,
+    },
     /// UCX reported that the endpoint to `peer` failed; it is closed.
     PeerLost { peer: u32, why: String },
 }
@@ -84,9 +91,82 @@ enum Cmd {
     },
     Send {
         peer: u32,
-        parts: Vec<Bytes>,
+        header: Vec<u8>,
+        payload: Bytes,
     },
     Stop,
+}
+
+/// Rendezvous receive buffers from this size up are reused: handed back when the message's
+/// bytes are dropped, so that a steady exchange of large frames lands in memory that is already
+/// mapped (a fresh buffer costs a page fault per 4 KiB, as much as the copy itself).
+const POOLED_MIN_BYTES: usize = 1 << 20;
+/// Free buffers the pool keeps at most.
+const POOL_MAX_BUFFERS: usize = 8;
+
+/// Large receive buffers, free for reuse.
+#[derive(Default)]
+struct Pool {
+    free: Mutex<Vec<Vec<u8>>>,
+}
+
+impl Pool {
+    /// An empty buffer of capacity at least `len`: the smallest free one that fits, or a new one.
+    fn take(&self, len: usize) -> Vec<u8> {
+        if len < POOLED_MIN_BYTES {
+            return Vec::with_capacity(len);
+        }
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let fit = (0..free.len())
+            .filter(|&i| free[i].capacity() >= len)
+            .min_by_key(|&i| free[i].capacity());
+        match fit {
+            Some(i) => free.swap_remove(i),
+            None => Vec::with_capacity(len),
+        }
+    }
+
+    /// `buf` (holding one message) as bytes that go back to the pool when dropped.
+    fn wrap(self: &Arc<Self>, buf: Vec<u8>) -> Bytes {
+        if buf.capacity() < POOLED_MIN_BYTES {
+            return Bytes::from(buf);
+        }
+        Bytes::from_owner(Pooled {
+            buf,
+            pool: Arc::downgrade(self),
+        })
+    }
+}
+
+/// A received message's buffer, back to its pool when dropped.
+struct Pooled {
+    buf: Vec<u8>,
+    pool: std::sync::Weak<Pool>,
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        let Some(pool) = self.pool.upgrade() else {
+            return;
+        };
+        let mut free = pool.free.lock().unwrap_or_else(|p| p.into_inner());
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.clear();
+        if free.len() < POOL_MAX_BUFFERS {
+            free.push(buf);
+        } else if let Some(i) = (0..free.len()).min_by_key(|&i| free[i].capacity()) {
+            // Keep the larger ones.
+            if free[i].capacity() < buf.capacity() {
+                free[i] = buf;
+            }
+        }
+    }
 }
 
 /// The worker pointer for `ucp_worker_signal`, cleared before the worker is destroyed.
@@ -177,18 +257,28 @@ impl Engine {
 
     /// Queues `bytes` for `peer`; waits only while the command queue is full.
     pub fn send(&self, peer: u32, bytes: Vec<u8>) -> Result<(), UcxError> {
-        self.send_parts(peer, vec![Bytes::from(bytes)])
+        self.send_with_header(peer, Vec::new(), Bytes::from(bytes))
     }
 
-    /// Queues one message made of `parts`, in order, for `peer`. UCX gathers the parts from
-    /// where they lie (an I/O vector), so a frame's payload is sent without being copied into
-    /// one buffer first, and one payload can go to several peers.
-    pub fn send_parts(&self, peer: u32, parts: Vec<Bytes>) -> Result<(), UcxError> {
-        let len: usize = parts.iter().map(Bytes::len).sum();
-        if len > self.max_message_bytes {
+    /// Queues one message for `peer`: a small `header` (at most [`HEADER_MAX_BYTES`]) and a
+    /// `payload` sent from where it lies. Above the eager size the receiver reads the payload
+    /// straight from this process's memory (CMA) into the buffer it hands out, so it is copied
+    /// once, and one payload can go to several peers. (A payload in pieces would not be: UCX
+    /// moves an I/O vector through bounce buffers.)
+    pub fn send_with_header(
+        &self,
+        peer: u32,
+        header: Vec<u8>,
+        payload: Bytes,
+    ) -> Result<(), UcxError> {
+        if payload.len() > self.max_message_bytes || header.len() > HEADER_MAX_BYTES {
             return Err(UcxError::TooLarge {
-                len,
-                max: self.max_message_bytes,
+                len: payload.len().max(header.len()),
+                max: if header.len() > HEADER_MAX_BYTES {
+                    HEADER_MAX_BYTES
+                } else {
+                    self.max_message_bytes
+                },
             });
         }
         if !self
@@ -199,7 +289,11 @@ impl Engine {
         {
             return Err(UcxError::NoPeer(peer));
         }
-        self.submit(Cmd::Send { peer, parts })
+        self.submit(Cmd::Send {
+            peer,
+            header,
+            payload,
+        })
     }
 
     /// The next message or event, waiting at most `timeout`.
@@ -246,10 +340,12 @@ struct State {
     worker: sys::ucp_worker_h,
     max_message_bytes: usize,
     received: VecDeque<Inbound>,
-    /// Rendezvous messages announced in the AM callback, received after progress returns:
-    /// (sender, descriptor, length).
-    announced: Vec<(u32, *mut c_void, usize)>,
+    /// Rendezvous messages announced in the AM callback, received after progress returns.
+    announced: Vec<Announced>,
     counts: Arc<Mutex<EngineCounts>>,
+    /// Sends whose completion has not run yet.
+    sending: usize,
+    pool: Arc<Pool>,
 }
 
 impl State {
@@ -258,27 +354,29 @@ impl State {
     }
 }
 
-/// A send in flight: what must outlive it.
-struct SendOp {
-    header: [u8; 4],
-    parts: Vec<Bytes>,
-    /// The parts' addresses, for a message of more than one part.
-    iov: Vec<DtIov>,
-    state: *mut State,
+/// A rendezvous message the AM callback saw: its payload is fetched after progress returns.
+struct Announced {
+    from: u32,
+    header: Vec<u8>,
+    desc: *mut c_void,
+    len: usize,
 }
 
-/// `ucp_dt_iov_t` (ucp.h: `void *buffer; size_t length;`), which the generated binding
-/// leaves out.
-#[repr(C)]
-struct DtIov {
-    buffer: *const c_void,
-    length: sys::size_t,
+/// A send in flight: what must outlive it.
+struct SendOp {
+    /// The sender id, then the message's header.
+    header: Vec<u8>,
+    payload: Bytes,
+    state: *mut State,
 }
 
 /// A rendezvous receive in flight.
 struct RecvOp {
     from: u32,
+    header: Vec<u8>,
+    /// Allocated for `len` bytes, empty until the receive completes.
     buf: Vec<u8>,
+    len: usize,
     state: *mut State,
 }
 
@@ -299,7 +397,8 @@ unsafe extern "C" fn on_am(
     let st = &mut *(arg as *mut State);
     let length = length as usize;
     let rndv = (*param).recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0;
-    if header_length != 4 || length > st.max_message_bytes {
+    let header_length = header_length as usize;
+    if !(4..=4 + HEADER_MAX_BYTES).contains(&header_length) || length > st.max_message_bytes {
         st.count(|c| c.refused += 1);
         // A rendezvous descriptor is dropped by returning an error, which the sender sees.
         return if rndv {
@@ -308,19 +407,31 @@ unsafe extern "C" fn on_am(
             sys::UCS_OK
         };
     }
-    let from = u32::from_le_bytes(*(header as *const [u8; 4]));
+    let header = std::slice::from_raw_parts(header as *const u8, header_length);
+    let from = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
+    let header = header[4..].to_vec();
     if rndv {
-        st.announced.push((from, data, length));
+        st.announced.push(Announced {
+            from,
+            header,
+            desc: data,
+            len: length,
+        });
         return sys::UCS_INPROGRESS;
     }
-    let bytes = std::slice::from_raw_parts(data as *const u8, length).to_vec();
-    st.received.push_back(Inbound::Message { from, bytes });
+    let bytes = Bytes::copy_from_slice(std::slice::from_raw_parts(data as *const u8, length));
+    st.received.push_back(Inbound::Message {
+        from,
+        header,
+        bytes,
+    });
     sys::UCS_OK
 }
 
 unsafe extern "C" fn on_sent(request: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
     let op = Box::from_raw(user as *mut SendOp);
-    let st = &*op.state;
+    let st = &mut *op.state;
+    st.sending -= 1;
     if status != sys::UCS_OK {
         st.count(|c| c.failed += 1);
     }
@@ -341,9 +452,14 @@ unsafe extern "C" fn on_received(
 
 fn finish_recv(st: &mut State, op: RecvOp, status: sys::ucs_status_t) {
     if status == sys::UCS_OK {
+        let mut bytes = op.buf;
+        // SAFETY: the buffer holds `len` bytes, and UCX wrote all of them (the receive of
+        // `len` bytes completed OK).
+        unsafe { bytes.set_len(op.len) };
         st.received.push_back(Inbound::Message {
             from: op.from,
-            bytes: op.buf,
+            header: op.header,
+            bytes: st.pool.wrap(bytes),
         });
     } else {
         st.count(|c| c.failed += 1);
@@ -468,6 +584,8 @@ fn run(
         received: VecDeque::new(),
         announced: Vec::new(),
         counts,
+        sending: 0,
+        pool: Arc::default(),
     }));
     let mut eps: HashMap<u32, (sys::ucp_ep_h, *mut EpArg)> = HashMap::new();
     // SAFETY: the worker, the state and the endpoints are used on this thread only, and each
@@ -523,8 +641,12 @@ fn run(
                     } => {
                         let _ = done.send(connect(state, &mut eps, peer, &address));
                     }
-                    Cmd::Send { peer, parts } => match eps.get(&peer) {
-                        Some(&(ep, _)) => send(state, ep, cfg.id, parts),
+                    Cmd::Send {
+                        peer,
+                        header,
+                        payload,
+                    } => match eps.get(&peer) {
+                        Some(&(ep, _)) => send(state, ep, cfg.id, header, payload),
                         None => (*state).count(|c| c.failed += 1),
                     },
                 }
@@ -535,8 +657,8 @@ fn run(
             // Backpressure: while the inbox is full nothing more is taken off the wire.
             if held.len() < cfg.inbox_max {
                 while (ucp.ucp_worker_progress)(worker) != 0 {}
-                for (from, desc, len) in std::mem::take(&mut (*state).announced) {
-                    receive(state, from, desc, len);
+                for a in std::mem::take(&mut (*state).announced) {
+                    receive(state, a);
                 }
                 held.extend((*state).received.drain(..));
             }
@@ -569,6 +691,17 @@ fn run(
                 }
                 // Events arrived after the last progress: progress again.
                 _ => continue,
+            }
+        }
+        // Sends still in flight complete first (a rendezvous receiver may still be reading
+        // this process's memory), within the close timeout.
+        let deadline = Instant::now() + CLOSE_TIMEOUT;
+        while (*state).sending > 0 && Instant::now() < deadline {
+            if (ucp.ucp_worker_progress)(worker) == 0 {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            for a in std::mem::take(&mut (*state).announced) {
+                receive(state, a);
             }
         }
         close_all(state, &mut eps);
@@ -614,55 +747,59 @@ unsafe fn connect(
     }
 }
 
-unsafe fn send(state: *mut State, ep: sys::ucp_ep_h, me: u32, parts: Vec<Bytes>) {
-    let parts: Vec<Bytes> = parts.into_iter().filter(|p| !p.is_empty()).collect();
-    let mut op = Box::new(SendOp {
-        header: me.to_le_bytes(),
-        iov: Vec::new(),
-        parts,
+unsafe fn send(state: *mut State, ep: sys::ucp_ep_h, me: u32, header: Vec<u8>, payload: Bytes) {
+    let mut h = Vec::with_capacity(4 + header.len());
+    h.extend_from_slice(&me.to_le_bytes());
+    h.extend_from_slice(&header);
+    let op = Box::new(SendOp {
+        header: h,
+        payload,
         state,
     });
+    let (hp, hl) = (op.header.as_ptr() as *const c_void, op.header.len());
+    let (data, len) = (op.payload.as_ptr() as *const c_void, op.payload.len());
+    let user = Box::into_raw(op) as *mut c_void;
     let mut p: sys::ucp_request_param_t = std::mem::zeroed();
     p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
-    let (data, count) = match op.parts.as_slice() {
-        [] => (std::ptr::null(), 0),
-        [one] => (one.as_ptr() as *const c_void, one.len()),
-        many => {
-            op.iov = many
-                .iter()
-                .map(|b| DtIov {
-                    buffer: b.as_ptr() as *const c_void,
-                    length: b.len() as sys::size_t,
-                })
-                .collect();
-            // `ucp_dt_make_iov()`: the count is the number of entries.
-            p.op_attr_mask |= sys::UCP_OP_ATTR_FIELD_DATATYPE;
-            p.datatype = sys::UCP_DATATYPE_IOV as sys::ucp_datatype_t;
-            (op.iov.as_ptr() as *const c_void, op.iov.len())
-        }
-    };
-    let header = op.header.as_ptr() as *const c_void;
-    let user = Box::into_raw(op) as *mut c_void;
     p.cb.send = Some(on_sent);
     p.user_data = user;
     let ucp = (*state).ucp;
-    let req = (ucp.ucp_am_send_nbx)(ep, AM_ID, header, 4, data, count as sys::size_t, &p);
+    let req = (ucp.ucp_am_send_nbx)(
+        ep,
+        AM_ID,
+        hp,
+        hl as sys::size_t,
+        data,
+        len as sys::size_t,
+        &p,
+    );
     if req.is_null() {
         // Completed at once: the callback will not run.
         drop(Box::from_raw(user as *mut SendOp));
     } else if ptr_status(req).is_some() {
         drop(Box::from_raw(user as *mut SendOp));
         (*state).count(|c| c.failed += 1);
+    } else {
+        (*state).sending += 1;
     }
 }
 
-unsafe fn receive(state: *mut State, from: u32, desc: *mut c_void, len: usize) {
-    let op = Box::new(RecvOp {
+unsafe fn receive(state: *mut State, a: Announced) {
+    let Announced {
         from,
-        buf: vec![0u8; len],
+        header,
+        desc,
+        len,
+    } = a;
+    // Not zeroed: UCX fills all of it, and its length is set only once it has.
+    let mut op = Box::new(RecvOp {
+        from,
+        header,
+        buf: (*state).pool.take(len),
+        len,
         state,
     });
-    let buf = op.buf.as_ptr() as *mut c_void;
+    let buf = op.buf.as_mut_ptr() as *mut c_void;
     let user = Box::into_raw(op) as *mut c_void;
     let mut p: sys::ucp_request_param_t = std::mem::zeroed();
     p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
@@ -751,7 +888,8 @@ mod tests {
                 next(&b),
                 Inbound::Message {
                     from: 0,
-                    bytes: want
+                    header: Vec::new(),
+                    bytes: want.into()
                 },
                 "size {n}"
             );
@@ -761,38 +899,57 @@ mod tests {
             next(&a),
             Inbound::Message {
                 from: 1,
-                bytes: b"back".to_vec()
+                header: Vec::new(),
+                bytes: Bytes::from_static(b"back")
             }
         );
         assert_eq!(b.counts(), EngineCounts::default());
     }
 
     #[test]
-    fn a_message_in_parts_arrives_as_their_concatenation() {
+    fn a_header_arrives_with_its_payload_and_an_oversize_one_is_refused() {
         let Some((a, b)) = pair() else { return };
-        for sizes in [[6usize, 0, 4], [6, 5000, 4], [6, 16 << 20, 4]] {
-            let parts: Vec<Bytes> = sizes
-                .iter()
-                .enumerate()
-                .map(|(k, &n)| {
-                    (0..n)
-                        .map(|i| (i * 7 + k) as u8)
-                        .collect::<Vec<u8>>()
-                        .into()
-                })
-                .collect();
-            let want: Vec<u8> = parts.iter().flat_map(|p| p.iter().copied()).collect();
-            a.send_parts(1, parts).unwrap();
+        for n in [0usize, 5000, 16 << 20] {
+            let payload: Vec<u8> = (0..n).map(|i| (i * 7) as u8).collect();
+            let header = vec![n as u8; 40];
+            a.send_with_header(1, header.clone(), payload.clone().into())
+                .unwrap();
             assert_eq!(
                 next(&b),
                 Inbound::Message {
                     from: 0,
-                    bytes: want
+                    header,
+                    bytes: payload.into()
                 },
-                "parts {sizes:?}"
+                "payload of {n} bytes"
             );
         }
+        assert!(matches!(
+            a.send_with_header(1, vec![0; HEADER_MAX_BYTES + 1], Bytes::new()),
+            Err(UcxError::TooLarge { .. })
+        ));
         assert_eq!(b.counts(), EngineCounts::default());
+    }
+
+    #[test]
+    fn large_receive_buffers_are_reused_once_their_bytes_are_dropped() {
+        let pool = Arc::new(Pool::default());
+        let buf = pool.take(POOLED_MIN_BYTES);
+        let at = buf.as_ptr();
+        let mut buf = buf;
+        buf.resize(POOLED_MIN_BYTES, 7);
+        let bytes = pool.wrap(buf);
+        let view = bytes.slice(10..20);
+        drop(bytes);
+        // A slice still holds the buffer.
+        let other = pool.take(POOLED_MIN_BYTES);
+        assert_ne!(other.as_ptr(), at);
+        drop(view);
+        let again = pool.take(POOLED_MIN_BYTES);
+        assert_eq!((again.as_ptr(), again.len()), (at, 0));
+        drop(other);
+        // Small messages are not pooled.
+        assert!(pool.take(100).capacity() < POOLED_MIN_BYTES);
     }
 
     /// The peer process of [`a_peer_process_echoes_and_its_death_is_reported`]: run as this
@@ -864,7 +1021,8 @@ mod tests {
             back,
             Inbound::Message {
                 from: 1,
-                bytes: msg.iter().rev().copied().collect()
+                header: Vec::new(),
+                bytes: msg.iter().rev().copied().collect::<Vec<u8>>().into()
             }
         );
         // kill -9: the endpoint's failure is reported, within a few keepalive rounds.
@@ -898,7 +1056,8 @@ mod tests {
             next(&b),
             Inbound::Message {
                 from: 0,
-                bytes: vec![1u8; 10]
+                header: Vec::new(),
+                bytes: vec![1u8; 10].into()
             }
         );
         assert_eq!(b.counts().refused, 1);

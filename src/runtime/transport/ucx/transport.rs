@@ -3,9 +3,10 @@
 //! planes check theirs; a frame that fails a check is counted in [`WireStats`] and dropped,
 //! and so is one whose `from` is not the engine that sent it.
 //!
-//! The frame is sent as three parts (header, payload, checksum) that UCX gathers where they lie,
-//! so the payload is not copied on the sending side, and one encoding serves every peer of a
-//! broadcast; the receiver's frame is a slice of the buffer the message landed in.
+//! The frame is sent in two pieces: its prefix, header and checksum in the active message's
+//! header, and its payload from where it lies, which the receiver reads from the sender's memory
+//! into the buffer it hands out (CMA, one copy in all); one encoding serves every peer of a
+//! broadcast, and the received payload becomes the frame's without another copy.
 //!
 //! [`UcxPlane`] is the sending side plus a thread that checks arriving messages and delivers the
 //! frames into an inbox it is given: its own in [`UcxTransport`], the TCP plane's in
@@ -25,7 +26,7 @@ use super::engine::{Engine, EngineCounts, Inbound};
 use super::UcxError;
 use crate::plan::RankId;
 use crate::runtime::transport::{Frame, Transport, TransportError};
-use crate::wire::{decode_owned, encode, WireMsg, WireStats};
+use crate::wire::{decode_split, encode_split, WireMsg, WireStats};
 
 /// Frames delivered, and their payload bytes.
 #[derive(Default, Debug)]
@@ -106,11 +107,11 @@ impl UcxPlane {
 
     /// Sends `frame` to each of `to` (none of them this rank), encoded once.
     pub fn send_to_each(&self, to: &[RankId], frame: Frame) -> Result<(), TransportError> {
-        let parts: Vec<Bytes> = encode(&WireMsg::Frame(frame)).into();
+        let (around, payload) = encode_split(&WireMsg::Frame(frame));
         for &peer in to {
             debug_assert_ne!(peer, self.rank, "a rank's frames to itself skip UCX");
             self.engine
-                .send_parts(peer, parts.clone())
+                .send_with_header(peer, around.clone(), payload.clone())
                 .map_err(|e| match e {
                     UcxError::Stopped => TransportError::Closed,
                     _ => TransportError::UnknownPeer(peer),
@@ -129,13 +130,18 @@ impl Drop for UcxPlane {
     }
 }
 
-/// Checks one message from engine `from`: a whole frame of ours, from that rank.
-fn accept(from: u32, bytes: Vec<u8>, max_frame_bytes: u32, stats: &WireStats) -> Option<Frame> {
-    let len = bytes.len();
-    match decode_owned(Bytes::from(bytes), max_frame_bytes) {
-        Ok((WireMsg::Frame(f), used)) if used == len && f.from == from => Some(f),
+/// Checks one message from engine `from`: a frame of ours, from that rank.
+fn accept(
+    from: u32,
+    around: &[u8],
+    payload: Bytes,
+    max_frame_bytes: u32,
+    stats: &WireStats,
+) -> Option<Frame> {
+    match decode_split(around, payload, max_frame_bytes) {
+        Ok(WireMsg::Frame(f)) if f.from == from => Some(f),
         Ok(_) => {
-            // Trailing bytes, another message kind, or a frame claiming another sender.
+            // Another message kind, or a frame claiming another sender.
             stats.header.fetch_add(1, Ordering::Relaxed);
             None
         }
@@ -155,8 +161,12 @@ fn deliver_loop(
 ) {
     while !stop.load(Ordering::Relaxed) {
         match engine.recv_timeout(DELIVER_POLL) {
-            Ok(Inbound::Message { from, bytes }) => {
-                if let Some(f) = accept(from, bytes, max_frame_bytes, stats) {
+            Ok(Inbound::Message {
+                from,
+                header,
+                bytes,
+            }) => {
+                if let Some(f) = accept(from, &header, bytes, max_frame_bytes, stats) {
                     received.frames.fetch_add(1, Ordering::Relaxed);
                     let n = f.payload.len() as u64;
                     received.bytes.fetch_add(n, Ordering::Relaxed);
@@ -251,7 +261,6 @@ mod tests {
     use super::super::engine::EngineConfig;
     use super::*;
     use crate::runtime::transport::{Tag, TagKind};
-    use crate::wire::encode_to_vec;
     use bytes::Bytes;
     use std::sync::atomic::Ordering;
 
@@ -326,17 +335,21 @@ mod tests {
             return;
         }
         let mut t = plane(2);
-        let good = encode_to_vec(&WireMsg::Frame(frame(0, 1, vec![5; 100])));
+        let good = encode_split(&WireMsg::Frame(frame(0, 1, vec![5; 100])));
         // A flipped payload byte fails the CRC.
-        let mut damaged = good.clone();
+        let mut damaged = good.1.to_vec();
         damaged[60] ^= 1;
+        let damaged = (good.0.clone(), Bytes::from(damaged));
         // A well-formed frame that claims to come from rank 1, sent by rank 0.
-        let forged = encode_to_vec(&WireMsg::Frame(frame(1, 1, vec![5; 100])));
+        let forged = encode_split(&WireMsg::Frame(frame(1, 1, vec![5; 100])));
         // A length over the receiver's limit, in an otherwise valid prefix.
         let mut oversize = good.clone();
-        oversize[1..5].copy_from_slice(&(128u32 << 20).to_le_bytes());
-        for bytes in [damaged, forged, oversize, good] {
-            t[0].plane.engine.send(1, bytes).unwrap();
+        oversize.0[1..5].copy_from_slice(&(128u32 << 20).to_le_bytes());
+        for (around, payload) in [damaged, forged, oversize, good] {
+            t[0].plane
+                .engine
+                .send_with_header(1, around, payload)
+                .unwrap();
         }
         let f = t[1].recv_timeout(10_000).unwrap();
         assert_eq!((f.from, f.payload.len()), (0, 100));
