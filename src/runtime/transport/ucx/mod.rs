@@ -11,11 +11,13 @@
 //!
 //! - [`transport`]: `Transport` over the engine, every frame checked as on the TCP and QUIC
 //!   planes (version, lengths, CRC-32, and a `from` that matches the sending engine).
+//! - [`mixed`]: UCX to the peers on this host and TLS TCP to the others, into one inbox: what
+//!   a worker under `--transport ucx` runs (the coordinator picks the plane per pair,
+//!   `procs::planes`, and worker addresses travel over the mutual-TLS control plane).
 //!
-//! Not yet here (issue 17): bootstrap of worker addresses over the mutual-TLS control plane
-//! with the same-host check, `--transport ucx` for `launch`, `coordinator` and
-//! `bench collectives`, and the benchmark. Peer death is reported by UCX's keepalive (set to
-//! 1 s; about 1 s after a kill -9 in the test) as `Inbound::PeerLost`.
+//! Peer death is reported by UCX's keepalive (set to 1 s; about 1 s after a kill -9 in the
+//! test) as `Inbound::PeerLost`; the control plane's heartbeats decide membership.
+//! Not here: UCX over TCP or RDMA for trusted interfaces (`--ucx-net` in issue 17).
 
 pub mod engine;
 pub mod mixed;
