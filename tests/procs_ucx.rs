@@ -25,6 +25,14 @@ fn available() -> bool {
     }
 }
 
+/// `ezero launch --transport ucx --nprocs N -- FLAGS`: (code, stdout, stderr).
+fn launch_ucx(nprocs: u32, flags: &[String]) -> (i32, String, String) {
+    let n = nprocs.to_string();
+    run(Command::new(EZERO)
+        .args(["launch", "--transport", "ucx", "--nprocs", &n, "--"])
+        .args(flags))
+}
+
 /// Every worker reached every other over UCX and received frames that way.
 fn assert_all_over_ucx(out: &str, nprocs: u32) {
     for r in 0..nprocs {
@@ -57,16 +65,7 @@ fn launch_over_ucx_gives_the_in_process_digest_at_2_and_3_processes() {
     for (nprocs, stage, model) in [(2, 1, "gpt"), (3, 1, "mlp"), (2, 3, "mlp"), (3, 3, "gpt")] {
         let flags = small(model, stage);
         let reference = reference_digest(nprocs, &flags);
-        let (code, out, err) = run(Command::new(EZERO)
-            .args([
-                "launch",
-                "--transport",
-                "ucx",
-                "--nprocs",
-                &nprocs.to_string(),
-            ])
-            .arg("--")
-            .args(&flags));
+        let (code, out, err) = launch_ucx(nprocs, &flags);
         let case = format!("{nprocs} processes, stage {stage}, {model}");
         assert_eq!(code, 0, "{case}: {out}\n{err}");
         assert_eq!(digest(&out), Some(reference), "{case}: {out}");
@@ -84,16 +83,7 @@ fn leave_and_join_over_ucx_give_the_in_process_digest() {
     for (nprocs, extra) in [(3, ["--leave", "1@1"]), (2, ["--join", "1@3"])] {
         let flags = flags_with("mlp", 3, 5, &extra);
         let reference = reference_digest(nprocs, &flags_with("mlp", 3, 5, &[]));
-        let (code, out, err) = run(Command::new(EZERO)
-            .args([
-                "launch",
-                "--transport",
-                "ucx",
-                "--nprocs",
-                &nprocs.to_string(),
-            ])
-            .arg("--")
-            .args(&flags));
+        let (code, out, err) = launch_ucx(nprocs, &flags);
         let case = format!("{nprocs} processes {extra:?}");
         assert_eq!(code, 0, "{case}: {out}\n{err}");
         assert_eq!(digest(&out), Some(reference), "{case}: {out}");

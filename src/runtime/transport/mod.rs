@@ -18,6 +18,9 @@ pub mod tcp;
 #[cfg(feature = "ucx")]
 pub mod ucx;
 
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::Duration;
+
 use crate::plan::RankId;
 
 /// What `--transport ucx` says on a build without the `ucx` feature.
@@ -51,4 +54,36 @@ pub trait Transport: Send + 'static {
     /// Delivers anything the transport is still holding back (called when a rank finishes a
     /// job and may not send or receive again for a while).
     fn flush(&self) {}
+}
+
+/// The next frame of a rank's inbox channel, waiting at most `timeout_ms` (the receive side of
+/// the transports that feed one channel from their reader threads).
+pub(crate) fn recv_inbox(rx: &Receiver<Frame>, timeout_ms: u64) -> Result<Frame, TransportError> {
+    match rx.recv_timeout(Duration::from_millis(timeout_ms)) {
+        Ok(f) => Ok(f),
+        Err(RecvTimeoutError::Timeout) => Err(TransportError::Timeout(timeout_ms)),
+        Err(RecvTimeoutError::Disconnected) => Err(TransportError::Closed),
+    }
+}
+
+/// A gather frame for the transports' tests.
+#[cfg(test)]
+pub(crate) fn test_frame(
+    epoch: u64,
+    from: RankId,
+    unit: u32,
+    payload: impl Into<bytes::Bytes>,
+) -> Frame {
+    Frame {
+        epoch,
+        step: 2,
+        from,
+        tag: Tag {
+            kind: TagKind::Gather,
+            attempt: 0,
+            unit,
+            pass: 1,
+        },
+        payload: payload.into(),
+    }
 }

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use std::io::{BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,7 +25,7 @@ use rustls::{ClientConnection, ServerConnection, StreamOwned};
 
 use crate::net::tls::{check_alpn, peer_server_name, ClusterTls, Protocol};
 use crate::plan::RankId;
-use crate::runtime::transport::{Frame, Tag, TagKind, Transport, TransportError};
+use crate::runtime::transport::{recv_inbox, Frame, Tag, TagKind, Transport, TransportError};
 
 pub const DATA_VERSION: u8 = 1;
 /// Largest payload of one data frame.
@@ -571,14 +571,7 @@ impl Transport for TcpTransport {
     }
 
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
-        match self
-            .inbox_rx
-            .recv_timeout(Duration::from_millis(timeout_ms))
-        {
-            Ok(f) => Ok(f),
-            Err(RecvTimeoutError::Timeout) => Err(TransportError::Timeout(timeout_ms)),
-            Err(RecvTimeoutError::Disconnected) => Err(TransportError::Closed),
-        }
+        recv_inbox(&self.inbox_rx, timeout_ms)
     }
 }
 
@@ -586,20 +579,10 @@ impl Transport for TcpTransport {
 mod tests {
     use super::*;
     use crate::net::ClusterCa;
+    use crate::runtime::transport::test_frame;
 
     fn frame(from: RankId, unit: u32, payload: &'static [u8]) -> Frame {
-        Frame {
-            epoch: 1,
-            step: 2,
-            from,
-            tag: Tag {
-                kind: TagKind::Gather,
-                attempt: 0,
-                unit,
-                pass: 1,
-            },
-            payload: Bytes::from_static(payload),
-        }
+        test_frame(1, from, unit, payload)
     }
 
     fn cluster_tls(ca: &ClusterCa, name: &str) -> ClusterTls {

@@ -144,22 +144,10 @@ mod tests {
     use crate::net::tls::ClusterTls;
     use crate::net::ClusterCa;
     use crate::runtime::transport::tcp::TcpListenerHandle;
-    use crate::runtime::transport::{Tag, TagKind};
-    use bytes::Bytes;
+    use crate::runtime::transport::test_frame;
 
     fn frame(from: RankId, unit: u32, payload: Vec<u8>) -> Frame {
-        Frame {
-            epoch: 1,
-            step: 2,
-            from,
-            tag: Tag {
-                kind: TagKind::Gather,
-                attempt: 0,
-                unit,
-                pass: 0,
-            },
-            payload: Bytes::from(payload),
-        }
+        test_frame(1, from, unit, payload)
     }
 
     /// Ranks 0 and 1 share a host (UCX both ways); rank 2 reaches both over TCP only.

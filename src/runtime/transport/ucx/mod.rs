@@ -8,6 +8,8 @@
 //!   progresses, arms the worker and sleeps on its event fd; other threads submit through a
 //!   bounded channel and wake it with `ucp_worker_signal`. Messages are active messages whose
 //!   payload the receiver places into a buffer it allocates (rendezvous above the eager size).
+//!   The thread's UCP calls and callbacks are in `thread`; large receive buffers are reused
+//!   (`pool`).
 //!
 //! - [`transport`]: `Transport` over the engine, every frame checked as on the TCP and QUIC
 //!   planes (version, lengths, CRC-32, and a `from` that matches the sending engine).
@@ -21,7 +23,9 @@
 
 pub mod engine;
 pub mod mixed;
+mod pool;
 pub mod sys;
+mod thread;
 pub mod transport;
 
 use std::sync::OnceLock;

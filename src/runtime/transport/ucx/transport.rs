@@ -25,7 +25,7 @@ use bytes::Bytes;
 use super::engine::{Engine, EngineCounts, Inbound};
 use super::UcxError;
 use crate::plan::RankId;
-use crate::runtime::transport::{Frame, Transport, TransportError};
+use crate::runtime::transport::{recv_inbox, Frame, Transport, TransportError};
 use crate::wire::{decode_split, encode_split, WireMsg, WireStats};
 
 /// Frames delivered, and their payload bytes.
@@ -244,14 +244,7 @@ impl Transport for UcxTransport {
     }
 
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
-        match self
-            .inbox_rx
-            .recv_timeout(Duration::from_millis(timeout_ms))
-        {
-            Ok(f) => Ok(f),
-            Err(RecvTimeoutError::Timeout) => Err(TransportError::Timeout(timeout_ms)),
-            Err(RecvTimeoutError::Disconnected) => Err(TransportError::Closed),
-        }
+        recv_inbox(&self.inbox_rx, timeout_ms)
     }
 }
 
@@ -260,23 +253,12 @@ mod tests {
     use super::super::available_for_tests as available;
     use super::super::engine::EngineConfig;
     use super::*;
-    use crate::runtime::transport::{Tag, TagKind};
+    use crate::runtime::transport::test_frame;
     use bytes::Bytes;
     use std::sync::atomic::Ordering;
 
     fn frame(from: RankId, unit: u32, payload: Vec<u8>) -> Frame {
-        Frame {
-            epoch: 3,
-            step: 7,
-            from,
-            tag: Tag {
-                kind: TagKind::Gather,
-                attempt: 0,
-                unit,
-                pass: 1,
-            },
-            payload: Bytes::from(payload),
-        }
+        test_frame(3, from, unit, payload)
     }
 
     fn plane(n: u32) -> Vec<UcxTransport> {
@@ -306,7 +288,7 @@ mod tests {
         let mut got: Vec<Frame> = (0..3).map(|_| t[2].recv_timeout(10_000).unwrap()).collect();
         got.sort_by_key(|f| f.from);
         assert_eq!(got[0].payload, Bytes::from(big));
-        assert_eq!((got[0].epoch, got[0].step, got[0].tag.unit), (3, 7, 1));
+        assert_eq!((got[0].epoch, got[0].step, got[0].tag.unit), (3, 2, 1));
         assert_eq!(&got[1].payload[..], b"small");
         assert_eq!((got[2].from, got[2].tag.unit), (2, 3));
         assert!(matches!(

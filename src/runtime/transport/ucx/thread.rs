@@ -1,0 +1,610 @@
+//! The engine's thread: the UCP calls and the callbacks UCX makes during progress. Everything
+//! here runs on that one thread (`UCS_THREAD_MODE_SINGLE`).
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::{c_void, CString};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use super::pool::Pool;
+use super::{check, status_text, sys, UcxError};
+
+/// The active-message id our messages use.
+const AM_ID: u32 = 0;
+/// The largest header a message may carry beside its payload (it travels in UCX's active
+/// message header, with the 4-byte sender id before it).
+pub const HEADER_MAX_BYTES: usize = 256;
+/// The longest the thread sleeps on the worker's event fd: it bounds the cost of a wake-up
+/// that arrives between arming and sleeping.
+const IDLE_POLL_MS: i32 = 10;
+/// How long closing endpoints may take when the engine stops.
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How an engine is set up.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// This engine's id, carried in every message's header so the receiver knows the sender.
+    pub id: u32,
+    /// UCX transports (`UCX_TLS`), set in code so that the environment does not choose them.
+    pub transports: String,
+    /// The largest message taken, in bytes; a larger one is refused by the receiver (counted).
+    pub max_message_bytes: usize,
+    /// Commands queued for the thread at most.
+    pub queue_max: usize,
+    /// Received messages held at most before the thread stops progressing.
+    pub inbox_max: usize,
+}
+
+impl EngineConfig {
+    /// Shared memory only (SysV or POSIX segments, CMA zero copy, loopback), 256 MiB messages.
+    pub fn shared_memory(id: u32) -> Self {
+        Self {
+            id,
+            transports: "sysv,posix,cma,self".into(),
+            max_message_bytes: crate::wire::DEFAULT_MAX_FRAME_BYTES as usize,
+            queue_max: 1024,
+            inbox_max: 1024,
+        }
+    }
+}
+
+/// What arrives.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Inbound {
+    /// A message from engine `from`: its small header and its payload.
+    Message {
+        from: u32,
+        header: Vec<u8>,
+        bytes: Bytes,
+    },
+    /// UCX reported that the endpoint to `peer` failed; it is closed.
+    PeerLost { peer: u32, why: String },
+}
+
+/// Counters of what the engine refused or lost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineCounts {
+    /// Messages over `max_message_bytes` or with a malformed header, dropped.
+    pub refused: u64,
+    /// Sends or receives that completed with an error.
+    pub failed: u64,
+}
+
+pub(super) enum Cmd {
+    Connect {
+        peer: u32,
+        address: Vec<u8>,
+        done: SyncSender<Result<(), UcxError>>,
+    },
+    Send {
+        peer: u32,
+        header: Vec<u8>,
+        payload: Bytes,
+    },
+    Stop,
+}
+
+/// The worker pointer for `ucp_worker_signal`, cleared before the worker is destroyed.
+pub(super) type Waker = Arc<Mutex<Option<usize>>>;
+
+/// What the callbacks reach, on the engine thread only.
+struct State {
+    ucp: &'static sys::Ucp,
+    worker: sys::ucp_worker_h,
+    max_message_bytes: usize,
+    received: VecDeque<Inbound>,
+    /// Rendezvous messages announced in the AM callback, received after progress returns.
+    announced: Vec<Announced>,
+    counts: Arc<Mutex<EngineCounts>>,
+    /// Sends whose completion has not run yet.
+    sending: usize,
+    pool: Arc<Pool>,
+}
+
+impl State {
+    fn count(&self, f: impl FnOnce(&mut EngineCounts)) {
+        f(&mut self.counts.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+}
+
+/// A rendezvous message the AM callback saw: its payload is fetched after progress returns.
+struct Announced {
+    from: u32,
+    header: Vec<u8>,
+    desc: *mut c_void,
+    len: usize,
+}
+
+/// A send in flight: what must outlive it.
+struct SendOp {
+    /// The sender id, then the message's header.
+    header: Vec<u8>,
+    payload: Bytes,
+    state: *mut State,
+}
+
+/// A rendezvous receive in flight.
+struct RecvOp {
+    from: u32,
+    header: Vec<u8>,
+    /// Allocated for `len` bytes, empty until the receive completes.
+    buf: Vec<u8>,
+    len: usize,
+    state: *mut State,
+}
+
+/// The argument of an endpoint's error handler.
+struct EpArg {
+    peer: u32,
+    state: *mut State,
+}
+
+unsafe extern "C" fn on_am(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: sys::size_t,
+    data: *mut c_void,
+    length: sys::size_t,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    let st = &mut *(arg as *mut State);
+    let length = length as usize;
+    let rndv = (*param).recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0;
+    let header_length = header_length as usize;
+    if !(4..=4 + HEADER_MAX_BYTES).contains(&header_length) || length > st.max_message_bytes {
+        st.count(|c| c.refused += 1);
+        // A rendezvous descriptor is dropped by returning an error, which the sender sees.
+        return if rndv {
+            sys::UCS_ERR_MESSAGE_TRUNCATED
+        } else {
+            sys::UCS_OK
+        };
+    }
+    let header = std::slice::from_raw_parts(header as *const u8, header_length);
+    let from = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
+    let header = header[4..].to_vec();
+    if rndv {
+        st.announced.push(Announced {
+            from,
+            header,
+            desc: data,
+            len: length,
+        });
+        return sys::UCS_INPROGRESS;
+    }
+    let bytes = Bytes::copy_from_slice(std::slice::from_raw_parts(data as *const u8, length));
+    st.received.push_back(Inbound::Message {
+        from,
+        header,
+        bytes,
+    });
+    sys::UCS_OK
+}
+
+unsafe extern "C" fn on_sent(request: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
+    let op = Box::from_raw(user as *mut SendOp);
+    let st = &mut *op.state;
+    st.sending -= 1;
+    if status != sys::UCS_OK {
+        st.count(|c| c.failed += 1);
+    }
+    (st.ucp.ucp_request_free)(request);
+}
+
+unsafe extern "C" fn on_received(
+    request: *mut c_void,
+    status: sys::ucs_status_t,
+    _length: sys::size_t,
+    user: *mut c_void,
+) {
+    let op = Box::from_raw(user as *mut RecvOp);
+    let st = &mut *op.state;
+    finish_recv(st, *op, status);
+    (st.ucp.ucp_request_free)(request);
+}
+
+fn finish_recv(st: &mut State, op: RecvOp, status: sys::ucs_status_t) {
+    if status == sys::UCS_OK {
+        let mut bytes = op.buf;
+        // SAFETY: the buffer holds `len` bytes, and UCX wrote all of them (the receive of
+        // `len` bytes completed OK).
+        unsafe { bytes.set_len(op.len) };
+        st.received.push_back(Inbound::Message {
+            from: op.from,
+            header: op.header,
+            bytes: st.pool.wrap(bytes),
+        });
+    } else {
+        st.count(|c| c.failed += 1);
+    }
+}
+
+unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
+    let a = &*(arg as *const EpArg);
+    let st = &mut *a.state;
+    let why = status_text(st.ucp, status);
+    st.received
+        .push_back(Inbound::PeerLost { peer: a.peer, why });
+}
+
+/// `UCS_PTR_IS_ERR` / `UCS_PTR_STATUS` of a returned request pointer.
+fn ptr_status(p: *mut c_void) -> Option<sys::ucs_status_t> {
+    let v = p as isize;
+    (v < 0 && v >= sys::UCS_ERR_LAST as isize).then_some(v as sys::ucs_status_t)
+}
+
+/// The context and worker, made on the engine thread.
+fn open(
+    ucp: &'static sys::Ucp,
+    cfg: &EngineConfig,
+) -> Result<(sys::ucp_context_h, sys::ucp_worker_h), UcxError> {
+    // SAFETY: every parameter struct is zeroed and its field mask names the fields set.
+    unsafe {
+        let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
+        check(
+            ucp,
+            "ucp_config_read",
+            (ucp.ucp_config_read)(std::ptr::null(), std::ptr::null(), &mut config),
+        )?;
+        // The rank decides these, not the user's shell.
+        let settings = [
+            ("TLS", cfg.transports.as_str()),
+            // Keep shared memory and CMA under peer-failure handling (§4 of UCX.md): without
+            // these UCX moves same-host traffic to TCP loopback.
+            // (`CMA_MEMORY_INVALIDATE` is a memory-domain setting that this call cannot reach:
+            // [`super::library`] sets it in the environment before libucp is loaded.)
+            ("MM_ERROR_HANDLING", "y"),
+            // Shared memory notices a dead peer only by keepalive, every 20 s by default; the
+            // control plane's heartbeats and every collective's deadline stay the authority.
+            ("KEEPALIVE_INTERVAL", "1s"),
+        ];
+        for (key, value) in settings {
+            let (k, v) = (CString::new(key).unwrap(), CString::new(value).unwrap());
+            let s = (ucp.ucp_config_modify)(config, k.as_ptr(), v.as_ptr());
+            if let Err(e) = check(ucp, "ucp_config_modify", s) {
+                (ucp.ucp_config_release)(config);
+                return Err(UcxError::Call {
+                    call: "ucp_config_modify",
+                    status: format!("{key}={value}: {e}"),
+                });
+            }
+        }
+        let mut params: sys::ucp_params_t = std::mem::zeroed();
+        params.field_mask = sys::UCP_PARAM_FIELD_FEATURES as u64;
+        params.features = (sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP) as u64;
+        let mut ctx: sys::ucp_context_h = std::ptr::null_mut();
+        let s = (ucp.ucp_init_version)(
+            sys::UCP_API_MAJOR,
+            sys::UCP_API_MINOR,
+            &params,
+            config,
+            &mut ctx,
+        );
+        (ucp.ucp_config_release)(config);
+        check(ucp, "ucp_init_version", s)?;
+        let mut wp: sys::ucp_worker_params_t = std::mem::zeroed();
+        wp.field_mask = sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64;
+        wp.thread_mode = sys::UCS_THREAD_MODE_SINGLE;
+        let mut worker: sys::ucp_worker_h = std::ptr::null_mut();
+        if let Err(e) = check(
+            ucp,
+            "ucp_worker_create",
+            (ucp.ucp_worker_create)(ctx, &wp, &mut worker),
+        ) {
+            (ucp.ucp_cleanup)(ctx);
+            return Err(e);
+        }
+        Ok((ctx, worker))
+    }
+}
+
+/// The worker's address as bytes.
+unsafe fn worker_address(ucp: &sys::Ucp, worker: sys::ucp_worker_h) -> Result<Vec<u8>, UcxError> {
+    let mut addr: *mut sys::ucp_address_t = std::ptr::null_mut();
+    let mut len: sys::size_t = 0;
+    check(
+        ucp,
+        "ucp_worker_get_address",
+        (ucp.ucp_worker_get_address)(worker, &mut addr, &mut len),
+    )?;
+    let out = std::slice::from_raw_parts(addr as *const u8, len as usize).to_vec();
+    (ucp.ucp_worker_release_address)(worker, addr);
+    Ok(out)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(super) fn run(
+    ucp: &'static sys::Ucp,
+    cfg: EngineConfig,
+    commands: Receiver<Cmd>,
+    inbox: SyncSender<Inbound>,
+    ready: SyncSender<Result<Vec<u8>, UcxError>>,
+    waker: Waker,
+    counts: Arc<Mutex<EngineCounts>>,
+) {
+    let (ctx, worker) = match open(ucp, &cfg) {
+        Ok(v) => v,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    // Boxed so the callbacks' pointer to it stays put.
+    let state = Box::into_raw(Box::new(State {
+        ucp,
+        worker,
+        max_message_bytes: cfg.max_message_bytes,
+        received: VecDeque::new(),
+        announced: Vec::new(),
+        counts,
+        sending: 0,
+        pool: Arc::default(),
+    }));
+    let mut eps: HashMap<u32, (sys::ucp_ep_h, *mut EpArg)> = HashMap::new();
+    // SAFETY: the worker, the state and the endpoints are used on this thread only, and each
+    // op's box lives until its completion callback (or the immediate completion) frees it.
+    unsafe {
+        let setup = (|| {
+            let mut hp: sys::ucp_am_handler_param_t = std::mem::zeroed();
+            hp.field_mask = (sys::UCP_AM_HANDLER_PARAM_FIELD_ID
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
+                | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG) as u64;
+            hp.id = AM_ID;
+            hp.cb = Some(on_am);
+            hp.arg = state as *mut c_void;
+            check(
+                ucp,
+                "ucp_worker_set_am_recv_handler",
+                (ucp.ucp_worker_set_am_recv_handler)(worker, &hp),
+            )?;
+            let mut efd = -1;
+            check(
+                ucp,
+                "ucp_worker_get_efd",
+                (ucp.ucp_worker_get_efd)(worker, &mut efd),
+            )?;
+            Ok::<_, UcxError>((worker_address(ucp, worker)?, efd))
+        })();
+        let efd = match setup {
+            Ok((address, efd)) => {
+                *waker.lock().unwrap_or_else(|p| p.into_inner()) = Some(worker as usize);
+                let _ = ready.send(Ok(address));
+                efd
+            }
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                drop(Box::from_raw(state));
+                (ucp.ucp_worker_destroy)(worker);
+                (ucp.ucp_cleanup)(ctx);
+                return;
+            }
+        };
+        // The callbacks reach the state through its raw pointer while progress runs, so no
+        // reference to it is held across a UCX call: each use below takes a short one.
+        let mut stopping = false;
+        let mut held: VecDeque<Inbound> = VecDeque::new();
+        loop {
+            while let Ok(cmd) = commands.try_recv() {
+                match cmd {
+                    Cmd::Stop => stopping = true,
+                    Cmd::Connect {
+                        peer,
+                        address,
+                        done,
+                    } => {
+                        let _ = done.send(connect(state, &mut eps, peer, &address));
+                    }
+                    Cmd::Send {
+                        peer,
+                        header,
+                        payload,
+                    } => match eps.get(&peer) {
+                        Some(&(ep, _)) => send(state, ep, cfg.id, header, payload),
+                        None => (*state).count(|c| c.failed += 1),
+                    },
+                }
+            }
+            if stopping {
+                break;
+            }
+            // Backpressure: while the inbox is full nothing more is taken off the wire.
+            if held.len() < cfg.inbox_max {
+                while (ucp.ucp_worker_progress)(worker) != 0 {}
+                for a in std::mem::take(&mut (*state).announced) {
+                    receive(state, a);
+                }
+                held.extend((*state).received.drain(..));
+            }
+            while let Some(m) = held.pop_front() {
+                match inbox.try_send(m) {
+                    Ok(()) => {}
+                    Err(TrySendError::Full(m)) => {
+                        held.push_front(m);
+                        break;
+                    }
+                    // Nobody reads any more: the engine is being dropped.
+                    Err(TrySendError::Disconnected(_)) => {
+                        held.clear();
+                        break;
+                    }
+                }
+            }
+            if !held.is_empty() {
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+            match (ucp.ucp_worker_arm)(worker) {
+                sys::UCS_OK => {
+                    let mut fd = libc::pollfd {
+                        fd: efd,
+                        events: libc::POLLIN,
+                        revents: 0,
+                    };
+                    libc::poll(&mut fd, 1, IDLE_POLL_MS);
+                }
+                // Events arrived after the last progress: progress again.
+                _ => continue,
+            }
+        }
+        // Sends still in flight complete first (a rendezvous receiver may still be reading
+        // this process's memory), within the close timeout.
+        let deadline = Instant::now() + CLOSE_TIMEOUT;
+        while (*state).sending > 0 && Instant::now() < deadline {
+            if (ucp.ucp_worker_progress)(worker) == 0 {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            for a in std::mem::take(&mut (*state).announced) {
+                receive(state, a);
+            }
+        }
+        close_all(state, &mut eps);
+        *waker.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        (ucp.ucp_worker_destroy)(worker);
+        drop(Box::from_raw(state));
+        (ucp.ucp_cleanup)(ctx);
+    }
+}
+
+unsafe fn connect(
+    state: *mut State,
+    eps: &mut HashMap<u32, (sys::ucp_ep_h, *mut EpArg)>,
+    peer: u32,
+    address: &[u8],
+) -> Result<(), UcxError> {
+    if eps.contains_key(&peer) {
+        return Ok(());
+    }
+    let arg = Box::into_raw(Box::new(EpArg { peer, state }));
+    let mut p: sys::ucp_ep_params_t = std::mem::zeroed();
+    p.field_mask = (sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+        | sys::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+        | sys::UCP_EP_PARAM_FIELD_ERR_HANDLER) as u64;
+    p.address = address.as_ptr() as *const sys::ucp_address_t;
+    p.err_mode = sys::UCP_ERR_HANDLING_MODE_PEER;
+    p.err_handler.cb = Some(on_ep_error);
+    p.err_handler.arg = arg as *mut c_void;
+    let mut ep: sys::ucp_ep_h = std::ptr::null_mut();
+    match check(
+        (*state).ucp,
+        "ucp_ep_create",
+        ((*state).ucp.ucp_ep_create)((*state).worker, &p, &mut ep),
+    ) {
+        Ok(()) => {
+            eps.insert(peer, (ep, arg));
+            Ok(())
+        }
+        Err(e) => {
+            drop(Box::from_raw(arg));
+            Err(e)
+        }
+    }
+}
+
+unsafe fn send(state: *mut State, ep: sys::ucp_ep_h, me: u32, header: Vec<u8>, payload: Bytes) {
+    let mut h = Vec::with_capacity(4 + header.len());
+    h.extend_from_slice(&me.to_le_bytes());
+    h.extend_from_slice(&header);
+    let op = Box::new(SendOp {
+        header: h,
+        payload,
+        state,
+    });
+    let (hp, hl) = (op.header.as_ptr() as *const c_void, op.header.len());
+    let (data, len) = (op.payload.as_ptr() as *const c_void, op.payload.len());
+    let user = Box::into_raw(op) as *mut c_void;
+    let mut p: sys::ucp_request_param_t = std::mem::zeroed();
+    p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = Some(on_sent);
+    p.user_data = user;
+    let ucp = (*state).ucp;
+    let req = (ucp.ucp_am_send_nbx)(
+        ep,
+        AM_ID,
+        hp,
+        hl as sys::size_t,
+        data,
+        len as sys::size_t,
+        &p,
+    );
+    if req.is_null() {
+        // Completed at once: the callback will not run.
+        drop(Box::from_raw(user as *mut SendOp));
+    } else if ptr_status(req).is_some() {
+        drop(Box::from_raw(user as *mut SendOp));
+        (*state).count(|c| c.failed += 1);
+    } else {
+        (*state).sending += 1;
+    }
+}
+
+unsafe fn receive(state: *mut State, a: Announced) {
+    let Announced {
+        from,
+        header,
+        desc,
+        len,
+    } = a;
+    // Not zeroed: UCX fills all of it, and its length is set only once it has.
+    let mut op = Box::new(RecvOp {
+        from,
+        header,
+        buf: (*state).pool.take(len),
+        len,
+        state,
+    });
+    let buf = op.buf.as_mut_ptr() as *mut c_void;
+    let user = Box::into_raw(op) as *mut c_void;
+    let mut p: sys::ucp_request_param_t = std::mem::zeroed();
+    p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.recv_am = Some(on_received);
+    p.user_data = user;
+    let (ucp, worker) = ((*state).ucp, (*state).worker);
+    let req = (ucp.ucp_am_recv_data_nbx)(worker, desc, buf, len as sys::size_t, &p);
+    if req.is_null() {
+        finish_recv(
+            &mut *state,
+            *Box::from_raw(user as *mut RecvOp),
+            sys::UCS_OK,
+        );
+    } else if let Some(s) = ptr_status(req) {
+        finish_recv(&mut *state, *Box::from_raw(user as *mut RecvOp), s);
+    }
+}
+
+/// Closes every endpoint, progressing until each close completes or [`CLOSE_TIMEOUT`].
+unsafe fn close_all(state: *mut State, eps: &mut HashMap<u32, (sys::ucp_ep_h, *mut EpArg)>) {
+    let (ucp, worker) = ((*state).ucp, (*state).worker);
+    let deadline = Instant::now() + CLOSE_TIMEOUT;
+    let mut pending = Vec::new();
+    let mut args = Vec::new();
+    for (_, (ep, arg)) in eps.drain() {
+        let mut p: sys::ucp_request_param_t = std::mem::zeroed();
+        p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+        let req = (ucp.ucp_ep_close_nbx)(ep, &p);
+        if !req.is_null() && ptr_status(req).is_none() {
+            pending.push(req);
+        }
+        args.push(arg);
+    }
+    while !pending.is_empty() && Instant::now() < deadline {
+        (ucp.ucp_worker_progress)(worker);
+        pending.retain(|&r| {
+            let done = (ucp.ucp_request_check_status)(r) != sys::UCS_INPROGRESS;
+            if done {
+                (ucp.ucp_request_free)(r);
+            }
+            !done
+        });
+    }
+    // An error handler may run until its endpoint's close completes: its argument is freed
+    // only then (a close that timed out leaks 16 bytes rather than risk a dangling pointer).
+    if pending.is_empty() {
+        for arg in args {
+            drop(Box::from_raw(arg));
+        }
+    }
+}
