@@ -139,3 +139,51 @@ fn a_missing_libucx_is_one_line_exit_2() {
         assert_eq!(err.trim().lines().count(), 1, "{err}");
     }
 }
+
+/// `--ucx-net`: refused without `--transport ucx` or with a malformed device list (exit 2,
+/// one line); with it, the workers' UCX may also use the device (here loopback), the coordinator
+/// warns that such traffic is unencrypted, and the digest is unchanged.
+#[test]
+fn ucx_net_is_checked_warned_about_and_keeps_the_digest() {
+    for (transport, devices, says) in [
+        ("tcp", "eth0", "for --transport ucx only"),
+        ("ucx", "eth 0", "device names separated by commas"),
+        ("ucx", "eth0,", "device names separated by commas"),
+    ] {
+        let (code, out, err) = run(Command::new(EZERO).args([
+            "launch",
+            "--transport",
+            transport,
+            "--ucx-net",
+            devices,
+            "--nprocs",
+            "2",
+            "--",
+            "--steps",
+            "1",
+        ]));
+        assert_eq!(code, 2, "{transport} {devices}: {out}\n{err}");
+        assert!(err.contains(says), "{err}");
+    }
+    if !available() {
+        return;
+    }
+    let flags = small("gpt", 3);
+    let reference = reference_digest(2, &flags);
+    let (code, out, err) = run(Command::new(EZERO)
+        .args([
+            "launch",
+            "--transport",
+            "ucx",
+            "--ucx-net",
+            "lo",
+            "--nprocs",
+            "2",
+            "--",
+        ])
+        .args(&flags));
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert!(err.contains("unencrypted"), "{err}");
+    assert_eq!(digest(&out), Some(reference), "{out}");
+    assert_all_over_ucx(&out, 2);
+}

@@ -42,6 +42,11 @@ pub struct LaunchArgs {
     /// (control, TCP and QUIC data) is mutual TLS with a CA made for this launch.
     #[arg(long, value_parser = parse_data_plane)]
     pub transport: Option<DataPlane>,
+    /// With --transport ucx: UCX over these network devices too (see `ezero coordinator
+    /// --help`; a launch's workers share this host, so it matters only to standbys joining
+    /// from other hosts). NOT ENCRYPTED.
+    #[arg(long, value_name = "DEVICES")]
+    pub ucx_net: Option<String>,
     /// Use this secrets directory (an operator's CA) instead of a fresh CA made for this launch.
     #[arg(long, value_name = "DIR")]
     pub secrets: Option<PathBuf>,
@@ -97,6 +102,8 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
     let token = new_token();
     let transport = a.transport.unwrap_or(DataPlane::Tcp);
     super::procs::check_data_plane(transport)?;
+    // The coordinator says that it is not encrypted.
+    super::procs::check_ucx_net(transport, a.ucx_net.as_deref(), false)?;
     let secrets = match &a.secrets {
         Some(dir) => Secrets {
             dir: dir.clone(),
@@ -117,6 +124,11 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
         )
         .args(a.control_allow_kill.then_some("--control-allow-kill"))
         .args(["--transport", transport.name()])
+        .args(
+            a.ucx_net
+                .iter()
+                .flat_map(|d| ["--ucx-net".to_string(), d.clone()]),
+        )
         .args(a.procs.to_flags())
         .arg("--secrets")
         .arg(&secrets.dir)

@@ -99,6 +99,12 @@ pub struct CoordinatorArgs {
     /// one user, TLS TCP between the others.
     #[arg(long, value_parser = parse_data_plane)]
     pub transport: Option<DataPlane>,
+    /// With --transport ucx: also use UCX over these network devices (e.g. eth1 or mlx5_0:1,
+    /// comma-separated: TCP or RDMA) between workers on different hosts. NOT ENCRYPTED: only
+    /// for networks you trust, as with NCCL or gloo [default: shared memory only, TLS TCP
+    /// between hosts].
+    #[arg(long, value_name = "DEVICES")]
+    pub ucx_net: Option<String>,
     /// File holding the cluster token workers must present (or set EZERO_CLUSTER_TOKEN).
     #[arg(long, env = "EZERO_CLUSTER_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
@@ -209,6 +215,31 @@ pub fn parse_data_plane(s: &str) -> Result<DataPlane, String> {
     }
 }
 
+/// `--ucx-net` only with `--transport ucx`, naming devices UCX can take; with `warn`, says
+/// that it is not encrypted.
+pub fn check_ucx_net(plane: DataPlane, devices: Option<&str>, warn: bool) -> Result<(), CliError> {
+    let Some(devices) = devices else {
+        return Ok(());
+    };
+    if plane != DataPlane::Ucx {
+        return Err(CliError::Usage(
+            "--ucx-net is for --transport ucx only".into(),
+        ));
+    }
+    #[cfg(feature = "ucx")]
+    if !elastic_zero::runtime::transport::ucx::engine::valid_net_devices(devices) {
+        return Err(CliError::Usage(format!(
+            "--ucx-net `{devices}`: give device names separated by commas (e.g. eth1 or mlx5_0:1,eth2)"
+        )));
+    }
+    if warn {
+        eprintln!(
+            "warning: --ucx-net {devices}: data between workers on different hosts goes over UCX unencrypted"
+        );
+    }
+    Ok(())
+}
+
 /// Under `--transport ucx`, that libucx can be loaded here (exit 2 with what to install before
 /// any process starts; the workers of a launch run on this machine).
 pub fn check_data_plane(plane: DataPlane) -> Result<(), CliError> {
@@ -241,6 +272,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let procs = args.procs.resolve()?;
     let data_plane = args.transport.unwrap_or(DataPlane::Tcp);
     check_data_plane(data_plane)?;
+    check_ucx_net(data_plane, args.ucx_net.as_deref(), true)?;
     let token = token(args.token_file.as_ref())?;
     let tls = cluster_tls(args.secrets.as_ref(), "coordinator")?;
     let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
@@ -278,6 +310,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         tls,
         procs,
         data_plane,
+        ucx_net: args.ucx_net.clone(),
         control: args.train.control,
         allow_kill: args.train.control_allow_kill,
         start,

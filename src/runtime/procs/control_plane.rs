@@ -284,6 +284,9 @@ pub struct Welcome {
     pub map: ShardMap,
     pub world: u32,
     pub data_plane: DataPlane,
+    /// Under `DataPlane::Ucx`: network devices UCX may use between hosts (`--ucx-net`),
+    /// unencrypted; `None`: shared memory only.
+    pub ucx_net: Option<String>,
     pub procs: ProcsConfig,
     /// `StatePart`s follow with the chunks this rank starts from (`--resume`, `--init`),
     /// instead of the model's initialisation.
@@ -323,6 +326,8 @@ pub struct UcxBound {
     pub host: String,
     /// The worker's effective user id.
     pub uid: u32,
+    /// UCX may also reach it over the network (`--ucx-net`).
+    pub net: bool,
 }
 
 /// A peer's data-plane address as the coordinator sends it to one worker.

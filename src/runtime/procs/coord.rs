@@ -71,6 +71,8 @@ pub struct CoordinatorOptions {
     pub tls: ClusterTls,
     pub procs: ProcsConfig,
     pub data_plane: DataPlane,
+    /// Under `DataPlane::Ucx`: network devices UCX may use between hosts (`--ucx-net`).
+    pub ucx_net: Option<String>,
     /// Serve the HTTP control endpoint here (`None`: off). Until every worker has joined it
     /// answers 503 `not_started`, saying how many have.
     pub control: Option<SocketAddr>,
@@ -492,6 +494,7 @@ impl Run {
                 map: map.clone(),
                 world: cfg.ranks,
                 data_plane,
+                ucx_net: opts.ucx_net.clone(),
                 procs,
                 restore: opts.start.is_some(),
                 part_max_bytes: opts.part_max_bytes as u64,
@@ -620,6 +623,7 @@ impl Run {
         let joining = Joining {
             config_json,
             data_plane,
+            ucx_net: opts.ucx_net.clone(),
             procs,
             part_max_bytes: opts.part_max_bytes as u64,
             lobby: Arc::clone(&lobby),

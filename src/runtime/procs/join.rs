@@ -29,6 +29,8 @@ use crate::runtime::transport::detached::Detached;
 pub(super) struct Joining {
     pub config_json: String,
     pub data_plane: DataPlane,
+    /// `Welcome::ucx_net`.
+    pub ucx_net: Option<String>,
     pub procs: ProcsConfig,
     /// Largest part of chunk states in one frame (`Welcome::part_max_bytes`).
     pub part_max_bytes: u64,
@@ -127,6 +129,7 @@ impl Joining {
             world: ranks.len() as u32 + 1,
             map,
             data_plane: self.data_plane,
+            ucx_net: self.ucx_net.clone(),
             procs: self.procs,
             // A joiner starts empty and gets its chunks in the reshard that admits it.
             restore: false,

@@ -5,8 +5,10 @@
 //! picks UCX for a pair only when it has confirmed that the two share a host and a user: both
 //! report the same host identity (boot id and IPC, mount and PID namespaces, which shared
 //! memory and CMA need in common) and user id, and both control connections came from the same
-//! IP address. Every other pair uses TCP. UCX addresses travel only over the mutual-TLS control
-//! connections, so an address from a process that did not pass the handshake is never used.
+//! IP address. With `--ucx-net` (network devices the operator declares trusted), pairs on
+//! different hosts use UCX over those devices too, unencrypted. Every other pair uses TCP.
+//! UCX addresses travel only over the mutual-TLS control connections, so an address from a
+//! process that did not pass the handshake is never used.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -43,12 +45,33 @@ impl Endpoint {
     }
 }
 
-/// Whether `a` and `b` talk over UCX: both have it, on one host, as one user.
-pub fn ucx_pair(a: &Endpoint, b: &Endpoint) -> bool {
+/// How a pair of workers talks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pair {
+    /// UCX shared memory: confirmed on one host, as one user.
+    UcxShm,
+    /// UCX over the network devices the operator declared trusted (`--ucx-net`), unencrypted.
+    UcxNet,
+    /// The job's TLS plane (TCP or QUIC).
+    Tls,
+}
+
+/// How `a` and `b` talk.
+pub fn pair(a: &Endpoint, b: &Endpoint) -> Pair {
     match (&a.ucx, &b.ucx) {
-        (Some(x), Some(y)) => x.host == y.host && x.uid == y.uid && a.control_ip == b.control_ip,
-        _ => false,
+        (Some(x), Some(y))
+            if x.host == y.host && x.uid == y.uid && a.control_ip == b.control_ip =>
+        {
+            Pair::UcxShm
+        }
+        (Some(x), Some(y)) if x.net && y.net => Pair::UcxNet,
+        _ => Pair::Tls,
     }
+}
+
+/// Whether `a` and `b` talk over UCX.
+pub fn ucx_pair(a: &Endpoint, b: &Endpoint) -> bool {
+    pair(a, b) != Pair::Tls
 }
 
 /// `peer` (rank `rank`) as the worker at `me` is told of it.
@@ -130,13 +153,12 @@ impl DataPlanes for Endpoints {
                 let (Some(x), Some(y)) = (map.get(a), map.get(b)) else {
                     continue;
                 };
-                let plane = if ucx_pair(x, y) {
-                    "ucx"
-                } else if self.plane == DataPlane::Ucx {
+                let plane = match pair(x, y) {
+                    Pair::UcxShm => "ucx",
+                    Pair::UcxNet => "ucx-net",
                     // The TCP beside UCX.
-                    "tcp"
-                } else {
-                    self.plane.name()
+                    Pair::Tls if self.plane == DataPlane::Ucx => "tcp",
+                    Pair::Tls => self.plane.name(),
                 };
                 out.push(PlanePair {
                     ranks: [*a, *b],
@@ -159,6 +181,7 @@ mod tests {
                 address: host.as_bytes().to_vec(),
                 host: host.into(),
                 uid,
+                net: false,
             }),
             control_ip: IpAddr::from(ip),
         }
@@ -173,6 +196,18 @@ mod tests {
         assert!(!ucx_pair(&a, &ep("h1", 0, [10, 0, 0, 1], true)));
         assert!(!ucx_pair(&a, &ep("h1", 1000, [10, 0, 0, 2], true)));
         assert!(!ucx_pair(&a, &ep("h1", 1000, [10, 0, 0, 1], false)));
+        // Across hosts only when both declared a trusted network.
+        let net = |mut e: Endpoint| {
+            e.ucx.as_mut().unwrap().net = true;
+            e
+        };
+        let (x, y) = (
+            ep("h1", 1, [10, 0, 0, 1], true),
+            ep("h2", 1, [10, 0, 0, 2], true),
+        );
+        assert_eq!(pair(&net(x.clone()), &net(y.clone())), Pair::UcxNet);
+        assert_eq!(pair(&net(x.clone()), &y), Pair::Tls);
+        assert_eq!(pair(&net(x.clone()), &net(x)), Pair::UcxShm);
     }
 
     #[test]

@@ -227,11 +227,12 @@ async fn run_rank(
         #[cfg(feature = "ucx")]
         DataPlane::Ucx => {
             let data = bind_tcp(opts)?;
-            let engine = start_ucx(welcome.rank)?;
+            let engine = start_ucx(welcome.rank, welcome.ucx_net.as_deref())?;
             let ucx = UcxBound {
                 address: engine.address().to_vec(),
                 host: host_identity(),
                 uid: user_id(),
+                net: welcome.ucx_net.is_some(),
             };
             let bound = data.local_addr();
             let peers = exchange(bound, Some(ucx), link, &mut reader, join_ms, opts).await?;
@@ -424,12 +425,17 @@ fn tcp_transport(
     .with_send_stall_timeout(stall)
 }
 
-/// This rank's UCX engine: shared memory only, frames up to the TCP plane's limit.
+/// This rank's UCX engine: shared memory, and the trusted network devices when given;
+/// frames up to the TCP plane's limit.
 #[cfg(feature = "ucx")]
-fn start_ucx(rank: RankId) -> Result<Arc<Engine>, ProcError> {
+fn start_ucx(rank: RankId, net: Option<&str>) -> Result<Arc<Engine>, ProcError> {
+    let base = match net {
+        Some(devices) => EngineConfig::with_network(rank, devices),
+        None => EngineConfig::shared_memory(rank),
+    };
     let cfg = EngineConfig {
         max_message_bytes: DATA_FRAME_MAX_BYTES as usize + (1 << 10),
-        ..EngineConfig::shared_memory(rank)
+        ..base
     };
     Engine::start(cfg)
         .map(Arc::new)

@@ -19,7 +19,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::thread::{run, Cmd, Waker};
-pub use super::thread::{EngineConfig, EngineCounts, Inbound, HEADER_MAX_BYTES};
+pub use super::thread::{valid_net_devices, EngineConfig, EngineCounts, Inbound, HEADER_MAX_BYTES};
 use super::{library, sys, UcxError};
 
 /// A UCP worker on its own thread.
@@ -261,6 +261,36 @@ mod tests {
             Err(UcxError::TooLarge { .. })
         ));
         assert_eq!(b.counts(), EngineCounts::default());
+    }
+
+    /// `--ucx-net`: UCX over TCP alone (here on loopback), as between hosts.
+    #[test]
+    fn engines_talk_over_a_declared_network_device() {
+        if !available() {
+            return;
+        }
+        let net = |id| EngineConfig {
+            transports: "tcp".into(),
+            ..EngineConfig::with_network(id, "lo")
+        };
+        let a = Engine::start(net(0)).unwrap();
+        let b = Engine::start(net(1)).unwrap();
+        a.connect(1, b.address().to_vec()).unwrap();
+        b.connect(0, a.address().to_vec()).unwrap();
+        let payload: Vec<u8> = (0..(2 << 20)).map(|i| (i % 239) as u8).collect();
+        a.send(1, payload.clone()).unwrap();
+        assert_eq!(
+            next(&b),
+            Inbound::Message {
+                from: 0,
+                header: Vec::new(),
+                bytes: payload.into()
+            }
+        );
+        assert!(valid_net_devices("eth1,mlx5_0:1"));
+        for bad in ["", "eth1,", "eth 1", "a\0b", "lo;rm"] {
+            assert!(!valid_net_devices(bad), "{bad:?}");
+        }
     }
 
     /// The peer process of [`a_peer_process_echoes_and_its_death_is_reported`]: run as this

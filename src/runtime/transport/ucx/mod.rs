@@ -19,7 +19,8 @@
 //!
 //! Peer death is reported by UCX's keepalive (set to 1 s; about 1 s after a kill -9 in the
 //! test) as `Inbound::PeerLost`; the control plane's heartbeats decide membership.
-//! Not here: UCX over TCP or RDMA for trusted interfaces (`--ucx-net` in issue 17).
+//! `EngineConfig::with_network` adds TCP and RDMA transports on devices the operator declares
+//! trusted (`--ucx-net`): unencrypted.
 
 pub mod engine;
 pub mod mixed;

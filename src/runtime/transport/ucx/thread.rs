@@ -36,6 +36,9 @@ pub struct EngineConfig {
     pub queue_max: usize,
     /// Received messages held at most before the thread stops progressing.
     pub inbox_max: usize,
+    /// Network devices UCX may use (`UCX_NET_DEVICES`; `None`: shared memory only). Traffic
+    /// on them is not encrypted.
+    pub net_devices: Option<String>,
 }
 
 impl EngineConfig {
@@ -47,8 +50,30 @@ impl EngineConfig {
             max_message_bytes: crate::wire::DEFAULT_MAX_FRAME_BYTES as usize,
             queue_max: 1024,
             inbox_max: 1024,
+            net_devices: None,
         }
     }
+
+    /// Shared memory, and TCP or RDMA (`rc`, `ud`, `dc` where present) on `devices` (e.g.
+    /// `eth1` or `mlx5_0:1`), unencrypted: for networks the operator trusts.
+    pub fn with_network(id: u32, devices: &str) -> Self {
+        Self {
+            transports: "sysv,posix,cma,self,tcp,rc,ud,dc".into(),
+            net_devices: Some(devices.to_string()),
+            ..Self::shared_memory(id)
+        }
+    }
+}
+
+/// Whether `devices` is a list UCX can take (`eth1`, `mlx5_0:1,eth2`): names of letters,
+/// digits and `_ . : -`, comma-separated.
+pub fn valid_net_devices(devices: &str) -> bool {
+    !devices.is_empty()
+        && devices.split(',').all(|d| {
+            !d.is_empty()
+                && d.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "_.:-".contains(c))
+        })
 }
 
 /// What arrives.
@@ -250,7 +275,7 @@ fn open(
             (ucp.ucp_config_read)(std::ptr::null(), std::ptr::null(), &mut config),
         )?;
         // The rank decides these, not the user's shell.
-        let settings = [
+        let mut settings = vec![
             ("TLS", cfg.transports.as_str()),
             // Keep shared memory and CMA under peer-failure handling (§4 of UCX.md): without
             // these UCX moves same-host traffic to TCP loopback.
@@ -261,8 +286,17 @@ fn open(
             // control plane's heartbeats and every collective's deadline stay the authority.
             ("KEEPALIVE_INTERVAL", "1s"),
         ];
+        if let Some(devices) = cfg.net_devices.as_deref() {
+            settings.push(("NET_DEVICES", devices));
+        }
         for (key, value) in settings {
-            let (k, v) = (CString::new(key).unwrap(), CString::new(value).unwrap());
+            let (Ok(k), Ok(v)) = (CString::new(key), CString::new(value)) else {
+                (ucp.ucp_config_release)(config);
+                return Err(UcxError::Call {
+                    call: "ucp_config_modify",
+                    status: format!("{key}: a NUL byte in `{value}`"),
+                });
+            };
             let s = (ucp.ucp_config_modify)(config, k.as_ptr(), v.as_ptr());
             if let Err(e) = check(ucp, "ucp_config_modify", s) {
                 (ucp.ucp_config_release)(config);
