@@ -8,6 +8,9 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     elastic_zero::runtime::alloc::keep_freed_memory();
+    // Before any thread starts: UCX reads its process-wide settings from the environment.
+    #[cfg(feature = "ucx")]
+    elastic_zero::runtime::transport::ucx::prepare_environment();
     let args = cli::Cli::parse();
     let filter =
         tracing_subscriber::EnvFilter::try_from_env("EZERO_LOG").unwrap_or_else(|_| "warn".into());

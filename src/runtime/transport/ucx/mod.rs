@@ -68,14 +68,24 @@ pub enum UcxError {
     NoPeer(u32),
 }
 
+/// Sets [`PROCESS_SETTINGS`] in the environment (libucs reads them when it loads, so they
+/// cannot go through `ucp_config_modify`), once. Setting variables races with other threads
+/// reading the environment: a program calls this first thing, before it starts threads
+/// (`ezero` does); [`library`] calls it too, for programs that did not.
+pub fn prepare_environment() {
+    static DONE: std::sync::Once = std::sync::Once::new();
+    DONE.call_once(|| {
+        for (key, value) in PROCESS_SETTINGS {
+            std::env::set_var(key, value);
+        }
+    });
+}
+
 /// libucp's functions, loaded once per process.
 pub fn library() -> Result<&'static sys::Ucp, UcxError> {
     static LIB: OnceLock<Result<sys::Ucp, UcxError>> = OnceLock::new();
     LIB.get_or_init(|| {
-        // Read by libucs when it loads, so they cannot go through `ucp_config_modify`.
-        for (key, value) in PROCESS_SETTINGS {
-            std::env::set_var(key, value);
-        }
+        prepare_environment();
         let name = std::env::var(LIBRARY_ENV).unwrap_or_else(|_| LIBRARY.to_string());
         load(&name)
     })
