@@ -8,7 +8,9 @@
 #   5. one rank, no communication: ours vs torch `single`, 5 alternating pairs,
 #   6. NVMe offload: the tier's engine vs fio, offloaded vs in-RAM steps (TIER_DIR, on a disk),
 #   7. bf16: our bf16 GEMM vs torch's, and the bf16 step vs FSDP2 with bf16 mixed precision,
-#   8. the chaos soak: 3000 seeds of the in-process harness (about 2 minutes).
+#   8. the chaos soak: 3000 seeds of the in-process harness (about 2 minutes),
+#   9. UCX: collectives vs gloo and ucx_perftest, and a training step over each data plane
+#      (skipped without ucx_perftest: apt install libucx0 ucx-utils).
 # Raw JSON and the tables go to $OUT (default /tmp/ezero_bench).
 #
 #   bash benches/run_all.sh
@@ -35,3 +37,7 @@ python3 benches/compare_bf16.py --rounds "$ROUNDS" --no-build | tee "$OUT/bf16.m
 python3 benches/compare_hf.py --model gpt2 --rounds 2 --world-sizes 2 --no-build | tee "$OUT/hf_gpt2.md"
 python3 benches/compare_hf.py --model smollm2 --rounds 2 --world-sizes 2 --no-build | tee "$OUT/hf_smollm2.md"
 CHAOS_SEEDS=3000 cargo test --release --test chaos chaos_seeds 2>&1 | tee "$OUT/soak.txt"
+if command -v ucx_perftest > /dev/null; then
+  OUT="$OUT/collectives_ucx" bash benches/collectives_ucx.sh 2 | tee "$OUT/collectives_ucx.txt"
+  OUT="$OUT/train_planes" bash benches/train_planes.sh 3 | tee "$OUT/train_planes.txt"
+fi
