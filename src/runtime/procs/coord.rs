@@ -37,7 +37,7 @@ pub use super::error::ProcError;
 use super::heartbeat::ProcsConfig;
 use super::join::Joining;
 use super::link::{write_loop, ControlReader, ControlWriter, Links, Tasks, LINK_QUEUE_MAX};
-use super::planes::{Endpoint, Endpoints};
+use super::planes::Endpoints;
 use super::proxy::lock;
 use super::standby::Lobby;
 use super::state::{check_parts, parts, StartState};
@@ -517,11 +517,7 @@ impl Run {
         for (rank, reader) in &mut readers {
             match expect(*rank, reader, wait, "bound").await? {
                 ToCoord::Bound { data_addr, ucx } if data_addr.parse::<SocketAddr>().is_ok() => {
-                    let control_ip = control_ips[rank];
-                    endpoints.insert(
-                        *rank,
-                        Endpoint::reported(data_plane, data_addr, ucx, control_ip),
-                    );
+                    endpoints.record(*rank, data_addr, ucx, control_ips[rank]);
                 }
                 other => {
                     return Err(ProcError::Setup(format!(

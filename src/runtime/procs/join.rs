@@ -16,7 +16,7 @@ use super::conn::{start_proxy, Inbox};
 use super::control_plane::{DataPlane, ToCoord, ToWorker, Welcome};
 use super::heartbeat::ProcsConfig;
 use super::link::{Links, Tasks};
-use super::planes::{Endpoint, Endpoints};
+use super::planes::Endpoints;
 use super::proxy::lock;
 use super::standby::{self, Lobby, Standby};
 use crate::plan::RankId;
@@ -139,8 +139,7 @@ impl Joining {
         let deadline = Instant::now() + Duration::from_millis(self.procs.join_timeout_ms);
         match expect(&mut s.inbox, deadline, "bound").await? {
             ToCoord::Bound { data_addr, ucx } if data_addr.parse::<SocketAddr>().is_ok() => {
-                let e = Endpoint::reported(self.data_plane, data_addr, ucx, s.peer.ip());
-                self.endpoints.insert(rank, e);
+                self.endpoints.record(rank, data_addr, ucx, s.peer.ip());
             }
             other => return Err(format!("sent {} instead of its data address", other.kind())),
         };

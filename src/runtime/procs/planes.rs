@@ -28,23 +28,6 @@ pub struct Endpoint {
     pub control_ip: IpAddr,
 }
 
-impl Endpoint {
-    /// What a worker reported in its `Bound`, from `control_ip`; a UCX side is kept only
-    /// when the job runs the UCX plane.
-    pub fn reported(
-        plane: DataPlane,
-        data_addr: String,
-        ucx: Option<UcxBound>,
-        control_ip: IpAddr,
-    ) -> Self {
-        Self {
-            data_addr,
-            ucx: ucx.filter(|_| plane == DataPlane::Ucx),
-            control_ip,
-        }
-    }
-}
-
 /// How a pair of workers talks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pair {
@@ -122,12 +105,28 @@ impl Endpoints {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub fn insert(&self, rank: RankId, e: Endpoint) {
-        self.lock().insert(rank, e);
+    /// What worker `rank` reported in its `Bound`, from `control_ip`; its UCX side is kept
+    /// only when the job runs the UCX plane.
+    pub fn record(
+        &self,
+        rank: RankId,
+        data_addr: String,
+        ucx: Option<UcxBound>,
+        control_ip: IpAddr,
+    ) {
+        let ucx = ucx.filter(|_| self.plane == DataPlane::Ucx);
+        self.insert(
+            rank,
+            Endpoint {
+                data_addr,
+                ucx,
+                control_ip,
+            },
+        );
     }
 
-    pub fn get(&self, rank: RankId) -> Option<Endpoint> {
-        self.lock().get(&rank).cloned()
+    fn insert(&self, rank: RankId, e: Endpoint) {
+        self.lock().insert(rank, e);
     }
 
     /// The peer list for `me`: each of `ranks` with a known endpoint, UCX where the pair

@@ -16,7 +16,6 @@ use crate::wire::WireStats;
 /// TCP to every peer not reached over UCX.
 pub struct MixedTransport {
     tcp: TcpTransport,
-    ucx: Arc<UcxPlane>,
     routes: UcxRoutes,
 }
 
@@ -72,24 +71,19 @@ impl MixedTransport {
             tcp.inbox_sender(),
         )?);
         let routes = UcxRoutes {
-            ucx: Arc::clone(&ucx),
+            ucx,
             peers: Arc::default(),
         };
-        Ok(Self { tcp, ucx, routes })
+        Ok(Self { tcp, routes })
     }
 
     pub fn routes(&self) -> UcxRoutes {
         self.routes.clone()
     }
 
-    /// The TCP plane underneath (its interrupter, peer book and counters).
-    pub fn tcp(&self) -> &TcpTransport {
-        &self.tcp
-    }
-
     /// What frames arriving over UCX were refused for.
     pub fn ucx_stats(&self) -> &Arc<WireStats> {
-        self.ucx.stats()
+        self.routes.ucx.stats()
     }
 }
 
@@ -100,7 +94,7 @@ impl Transport for MixedTransport {
 
     fn send(&self, to: RankId, frame: Frame) -> Result<(), TransportError> {
         if self.routes.contains(to) {
-            self.ucx.send_to_each(&[to], frame)
+            self.routes.ucx.send_to_each(&[to], frame)
         } else {
             self.tcp.send(to, frame)
         }
@@ -115,7 +109,8 @@ impl Transport for MixedTransport {
                 continue;
             }
             if !run.is_empty() {
-                self.ucx
+                self.routes
+                    .ucx
                     .send_to_each(&std::mem::take(&mut run), frame.clone())?;
             }
             self.tcp.send(r, frame.clone())?;
@@ -123,7 +118,7 @@ impl Transport for MixedTransport {
         if run.is_empty() {
             Ok(())
         } else {
-            self.ucx.send_to_each(&run, frame)
+            self.routes.ucx.send_to_each(&run, frame)
         }
     }
 
@@ -183,8 +178,8 @@ mod tests {
             })
             .collect();
         let (a0, a1) = (
-            t[0].ucx.engine_address().to_vec(),
-            t[1].ucx.engine_address().to_vec(),
+            t[0].routes.ucx.engine_address().to_vec(),
+            t[1].routes.ucx.engine_address().to_vec(),
         );
         t[0].routes().add(1, a1).unwrap();
         t[1].routes().add(0, a0).unwrap();

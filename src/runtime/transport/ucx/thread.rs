@@ -447,9 +447,7 @@ pub(super) fn run(
             // Backpressure: while the inbox is full nothing more is taken off the wire.
             if held.len() < cfg.inbox_max {
                 while (ucp.ucp_worker_progress)(worker) != 0 {}
-                for a in std::mem::take(&mut (*state).announced) {
-                    receive(state, a);
-                }
+                fetch_announced(state);
                 held.extend((*state).received.drain(..));
             }
             while let Some(m) = held.pop_front() {
@@ -490,9 +488,7 @@ pub(super) fn run(
             if (ucp.ucp_worker_progress)(worker) == 0 {
                 std::thread::sleep(Duration::from_micros(50));
             }
-            for a in std::mem::take(&mut (*state).announced) {
-                receive(state, a);
-            }
+            fetch_announced(state);
         }
         close_all(state, &mut eps);
         *waker.lock().unwrap_or_else(|p| p.into_inner()) = None;
@@ -571,6 +567,14 @@ unsafe fn send(state: *mut State, ep: sys::ucp_ep_h, me: u32, header: Vec<u8>, p
         (*state).count(|c| c.failed += 1);
     } else {
         (*state).sending += 1;
+    }
+}
+
+/// Starts the receive of every rendezvous message the AM callback announced during the last
+/// progress (kept until progress returns, so that no receive starts inside the callback).
+unsafe fn fetch_announced(state: *mut State) {
+    for a in std::mem::take(&mut (*state).announced) {
+        receive(state, a);
     }
 }
 

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::engine::{Engine, EngineCounts, Inbound};
+use super::engine::{Engine, Inbound};
 use super::UcxError;
 use crate::plan::RankId;
 use crate::runtime::transport::{recv_inbox, Frame, Transport, TransportError};
@@ -98,11 +98,6 @@ impl UcxPlane {
     /// This side's worker address, for peers to connect with.
     pub fn engine_address(&self) -> &[u8] {
         self.engine.address()
-    }
-
-    /// The engine's own counts (messages it refused, operations that failed).
-    pub fn engine_counts(&self) -> EngineCounts {
-        self.engine.counts()
     }
 
     /// Sends `frame` to each of `to` (none of them this rank), encoded once.
