@@ -187,6 +187,7 @@ pub fn memory_demand(
             .unwrap_or(0) as u64,
         grad_elem_bytes: cfg.reduce.elem_bytes() as u64,
         state_per_param: optim_settings(cfg).state_per_param(),
+        param_copy_bytes: cfg.precision.param_bytes(),
         max_live_units: cfg.max_live_units as u64,
         // The least the policy allows; `plan_memory` settles auto.
         activation_bytes: activation_bytes(

@@ -42,7 +42,7 @@ fn resident_memory_matches_the_stage_formulas() {
             let st = Stage::from_u8(stage).unwrap();
             for r in &out.records.last().unwrap().reports {
                 let owned = map.owned_elems(r.rank) as u64;
-                let want = resident(st, psi, owned, reduce.elem_bytes() as u64, 2);
+                let want = resident(st, psi, owned, reduce.elem_bytes() as u64, 2, 4);
                 assert_eq!(r.resident, want, "stage {stage} {reduce:?} rank {}", r.rank);
                 // Sharded state is within one chunk of an even split.
                 let even = psi as f64 / 4.0;
@@ -135,9 +135,11 @@ fn bytes_sent_match_2psi_and_3psi_plus_stated_overhead() {
 }
 
 #[test]
-fn bf16_halves_stage3_parameter_bytes_and_keeps_the_resident_formula() {
-    // Under bf16 the gathers carry 2 bytes a parameter; the master weights, Adam state and
-    // gradients that ranks keep between steps are those of fp32 training.
+fn bf16_halves_parameter_bytes_and_keeps_the_papers_mixed_precision_memory() {
+    // Under bf16 every parameter gather carries 2 bytes a parameter (stage 3's before use,
+    // stages 1-2's after the update). Between steps stages 0-2 keep a bf16 full copy (2Ψ) and
+    // the fp32 masters of their own chunks with Adam's m and v (12 bytes an owned parameter):
+    // the ZeRO paper's mixed-precision figures with our gradient width.
     for stage in 0..=3u8 {
         let cfg = TrainConfig {
             ranks: 3,
@@ -150,7 +152,7 @@ fn bf16_halves_stage3_parameter_bytes_and_keeps_the_resident_formula() {
         let st = Stage::from_u8(stage).unwrap();
         let out = run_cfg(&cfg).unwrap();
         let param_bytes = param_elem_bytes(st, Precision::Bf16.param_bytes());
-        assert_eq!(param_bytes, if stage == 3 { 2 } else { 4 });
+        assert_eq!(param_bytes, 2);
         let g = cfg.reduce.elem_bytes() as u64;
         for rec in &out.records {
             for r in &rec.reports {
@@ -166,20 +168,36 @@ fn bf16_halves_stage3_parameter_bytes_and_keeps_the_resident_formula() {
                     "stage {stage} overhead {overhead}"
                 );
                 let owned = map.owned_elems(r.rank) as u64;
-                assert_eq!(r.resident, resident(st, psi, owned, g, 2), "stage {stage}");
+                assert_eq!(
+                    r.resident,
+                    resident(st, psi, owned, g, 2, 2),
+                    "stage {stage}"
+                );
+                let (params, optimizer, grads) = match stage {
+                    0 => (2 * psi, 12 * psi, g * psi),
+                    1 => (2 * psi, 12 * owned, g * psi),
+                    2 => (2 * psi, 12 * owned, 4 * owned),
+                    _ => (4 * owned, 8 * owned, 4 * owned),
+                };
+                let got = (r.resident.params, r.resident.optimizer, r.resident.grads);
+                assert_eq!(got, (params, optimizer, grads), "stage {stage}");
             }
         }
-        if stage == 3 {
-            // Summed over ranks and per step: (2·2 + g)·Ψ·(N-1) bytes of data.
-            let steps = out.records.len() as u64;
-            let data: u64 = out
-                .records
-                .iter()
-                .flat_map(|r| &r.reports)
-                .map(|r| r.sent.bytes(2, g))
-                .sum();
-            assert_eq!(data / steps, (2 * 2 + g) * psi * 2);
-        }
+        // Summed over ranks and per step, with N - 1 = 2: stage 3 (2·2 + g)·Ψ·(N-1) bytes of
+        // data, stages 1-2 (2 + g)·Ψ·(N-1) (fp32 would be (4 + g)), stage 0 2g·Ψ·(N-1).
+        let steps = out.records.len() as u64;
+        let data: u64 = out
+            .records
+            .iter()
+            .flat_map(|r| &r.reports)
+            .map(|r| r.sent.bytes(2, g))
+            .sum();
+        let want = match stage {
+            0 => 2 * g,
+            1 | 2 => 2 + g,
+            _ => 2 * 2 + g,
+        };
+        assert_eq!(data / steps, want * psi * 2, "stage {stage}");
     }
 }
 

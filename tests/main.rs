@@ -20,6 +20,7 @@ mod elastic;
 mod gguf;
 mod hf;
 mod hf_llama;
+mod mixed_precision;
 mod offload;
 mod procs;
 mod procs_checkpoint;

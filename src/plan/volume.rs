@@ -5,8 +5,9 @@
 //! f(N-1) of the unit per all-gather and (1-f) of it per reduce-scatter: (N-1)/N per collective
 //! when balanced, the same per-rank volume as a ring. Per step that is 2Ψ(N-1)/N for stages 0-2
 //! and 3Ψ(N-1)/N for stage 3 (the ZeRO paper's 2Ψ and 3Ψ, which drop the (N-1)/N). Under bf16
-//! mixed precision stage 3's parameter gathers are 2 bytes an element, so its bytes per step
-//! are (2·2Ψ + g·Ψ)(N-1)/N with g the gradient width.
+//! mixed precision every parameter gather is 2 bytes an element (stage 3's before use, stages
+//! 1-2's of the updated values after the step), so stage 3's bytes per step are
+//! (2·2Ψ + g·Ψ)(N-1)/N and stages 1-2's (2Ψ + g·Ψ)(N-1)/N, with g the gradient width.
 
 use serde::{Deserialize, Serialize};
 
@@ -32,15 +33,12 @@ impl Volume {
     }
 }
 
-/// Bytes of a parameter element on the wire: ZeRO-3's gathers carry what the model computes
-/// with (`model_param_bytes`: 2 under bf16 mixed precision, 4 in fp32); stages 1 and 2
-/// all-gather the updated fp32 values, because there a rank's full copy is also the fp32 master
-/// of the chunks it owns.
-pub fn param_elem_bytes(stage: Stage, model_param_bytes: u64) -> u64 {
-    match stage {
-        Stage::Zero3 => model_param_bytes,
-        _ => 4,
-    }
+/// Bytes of a parameter element on the wire: every parameter gather carries what the model
+/// computes with (`model_param_bytes`: 2 under bf16 mixed precision, 4 in fp32). Stage 3
+/// gathers before use; stages 1-2 gather the updated values into every rank's full copy, which
+/// under bf16 is a bf16 copy (the owners keep the fp32 masters).
+pub fn param_elem_bytes(_stage: Stage, model_param_bytes: u64) -> u64 {
+    model_param_bytes
 }
 
 /// Exact per-step volume `rank` sends under `map` (without overflow redos).

@@ -385,6 +385,7 @@ fn reshard_job<'a>(
         mode: setup.mode,
         model: Arc::clone(&setup.model),
         optim: setup.optim,
+        precision: setup.exec.precision,
         storage: setup.storage.as_deref(),
         step,
         vanish,

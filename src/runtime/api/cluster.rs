@@ -417,6 +417,7 @@ impl Cluster {
                         Arc::clone(&spec.model),
                         map.clone(),
                         optim,
+                        cfg.precision,
                         &source,
                         storage.as_deref(),
                     )
@@ -429,6 +430,7 @@ impl Cluster {
                     Arc::clone(&spec.model),
                     map.clone(),
                     optim,
+                    cfg.precision,
                     &weights,
                     storage.as_deref(),
                 )

@@ -385,5 +385,9 @@ async fn call_actor<T: Transport, R: Send + 'static>(
 pub(crate) fn layout_of(config: &TrainConfig) -> StateLayout {
     // A config is validated before any cluster starts, so the stage is in 0..=3.
     let stage = Stage::from_u8(config.stage).unwrap_or(Stage::Zero3);
-    StateLayout::new(stage, &optim_settings(config))
+    StateLayout::new(
+        stage,
+        &optim_settings(config),
+        config.precision.param_bytes(),
+    )
 }

@@ -29,13 +29,16 @@ pub struct StateLayout {
     pub stage: Stage,
     /// Optimizer state elements per parameter (Adam: 2).
     pub state_per_param: u64,
+    /// The fp32 masters live with the optimizer state (stage 3; every stage under bf16).
+    pub masters_in_shard: bool,
 }
 
 impl StateLayout {
-    pub fn new(stage: Stage, optim: &OptimSettings) -> Self {
+    pub fn new(stage: Stage, optim: &OptimSettings, param_copy_bytes: u64) -> Self {
         Self {
             stage,
             state_per_param: optim.state_per_param(),
+            masters_in_shard: crate::plan::memory::masters_in_shard(stage, param_copy_bytes),
         }
     }
 
@@ -53,7 +56,7 @@ pub fn reshard_payload_bytes(
     layout: StateLayout,
     sender: &dyn Fn(usize, usize) -> RankId,
 ) -> u64 {
-    transfers(old, new, layout.stage, sender)
+    transfers(old, new, layout.stage, layout.masters_in_shard, sender)
         .values()
         .flatten()
         .map(|&(u, i, need)| {
@@ -518,6 +521,7 @@ mod tests {
         StateLayout {
             stage,
             state_per_param: 2,
+            masters_in_shard: stage == Stage::Zero3,
         }
     }
 

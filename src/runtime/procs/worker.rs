@@ -767,6 +767,7 @@ async fn start_rank<T: Transport>(
                     Arc::clone(&model),
                     welcome.map.clone(),
                     optim,
+                    cfg.precision,
                     &source,
                     storage.as_deref(),
                 )
@@ -786,6 +787,7 @@ async fn start_rank<T: Transport>(
                     Arc::clone(&model),
                     welcome.map.clone(),
                     optim,
+                    cfg.precision,
                     &weights,
                     storage.as_deref(),
                 )

@@ -469,21 +469,21 @@ impl<'a> Pass<'a> {
         match (self.gathered.get(&(u as u32)), self.st.stage) {
             (Some(g), _) => g,
             (None, Stage::Zero3) => panic!("unit {u} computed before its gather"),
-            (None, _) => &self.st.full[u],
+            (None, _) => self.st.full[u]
+                .f32s()
+                .unwrap_or_else(|| panic!("unit {u}'s bf16 copy computed before it was widened")),
         }
     }
 
-    /// Stages 0-2 under bf16: the unit's full copy rounded to bf16 for one forward or backward
-    /// (the copy is the fp32 master of this rank's chunks, so it is not rounded in place); the
-    /// model sees the same values as from a stage-3 bf16 gather.
+    /// Stages 0-2 under bf16: the unit's bf16 full copy widened to f32 for one forward or
+    /// backward (the model computes on f32 slices holding bf16 values); the model sees the same
+    /// values as from a stage-3 bf16 gather.
     fn round_full(&mut self, unit: u32) {
         if self.cfg.precision != Precision::Bf16 || self.st.stage == Stage::Zero3 {
             return;
         }
-        let rounded: Vec<f32> = self.st.full[unit as usize]
-            .iter()
-            .map(|&x| round_bf16(x))
-            .collect();
+        let full = &self.st.full[unit as usize];
+        let rounded: Vec<f32> = full.values(0..full.len());
         self.st
             .ledger
             .alloc(Category::Gathered, 4 * rounded.len() as u64);
@@ -795,12 +795,7 @@ impl<'a> Pass<'a> {
         let me = self.st.rank;
         for u in 0..self.st.full.len() {
             let full = &self.st.full[u];
-            let payload = || {
-                encode_f32(
-                    full,
-                    map.owned_in_unit(u, me).map(|i| map.chunk_range(u, i)),
-                )
-            };
+            let payload = || full.encode(map.owned_in_unit(u, me).map(|i| map.chunk_range(u, i)));
             let tag = Tag {
                 kind: TagKind::GatherParams,
                 attempt: self.attempt,
@@ -818,9 +813,8 @@ impl<'a> Pass<'a> {
                 pass: 0,
             };
             let full = &mut self.st.full[u];
-            collectives::wait_owned(comm, map, u, tag, 4, |r, b| {
-                decode_f32_into(b, &mut full[r])
-            })?;
+            let elem_bytes = full.elem_bytes();
+            collectives::wait_owned(comm, map, u, tag, elem_bytes, |r, b| full.decode_into(r, b))?;
         }
         Ok(())
     }

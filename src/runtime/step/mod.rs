@@ -9,6 +9,7 @@
 pub mod collectives;
 pub mod comm;
 pub mod exec;
+pub mod full_copy;
 pub mod offload;
 pub mod parcel;
 pub mod progress;

@@ -12,10 +12,11 @@ use std::ops::Range;
 
 use crate::model::backend::Backend;
 use crate::optim::OptimSettings;
-use crate::plan::Stage;
 use crate::reduce::grad_buf;
 use crate::runtime::storage::tier_file::Pending;
 use crate::runtime::storage::{AlignedBuf, TierError, TierFile};
+
+use super::full_copy::FullCopy;
 
 /// The pieces of shard elements `span` as (shard range, unit range) pairs, given the shard's
 /// chunk ranges within the unit (the shard is those ranges concatenated).
@@ -102,7 +103,9 @@ fn drain(tier: &mut TierFile, writes: VecDeque<Pending>) -> Result<(), TierError
 pub struct StepArgs<'a> {
     pub be: &'a dyn Backend,
     pub settings: OptimSettings,
-    pub stage: Stage,
+    /// The fp32 masters are the shard's (in RAM or the tier's parameter column), not the full
+    /// copy's.
+    pub masters_in_shard: bool,
     pub t: u64,
     pub lr: f32,
     /// The unit's gradient shard as f32, the mean clipped (empty when the gradients are on
@@ -122,12 +125,13 @@ pub struct ShardParts<'a> {
 }
 
 /// Streams unit `u`'s records through the optimizer: read (ahead), update, write back. A
-/// gradient on the tier is read with the record and not written back.
+/// gradient on the tier is read with the record and not written back. A full copy beside
+/// masters in the shard (bf16 at stages 0-2) is refreshed from the updated masters.
 pub fn update_unit(
     tier: &mut TierFile,
     u: usize,
     shard: ShardParts<'_>,
-    full: &mut [f32],
+    full: &mut FullCopy,
     a: &StepArgs<'_>,
 ) -> Result<(), TierError> {
     let kinds = tier.layout.kinds;
@@ -166,11 +170,6 @@ pub fn update_unit(
             let mut tv = (kinds.state >= 2).then(|| cols.next()).flatten();
             for (sr, ur) in shard_pieces(shard.ranges, span.clone()) {
                 let (lo, n) = (sr.start - span.start, sr.len());
-                let p: &mut [f32] = match tp.as_deref_mut() {
-                    Some(c) => &mut c[lo..lo + n],
-                    None if a.stage == Stage::Zero3 => &mut shard.params[sr.clone()],
-                    None => &mut full[ur],
-                };
                 let m: &mut [f32] = match tm.as_deref_mut() {
                     Some(c) => &mut c[lo..lo + n],
                     None => ram_state(shard.m, sr.clone()),
@@ -182,9 +181,25 @@ pub fn update_unit(
                 let g = if kinds.grads > 0 {
                     &g_tile[lo..lo + n]
                 } else {
-                    &a.g[sr]
+                    &a.g[sr.clone()]
                 };
-                a.be.optimizer_update(&a.settings, p, g, m, v, a.t, a.lr);
+                let mut step =
+                    |p: &mut [f32]| a.be.optimizer_update(&a.settings, p, g, m, v, a.t, a.lr);
+                let p: &mut [f32] = match tp.as_deref_mut() {
+                    Some(c) => &mut c[lo..lo + n],
+                    None if a.masters_in_shard => &mut shard.params[sr],
+                    None => {
+                        let p = full
+                            .f32s_mut()
+                            .expect("a full copy without masters beside it is fp32");
+                        step(&mut p[ur]);
+                        continue;
+                    }
+                };
+                step(p);
+                if !full.is_empty() {
+                    full.set_from_masters(ur, p);
+                }
             }
             let own = 0..kinds.grads_at();
             if own.is_empty() {

@@ -2,6 +2,10 @@
 //! full parameter copy where the stage keeps one, the whole-model gradient accumulator for
 //! stages 0 and 1, and the memory ledger that accounts for all of it.
 //!
+//! Where the fp32 masters live: in the shard at stage 3, and at every stage under bf16 mixed
+//! precision (stages 0-2 then keep a bf16 full copy, `full_copy.rs`); in fp32 training at stages
+//! 0-2 the full copy is the master.
+//!
 //! Shards are indexed by the shard map, never by attributes on tensors: `UnitShard::chunks` lists
 //! the chunk indices this rank holds for a unit, and the shard buffers are those chunks
 //! concatenated in ascending order (which is also the all-gather wire layout).
@@ -13,14 +17,17 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::ledger::{Category, Ledger};
+use crate::model::backend::Precision;
 use crate::model::weights::WeightSource;
 use crate::model::{Model, UnitSpec};
 pub use crate::optim::OptimSettings;
 use crate::optim::OptimState;
+use crate::plan::memory::masters_in_shard;
 use crate::plan::{RankId, ShardMap, Stage};
 use crate::reduce::{grad_buf, GradBuf, ReduceMode};
 use crate::runtime::storage::{RecordKinds, TierError, TierFile, TierLayout, TierSpec};
 
+use super::full_copy::FullCopy;
 use super::offload;
 use super::start_weights::{kept_chunks, read_chunks};
 
@@ -30,7 +37,9 @@ pub struct UnitShard {
     pub chunks: Vec<usize>,
     /// The chunks' element ranges within the unit.
     pub ranges: Vec<Range<usize>>,
-    /// Master parameters of the held chunks (stage 3 only; stages 0-2 use the full copy).
+    /// fp32 master parameters of the held chunks where the masters live in the shard (stage 3,
+    /// and every stage under bf16); empty otherwise (the full copy is the master) or when they
+    /// are on the tier.
     pub params: Vec<f32>,
     pub opt: OptimState,
     /// Reduced mean gradient of the held chunks as f32 (stages 2 and 3), before clipping: made
@@ -58,8 +67,10 @@ pub struct RankState {
     pub specs: Vec<UnitSpec>,
     pub map: ShardMap,
     pub optim: OptimSettings,
-    /// Full parameters per unit (stages 0-2); empty vectors for stage 3.
-    pub full: Vec<Vec<f32>>,
+    /// What the model computes with, which decides where the masters live.
+    pub precision: Precision,
+    /// Full parameters per unit (stages 0-2); empty for stage 3.
+    pub full: Vec<FullCopy>,
     pub shards: Vec<UnitShard>,
     /// Whole-model gradient accumulator per unit (stages 0 and 1).
     pub whole_grads: Option<Vec<GradBuf>>,
@@ -106,6 +117,7 @@ impl RankState {
         model: Arc<dyn Model>,
         map: ShardMap,
         optim: OptimSettings,
+        precision: Precision,
         weights: &dyn WeightSource,
         storage: Option<&TierSpec>,
     ) -> Result<Self, String> {
@@ -153,6 +165,7 @@ impl RankState {
             model,
             map.clone(),
             optim,
+            precision,
             &fresh,
             storage,
         )
@@ -165,7 +178,9 @@ impl RankState {
     /// Builds the rank's state for `map` from chunk states. A rank reads the optimizer state of
     /// the chunks it owns (every chunk for stage 0) and the parameters of the chunks it keeps
     /// (every chunk for stages 0-2, which hold a full copy; its own for stage 3). With a tier,
-    /// what the placement moves out of RAM is written there unit by unit.
+    /// what the placement moves out of RAM is written there unit by unit. Where the masters
+    /// live in the shard, the owned chunks' parameters must be their fp32 masters; the others'
+    /// only feed the bf16 copy.
     #[allow(clippy::too_many_arguments)]
     pub fn from_chunks(
         rank: RankId,
@@ -174,6 +189,7 @@ impl RankState {
         model: Arc<dyn Model>,
         map: ShardMap,
         optim: OptimSettings,
+        precision: Precision,
         source: &ChunkSource<'_>,
         storage: Option<&TierSpec>,
     ) -> Result<Self, String> {
@@ -186,12 +202,14 @@ impl RankState {
         {
             return Err("the shard map was planned for a different model".into());
         }
-        let mut tier = open_tier(rank, stage, &map, optim, storage).map_err(|e| e.to_string())?;
+        let mut tier =
+            open_tier(rank, stage, &map, optim, precision, storage).map_err(|e| e.to_string())?;
+        let masters_in_shard = masters_in_shard(stage, precision.param_bytes());
         let grads_on_tier = tier.as_ref().is_some_and(|t| t.layout.kinds.grads > 0);
         let shard_count = map.units.len();
         let mut ledger = Ledger::default();
         let mut shards = Vec::with_capacity(specs.len());
-        let mut full = vec![Vec::new(); specs.len()];
+        let mut full = vec![FullCopy::default(); specs.len()];
         for (u, unit) in map.units.iter().enumerate() {
             let all: Vec<usize> = (0..unit.owners.len()).collect();
             let chunks: Vec<usize> = if stage == Stage::Zero0 {
@@ -233,13 +251,15 @@ impl RankState {
                     .for_each(|i| out.extend_from_slice(&by_index[i].params));
                 out
             };
-            let shard_params: Vec<f32> = if stage == Stage::Zero3 {
+            if stage != Stage::Zero3 {
+                let values = concat(&all, map.units[u].numel);
+                full[u] = FullCopy::from_values(values, precision == Precision::Bf16);
+            }
+            let mut shard_params = if masters_in_shard {
                 concat(&chunks, len)
             } else {
-                full[u] = concat(&all, map.units[u].numel);
                 Vec::new()
             };
-            let mut shard_params = shard_params;
             if let Some(t) = tier.as_mut() {
                 offload::spill_unit(t, u, &shard_params, &opt.m, &opt.v)
                     .map_err(|e| e.to_string())?;
@@ -255,11 +275,15 @@ impl RankState {
             }
             let grads = (matches!(stage, Stage::Zero2 | Stage::Zero3) && !grads_on_tier)
                 .then(|| vec![0f32; len]);
-            ledger.alloc(
-                Category::Params,
-                4 * (shard_params.len() + full[u].len()) as u64,
-            );
-            ledger.alloc(Category::Optimizer, opt.bytes() as u64);
+            // Stage 3's shard is its parameters; the owned masters beside a full copy count
+            // with the optimizer state they are updated with (the paper's 12 bytes for Adam).
+            let masters = 4 * shard_params.len() as u64;
+            let (params_bytes, masters_as_opt) = match stage {
+                Stage::Zero3 => (masters, 0),
+                _ => (0, masters),
+            };
+            ledger.alloc(Category::Params, params_bytes + full[u].bytes());
+            ledger.alloc(Category::Optimizer, opt.bytes() as u64 + masters_as_opt);
             ledger.alloc(
                 Category::Grads,
                 grads.as_ref().map_or(0, |g| 4 * g.len() as u64),
@@ -292,6 +316,7 @@ impl RankState {
             specs,
             map,
             optim,
+            precision,
             full,
             shards,
             whole_grads,
@@ -344,10 +369,11 @@ impl RankState {
             })?;
             return Ok(out.pop());
         }
-        let params = match (self.stage, off) {
-            (Stage::Zero3, Some(off)) => shard.params[off..off + r.len()].to_vec(),
-            (Stage::Zero3, None) => return Ok(None),
-            _ => self.full[unit][r.clone()].to_vec(),
+        // Owned chunks give their masters; stages 0-2 give the others from the full copy.
+        let params = match (self.masters_in_shard(), off) {
+            (true, Some(off)) => shard.params[off..off + r.len()].to_vec(),
+            _ if self.stage == Stage::Zero3 => return Ok(None),
+            _ => self.full[unit].values(r.clone()),
         };
         let slice = |v: &[f32]| match off {
             Some(off) if !v.is_empty() => v[off..off + r.len()].to_vec(),
@@ -396,6 +422,7 @@ impl RankState {
         let settings = self.optim;
         let model = Arc::clone(&self.model);
         let be = model.backend();
+        let masters_in_shard = self.masters_in_shard();
         for u in 0..self.specs.len() {
             let factor = grad_buf::mean_factor(self.mode, exps[u], micro_batches);
             let grads_on_tier = self.grads_on_tier();
@@ -427,7 +454,7 @@ impl RankState {
                 let args = offload::StepArgs {
                     be,
                     settings,
-                    stage: self.stage,
+                    masters_in_shard,
                     t,
                     lr,
                     g: &g,
@@ -444,17 +471,24 @@ impl RankState {
                 let mut off = 0;
                 for r in &shard.ranges {
                     let n = r.len();
-                    // Stage 3 updates its shard; stages 0-2 update the full copy in place,
-                    // chunk by chunk. The optimizer is elementwise, so where it is cut changes
-                    // no bits.
-                    let p = if self.stage == Stage::Zero3 {
-                        &mut shard.params[off..off + n]
-                    } else {
-                        &mut self.full[u][r.clone()]
-                    };
+                    // Masters in the shard are updated there (and a bf16 full copy refreshed
+                    // from them); otherwise the fp32 full copy is updated in place, chunk by
+                    // chunk. The optimizer is elementwise, so where it is cut changes no bits.
                     let m = sub(&mut shard.opt.m, off, n);
                     let v = sub(&mut shard.opt.v, off, n);
-                    be.optimizer_update(&settings, p, &g[off..off + n], m, v, t, lr);
+                    let g = &g[off..off + n];
+                    if masters_in_shard {
+                        let p = &mut shard.params[off..off + n];
+                        be.optimizer_update(&settings, p, g, m, v, t, lr);
+                        if !self.full[u].is_empty() {
+                            self.full[u].set_from_masters(r.clone(), p);
+                        }
+                    } else {
+                        let p = &mut self.full[u]
+                            .f32s_mut()
+                            .expect("a full copy without masters beside it is fp32")[r.clone()];
+                        be.optimizer_update(&settings, p, g, m, v, t, lr);
+                    }
                     off += n;
                 }
                 Ok(())
@@ -467,6 +501,12 @@ impl RankState {
             unit_done();
         }
         Ok(())
+    }
+
+    /// Whether the fp32 masters live in the shards (stage 3, and every stage under bf16) rather
+    /// than in the full copy.
+    pub fn masters_in_shard(&self) -> bool {
+        masters_in_shard(self.stage, self.precision.param_bytes())
     }
 
     /// What this rank keeps on its tier (nothing without one).
@@ -514,12 +554,15 @@ fn open_tier(
     stage: Stage,
     map: &ShardMap,
     optim: OptimSettings,
+    precision: Precision,
     storage: Option<&TierSpec>,
 ) -> Result<Option<TierFile>, TierError> {
     let Some(spec) = storage else {
         return Ok(None);
     };
-    let kinds = spec.placement.kinds(stage, optim.state_per_param());
+    let kinds = spec
+        .placement
+        .kinds(stage, optim.state_per_param(), precision.param_bytes());
     if kinds.values() == 0 {
         return Ok(None);
     }

@@ -114,7 +114,8 @@ impl Filling {
 
 impl Backup {
     /// What this rank can contribute to a rollback: its own copy, completed by the held
-    /// replicas (a stage 1/2 rank holds every parameter locally, optimizer state in `held`).
+    /// replicas (a stage 1/2 rank holds every parameter locally, the owner's masters and
+    /// optimizer state in `held`).
     /// A backup file that cannot be read is logged and its chunk reported missing, so the
     /// rollback stops rather than use it.
     pub fn chunk(&self, u: usize, i: usize) -> Option<ChunkState> {
@@ -124,15 +125,11 @@ impl Backup {
                 None
             })
         };
-        // The replica is read only when the local copy lacks the optimizer state.
+        // The replica is read only when the local copy lacks the optimizer state, and then
+        // taken whole: its parameters are the owner's masters, where the local copy's may be
+        // the bf16 full copy's (under mixed precision the copy is not the master).
         match read(&self.local) {
-            Some(l) if l.m.is_empty() && l.v.is_empty() => match read(&self.held) {
-                Some(h) => Some(ChunkState {
-                    params: l.params,
-                    ..h
-                }),
-                None => Some(l),
-            },
+            Some(l) if l.m.is_empty() && l.v.is_empty() => read(&self.held).or(Some(l)),
             Some(l) => Some(l),
             None => read(&self.held),
         }

@@ -1,11 +1,13 @@
 //! Resharding in place: ranks move chunk states peer to peer to go from one shard map to the
 //! next, then rebuild their state for the new map. No process restarts, no checkpoint.
 //!
-//! Who sends what is a pure function of (old map, new map, stage), computed identically on every
-//! rank, so each rank knows exactly which frames to expect. Only what the receiver lacks travels:
-//! a stage 0-2 member already holds every parameter, so it receives optimizer state only; a
-//! stage 0 member already holds everything; a joiner receives all it must keep. Every chunk
-//! carries a checksum computed by its sender and verified by its receiver.
+//! Who sends what is a pure function of (old map, new map, stage, where the masters live),
+//! computed identically on every rank, so each rank knows exactly which frames to expect. Only
+//! what the receiver lacks travels: a stage 0-2 member already holds every parameter, so in fp32
+//! training it receives optimizer state only (under bf16 its copy is not the master: the fp32
+//! master travels with the state); a stage 0 member already holds everything; a joiner receives
+//! all it must keep. Every chunk carries a checksum computed by its sender and verified by its
+//! receiver.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -14,7 +16,9 @@ use super::comm::{Comm, CommError};
 use super::parcel::{decode_parcel, encode_parcel};
 use super::progress::RunProgress;
 use super::rank_state::{ChunkSource, ChunkState, OptimSettings, RankState};
+use crate::model::backend::Precision;
 use crate::model::Model;
+use crate::plan::memory::masters_in_shard;
 use crate::plan::{RankId, ShardMap, Stage};
 use crate::reduce::ReduceMode;
 use crate::runtime::storage::TierSpec;
@@ -33,10 +37,13 @@ pub type Transfers = BTreeMap<(RankId, RankId), Vec<(usize, usize, Need)>>;
 
 /// Transfers for a reshard from `old` to `new`, where `sender(unit, index)` is the rank that
 /// holds the chunk's state (its owner under `old`, or its buddy if the owner was lost).
+/// `masters_in_shard`: the fp32 masters live with the optimizer state, not in a full copy
+/// (`plan::memory::masters_in_shard`), so a new owner needs them from the sender.
 pub fn transfers(
     old: &ShardMap,
     new: &ShardMap,
     stage: Stage,
+    masters_in_shard: bool,
     sender: &dyn Fn(usize, usize) -> RankId,
 ) -> Transfers {
     let mut out = Transfers::new();
@@ -58,7 +65,7 @@ pub fn transfers(
                 match stage {
                     Stage::Zero0 => None,
                     Stage::Zero1 | Stage::Zero2 => Some(Need {
-                        params: false,
+                        params: masters_in_shard,
                         opt: true,
                     }),
                     Stage::Zero3 => Some(Need {
@@ -100,6 +107,7 @@ pub struct Reshard<'a> {
     pub mode: ReduceMode,
     pub model: Arc<dyn Model>,
     pub optim: OptimSettings,
+    pub precision: Precision,
     /// Where the rebuilt state puts what the placement moves out of RAM.
     pub storage: Option<&'a TierSpec>,
     pub step: u64,
@@ -121,7 +129,8 @@ impl Reshard<'_> {
         comm: &mut Comm<T>,
     ) -> Result<Option<RankState>, CommError> {
         comm.begin_step(self.new.epoch, self.step);
-        let plan = transfers(self.old, self.new, self.stage, self.sender);
+        let masters = masters_in_shard(self.stage, self.precision.param_bytes());
+        let plan = transfers(self.old, self.new, self.stage, masters, self.sender);
         let tag = Tag {
             kind: TagKind::Reshard,
             attempt: 0,
@@ -180,6 +189,7 @@ impl Reshard<'_> {
             Arc::clone(&self.model),
             self.new.clone(),
             self.optim,
+            self.precision,
             &source,
             self.storage,
         )
@@ -225,12 +235,17 @@ mod tests {
         let old = ShardMap::plan(&[1000, 600], &[0, 1, 2], 100, 1).unwrap();
         let (leave, _) = crate::plan::rebalance::rebalance(&old, &[0, 2]).unwrap();
         let owner = |u, i| old.owner(u, i);
-        let t = transfers(&old, &leave, Stage::Zero1, &owner);
+        let t = transfers(&old, &leave, Stage::Zero1, false, &owner);
         assert!(t.keys().all(|(f, _)| *f == 1));
         assert!(t.values().flatten().all(|(_, _, n)| !n.params && n.opt));
-        assert!(transfers(&old, &leave, Stage::Zero0, &owner).is_empty());
+        // Under bf16 the full copy is not the master: the master moves with the state.
+        let t = transfers(&old, &leave, Stage::Zero1, true, &owner);
+        assert!(t.keys().all(|(f, _)| *f == 1));
+        assert!(t.values().flatten().all(|(_, _, n)| n.params && n.opt));
+        assert!(transfers(&old, &leave, Stage::Zero0, false, &owner).is_empty());
+        assert!(transfers(&old, &leave, Stage::Zero0, true, &owner).is_empty());
         let (join, _) = crate::plan::rebalance::rebalance(&old, &[0, 1, 2, 3]).unwrap();
-        let t = transfers(&old, &join, Stage::Zero2, &owner);
+        let t = transfers(&old, &join, Stage::Zero2, false, &owner);
         // The joiner receives every parameter once, and optimizer state for what it owns.
         let to_joiner: Vec<_> = t
             .iter()

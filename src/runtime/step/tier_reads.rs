@@ -50,7 +50,7 @@ impl RankState {
                         emit(vec![ChunkState {
                             unit: u as u32,
                             index: i as u32,
-                            params: self.full[u][self.map.chunk_range(u, i)].to_vec(),
+                            params: self.full[u].values(self.map.chunk_range(u, i)),
                             m: Vec::new(),
                             v: Vec::new(),
                         }])?;
@@ -90,6 +90,7 @@ impl RankState {
     ) -> Result<(), TierError> {
         let shard = &self.shards[u];
         let kinds = self.tier_kinds();
+        let masters_in_shard = self.masters_in_shard();
         let per = if params_only {
             0
         } else {
@@ -117,7 +118,8 @@ impl RankState {
             }
             let stop = owned[end - 1].2 + owned[end - 1].1.len();
             let mut t = tier.lock().unwrap_or_else(|p| p.into_inner());
-            let params = (self.stage == Stage::Zero3 && kinds.params)
+            let params = kinds
+                .params
                 .then(|| read_shard_values(&mut t, u, 0, start..stop))
                 .transpose()?;
             let mut state = Vec::new();
@@ -137,10 +139,10 @@ impl RankState {
             let mut group = Vec::with_capacity(end - at);
             for (c, r, off) in owned[at..end].iter().cloned() {
                 let local = off - start..off - start + r.len();
-                let p = match (&params, self.stage) {
+                let p = match (&params, masters_in_shard) {
                     (Some(p), _) => p[local.clone()].to_vec(),
-                    (None, Stage::Zero3) => shard.params[off..off + r.len()].to_vec(),
-                    (None, _) => self.full[u][r.clone()].to_vec(),
+                    (None, true) => shard.params[off..off + r.len()].to_vec(),
+                    (None, false) => self.full[u].values(r.clone()),
                 };
                 let value = |k: usize| match state.get(k) {
                     Some(Some(v)) => v[local.clone()].to_vec(),

@@ -10,7 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::memory::resident;
+use super::memory::{masters_in_shard, resident};
 use super::schedule::Stage;
 
 /// A configured tier for one kind of state. `Auto` lets [`place`] choose the least offload that
@@ -84,13 +84,19 @@ impl Placement {
     }
 
     /// What a tier record holds per element under this placement at `stage`, for an optimizer
-    /// with `state_per_param` values. Parameters are on the tier only at stage 3 and gradients
-    /// only at stages 2-3, whatever the placement says.
-    pub fn kinds(&self, stage: Stage, state_per_param: u64) -> RecordKinds {
+    /// with `state_per_param` values and compute parameters of `param_copy_bytes`. The
+    /// parameter column holds the fp32 masters: stage 3's shard when the parameters are
+    /// offloaded, and under bf16 at stages 0-2 the owned masters, which travel with the
+    /// optimizer state. Gradients are on the tier only at stages 2-3, whatever the placement.
+    pub fn kinds(&self, stage: Stage, state_per_param: u64, param_copy_bytes: u64) -> RecordKinds {
         let on = |t: Tier, n: u64| if t == Tier::Nvme { n as usize } else { 0 };
         let grads_tierable = matches!(stage, Stage::Zero2 | Stage::Zero3);
+        let masters = match stage {
+            Stage::Zero3 => self.params == Tier::Nvme,
+            _ => masters_in_shard(stage, param_copy_bytes) && self.optimizer == Tier::Nvme,
+        };
         RecordKinds {
-            params: self.params == Tier::Nvme && stage == Stage::Zero3,
+            params: masters,
             state: on(self.optimizer, state_per_param),
             grads: if grads_tierable { on(self.grads, 1) } else { 0 },
         }
@@ -170,6 +176,9 @@ pub struct Demand {
     pub grad_elem_bytes: u64,
     /// Optimizer values per parameter (Adam 2, SGD with momentum 1).
     pub state_per_param: u64,
+    /// Bytes per element of the parameters the model computes with: 4 in fp32, 2 under bf16
+    /// mixed precision (stages 0-2 then keep a bf16 full copy and owned fp32 masters).
+    pub param_copy_bytes: u64,
     /// Stage 3: units whose gathered parameters may be live at once.
     pub max_live_units: u64,
     /// One rank's peak activation bytes (saved unit inputs plus one unit's intermediates).
@@ -440,9 +449,12 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
         d.owned_elems,
         d.grad_elem_bytes,
         d.state_per_param,
+        d.param_copy_bytes,
     );
     let unit = d.largest_unit_elems;
-    let gathered = if d.stage == Stage::Zero3 {
+    // Stage 3's gathered units; under bf16 at stages 0-2, the unit widened from the bf16 copy
+    // for its forward or backward.
+    let gathered = if d.stage == Stage::Zero3 || d.param_copy_bytes < 4 {
         4 * unit * d.max_live_units.max(1)
     } else {
         0
@@ -477,7 +489,9 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
         _ => 0,
     };
     let working = working + overlap;
-    let values = p.kinds(d.stage, d.state_per_param).values() as u64;
+    let values = p
+        .kinds(d.stage, d.state_per_param, d.param_copy_bytes)
+        .values() as u64;
     let staging = if p.any_nvme() {
         STAGING_BUFFERS * round_up(4 * tile_elems * values, IO_ALIGN_BYTES)
     } else {
@@ -498,7 +512,18 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
     // time; without one, both are whole copies in RAM.
     let chunk_state_bytes = |elems: u64| 4 * elems * (1 + d.state_per_param);
     let piece_bytes = chunk_state_bytes(SNAPSHOT_PIECE_ELEMS.max(d.chunk_elems));
-    let backup_state = held.params + held.optimizer + chunk_state_bytes(d.owned_elems);
+    // The local half holds every parameter this rank keeps as an fp32 chunk state (a bf16 copy
+    // widened) and its optimizer state; the other half its predecessor's owned state.
+    let held_params = match d.stage {
+        Stage::Zero3 => d.owned_elems,
+        _ => d.total_elems,
+    };
+    let state_elems = match d.stage {
+        Stage::Zero0 => d.total_elems,
+        _ => d.owned_elems,
+    };
+    let backup_state =
+        4 * held_params + 4 * d.state_per_param * state_elems + chunk_state_bytes(d.owned_elems);
     let (backup, backup_disk) = match (d.backups, p.any_nvme()) {
         (false, _) => (0, 0),
         (true, false) => (backup_state, 0),
@@ -654,338 +679,4 @@ pub fn gib(bytes: u64) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn demand(stage: Stage, total: u64, ranks: u64) -> Demand {
-        Demand {
-            stage,
-            ranks_in_process: ranks,
-            total_elems: total,
-            owned_elems: total / ranks,
-            largest_unit_elems: total / 10,
-            tied_elems: 0,
-            grad_elem_bytes: 8,
-            state_per_param: 2,
-            max_live_units: 2,
-            activation_bytes: 1 << 20,
-            backups: false,
-            snapshots: Snapshots::None,
-            chunk_elems: 8192,
-        }
-    }
-
-    fn limits(opt: Offload, params: Offload, budget: u64) -> Limits {
-        Limits {
-            optimizer: opt,
-            params,
-            grads: Offload::Auto,
-            has_nvme_dir: true,
-            budget: Budget::Configured(budget),
-            tile_elems: None,
-        }
-    }
-
-    #[test]
-    fn ample_memory_keeps_everything_in_ram() {
-        let d = demand(Stage::Zero3, 1_000_000, 1);
-        let fit = place(&d, &limits(Offload::Auto, Offload::Auto, 1 << 34)).unwrap();
-        assert_eq!(fit.placement, Placement::RAM);
-        assert_eq!(fit.staging_buffers, 0);
-        assert_eq!(fit.per_rank.tier, 0);
-        // 4 (p) + 8 (m, v) + 4 (the reduced gradient's f32 mean, whatever the accumulator's
-        // width) bytes per parameter, plus the working set.
-        assert_eq!(fit.per_rank.params + fit.per_rank.optimizer, 12_000_000);
-        assert_eq!(fit.per_rank.grads, 4_000_000);
-    }
-
-    #[test]
-    fn auto_offloads_the_optimizer_first_then_the_parameters() {
-        let d = demand(Stage::Zero3, 100_000_000, 1);
-        let all = evaluate(&d, Placement::RAM, DEFAULT_TILE_ELEMS).process_bytes;
-        let opt = Placement {
-            optimizer: Tier::Nvme,
-            ..Placement::RAM
-        };
-        let opt_need = evaluate(&d, opt, DEFAULT_TILE_ELEMS).process_bytes;
-        assert!(opt_need < all);
-        let fit = place(&d, &limits(Offload::Auto, Offload::Auto, opt_need)).unwrap();
-        assert_eq!(fit.placement, opt);
-        assert_eq!(fit.per_rank.tier, 800_000_000);
-        // Smaller records come before more offload.
-        let least = evaluate(&d, opt, MIN_TILE_ELEMS).process_bytes;
-        let fit = place(&d, &limits(Offload::Auto, Offload::Auto, least)).unwrap();
-        assert_eq!((fit.placement, fit.tile_elems), (opt, MIN_TILE_ELEMS));
-        let fit = place(&d, &limits(Offload::Auto, Offload::Auto, least - 1)).unwrap();
-        assert_eq!(fit.placement.params, Tier::Nvme);
-        assert_eq!(fit.per_rank.tier, 1_200_000_000);
-        assert_eq!(fit.per_rank.params, 0);
-    }
-
-    #[test]
-    fn staging_records_shrink_to_fit_and_stay_aligned() {
-        let d = demand(Stage::Zero3, 1_000_000, 1);
-        let both = Placement {
-            optimizer: Tier::Nvme,
-            params: Tier::Nvme,
-            grads: Tier::Nvme,
-        };
-        let big = evaluate(&d, both, DEFAULT_TILE_ELEMS).process_bytes;
-        let fit = place(&d, &limits(Offload::Nvme, Offload::Nvme, big - 1)).unwrap();
-        assert!(fit.tile_elems < DEFAULT_TILE_ELEMS);
-        assert!(fit.tile_elems >= MIN_TILE_ELEMS);
-        assert_eq!(fit.per_rank.staging % IO_ALIGN_BYTES, 0);
-        assert_eq!(
-            fit.per_rank.staging,
-            STAGING_BUFFERS * fit.tile_elems * 4 * 3
-        );
-    }
-
-    #[test]
-    fn the_working_set_counts_what_the_step_holds_at_once() {
-        // One rank, everything on the tier, units of 10M elements, two gathered at a time. The
-        // backward holds two exact accumulators (the lagged reduce-scatter), a micro-batch
-        // gradient, and beside them the parameter shard read for a gather, the next one read
-        // ahead and the f32 mean gradient being written: 4·2 + 8·2 + 4 + 4·2 + 4 bytes an
-        // element of the unit.
-        let d = demand(Stage::Zero3, 100_000_000, 1);
-        let all = Placement {
-            optimizer: Tier::Nvme,
-            params: Tier::Nvme,
-            grads: Tier::Nvme,
-        };
-        let unit = 10_000_000;
-        let fit = evaluate(&d, all, DEFAULT_TILE_ELEMS);
-        assert_eq!(fit.per_rank.working, (8 + 16 + 4 + 8 + 4) * unit);
-        // Stage 1 accumulates into its resident gradients and keeps no gathered units.
-        let d1 = demand(Stage::Zero1, 100_000_000, 1);
-        let ram = Placement {
-            optimizer: Tier::Ram,
-            params: Tier::Ram,
-            grads: Tier::Ram,
-        };
-        let fit1 = evaluate(&d1, ram, DEFAULT_TILE_ELEMS);
-        assert_eq!(fit1.per_rank.working, (8 + 4) * unit);
-    }
-
-    #[test]
-    fn memory_stays_bounded_as_the_model_grows() {
-        // With everything offloaded, RAM grows only with the largest unit, not with the
-        // parameter, optimizer or gradient state.
-        let both = Placement {
-            optimizer: Tier::Nvme,
-            params: Tier::Nvme,
-            grads: Tier::Nvme,
-        };
-        let small = evaluate(&demand(Stage::Zero3, 1 << 24, 1), both, DEFAULT_TILE_ELEMS);
-        let large = evaluate(&demand(Stage::Zero3, 1 << 28, 1), both, DEFAULT_TILE_ELEMS);
-        assert_eq!(small.per_rank.staging, large.per_rank.staging);
-        assert_eq!(
-            large.per_rank.optimizer + large.per_rank.params + large.per_rank.grads,
-            0
-        );
-        // p 4 + m, v 8 + the f32 mean gradient 4 bytes per parameter.
-        assert_eq!(large.per_rank.tier, 16 << 28);
-    }
-
-    #[test]
-    fn an_explicit_choice_is_kept_or_refused_never_changed() {
-        let d = demand(Stage::Zero3, 100_000_000, 1);
-        let err = place(&d, &limits(Offload::None, Offload::None, 1 << 30)).unwrap_err();
-        let FitError::DoesNotFit(msg) = err else {
-            panic!("{err:?}")
-        };
-        assert!(msg.contains("may use 1.00 GiB (memory_max_bytes)"), "{msg}");
-        assert!(
-            msg.contains(
-                "--offload-optimizer nvme --offload-params nvme --offload-grads nvme would fit it"
-            ),
-            "{msg}"
-        );
-        let fit = place(&d, &limits(Offload::Nvme, Offload::None, 1 << 34)).unwrap();
-        assert_eq!(fit.placement.optimizer, Tier::Nvme);
-        assert_eq!(fit.placement.params, Tier::Ram);
-    }
-
-    #[test]
-    fn below_every_plan_the_refusal_names_the_smallest_budget() {
-        let d = demand(Stage::Zero3, 100_000_000, 1);
-        let err = place(&d, &limits(Offload::Auto, Offload::Auto, 1 << 20)).unwrap_err();
-        let FitError::DoesNotFit(msg) = err else {
-            panic!("{err:?}")
-        };
-        let both = Placement {
-            optimizer: Tier::Nvme,
-            params: Tier::Nvme,
-            grads: Tier::Nvme,
-        };
-        let least = evaluate(&d, both, MIN_TILE_ELEMS).process_bytes;
-        assert!(
-            msg.contains(&format!("raise --memory-max to at least {}", gib(least))),
-            "{msg}"
-        );
-    }
-
-    #[test]
-    fn without_a_directory_auto_stays_in_ram_and_says_what_to_set() {
-        let d = demand(Stage::Zero2, 100_000_000, 1);
-        let lim = Limits {
-            has_nvme_dir: false,
-            ..limits(Offload::Auto, Offload::Auto, 1 << 30)
-        };
-        let FitError::DoesNotFit(msg) = place(&d, &lim).unwrap_err() else {
-            panic!()
-        };
-        assert!(
-            msg.contains(
-                "--offload-optimizer nvme --offload-grads nvme --nvme-dir DIR would fit it"
-            ),
-            "{msg}"
-        );
-    }
-
-    #[test]
-    fn bad_combinations_are_refused() {
-        let d = demand(Stage::Zero2, 1000, 1);
-        let big = 1 << 34;
-        assert_eq!(
-            place(&d, &limits(Offload::Auto, Offload::Nvme, big)),
-            Err(FitError::ParamsNeedStage3)
-        );
-        assert_eq!(
-            place(&d, &limits(Offload::Cpu, Offload::Auto, big)),
-            Err(FitError::CpuReserved {
-                key: "offload_optimizer"
-            })
-        );
-        let lim = Limits {
-            has_nvme_dir: false,
-            ..limits(Offload::Nvme, Offload::Auto, big)
-        };
-        assert_eq!(place(&d, &lim), Err(FitError::NoNvmeDir));
-    }
-
-    #[test]
-    fn every_explicit_combination_the_stage_allows_is_placed() {
-        let d = demand(Stage::Zero3, 1_000_000, 2);
-        for opt in [Offload::None, Offload::Nvme] {
-            for params in [Offload::None, Offload::Nvme] {
-                for grads in [Offload::None, Offload::Nvme] {
-                    let lim = Limits {
-                        params,
-                        grads,
-                        ..limits(opt, Offload::Auto, 1 << 34)
-                    };
-                    let fit = place(&d, &lim).unwrap();
-                    let tier = |o| {
-                        if o == Offload::Nvme {
-                            Tier::Nvme
-                        } else {
-                            Tier::Ram
-                        }
-                    };
-                    assert_eq!(
-                        (
-                            fit.placement.optimizer,
-                            fit.placement.params,
-                            fit.placement.grads
-                        ),
-                        (tier(opt), tier(params), tier(grads))
-                    );
-                }
-            }
-        }
-        let d2 = demand(Stage::Zero2, 1_000_000, 2);
-        let lim = Limits {
-            grads: Offload::Nvme,
-            ..limits(Offload::None, Offload::Auto, 1 << 34)
-        };
-        assert_eq!(place(&d2, &lim).unwrap().placement.grads, Tier::Nvme);
-    }
-
-    #[test]
-    fn in_process_ranks_add_up() {
-        let one = evaluate(&demand(Stage::Zero3, 1 << 20, 4), Placement::RAM, 1 << 18);
-        assert_eq!(one.process_bytes, BASE_BYTES + 4 * one.per_rank.ram());
-    }
-
-    #[test]
-    fn backups_are_copies_in_ram_or_files_beside_the_tier() {
-        let plain = demand(Stage::Zero3, 1 << 24, 2);
-        let d = Demand {
-            backups: true,
-            snapshots: Snapshots::Whole,
-            ..plain
-        };
-        let owned = plain.owned_elems;
-        // Its own parameters and Adam state, and its predecessor's, at 12 B per parameter.
-        let state = 2 * 12 * owned;
-        for p in candidates(Stage::Zero3) {
-            let (without, with) = (evaluate(&plain, p, 1 << 16), evaluate(&d, p, 1 << 16));
-            if p.any_nvme() {
-                // Written to the tier a piece at a time: five 12 MiB pieces and two buffers.
-                assert_eq!(
-                    with.per_rank.backup,
-                    5 * 12 * (1 << 20) + 2 * (1 << 20),
-                    "{p:?}"
-                );
-                assert_eq!(with.per_rank.backup_disk, 2 * state, "{p:?}");
-            } else {
-                assert_eq!(with.per_rank.backup, state, "{p:?}");
-                assert_eq!(with.per_rank.backup_disk, 0, "{p:?}");
-            }
-            assert_eq!(with.snapshot_bytes, 12 * (1 << 24), "{p:?}");
-            assert_eq!(
-                with.process_bytes,
-                without.process_bytes + 2 * with.per_rank.backup + with.snapshot_bytes
-            );
-        }
-        // With too little memory for the whole snapshot the refusal says what it holds.
-        let all_ram = evaluate(&plain, Placement::RAM, 1 << 16).process_bytes;
-        let err = place(&d, &limits(Offload::Auto, Offload::Auto, all_ram / 2)).unwrap_err();
-        let msg = err.to_string();
-        assert!(msg.contains("a checkpoint holds 192.0 MiB"), "{msg}");
-        // Backups in RAM that do not fit: offloading moves them to the tier, and a budget
-        // only the placements without backups meet names --replicate-every 0.
-        let no_snap = Demand {
-            snapshots: Snapshots::None,
-            ..d
-        };
-        let fit = place(&no_snap, &limits(Offload::Auto, Offload::Auto, all_ram)).unwrap();
-        assert!(fit.placement.any_nvme(), "{fit:?}");
-        let least = |d: &Demand| {
-            candidates(Stage::Zero3)
-                .into_iter()
-                .map(|p| evaluate(d, p, MIN_TILE_ELEMS).process_bytes)
-                .min()
-                .unwrap()
-        };
-        let budget = least(&plain);
-        assert!(budget < least(&no_snap));
-        let hint = place(&no_snap, &limits(Offload::Auto, Offload::Auto, budget))
-            .unwrap_err()
-            .to_string();
-        assert!(hint.contains("--replicate-every 0"), "{hint}");
-    }
-
-    #[test]
-    fn a_snapshot_streamed_off_the_tier_holds_a_few_pieces_whatever_the_model() {
-        for total in [1u64 << 24, 1 << 30] {
-            let d = Demand {
-                snapshots: Snapshots::StreamedOffTier,
-                ..demand(Stage::Zero3, total, 2)
-            };
-            let nvme = Placement {
-                optimizer: Tier::Nvme,
-                params: Tier::Nvme,
-                grads: Tier::Nvme,
-            };
-            let off = evaluate(&d, nvme, 1 << 16);
-            // One piece per rank being merged, one queued, one being written; two buffers.
-            assert_eq!(off.snapshot_bytes, 4 * 12 * (1 << 20) + 2 * (1 << 20));
-            // In RAM it is gathered whole, as before.
-            let ram = evaluate(&d, Placement::RAM, 1 << 16);
-            assert_eq!(ram.snapshot_bytes, 12 * total);
-        }
-    }
-}
+mod tests;
