@@ -144,6 +144,55 @@ fn leave_join_and_kill_move_offloaded_state_and_lose_nothing() {
     assert_clean(dir.path());
 }
 
+/// Records how many chunk elements each membership change moved.
+#[derive(Default)]
+struct Moves(Vec<usize>);
+
+impl Observer for &mut Moves {
+    fn on_membership(&mut self, r: &elastic_zero::engine::coordinator::MembershipRecord) {
+        self.0.push(r.moved_chunk_elems);
+    }
+}
+
+/// A reshard of offloaded state larger than one piece (GROUP_ELEMS, 1 Mi elements) moves it
+/// piece by piece into a file on the receiver's tier, and ends with the fixed world's digest:
+/// a leave at 2 ranks hands the leaver's half (1.6M elements) to one rank, then a join takes
+/// half back. Stage 3 with everything on the tier, and stage 2 under bf16 with the owned
+/// masters on the tier beside m and v.
+#[test]
+fn a_reshard_larger_than_a_piece_streams_through_the_tier() {
+    let dir = tier_dir();
+    for (stage, precision) in [(3u8, "fp32"), (2, "bf16")] {
+        let base = TrainConfig {
+            d_model: 256,
+            layers: 4,
+            heads: 4,
+            seq_len: 16,
+            micro_batches: 2,
+            micro_batch_size: 1,
+            chunk_elems: 65536,
+            steps: 4,
+            ranks: 2,
+            stage,
+            precision: precision.parse().unwrap(),
+            ..small(ModelKind::Gpt)
+        };
+        let want = sha(&base);
+        let cfg = TrainConfig {
+            leave: vec![at(1, 1)],
+            join: vec![at(2, 2)],
+            ..offloaded(&base, dir.path(), stage == 3, false)
+        };
+        let mut moves = Moves::default();
+        let out = common::train_blocking(ClusterSpec::from_config(cfg).unwrap(), &mut moves)
+            .unwrap_or_else(|e| panic!("stage {stage}: {e}"));
+        assert_eq!(out.param_sha256, want, "stage {stage} {precision}");
+        assert_eq!(moves.0.len(), 2, "{:?}", moves.0);
+        assert!(moves.0.iter().all(|&m| m > 1 << 20), "{:?}", moves.0);
+    }
+    assert_clean(dir.path());
+}
+
 /// Lists the buddy backups' files on the tier after each step.
 #[derive(Default)]
 struct BackupFiles {

@@ -12,18 +12,14 @@
 //! most `GROUP_ELEMS` elements, each sent before the next is received from the predecessor: a
 //! backup of a model larger than memory holds a few pieces in RAM, not the model.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-
+use super::chunk_set::{ChunkSet, Filling};
 use super::comm::{Comm, CommError};
 use super::parcel::{decode_parcel, encode_parcel};
 use super::progress::RunProgress;
 use super::rank_state::{ChunkState, RankState};
 use super::tier_reads::GROUP_ELEMS;
 use crate::plan::replica::{buddy, predecessor};
-use crate::runtime::storage::{ChunkFile, TierError};
+use crate::runtime::storage::TierError;
 use crate::runtime::transport::{Tag, TagKind, Transport};
 
 /// What a rank keeps to survive a peer's (or its own restart's) loss.
@@ -36,80 +32,6 @@ pub struct Backup {
     local: ChunkSet,
     /// The chunks its predecessor owned, with their full state.
     held: ChunkSet,
-}
-
-/// Chunk states kept in RAM, or in a file on the rank's tier.
-#[derive(Clone, Debug)]
-enum ChunkSet {
-    Ram(BTreeMap<(usize, usize), ChunkState>),
-    Tier(Arc<ChunkFile>),
-}
-
-impl Default for ChunkSet {
-    fn default() -> Self {
-        ChunkSet::Ram(BTreeMap::new())
-    }
-}
-
-impl ChunkSet {
-    fn get(&self, u: usize, i: usize) -> Result<Option<ChunkState>, TierError> {
-        match self {
-            ChunkSet::Ram(m) => Ok(m.get(&(u, i)).cloned()),
-            ChunkSet::Tier(f) => Ok(f.read(u, i)?.map(|[params, m, v]| ChunkState {
-                unit: u as u32,
-                index: i as u32,
-                params,
-                m,
-                v,
-            })),
-        }
-    }
-}
-
-/// A [`ChunkSet`] being filled.
-enum Filling {
-    Ram(BTreeMap<(usize, usize), ChunkState>),
-    Tier(ChunkFile),
-}
-
-impl Filling {
-    /// In RAM without a tier folder; else a new file in it, named apart from every other
-    /// backup of the process (an older backup of the same step may still be in use).
-    fn new(tier_dir: Option<&Path>, what: &str, epoch: u64, step: u64) -> Result<Self, TierError> {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let Some(dir) = tier_dir else {
-            return Ok(Filling::Ram(BTreeMap::new()));
-        };
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let path: PathBuf = dir.join(format!("backup-e{epoch}-s{step}-{n}-{what}.bin"));
-        Ok(Filling::Tier(ChunkFile::create(&path)?))
-    }
-
-    fn extend(&mut self, chunks: Vec<ChunkState>) -> Result<(), TierError> {
-        match self {
-            Filling::Ram(m) => {
-                m.extend(
-                    chunks
-                        .into_iter()
-                        .map(|c| ((c.unit as usize, c.index as usize), c)),
-                );
-                Ok(())
-            }
-            Filling::Tier(f) => chunks.iter().try_for_each(|c| {
-                f.append(c.unit as usize, c.index as usize, [&c.params, &c.m, &c.v])
-            }),
-        }
-    }
-
-    fn done(self) -> Result<ChunkSet, TierError> {
-        Ok(match self {
-            Filling::Ram(m) => ChunkSet::Ram(m),
-            Filling::Tier(mut f) => {
-                f.seal()?;
-                ChunkSet::Tier(Arc::new(f))
-            }
-        })
-    }
 }
 
 impl Backup {

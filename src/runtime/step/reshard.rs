@@ -8,20 +8,27 @@
 //! master travels with the state); a stage 0 member already holds everything; a joiner receives
 //! all it must keep. Every chunk carries a checksum computed by its sender and verified by its
 //! receiver.
+//!
+//! What moves is bounded by pieces, not by the model: each link's list travels in pieces of at
+//! most `GROUP_ELEMS` elements (12 MiB of Adam state), piece k of every link in round k, and with
+//! a tier the receiver appends what arrives to a chunk file in its tier folder (`chunk_set.rs`)
+//! rather than RAM, so a leave or join of state larger than memory holds a round's pieces.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use super::chunk_set::Filling;
 use super::comm::{Comm, CommError};
 use super::parcel::{decode_parcel, encode_parcel};
 use super::progress::RunProgress;
 use super::rank_state::{ChunkSource, ChunkState, OptimSettings, RankState};
+use super::tier_reads::GROUP_ELEMS;
 use crate::model::backend::Precision;
 use crate::model::Model;
 use crate::plan::memory::masters_in_shard;
 use crate::plan::{RankId, ShardMap, Stage};
 use crate::reduce::ReduceMode;
-use crate::runtime::storage::TierSpec;
+use crate::runtime::storage::{TierError, TierSpec};
 use crate::runtime::transport::{Tag, TagKind, Transport};
 
 /// What one chunk transfer carries.
@@ -31,9 +38,15 @@ pub struct Need {
     pub opt: bool,
 }
 
-/// (from, to) -> [(unit, index, what travels)], where `from` is a member of the old map that
-/// holds the chunk's state.
-pub type Transfers = BTreeMap<(RankId, RankId), Vec<(usize, usize, Need)>>;
+/// One chunk transfer: (unit, index, what travels).
+pub type Move = (usize, usize, Need);
+
+/// (from, to) -> the chunks that travel, where `from` is a member of the old map that holds
+/// the chunk's state.
+pub type Transfers = BTreeMap<(RankId, RankId), Vec<Move>>;
+
+/// A link's transfers cut into pieces: (the peer, the pieces in order).
+type Link = (RankId, Vec<Vec<Move>>);
 
 /// Transfers for a reshard from `old` to `new`, where `sender(unit, index)` is the rank that
 /// holds the chunk's state (its owner under `old`, or its buddy if the owner was lost).
@@ -131,24 +144,65 @@ impl Reshard<'_> {
         comm.begin_step(self.new.epoch, self.step);
         let masters = masters_in_shard(self.stage, self.precision.param_bytes());
         let plan = transfers(self.old, self.new, self.stage, masters, self.sender);
-        let tag = Tag {
+        let tag = |k: usize| Tag {
             kind: TagKind::Reshard,
             attempt: 0,
-            unit: 0,
+            unit: k as u32,
             pass: 0,
         };
-        let owed = plan.keys().filter(|(f, _)| *f == me).count();
+        // Every list travels in pieces of at most GROUP_ELEMS elements, piece k of every link
+        // in round k: each rank sends its round's pieces, then takes the pieces due to it, so
+        // no link carries more than a round's piece or two whatever the model's size.
+        let cut = |list: &[Move]| pieces(list, self.old, GROUP_ELEMS);
+        let outgoing: Vec<Link> = plan
+            .iter()
+            .filter(|((f, _), _)| *f == me)
+            .map(|((_, to), list)| (*to, cut(list)))
+            .collect();
+        let incoming: Vec<Link> = plan
+            .iter()
+            .filter(|((_, t), _)| *t == me && self.new.is_member(me))
+            .map(|((from, _), list)| (*from, cut(list)))
+            .collect();
+        let rounds = outgoing
+            .iter()
+            .chain(&incoming)
+            .map(|(_, p)| p.len())
+            .max()
+            .unwrap_or(0);
+        let owed: usize = outgoing.iter().map(|(_, p)| p.len()).sum();
         let vanish_after = self.vanish.then_some(owed / 2);
-        for (sent, ((_, to), list)) in plan.iter().filter(|((f, _), _)| *f == me).enumerate() {
-            if vanish_after == Some(sent) {
-                return Err(CommError::Vanished);
+        let storage = |e: TierError| CommError::Storage(e.to_string());
+        // With a tier, what arrives goes to a file in the rank's tier folder, not RAM.
+        let dir = self.storage.map(|s| s.rank_dir(me));
+        if let Some(d) = dir.as_deref().filter(|_| !incoming.is_empty()) {
+            std::fs::create_dir_all(d)
+                .map_err(|e| CommError::Storage(format!("creating {}: {e}", d.display())))?;
+        }
+        let mut received =
+            Filling::new(dir.as_deref(), "reshard", self.new.epoch, self.step).map_err(storage)?;
+        let mut sent = 0;
+        for k in 0..rounds {
+            for (to, piece) in outgoing.iter().filter_map(|(to, p)| Some((to, p.get(k)?))) {
+                if vanish_after == Some(sent) {
+                    return Err(CommError::Vanished);
+                }
+                let chunks: Vec<ChunkState> = piece
+                    .iter()
+                    .map(|&(u, i, need)| pick(base, me, self.optim, u, i, need))
+                    .collect::<Result<_, _>>()?;
+                comm.send(*to, tag(k), encode_parcel(&chunks))?;
+                sent += 1;
+                self.progress.beat(me, self.new.epoch, self.step);
             }
-            let chunks: Vec<ChunkState> = list
-                .iter()
-                .map(|&(u, i, need)| pick(base, me, self.optim, u, i, need))
-                .collect::<Result<_, _>>()?;
-            comm.send(*to, tag, encode_parcel(&chunks))?;
-            self.progress.beat(me, self.new.epoch, self.step);
+            for (from, piece) in incoming.iter().filter_map(|(f, p)| Some((f, p.get(k)?))) {
+                let payload = comm.recv(*from, tag(k))?;
+                let expect: Vec<(usize, usize)> = piece.iter().map(|&(u, i, _)| (u, i)).collect();
+                received
+                    .extend(decode_parcel(*from, &payload, &expect)?)
+                    .map_err(storage)?;
+                self.progress.beat(me, self.new.epoch, self.step);
+            }
         }
         if vanish_after.is_some() {
             return Err(CommError::Vanished);
@@ -156,29 +210,31 @@ impl Reshard<'_> {
         if !self.new.is_member(me) {
             return Ok(None);
         }
-        let mut received: BTreeMap<(usize, usize), ChunkState> = BTreeMap::new();
-        for ((from, _), list) in plan.iter().filter(|((_, t), _)| *t == me) {
-            let payload = comm.recv(*from, tag)?;
-            let expect: Vec<(usize, usize)> = list.iter().map(|&(u, i, _)| (u, i)).collect();
-            for c in decode_parcel(*from, &payload, &expect)? {
-                received.insert((c.unit as usize, c.index as usize), c);
-            }
-            self.progress.beat(me, self.new.epoch, self.step);
-        }
+        let received = received.done().map_err(storage)?;
+        // A received chunk that cannot be read back fails the rebuild with its error, never
+        // falls back to what this rank held before.
+        let unreadable: std::cell::RefCell<Option<String>> = Default::default();
         let source = |u: usize, i: usize| -> Option<ChunkState> {
+            let got = match received.get(u, i) {
+                Ok(got) => got,
+                Err(e) => {
+                    unreadable.borrow_mut().get_or_insert(e.to_string());
+                    return None;
+                }
+            };
             let own = base(u, i);
-            match (received.get(&(u, i)), own) {
+            match (got, own) {
                 (Some(r), Some(mut o)) => {
                     if !r.params.is_empty() {
-                        o.params = r.params.clone();
+                        o.params = r.params;
                     }
                     if !(r.m.is_empty() && r.v.is_empty()) {
-                        o.m = r.m.clone();
-                        o.v = r.v.clone();
+                        o.m = r.m;
+                        o.v = r.v;
                     }
                     Some(o)
                 }
-                (Some(r), None) => Some(r.clone()),
+                (Some(r), None) => Some(r),
                 (None, own) => own,
             }
         };
@@ -194,8 +250,30 @@ impl Reshard<'_> {
             self.storage,
         )
         .map(Some)
-        .map_err(|what| CommError::Protocol { from: me, what })
+        .map_err(|what| match unreadable.take() {
+            Some(e) => CommError::Storage(e),
+            None => CommError::Protocol { from: me, what },
+        })
     }
+}
+
+/// `list` cut, in order, into pieces of at most `max_elems` elements of `map`'s chunks (a chunk
+/// larger than that is a piece of its own).
+pub fn pieces(list: &[Move], map: &ShardMap, max_elems: usize) -> Vec<Vec<Move>> {
+    let mut out: Vec<Vec<Move>> = Vec::new();
+    let mut elems = 0;
+    for &(u, i, need) in list {
+        let n = map.chunk_range(u, i).len();
+        match out.last_mut() {
+            Some(last) if elems + n <= max_elems => last.push((u, i, need)),
+            _ => {
+                out.push(vec![(u, i, need)]);
+                elems = 0;
+            }
+        }
+        elems += n;
+    }
+    out
 }
 
 fn pick(
@@ -229,6 +307,28 @@ fn pick(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lists_are_cut_into_pieces_of_bounded_elements_in_order() {
+        let map = ShardMap::plan(&[1000, 600], &[0, 1], 100, 1).unwrap();
+        let need = Need {
+            params: true,
+            opt: true,
+        };
+        let list: Vec<_> = (0..10)
+            .map(|i| (0, i, need))
+            .chain([(1, 0, need)])
+            .collect();
+        let p = pieces(&list, &map, 250);
+        assert_eq!(
+            p.iter().map(Vec::len).collect::<Vec<_>>(),
+            vec![2, 2, 2, 2, 2, 1]
+        );
+        assert_eq!(p.concat(), list);
+        // A chunk larger than a piece is a piece of its own; nothing is a piece of nothing.
+        assert_eq!(pieces(&list, &map, 50).len(), list.len());
+        assert!(pieces(&[], &map, 250).is_empty());
+    }
 
     #[test]
     fn a_stage1_leave_moves_optimizer_state_only_and_a_join_gets_everything() {
