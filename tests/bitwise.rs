@@ -105,6 +105,32 @@ fn chunk_size_and_prefetch_depth_do_not_change_bits() {
 }
 
 #[test]
+fn optimizer_thread_counts_do_not_change_bits() {
+    // Units of about 200K elements, so that a rank's optimizer shard is cut into pieces for
+    // 2 and 3 threads (pieces are at least 32K elements).
+    for (ranks, stage, precision) in [(1, 0, Precision::Fp32), (2, 3, Precision::Bf16)] {
+        let base = elastic_zero::config::TrainConfig {
+            ranks,
+            stage,
+            precision,
+            d_model: 128,
+            layers: 1,
+            steps: 2,
+            ..small(ModelKind::Gpt)
+        };
+        let want = param_sha256(&run_cfg(&base).unwrap().params);
+        for optimizer_threads in [2, 3] {
+            let cfg = elastic_zero::config::TrainConfig {
+                optimizer_threads,
+                ..base.clone()
+            };
+            let got = param_sha256(&run_cfg(&cfg).unwrap().params);
+            assert_eq!(got, want, "{optimizer_threads} threads, stage {stage}");
+        }
+    }
+}
+
+#[test]
 fn more_ranks_than_micro_batches_still_matches() {
     let base = elastic_zero::config::TrainConfig {
         micro_batches: 2,
