@@ -124,11 +124,44 @@ pub struct ShardParts<'a> {
     pub v: &'a mut [f32],
 }
 
+/// The optimizer step's I/O over all units: reads run ahead across unit boundaries, in record
+/// order, while a staging buffer is free, and a write is waited for only when its buffer is
+/// needed or at [`UpdateStream::finish`]. Units are updated in ascending order (records are laid
+/// out unit after unit), so the next unit's first records arrive while this one's last ones
+/// are updated, and a small unit costs no disk round trip of its own.
+#[derive(Default)]
+pub struct UpdateStream {
+    reads: VecDeque<(usize, Pending)>,
+    writes: VecDeque<Pending>,
+    /// The next record to read.
+    next: usize,
+}
+
+impl UpdateStream {
+    /// Waits for everything in flight and returns every buffer to the pool, also after a
+    /// failure; the first error, if any.
+    pub fn finish(self, tier: &mut TierFile) -> Result<(), TierError> {
+        let mut first_err = None;
+        for (_, p) in self.reads {
+            match tier.finish(p) {
+                Ok(b) => tier.put_buf(b),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        let drained = drain(tier, self.writes);
+        first_err.map_or(drained, Err)
+    }
+}
+
 /// Streams unit `u`'s records through the optimizer: read (ahead), update, write back. A
 /// gradient on the tier is read with the record and not written back. A full copy beside
-/// masters in the shard (bf16 at stages 0-2) is refreshed from the updated masters.
+/// masters in the shard (bf16 at stages 0-2) is refreshed from the updated masters. Reads and
+/// writes stay in flight in `stream` for the next unit; [`UpdateStream::finish`] waits for them.
 pub fn update_unit(
     tier: &mut TierFile,
+    stream: &mut UpdateStream,
     u: usize,
     shard: ShardParts<'_>,
     full: &mut FullCopy,
@@ -137,21 +170,26 @@ pub fn update_unit(
     let kinds = tier.layout.kinds;
     let values = kinds.values();
     let records = tier.layout.unit_records(u);
-    let mut reads: VecDeque<(usize, Pending)> = VecDeque::new();
-    let mut writes: VecDeque<Pending> = VecDeque::new();
-    let mut next = records.start;
+    let total = tier.layout.records();
+    stream.next = stream.next.max(records.start);
     let mut g_tile = if kinds.grads > 0 {
         vec![0f32; tier.layout.tile_elems]
     } else {
         Vec::new()
     };
+    let UpdateStream {
+        reads,
+        writes,
+        next,
+    } = stream;
     let result = (|| {
         for rec in records.clone() {
-            // Read ahead while a buffer is free; keep one for the write-back pipeline.
-            while next < records.end && (next == rec || tier_has_spare(tier)) {
-                let buf = next_buf(tier, &mut writes)?;
-                reads.push_back((next, tier.start_read(next, 0..values, buf)?));
-                next += 1;
+            // Read ahead while a buffer is free (into the next units too); keep one for the
+            // write-back pipeline.
+            while *next < total && (*next == rec || tier_has_spare(tier)) {
+                let buf = next_buf(tier, writes)?;
+                reads.push_back((*next, tier.start_read(*next, 0..values, buf)?));
+                *next += 1;
             }
             let (r, pending) = reads.pop_front().expect("the current record was started");
             debug_assert_eq!(r, rec);
@@ -210,14 +248,7 @@ pub fn update_unit(
         }
         Ok(())
     })();
-    // Whatever happened, wait for what is in flight so every buffer is back in the pool.
-    for (_, p) in reads {
-        if let Ok(b) = tier.finish(p) {
-            tier.put_buf(b);
-        }
-    }
-    let drained = drain(tier, writes);
-    result.and(drained)
+    result
 }
 
 /// Writes unit `u`'s mean gradient shard (`g`, the shard's length, before clipping) into the

@@ -419,6 +419,35 @@ impl RankState {
         lr: f32,
         unit_done: &mut dyn FnMut(),
     ) -> Result<(), TierError> {
+        // With a tier, one stream of reads and writes runs through every unit's records.
+        let mut stream = offload::UpdateStream::default();
+        let result = self.update_units(
+            &mut stream,
+            exps,
+            micro_batches,
+            clip_coef,
+            t,
+            lr,
+            unit_done,
+        );
+        let finished = match self.tier.as_ref() {
+            Some(tier) => stream.finish(&mut tier.lock().unwrap_or_else(|p| p.into_inner())),
+            None => Ok(()),
+        };
+        result.and(finished)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn update_units(
+        &mut self,
+        stream: &mut offload::UpdateStream,
+        exps: &[i32],
+        micro_batches: u32,
+        clip_coef: f64,
+        t: u64,
+        lr: f32,
+        unit_done: &mut dyn FnMut(),
+    ) -> Result<(), TierError> {
         let settings = self.optim;
         let model = Arc::clone(&self.model);
         let be = model.backend();
@@ -466,7 +495,7 @@ impl RankState {
                     m: &mut shard.opt.m,
                     v: &mut shard.opt.v,
                 };
-                offload::update_unit(&mut tier, u, parts, &mut self.full[u], &args)
+                offload::update_unit(&mut tier, stream, u, parts, &mut self.full[u], &args)
             } else {
                 let mut off = 0;
                 for r in &shard.ranges {
