@@ -138,8 +138,10 @@ pub struct UpdateStream {
 }
 
 impl UpdateStream {
-    /// Waits for everything in flight and returns every buffer to the pool, also after a
-    /// failure; the first error, if any.
+    /// Ends the phase: waits for the reads still in flight (after a failure) and leaves the
+    /// writes in flight with the tier file ([`TierFile::defer`]), so the write-back overlaps
+    /// the next step's compute; whatever reads the tier next waits for them. The first read
+    /// error, if any.
     pub fn finish(self, tier: &mut TierFile) -> Result<(), TierError> {
         let mut first_err = None;
         for (_, p) in self.reads {
@@ -150,8 +152,8 @@ impl UpdateStream {
                 }
             }
         }
-        let drained = drain(tier, self.writes);
-        first_err.map_or(drained, Err)
+        self.writes.into_iter().for_each(|p| tier.defer(p));
+        first_err.map_or(Ok(()), Err)
     }
 }
 

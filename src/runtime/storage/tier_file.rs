@@ -12,6 +12,7 @@
 //! space for this run: a checkpoint, not this file, is what outlives the process. A block whose
 //! CRC does not match is reported with its unit and offset and its values are never used.
 
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -168,6 +169,12 @@ pub struct TierFile {
     /// CRC32 of each 4 KiB block as last written (of zeros before).
     crcs: Vec<u32>,
     pool: Vec<AlignedBuf>,
+    /// Writes left in flight past the phase that started them (the optimizer's write-back runs
+    /// on into the next step's compute). A read waits for all of them first, a buffer wanted
+    /// when none is free is taken from the oldest, and their first error is returned by the
+    /// next read, write or [`TierFile::settle`].
+    deferred: VecDeque<Pending>,
+    deferred_err: Option<TierError>,
     pub stats: TierStats,
 }
 
@@ -205,6 +212,8 @@ impl TierFile {
                 .map(|_| AlignedBuf::new(layout.stride()))
                 .collect(),
             layout,
+            deferred: VecDeque::new(),
+            deferred_err: None,
             stats: TierStats::default(),
         })
     }
@@ -213,18 +222,49 @@ impl TierFile {
         &self.path
     }
 
-    /// A staging buffer of one record, if one is free.
+    /// A staging buffer of one record, if one is free or a deferred write can give one back.
     pub fn take_buf(&mut self) -> Option<AlignedBuf> {
+        if self.pool.is_empty() {
+            if let Some(p) = self.deferred.pop_front() {
+                match self.finish(p) {
+                    Ok(b) => return Some(b),
+                    // The buffer went back to the pool; the error waits for the next call.
+                    Err(e) => {
+                        self.deferred_err.get_or_insert(e);
+                    }
+                }
+            }
+        }
         self.pool.pop()
+    }
+
+    /// Leaves write `p` in flight; see `deferred`.
+    pub fn defer(&mut self, p: Pending) {
+        debug_assert!(p.op == Op::Write, "only writes are deferred");
+        self.deferred.push_back(p);
+    }
+
+    /// Waits for every deferred write; the first error among them (or one kept from earlier).
+    pub fn settle(&mut self) -> Result<(), TierError> {
+        while let Some(p) = self.deferred.pop_front() {
+            match self.finish(p) {
+                Ok(b) => self.pool.push(b),
+                Err(e) => {
+                    self.deferred_err.get_or_insert(e);
+                }
+            }
+        }
+        self.deferred_err.take().map_or(Ok(()), Err)
     }
 
     pub fn put_buf(&mut self, b: AlignedBuf) {
         self.pool.push(b);
     }
 
-    /// Staging buffers not in use.
+    /// Staging buffers not in use (a deferred write's counts: [`TierFile::take_buf`] waits for
+    /// it and takes its buffer).
     pub fn free_bufs(&self) -> usize {
-        self.pool.len()
+        self.pool.len() + self.deferred.len()
     }
 
     /// Starts reading values `kinds` (a range of value indices) of record `rec` into `buf`.
@@ -234,6 +274,11 @@ impl TierFile {
         kinds: Range<usize>,
         buf: AlignedBuf,
     ) -> Result<Pending, TierError> {
+        // What it reads may be what a deferred write is writing.
+        if let Err(e) = self.settle() {
+            self.pool.push(buf);
+            return Err(e);
+        }
         let (offset, len) = self.layout.values_span(rec, kinds);
         self.start(Op::Read, offset, len, buf)
     }
@@ -251,11 +296,16 @@ impl TierFile {
         kinds: Range<usize>,
         buf: AlignedBuf,
     ) -> Result<Pending, TierError> {
+        if let Some(e) = self.deferred_err.take() {
+            self.pool.push(buf);
+            return Err(e);
+        }
         let (offset, len) = self.layout.values_span(rec, kinds);
         let first = offset as usize / BLOCK;
         for (i, block) in buf.bytes()[..len].chunks(BLOCK).enumerate() {
             self.crcs[first + i] = crc32fast::hash(block);
         }
+        self.stats.write_bytes += len as u64;
         self.start(Op::Write, offset, len, buf)
     }
 
@@ -325,7 +375,8 @@ impl TierFile {
                     }
                 }
             }
-            Op::Write => self.stats.write_bytes += p.len as u64,
+            // Counted when started (a deferred write may finish in a later step).
+            Op::Write => {}
         }
         Ok(done.buf)
     }
@@ -333,6 +384,8 @@ impl TierFile {
 
 impl Drop for TierFile {
     fn drop(&mut self) {
+        // No write may still be landing in a file about to be removed.
+        let _ = self.settle();
         // Scratch state: a dropped rank state's file is of no use to anyone.
         let _ = std::fs::remove_file(&self.path);
         // And the rank's folder once its last file is gone (fails harmlessly otherwise).
@@ -457,5 +510,35 @@ mod tests {
             }
         ));
         assert!(err.to_string().contains("no space left"));
+    }
+
+    #[test]
+    fn deferred_writes_are_waited_for_by_reads_and_their_errors_surface() {
+        let mut f = file(Faults::default());
+        let mut b = f.take_buf().unwrap();
+        b.f32s_mut().iter_mut().for_each(|x| *x = 7.0);
+        let p = f.start_write(0, b).unwrap();
+        f.defer(p);
+        // The deferred write's buffer counts as free and is taken back when wanted.
+        assert_eq!(f.free_bufs(), 2);
+        let b1 = f.take_buf().unwrap();
+        let b2 = f.take_buf().unwrap();
+        assert!(f.take_buf().is_none());
+        f.put_buf(b2);
+        // A read waits for what is deferred and sees it.
+        let p = f.start_read(0, 0..1, b1).unwrap();
+        assert_eq!(f.finish(p).unwrap().f32s()[0], 7.0);
+        // A failed deferred write is reported by the next operation, not lost.
+        let mut f = file(Faults {
+            fail_after_write_bytes: Some(4096),
+            errno: libc::EIO,
+        });
+        let b = f.take_buf().unwrap();
+        let p = f.start_write(0, b).unwrap();
+        f.defer(p);
+        let b = f.take_buf().unwrap();
+        assert!(matches!(f.start_read(1, 0..1, b), Err(TierError::Io { .. })));
+        assert_eq!(f.free_bufs(), 2, "every buffer is back");
+        assert!(f.settle().is_ok(), "reported once");
     }
 }
