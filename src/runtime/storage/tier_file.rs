@@ -537,7 +537,10 @@ mod tests {
         let p = f.start_write(0, b).unwrap();
         f.defer(p);
         let b = f.take_buf().unwrap();
-        assert!(matches!(f.start_read(1, 0..1, b), Err(TierError::Io { .. })));
+        assert!(matches!(
+            f.start_read(1, 0..1, b),
+            Err(TierError::Io { .. })
+        ));
         assert_eq!(f.free_bufs(), 2, "every buffer is back");
         assert!(f.settle().is_ok(), "reported once");
     }
