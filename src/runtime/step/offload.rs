@@ -126,7 +126,7 @@ pub struct ShardParts<'a> {
 
 /// The optimizer step's I/O over all units: reads run ahead across unit boundaries, in record
 /// order, while a staging buffer is free, and a write is waited for only when its buffer is
-/// needed or at [`UpdateStream::finish`]. Units are updated in ascending order (records are laid
+/// needed; [`UpdateStream::finish`] hands the last ones to the tier file. Units are updated in ascending order (records are laid
 /// out unit after unit), so the next unit's first records arrive while this one's last ones
 /// are updated, and a small unit costs no disk round trip of its own.
 #[derive(Default)]
@@ -160,7 +160,7 @@ impl UpdateStream {
 /// Streams unit `u`'s records through the optimizer: read (ahead), update, write back. A
 /// gradient on the tier is read with the record and not written back. A full copy beside
 /// masters in the shard (bf16 at stages 0-2) is refreshed from the updated masters. Reads and
-/// writes stay in flight in `stream` for the next unit; [`UpdateStream::finish`] waits for them.
+/// writes stay in flight in `stream` for the next unit; [`UpdateStream::finish`] ends them.
 pub fn update_unit(
     tier: &mut TierFile,
     stream: &mut UpdateStream,
