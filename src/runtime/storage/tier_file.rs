@@ -170,7 +170,7 @@ pub struct TierFile {
     crcs: Vec<u32>,
     pool: Vec<AlignedBuf>,
     /// Writes left in flight past the phase that started them (the optimizer's write-back runs
-    /// on into the next step's compute). A read waits for all of them first, a buffer wanted
+    /// on into the next step's compute). A read waits for those it overlaps, a buffer wanted
     /// when none is free is taken from the oldest, and their first error is returned by the
     /// next read, write or [`TierFile::settle`].
     deferred: VecDeque<Pending>,
@@ -257,6 +257,28 @@ impl TierFile {
         self.deferred_err.take().map_or(Ok(()), Err)
     }
 
+    /// Waits for the deferred writes that overlap bytes `offset..offset + len`; the first
+    /// error among all deferred writes finished so far.
+    fn settle_range(&mut self, offset: u64, len: usize) -> Result<(), TierError> {
+        let end = offset + len as u64;
+        let mut i = 0;
+        while i < self.deferred.len() {
+            let p = &self.deferred[i];
+            if p.offset < end && offset < p.offset + p.len as u64 {
+                let p = self.deferred.remove(i).expect("index in range");
+                match self.finish(p) {
+                    Ok(b) => self.pool.push(b),
+                    Err(e) => {
+                        self.deferred_err.get_or_insert(e);
+                    }
+                }
+            } else {
+                i += 1;
+            }
+        }
+        self.deferred_err.take().map_or(Ok(()), Err)
+    }
+
     pub fn put_buf(&mut self, b: AlignedBuf) {
         self.pool.push(b);
     }
@@ -274,12 +296,14 @@ impl TierFile {
         kinds: Range<usize>,
         buf: AlignedBuf,
     ) -> Result<Pending, TierError> {
-        // What it reads may be what a deferred write is writing.
-        if let Err(e) = self.settle() {
+        let (offset, len) = self.layout.values_span(rec, kinds);
+        // What it reads may be what a deferred write is writing: those writes land first. The
+        // others stay in flight (the next step's first reads need not wait for the last
+        // records the optimizer wrote back).
+        if let Err(e) = self.settle_range(offset, len) {
             self.pool.push(buf);
             return Err(e);
         }
-        let (offset, len) = self.layout.values_span(rec, kinds);
         self.start(Op::Read, offset, len, buf)
     }
 
@@ -513,7 +537,7 @@ mod tests {
     }
 
     #[test]
-    fn deferred_writes_are_waited_for_by_reads_and_their_errors_surface() {
+    fn deferred_writes_are_waited_for_by_overlapping_reads_and_their_errors_surface() {
         let mut f = file(Faults::default());
         let mut b = f.take_buf().unwrap();
         b.f32s_mut().iter_mut().for_each(|x| *x = 7.0);
@@ -536,9 +560,16 @@ mod tests {
         let b = f.take_buf().unwrap();
         let p = f.start_write(0, b).unwrap();
         f.defer(p);
+        // A read of another record leaves it in flight...
+        let b = f.take_buf().unwrap();
+        let p = f.start_read(1, 0..1, b).unwrap();
+        let b = f.finish(p).unwrap();
+        f.put_buf(b);
+        assert_eq!(f.deferred.len(), 1);
+        // ... and one that overlaps it waits for it and gets its error.
         let b = f.take_buf().unwrap();
         assert!(matches!(
-            f.start_read(1, 0..1, b),
+            f.start_read(0, 1..2, b),
             Err(TierError::Io { .. })
         ));
         assert_eq!(f.free_bufs(), 2, "every buffer is back");
