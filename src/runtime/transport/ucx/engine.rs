@@ -376,6 +376,29 @@ mod tests {
             }
             other => panic!("expected the peer's loss, got {other:?}"),
         }
+        // The failed endpoint is closed: a send to that peer counts as failed at once (it
+        // is not left pending on a dead process), and the engine goes on serving others.
+        let failed = e.counts().failed;
+        let closed = Instant::now() + Duration::from_secs(10);
+        while e.counts().failed == failed {
+            assert!(
+                Instant::now() < closed,
+                "a send to the dead peer never failed"
+            );
+            e.send(1, vec![1u8; 1 << 20]).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let c = Engine::start(EngineConfig::shared_memory(2)).unwrap();
+        e.connect(2, c.address().to_vec()).unwrap();
+        e.send(2, b"still here".to_vec()).unwrap();
+        assert_eq!(
+            next(&c),
+            Inbound::Message {
+                from: 0,
+                header: Vec::new(),
+                bytes: b"still here".to_vec().into()
+            }
+        );
     }
 
     #[test]

@@ -20,6 +20,8 @@ pub const HEADER_MAX_BYTES: usize = 256;
 /// The longest the thread sleeps on the worker's event fd: it bounds the cost of a wake-up
 /// that arrives between arming and sleeping.
 const IDLE_POLL_MS: i32 = 10;
+/// Most `ucp_worker_progress` calls in a row before the thread looks at its commands again.
+const PROGRESS_ROUNDS_MAX: usize = 256;
 /// How long closing endpoints may take when the engine stops.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -126,6 +128,8 @@ struct State {
     counts: Arc<Mutex<EngineCounts>>,
     /// Sends whose completion has not run yet.
     sending: usize,
+    /// Peers whose endpoint failed since the loop last closed failed endpoints.
+    failed: Vec<u32>,
     pool: Arc<Pool>,
 }
 
@@ -253,6 +257,9 @@ unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, status: s
     let why = status_text(st.ucp, status);
     st.received
         .push_back(Inbound::PeerLost { peer: a.peer, why });
+    // Closed by the loop, not here: UCX wants a failed endpoint closed, but not from inside
+    // its own callback.
+    st.failed.push(a.peer);
 }
 
 /// `UCS_PTR_IS_ERR` / `UCS_PTR_STATUS` of a returned request pointer.
@@ -375,6 +382,7 @@ pub(super) fn run(
         announced: Vec::new(),
         counts,
         sending: 0,
+        failed: Vec::new(),
         pool: Arc::default(),
     }));
     let mut eps: HashMap<u32, (sys::ucp_ep_h, *mut EpArg)> = HashMap::new();
@@ -420,6 +428,8 @@ pub(super) fn run(
         // reference to it is held across a UCX call: each use below takes a short one.
         let mut stopping = false;
         let mut held: VecDeque<Inbound> = VecDeque::new();
+        // Failed endpoints being closed, with their error handlers' arguments.
+        let mut closing: Vec<(*mut c_void, *mut EpArg)> = Vec::new();
         loop {
             while let Ok(cmd) = commands.try_recv() {
                 match cmd {
@@ -446,9 +456,17 @@ pub(super) fn run(
             }
             // Backpressure: while the inbox is full nothing more is taken off the wire.
             if held.len() < cfg.inbox_max {
-                while (ucp.ucp_worker_progress)(worker) != 0 {}
+                // Bounded: a worker that always reports more progress (a peer's endpoint
+                // failing over and over) must not keep this thread from the commands, the
+                // announced receives and the inbox below.
+                for _ in 0..PROGRESS_ROUNDS_MAX {
+                    if (ucp.ucp_worker_progress)(worker) == 0 {
+                        break;
+                    }
+                }
                 fetch_announced(state);
                 held.extend((*state).received.drain(..));
+                close_failed(state, &mut eps, &mut closing);
             }
             while let Some(m) = held.pop_front() {
                 match inbox.try_send(m) {
@@ -490,7 +508,7 @@ pub(super) fn run(
             }
             fetch_announced(state);
         }
-        close_all(state, &mut eps);
+        close_all(state, &mut eps, closing);
         *waker.lock().unwrap_or_else(|p| p.into_inner()) = None;
         (ucp.ucp_worker_destroy)(worker);
         drop(Box::from_raw(state));
@@ -612,18 +630,54 @@ unsafe fn receive(state: *mut State, a: Announced) {
     }
 }
 
-/// Closes every endpoint, progressing until each close completes or [`CLOSE_TIMEOUT`].
-unsafe fn close_all(state: *mut State, eps: &mut HashMap<u32, (sys::ucp_ep_h, *mut EpArg)>) {
+/// Starts closing `ep` (forced: no flush to a peer that may be gone); the close's request, or
+/// `None` if it completed at once.
+unsafe fn start_close(ucp: &sys::Ucp, ep: sys::ucp_ep_h) -> Option<*mut c_void> {
+    let mut p: sys::ucp_request_param_t = std::mem::zeroed();
+    p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
+    let req = (ucp.ucp_ep_close_nbx)(ep, &p);
+    (!req.is_null() && ptr_status(req).is_none()).then_some(req)
+}
+
+/// Starts closing the endpoints that failed (a later send to that peer counts as failed; a
+/// connect to it makes a new endpoint), and frees the closes that completed.
+unsafe fn close_failed(
+    state: *mut State,
+    eps: &mut HashMap<u32, (sys::ucp_ep_h, *mut EpArg)>,
+    closing: &mut Vec<(*mut c_void, *mut EpArg)>,
+) {
+    let ucp = (*state).ucp;
+    for peer in std::mem::take(&mut (*state).failed) {
+        if let Some((ep, arg)) = eps.remove(&peer) {
+            match start_close(ucp, ep) {
+                Some(req) => closing.push((req, arg)),
+                None => drop(Box::from_raw(arg)),
+            }
+        }
+    }
+    closing.retain(|&(req, arg)| {
+        let done = (ucp.ucp_request_check_status)(req) != sys::UCS_INPROGRESS;
+        if done {
+            (ucp.ucp_request_free)(req);
+            drop(Box::from_raw(arg));
+        }
+        !done
+    });
+}
+
+/// Closes every endpoint, progressing until each close (and those of failed endpoints already
+/// under way, `closing`) completes or [`CLOSE_TIMEOUT`].
+unsafe fn close_all(
+    state: *mut State,
+    eps: &mut HashMap<u32, (sys::ucp_ep_h, *mut EpArg)>,
+    closing: Vec<(*mut c_void, *mut EpArg)>,
+) {
     let (ucp, worker) = ((*state).ucp, (*state).worker);
     let deadline = Instant::now() + CLOSE_TIMEOUT;
-    let mut pending = Vec::new();
-    let mut args = Vec::new();
+    let (mut pending, mut args): (Vec<_>, Vec<_>) = closing.into_iter().unzip();
     for (_, (ep, arg)) in eps.drain() {
-        let mut p: sys::ucp_request_param_t = std::mem::zeroed();
-        p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
-        p.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
-        let req = (ucp.ucp_ep_close_nbx)(ep, &p);
-        if !req.is_null() && ptr_status(req).is_none() {
+        if let Some(req) = start_close(ucp, ep) {
             pending.push(req);
         }
         args.push(arg);
