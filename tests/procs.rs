@@ -501,7 +501,25 @@ pub fn kill_9_inside_a_step_is_recovered(transport: &str) {
     let struck = struck.expect("worker 1 was frozen inside a step within 50 tries");
     let deadline = Instant::now() + DEADLINE;
     let _ = job.workers[1].wait_until(deadline);
-    let status = job.coord.wait_until(deadline);
+    let status = job.coord.exited_by(deadline);
+    if status.is_none() {
+        // A job that never finishes: say what the coordinator waits for and what every
+        // process wrote, so that a rare hang can be understood from one CI log.
+        let asked = common::procs::try_http(&addr, "GET", "/status");
+        job.coord.kill().expect("SIGKILL the coordinator");
+        let _ = job.coord.wait_until(Instant::now());
+        let mut told = format!("killed inside step {struck}; /status: {asked:?}\n");
+        for (i, w) in job.workers.iter_mut().enumerate() {
+            let _ = w.wait_until(Instant::now());
+            told += &format!("worker {i} stderr:\n{}\n", w.stderr());
+        }
+        let out: Vec<String> = job.coord.lines.try_iter().collect();
+        panic!(
+            "the coordinator did not exit within {DEADLINE:?}\n{told}coordinator stdout:\n{}\ncoordinator stderr:\n{}",
+            out.join("\n"),
+            job.coord.stderr()
+        );
+    }
     let rest: Vec<String> = job.coord.lines.iter().collect();
     let out = rest.join("\n");
     let err = job.coord.stderr();

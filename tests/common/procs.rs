@@ -155,13 +155,21 @@ fn lines(r: impl Read + Send + 'static) -> mpsc::Receiver<String> {
 
 /// Waits for `child` until `deadline`; kills it and returns `None` past it.
 pub fn wait_until(child: &mut Child, deadline: Instant) -> Option<ExitStatus> {
+    let exited = exited_by(child, deadline);
+    if exited.is_none() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    exited
+}
+
+/// Waits for `child` until `deadline`; `None` (and still running) past it.
+pub fn exited_by(child: &mut Child, deadline: Instant) -> Option<ExitStatus> {
     loop {
         if let Ok(Some(s)) = child.try_wait() {
             return Some(s);
         }
         if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
             return None;
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -206,6 +214,12 @@ impl Proc {
     /// killed then).
     pub fn wait_until(&mut self, deadline: Instant) -> Option<ExitStatus> {
         wait_until(&mut self.child, deadline)
+    }
+
+    /// The exit status, or `None` when the process is still running at `deadline` (it is left
+    /// running, e.g. to ask it what it waits for).
+    pub fn exited_by(&mut self, deadline: Instant) -> Option<ExitStatus> {
+        exited_by(&mut self.child, deadline)
     }
 
     /// All of stderr; blocks until the process has closed it. Empty when called twice.
