@@ -1,0 +1,256 @@
+//! The step's gradient reduction and agreement: each unit's reduce-scatter posted and waited
+//! for (stages 2-3), the whole-model all-gather of gradients (stage 0), the parameter gather
+//! after the update (stages 1-2), and the small all-reduce on which ranks agree on losses,
+//! per-unit maxima, overflow and the exact global norm.
+
+use bytes::Bytes;
+
+use super::{AgreeMsg, Agreed, Pass};
+use crate::engine::ledger::Category;
+use crate::plan::Stage;
+use crate::reduce::exact;
+use crate::reduce::{grad_buf, SumSquares};
+use crate::runtime::step::collectives;
+use crate::runtime::step::comm::{Comm, CommError};
+use crate::runtime::transport::{Tag, TagKind, Transport};
+
+impl Pass<'_> {
+    pub(super) fn post_reduce_scatter<T: Transport>(
+        &mut self,
+        comm: &mut Comm<T>,
+        unit: u32,
+    ) -> Result<(), CommError> {
+        let acc = self
+            .unit_acc
+            .get(&unit)
+            .expect("backward ran before reduce-scatter");
+        let tag = self.tag(TagKind::ReduceScatter, unit, 0);
+        collectives::post_reduce_scatter(comm, &self.st.map, unit as usize, tag, acc, 0)
+    }
+
+    pub(super) fn wait_reduce_scatter<T: Transport>(
+        &mut self,
+        comm: &mut Comm<T>,
+        unit: u32,
+    ) -> Result<(), CommError> {
+        let u = unit as usize;
+        let mut acc = self
+            .unit_acc
+            .remove(&unit)
+            .expect("reduce-scatter posted before its wait");
+        let tag = self.tag(TagKind::ReduceScatter, unit, 0);
+        let res = collectives::wait_reduce_scatter(comm, &self.st.map, u, tag, &mut acc, 0);
+        // The owned ranges, in the shard's layout: into the shard's buffer, or into one that
+        // goes to the tier. The previous unit's write finishes first, so that one gradient
+        // shard at most is in RAM besides this unit's accumulator.
+        if self.st.grads_on_tier() {
+            if let Some(io) = self.tier_io.as_mut() {
+                io.wait_write()
+                    .map_err(|e| CommError::Storage(e.to_string()))?;
+            }
+        }
+        // The mean gradient is kept as f32 (4 bytes, not the accumulator's 8), in RAM or on the
+        // tier, before clipping, which needs the global norm: its partial sum of squares is
+        // taken now, from the exact sums, and the optimizer applies the clip coefficient when
+        // it reads the shard.
+        let on_tier = self.st.grads_on_tier();
+        let mode = self.st.mode;
+        let factor = grad_buf::mean_factor(mode, self.exps[u], self.plan.micro_batches);
+        let shard = &mut self.st.shards[u];
+        let spilled = if on_tier {
+            Some(acc.shard_mean(&shard.ranges, factor))
+        } else {
+            let sg = shard
+                .grads
+                .as_mut()
+                .expect("stages 2/3 keep a gradient shard");
+            self.st.grad_ss[u] = acc.shard_mean_into(&shard.ranges, factor, sg);
+            None
+        };
+        self.st.ledger.free(Category::Transient, acc.bytes() as u64);
+        drop(acc);
+        res?;
+        match spilled {
+            Some((g, sum_squares)) => {
+                self.st.grad_ss[u] = sum_squares;
+                let io = self.tier_io.as_mut().expect("a tier holds the gradients");
+                io.write_grads(u, g)
+                    .map_err(|e| CommError::Storage(e.to_string()))
+            }
+            None => Ok(()),
+        }
+    }
+
+    pub(super) fn all_gather_grads<T: Transport>(
+        &mut self,
+        comm: &mut Comm<T>,
+    ) -> Result<(), CommError> {
+        let map = &self.st.map;
+        let me = self.st.rank;
+        let w = self
+            .st
+            .whole_grads
+            .as_mut()
+            .expect("stage 0 keeps whole-model gradients");
+        for (u, buf) in w.iter().enumerate() {
+            let ranges: Vec<_> = map
+                .owned_in_unit(u, me)
+                .map(|i| map.chunk_range(u, i))
+                .collect();
+            let elems: usize = ranges.iter().map(|r| r.len()).sum();
+            let payload = || {
+                let bytes: Vec<u8> = ranges.into_iter().flat_map(|r| buf.encode(r)).collect();
+                Bytes::from(bytes)
+            };
+            let tag = Tag {
+                kind: TagKind::GatherGrads,
+                attempt: self.attempt,
+                unit: u as u32,
+                pass: 0,
+            };
+            collectives::post_owned(comm, map, u, tag, payload, elems as u64, false)?;
+        }
+        let eb = self.st.mode.elem_bytes();
+        for (u, buf) in w.iter_mut().enumerate() {
+            let tag = Tag {
+                kind: TagKind::GatherGrads,
+                attempt: self.attempt,
+                unit: u as u32,
+                pass: 0,
+            };
+            collectives::wait_owned(comm, map, u, tag, eb, |r, b| {
+                buf.set_encoded(r.start, b);
+            })?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn gather_params<T: Transport>(
+        &mut self,
+        comm: &mut Comm<T>,
+    ) -> Result<(), CommError> {
+        let map = &self.st.map;
+        let me = self.st.rank;
+        for u in 0..self.st.full.len() {
+            let full = &self.st.full[u];
+            let payload = || full.encode(map.owned_in_unit(u, me).map(|i| map.chunk_range(u, i)));
+            let tag = Tag {
+                kind: TagKind::GatherParams,
+                attempt: self.attempt,
+                unit: u as u32,
+                pass: 0,
+            };
+            let n = map.owned_elems_in_unit(u, me) as u64;
+            collectives::post_owned(comm, map, u, tag, payload, n, true)?;
+        }
+        for u in 0..self.st.full.len() {
+            let tag = Tag {
+                kind: TagKind::GatherParams,
+                attempt: self.attempt,
+                unit: u as u32,
+                pass: 0,
+            };
+            let full = &mut self.st.full[u];
+            let elem_bytes = full.elem_bytes();
+            collectives::wait_owned(comm, map, u, tag, elem_bytes, |r, b| full.decode_into(r, b))?;
+        }
+        Ok(())
+    }
+
+    /// Partial sum of squares of the reduced gradient over the chunks this rank owns.
+    pub(super) fn owned_sum_squares(&self, u: usize) -> SumSquares {
+        let mode = self.st.mode;
+        // Stages 2-3 took it when the unit's reduced shard was made (in RAM or on the tier).
+        if matches!(self.st.stage, Stage::Zero2 | Stage::Zero3) {
+            return self.st.grad_ss[u];
+        }
+        match &self.st.whole_grads {
+            Some(w) => self
+                .st
+                .map
+                .owned_in_unit(u, self.st.rank)
+                .map(|i| w[u].sum_squares(self.st.map.chunk_range(u, i)))
+                .fold(SumSquares::zero(mode), SumSquares::plus),
+            None => SumSquares::zero(mode),
+        }
+    }
+
+    pub(super) fn agree<T: Transport>(&mut self, comm: &mut Comm<T>) -> Result<(), CommError> {
+        let mine = AgreeMsg {
+            losses: self.losses.clone(),
+            max_abs: self.stats.iter().map(|s| s.max_abs).collect(),
+            overflow: self.stats.iter().any(|s| s.overflow),
+            sum_squares: (0..self.st.units())
+                .map(|u| self.owned_sum_squares(u))
+                .collect(),
+        };
+        let bytes =
+            bincode::serde::encode_to_vec(&mine, bincode::config::standard()).map_err(|e| {
+                CommError::Protocol {
+                    from: self.st.rank,
+                    what: format!("encode: {e}"),
+                }
+            })?;
+        let tag = self.tag(TagKind::Agree, 0, 0);
+        let all = collectives::exchange_small(comm, &self.st.map.members, tag, Bytes::from(bytes))?;
+        let m = self.plan.micro_batches as usize;
+        let units = self.st.units();
+        let mut losses = vec![f32::NAN; m];
+        let mut seen = vec![false; m];
+        let mut max_abs = vec![0f32; units];
+        let mut overflow = false;
+        let mut ss = vec![SumSquares::zero(self.st.mode); units];
+        for (from, payload) in all {
+            let (msg, _): (AgreeMsg, usize) = bincode::serde::decode_from_slice(
+                &payload,
+                bincode::config::standard().with_limit::<{ 1 << 24 }>(),
+            )
+            .map_err(|e| CommError::Protocol {
+                from,
+                what: format!("agree message: {e}"),
+            })?;
+            if msg.max_abs.len() != units || msg.sum_squares.len() != units {
+                return Err(CommError::Protocol {
+                    from,
+                    what: "agree message for another model".into(),
+                });
+            }
+            for (i, l) in msg.losses {
+                let i = i as usize;
+                if i >= m || seen[i] {
+                    return Err(CommError::Protocol {
+                        from,
+                        what: format!("loss for micro-batch {i} twice or out of range"),
+                    });
+                }
+                seen[i] = true;
+                losses[i] = l;
+            }
+            for u in 0..units {
+                max_abs[u] = exact::max_nan(max_abs[u], msg.max_abs[u]);
+                ss[u] = ss[u].plus(msg.sum_squares[u]);
+            }
+            overflow |= msg.overflow;
+        }
+        if seen.iter().any(|s| !s) {
+            return Err(CommError::Protocol {
+                from: self.st.rank,
+                what: "some micro-batch has no loss".into(),
+            });
+        }
+        let non_finite = max_abs.iter().any(|m| !m.is_finite());
+        let norm = if overflow {
+            f64::NAN
+        } else {
+            grad_buf::global_norm(self.st.mode, &ss, &self.exps, self.plan.micro_batches)
+        };
+        self.agreed = Some(Agreed {
+            losses,
+            max_abs,
+            overflow,
+            non_finite,
+            norm,
+        });
+        Ok(())
+    }
+}
