@@ -1,0 +1,362 @@
+//! Saving during `ezero train` and `ezero coordinator`: the background writer, the save
+//! schedule, streamed snapshots when the state is on the tiers, and SIGTERM/SIGINT (a last
+//! checkpoint at the next step boundary, then a clean stop).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+
+use elastic_zero::checkpoint::{
+    store, CheckpointError, CheckpointMeta, CheckpointSink, CheckpointWriter, CrashPoint,
+    SaveOptions, SaveReport,
+};
+use elastic_zero::config::TrainConfig;
+use elastic_zero::data::Dataset;
+use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
+use elastic_zero::model::Model;
+use elastic_zero::plan::RankId;
+use elastic_zero::runtime::actors::{BoundarySnapshot, Snapshot};
+use elastic_zero::runtime::api::cluster::Observer;
+use elastic_zero::runtime::step::snapshot::SnapshotSink;
+use elastic_zero::runtime::ChangeRecord;
+
+use super::usage;
+use crate::cli::{CliError, TrainArgs};
+
+/// Saving during `ezero train`: a background writer, the save schedule, and the signal flag.
+pub struct Saving {
+    writer: CheckpointWriter,
+    /// Outcomes of the saves streamed through [`SavePlan::sink`] (state on the tier).
+    streamed: Receiver<Result<SaveReport, CheckpointError>>,
+    root: PathBuf,
+    save_every: u64,
+    total_steps: u64,
+    /// The signal number received (0: none).
+    signal: Arc<AtomicUsize>,
+    failures: usize,
+    /// How to resume, for the line printed on a signal (`resume_with`).
+    resume_hint: String,
+}
+
+const SIGNALS: [i32; 2] = [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT];
+
+/// What saving needs before anything is written: the manifest's fixed part, the options, and
+/// the sink that streamed snapshots go to (the cluster gets it at start; it writes nothing
+/// until the first snapshot, after [`SavePlan::start`]).
+pub struct SavePlan {
+    root: PathBuf,
+    meta: CheckpointMeta,
+    opts: SaveOptions,
+    sink: Arc<CheckpointSink>,
+    streamed: Receiver<Result<SaveReport, CheckpointError>>,
+}
+
+impl SavePlan {
+    /// The plan if `cfg` has a save dir.
+    pub fn new(
+        cfg: &TrainConfig,
+        model: &dyn Model,
+        data: &Dataset,
+        args: &TrainArgs,
+    ) -> Result<Option<SavePlan>, CliError> {
+        let Some(root) = cfg.save_dir.clone() else {
+            return Ok(None);
+        };
+        let meta = CheckpointMeta::new(cfg, model, data).map_err(usage)?;
+        let crash = args
+            .checkpoint_crash
+            .as_deref()
+            .map(parse_crash)
+            .transpose()
+            .map_err(CliError::Usage)?;
+        let opts = SaveOptions {
+            keep: cfg.keep_checkpoints,
+            crash,
+        };
+        let (tx, streamed) = std::sync::mpsc::channel();
+        let sink = Arc::new(CheckpointSink::new(root.clone(), meta.clone(), opts, tx));
+        Ok(Some(SavePlan {
+            root,
+            meta,
+            opts,
+            sink,
+            streamed,
+        }))
+    }
+
+    /// Where the cluster streams snapshots when its state is on the tier.
+    pub fn sink(&self) -> Arc<dyn SnapshotSink> {
+        Arc::clone(&self.sink) as Arc<dyn SnapshotSink>
+    }
+
+    /// Checks the save directory, starts the writer and installs the SIGTERM/SIGINT handlers.
+    /// `resumed_from` is the checkpoint the run continues, if any; a signal also sets
+    /// `boundary`'s flag, which the cluster was given (`boundary_snapshot`).
+    pub fn start(
+        self,
+        cfg: &TrainConfig,
+        resumed_from: Option<&Path>,
+        boundary: &BoundarySnapshot,
+    ) -> Result<Saving, CliError> {
+        let SavePlan {
+            root,
+            meta,
+            opts,
+            streamed,
+            ..
+        } = self;
+        check_save_dir(&root, resumed_from)?;
+        let writer = CheckpointWriter::spawn(root.clone(), meta, opts)
+            .map_err(|e| CliError::Failed(e.to_string()))?;
+        let signal = Arc::new(AtomicUsize::new(0));
+        let again = Arc::new(AtomicBool::new(false));
+        for sig in SIGNALS {
+            // A second signal while the last checkpoint is being written ends the process at once.
+            let installed = signal_hook::flag::register_conditional_shutdown(
+                sig,
+                128 + sig,
+                Arc::clone(&again),
+            )
+            .and_then(|_| signal_hook::flag::register(sig, Arc::clone(&again)))
+            .and_then(|_| signal_hook::flag::register_usize(sig, Arc::clone(&signal), sig as usize))
+            .and_then(|_| signal_hook::flag::register(sig, Arc::clone(&boundary.flag)));
+            installed
+                .map_err(|e| CliError::Failed(format!("cannot install a signal handler: {e}")))?;
+        }
+        Ok(Saving {
+            writer,
+            streamed,
+            root,
+            save_every: cfg.save_every,
+            total_steps: cfg.steps,
+            signal,
+            resume_hint: "ezero train --resume".into(),
+            failures: 0,
+        })
+    }
+}
+
+impl Saving {
+    /// What the cluster needs to answer a signal with a snapshot at the next step boundary
+    /// (`SavePlan::start` makes SIGTERM and SIGINT set its flag): snapshots are taken only when
+    /// a save is due or asked for, not at every boundary in case a signal comes.
+    pub fn boundary_snapshot(args: &TrainArgs) -> BoundarySnapshot {
+        BoundarySnapshot {
+            flag: Arc::default(),
+            // `--signal-at N`: stopped after N steps, so raised during step N - 1 (0-based).
+            raise_sigterm_at: args.signal_at.and_then(|n| n.checked_sub(1)),
+        }
+    }
+
+    fn report(&mut self, results: Vec<Result<SaveReport, CheckpointError>>) {
+        self.failures += report(results);
+    }
+
+    /// Reports the saves that finished since the last step.
+    fn poll(&mut self) {
+        let mut results = self.writer.poll();
+        results.extend(self.streamed.try_iter());
+        self.report(results);
+    }
+
+    /// A snapshot was streamed and saved (or failed) before training went on: report it, and
+    /// answer a signal as [`Saving::on_snapshot`] does.
+    fn on_streamed(&mut self, step: u64) {
+        self.poll();
+        let signal = self.signal.load(Ordering::SeqCst);
+        if signal != 0 {
+            self.stop(signal as i32, step);
+        }
+    }
+
+    fn on_snapshot(&mut self, snap: Snapshot) {
+        let step = snap.progress.step;
+        let signal = self.signal.load(Ordering::SeqCst);
+        let due = self.save_every > 0
+            && (step.is_multiple_of(self.save_every) || step == self.total_steps);
+        if signal == 0 && !due {
+            return;
+        }
+        if let Err(e) = self.writer.submit(snap) {
+            self.report(vec![Err(e)]);
+        }
+        if signal != 0 {
+            self.stop(signal as i32, step);
+        }
+    }
+
+    /// An operator's on-demand checkpoint (`POST /checkpoint`): saved whatever `save_every` says.
+    fn save_now(&mut self, snap: Snapshot) {
+        if let Err(e) = self.writer.submit(snap) {
+            self.report(vec![Err(e)]);
+        }
+    }
+
+    /// Answers a signal: waits for the checkpoint of this boundary, then ends the process.
+    fn stop(&mut self, signal: i32, step: u64) -> ! {
+        if let Err(e) = self.writer.flush() {
+            self.report(vec![Err(e)]);
+        }
+        self.poll();
+        let name = if signal == signal_hook::consts::SIGINT {
+            "SIGINT"
+        } else {
+            "SIGTERM"
+        };
+        let code = if self.failures > 0 {
+            eprintln!(
+                "error: stopped by {name} at step {step}, but the checkpoint could not be saved"
+            );
+            1
+        } else {
+            println!(
+                "stopped by {name} after step {step}; resume with: {} {}",
+                self.resume_hint,
+                self.root.display()
+            );
+            128 + signal
+        };
+        let _ = std::io::stdout().flush();
+        // Ranks and the writer hold nothing that needs unwinding: the checkpoint is synced.
+        std::process::exit(code)
+    }
+
+    /// Names the command that resumes this run in the line printed on a signal (the checkpoint
+    /// itself resumes under any of them).
+    pub fn resume_with(mut self, hint: String) -> Self {
+        self.resume_hint = hint;
+        self
+    }
+
+    /// Waits for the queued saves; a failed save fails the run.
+    pub fn finish(self) -> Result<(), CliError> {
+        let mut results = self.writer.finish();
+        results.extend(self.streamed.try_iter());
+        let failures = self.failures + report(results);
+        if failures > 0 {
+            return Err(CliError::Failed(format!(
+                "{} checkpoint save(s) into {} failed",
+                failures,
+                self.root.display()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Prints one line per finished save; returns how many failed.
+fn report(results: Vec<Result<SaveReport, CheckpointError>>) -> usize {
+    let mut failures = 0;
+    for r in results {
+        match r {
+            Ok(r) => println!(
+                "checkpoint: saved {} ({} bytes in {} files, {:.3} s, {:.0} MB/s{}{})",
+                r.dir.display(),
+                r.bytes,
+                r.files,
+                r.write_s,
+                r.mb_per_s(),
+                if r.streamed {
+                    ", streamed from the tier"
+                } else {
+                    ""
+                },
+                if r.removed.is_empty() {
+                    String::new()
+                } else {
+                    format!("; removed {} older", r.removed.len())
+                }
+            ),
+            Err(e) => {
+                failures += 1;
+                eprintln!("error: checkpoint save failed: {e}");
+            }
+        }
+    }
+    failures
+}
+
+/// The save directory must be creatable, and must not hold another run's checkpoints: a run
+/// writes into a directory with complete checkpoints only when it resumed from one of them
+/// (otherwise its saves and retention would replace them).
+fn check_save_dir(root: &Path, resumed_from: Option<&Path>) -> Result<(), CliError> {
+    let bad =
+        |what: String| CliError::Usage(format!("invalid `save_dir`: {}: {what}", root.display()));
+    std::fs::create_dir_all(root).map_err(|e| bad(format!("cannot create it: {e}")))?;
+    let entries = store::list(root).map_err(|e| bad(e.to_string()))?;
+    let Some(newest) = entries.iter().rev().find(|e| e.complete) else {
+        return Ok(());
+    };
+    let same = |a: &Path, b: &Path| match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    if resumed_from
+        .and_then(Path::parent)
+        .is_some_and(|p| same(p, root))
+    {
+        return Ok(());
+    }
+    Err(bad(format!(
+        "it already holds checkpoints (newest {}); continue that run with --resume {}, or save into an empty directory",
+        newest.path.display(),
+        root.display()
+    )))
+}
+
+fn parse_crash(s: &str) -> Result<(u64, CrashPoint), String> {
+    let (step, point) = s
+        .split_once(':')
+        .ok_or("--checkpoint-crash expects STEP:POINT")?;
+    Ok((
+        step.parse().map_err(|_| "--checkpoint-crash: bad STEP")?,
+        point.parse()?,
+    ))
+}
+
+/// The train loop's observer: `inner` (the progress display), plus saving when configured.
+pub struct SaveObserver<O> {
+    pub inner: O,
+    pub saving: Option<Saving>,
+}
+
+impl<O: Observer> Observer for &mut SaveObserver<O> {
+    fn on_step(&mut self, rec: &StepRecord) {
+        self.inner.on_step(rec);
+        if let Some(s) = &mut self.saving {
+            s.poll();
+        }
+    }
+
+    fn on_snapshot(&mut self, snap: Snapshot) {
+        if let Some(s) = &mut self.saving {
+            s.on_snapshot(snap);
+        }
+    }
+
+    fn on_membership(&mut self, record: &MembershipRecord) {
+        self.inner.on_membership(record);
+    }
+
+    fn on_change(&mut self, change: &ChangeRecord) {
+        self.inner.on_change(change);
+    }
+
+    fn on_join_failed(&mut self, rank: RankId, reason: &str) {
+        self.inner.on_join_failed(rank, reason);
+    }
+
+    fn on_requested_snapshot(&mut self, snap: Snapshot) {
+        if let Some(s) = &mut self.saving {
+            s.save_now(snap);
+        }
+    }
+
+    fn on_snapshot_streamed(&mut self, step: u64, _saved: &Result<(), String>) {
+        if let Some(s) = &mut self.saving {
+            s.on_streamed(step);
+        }
+    }
+}
