@@ -225,14 +225,8 @@ impl TierFile {
     /// A staging buffer of one record, if one is free or a deferred write can give one back.
     pub fn take_buf(&mut self) -> Option<AlignedBuf> {
         if self.pool.is_empty() {
-            if let Some(p) = self.deferred.pop_front() {
-                match self.finish(p) {
-                    Ok(b) => return Some(b),
-                    // The buffer went back to the pool; the error waits for the next call.
-                    Err(e) => {
-                        self.deferred_err.get_or_insert(e);
-                    }
-                }
+            if let Some(b) = self.deferred.pop_front().and_then(|p| self.land(p)) {
+                return Some(b);
             }
         }
         self.pool.pop()
@@ -246,37 +240,42 @@ impl TierFile {
 
     /// Waits for every deferred write; the first error among them (or one kept from earlier).
     pub fn settle(&mut self) -> Result<(), TierError> {
-        while let Some(p) = self.deferred.pop_front() {
-            match self.finish(p) {
-                Ok(b) => self.pool.push(b),
-                Err(e) => {
-                    self.deferred_err.get_or_insert(e);
-                }
-            }
-        }
-        self.deferred_err.take().map_or(Ok(()), Err)
+        self.settle_where(|_| true)
     }
 
     /// Waits for the deferred writes that overlap bytes `offset..offset + len`; the first
     /// error among all deferred writes finished so far.
     fn settle_range(&mut self, offset: u64, len: usize) -> Result<(), TierError> {
         let end = offset + len as u64;
-        let mut i = 0;
-        while i < self.deferred.len() {
-            let p = &self.deferred[i];
-            if p.offset < end && offset < p.offset + p.len as u64 {
-                let p = self.deferred.remove(i).expect("index in range");
-                match self.finish(p) {
-                    Ok(b) => self.pool.push(b),
-                    Err(e) => {
-                        self.deferred_err.get_or_insert(e);
-                    }
-                }
-            } else {
-                i += 1;
+        self.settle_where(|p| p.offset < end && offset < p.offset + p.len as u64)
+    }
+
+    /// Waits for the deferred writes `wanted` picks, oldest first, and puts their buffers back;
+    /// the first error among all deferred writes finished so far.
+    fn settle_where(&mut self, wanted: impl Fn(&Pending) -> bool) -> Result<(), TierError> {
+        let (now, later): (VecDeque<Pending>, VecDeque<Pending>) =
+            std::mem::take(&mut self.deferred)
+                .into_iter()
+                .partition(|p| wanted(p));
+        self.deferred = later;
+        for p in now {
+            if let Some(b) = self.land(p) {
+                self.pool.push(b);
             }
         }
         self.deferred_err.take().map_or(Ok(()), Err)
+    }
+
+    /// Waits for deferred write `p`: its buffer, or `None` with its error kept for the next
+    /// read, write or settle (the buffer went back to the pool).
+    fn land(&mut self, p: Pending) -> Option<AlignedBuf> {
+        match self.finish(p) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                self.deferred_err.get_or_insert(e);
+                None
+            }
+        }
     }
 
     pub fn put_buf(&mut self, b: AlignedBuf) {
