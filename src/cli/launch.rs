@@ -101,9 +101,10 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
     let procs = a.procs.resolve()?;
     let token = new_token();
     let transport = a.transport.unwrap_or(DataPlane::Tcp);
-    super::procs::check_data_plane(transport)?;
-    // The coordinator says that it is not encrypted.
+    // A malformed argument is reported whether or not libucx is here. The coordinator says
+    // that UCX over a network is not encrypted.
     super::procs::check_ucx_net(transport, a.ucx_net.as_deref(), false)?;
+    super::procs::check_data_plane(transport)?;
     let secrets = match &a.secrets {
         Some(dir) => Secrets {
             dir: dir.clone(),

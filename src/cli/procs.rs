@@ -271,6 +271,8 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     check_parts(&cfg, part_max_bytes).map_err(|e| CliError::Usage(e.to_string()))?;
     let procs = args.procs.resolve()?;
     let data_plane = args.transport.unwrap_or(DataPlane::Tcp);
+    // The arguments first: a malformed one is reported whether or not libucx is here.
+    check_ucx_net(data_plane, args.ucx_net.as_deref(), false)?;
     check_data_plane(data_plane)?;
     check_ucx_net(data_plane, args.ucx_net.as_deref(), true)?;
     let token = token(args.token_file.as_ref())?;
