@@ -617,7 +617,21 @@ impl Coordinator {
             lr: self.job.lr.lr_at(self.opt_step + 1),
             opt_step: self.opt_step + 1,
             grad_bounds: self.bounds.clone(),
+            defer_update: !self.state_read_after_step(),
         })]
+    }
+
+    /// Whether the ranks' state is read between the step about to run and the next one: the
+    /// job's end, a snapshot, a scripted membership change or a buddy backup. (A snapshot asked
+    /// for through the API, or a failure, cannot be foreseen: the ranks then settle what they
+    /// owe when they read their state.)
+    fn state_read_after_step(&self) -> bool {
+        let next = self.step + 1;
+        let every = self.job.snapshot_every;
+        next >= self.job.steps
+            || (every > 0 && next.is_multiple_of(every))
+            || self.job.script.iter().any(|c| c.step == next)
+            || self.backup_due_at(next)
     }
 
     fn on_report(&mut self, report: StepReport, now_ms: u64) -> Vec<Command> {
@@ -757,12 +771,17 @@ impl Coordinator {
     }
 
     fn backup_due(&self) -> bool {
+        self.backup_due_at(self.step)
+    }
+
+    /// Whether a buddy backup is due before step `step` under the current map.
+    fn backup_due_at(&self, step: u64) -> bool {
         let every = self.job.replicate_every;
         if every == 0 || self.map.world_size() < 2 {
             return false;
         }
         match &self.backup {
-            Some((epoch, p)) => *epoch != self.map.epoch || self.step >= p.step + every,
+            Some((epoch, p)) => *epoch != self.map.epoch || step >= p.step + every,
             None => true,
         }
     }

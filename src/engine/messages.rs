@@ -22,6 +22,12 @@ pub struct StepPlan {
     pub opt_step: u64,
     /// Per-unit bound on |gradient| that fixes the exact-reduction scale.
     pub grad_bounds: Vec<f32>,
+    /// The update may be owed to the next step's forward (where a rank's placement allows it,
+    /// `runtime::step::owed`): false when something reads the ranks' state before the next
+    /// step (the job's end, a snapshot, a backup, a scripted change), so that the update's
+    /// cost is this step's.
+    #[serde(default)]
+    pub defer_update: bool,
 }
 
 impl StepPlan {

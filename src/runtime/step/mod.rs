@@ -12,6 +12,7 @@ pub mod comm;
 pub mod exec;
 pub mod full_copy;
 pub mod offload;
+pub mod owed;
 pub mod parcel;
 pub mod progress;
 pub mod rank_state;

@@ -122,6 +122,9 @@ pub struct ShardParts<'a> {
     pub params: &'a mut [f32],
     pub m: &'a mut [f32],
     pub v: &'a mut [f32],
+    /// Where the updated masters are copied as well, in shard order (empty for none): an
+    /// update owed to the next forward hands the gather its shard without reading it again.
+    pub params_out: &'a mut [f32],
 }
 
 /// The optimizer step's I/O over all units: reads run ahead across unit boundaries, in record
@@ -135,9 +138,20 @@ pub struct UpdateStream {
     writes: VecDeque<Pending>,
     /// The next record to read.
     next: usize,
+    /// No record from here on is read ahead (`None`: up to the file's end).
+    end: Option<usize>,
 }
 
 impl UpdateStream {
+    /// A stream that reads no further ahead than record `end` (exclusive): for updating some
+    /// units and not the ones after them.
+    pub fn until(end: usize) -> Self {
+        Self {
+            end: Some(end),
+            ..Self::default()
+        }
+    }
+
     /// Ends the phase: waits for the reads still in flight (after a failure) and leaves the
     /// writes in flight with the tier file ([`TierFile::defer`]), so the write-back overlaps
     /// the next step's compute; whatever reads the tier next waits for them. The first read
@@ -172,7 +186,10 @@ pub fn update_unit(
     let kinds = tier.layout.kinds;
     let values = kinds.values();
     let records = tier.layout.unit_records(u);
-    let total = tier.layout.records();
+    let total = stream
+        .end
+        .map_or(tier.layout.records(), |e| e.min(tier.layout.records()));
+    debug_assert!(records.end <= total, "unit {u} is past the stream's end");
     stream.next = stream.next.max(records.start);
     let mut g_tile = if kinds.grads > 0 {
         vec![0f32; tier.layout.tile_elems]
@@ -183,6 +200,7 @@ pub fn update_unit(
         reads,
         writes,
         next,
+        ..
     } = stream;
     let result = (|| {
         for rec in records.clone() {
@@ -227,7 +245,7 @@ pub fn update_unit(
                     |p: &mut [f32]| a.be.optimizer_update(&a.settings, p, g, m, v, a.t, a.lr);
                 let p: &mut [f32] = match tp.as_deref_mut() {
                     Some(c) => &mut c[lo..lo + n],
-                    None if a.masters_in_shard => &mut shard.params[sr],
+                    None if a.masters_in_shard => &mut shard.params[sr.clone()],
                     None => {
                         let p = full
                             .f32s_mut()
@@ -237,6 +255,9 @@ pub fn update_unit(
                     }
                 };
                 step(p);
+                if !shard.params_out.is_empty() {
+                    shard.params_out[sr].copy_from_slice(p);
+                }
                 if !full.is_empty() {
                     full.set_from_masters(ur, p);
                 }

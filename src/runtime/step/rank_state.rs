@@ -29,6 +29,7 @@ use crate::runtime::storage::{RecordKinds, TierError, TierFile, TierLayout, Tier
 
 use super::full_copy::FullCopy;
 use super::offload;
+use super::owed::{Owed, OwedStep};
 use super::start_weights::{kept_chunks, read_chunks};
 
 /// This rank's slice of one unit.
@@ -86,6 +87,9 @@ pub struct RankState {
     /// the exact sums when the shard was made (what `Agree` needs; with gradients on the tier,
     /// without reading them back).
     pub grad_ss: Vec<crate::reduce::SumSquares>,
+    /// With everything of stage 3 on the tier, the optimizer updates owed to the next forward
+    /// (`owed.rs`); `None` where the update runs in the optimizer phase.
+    pub owed: Option<Arc<Owed>>,
 }
 
 /// One chunk's complete training state: master parameters and optimizer state. This is the
@@ -308,6 +312,13 @@ impl RankState {
         // The chunk states taken apart above were small heap blocks; without this the heap
         // keeps their pages for the whole run (0.36 GB at d_model 2048, two layers, one rank).
         crate::runtime::alloc::release_free_memory();
+        let owed = tier
+            .as_ref()
+            .filter(|t| defers_update(stage, t.layout.kinds, optim))
+            .map(|_| {
+                let ranges = shards.iter().map(|s| s.ranges.clone()).collect();
+                Arc::new(Owed::new(Arc::clone(&model), optim, ranges))
+            });
         Ok(Self {
             rank,
             stage,
@@ -326,6 +337,7 @@ impl RankState {
                 .map_or(RecordKinds::default(), |t| t.layout.kinds),
             tier: tier.map(|t| Arc::new(Mutex::new(t))),
             grad_ss: vec![crate::reduce::SumSquares::zero(mode); shard_count],
+            owed,
         })
     }
 
@@ -408,8 +420,10 @@ impl RankState {
     }
 
     /// Applies the optimizer to every held chunk, with the mean gradient over micro-batches
-    /// times the clip coefficient. `unit_done` is called as each
-    /// unit's update finishes (the step's progress).
+    /// times the clip coefficient; with `defer` and a placement that allows it, owes the updates
+    /// to the next forward instead (`owed.rs`). `unit_done` is called as each unit's update
+    /// finishes (the step's progress).
+    #[allow(clippy::too_many_arguments)]
     pub fn apply_optimizer(
         &mut self,
         exps: &[i32],
@@ -417,8 +431,18 @@ impl RankState {
         clip_coef: f64,
         t: u64,
         lr: f32,
+        defer: bool,
         unit_done: &mut dyn FnMut(),
     ) -> Result<(), TierError> {
+        if let (Some(owed), Some(tier)) = (&self.owed, &self.tier) {
+            // Normally the forward has run them all; an aborted pass may have left some.
+            owed.settle(tier)?;
+            if defer {
+                owed.owe(OwedStep { t, lr, clip_coef });
+                (0..self.specs.len()).for_each(|_| unit_done());
+                return Ok(());
+            }
+        }
         // With a tier, one stream of reads and writes runs through every unit's records.
         let mut stream = offload::UpdateStream::default();
         let result = self.update_units(
@@ -494,6 +518,7 @@ impl RankState {
                     params: &mut shard.params,
                     m: &mut shard.opt.m,
                     v: &mut shard.opt.v,
+                    params_out: &mut [],
                 };
                 offload::update_unit(&mut tier, stream, u, parts, &mut self.full[u], &args)
             } else {
@@ -575,6 +600,16 @@ impl RankState {
     pub fn params_on_tier(&self) -> bool {
         self.tier_kinds().params
     }
+}
+
+/// Whether the optimizer updates are owed to the next forward (`owed.rs`): at stage 3 with the
+/// parameters, all the optimizer's state and the gradients on the tier, so that an update
+/// touches nothing in RAM and the forward's read of the parameters can be the update's.
+fn defers_update(stage: Stage, kinds: RecordKinds, optim: OptimSettings) -> bool {
+    stage == Stage::Zero3
+        && kinds.params
+        && kinds.grads > 0
+        && kinds.state as u64 == optim.state_per_param()
 }
 
 /// The tier file for this rank's state under `map`, if the placement puts anything there.

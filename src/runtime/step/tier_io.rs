@@ -1,6 +1,8 @@
 //! The step's tier I/O beside its compute. With stage 3's parameters on the tier, the next
 //! unit's shard is read on a helper thread while the current unit computes; with gradients on
 //! the tier, a unit's reduced shard is written on a helper thread while the backward goes on.
+//! Where the unit's optimizer update is owed to this forward (`owed.rs`), the read ahead is that
+//! update, which yields the updated shard.
 //! At most one read and one write are in flight (a shard of each in RAM besides the step's
 //! own buffers, which the planner counts), and every helper is joined before the step's optimizer touches the tier and
 //! before the step returns, so no I/O outlives the step.
@@ -9,15 +11,35 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use super::offload;
+use super::owed::{Owed, OwedStep};
 use crate::runtime::storage::{TierError, TierFile};
 
 type Read = JoinHandle<Result<Vec<f32>, TierError>>;
 
 pub struct TierIo {
     tier: Arc<Mutex<TierFile>>,
-    /// The unit whose parameter shard is being read, and the reader.
-    read: Option<(usize, Read)>,
+    owed: Option<Arc<Owed>>,
+    /// The unit whose parameter shard is being read, whether the read is its owed update, and
+    /// the reader.
+    read: Option<(usize, bool, Read)>,
     write: Option<JoinHandle<Result<(), TierError>>>,
+}
+
+/// Unit `u`'s parameter shard: read, or made by running its owed update.
+fn load(
+    tier: &Mutex<TierFile>,
+    owed: Option<(&Owed, OwedStep)>,
+    u: usize,
+    len: usize,
+) -> Result<Vec<f32>, TierError> {
+    match owed {
+        Some((o, step)) => {
+            let mut out = vec![0f32; len];
+            o.apply(&mut lock(tier), u, step, &mut out)?;
+            Ok(out)
+        }
+        None => offload::read_unit_params(&mut lock(tier), u, len),
+    }
 }
 
 fn lock(t: &Mutex<TierFile>) -> std::sync::MutexGuard<'_, TierFile> {
@@ -31,12 +53,18 @@ fn join<T>(h: JoinHandle<Result<T, TierError>>) -> Result<T, TierError> {
 }
 
 impl TierIo {
-    pub fn new(tier: Arc<Mutex<TierFile>>) -> Self {
+    pub fn new(tier: Arc<Mutex<TierFile>>, owed: Option<Arc<Owed>>) -> Self {
         Self {
             tier,
+            owed,
             read: None,
             write: None,
         }
+    }
+
+    /// Unit `u`'s owed update, taken to be run now.
+    fn take_owed(&self, u: usize) -> Option<OwedStep> {
+        self.owed.as_ref().and_then(|o| o.take(u))
     }
 
     /// Starts reading unit `u`'s parameter shard (`len` elements), unless a read is in flight.
@@ -44,25 +72,49 @@ impl TierIo {
         if self.read.is_some() {
             return;
         }
-        let tier = Arc::clone(&self.tier);
+        let (tier, owed) = (Arc::clone(&self.tier), self.owed.clone());
+        let step = self.take_owed(u);
         let h = std::thread::Builder::new()
             .name("ezero-tier-read".into())
-            .spawn(move || offload::read_unit_params(&mut lock(&tier), u, len));
-        // Without a thread the shard is read when it is needed, as without prefetch.
-        if let Ok(h) = h {
-            self.read = Some((u, h));
+            .spawn(move || load(&tier, owed.as_deref().zip(step), u, len));
+        match h {
+            Ok(h) => self.read = Some((u, step.is_some(), h)),
+            // Without a thread the shard is read (and the update run) when it is needed, as
+            // without prefetch.
+            Err(_) => {
+                if let (Some(o), Some(step)) = (&self.owed, step) {
+                    o.give_back(u, step);
+                }
+            }
+        }
+    }
+
+    /// Finishes the read in flight of a unit other than the one wanted: a plain read nobody
+    /// asks for any more is dropped, but a failed update left the unit's state half written,
+    /// which must stop the step.
+    fn drop_read(&mut self) -> Result<(), TierError> {
+        match self.read.take() {
+            Some((_, true, h)) => join(h).map(drop),
+            Some((_, false, h)) => {
+                drop(join(h));
+                Ok(())
+            }
+            None => Ok(()),
         }
     }
 
     /// Unit `u`'s parameter shard: the prefetched one, or read now.
     pub fn params(&mut self, u: usize, len: usize) -> Result<Vec<f32>, TierError> {
-        match self.read.take() {
-            Some((p, h)) if p == u => return join(h),
-            // A read of another unit is finished first: one reader of the file at a time.
-            Some((_, h)) => drop(join(h)),
-            None => {}
+        if let Some((p, _, _)) = &self.read {
+            if *p == u {
+                let (_, _, h) = self.read.take().expect("just seen");
+                return join(h);
+            }
         }
-        offload::read_unit_params(&mut lock(&self.tier), u, len)
+        // A read of another unit is finished first: one reader of the file at a time.
+        self.drop_read()?;
+        let step = self.take_owed(u);
+        load(&self.tier, self.owed.as_deref().zip(step), u, len)
     }
 
     /// Waits for the gradient write in flight, if any.
@@ -77,28 +129,39 @@ impl TierIo {
     /// (whose error, if any, is returned instead).
     pub fn write_grads(&mut self, u: usize, g: Vec<f32>) -> Result<(), TierError> {
         self.wait_write()?;
-        let tier = Arc::clone(&self.tier);
+        let (tier, owed) = (Arc::clone(&self.tier), self.owed.clone());
+        // An update still owed reads the gradient about to be overwritten: it runs first.
+        let step = self.take_owed(u);
         let h = std::thread::Builder::new()
             .name("ezero-tier-write".into())
-            .spawn(move || offload::spill_grads(&mut lock(&tier), u, &g));
+            .spawn(move || {
+                let mut t = lock(&tier);
+                if let (Some(o), Some(step)) = (owed, step) {
+                    o.apply(&mut t, u, step, &mut [])?;
+                }
+                offload::spill_grads(&mut t, u, &g)
+            });
         match h {
             Ok(h) => {
                 self.write = Some(h);
                 Ok(())
             }
-            Err(e) => Err(TierError::Helper(format!(
-                "cannot start a tier I/O thread: {e}"
-            ))),
+            Err(e) => {
+                if let (Some(o), Some(step)) = (&self.owed, step) {
+                    o.give_back(u, step);
+                }
+                Err(TierError::Helper(format!(
+                    "cannot start a tier I/O thread: {e}"
+                )))
+            }
         }
     }
 
     /// Waits for everything in flight; the first write error, if any (a read nobody asked
     /// for is dropped).
     pub fn finish(&mut self) -> Result<(), TierError> {
-        if let Some((_, h)) = self.read.take() {
-            drop(join(h));
-        }
-        self.wait_write()
+        let read = self.drop_read();
+        self.wait_write().and(read)
     }
 }
 

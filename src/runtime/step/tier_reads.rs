@@ -88,6 +88,10 @@ impl RankState {
         params_only: bool,
         emit: &mut Emit<'_>,
     ) -> Result<(), TierError> {
+        // The state is the tier's with the owed updates applied.
+        if let Some(owed) = &self.owed {
+            owed.settle(tier)?;
+        }
         let shard = &self.shards[u];
         let kinds = self.tier_kinds();
         let masters_in_shard = self.masters_in_shard();

@@ -214,7 +214,7 @@ impl<'a> Pass<'a> {
     ) -> Self {
         let units = st.units();
         let tier_io = (st.params_on_tier() || st.grads_on_tier())
-            .then(|| st.tier_shared().map(TierIo::new))
+            .then(|| st.tier_shared().map(|t| TierIo::new(t, st.owed.clone())))
             .flatten();
         if let Some(w) = &mut st.whole_grads {
             w.iter_mut().for_each(GradBuf::fill_zero);
@@ -361,6 +361,7 @@ impl<'a> Pass<'a> {
                         clip,
                         self.plan.opt_step,
                         self.plan.lr,
+                        self.plan.defer_update,
                         &mut || progress.beat(rank, epoch, step),
                     )
                     .map_err(|e| CommError::Storage(e.to_string()));
