@@ -32,6 +32,8 @@ pub fn build_model_on(
 }
 
 fn build_unchecked(cfg: &TrainConfig, be: Arc<dyn Backend>) -> Result<Arc<dyn Model>, ConfigError> {
+    // A process runs one job's model: its products take the job's thread count.
+    crate::model::gemm::set_threads(cfg.compute_threads);
     match cfg.model {
         ModelKind::Gpt => Gpt::with_backend(
             GptConfig {

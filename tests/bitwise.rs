@@ -131,6 +131,35 @@ fn optimizer_thread_counts_do_not_change_bits() {
 }
 
 #[test]
+fn compute_thread_counts_do_not_change_bits() {
+    // d_model 256 and 128-token micro-batches: the MLP's products (128 x 256 x 1024 and its
+    // gradients) are above the size at which products are cut into row blocks.
+    for (ranks, stage) in [(1, 0), (2, 3)] {
+        let base = elastic_zero::config::TrainConfig {
+            ranks,
+            stage,
+            d_model: 256,
+            seq_len: 64,
+            layers: 1,
+            steps: 2,
+            ..small(ModelKind::Gpt)
+        };
+        let want = param_sha256(&run_cfg(&base).unwrap().params);
+        for compute_threads in [2, 3] {
+            let cfg = elastic_zero::config::TrainConfig {
+                compute_threads,
+                ..base.clone()
+            };
+            let got = param_sha256(&run_cfg(&cfg).unwrap().params);
+            assert_eq!(
+                got, want,
+                "{compute_threads} compute threads, stage {stage}"
+            );
+        }
+    }
+}
+
+#[test]
 fn more_ranks_than_micro_batches_still_matches() {
     let base = elastic_zero::config::TrainConfig {
         micro_batches: 2,

@@ -22,6 +22,7 @@ pub const MAY_CHANGE: &[&str] = &[
     "activation_checkpointing",
     "collective_timeout_ms",
     "optimizer_threads",
+    "compute_threads",
     "sample_tokens",
     "json",
     "save_dir",

@@ -200,6 +200,9 @@ pub struct TrainArgs {
     pub collective_timeout_ms: Option<u64>,
     #[arg(long)]
     pub optimizer_threads: Option<usize>,
+    /// Threads each rank's matrix products use (default 1).
+    #[arg(long)]
+    pub compute_threads: Option<usize>,
     /// Tokens to sample from the trained GPT (0 to skip).
     #[arg(long)]
     pub sample_tokens: Option<usize>,
@@ -379,6 +382,7 @@ impl TrainArgs {
             max_live_units,
             collective_timeout_ms,
             optimizer_threads,
+            compute_threads,
             sample_tokens,
             save_every,
             keep_checkpoints,

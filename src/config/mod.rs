@@ -169,6 +169,10 @@ pub struct TrainConfig {
     pub initial_grad_bound: f32,
     /// Threads for the optimizer step on each rank (default 1).
     pub optimizer_threads: usize,
+    /// Threads each rank's large matrix products use, cutting C into row blocks (default 1:
+    /// one core per rank). A run with fewer ranks than cores, such as one rank streaming a
+    /// model from the tier, can give the spare cores to its products; the bits are the same.
+    pub compute_threads: usize,
     /// Tokens to sample from the trained model at the end (GPT and Llama; default 160).
     pub sample_tokens: usize,
     /// Ranks that drain and leave at the start of a step (`RANK@STEP`).
@@ -304,6 +308,7 @@ impl Default for TrainConfig {
             collective_timeout_ms: 30_000,
             initial_grad_bound: 65536.0,
             optimizer_threads: 1,
+            compute_threads: 1,
             sample_tokens: 160,
             leave: Vec::new(),
             join: Vec::new(),

@@ -24,6 +24,7 @@ mod pack;
 mod portable;
 mod transpose;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 pub use bf16::{from_bf16, gemm_bf16, gemm_bf16_with, round_bf16, to_bf16, Bf16Path};
@@ -163,10 +164,92 @@ impl Form {
 /// takes, so a backend can hand it the f32 product or the bf16 one.
 pub type Product = fn(&[f32], Layout, &[f32], Layout, &mut [f32], Layout, bool);
 
-/// `C (+)= A · B` with the process's path ([`GemmPath::current`]). `lc` must not map two
-/// elements to one slot (true of row-major layouts and of row-major column blocks).
+/// `C (+)= A · B` with the process's path ([`GemmPath::current`]) on up to [`threads`]
+/// threads. `lc` must not map two elements to one slot (true of row-major layouts and of
+/// row-major column blocks).
 pub fn gemm(a: &[f32], la: Layout, b: &[f32], lb: Layout, c: &mut [f32], lc: Layout, acc: bool) {
-    gemm_with(GemmPath::current(), a, la, b, lb, c, lc, acc);
+    gemm_split(threads(), GemmPath::current(), a, la, b, lb, c, lc, acc);
+}
+
+static THREADS: AtomicUsize = AtomicUsize::new(1);
+
+/// Sets the threads each f32 matrix product of this process may use (`compute_threads`; at
+/// least 1). Every element is still one FMA chain, so the count changes no bits.
+pub fn set_threads(n: usize) {
+    THREADS.store(n.max(1), Ordering::Relaxed);
+}
+
+/// See [`set_threads`].
+pub fn threads() -> usize {
+    THREADS.load(Ordering::Relaxed)
+}
+
+/// Products below this many multiply-adds run on one thread: starting one costs tens of
+/// microseconds, about what 8M multiply-adds save on a second core.
+const SPLIT_MIN_FMAS: usize = 1 << 23;
+
+/// Rows of C a thread takes at the least (a few microkernel heights).
+const SPLIT_MIN_ROWS: usize = 16;
+
+/// [`gemm_with`] on up to `threads` threads: C's rows are cut into contiguous blocks, one per
+/// thread, each with A's matching rows and all of B. Only for C with rows of contiguous
+/// elements (row-major or a row-major column block), so the blocks are disjoint slices.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_split(
+    threads: usize,
+    path: GemmPath,
+    a: &[f32],
+    la: Layout,
+    b: &[f32],
+    lb: Layout,
+    c: &mut [f32],
+    lc: Layout,
+    acc: bool,
+) {
+    let (m, k, n) = (la.rows, la.cols, lb.cols);
+    let parts = threads.min(m / SPLIT_MIN_ROWS).max(1);
+    let rows_apart = lc.col_stride == 1 && lc.row_stride >= lc.cols;
+    if parts < 2
+        || !rows_apart
+        || m.saturating_mul(k).saturating_mul(n) < SPLIT_MIN_FMAS
+        || !lc.fits(c.len())
+    {
+        return gemm_with(path, a, la, b, lb, c, lc, acc);
+    }
+    let per = m.div_ceil(parts);
+    let (_, mut rest) = c.split_at_mut(lc.offset);
+    let mut blocks = Vec::with_capacity(parts);
+    let mut r0 = 0;
+    while r0 < m {
+        let rows = per.min(m - r0);
+        let len = if r0 + rows == m {
+            rest.len()
+        } else {
+            rows * lc.row_stride
+        };
+        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(len);
+        rest = tail;
+        let la_p = Layout {
+            offset: la.offset + r0 * la.row_stride,
+            rows,
+            ..la
+        };
+        let lc_p = Layout {
+            offset: 0,
+            rows,
+            ..lc
+        };
+        blocks.push((la_p, mine, lc_p));
+        r0 += rows;
+    }
+    std::thread::scope(|s| {
+        let mut blocks = blocks.into_iter();
+        let (la0, c0, lc0) = blocks.next().expect("at least two blocks");
+        for (la_p, c_p, lc_p) in blocks {
+            s.spawn(move || gemm_with(path, a, la_p, b, lb, c_p, lc_p, acc));
+        }
+        gemm_with(path, a, la0, b, lb, c0, lc0, acc);
+    });
 }
 
 /// [`gemm`] on a given path (tests compare paths; an unsupported path runs the portable one).

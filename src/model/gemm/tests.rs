@@ -331,3 +331,34 @@ fn bf16_vector_packing_rounds_as_the_scalar_one() {
         assert_eq!(fast, slow, "{view:?} panel width {pw}");
     }
 }
+
+#[test]
+fn products_split_over_threads_keep_every_bit() {
+    // Row blocks of C on 2 and 3 threads, row-major and windowed C, with and without
+    // accumulating: the same bits as one thread, and nothing written outside C.
+    for &(m, k, n) in &[(67, 256, 515), (200, 300, 160)] {
+        for threads in [2, 3] {
+            for acc in [false, true] {
+                for form in [Form::Nn, Form::Nt, Form::Tn] {
+                    let (la, lb, a_len, b_len) = form.layouts(m, k, n);
+                    let lc = Layout::strided(5, m, n, n + 2);
+                    let c_len = 5 + m * (n + 2) + 7;
+                    let a = values(a_len, 11);
+                    let b = values(b_len, 12);
+                    let c0 = values(c_len, 13);
+                    let path = GemmPath::best();
+                    let mut want = c0.clone();
+                    gemm_with(path, &a, la, &b, lb, &mut want, lc, acc);
+                    let mut got = c0.clone();
+                    gemm_split(threads, path, &a, la, &b, lb, &mut got, lc, acc);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{form:?} {m}x{k}x{n} threads {threads} acc {acc}"
+                    );
+                }
+            }
+        }
+    }
+}
