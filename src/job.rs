@@ -33,7 +33,7 @@ pub fn build_model_on(
 
 fn build_unchecked(cfg: &TrainConfig, be: Arc<dyn Backend>) -> Result<Arc<dyn Model>, ConfigError> {
     // A process runs one job's model: its products take the job's thread count.
-    crate::model::gemm::set_threads(cfg.compute_threads);
+    crate::model::gemm::set_threads(compute_threads(cfg));
     match cfg.model {
         ModelKind::Gpt => Gpt::with_backend(
             GptConfig {
@@ -121,6 +121,19 @@ pub fn build_dataset(cfg: &TrainConfig) -> Result<Arc<Dataset>, ConfigError> {
         ));
     }
     Ok(Arc::new(data))
+}
+
+/// Threads a rank's matrix products use: `compute_threads`, or with 0 the cores over the
+/// ranks (a worker process sees the whole job's ranks, so workers sharing a host stay at a
+/// core each).
+pub fn compute_threads(cfg: &TrainConfig) -> usize {
+    match cfg.compute_threads {
+        0 => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (cores / cfg.ranks.max(1) as usize).max(1)
+        }
+        n => n,
+    }
 }
 
 /// Optimizer settings from a config.

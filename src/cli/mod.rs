@@ -200,7 +200,7 @@ pub struct TrainArgs {
     pub collective_timeout_ms: Option<u64>,
     #[arg(long)]
     pub optimizer_threads: Option<usize>,
-    /// Threads each rank's matrix products use (default 1).
+    /// Threads each rank's matrix products use (default 0: the cores over the ranks).
     #[arg(long)]
     pub compute_threads: Option<usize>,
     /// Tokens to sample from the trained GPT (0 to skip).

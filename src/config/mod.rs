@@ -169,9 +169,10 @@ pub struct TrainConfig {
     pub initial_grad_bound: f32,
     /// Threads for the optimizer step on each rank (default 1).
     pub optimizer_threads: usize,
-    /// Threads each rank's large matrix products use, cutting C into row blocks (default 1:
-    /// one core per rank). A run with fewer ranks than cores, such as one rank streaming a
-    /// model from the tier, can give the spare cores to its products; the bits are the same.
+    /// Threads each rank's large matrix products use, cutting C into row blocks; the bits are
+    /// the same for any count. 0 (the default): the machine's cores over `ranks`, at least 1,
+    /// so a run with fewer ranks than cores (one rank streaming a model from the tier) gives
+    /// the spare cores to its products, and one with a rank per core keeps one thread a rank.
     pub compute_threads: usize,
     /// Tokens to sample from the trained model at the end (GPT and Llama; default 160).
     pub sample_tokens: usize,
@@ -308,7 +309,7 @@ impl Default for TrainConfig {
             collective_timeout_ms: 30_000,
             initial_grad_bound: 65536.0,
             optimizer_threads: 1,
-            compute_threads: 1,
+            compute_threads: 0,
             sample_tokens: 160,
             leave: Vec::new(),
             join: Vec::new(),

@@ -65,7 +65,6 @@ impl TrainConfig {
         positive("chunk_elems", self.chunk_elems)?;
         positive("max_live_units", self.max_live_units)?;
         positive("optimizer_threads", self.optimizer_threads)?;
-        positive("compute_threads", self.compute_threads)?;
         self.validate_family_keys()?;
         if self.model != ModelKind::Mlp && self.heads == 0 {
             return Err(ConfigError::new("heads", "must be at least 1"));
