@@ -55,11 +55,17 @@ impl Coordinator {
     /// owe when they read their state.)
     pub(super) fn state_read_after_step(&self) -> bool {
         let next = self.step + 1;
-        let every = self.job.snapshot_every;
         next >= self.job.steps
-            || (every > 0 && next.is_multiple_of(every))
+            || self.snapshot_due_at(next)
             || self.job.script.iter().any(|c| c.step == next)
             || self.backup_due_at(next)
+    }
+
+    /// Whether a snapshot is due once `done` steps have completed (every `snapshot_every`
+    /// steps and after the last).
+    fn snapshot_due_at(&self, done: u64) -> bool {
+        let every = self.job.snapshot_every;
+        every > 0 && (done.is_multiple_of(every) || done == self.job.steps)
     }
 
     pub(super) fn on_report(&mut self, report: StepReport, now_ms: u64) -> Vec<Command> {
@@ -102,9 +108,7 @@ impl Coordinator {
         self.step += 1;
         self.network_retries = 0;
         let mut out = vec![Command::StepCompleted(Box::new(record))];
-        let every = self.job.snapshot_every;
-        let due = every > 0 && (self.step.is_multiple_of(every) || self.step == self.job.steps);
-        if self.snapshot_requested || due {
+        if self.snapshot_requested || self.snapshot_due_at(self.step) {
             self.snapshot_requested = false;
             out.push(Command::Snapshot(self.progress()));
         }

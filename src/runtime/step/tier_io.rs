@@ -67,6 +67,13 @@ impl TierIo {
         self.owed.as_ref().and_then(|o| o.take(u))
     }
 
+    /// Puts back an update [`TierIo::take_owed`] took for a helper that did not start.
+    fn give_back(&self, u: usize, step: Option<OwedStep>) {
+        if let (Some(o), Some(step)) = (&self.owed, step) {
+            o.give_back(u, step);
+        }
+    }
+
     /// Starts reading unit `u`'s parameter shard (`len` elements), unless a read is in flight.
     pub fn prefetch_params(&mut self, u: usize, len: usize) {
         if self.read.is_some() {
@@ -81,11 +88,7 @@ impl TierIo {
             Ok(h) => self.read = Some((u, step.is_some(), h)),
             // Without a thread the shard is read (and the update run) when it is needed, as
             // without prefetch.
-            Err(_) => {
-                if let (Some(o), Some(step)) = (&self.owed, step) {
-                    o.give_back(u, step);
-                }
-            }
+            Err(_) => self.give_back(u, step),
         }
     }
 
@@ -105,11 +108,8 @@ impl TierIo {
 
     /// Unit `u`'s parameter shard: the prefetched one, or read now.
     pub fn params(&mut self, u: usize, len: usize) -> Result<Vec<f32>, TierError> {
-        if let Some((p, _, _)) = &self.read {
-            if *p == u {
-                let (_, _, h) = self.read.take().expect("just seen");
-                return join(h);
-            }
+        if let Some((_, _, h)) = self.read.take_if(|(p, _, _)| *p == u) {
+            return join(h);
         }
         // A read of another unit is finished first: one reader of the file at a time.
         self.drop_read()?;
@@ -147,9 +147,7 @@ impl TierIo {
                 Ok(())
             }
             Err(e) => {
-                if let (Some(o), Some(step)) = (&self.owed, step) {
-                    o.give_back(u, step);
-                }
+                self.give_back(u, step);
                 Err(TierError::Helper(format!(
                     "cannot start a tier I/O thread: {e}"
                 )))
