@@ -22,6 +22,7 @@ mod hf;
 mod hf_llama;
 mod mixed_precision;
 mod offload;
+mod offload_owed;
 mod procs;
 mod procs_checkpoint;
 #[cfg(feature = "ucx")]

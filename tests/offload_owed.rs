@@ -1,0 +1,113 @@
+//! Updates owed to the next forward (`runtime/step/owed.rs`): stage 3 with everything on the
+//! tier runs each unit's update when the next forward gathers it. Nothing about when an update
+//! runs may change a bit; the same runs with the parameters in RAM (whose update runs in the
+//! optimizer phase) check the other schedule against the same digests.
+
+use crate::common;
+
+use common::small;
+use elastic_zero::config::{ModelKind, TrainConfig};
+use elastic_zero::runtime::actors::ClusterEvent;
+use elastic_zero::runtime::step::rank_state::ChunkState;
+use elastic_zero::runtime::{Cluster, ClusterSpec};
+
+use crate::offload::{assert_clean, at, offloaded, sha, tier_dir};
+
+/// Stage 3 with everything on the tier owes each step's update to the next forward, unless the
+/// state is read before it (a backup, a scripted change, the end). Owed or not, through a kill
+/// that strikes while updates are owed (rolled back to a backup), a leave and a join, the run
+/// ends with the fixed world's digest, as does the same run with the parameters in RAM.
+#[test]
+fn updates_owed_to_the_next_forward_change_no_bits() {
+    let dir = tier_dir();
+    let base = TrainConfig {
+        steps: 6,
+        stage: 3,
+        ..small(ModelKind::Gpt)
+    };
+    let want = sha(&base);
+    for (ranks, replicate_every, leave, join, kill) in [
+        (1, 0, vec![], vec![], vec![]),
+        (2, 0, vec![], vec![], vec![]),
+        // Backups before steps 0, 2 and 4: step 2 owes its update, step 3 is killed mid-step.
+        (3, 2, vec![], vec![], vec![at(2, 3)]),
+        (3, 3, vec![at(1, 2)], vec![at(3, 4)], vec![]),
+    ] {
+        let cfg = TrainConfig {
+            ranks,
+            replicate_every,
+            leave,
+            join,
+            kill,
+            ..base.clone()
+        };
+        for params in [true, false] {
+            let got = sha(&offloaded(&cfg, dir.path(), params, true));
+            assert_eq!(got, want, "parameters on the tier: {params}, {cfg:?}");
+        }
+    }
+    assert_clean(dir.path());
+}
+
+/// A snapshot an operator asks for lands after a step whose updates are owed (the coordinator
+/// plans for the snapshots, backups and changes it knows of, not for this one). Reading the
+/// state runs what is owed first, so the snapshot is what a run in RAM snapshots at the same
+/// step, and the run ends with the RAM run's digest; likewise with only the optimizer state and
+/// gradients on the tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_nobody_planned_reads_the_owed_updates() {
+    let dir = tier_dir();
+    let base = TrainConfig {
+        steps: 3,
+        stage: 3,
+        ranks: 2,
+        replicate_every: 0,
+        ..small(ModelKind::Gpt)
+    };
+    let mut runs: Vec<(String, Vec<ChunkState>, String)> = Vec::new();
+    for params in [None, Some(true), Some(false)] {
+        let cfg = match params {
+            None => base.clone(),
+            Some(p) => offloaded(&base, dir.path(), p, true),
+        };
+        let spec = ClusterSpec::from_config(cfg).unwrap();
+        let mut job = Cluster::builder(spec)
+            .on_demand_snapshots(true)
+            .paused(true)
+            .start()
+            .await
+            .unwrap();
+        job.handle().request_snapshot().await.unwrap();
+        job.run();
+        let mut snaps = Vec::new();
+        while let Some(ev) = job.next_event().await {
+            match ev {
+                ClusterEvent::Snapshot(s) => snaps.push(*s),
+                ClusterEvent::Finished => break,
+                ClusterEvent::Aborted(why) => panic!("{params:?}: {why}"),
+                _ => {}
+            }
+        }
+        let out = job.finish().await.unwrap();
+        assert_eq!(snaps.len(), 1, "{params:?}");
+        let snap = snaps.pop().unwrap();
+        assert_eq!(
+            snap.progress.step, 1,
+            "{params:?}: at the first step boundary"
+        );
+        runs.push((format!("{params:?}"), snap.chunks, out.param_sha256));
+    }
+    let (_, want_chunks, want_sha) = &runs[0];
+    assert!(
+        want_chunks.iter().any(|c| !c.m.is_empty()),
+        "with Adam state"
+    );
+    for (what, chunks, sha) in &runs[1..] {
+        assert_eq!(chunks.len(), want_chunks.len(), "{what}");
+        for (got, want) in chunks.iter().zip(want_chunks) {
+            assert_eq!(got, want, "{what}: chunk {}/{}", want.unit, want.index);
+        }
+        assert_eq!(sha, want_sha, "{what}");
+    }
+    assert_clean(dir.path());
+}
