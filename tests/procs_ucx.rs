@@ -7,7 +7,8 @@
 //! after installing it).
 
 use crate::common;
-use crate::procs::{kill_9_inside_a_step_is_recovered, start_job_over};
+use crate::procs::start_job_over;
+use crate::procs_elastic::kill_9_inside_a_step_is_recovered;
 
 use std::process::Command;
 

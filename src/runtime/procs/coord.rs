@@ -7,7 +7,7 @@
 //! Every worker connection is mutual TLS against the cluster CA (ALPN `ezero-control/1`), with
 //! the cluster token inside as defence in depth. Handshakes and hellos run concurrently, each
 //! under a timeout: a peer without a cluster certificate is refused and logged, and never holds
-//! up the admission of others.
+//! up the admission of others (`admit.rs`).
 //!
 //! Workers that connect once the job has started (or say `standby` in their hello) are held as
 //! standbys (`standby.rs`); a join takes one per new rank (`join.rs`).
@@ -23,12 +23,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ractor::{Actor, ActorRef};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::mpsc;
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
+use super::admit::{accept_standbys, admit, Joined};
 use super::conn::{start_proxy, Inbox};
 use super::control_plane::{
     read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, HELLO_FRAME_MAX_BYTES,
@@ -36,7 +36,7 @@ use super::control_plane::{
 pub use super::error::ProcError;
 use super::heartbeat::ProcsConfig;
 use super::join::Joining;
-use super::link::{write_loop, ControlReader, ControlWriter, Links, Tasks, LINK_QUEUE_MAX};
+use super::link::{write_loop, ControlReader, Links, Tasks, LINK_QUEUE_MAX};
 use super::planes::Endpoints;
 use super::proxy::lock;
 use super::standby::Lobby;
@@ -44,7 +44,7 @@ use super::state::{check_parts, parts, StartState};
 use crate::config::{ConfigError, TrainConfig};
 use crate::engine::coordinator::Coordinator;
 use crate::job::build_model;
-use crate::net::tls::{check_alpn, ClusterTls, Protocol};
+use crate::net::tls::{ClusterTls, Protocol};
 use crate::plan::{RankId, ShardMap};
 use crate::runtime::actors::{
     BoundarySnapshot, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank,
@@ -56,8 +56,6 @@ use crate::runtime::clock::{Clock, SystemClock};
 use crate::runtime::step::snapshot::SnapshotSink;
 use crate::runtime::transport::detached::Detached;
 
-/// How long a new connection may take to say hello.
-const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long final messages get to leave before the process stops.
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -104,22 +102,6 @@ pub struct Listening {
     pub workers: SocketAddr,
     /// The HTTP control endpoint, if asked for.
     pub control: Option<SocketAddr>,
-}
-
-/// A worker's control connection, split.
-struct Joined {
-    rank: RankId,
-    peer: SocketAddr,
-    reader: ControlReader,
-    writer: ControlWriter,
-}
-
-/// A connection that completed the handshake and sent its first message.
-struct Greeted {
-    peer: SocketAddr,
-    msg: ToCoord,
-    reader: ControlReader,
-    writer: ControlWriter,
 }
 
 /// Runs one job with `cfg.ranks` worker processes; `on_listen` hears the bound addresses first.
@@ -182,8 +164,17 @@ pub async fn run_coordinator(
     let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
     let lobby = Arc::new(Lobby::new(Arc::clone(&clock), opts.procs, addr));
     let acceptor = TlsAcceptor::from(opts.tls.server(Protocol::Control));
-    let (joined, greeting) =
-        admit(&listener, &acceptor, &cfg, &opts, deadline, &count, &lobby).await?;
+    let (joined, greeting) = admit(
+        &listener,
+        &acceptor,
+        cfg.ranks,
+        &opts.token,
+        opts.procs.join_timeout_ms,
+        deadline,
+        &count,
+        &lobby,
+    )
+    .await?;
     // From now on every worker that connects is a standby, those still saying hello included.
     let lobby_tasks = vec![
         tokio::spawn(accept_standbys(
@@ -268,190 +259,6 @@ pub async fn run_coordinator(
         s.abort();
     }
     result
-}
-
-/// Accepts connections until every rank has a worker, refusing failed handshakes and bad
-/// hellos. Handshakes run as tasks, so a slow or hostile peer holds up only itself; those not
-/// done yet are returned with the workers.
-async fn admit(
-    listener: &TcpListener,
-    acceptor: &TlsAcceptor,
-    cfg: &TrainConfig,
-    opts: &CoordinatorOptions,
-    deadline: Instant,
-    count: &AtomicU32,
-    lobby: &Lobby,
-) -> Result<(Vec<Joined>, Greeting), ProcError> {
-    let mut joined: BTreeMap<RankId, Joined> = BTreeMap::new();
-    let mut greeting = JoinSet::new();
-    while joined.len() < cfg.ranks as usize {
-        tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    greeting.spawn(greet(acceptor.clone(), stream, peer));
-                }
-                Err(e) => tracing::warn!("accepting a worker failed: {e}"),
-            },
-            Some(done) = greeting.join_next(), if !greeting.is_empty() => {
-                let g = match done {
-                    Ok(Some(g)) => g,
-                    Ok(None) => continue,
-                    Err(e) => {
-                        tracing::warn!("a connection's handshake task failed: {e}");
-                        continue;
-                    }
-                };
-                let peer = g.peer;
-                match check_in(g, &opts.token, &joined, cfg.ranks).await {
-                    Ok(CheckedIn::Rank(j)) => {
-                        tracing::info!("rank {} joined from {peer}", j.rank);
-                        joined.insert(j.rank, j);
-                        count.store(joined.len() as u32, Ordering::Relaxed);
-                    }
-                    Ok(CheckedIn::Standby(reader, writer)) => lobby.hold(peer, reader, writer),
-                    Err(why) => tracing::warn!("refused a connection from {peer}: {why}"),
-                }
-            }
-            _ = tokio::time::sleep_until(deadline) => {
-                return Err(ProcError::Setup(format!(
-                    "{} of {} workers joined within join_timeout_ms ({} ms)",
-                    joined.len(),
-                    cfg.ranks,
-                    opts.procs.join_timeout_ms
-                )));
-            }
-        }
-    }
-    Ok((joined.into_values().collect(), greeting))
-}
-
-/// Handshakes and hellos in progress.
-type Greeting = JoinSet<Option<Greeted>>;
-
-/// Once the job has started: holds every worker that connects (and authenticates) as a standby.
-async fn accept_standbys(
-    listener: TcpListener,
-    acceptor: TlsAcceptor,
-    mut greeting: Greeting,
-    token: String,
-    lobby: Arc<Lobby>,
-) {
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    greeting.spawn(greet(acceptor.clone(), stream, peer));
-                }
-                Err(e) => tracing::warn!("accepting a worker failed: {e}"),
-            },
-            Some(done) = greeting.join_next(), if !greeting.is_empty() => {
-                let Ok(Some(g)) = done else { continue };
-                let peer = g.peer;
-                let full = BTreeMap::new();
-                // World 0: there is no initial rank left to give, so a good hello is a standby.
-                match check_in(g, &token, &full, 0).await {
-                    Ok(CheckedIn::Standby(reader, writer)) => lobby.hold(peer, reader, writer),
-                    Ok(CheckedIn::Rank(_)) => {}
-                    Err(why) => tracing::warn!("refused a connection from {peer}: {why}"),
-                }
-            }
-        }
-    }
-}
-
-/// The TLS handshake and the first message, within `HELLO_TIMEOUT`. A failure is logged here,
-/// so that it is on record even when the job is complete before the task is joined.
-async fn greet(acceptor: TlsAcceptor, stream: TcpStream, peer: SocketAddr) -> Option<Greeted> {
-    let _ = stream.set_nodelay(true);
-    let greeted = async {
-        let tls = acceptor
-            .accept(stream)
-            .await
-            .map_err(|e| format!("TLS handshake failed: {e}"))?;
-        check_alpn(tls.get_ref().1.alpn_protocol(), Protocol::Control)?;
-        let (mut reader, writer) = tokio::io::split(tls);
-        let msg = read_msg::<_, ToCoord>(&mut reader, HELLO_FRAME_MAX_BYTES)
-            .await
-            .map_err(|e| e.to_string())?;
-        Ok::<_, String>(Greeted {
-            peer,
-            msg,
-            reader,
-            writer,
-        })
-    };
-    let why = match tokio::time::timeout(HELLO_TIMEOUT, greeted).await {
-        Ok(Ok(g)) => return Some(g),
-        Ok(Err(why)) => why,
-        Err(_) => "no TLS handshake and hello within 5 s".to_string(),
-    };
-    tracing::warn!("refused a connection from {peer}: {why}");
-    None
-}
-
-/// What an admitted hello becomes.
-enum CheckedIn {
-    Rank(Joined),
-    Standby(ControlReader, ControlWriter),
-}
-
-/// Admits an authenticated connection's hello, or tells it why not.
-async fn check_in(
-    g: Greeted,
-    token: &str,
-    joined: &BTreeMap<RankId, Joined>,
-    world: u32,
-) -> Result<CheckedIn, String> {
-    let Greeted {
-        peer,
-        msg,
-        reader,
-        mut writer,
-    } = g;
-    match check_hello(msg, token, joined, world) {
-        Ok(Some(rank)) => Ok(CheckedIn::Rank(Joined {
-            rank,
-            peer,
-            reader,
-            writer,
-        })),
-        Ok(None) => Ok(CheckedIn::Standby(reader, writer)),
-        Err(reason) => {
-            let refused = ToWorker::Refused {
-                reason: reason.clone(),
-            };
-            let _ = tokio::time::timeout(HELLO_TIMEOUT, write_msg(&mut writer, &refused)).await;
-            Err(reason)
-        }
-    }
-}
-
-/// The initial rank for a hello (`None`: a standby, for a standby hello or once every initial
-/// rank is taken), or why it is refused.
-fn check_hello(
-    msg: ToCoord,
-    token: &str,
-    joined: &BTreeMap<RankId, Joined>,
-    world: u32,
-) -> Result<Option<RankId>, String> {
-    let ToCoord::Hello {
-        token: got,
-        rank_hint,
-        standby,
-    } = msg
-    else {
-        return Err("the first message was not a hello".into());
-    };
-    if got != token {
-        return Err("wrong cluster token".into());
-    }
-    if standby {
-        return Ok(None);
-    }
-    let free = |r: &RankId| !joined.contains_key(r);
-    Ok(rank_hint
-        .filter(|r| *r < world && free(r))
-        .or_else(|| (0..world).find(free)))
 }
 
 /// A started job: the coordinator actor, its proxies and the connection tasks.

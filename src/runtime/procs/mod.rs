@@ -5,6 +5,7 @@
 //! The top of the runtime: it may import every other part (`api`, `actors`, `step`,
 //! `transport`); nothing in the runtime imports it.
 
+mod admit;
 mod conn;
 pub mod control_plane;
 pub mod coord;

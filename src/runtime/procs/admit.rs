@@ -1,0 +1,227 @@
+//! Admission of worker processes: each connection's TLS handshake and hello run as a task of
+//! their own under `HELLO_TIMEOUT`, so a slow or hostile peer holds up only itself; a good hello
+//! gets an initial rank (its hint if free) or, once every rank is taken or when it asks, a place
+//! in the lobby of standbys. A refused hello is told why before its connection closes.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_rustls::TlsAcceptor;
+
+use super::control_plane::{read_msg, write_msg, ToCoord, ToWorker, HELLO_FRAME_MAX_BYTES};
+use super::error::ProcError;
+use super::link::{ControlReader, ControlWriter};
+use super::standby::Lobby;
+use crate::net::tls::{check_alpn, Protocol};
+use crate::plan::RankId;
+
+/// How long a new connection may take to say hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A worker's control connection, split.
+pub(super) struct Joined {
+    pub(super) rank: RankId,
+    pub(super) peer: SocketAddr,
+    pub(super) reader: ControlReader,
+    pub(super) writer: ControlWriter,
+}
+
+/// A connection that completed the handshake and sent its first message.
+pub(super) struct Greeted {
+    peer: SocketAddr,
+    msg: ToCoord,
+    reader: ControlReader,
+    writer: ControlWriter,
+}
+
+/// Accepts connections until every rank has a worker, refusing failed handshakes and bad
+/// hellos. Handshakes run as tasks, so a slow or hostile peer holds up only itself; those not
+/// done yet are returned with the workers.
+#[allow(clippy::too_many_arguments)]
+pub(super) async fn admit(
+    listener: &TcpListener,
+    acceptor: &TlsAcceptor,
+    ranks: u32,
+    token: &str,
+    join_timeout_ms: u64,
+    deadline: Instant,
+    count: &AtomicU32,
+    lobby: &Lobby,
+) -> Result<(Vec<Joined>, Greeting), ProcError> {
+    let mut joined: BTreeMap<RankId, Joined> = BTreeMap::new();
+    let mut greeting = JoinSet::new();
+    while joined.len() < ranks as usize {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    greeting.spawn(greet(acceptor.clone(), stream, peer));
+                }
+                Err(e) => tracing::warn!("accepting a worker failed: {e}"),
+            },
+            Some(done) = greeting.join_next(), if !greeting.is_empty() => {
+                let g = match done {
+                    Ok(Some(g)) => g,
+                    Ok(None) => continue,
+                    Err(e) => {
+                        tracing::warn!("a connection's handshake task failed: {e}");
+                        continue;
+                    }
+                };
+                let peer = g.peer;
+                match check_in(g, token, &joined, ranks).await {
+                    Ok(CheckedIn::Rank(j)) => {
+                        tracing::info!("rank {} joined from {peer}", j.rank);
+                        joined.insert(j.rank, j);
+                        count.store(joined.len() as u32, Ordering::Relaxed);
+                    }
+                    Ok(CheckedIn::Standby(reader, writer)) => lobby.hold(peer, reader, writer),
+                    Err(why) => tracing::warn!("refused a connection from {peer}: {why}"),
+                }
+            }
+            _ = tokio::time::sleep_until(deadline) => {
+                return Err(ProcError::Setup(format!(
+                    "{} of {} workers joined within join_timeout_ms ({} ms)",
+                    joined.len(),
+                    ranks,
+                    join_timeout_ms
+                )));
+            }
+        }
+    }
+    Ok((joined.into_values().collect(), greeting))
+}
+
+/// Handshakes and hellos in progress.
+pub(super) type Greeting = JoinSet<Option<Greeted>>;
+
+/// Once the job has started: holds every worker that connects (and authenticates) as a standby.
+pub(super) async fn accept_standbys(
+    listener: TcpListener,
+    acceptor: TlsAcceptor,
+    mut greeting: Greeting,
+    token: String,
+    lobby: Arc<Lobby>,
+) {
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    greeting.spawn(greet(acceptor.clone(), stream, peer));
+                }
+                Err(e) => tracing::warn!("accepting a worker failed: {e}"),
+            },
+            Some(done) = greeting.join_next(), if !greeting.is_empty() => {
+                let Ok(Some(g)) = done else { continue };
+                let peer = g.peer;
+                let full = BTreeMap::new();
+                // World 0: there is no initial rank left to give, so a good hello is a standby.
+                match check_in(g, &token, &full, 0).await {
+                    Ok(CheckedIn::Standby(reader, writer)) => lobby.hold(peer, reader, writer),
+                    Ok(CheckedIn::Rank(_)) => {}
+                    Err(why) => tracing::warn!("refused a connection from {peer}: {why}"),
+                }
+            }
+        }
+    }
+}
+
+/// The TLS handshake and the first message, within `HELLO_TIMEOUT`. A failure is logged here,
+/// so that it is on record even when the job is complete before the task is joined.
+async fn greet(acceptor: TlsAcceptor, stream: TcpStream, peer: SocketAddr) -> Option<Greeted> {
+    let _ = stream.set_nodelay(true);
+    let greeted = async {
+        let tls = acceptor
+            .accept(stream)
+            .await
+            .map_err(|e| format!("TLS handshake failed: {e}"))?;
+        check_alpn(tls.get_ref().1.alpn_protocol(), Protocol::Control)?;
+        let (mut reader, writer) = tokio::io::split(tls);
+        let msg = read_msg::<_, ToCoord>(&mut reader, HELLO_FRAME_MAX_BYTES)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<_, String>(Greeted {
+            peer,
+            msg,
+            reader,
+            writer,
+        })
+    };
+    let why = match tokio::time::timeout(HELLO_TIMEOUT, greeted).await {
+        Ok(Ok(g)) => return Some(g),
+        Ok(Err(why)) => why,
+        Err(_) => "no TLS handshake and hello within 5 s".to_string(),
+    };
+    tracing::warn!("refused a connection from {peer}: {why}");
+    None
+}
+
+/// What an admitted hello becomes.
+enum CheckedIn {
+    Rank(Joined),
+    Standby(ControlReader, ControlWriter),
+}
+
+/// Admits an authenticated connection's hello, or tells it why not.
+async fn check_in(
+    g: Greeted,
+    token: &str,
+    joined: &BTreeMap<RankId, Joined>,
+    world: u32,
+) -> Result<CheckedIn, String> {
+    let Greeted {
+        peer,
+        msg,
+        reader,
+        mut writer,
+    } = g;
+    match check_hello(msg, token, joined, world) {
+        Ok(Some(rank)) => Ok(CheckedIn::Rank(Joined {
+            rank,
+            peer,
+            reader,
+            writer,
+        })),
+        Ok(None) => Ok(CheckedIn::Standby(reader, writer)),
+        Err(reason) => {
+            let refused = ToWorker::Refused {
+                reason: reason.clone(),
+            };
+            let _ = tokio::time::timeout(HELLO_TIMEOUT, write_msg(&mut writer, &refused)).await;
+            Err(reason)
+        }
+    }
+}
+
+/// The initial rank for a hello (`None`: a standby, for a standby hello or once every initial
+/// rank is taken), or why it is refused.
+fn check_hello(
+    msg: ToCoord,
+    token: &str,
+    joined: &BTreeMap<RankId, Joined>,
+    world: u32,
+) -> Result<Option<RankId>, String> {
+    let ToCoord::Hello {
+        token: got,
+        rank_hint,
+        standby,
+    } = msg
+    else {
+        return Err("the first message was not a hello".into());
+    };
+    if got != token {
+        return Err("wrong cluster token".into());
+    }
+    if standby {
+        return Ok(None);
+    }
+    let free = |r: &RankId| !joined.contains_key(r);
+    Ok(rank_hint
+        .filter(|r| *r < world && free(r))
+        .or_else(|| (0..world).find(free)))
+}
