@@ -119,7 +119,8 @@ pub struct TrainSummary {
     pub nvme_read_bytes_per_step: u64,
     #[serde(default)]
     pub nvme_write_bytes_per_step: u64,
-    /// Median over steps of the longest time any rank waited for its tier.
+    /// Median over steps of the longest time any rank's step was held up by its tier (I/O
+    /// running beside compute on a helper thread does not count).
     #[serde(default)]
     pub io_wait_s_per_step: f64,
     /// The process's peak resident set (VmHWM) when the summary was written, which includes

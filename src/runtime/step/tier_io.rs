@@ -9,9 +9,11 @@
 
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use super::offload;
 use super::owed::{Owed, OwedStep};
+use crate::runtime::storage::tier_file::beside_compute;
 use crate::runtime::storage::{TierError, TierFile};
 
 type Read = JoinHandle<Result<Vec<f32>, TierError>>;
@@ -46,10 +48,15 @@ fn lock(t: &Mutex<TierFile>) -> std::sync::MutexGuard<'_, TierFile> {
     t.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// A helper thread that died is an I/O failure of this rank, not a panic of the step.
-fn join<T>(h: JoinHandle<Result<T, TierError>>) -> Result<T, TierError> {
-    h.join()
-        .unwrap_or_else(|_| Err(TierError::Helper("a tier I/O thread panicked".into())))
+/// Waits for a helper, counting the wait as the step's (`TierStats::wait_s`). A helper thread
+/// that died is an I/O failure of this rank, not a panic of the step.
+fn join<T>(tier: &Mutex<TierFile>, h: JoinHandle<Result<T, TierError>>) -> Result<T, TierError> {
+    let t0 = Instant::now();
+    let out = h
+        .join()
+        .unwrap_or_else(|_| Err(TierError::Helper("a tier I/O thread panicked".into())));
+    lock(tier).add_wait(t0.elapsed().as_secs_f64());
+    out
 }
 
 impl TierIo {
@@ -83,7 +90,7 @@ impl TierIo {
         let step = self.take_owed(u);
         let h = std::thread::Builder::new()
             .name("ezero-tier-read".into())
-            .spawn(move || load(&tier, owed.as_deref().zip(step), u, len));
+            .spawn(move || beside_compute(|| load(&tier, owed.as_deref().zip(step), u, len)));
         match h {
             Ok(h) => self.read = Some((u, step.is_some(), h)),
             // Without a thread the shard is read (and the update run) when it is needed, as
@@ -97,9 +104,9 @@ impl TierIo {
     /// which must stop the step.
     fn drop_read(&mut self) -> Result<(), TierError> {
         match self.read.take() {
-            Some((_, true, h)) => join(h).map(drop),
+            Some((_, true, h)) => join(&self.tier, h).map(drop),
             Some((_, false, h)) => {
-                drop(join(h));
+                drop(join(&self.tier, h));
                 Ok(())
             }
             None => Ok(()),
@@ -109,7 +116,7 @@ impl TierIo {
     /// Unit `u`'s parameter shard: the prefetched one, or read now.
     pub fn params(&mut self, u: usize, len: usize) -> Result<Vec<f32>, TierError> {
         if let Some((_, _, h)) = self.read.take_if(|(p, _, _)| *p == u) {
-            return join(h);
+            return join(&self.tier, h);
         }
         // A read of another unit is finished first: one reader of the file at a time.
         self.drop_read()?;
@@ -120,7 +127,7 @@ impl TierIo {
     /// Waits for the gradient write in flight, if any.
     pub fn wait_write(&mut self) -> Result<(), TierError> {
         match self.write.take() {
-            Some(h) => join(h),
+            Some(h) => join(&self.tier, h),
             None => Ok(()),
         }
     }
@@ -135,11 +142,13 @@ impl TierIo {
         let h = std::thread::Builder::new()
             .name("ezero-tier-write".into())
             .spawn(move || {
-                let mut t = lock(&tier);
-                if let (Some(o), Some(step)) = (owed, step) {
-                    o.apply(&mut t, u, step, &mut [])?;
-                }
-                offload::spill_grads(&mut t, u, &g)
+                beside_compute(|| {
+                    let mut t = lock(&tier);
+                    if let (Some(o), Some(step)) = (owed, step) {
+                        o.apply(&mut t, u, step, &mut [])?;
+                    }
+                    offload::spill_grads(&mut t, u, &g)
+                })
             });
         match h {
             Ok(h) => {

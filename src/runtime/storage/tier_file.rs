@@ -123,7 +123,23 @@ impl TierLayout {
 pub struct TierStats {
     pub read_bytes: u64,
     pub write_bytes: u64,
+    /// Time the rank's own thread was held up by the tier: requests it waited for, and the
+    /// helpers it joined ([`TierFile::add_wait`]). A helper's waits beside compute are not
+    /// counted: they stall nothing (see [`beside_compute`]).
     pub wait_s: f64,
+}
+
+thread_local! {
+    static BESIDE_COMPUTE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` on this thread as tier I/O beside the step's compute (a read-ahead or a gradient
+/// write on a helper thread): the waits inside it are not the step's.
+pub fn beside_compute<T>(f: impl FnOnce() -> T) -> T {
+    BESIDE_COMPUTE.with(|b| b.set(true));
+    let out = f();
+    BESIDE_COMPUTE.with(|b| b.set(false));
+    out
 }
 
 /// What went wrong with the tier, naming the file.
@@ -360,12 +376,19 @@ impl TierFile {
         })
     }
 
+    /// Counts `s` seconds the rank's thread spent waiting for a helper's I/O on this file.
+    pub fn add_wait(&mut self, s: f64) {
+        self.stats.wait_s += s;
+    }
+
     /// Waits for `p`, checks what was read against the CRCs, and returns the buffer. On error
     /// the buffer still goes back to the pool.
     pub fn finish(&mut self, p: Pending) -> Result<AlignedBuf, TierError> {
         let t0 = Instant::now();
         let done = p.ticket.wait();
-        self.stats.wait_s += t0.elapsed().as_secs_f64();
+        if !BESIDE_COMPUTE.with(|b| b.get()) {
+            self.stats.wait_s += t0.elapsed().as_secs_f64();
+        }
         let fail = |source| TierError::Io {
             path: self.path.clone(),
             op: p.op,
@@ -489,6 +512,25 @@ mod tests {
         let v = b.f32s()[6..16].to_vec();
         assert_eq!(v, (2054..2064).map(|i| i as f32).collect::<Vec<_>>());
         assert_eq!(f.stats.write_bytes, 3 * 4096);
+    }
+
+    /// The waits of a helper beside compute are not the step's; joining one is.
+    #[test]
+    fn waits_beside_compute_are_not_counted() {
+        let mut f = file(Faults::default());
+        let moved = beside_compute(|| {
+            let b = f.take_buf().unwrap();
+            let p = f.start_write(0, b).unwrap();
+            let b = f.finish(p).unwrap();
+            f.put_buf(b);
+            f.stats
+        });
+        assert_eq!(moved.write_bytes, 3 * 4096);
+        assert_eq!(moved.wait_s, 0.0);
+        f.add_wait(0.25);
+        assert_eq!(f.stats.wait_s, 0.25);
+        // The thread is the step's again once `beside_compute` returns.
+        assert!(!BESIDE_COMPUTE.with(|b| b.get()));
     }
 
     #[test]
