@@ -124,13 +124,19 @@ pub fn build_dataset(cfg: &TrainConfig) -> Result<Arc<Dataset>, ConfigError> {
 }
 
 /// Threads a rank's matrix products use: `compute_threads`, or with 0 the cores over the
-/// ranks (a worker process sees the whole job's ranks, so workers sharing a host stay at a
-/// core each).
+/// ranks (in one process all of them share its host; a worker process resolves the setting
+/// first, over the ranks the coordinator counted on its host, see `compute_threads_for`).
 pub fn compute_threads(cfg: &TrainConfig) -> usize {
-    match cfg.compute_threads {
+    compute_threads_for(cfg.compute_threads, cfg.ranks)
+}
+
+/// `requested` threads, or with 0 this machine's cores over `ranks_here` ranks sharing them
+/// (at least 1).
+pub fn compute_threads_for(requested: usize, ranks_here: u32) -> usize {
+    match requested {
         0 => {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            (cores / cfg.ranks.max(1) as usize).max(1)
+            (cores / ranks_here.max(1) as usize).max(1)
         }
         n => n,
     }
@@ -292,4 +298,25 @@ pub fn plan_memory(
             )
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::compute_threads_for;
+
+    #[test]
+    fn automatic_compute_threads_share_this_machines_cores_among_the_ranks_on_it() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(compute_threads_for(3, 64), 3, "an explicit count is kept");
+        assert_eq!(compute_threads_for(0, 1), cores);
+        assert_eq!(
+            compute_threads_for(0, 0),
+            cores,
+            "no count means this rank alone"
+        );
+        assert_eq!(compute_threads_for(0, cores as u32 * 4), 1, "at least one");
+        if cores >= 2 {
+            assert_eq!(compute_threads_for(0, 2), cores / 2);
+        }
+    }
 }

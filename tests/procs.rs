@@ -31,6 +31,10 @@ fn launch_gives_the_in_process_digest_with_2_and_3_processes() {
         // Every worker reported the clean end of the job.
         let finished = out.matches("the job finished").count();
         assert_eq!(finished, nprocs, "{out}");
+        // All on this host: an automatic compute_threads shares its cores among them.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = format!(", {} compute threads", (cores / nprocs).max(1));
+        assert_eq!(out.matches(&threads).count(), nprocs, "{threads}: {out}");
     }
 }
 

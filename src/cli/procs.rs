@@ -520,7 +520,9 @@ fn worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
         tls,
         procs,
     };
-    let on_welcome = |rank, world| println!("ezero worker: rank {rank} of {world}");
+    let on_welcome = |rank, world, threads| {
+        println!("ezero worker: rank {rank} of {world}, {threads} compute threads")
+    };
     // A standby never taken by a join has no rank.
     let who =
         |rank: Option<u32>| rank.map_or_else(|| "standby".to_string(), |r| format!("rank {r}"));

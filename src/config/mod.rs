@@ -173,6 +173,8 @@ pub struct TrainConfig {
     /// the same for any count. 0 (the default): the machine's cores over `ranks`, at least 1,
     /// so a run with fewer ranks than cores (one rank streaming a model from the tier) gives
     /// the spare cores to its products, and one with a rank per core keeps one thread a rank.
+    /// A worker process divides its host's cores by the workers the coordinator saw connect
+    /// from its address instead of by `ranks`.
     pub compute_threads: usize,
     /// Tokens to sample from the trained model at the end (GPT and Llama; default 160).
     pub sample_tokens: usize,

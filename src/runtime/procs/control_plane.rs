@@ -293,6 +293,10 @@ pub struct Welcome {
     pub restore: bool,
     /// Largest part of chunk states in one frame, both ways (`state::parts`).
     pub part_max_bytes: u64,
+    /// The job's workers whose control connections came from this worker's address, itself
+    /// included: the coordinator's count of the ranks sharing its host, over which an automatic
+    /// `compute_threads` (0) divides the host's cores (`job::compute_threads_for`).
+    pub ranks_on_host: u32,
 }
 
 /// Which transport ranks use between themselves.

@@ -305,6 +305,10 @@ impl Run {
                 procs,
                 restore: opts.start.is_some(),
                 part_max_bytes: opts.part_max_bytes as u64,
+                ranks_on_host: control_ips
+                    .values()
+                    .filter(|&&ip| ip == j.peer.ip())
+                    .count() as u32,
             };
             let welcome = ToWorker::Welcome(Box::new(welcome));
             tokio::time::timeout_at(wait, send_start(&mut j, welcome, opts, &cfg))

@@ -134,6 +134,7 @@ impl Joining {
             // A joiner starts empty and gets its chunks in the reshard that admits it.
             restore: false,
             part_max_bytes: self.part_max_bytes,
+            ranks_on_host: 1 + self.endpoints.count_from(s.peer.ip(), &ranks) as u32,
         };
         send(s, ToWorker::Welcome(Box::new(welcome)))?;
         let deadline = Instant::now() + Duration::from_millis(self.procs.join_timeout_ms);

@@ -129,6 +129,15 @@ impl Endpoints {
         self.lock().insert(rank, e);
     }
 
+    /// How many of `ranks` connected from `ip`.
+    pub fn count_from(&self, ip: IpAddr, ranks: &[RankId]) -> usize {
+        let map = self.lock();
+        ranks
+            .iter()
+            .filter(|r| map.get(r).is_some_and(|e| e.control_ip == ip))
+            .count()
+    }
+
     /// The peer list for `me`: each of `ranks` with a known endpoint, UCX where the pair
     /// qualifies.
     pub fn peers_for(&self, me: RankId, ranks: impl IntoIterator<Item = RankId>) -> Vec<DataPeer> {
@@ -233,6 +242,24 @@ mod tests {
                 (1, 2, "tcp".into())
             ]
         );
+    }
+
+    /// A joiner's share of its host's cores counts the members that connected from its
+    /// address, whatever their data plane.
+    #[test]
+    fn ranks_are_counted_by_the_address_they_connected_from() {
+        let e = Endpoints::new(DataPlane::Tcp);
+        e.insert(0, ep("h1", 1, [10, 0, 0, 1], false));
+        e.insert(1, ep("h1", 1, [10, 0, 0, 1], false));
+        e.insert(2, ep("h2", 1, [10, 0, 0, 2], false));
+        let one = IpAddr::from([10, 0, 0, 1]);
+        assert_eq!(e.count_from(one, &[0, 1, 2]), 2);
+        assert_eq!(
+            e.count_from(one, &[1, 2, 7]),
+            1,
+            "unknown ranks do not count"
+        );
+        assert_eq!(e.count_from(IpAddr::from([10, 0, 0, 3]), &[0, 1, 2]), 0);
     }
 
     #[test]

@@ -44,7 +44,7 @@ use super::proxy::{CoordProxy, CoordProxyArgs, WorkerEnd};
 use super::state::{parts, STATE_PART_LIMIT_BYTES};
 use crate::config::TrainConfig;
 use crate::job::optim_settings;
-use crate::job::{build_dataset, build_model};
+use crate::job::{build_dataset, build_model, compute_threads_for};
 use crate::model::weights::ModelInit;
 use crate::net::tls::{check_alpn, peer_server_name, ClusterTls, Protocol};
 use crate::plan::activations::ActivationChoice;
@@ -99,11 +99,11 @@ pub struct WorkerOutcome {
     pub data_plane: Option<String>,
 }
 
-/// Joins, runs the rank, returns when the job ends for this worker. `on_welcome` hears the rank
-/// and the world size once assigned.
+/// Joins, runs the rank, returns when the job ends for this worker. `on_welcome` hears the rank,
+/// the world size and the threads its products take, once assigned.
 pub async fn run_worker(
     opts: WorkerOptions,
-    on_welcome: impl FnOnce(RankId, u32),
+    on_welcome: impl FnOnce(RankId, u32, usize),
 ) -> Result<WorkerOutcome, ProcError> {
     let stream = connect(&opts.join, opts.procs.connect_timeout_ms).await?;
     let _ = stream.set_nodelay(true);
@@ -121,7 +121,8 @@ pub async fn run_worker(
     let writer_task = tokio::spawn(write_loop(writer, rx));
     let result = match await_welcome(&mut reader, &link, &opts).await {
         Ok(Ok(welcome)) => {
-            on_welcome(welcome.rank, welcome.world);
+            let threads = welcome_config(&welcome).map_or(0, |c| c.compute_threads);
+            on_welcome(welcome.rank, welcome.world, threads);
             run_rank(welcome, &link, reader, &opts).await
         }
         Ok(Err(standby_end)) => Ok(standby_end),
@@ -627,9 +628,11 @@ fn worker_storage(
 
 /// The job's config as the coordinator sent it, checked.
 fn welcome_config(welcome: &Welcome) -> Result<TrainConfig, ProcError> {
-    let cfg: TrainConfig = serde_json::from_str(&welcome.config_json)
+    let mut cfg: TrainConfig = serde_json::from_str(&welcome.config_json)
         .map_err(|e| ProcError::Setup(format!("the coordinator sent an unreadable config: {e}")))?;
     cfg.validate()?;
+    // The job's rank count says nothing of this host: the coordinator counted who shares it.
+    cfg.compute_threads = compute_threads_for(cfg.compute_threads, welcome.ranks_on_host);
     Ok(cfg)
 }
 
