@@ -121,9 +121,13 @@ pub async fn run_worker(
     let writer_task = tokio::spawn(write_loop(writer, rx));
     let result = match await_welcome(&mut reader, &link, &opts).await {
         Ok(Ok(welcome)) => {
-            let threads = welcome_config(&welcome).map_or(0, |c| c.compute_threads);
+            let cfg = welcome_config(&welcome);
+            let threads = cfg.as_ref().map_or(0, |c| c.compute_threads);
             on_welcome(welcome.rank, welcome.world, threads);
-            run_rank(welcome, &link, reader, &opts).await
+            match cfg {
+                Ok(cfg) => run_rank(welcome, cfg, &link, reader, &opts).await,
+                Err(e) => Err(e),
+            }
         }
         Ok(Err(standby_end)) => Ok(standby_end),
         Err(e) => Err(e),
@@ -200,15 +204,16 @@ async fn await_welcome(
     got
 }
 
-/// Binds the data plane the welcome names, meets the peers and runs the rank.
+/// Binds the data plane the welcome names, meets the peers and runs the rank of `cfg` (the
+/// welcome's config, checked).
 async fn run_rank(
     welcome: Welcome,
+    cfg: TrainConfig,
     link: &mpsc::Sender<Option<ToCoord>>,
     mut reader: ControlReader,
     opts: &WorkerOptions,
 ) -> Result<WorkerOutcome, ProcError> {
     let join_ms = opts.procs.join_timeout_ms;
-    let cfg = welcome_config(&welcome)?;
     let start = if welcome.restore {
         Some(receive_start(&mut reader, join_ms, &opts.join).await?)
     } else {
