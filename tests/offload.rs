@@ -311,6 +311,7 @@ impl Observer for &mut Damage {
         if rec.step != self.step || self.done {
             return;
         }
+        use std::os::unix::fs::OpenOptionsExt;
         self.done = true;
         let folder = self.dir.join(format!("rank-{}", self.rank));
         for f in std::fs::read_dir(folder).unwrap() {
@@ -325,10 +326,24 @@ impl Observer for &mut Damage {
                 continue;
             }
             let len = std::fs::metadata(&path).unwrap().len() as usize;
-            // In place, as a failing disk would: never shorter than the engine expects.
-            let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-            std::os::unix::fs::FileExt::write_all_at(&f, &vec![0x5a; len], 0).unwrap();
-            f.sync_all().unwrap();
+            assert_eq!(
+                len % 4096,
+                0,
+                "tier files are whole blocks: {}",
+                path.display()
+            );
+            // In place, as a failing disk would: never shorter than the engine expects. With
+            // O_DIRECT like the engine: a buffered write racing the engine's direct writes
+            // leaves dirty pages the kernel cannot invalidate, and it then reports EIO on the
+            // file (seen on CI) instead of the damage the test means.
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(libc::O_DIRECT)
+                .open(&path)
+                .unwrap();
+            let junk = vec![0x5a_u8; len + 4096];
+            let start = junk.as_ptr().align_offset(4096);
+            std::os::unix::fs::FileExt::write_all_at(&f, &junk[start..start + len], 0).unwrap();
         }
     }
 
