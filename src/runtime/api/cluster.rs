@@ -589,10 +589,14 @@ impl Cluster {
         }
     }
 
-    /// Stops every actor and closes the network.
+    /// Stops every actor and closes the network. Waits (bounded) for the ranks to exit, so
+    /// that their state is dropped when this returns: their tier files removed and the
+    /// `nvme_dir` free for the next run.
     pub async fn shutdown(self) {
         self.net.close();
-        self.coordinator.stop_children(None);
+        self.coordinator
+            .stop_children_and_wait(None, Some(std::time::Duration::from_secs(5)))
+            .await;
         let _ = self
             .coordinator
             .stop_and_wait(None, Some(std::time::Duration::from_secs(5)))
