@@ -8,8 +8,9 @@
 //! completion frees; a rendezvous receive lands in a buffer the thread allocates at the size the
 //! sender announced, after checking it against the limit.
 //!
-//! While the inbox is full the thread stops progressing, so UCX's own flow control holds the
-//! senders back: what the engine holds is bounded by the inbox and one message per peer.
+//! Received payloads hold receive credit (`credit`) until the consumer gives it back with
+//! [`Engine::release`]; rendezvous payloads beyond it wait in the senders' memory. While the
+//! inbox is full (a count of messages) the thread stops progressing as well.
 
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
@@ -18,6 +19,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use super::credit::Credit;
 use super::thread::{run, Cmd, Waker};
 pub use super::thread::{valid_net_devices, EngineConfig, EngineCounts, Inbound, HEADER_MAX_BYTES};
 use super::{library, sys, UcxError};
@@ -31,6 +33,7 @@ pub struct Engine {
     inbox: Mutex<Receiver<Inbound>>,
     waker: Waker,
     counts: Arc<Mutex<EngineCounts>>,
+    credit: Arc<Credit>,
     max_message_bytes: usize,
     /// Peers with an endpoint (a send to another is refused at once).
     peers: Mutex<std::collections::BTreeSet<u32>>,
@@ -47,8 +50,13 @@ impl Engine {
         let (ready_tx, ready) = mpsc::sync_channel(1);
         let waker: Waker = Arc::default();
         let counts: Arc<Mutex<EngineCounts>> = Arc::default();
-        let (thread_waker, thread_counts, thread_cfg) =
-            (Arc::clone(&waker), Arc::clone(&counts), cfg.clone());
+        let credit = Arc::new(Credit::new(cfg.inbox_bytes()));
+        let (thread_waker, thread_counts, thread_cfg, thread_credit) = (
+            Arc::clone(&waker),
+            Arc::clone(&counts),
+            cfg.clone(),
+            Arc::clone(&credit),
+        );
         let thread = std::thread::Builder::new()
             .name(format!("ucx-engine-{}", cfg.id))
             .spawn(move || {
@@ -60,6 +68,7 @@ impl Engine {
                     ready_tx,
                     thread_waker,
                     thread_counts,
+                    thread_credit,
                 )
             })
             .map_err(|e| UcxError::Call {
@@ -74,6 +83,7 @@ impl Engine {
             inbox: Mutex::new(inbox),
             waker,
             counts,
+            credit,
             max_message_bytes: cfg.max_message_bytes,
             peers: Mutex::default(),
             thread: Some(thread),
@@ -146,12 +156,26 @@ impl Engine {
         })
     }
 
-    /// The next message or event, waiting at most `timeout`.
+    /// The next message or event, waiting at most `timeout`. A message holds its payload's
+    /// length of receive credit until [`Engine::release`].
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Inbound, RecvTimeoutError> {
         self.inbox
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .recv_timeout(timeout)
+    }
+
+    /// Gives back the receive credit of a message's `bytes` (its payload's length) once the
+    /// consumer has taken it: every received message holds credit until then.
+    pub fn release(&self, bytes: usize) {
+        if self.credit.give(bytes) {
+            wake(&self.waker);
+        }
+    }
+
+    /// Bytes of received payloads not released yet.
+    pub fn held_bytes(&self) -> usize {
+        self.credit.held_bytes()
     }
 
     pub fn counts(&self) -> EngineCounts {

@@ -123,7 +123,9 @@ impl Transport for MixedTransport {
     }
 
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
-        self.tcp.recv_timeout(timeout_ms)
+        let f = self.tcp.recv_timeout(timeout_ms)?;
+        self.routes.ucx.taken(&f);
+        Ok(f)
     }
 
     fn flush(&self) {
@@ -198,6 +200,10 @@ mod tests {
             assert_eq!((f.from, &f.payload[..]), (0, &big[..]), "rank {r}");
         }
         assert_eq!(t[1].ucx_stats().snapshot().total(), 0);
+        // What came over UCX gave its receive credit back; TCP's frames took none.
+        for (r, t) in t.iter().enumerate() {
+            assert_eq!(t.routes.ucx.held_bytes(), 0, "rank {r}");
+        }
         assert!(matches!(
             t[1].recv_timeout(20),
             Err(TransportError::Timeout(20))

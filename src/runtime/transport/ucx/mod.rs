@@ -9,7 +9,7 @@
 //!   bounded channel and wake it with `ucp_worker_signal`. Messages are active messages whose
 //!   payload the receiver places into a buffer it allocates (rendezvous above the eager size).
 //!   The thread's UCP calls and callbacks are in `thread`; large receive buffers are reused
-//!   (`pool`).
+//!   (`pool`); received bytes are bounded by a receive credit (`credit`).
 //!
 //! - [`transport`]: `Transport` over the engine, every frame checked as on the TCP and QUIC
 //!   planes (version, lengths, CRC-32, and a `from` that matches the sending engine).
@@ -22,6 +22,7 @@
 //! `EngineConfig::with_network` adds TCP and RDMA transports on devices the operator declares
 //! trusted (`--ucx-net`): unencrypted.
 
+mod credit;
 pub mod engine;
 pub mod mixed;
 mod pool;

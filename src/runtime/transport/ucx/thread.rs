@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use super::credit::Credit;
 use super::pool::Pool;
 use super::{check, status_text, sys, UcxError};
 
@@ -38,6 +39,10 @@ pub struct EngineConfig {
     pub queue_max: usize,
     /// Received messages held at most before the thread stops progressing.
     pub inbox_max: usize,
+    /// Bytes of received payloads held at most before the consumer gives them back
+    /// ([`super::engine::Engine::release`]); rendezvous payloads beyond it wait in the
+    /// sender's memory. `None`: twice `max_message_bytes`.
+    pub inbox_bytes_max: Option<usize>,
     /// Network devices UCX may use (`UCX_NET_DEVICES`; `None`: shared memory only). Traffic
     /// on them is not encrypted.
     pub net_devices: Option<String>,
@@ -52,8 +57,15 @@ impl EngineConfig {
             max_message_bytes: crate::wire::DEFAULT_MAX_FRAME_BYTES as usize,
             queue_max: 1024,
             inbox_max: 1024,
+            inbox_bytes_max: None,
             net_devices: None,
         }
+    }
+
+    /// The receive credit, in bytes.
+    pub fn inbox_bytes(&self) -> usize {
+        self.inbox_bytes_max
+            .unwrap_or(self.max_message_bytes.saturating_mul(2))
     }
 
     /// Shared memory, and TCP or RDMA (`rc`, `ud`, `dc` where present) on `devices` (e.g.
@@ -123,8 +135,10 @@ struct State {
     worker: sys::ucp_worker_h,
     max_message_bytes: usize,
     received: VecDeque<Inbound>,
-    /// Rendezvous messages announced in the AM callback, received after progress returns.
-    announced: Vec<Announced>,
+    /// Rendezvous messages announced in the AM callback, fetched after progress returns, in
+    /// order, as credit allows.
+    announced: VecDeque<Announced>,
+    credit: Arc<Credit>,
     counts: Arc<Mutex<EngineCounts>>,
     /// Sends whose completion has not run yet.
     sending: usize,
@@ -196,7 +210,7 @@ unsafe extern "C" fn on_am(
     let from = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
     let header = header[4..].to_vec();
     if rndv {
-        st.announced.push(Announced {
+        st.announced.push_back(Announced {
             from,
             header,
             desc: data,
@@ -205,6 +219,7 @@ unsafe extern "C" fn on_am(
         return sys::UCS_INPROGRESS;
     }
     let bytes = Bytes::copy_from_slice(std::slice::from_raw_parts(data as *const u8, length));
+    st.credit.force(length);
     st.received.push_back(Inbound::Message {
         from,
         header,
@@ -247,6 +262,7 @@ fn finish_recv(st: &mut State, op: RecvOp, status: sys::ucs_status_t) {
             bytes: st.pool.wrap(bytes),
         });
     } else {
+        st.credit.give(op.len);
         st.count(|c| c.failed += 1);
     }
 }
@@ -365,6 +381,7 @@ pub(super) fn run(
     ready: SyncSender<Result<Vec<u8>, UcxError>>,
     waker: Waker,
     counts: Arc<Mutex<EngineCounts>>,
+    credit: Arc<Credit>,
 ) {
     let (ctx, worker) = match open(ucp, &cfg) {
         Ok(v) => v,
@@ -379,7 +396,8 @@ pub(super) fn run(
         worker,
         max_message_bytes: cfg.max_message_bytes,
         received: VecDeque::new(),
-        announced: Vec::new(),
+        announced: VecDeque::new(),
+        credit,
         counts,
         sending: 0,
         failed: Vec::new(),
@@ -508,6 +526,10 @@ pub(super) fn run(
             }
             fetch_announced(state);
         }
+        // Payloads never fetched: their senders see the receive end.
+        for a in std::mem::take(&mut (*state).announced) {
+            (ucp.ucp_am_data_release)(worker, a.desc);
+        }
         close_all(state, &mut eps, closing);
         *waker.lock().unwrap_or_else(|p| p.into_inner()) = None;
         (ucp.ucp_worker_destroy)(worker);
@@ -588,10 +610,22 @@ unsafe fn send(state: *mut State, ep: sys::ucp_ep_h, me: u32, header: Vec<u8>, p
     }
 }
 
-/// Starts the receive of every rendezvous message the AM callback announced during the last
-/// progress (kept until progress returns, so that no receive starts inside the callback).
+/// Starts the receive of the rendezvous messages the AM callback announced (kept until
+/// progress returns, so that no receive starts inside the callback), in order, while the
+/// receive credit allows; the rest wait for the consumer to give credit back.
 unsafe fn fetch_announced(state: *mut State) {
-    for a in std::mem::take(&mut (*state).announced) {
+    loop {
+        let Some(len) = (*state).announced.front().map(|a| a.len) else {
+            return;
+        };
+        if !(*state).credit.try_take(len) {
+            // Then once more: credit given back before the mark would not wake this thread.
+            (*state).credit.starve();
+            if !(*state).credit.try_take(len) {
+                return;
+            }
+        }
+        let a = (*state).announced.pop_front().expect("the front was there");
         receive(state, a);
     }
 }
@@ -649,6 +683,16 @@ unsafe fn close_failed(
 ) {
     let ucp = (*state).ucp;
     for peer in std::mem::take(&mut (*state).failed) {
+        // Its payloads still waiting for credit will not come: dropped before the endpoint
+        // closes.
+        let announced = std::mem::take(&mut (*state).announced);
+        for a in announced {
+            if a.from == peer {
+                (ucp.ucp_am_data_release)((*state).worker, a.desc);
+            } else {
+                (*state).announced.push_back(a);
+            }
+        }
         if let Some((ep, arg)) = eps.remove(&peer) {
             match start_close(ucp, ep) {
                 Some(req) => closing.push((req, arg)),

@@ -12,11 +12,17 @@
 //! frames into an inbox it is given: its own in [`UcxTransport`], the TCP plane's in
 //! [`super::mixed::MixedTransport`]. Worker addresses come from outside (the control plane;
 //! tests pass them directly): this module never listens.
+//!
+//! A delivered frame keeps the engine's receive credit until the rank takes it out of the
+//! inbox ([`UcxPlane::taken`]), so what a busy rank has received and not yet looked at is
+//! bounded by the credit, not by how much its peers send. Frames are known by their payload's
+//! address, which is unique while the frame lives, so frames from another plane or from the
+//! rank itself sharing the inbox are told apart.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -38,12 +44,21 @@ pub struct Received {
 /// How often the delivering thread looks at its stop flag while no message arrives.
 const DELIVER_POLL: Duration = Duration::from_millis(50);
 
+/// Frames delivered and not yet taken from the inbox: their payload's address and the credit
+/// each holds.
+type Undelivered = Arc<Mutex<HashMap<usize, usize>>>;
+
+fn lock(u: &Undelivered) -> std::sync::MutexGuard<'_, HashMap<usize, usize>> {
+    u.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// The UCX side of a rank's data plane.
 pub struct UcxPlane {
     rank: RankId,
     engine: Arc<Engine>,
     stats: Arc<WireStats>,
     received: Arc<Received>,
+    in_inbox: Undelivered,
     stop: Arc<AtomicBool>,
     deliverer: Option<JoinHandle<()>>,
 }
@@ -60,12 +75,14 @@ impl UcxPlane {
         assert_eq!(engine.id(), rank, "the engine speaks for this rank");
         let stats: Arc<WireStats> = Arc::default();
         let received: Arc<Received> = Arc::default();
+        let in_inbox: Undelivered = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let (e, halt) = (Arc::clone(&engine), Arc::clone(&stop));
         let counters = (Arc::clone(&stats), Arc::clone(&received));
+        let held = Arc::clone(&in_inbox);
         let deliverer = std::thread::Builder::new()
             .name(format!("ucx-deliver-{rank}"))
-            .spawn(move || deliver_loop(&e, max_frame_bytes, &counters, &halt, &deliver))
+            .spawn(move || deliver_loop(&e, max_frame_bytes, &counters, &held, &halt, &deliver))
             .map_err(|e| UcxError::Call {
                 call: "spawning the delivering thread",
                 status: e.to_string(),
@@ -75,9 +92,27 @@ impl UcxPlane {
             engine,
             stats,
             received,
+            in_inbox,
             stop,
             deliverer: Some(deliverer),
         })
+    }
+
+    /// The rank took `frame` out of its inbox: if it came over UCX, its receive credit goes
+    /// back to the engine.
+    pub fn taken(&self, frame: &Frame) {
+        if frame.payload.is_empty() {
+            return;
+        }
+        let credit = lock(&self.in_inbox).remove(&(frame.payload.as_ptr() as usize));
+        if let Some(bytes) = credit {
+            self.engine.release(bytes);
+        }
+    }
+
+    /// Bytes received over UCX that the rank has not taken yet (in the engine or the inbox).
+    pub fn held_bytes(&self) -> usize {
+        self.engine.held_bytes()
     }
 
     /// Opens the endpoint to `peer` at its worker `address`.
@@ -151,6 +186,7 @@ fn deliver_loop(
     engine: &Engine,
     max_frame_bytes: u32,
     (stats, received): &(Arc<WireStats>, Arc<Received>),
+    in_inbox: &Undelivered,
     stop: &AtomicBool,
     deliver: &Sender<Frame>,
 ) {
@@ -161,13 +197,23 @@ fn deliver_loop(
                 header,
                 bytes,
             }) => {
-                if let Some(f) = accept(from, &header, bytes, max_frame_bytes, stats) {
-                    received.frames.fetch_add(1, Ordering::Relaxed);
-                    let n = f.payload.len() as u64;
-                    received.bytes.fetch_add(n, Ordering::Relaxed);
-                    if deliver.send(f).is_err() {
-                        return;
-                    }
+                let credit = bytes.len();
+                let Some(f) = accept(from, &header, bytes, max_frame_bytes, stats) else {
+                    engine.release(credit);
+                    continue;
+                };
+                received.frames.fetch_add(1, Ordering::Relaxed);
+                received
+                    .bytes
+                    .fetch_add(f.payload.len() as u64, Ordering::Relaxed);
+                if f.payload.is_empty() {
+                    engine.release(credit);
+                } else {
+                    // Before the send: the rank may take the frame at once.
+                    lock(in_inbox).insert(f.payload.as_ptr() as usize, credit);
+                }
+                if deliver.send(f).is_err() {
+                    return;
                 }
             }
             // The collective waiting on that peer fails at its deadline; the control plane's
@@ -239,7 +285,9 @@ impl Transport for UcxTransport {
     }
 
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
-        recv_inbox(&self.inbox_rx, timeout_ms)
+        let f = recv_inbox(&self.inbox_rx, timeout_ms)?;
+        self.plane.taken(&f);
+        Ok(f)
     }
 }
 
@@ -257,8 +305,18 @@ mod tests {
     }
 
     fn plane(n: u32) -> Vec<UcxTransport> {
+        plane_with(n, None)
+    }
+
+    fn plane_with(n: u32, inbox_bytes_max: Option<usize>) -> Vec<UcxTransport> {
         let engines: Vec<Arc<Engine>> = (0..n)
-            .map(|r| Arc::new(Engine::start(EngineConfig::shared_memory(r)).unwrap()))
+            .map(|r| {
+                let cfg = EngineConfig {
+                    inbox_bytes_max,
+                    ..EngineConfig::shared_memory(r)
+                };
+                Arc::new(Engine::start(cfg).unwrap())
+            })
             .collect();
         let peers: BTreeMap<RankId, Vec<u8>> = engines
             .iter()
@@ -333,5 +391,66 @@ mod tests {
         let c = t[1].stats().snapshot();
         assert_eq!((c.checksum, c.header, c.oversize), (1, 1, 1), "{c:?}");
         assert_eq!(t[1].stats().oversize.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            t[1].plane.held_bytes(),
+            0,
+            "refused frames give their credit back"
+        );
+    }
+
+    /// A rank that does not look at its inbox holds at most its receive credit; the rest waits
+    /// in the senders' memory and arrives whole once the rank reads.
+    #[test]
+    fn a_busy_rank_holds_at_most_its_receive_credit() {
+        if !available() {
+            return;
+        }
+        const MIB: usize = 1 << 20;
+        let mut t = plane_with(3, Some(4 * MIB));
+        let body = |k: usize, n: usize| -> Vec<u8> { (0..n).map(|i| (i * 7 + k) as u8).collect() };
+        for k in 0..12 {
+            t[0].send(2, frame(0, k as u32, body(k, MIB))).unwrap();
+        }
+        // The other sender is not held up by the backlog: its small frames arrive too.
+        t[1].send(2, frame(1, 100, b"small".to_vec())).unwrap();
+        // Wait until the receiver has fetched what its credit allows.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while t[2].plane.held_bytes() < 4 * MIB && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let held = t[2].plane.held_bytes();
+        assert!(
+            (4 * MIB..=4 * MIB + 4096).contains(&held),
+            "12 MiB sent, {held} bytes held against a 4 MiB credit"
+        );
+        let mut from0 = Vec::new();
+        for _ in 0..13 {
+            let f = t[2].recv_timeout(10_000).unwrap();
+            if f.from == 0 {
+                from0.push(f);
+            } else {
+                assert_eq!(&f.payload[..], b"small");
+            }
+        }
+        // Rendezvous receives may complete out of order; frames are matched by tag.
+        from0.sort_by_key(|f| f.tag.unit);
+        for (k, f) in from0.iter().enumerate() {
+            assert_eq!(f.tag.unit, k as u32);
+            assert_eq!(f.payload, Bytes::from(body(k, MIB)), "frame {k}");
+        }
+        drop(from0);
+        assert_eq!(
+            t[2].plane.held_bytes(),
+            0,
+            "every frame taken gave its credit back"
+        );
+        // A frame larger than the whole credit passes, alone.
+        t[0].send(2, frame(0, 50, body(50, 6 * MIB))).unwrap();
+        t[0].send(2, frame(0, 51, body(51, MIB))).unwrap();
+        let f = t[2].recv_timeout(10_000).unwrap();
+        assert_eq!(f.payload, Bytes::from(body(50, 6 * MIB)));
+        assert_eq!(t[2].recv_timeout(10_000).unwrap().tag.unit, 51);
+        assert_eq!(t[2].plane.held_bytes(), 0);
     }
 }
