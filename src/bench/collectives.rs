@@ -185,8 +185,11 @@ fn one<T: Transport>(
                     ),
                 });
             }
-            // Receivers land the bytes in their tensor, as a real broadcast would.
-            decode_f32_into(&got, &mut b.out);
+            // Receivers land the bytes in their tensor, as a real broadcast would; the root's
+            // tensor already holds them (gloo's root copies nothing either).
+            if comm.rank() != members[0] {
+                decode_f32_into(&got, &mut b.out);
+            }
             Ok(())
         }
     }
