@@ -82,6 +82,8 @@ fn engine(file: &Path, b: &IoBench) -> Result<(f64, f64), String> {
     dev.reserve(b.bytes).map_err(|e| e.to_string())?;
     let req = b.block_bytes * b.queue_depth as usize;
     let mut bufs: Vec<AlignedBuf> = (0..2).map(|_| AlignedBuf::new(req)).collect();
+    // As the tier registers its staging buffers.
+    dev.register(&mut bufs);
     for (i, x) in bufs[0].bytes_mut().iter_mut().enumerate() {
         *x = i as u8;
     }

@@ -12,6 +12,10 @@ use crate::plan::tier::IO_ALIGN_BYTES;
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
+    /// The io_uring this buffer is registered with and its index there. The tag travels with
+    /// the memory it names: a buffer allocated later at the same address has none, so a fixed
+    /// operation can never reach pages the ring pinned for a buffer since dropped.
+    fixed: Option<(u64, u16)>,
 }
 
 // SAFETY: the buffer is uniquely owned heap memory; moving it between threads is like moving a
@@ -27,7 +31,21 @@ impl AlignedBuf {
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        Self { ptr, len }
+        Self {
+            ptr,
+            len,
+            fixed: None,
+        }
+    }
+
+    /// This buffer's index in ring `ring`'s registered buffers, if it is registered there.
+    pub fn fixed_in(&self, ring: u64) -> Option<u16> {
+        self.fixed.and_then(|(r, i)| (r == ring).then_some(i))
+    }
+
+    /// Records that ring `ring` registered this buffer at `index`.
+    pub(super) fn mark_fixed(&mut self, ring: u64, index: u16) {
+        self.fixed = Some((ring, index));
     }
 
     pub fn len(&self) -> usize {

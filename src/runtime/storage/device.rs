@@ -67,6 +67,13 @@ pub trait Device: Send {
     /// Grows (or creates) the file to `bytes`, reserving the space now so that a full disk is
     /// found before training rather than in the middle of a step.
     fn reserve(&mut self, bytes: u64) -> Result<(), IoError>;
+    /// Registers `bufs` (buffers this device's owner keeps for its life) with the device, so
+    /// that requests on them skip per-request page pinning; returns how many were registered.
+    /// Optional: a device that cannot (or a kernel that refuses) registers none, and every
+    /// buffer still works.
+    fn register(&mut self, _bufs: &mut [AlignedBuf]) -> usize {
+        0
+    }
 }
 
 /// A pending request's completion.
@@ -146,6 +153,10 @@ impl<D: Device> Device for FaultyDevice<D> {
 
     fn reserve(&mut self, bytes: u64) -> Result<(), IoError> {
         self.inner.reserve(bytes)
+    }
+
+    fn register(&mut self, bufs: &mut [AlignedBuf]) -> usize {
+        self.inner.register(bufs)
     }
 }
 

@@ -220,13 +220,16 @@ impl TierFile {
             source,
         })?;
         let zero = crc32fast::hash(&[0u8; BLOCK]);
+        let mut pool: Vec<AlignedBuf> = (0..staging.max(1))
+            .map(|_| AlignedBuf::new(layout.stride()))
+            .collect();
+        // The staging buffers live as long as the file: pinned once, not per request.
+        dev.register(&mut pool);
         Ok(Self {
             path: path.to_path_buf(),
             dev,
             crcs: vec![zero; bytes as usize / BLOCK],
-            pool: (0..staging.max(1))
-                .map(|_| AlignedBuf::new(layout.stride()))
-                .collect(),
+            pool,
             layout,
             deferred: VecDeque::new(),
             deferred_err: None,
