@@ -453,4 +453,33 @@ mod tests {
         assert_eq!(t[2].recv_timeout(10_000).unwrap().tag.unit, 51);
         assert_eq!(t[2].plane.held_bytes(), 0);
     }
+
+    /// Two ranks that each send the other many times their credit before reading anything:
+    /// neither engine stops for its full credit, so each can read everything the other sent
+    /// while the other is still not reading.
+    #[test]
+    fn ranks_sending_past_each_others_credit_do_not_deadlock() {
+        if !available() {
+            return;
+        }
+        const MIB: usize = 1 << 20;
+        let mut t = plane_with(2, Some(2 * MIB));
+        for k in 0..10u32 {
+            t[0].send(1, frame(0, k, vec![k as u8; MIB])).unwrap();
+            t[1].send(0, frame(1, k, vec![100 + k as u8; MIB])).unwrap();
+        }
+        for (me, other) in [(0usize, 1u32), (1, 0)] {
+            let mut units: Vec<u32> = (0..10)
+                .map(|_| {
+                    let f = t[me].recv_timeout(10_000).expect("no deadlock");
+                    assert_eq!(f.from, other);
+                    assert_eq!(f.payload.len(), MIB);
+                    f.tag.unit
+                })
+                .collect();
+            units.sort_unstable();
+            assert_eq!(units, (0..10).collect::<Vec<u32>>(), "rank {me}");
+            assert_eq!(t[me].plane.held_bytes(), 0);
+        }
+    }
 }
