@@ -11,8 +11,10 @@
 //!
 //! Which scenarios: `CHAOS_PROC_SEED=S` one seed, `CHAOS_PROC_SEEDS=N` (or `A..B`) seeds,
 //! `CHAOS_PROC_SCENARIO=FILE` a scenario file (as written next to a failing seed); otherwise
-//! the fixed CI set. `CHAOS_PROC_REPORT=FILE` writes the totals as JSON (the soak's report);
-//! `CHAOS_PROC_EVENTS=1` prints every scenario's observed events, not only a failing one's.
+//! the fixed CI set. `CHAOS_PROC_TRANSPORT=ucx` (or tcp, quic) forces generated seeds' data
+//! plane; under ucx they draw process faults only. `CHAOS_PROC_REPORT=FILE` writes the totals
+//! as JSON (the soak's report); `CHAOS_PROC_EVENTS=1` prints every scenario's observed events,
+//! not only a failing one's.
 //! Timing between processes is not deterministic: a seed replays the same schedule of faults,
 //! not the same interleaving (the README says what that means).
 
@@ -37,7 +39,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use job::Outcome;
-use scenario::{generate, seeds_from_env, During, Expect, Fault, Scenario, What};
+use scenario::{generate, generate_on, seeds_from_env, During, Expect, Fault, Scenario, What};
 
 /// One scenario at a time: they share the machine's two cores, and the leak check counts this
 /// process's threads.
@@ -255,9 +257,14 @@ fn record_failure(sc: &Scenario, out: &Outcome) -> String {
     );
     format!(
         "replay: CHAOS_PROC_SCENARIO={} cargo test --release --test chaos_procs scenarios -- --nocapture\n  \
-         (generated seeds also: CHAOS_PROC_SEED={}; schedule and observed events in {})",
+         (generated seeds also: CHAOS_PROC_SEED={}{}; schedule and observed events in {})",
         scenario_file.display(),
         sc.seed,
+        if sc.transport == "ucx" {
+            " CHAOS_PROC_TRANSPORT=ucx"
+        } else {
+            ""
+        },
         file.display()
     )
 }
@@ -271,8 +278,17 @@ fn chosen() -> Vec<Scenario> {
     }
     let one = std::env::var("CHAOS_PROC_SEED").ok();
     let many = std::env::var("CHAOS_PROC_SEEDS").ok();
+    let transport = std::env::var("CHAOS_PROC_TRANSPORT").ok();
     match seeds_from_env(one.as_deref(), many.as_deref()).unwrap_or_else(|e| panic!("{e}")) {
-        Some(seeds) => seeds.into_iter().map(generate).collect(),
+        Some(seeds) => seeds
+            .into_iter()
+            .map(|s| {
+                let sc = generate_on(s, transport.as_deref());
+                sc.check()
+                    .unwrap_or_else(|e| panic!("CHAOS_PROC_TRANSPORT={transport:?}: {e}"));
+                sc
+            })
+            .collect(),
         None => ci_set(),
     }
 }
@@ -422,7 +438,19 @@ fn bad_harness_input_is_refused_with_what_to_do() {
         "{e}"
     );
     sc.transport = "udp".into();
-    assert!(sc.check().unwrap_err().contains("\"tcp\" or \"quic\""));
+    assert!(sc
+        .check()
+        .unwrap_err()
+        .contains("\"tcp\", \"quic\" or \"ucx\""));
+    // UCX shared memory passes beside the harness's proxies: network faults are refused.
+    let mut sc = generate(0);
+    sc.transport = "ucx".into();
+    sc.faults = vec![Fault {
+        at_step: 3,
+        what: What::Cut { pick: 0 },
+    }];
+    let e = sc.check().unwrap_err();
+    assert!(e.contains("process faults only"), "{e}");
 }
 
 /// Every generated schedule is one the harness can run (the in-process soak once failed on
@@ -435,5 +463,9 @@ fn generated_scenarios_are_valid() {
         if sc.pair().is_none() {
             assert_eq!(sc.expect(), Expect::Digest, "seed {seed}");
         }
+        let ucx = generate_on(seed, Some("ucx"));
+        ucx.check()
+            .unwrap_or_else(|e| panic!("seed {seed} under ucx: {e}"));
+        assert_eq!(ucx.transport, "ucx");
     }
 }

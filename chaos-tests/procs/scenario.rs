@@ -1,6 +1,6 @@
 //! Process-level chaos scenarios: pure data, drawn from a seed or read from a file.
 //!
-//! A scenario is a small job (2-4 workers, TCP or QUIC, a tiny model) and a schedule of
+//! A scenario is a small job (2-4 workers, TCP, QUIC or UCX, a tiny model) and a schedule of
 //! faults, each at a step: the harness waits until `/status` shows that step, then strikes. What
 //! a fault strikes is a pick among the members at that moment (`pick % members`), so a
 //! schedule stays valid whatever the order of earlier events turned out to be.
@@ -19,7 +19,8 @@ pub struct Scenario {
     pub seed: u64,
     /// Worker processes at the start (one rank each).
     pub workers: usize,
-    /// The data plane: "tcp" or "quic".
+    /// The data plane: "tcp", "quic" or "ucx" (UCX shared memory between the workers, TLS TCP
+    /// beside it; only process faults, which the harness's proxies need not reach).
     pub transport: String,
     /// "mlp" or "gpt".
     pub model: String,
@@ -151,6 +152,26 @@ fn pick(rng: &mut SplitMix64, n: u64) -> u64 {
 
 /// The scenario of `seed`.
 pub fn generate(seed: u64) -> Scenario {
+    generate_on(seed, None)
+}
+
+/// Whether `what` strikes a process or the HTTP endpoint, not the network (the harness's
+/// proxies sit on TCP and UDP; UCX shared memory passes beside them).
+fn process_fault(what: &What) -> bool {
+    matches!(
+        what,
+        What::Kill { .. }
+            | What::KillPair { .. }
+            | What::Freeze { .. }
+            | What::Join { .. }
+            | What::Drain { .. }
+    )
+}
+
+/// The scenario of `seed`, or with `transport` forced (`CHAOS_PROC_TRANSPORT`): for "ucx" the
+/// schedule draws process faults only. `generate` keeps every existing seed's scenario.
+pub fn generate_on(seed: u64, transport: Option<&str>) -> Scenario {
+    let ucx = transport == Some("ucx");
     let mut rng = SplitMix64::new(seed ^ 0x9E0C_E55E_D5EE_D000);
     let workers = 2 + pick(&mut rng, 3) as usize;
     let mut members = workers;
@@ -169,7 +190,10 @@ pub fn generate(seed: u64) -> Scenario {
     }
     for _ in 0..1 + pick(&mut rng, 3) {
         let p = pick(&mut rng, 64) as u32;
-        let what = match pick(&mut rng, 13) {
+        let kind = pick(&mut rng, 13);
+        // Under UCX, the kinds 0-4: kills, freeze, join, drain.
+        let kind = if ucx { kind % 5 } else { kind };
+        let what = match kind {
             0 | 1 => What::Kill {
                 pick: p,
                 during: [During::Anytime, During::Step, During::Backup][pick(&mut rng, 3) as usize],
@@ -209,10 +233,10 @@ pub fn generate(seed: u64) -> Scenario {
     let mut sc = Scenario {
         seed,
         workers,
-        transport: if pick(&mut rng, 3) == 0 {
-            "quic"
-        } else {
-            "tcp"
+        transport: match (pick(&mut rng, 3), transport) {
+            (_, Some(t)) => t,
+            (0, None) => "quic",
+            _ => "tcp",
         }
         .into(),
         model: if pick(&mut rng, 4) == 0 { "gpt" } else { "mlp" }.into(),
@@ -250,11 +274,19 @@ impl Scenario {
         if !(1..=MAX_WORKERS).contains(&self.workers) {
             return Err(format!("workers {}: 1 to {MAX_WORKERS}", self.workers));
         }
-        if !["tcp", "quic"].contains(&self.transport.as_str()) {
+        if !["tcp", "quic", "ucx"].contains(&self.transport.as_str()) {
             return Err(format!(
-                "transport {:?}: \"tcp\" or \"quic\"",
+                "transport {:?}: \"tcp\", \"quic\" or \"ucx\"",
                 self.transport
             ));
+        }
+        if self.transport == "ucx" {
+            if let Some(f) = self.faults.iter().find(|f| !process_fault(&f.what)) {
+                return Err(format!(
+                    "{:?} under ucx: the harness's proxies cannot reach UCX shared memory (process faults only)",
+                    f.what
+                ));
+            }
         }
         if !["mlp", "gpt"].contains(&self.model.as_str()) {
             return Err(format!("model {:?}: \"mlp\" or \"gpt\"", self.model));
