@@ -46,9 +46,9 @@ const DELIVER_POLL: Duration = Duration::from_millis(50);
 
 /// Frames delivered and not yet taken from the inbox: their payload's address and the credit
 /// each holds.
-type Undelivered = Arc<Mutex<HashMap<usize, usize>>>;
+type InInbox = Arc<Mutex<HashMap<usize, usize>>>;
 
-fn lock(u: &Undelivered) -> std::sync::MutexGuard<'_, HashMap<usize, usize>> {
+fn lock(u: &InInbox) -> std::sync::MutexGuard<'_, HashMap<usize, usize>> {
     u.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -58,7 +58,7 @@ pub struct UcxPlane {
     engine: Arc<Engine>,
     stats: Arc<WireStats>,
     received: Arc<Received>,
-    in_inbox: Undelivered,
+    in_inbox: InInbox,
     stop: Arc<AtomicBool>,
     deliverer: Option<JoinHandle<()>>,
 }
@@ -75,7 +75,7 @@ impl UcxPlane {
         assert_eq!(engine.id(), rank, "the engine speaks for this rank");
         let stats: Arc<WireStats> = Arc::default();
         let received: Arc<Received> = Arc::default();
-        let in_inbox: Undelivered = Arc::default();
+        let in_inbox: InInbox = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let (e, halt) = (Arc::clone(&engine), Arc::clone(&stop));
         let counters = (Arc::clone(&stats), Arc::clone(&received));
@@ -186,7 +186,7 @@ fn deliver_loop(
     engine: &Engine,
     max_frame_bytes: u32,
     (stats, received): &(Arc<WireStats>, Arc<Received>),
-    in_inbox: &Undelivered,
+    in_inbox: &InInbox,
     stop: &AtomicBool,
     deliver: &Sender<Frame>,
 ) {
