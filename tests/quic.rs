@@ -72,6 +72,7 @@ fn tag(kind: TagKind, unit: u32) -> Tag {
         attempt: 0,
         unit,
         pass: 0,
+        piece: 0,
     }
 }
 
@@ -87,16 +88,32 @@ fn collectives_over_quic_deliver_every_byte() {
                 let r = t.rank();
                 let mut comm = Comm::new(t, WAIT_MS);
                 comm.begin_step(0, 1);
-                // 3 MiB from the root: many packets, several flow-control windows' worth.
-                let big: Vec<u8> = (0..3usize << 20).map(|i| (i * 7 + 3) as u8).collect();
+                // 5 MiB and a bit from the root: two pieces, many packets, several
+                // flow-control windows' worth.
+                let big: Vec<u8> = (0..(5usize << 20) + 4100)
+                    .map(|i| (i * 7 + 3) as u8)
+                    .collect();
                 let mine = if r == 1 {
                     Bytes::from(big.clone())
                 } else {
                     Bytes::new()
                 };
-                let got =
-                    broadcast(&mut comm, &members, 1, tag(TagKind::Broadcast, 0), mine).unwrap();
-                assert_eq!(&got[..], &big[..]);
+                let mut got = if r == 1 {
+                    big.clone()
+                } else {
+                    vec![0; big.len()]
+                };
+                broadcast(
+                    &mut comm,
+                    &members,
+                    1,
+                    tag(TagKind::Broadcast, 0),
+                    mine,
+                    big.len(),
+                    |at, b| got[at..at + b.len()].copy_from_slice(b),
+                )
+                .unwrap();
+                assert!(got == big, "rank {r} holds the root's bytes");
                 let all = exchange_small(
                     &mut comm,
                     &members,

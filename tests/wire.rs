@@ -46,6 +46,7 @@ fn arb_msg() -> impl Strategy<Value = WireMsg> {
                     attempt,
                     unit,
                     pass,
+                    piece: 0,
                 },
                 payload: Bytes::from(p),
             })
@@ -197,6 +198,7 @@ fn frame(kind: TagKind, payload: Vec<u8>) -> WireMsg {
             attempt: 0,
             unit: 4,
             pass: 0,
+            piece: 0,
         },
         payload: Bytes::from(payload),
     })
@@ -291,6 +293,7 @@ fn big_frame(fill: u8) -> WireMsg {
             attempt: 0,
             unit: 0,
             pass: 0,
+            piece: 0,
         },
         payload: Bytes::from(vec![fill; 3 << 20]),
     })

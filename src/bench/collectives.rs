@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::plan::{RankId, ShardMap};
 use crate::reduce::GradBuf;
 use crate::runtime::step::collectives::{
-    broadcast, exchange_small, post_owned, reduce_scatter, wait_owned,
+    broadcast, exchange_small, post_owned, post_owned_with, reduce_scatter, wait_owned,
 };
 use crate::runtime::step::comm::{Comm, CommError};
 use crate::runtime::transport::{Tag, TagKind, Transport};
@@ -105,6 +105,7 @@ fn tag(kind: TagKind, run: u64, iter: usize) -> Tag {
         attempt: 0,
         unit: (run as u32) << 12 | iter as u32,
         pass: 0,
+        piece: 0,
     }
 }
 
@@ -146,7 +147,6 @@ fn one<T: Transport>(
             0,
         ),
         Op::AllReduce => {
-            let me = comm.rank();
             reduce_scatter(
                 comm,
                 map,
@@ -155,42 +155,28 @@ fn one<T: Transport>(
                 &mut b.acc,
                 0,
             )?;
-            let mut reduced = Vec::new();
-            for i in map.owned_in_unit(0, me) {
-                reduced.extend(b.acc.encode(map.chunk_range(0, i)));
-            }
             let t = tag(TagKind::GatherGrads, iter);
-            let n = reduced.len() as u64 / 4;
-            post_owned(comm, map, 0, t, || Bytes::from(reduced), n, false)?;
+            let acc = &b.acc;
+            let eb = acc.elem_bytes();
+            post_owned_with(comm, map, 0, t, eb, |r, out| acc.encode_into(r, out), false)?;
             let acc = &mut b.acc;
-            wait_owned(comm, map, 0, t, 4, |r, bytes| {
+            wait_owned(comm, map, 0, t, eb, |r, bytes| {
                 acc.set_encoded(r.start, bytes);
             })
         }
         Op::Broadcast => {
-            let got = broadcast(
+            // Receivers land the bytes in their tensor as they arrive, as a real broadcast
+            // would; the root's tensor already holds them (gloo's root copies nothing either).
+            let out = &mut b.out;
+            broadcast(
                 comm,
                 members,
                 members[0],
                 tag(TagKind::Broadcast, iter),
                 b.root_payload.clone(),
-            )?;
-            if got.len() != b.out.len() * 4 {
-                return Err(CommError::Protocol {
-                    from: members[0],
-                    what: format!(
-                        "broadcast of {} bytes, expected {}",
-                        got.len(),
-                        b.out.len() * 4
-                    ),
-                });
-            }
-            // Receivers land the bytes in their tensor, as a real broadcast would; the root's
-            // tensor already holds them (gloo's root copies nothing either).
-            if comm.rank() != members[0] {
-                decode_f32_into(&got, &mut b.out);
-            }
-            Ok(())
+                out.len() * 4,
+                |at, bytes| decode_f32_into(bytes, &mut out[at / 4..]),
+            )
         }
     }
 }

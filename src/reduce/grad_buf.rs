@@ -8,6 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::exact::{self, QuantStats};
+use super::le::{copy_le_into, extend_le};
 
 /// How gradients are reduced across micro-batches and ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -96,9 +97,24 @@ impl GradBuf {
 
     /// Little-endian bytes of `range` (what travels in a reduce-scatter).
     pub fn encode(&self, range: std::ops::Range<usize>) -> Vec<u8> {
+        let mut out = Vec::with_capacity(range.len() * self.elem_bytes());
+        self.encode_into(range, &mut out);
+        out
+    }
+
+    /// Appends the little-endian bytes of `range` to `out`.
+    pub fn encode_into(&self, range: std::ops::Range<usize>, out: &mut Vec<u8>) {
         match self {
-            GradBuf::Exact(v) => v[range].iter().flat_map(|x| x.to_le_bytes()).collect(),
-            GradBuf::Fast(v) => v[range].iter().flat_map(|x| x.to_le_bytes()).collect(),
+            GradBuf::Exact(v) => extend_le(out, &v[range]),
+            GradBuf::Fast(v) => extend_le(out, &v[range]),
+        }
+    }
+
+    /// Bytes per element on the wire: 8 for `Exact`'s fixed-point, 4 for `Fast`'s f32.
+    pub fn elem_bytes(&self) -> usize {
+        match self {
+            GradBuf::Exact(_) => 8,
+            GradBuf::Fast(_) => 4,
         }
     }
 
@@ -130,23 +146,13 @@ impl GradBuf {
 
     /// Overwrites `offset..` with encoded values (the all-gather half of an all-reduce).
     pub fn set_encoded(&mut self, offset: usize, bytes: &[u8]) -> bool {
+        let eb = self.elem_bytes();
+        if !bytes.len().is_multiple_of(eb) || offset + bytes.len() / eb > self.len() {
+            return false;
+        }
         match self {
-            GradBuf::Exact(v) => {
-                if !bytes.len().is_multiple_of(8) || offset + bytes.len() / 8 > v.len() {
-                    return false;
-                }
-                for (a, b) in v[offset..].iter_mut().zip(bytes.chunks_exact(8)) {
-                    *a = i64::from_le_bytes(b.try_into().expect("8-byte chunk"));
-                }
-            }
-            GradBuf::Fast(v) => {
-                if !bytes.len().is_multiple_of(4) || offset + bytes.len() / 4 > v.len() {
-                    return false;
-                }
-                for (a, b) in v[offset..].iter_mut().zip(bytes.chunks_exact(4)) {
-                    *a = f32::from_le_bytes(b.try_into().expect("4-byte chunk"));
-                }
-            }
+            GradBuf::Exact(v) => copy_le_into(bytes, &mut v[offset..]),
+            GradBuf::Fast(v) => copy_le_into(bytes, &mut v[offset..]),
         }
         true
     }

@@ -3,5 +3,6 @@
 
 pub mod exact;
 pub mod grad_buf;
+pub mod le;
 
 pub use grad_buf::{GradBuf, ReduceMode, SumSquares};

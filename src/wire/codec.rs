@@ -40,6 +40,7 @@ enum Header {
         attempt: u8,
         unit: u32,
         pass: u8,
+        piece: u32,
     },
     Control {
         from: u32,
@@ -94,6 +95,7 @@ pub fn encode(msg: &WireMsg) -> [Bytes; 3] {
                 attempt: f.tag.attempt,
                 unit: f.tag.unit,
                 pass: f.tag.pass,
+                piece: f.tag.piece,
             },
             f.payload.clone(),
         ),
@@ -102,7 +104,7 @@ pub fn encode(msg: &WireMsg) -> [Bytes; 3] {
     let mut head = vec![0u8; PREFIX_BYTES + MAX_HEADER_BYTES];
     // Every header variant is far below the limit, so encoding into the slice cannot fail.
     let h = bincode::encode_into_slice(&header, &mut head[PREFIX_BYTES..], config())
-        .expect("headers are at most 33 bytes");
+        .expect("headers are at most 37 bytes");
     head.truncate(PREFIX_BYTES + h);
     let body = (h + payload.len()) as u32;
     head[0] = WIRE_VERSION;
@@ -251,6 +253,7 @@ fn decode_header(head: &[u8], payload: Bytes) -> Result<WireMsg, WireError> {
             attempt,
             unit,
             pass,
+            piece,
         } => WireMsg::Frame(Frame {
             epoch,
             step,
@@ -260,6 +263,7 @@ fn decode_header(head: &[u8], payload: Bytes) -> Result<WireMsg, WireError> {
                 attempt,
                 unit,
                 pass,
+                piece,
             },
             payload,
         }),

@@ -10,11 +10,7 @@ use crate::model::gemm::{from_bf16, to_bf16};
 
 /// Appends `v` as little-endian f32 bytes.
 pub fn put_f32s(out: &mut Vec<u8>, v: &[f32]) {
-    let start = out.len();
-    out.resize(start + 4 * v.len(), 0);
-    for (dst, x) in out[start..].chunks_exact_mut(4).zip(v) {
-        dst.copy_from_slice(&x.to_le_bytes());
-    }
+    crate::reduce::le::extend_le(out, v);
 }
 
 /// Little-endian f32 values of `bytes` (whose length is a multiple of 4).
@@ -35,9 +31,8 @@ pub fn encode_f32(src: &[f32], ranges: impl Iterator<Item = Range<usize>>) -> By
 
 /// Writes little-endian `f32` bytes into `dst`.
 pub fn decode_f32_into(bytes: &[u8], dst: &mut [f32]) {
-    for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
-        *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-    }
+    let n = (bytes.len() / 4).min(dst.len());
+    crate::reduce::le::copy_le_into(&bytes[..4 * n], dst);
 }
 
 /// `src` rounded to bf16 (`model::gemm::to_bf16`), as little-endian bytes: ZeRO-3's parameter

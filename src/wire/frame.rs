@@ -31,13 +31,36 @@ pub enum TagKind {
     Barrier = 10,
 }
 
-/// Identifies one message within a step: which collective, which unit, which pass, which try.
+/// Identifies one message within a step: which collective, which unit, which pass, which try,
+/// and which piece of a large payload ([`PIECE_BYTES`]; 0 for a payload sent whole).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Tag {
     pub kind: TagKind,
     pub attempt: u8,
     pub unit: u32,
     pub pass: u8,
+    pub piece: u32,
+}
+
+impl Tag {
+    /// This tag for piece `piece` of its payload.
+    pub fn piece(self, piece: u32) -> Tag {
+        Tag { piece, ..self }
+    }
+}
+
+/// Collectives move payloads larger than this as pieces of this size, each its own frame, so
+/// that the sender's encoding and checksum, the transfer, and the receiver's checksum and
+/// placing of one piece overlap with those of the next (one 64 MiB frame runs them one after
+/// the other), and so that no piece needs a buffer the allocator maps afresh for each message.
+/// Both sides compute the pieces of a payload from its length, so this is part of the protocol
+/// ([`crate::wire::WIRE_VERSION`]).
+pub const PIECE_BYTES: usize = 4 << 20;
+
+/// The byte ranges of the pieces of a `len`-byte payload: one empty piece for an empty payload.
+pub fn pieces(len: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let n = len.div_ceil(PIECE_BYTES).max(1);
+    (0..n).map(move |i| i * PIECE_BYTES..((i + 1) * PIECE_BYTES).min(len))
 }
 
 /// One message between ranks. Every frame carries (epoch, step); stale ones are dropped.

@@ -28,10 +28,10 @@ pub use stream::StreamDecoder;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Protocol version carried by every frame; a peer speaking another one is refused.
-pub const WIRE_VERSION: u8 = 1;
+pub const WIRE_VERSION: u8 = 2;
 /// Bytes before the header: version, body length, header length.
 pub const PREFIX_BYTES: usize = 6;
-/// The largest header any message kind encodes to (a frame header is at most 33 bytes).
+/// The largest header any message kind encodes to (a frame header is at most 37 bytes).
 pub const MAX_HEADER_BYTES: usize = 64;
 /// Bytes of the trailing checksum.
 pub const CHECKSUM_BYTES: usize = 4;

@@ -21,8 +21,34 @@ fn others(members: &[RankId], me: RankId) -> Vec<RankId> {
     members.iter().copied().filter(|&r| r != me).collect()
 }
 
-/// Sends this rank's chunks of `unit`, concatenated by `payload`, to every peer. The payload is
-/// made only when someone receives it: a lone rank would encode a whole unit for nobody.
+/// The element ranges that bytes `bytes` of the concatenation of `spans` (element ranges, in
+/// order, `elem_bytes` each) cover. Piece boundaries are multiples of every element width, so a
+/// piece never splits an element.
+fn sub_spans(
+    spans: &[Range<usize>],
+    elem_bytes: usize,
+    bytes: Range<usize>,
+) -> impl Iterator<Item = Range<usize>> + '_ {
+    let (lo, hi) = (bytes.start / elem_bytes, bytes.end / elem_bytes);
+    let mut at = 0;
+    spans.iter().filter_map(move |r| {
+        let (s, e) = (at, at + r.len());
+        at = e;
+        let (a, b) = (s.max(lo), e.min(hi));
+        (a < b).then(|| r.start + (a - s)..r.start + (b - s))
+    })
+}
+
+/// The ranges of `owner`'s chunks of `unit`, in ascending chunk order (the order of its payload).
+fn owned_spans(map: &ShardMap, unit: usize, owner: RankId) -> Vec<Range<usize>> {
+    map.owned_in_unit(unit, owner)
+        .map(|i| map.chunk_range(unit, i))
+        .collect()
+}
+
+/// Sends this rank's chunks of `unit`, concatenated by `payload`, to every peer, in pieces. The
+/// payload is made only when someone receives it: a lone rank would encode a whole unit for
+/// nobody.
 pub fn post_owned<T: Transport>(
     comm: &mut Comm<T>,
     map: &ShardMap,
@@ -37,17 +63,51 @@ pub fn post_owned<T: Transport>(
     if map.owned_elems_in_unit(unit, me) == 0 || peers.is_empty() {
         return Ok(());
     }
-    comm.send_to_each(&peers, tag, payload())?;
-    let sent = elems * peers.len() as u64;
+    comm.send_pieces(&peers, tag, payload())?;
+    count_owned(comm, elems * peers.len() as u64, is_param);
+    Ok(())
+}
+
+/// `post_owned` with the payload encoded piece by piece: `encode(range, out)` appends the
+/// encoding of elements `range` of `unit` (`elem_bytes` each) to `out`.
+#[allow(clippy::too_many_arguments)]
+pub fn post_owned_with<T: Transport>(
+    comm: &mut Comm<T>,
+    map: &ShardMap,
+    unit: usize,
+    tag: Tag,
+    elem_bytes: usize,
+    mut encode: impl FnMut(Range<usize>, &mut Vec<u8>),
+    is_param: bool,
+) -> Result<(), CommError> {
+    let me = comm.rank();
+    let peers = others(&map.members, me);
+    let spans = owned_spans(map, unit, me);
+    let elems: usize = spans.iter().map(Range::len).sum();
+    if elems == 0 || peers.is_empty() {
+        return Ok(());
+    }
+    comm.send_pieces_with(&peers, tag, elems * elem_bytes, |bytes| {
+        let mut out = Vec::with_capacity(bytes.len());
+        for r in sub_spans(&spans, elem_bytes, bytes) {
+            encode(r, &mut out);
+        }
+        Bytes::from(out)
+    })?;
+    count_owned(comm, (elems * peers.len()) as u64, is_param);
+    Ok(())
+}
+
+fn count_owned<T: Transport>(comm: &mut Comm<T>, sent: u64, is_param: bool) {
     if is_param {
         comm.count_elems(sent, 0);
     } else {
         comm.count_elems(0, sent);
     }
-    Ok(())
 }
 
-/// Receives every peer's chunks of `unit` and hands each chunk to `place(range, bytes)`.
+/// Receives every peer's chunks of `unit` and hands each piece of a chunk to
+/// `place(range, bytes)` (a chunk larger than a piece arrives in several).
 pub fn wait_owned<T: Transport>(
     comm: &mut Comm<T>,
     map: &ShardMap,
@@ -58,24 +118,19 @@ pub fn wait_owned<T: Transport>(
 ) -> Result<(), CommError> {
     let me = comm.rank();
     for &peer in map.members.iter().filter(|&&r| r != me) {
-        let expected = map.owned_elems_in_unit(unit, peer) * elem_bytes;
+        let spans = owned_spans(map, unit, peer);
+        let expected = spans.iter().map(Range::len).sum::<usize>() * elem_bytes;
         if expected == 0 {
             continue;
         }
-        let payload = comm.recv(peer, tag)?;
-        if payload.len() != expected {
-            return Err(CommError::Protocol {
-                from: peer,
-                what: format!("{tag:?}: {} bytes, expected {expected}", payload.len()),
-            });
-        }
-        let mut at = 0;
-        for i in map.owned_in_unit(unit, peer) {
-            let r = map.chunk_range(unit, i);
-            let n = r.len() * elem_bytes;
-            place(r, &payload[at..at + n]);
-            at += n;
-        }
+        comm.recv_pieces(peer, tag, expected, |off, bytes| {
+            let mut at = 0;
+            for r in sub_spans(&spans, elem_bytes, off..off + bytes.len()) {
+                let n = r.len() * elem_bytes;
+                place(r, &bytes[at..at + n]);
+                at += n;
+            }
+        })?;
     }
     Ok(())
 }
@@ -95,8 +150,9 @@ pub fn reduce_scatter<T: Transport>(
     wait_reduce_scatter(comm, map, unit, tag, acc, base)
 }
 
-/// The sending half of `reduce_scatter`: every peer gets my partial sums of the chunks it owns.
-/// Sends never block, so the receiving half can run later (after more compute).
+/// The sending half of `reduce_scatter`: every peer gets my partial sums of the chunks it owns,
+/// encoded piece by piece. Sends never block, so the receiving half can run later (after more
+/// compute).
 pub fn post_reduce_scatter<T: Transport>(
     comm: &mut Comm<T>,
     map: &ShardMap,
@@ -106,20 +162,20 @@ pub fn post_reduce_scatter<T: Transport>(
     base: usize,
 ) -> Result<(), CommError> {
     let me = comm.rank();
+    let eb = acc.elem_bytes();
     for &owner in map.members.iter().filter(|&&r| r != me) {
-        let ranges: Vec<Range<usize>> = map
-            .owned_in_unit(unit, owner)
-            .map(|i| map.chunk_range(unit, i))
-            .collect();
-        let elems: usize = ranges.iter().map(Range::len).sum();
+        let spans = owned_spans(map, unit, owner);
+        let elems: usize = spans.iter().map(Range::len).sum();
         if elems == 0 {
             continue;
         }
-        let mut payload = Vec::with_capacity(elems * acc.bytes() / acc.len().max(1));
-        for r in ranges {
-            payload.extend(acc.encode(base + r.start..base + r.end));
-        }
-        comm.send(owner, tag, Bytes::from(payload))?;
+        comm.send_pieces_with(&[owner], tag, elems * eb, |bytes| {
+            let mut out = Vec::with_capacity(bytes.len());
+            for r in sub_spans(&spans, eb, bytes) {
+                acc.encode_into(base + r.start..base + r.end, &mut out);
+            }
+            Bytes::from(out)
+        })?;
         comm.count_elems(0, elems as u64);
     }
     Ok(())
@@ -136,54 +192,53 @@ pub fn wait_reduce_scatter<T: Transport>(
     base: usize,
 ) -> Result<(), CommError> {
     let me = comm.rank();
-    let mine: Vec<Range<usize>> = map
-        .owned_in_unit(unit, me)
-        .map(|i| map.chunk_range(unit, i))
-        .collect();
+    let mine = owned_spans(map, unit, me);
     let elems: usize = mine.iter().map(Range::len).sum();
     if elems == 0 {
         return Ok(());
     }
-    let elem_bytes = acc.bytes() / acc.len().max(1);
+    let eb = acc.elem_bytes();
     for &peer in map.members.iter().filter(|&&r| r != me) {
-        let payload = comm.recv(peer, tag)?;
-        if payload.len() != elems * elem_bytes {
-            return Err(CommError::Protocol {
-                from: peer,
-                what: format!(
-                    "{tag:?}: {} bytes, expected {}",
-                    payload.len(),
-                    elems * elem_bytes
-                ),
-            });
-        }
-        let mut at = 0;
-        for r in &mine {
-            let n = r.len() * elem_bytes;
-            // Length was checked above, so this cannot fail.
-            acc.add_encoded(base + r.start, &payload[at..at + n]);
-            at += n;
-        }
+        comm.recv_pieces(peer, tag, elems * eb, |off, bytes| {
+            let mut at = 0;
+            for r in sub_spans(&mine, eb, off..off + bytes.len()) {
+                let n = r.len() * eb;
+                // Lengths were checked by `recv_pieces`, so this cannot fail.
+                acc.add_encoded(base + r.start, &bytes[at..at + n]);
+                at += n;
+            }
+        })?;
     }
     Ok(())
 }
 
-/// Broadcast: `root` sends `payload` (ignored elsewhere) to every member; every member returns
-/// the root's bytes. The same `Bytes` goes to every peer, so the in-process transport copies
-/// nothing.
+/// Broadcast: `root` sends its `len`-byte `payload` (ignored elsewhere) to every member, in
+/// pieces; every other member hands each piece to `place(byte offset, bytes)` as it arrives (the
+/// root's own buffer already holds the bytes). The same pieces go to every peer, so the
+/// in-process transport copies nothing.
 pub fn broadcast<T: Transport>(
     comm: &mut Comm<T>,
     members: &[RankId],
     root: RankId,
     tag: Tag,
     payload: Bytes,
-) -> Result<Bytes, CommError> {
+    len: usize,
+    place: impl FnMut(usize, &[u8]),
+) -> Result<(), CommError> {
     let me = comm.rank();
     if me == root {
-        comm.send_to_each(&others(members, me), tag, payload.clone())?;
-        Ok(payload)
+        if payload.len() != len {
+            return Err(CommError::Protocol {
+                from: me,
+                what: format!(
+                    "broadcast root holds {} bytes, expected {len}",
+                    payload.len()
+                ),
+            });
+        }
+        comm.send_pieces(&others(members, me), tag, payload)
     } else {
-        comm.recv(root, tag)
+        comm.recv_pieces(root, tag, len, place)
     }
 }
 
@@ -227,6 +282,7 @@ mod tests {
     use crate::runtime::transport::local::LocalNetwork;
     use crate::runtime::transport::TagKind;
     use crate::wire::f32s::{decode_f32_into, encode_f32};
+    use crate::wire::frame::PIECE_BYTES;
 
     #[test]
     fn gather_and_reduce_scatter_on_uneven_shards() {
@@ -247,6 +303,7 @@ mod tests {
                         attempt: 0,
                         unit: 0,
                         pass: 0,
+                        piece: 0,
                     };
                     let mine = encode_f32(
                         &full,
@@ -308,17 +365,126 @@ mod tests {
                         attempt: 0,
                         unit: 0,
                         pass: 0,
+                        piece: 0,
                     };
-                    let mine = Bytes::from(vec![r as u8; 3]);
-                    let got =
-                        broadcast(&mut comm, &members, 3, tag(TagKind::Broadcast), mine).unwrap();
+                    // Three and a half pieces, so the last piece is short.
+                    let len = 3 * PIECE_BYTES + PIECE_BYTES / 2;
+                    let mine: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ r as u8).collect();
+                    let mut got = if r == 3 { mine.clone() } else { vec![0; len] };
+                    broadcast(
+                        &mut comm,
+                        &members,
+                        3,
+                        tag(TagKind::Broadcast),
+                        Bytes::from(mine),
+                        len,
+                        |at, b| got[at..at + b.len()].copy_from_slice(b),
+                    )
+                    .unwrap();
                     barrier(&mut comm, &members, tag(TagKind::Barrier)).unwrap();
-                    got
+                    (got, comm.stats().frames_sent)
+                })
+            })
+            .collect();
+        let want: Vec<u8> = (0..3 * PIECE_BYTES + PIECE_BYTES / 2)
+            .map(|i| (i % 251) as u8 ^ 3)
+            .collect();
+        for (h, r) in handles.into_iter().zip(members) {
+            let (got, frames) = h.join().unwrap();
+            assert!(got == want, "rank {r} holds the root's bytes");
+            // Four pieces to each of two peers, then the barrier's two.
+            assert_eq!(frames, if r == 3 { 8 + 2 } else { 2 });
+        }
+    }
+
+    #[test]
+    fn sub_spans_cover_a_piece_across_chunk_boundaries() {
+        let spans = [10..14, 20..21, 30..36];
+        let got = |b: Range<usize>| sub_spans(&spans, 4, b).collect::<Vec<_>>();
+        assert_eq!(got(0..44), vec![10..14, 20..21, 30..36]);
+        assert_eq!(got(8..24), vec![12..14, 20..21, 30..31]);
+        assert_eq!(got(20..28), vec![30..32]);
+        assert_eq!(got(44..44), Vec::<Range<usize>>::new());
+    }
+
+    /// Units far larger than a piece, on uneven shards whose chunk boundaries fall inside
+    /// pieces: the gather places every element and the reduce-scatter sums every one, in both
+    /// reduction modes, and the bytes go as pieces (more frames than chunks).
+    #[test]
+    fn collectives_in_pieces_on_uneven_chunks() {
+        let numel = 5 * PIECE_BYTES / 4 + 12_345;
+        // Chunks of a size that no piece boundary divides.
+        let map = ShardMap::plan(&[numel], &[0, 1, 2], 700_001, 0).unwrap();
+        let net = LocalNetwork::new();
+        let mut eps: Vec<_> = (0..3u32).map(|r| net.endpoint(r)).collect();
+        let handles: Vec<_> = (0..3u32)
+            .map(|r| {
+                let map = map.clone();
+                let ep = eps.remove(0);
+                std::thread::spawn(move || {
+                    let mut comm = Comm::new(ep, 20_000);
+                    comm.begin_step(0, 0);
+                    let tag = |kind| Tag {
+                        kind,
+                        attempt: 0,
+                        unit: 0,
+                        pass: 0,
+                        piece: 0,
+                    };
+                    let full: Vec<f32> = (0..numel).map(|x| (x % 9973) as f32).collect();
+                    let mut out = vec![-1f32; numel];
+                    for i in map.owned_in_unit(0, r) {
+                        let rg = map.chunk_range(0, i);
+                        out[rg.clone()].copy_from_slice(&full[rg]);
+                    }
+                    let t = tag(TagKind::Gather);
+                    post_owned_with(
+                        &mut comm,
+                        &map,
+                        0,
+                        t,
+                        4,
+                        |rg, o| crate::wire::f32s::put_f32s(o, &full[rg]),
+                        true,
+                    )
+                    .unwrap();
+                    wait_owned(&mut comm, &map, 0, t, 4, |rg, b| {
+                        decode_f32_into(b, &mut out[rg])
+                    })
+                    .unwrap();
+                    assert!(out == full, "rank {r} gathered every element");
+                    for mode in [ReduceMode::Exact, ReduceMode::Fast] {
+                        let mut acc = GradBuf::zeros(mode, numel + 3);
+                        match &mut acc {
+                            GradBuf::Exact(v) => v.fill(r as i64 + 1),
+                            GradBuf::Fast(v) => v.fill(r as f32 + 1.0),
+                        }
+                        let t = Tag {
+                            unit: mode as u32,
+                            ..tag(TagKind::ReduceScatter)
+                        };
+                        reduce_scatter(&mut comm, &map, 0, t, &mut acc, 3).unwrap();
+                        for i in map.owned_in_unit(0, r) {
+                            let rg = map.chunk_range(0, i);
+                            let ok = match &acc {
+                                GradBuf::Exact(v) => {
+                                    v[3 + rg.start..3 + rg.end].iter().all(|&x| x == 6)
+                                }
+                                GradBuf::Fast(v) => {
+                                    v[3 + rg.start..3 + rg.end].iter().all(|&x| x == 6.0)
+                                }
+                            };
+                            assert!(ok, "rank {r} chunk {i} holds the sum ({mode:?})");
+                        }
+                    }
+                    comm.stats().frames_sent
                 })
             })
             .collect();
         for h in handles {
-            assert_eq!(&h.join().unwrap()[..], &[3, 3, 3]);
+            // Each rank owns about 1.7 M elements: 2 pieces of f32 to each of 2 peers, then
+            // about 3 (exact) and 2 (fast) pieces of partial sums to each owner.
+            assert!(h.join().unwrap() >= 4 + 2 * 3 + 2 * 2);
         }
     }
 }

@@ -7,6 +7,7 @@
 //! applied.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -15,6 +16,7 @@ use crate::plan::RankId;
 use crate::runtime::transport::{
     Frame, Tag, TagKind, Transport, TransportError, FRAME_HEADER_BYTES,
 };
+use crate::wire::frame::pieces;
 
 /// Most frames held for later phases; a peer that floods us is a protocol error, not an OOM.
 pub const MAX_PENDING_FRAMES: usize = 1 << 16;
@@ -159,12 +161,85 @@ impl<T: Transport> Comm<T> {
         }
     }
 
+    /// `send_to_each` of `payload` as its pieces ([`pieces`]), each its own frame.
+    pub fn send_pieces(
+        &mut self,
+        to: &[RankId],
+        tag: Tag,
+        payload: Bytes,
+    ) -> Result<(), CommError> {
+        self.send_pieces_with(to, tag, payload.len(), |r| payload.slice(r))
+    }
+
+    /// Sends a `len`-byte payload as its pieces, each made by `piece(byte range)` just before it
+    /// goes: the next piece is encoded while the transport moves the last one, and no buffer
+    /// holds the whole payload.
+    pub fn send_pieces_with(
+        &mut self,
+        to: &[RankId],
+        tag: Tag,
+        len: usize,
+        mut piece: impl FnMut(Range<usize>) -> Bytes,
+    ) -> Result<(), CommError> {
+        if to.is_empty() {
+            return Ok(());
+        }
+        for (i, r) in pieces(len).enumerate() {
+            let want = r.len();
+            let bytes = piece(r);
+            debug_assert_eq!(
+                bytes.len(),
+                want,
+                "a piece's encoding has its range's length"
+            );
+            self.send_to_each(to, tag.piece(i as u32), bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Receives the `len`-byte payload `from` sent as pieces, handing each to
+    /// `place(byte offset, bytes)` in order, within one deadline for the whole payload. A piece
+    /// of the wrong length is a protocol error, and nothing after it is placed.
+    pub fn recv_pieces(
+        &mut self,
+        from: RankId,
+        tag: Tag,
+        len: usize,
+        mut place: impl FnMut(usize, &[u8]),
+    ) -> Result<(), CommError> {
+        let deadline = self.deadline();
+        for (i, r) in pieces(len).enumerate() {
+            let tag = tag.piece(i as u32);
+            let got = self.recv_by(from, tag, deadline)?;
+            if got.len() != r.len() {
+                return Err(CommError::Protocol {
+                    from,
+                    what: format!(
+                        "{tag:?}: {} bytes, expected {} (piece {i} of a {len}-byte payload)",
+                        got.len(),
+                        r.len()
+                    ),
+                });
+            }
+            place(r.start, &got);
+        }
+        Ok(())
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + std::time::Duration::from_millis(self.timeout_ms)
+    }
+
     /// Waits for the frame `tag` from `from` in the current (epoch, step).
     pub fn recv(&mut self, from: RankId, tag: Tag) -> Result<Bytes, CommError> {
+        let deadline = self.deadline();
+        self.recv_by(from, tag, deadline)
+    }
+
+    fn recv_by(&mut self, from: RankId, tag: Tag, deadline: Instant) -> Result<Bytes, CommError> {
         if let Some(p) = self.pending.remove(&(self.epoch, self.step, from, tag)) {
             return Ok(p);
         }
-        let deadline = Instant::now() + std::time::Duration::from_millis(self.timeout_ms);
         loop {
             let left_ms = deadline
                 .saturating_duration_since(Instant::now())
@@ -236,6 +311,7 @@ mod tests {
             attempt: 0,
             unit,
             pass: 0,
+            piece: 0,
         }
     }
 

@@ -90,6 +90,7 @@ pub fn replicate<T: Transport>(
         attempt: 0,
         unit: k as u32,
         pass: 0,
+        piece: 0,
     };
     let to = buddy(map, me);
     let outgoing = match to {

@@ -149,6 +149,7 @@ impl Reshard<'_> {
             attempt: 0,
             unit: k as u32,
             pass: 0,
+            piece: 0,
         };
         // Every list travels in pieces of at most GROUP_ELEMS elements, piece k of every link
         // in round k: each rank sends its round's pieces, then takes the pieces due to it, so

@@ -133,6 +133,7 @@ impl LocalNetwork {
             attempt: 0,
             unit: 0,
             pass: 0,
+            piece: 0,
         };
         let frame = Frame {
             epoch,
@@ -383,6 +384,7 @@ mod tests {
                 attempt: 0,
                 unit: 3,
                 pass: 0,
+                piece: 0,
             },
             payload: bytes::Bytes::copy_from_slice(payload),
         }

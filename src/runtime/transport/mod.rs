@@ -83,6 +83,7 @@ pub(crate) fn test_frame(
             attempt: 0,
             unit,
             pass: 1,
+            piece: 0,
         },
         payload: payload.into(),
     }

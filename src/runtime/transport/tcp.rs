@@ -405,6 +405,7 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, String> {
             attempt: h[2],
             unit: u32_at(4),
             pass: h[3],
+            piece: 0,
         },
         payload: Bytes::from(payload),
     }))
@@ -464,6 +465,7 @@ impl Interrupter {
             attempt: 0,
             unit: 0,
             pass: 0,
+            piece: 0,
         };
         let _ = self.tx.send(Frame {
             epoch,

@@ -250,6 +250,7 @@ impl<'a> Pass<'a> {
             attempt: self.attempt,
             unit,
             pass,
+            piece: 0,
         }
     }
 

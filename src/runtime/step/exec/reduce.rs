@@ -86,29 +86,22 @@ impl Pass<'_> {
         comm: &mut Comm<T>,
     ) -> Result<(), CommError> {
         let map = &self.st.map;
-        let me = self.st.rank;
         let w = self
             .st
             .whole_grads
             .as_mut()
             .expect("stage 0 keeps whole-model gradients");
         for (u, buf) in w.iter().enumerate() {
-            let ranges: Vec<_> = map
-                .owned_in_unit(u, me)
-                .map(|i| map.chunk_range(u, i))
-                .collect();
-            let elems: usize = ranges.iter().map(|r| r.len()).sum();
-            let payload = || {
-                let bytes: Vec<u8> = ranges.into_iter().flat_map(|r| buf.encode(r)).collect();
-                Bytes::from(bytes)
-            };
             let tag = Tag {
                 kind: TagKind::GatherGrads,
                 attempt: self.attempt,
                 unit: u as u32,
                 pass: 0,
+                piece: 0,
             };
-            collectives::post_owned(comm, map, u, tag, payload, elems as u64, false)?;
+            let eb = buf.elem_bytes();
+            let encode = |r, out: &mut Vec<u8>| buf.encode_into(r, out);
+            collectives::post_owned_with(comm, map, u, tag, eb, encode, false)?;
         }
         let eb = self.st.mode.elem_bytes();
         for (u, buf) in w.iter_mut().enumerate() {
@@ -117,6 +110,7 @@ impl Pass<'_> {
                 attempt: self.attempt,
                 unit: u as u32,
                 pass: 0,
+                piece: 0,
             };
             collectives::wait_owned(comm, map, u, tag, eb, |r, b| {
                 buf.set_encoded(r.start, b);
@@ -139,6 +133,7 @@ impl Pass<'_> {
                 attempt: self.attempt,
                 unit: u as u32,
                 pass: 0,
+                piece: 0,
             };
             let n = map.owned_elems_in_unit(u, me) as u64;
             collectives::post_owned(comm, map, u, tag, payload, n, true)?;
@@ -149,6 +144,7 @@ impl Pass<'_> {
                 attempt: self.attempt,
                 unit: u as u32,
                 pass: 0,
+                piece: 0,
             };
             let full = &mut self.st.full[u];
             let elem_bytes = full.elem_bytes();

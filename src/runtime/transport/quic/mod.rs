@@ -454,6 +454,7 @@ impl QuicControl {
             attempt: 0,
             unit: 0,
             pass: 0,
+            piece: 0,
         };
         self.shared.data.push_now(
             0,
