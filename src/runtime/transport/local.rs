@@ -29,7 +29,13 @@ impl Parcel {
 
 fn frame_crc(f: &Frame) -> u32 {
     let mut h = crc32fast::Hasher::new();
-    for x in [f.epoch, f.step, f.from as u64, f.tag.unit as u64] {
+    for x in [
+        f.epoch,
+        f.step,
+        f.from as u64,
+        f.tag.unit as u64,
+        f.tag.piece as u64,
+    ] {
         h.update(&x.to_le_bytes());
     }
     h.update(&[f.tag.kind as u8, f.tag.attempt, f.tag.pass]);

@@ -27,10 +27,11 @@ use crate::net::tls::{check_alpn, peer_server_name, ClusterTls, Protocol};
 use crate::plan::RankId;
 use crate::runtime::transport::{recv_inbox, Frame, Tag, TagKind, Transport, TransportError};
 
-pub const DATA_VERSION: u8 = 1;
+/// 2: the header carries the tag's piece number (collectives' payloads travel in pieces).
+pub const DATA_VERSION: u8 = 2;
 /// Largest payload of one data frame.
 pub const DATA_FRAME_MAX_BYTES: u32 = 1 << 30;
-const HEADER_BYTES: usize = 36;
+const HEADER_BYTES: usize = 40;
 const HELLO_MAGIC: &[u8; 4] = b"EZD1";
 const TOKEN_MAX_BYTES: usize = 256;
 /// How long dialing a peer (TCP connect, then each read or write of the TLS handshake and the
@@ -365,6 +366,7 @@ pub fn encode_header(frame: &Frame) -> Result<[u8; HEADER_BYTES], TransportError
     h[24..28].copy_from_slice(&frame.from.to_le_bytes());
     h[28..32].copy_from_slice(&len.to_le_bytes());
     h[32..36].copy_from_slice(&crc32fast::hash(&frame.payload).to_le_bytes());
+    h[36..40].copy_from_slice(&frame.tag.piece.to_le_bytes());
     Ok(h)
 }
 
@@ -405,7 +407,7 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, String> {
             attempt: h[2],
             unit: u32_at(4),
             pass: h[3],
-            piece: 0,
+            piece: u32_at(36),
         },
         payload: Bytes::from(payload),
     }))
@@ -756,11 +758,17 @@ mod tests {
 
     #[test]
     fn corrupt_frames_are_rejected_never_delivered() {
-        let f = frame(3, 9, b"payload");
+        let mut f = frame(3, 9, b"payload");
+        f.tag = f.tag.piece(70_000);
         let mut wire = encode_header(&f).unwrap().to_vec();
         wire.extend_from_slice(&f.payload);
-        assert_eq!(read_frame(&mut &wire[..]).unwrap().unwrap().tag.unit, 9);
-        for (at, what) in [(0, "version"), (1, "tag kind"), (40, "checksum")] {
+        let back = read_frame(&mut &wire[..]).unwrap().unwrap();
+        assert_eq!((back.tag, back.from, back.epoch), (f.tag, 3, f.epoch));
+        for (at, what) in [
+            (0, "version"),
+            (1, "tag kind"),
+            (HEADER_BYTES + 2, "checksum"),
+        ] {
             let mut bad = wire.clone();
             bad[at] ^= 0x7f;
             let err = read_frame(&mut &bad[..]).unwrap_err();
@@ -770,7 +778,7 @@ mod tests {
         huge[28..32].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(read_frame(&mut &huge[..]).unwrap_err().contains("exceeds"));
         // A payload cut short is an error; a clean end between frames is not.
-        assert!(read_frame(&mut &wire[..40]).is_err());
+        assert!(read_frame(&mut &wire[..HEADER_BYTES + 3]).is_err());
         assert!(read_frame(&mut &wire[..0]).unwrap().is_none());
     }
 }
