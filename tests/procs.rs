@@ -388,6 +388,36 @@ fn init_secrets_makes_a_cluster_ca_once() {
     assert_eq!(code, 1, "{err}");
 }
 
+/// Units far larger than a piece (a 512-wide block: 3.1M parameters, so each owner's share
+/// moves as 2 pieces in the gathers and 3 in the exact reduce-scatter), over the TLS TCP and
+/// QUIC planes: the same digest as in-process, where pieces are never encoded.
+#[test]
+fn launch_with_payloads_of_several_pieces_gives_the_in_process_digest() {
+    let mut flags = small("gpt", 3);
+    for (key, value) in [
+        ("--d-model", "512"),
+        ("--layers", "1"),
+        ("--heads", "8"),
+        ("--micro-batches", "2"),
+        ("--steps", "2"),
+        ("--chunk-elems", "262144"),
+    ] {
+        let at = flags
+            .iter()
+            .position(|f| f == key)
+            .expect("a flag of small()");
+        flags[at + 1] = value.into();
+    }
+    let reference = reference_digest(2, &flags);
+    for transport in ["tcp", "quic"] {
+        let (code, out, err) = run(Command::new(EZERO)
+            .args(["launch", "--transport", transport, "--nprocs", "2", "--"])
+            .args(&flags));
+        assert_eq!(code, 0, "{transport}: {out}\n{err}");
+        assert_eq!(digest(&out), Some(reference.clone()), "{transport}: {out}");
+    }
+}
+
 /// QUIC data plane (mutual TLS between workers): same digest.
 #[test]
 fn launch_over_quic_gives_the_in_process_digest() {
