@@ -412,10 +412,41 @@ mod tests {
     /// reduction modes, and the bytes go as pieces (more frames than chunks).
     #[test]
     fn collectives_in_pieces_on_uneven_chunks() {
+        collectives_in_pieces_over(LocalNetwork::new());
+    }
+
+    /// The same over a network that duplicates, reorders, loses (late retransmission) and
+    /// damages frames: pieces are matched by number, so a late or doubled piece is neither
+    /// applied twice nor in the wrong place, and a damaged one never.
+    #[test]
+    fn collectives_in_pieces_survive_a_misbehaving_network() {
+        use crate::runtime::transport::local::NetFaults;
+        let net = LocalNetwork::with_faults(NetFaults {
+            seed: 7,
+            duplicate_per_mille: 200,
+            reorder_per_mille: 200,
+            drop_per_mille: 100,
+            corrupt_per_mille: 100,
+            delay_max_ms: 2,
+            retransmit_ms: 20,
+            ..NetFaults::default()
+        });
+        collectives_in_pieces_over(net.clone());
+        let c = net.counts();
+        assert!(
+            c.corrupted > 0 && c.duplicated > 0 && c.reordered > 0,
+            "{c:?}"
+        );
+        assert_eq!(
+            c.rejected, c.corrupted,
+            "every damaged piece was caught: {c:?}"
+        );
+    }
+
+    fn collectives_in_pieces_over(net: std::sync::Arc<LocalNetwork>) {
         let numel = 5 * PIECE_BYTES / 4 + 12_345;
         // Chunks of a size that no piece boundary divides.
         let map = ShardMap::plan(&[numel], &[0, 1, 2], 700_001, 0).unwrap();
-        let net = LocalNetwork::new();
         let mut eps: Vec<_> = (0..3u32).map(|r| net.endpoint(r)).collect();
         let handles: Vec<_> = (0..3u32)
             .map(|r| {
