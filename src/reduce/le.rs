@@ -17,25 +17,22 @@ pub trait LeNum: sealed::Sealed + Copy {
     fn from_le(b: &[u8]) -> Self;
 }
 
-impl LeNum for f32 {
-    const BYTES: usize = 4;
-    fn to_le(self, out: &mut [u8]) {
-        out.copy_from_slice(&self.to_le_bytes());
-    }
-    fn from_le(b: &[u8]) -> Self {
-        f32::from_le_bytes(b.try_into().expect("4 bytes"))
-    }
+macro_rules! le_num {
+    ($t:ty, $n:expr) => {
+        impl LeNum for $t {
+            const BYTES: usize = $n;
+            fn to_le(self, out: &mut [u8]) {
+                out.copy_from_slice(&self.to_le_bytes());
+            }
+            fn from_le(b: &[u8]) -> Self {
+                <$t>::from_le_bytes(b.try_into().expect("BYTES bytes"))
+            }
+        }
+    };
 }
 
-impl LeNum for i64 {
-    const BYTES: usize = 8;
-    fn to_le(self, out: &mut [u8]) {
-        out.copy_from_slice(&self.to_le_bytes());
-    }
-    fn from_le(b: &[u8]) -> Self {
-        i64::from_le_bytes(b.try_into().expect("8 bytes"))
-    }
-}
+le_num!(f32, 4);
+le_num!(i64, 8);
 
 /// Appends `v` to `out` as little-endian bytes.
 pub fn extend_le<T: LeNum>(out: &mut Vec<u8>, v: &[T]) {

@@ -284,6 +284,17 @@ mod tests {
     use crate::wire::f32s::{decode_f32_into, encode_f32};
     use crate::wire::frame::PIECE_BYTES;
 
+    /// The tag of unit 0's first try, first pass.
+    fn tag(kind: TagKind) -> Tag {
+        Tag {
+            kind,
+            attempt: 0,
+            unit: 0,
+            pass: 0,
+            piece: 0,
+        }
+    }
+
     #[test]
     fn gather_and_reduce_scatter_on_uneven_shards() {
         let map = ShardMap::plan(&[11], &[0, 1, 2], 2, 0).unwrap();
@@ -360,13 +371,6 @@ mod tests {
                 std::thread::spawn(move || {
                     let mut comm = Comm::new(ep, 5000);
                     comm.begin_step(1, 7);
-                    let tag = |kind| Tag {
-                        kind,
-                        attempt: 0,
-                        unit: 0,
-                        pass: 0,
-                        piece: 0,
-                    };
                     // Three and a half pieces, so the last piece is short.
                     let len = 3 * PIECE_BYTES + PIECE_BYTES / 2;
                     let mine: Vec<u8> = (0..len).map(|i| (i % 251) as u8 ^ r as u8).collect();
@@ -455,13 +459,6 @@ mod tests {
                 std::thread::spawn(move || {
                     let mut comm = Comm::new(ep, 20_000);
                     comm.begin_step(0, 0);
-                    let tag = |kind| Tag {
-                        kind,
-                        attempt: 0,
-                        unit: 0,
-                        pass: 0,
-                        piece: 0,
-                    };
                     let full: Vec<f32> = (0..numel).map(|x| (x % 9973) as f32).collect();
                     let mut out = vec![-1f32; numel];
                     for i in map.owned_in_unit(0, r) {
