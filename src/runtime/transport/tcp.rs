@@ -27,7 +27,8 @@ use crate::net::tls::{check_alpn, peer_server_name, ClusterTls, Protocol};
 use crate::plan::RankId;
 use crate::runtime::transport::{recv_inbox, Frame, Tag, TagKind, Transport, TransportError};
 
-/// 2: the header carries the tag's piece number (collectives' payloads travel in pieces).
+/// 2: the header carries the tag's piece number (collectives' payloads travel in pieces), and
+/// its checksum covers the header as well as the payload.
 pub const DATA_VERSION: u8 = 2;
 /// Largest payload of one data frame.
 pub const DATA_FRAME_MAX_BYTES: u32 = 1 << 30;
@@ -365,9 +366,23 @@ pub fn encode_header(frame: &Frame) -> Result<[u8; HEADER_BYTES], TransportError
     h[16..24].copy_from_slice(&frame.step.to_le_bytes());
     h[24..28].copy_from_slice(&frame.from.to_le_bytes());
     h[28..32].copy_from_slice(&len.to_le_bytes());
-    h[32..36].copy_from_slice(&crc32fast::hash(&frame.payload).to_le_bytes());
-    h[36..40].copy_from_slice(&frame.tag.piece.to_le_bytes());
+    h[32..36].copy_from_slice(&frame.tag.piece.to_le_bytes());
+    let crc = checksum(&h[..CHECKED_HEADER_BYTES], &frame.payload);
+    h[CHECKED_HEADER_BYTES..].copy_from_slice(&crc.to_le_bytes());
     Ok(h)
+}
+
+/// Header bytes the checksum covers: all but the checksum itself, which comes last.
+const CHECKED_HEADER_BYTES: usize = HEADER_BYTES - 4;
+
+/// CRC-32 of a frame's header fields and its payload: a damaged tag, epoch, step, sender or
+/// length is caught like damaged data (TLS already protects them in transit; this catches the
+/// rest, as the wire codec of the other planes does).
+fn checksum(header: &[u8], payload: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(header);
+    h.update(payload);
+    h.finalize()
 }
 
 /// Reads one frame; `Ok(None)` when the peer closed the connection between frames.
@@ -395,7 +410,7 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, String> {
     }
     let mut payload = vec![0u8; len as usize];
     r.read_exact(&mut payload).map_err(|e| e.to_string())?;
-    if crc32fast::hash(&payload) != u32_at(32) {
+    if checksum(&h[..CHECKED_HEADER_BYTES], &payload) != u32_at(CHECKED_HEADER_BYTES) {
         return Err("checksum mismatch".into());
     }
     Ok(Some(Frame {
@@ -407,7 +422,7 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, String> {
             attempt: h[2],
             unit: u32_at(4),
             pass: h[3],
-            piece: u32_at(36),
+            piece: u32_at(32),
         },
         payload: Bytes::from(payload),
     }))
@@ -764,11 +779,16 @@ mod tests {
         wire.extend_from_slice(&f.payload);
         let back = read_frame(&mut &wire[..]).unwrap().unwrap();
         assert_eq!((back.tag, back.from, back.epoch), (f.tag, 3, f.epoch));
-        for (at, what) in [
+        let damaged = [
             (0, "version"),
             (1, "tag kind"),
+            (2, "checksum"),  // attempt
+            (9, "checksum"),  // epoch
+            (25, "checksum"), // sender
+            (33, "checksum"), // piece
             (HEADER_BYTES + 2, "checksum"),
-        ] {
+        ];
+        for (at, what) in damaged {
             let mut bad = wire.clone();
             bad[at] ^= 0x7f;
             let err = read_frame(&mut &bad[..]).unwrap_err();
