@@ -95,14 +95,7 @@ impl GradBuf {
         }
     }
 
-    /// Little-endian bytes of `range` (what travels in a reduce-scatter).
-    pub fn encode(&self, range: std::ops::Range<usize>) -> Vec<u8> {
-        let mut out = Vec::with_capacity(range.len() * self.elem_bytes());
-        self.encode_into(range, &mut out);
-        out
-    }
-
-    /// Appends the little-endian bytes of `range` to `out`.
+    /// Appends the little-endian bytes of `range` to `out` (what travels in a reduce-scatter).
     pub fn encode_into(&self, range: std::ops::Range<usize>, out: &mut Vec<u8>) {
         match self {
             GradBuf::Exact(v) => extend_le(out, &v[range]),

@@ -46,6 +46,38 @@ fn owned_spans(map: &ShardMap, unit: usize, owner: RankId) -> Vec<Range<usize>> 
         .collect()
 }
 
+/// The piece at bytes `bytes` of the payload made of `spans`: `encode(range, out)` appends the
+/// encoding of each element range the piece covers.
+fn encode_piece(
+    spans: &[Range<usize>],
+    elem_bytes: usize,
+    bytes: Range<usize>,
+    mut encode: impl FnMut(Range<usize>, &mut Vec<u8>),
+) -> Bytes {
+    let mut out = Vec::with_capacity(bytes.len());
+    for r in sub_spans(spans, elem_bytes, bytes) {
+        encode(r, &mut out);
+    }
+    Bytes::from(out)
+}
+
+/// Hands the piece `bytes`, at byte `offset` of the payload made of `spans`, to
+/// `place(range, bytes)` one element range at a time.
+fn place_piece(
+    spans: &[Range<usize>],
+    elem_bytes: usize,
+    offset: usize,
+    bytes: &[u8],
+    mut place: impl FnMut(Range<usize>, &[u8]),
+) {
+    let mut at = 0;
+    for r in sub_spans(spans, elem_bytes, offset..offset + bytes.len()) {
+        let n = r.len() * elem_bytes;
+        place(r, &bytes[at..at + n]);
+        at += n;
+    }
+}
+
 /// Sends this rank's chunks of `unit`, concatenated by `payload`, to every peer, in pieces. The
 /// payload is made only when someone receives it: a lone rank would encode a whole unit for
 /// nobody.
@@ -88,11 +120,7 @@ pub fn post_owned_with<T: Transport>(
         return Ok(());
     }
     comm.send_pieces_with(&peers, tag, elems * elem_bytes, |bytes| {
-        let mut out = Vec::with_capacity(bytes.len());
-        for r in sub_spans(&spans, elem_bytes, bytes) {
-            encode(r, &mut out);
-        }
-        Bytes::from(out)
+        encode_piece(&spans, elem_bytes, bytes, &mut encode)
     })?;
     count_owned(comm, (elems * peers.len()) as u64, is_param);
     Ok(())
@@ -124,12 +152,7 @@ pub fn wait_owned<T: Transport>(
             continue;
         }
         comm.recv_pieces(peer, tag, expected, |off, bytes| {
-            let mut at = 0;
-            for r in sub_spans(&spans, elem_bytes, off..off + bytes.len()) {
-                let n = r.len() * elem_bytes;
-                place(r, &bytes[at..at + n]);
-                at += n;
-            }
+            place_piece(&spans, elem_bytes, off, bytes, &mut place)
         })?;
     }
     Ok(())
@@ -170,11 +193,9 @@ pub fn post_reduce_scatter<T: Transport>(
             continue;
         }
         comm.send_pieces_with(&[owner], tag, elems * eb, |bytes| {
-            let mut out = Vec::with_capacity(bytes.len());
-            for r in sub_spans(&spans, eb, bytes) {
-                acc.encode_into(base + r.start..base + r.end, &mut out);
-            }
-            Bytes::from(out)
+            encode_piece(&spans, eb, bytes, |r, out| {
+                acc.encode_into(base + r.start..base + r.end, out)
+            })
         })?;
         comm.count_elems(0, elems as u64);
     }
@@ -200,13 +221,10 @@ pub fn wait_reduce_scatter<T: Transport>(
     let eb = acc.elem_bytes();
     for &peer in map.members.iter().filter(|&&r| r != me) {
         comm.recv_pieces(peer, tag, elems * eb, |off, bytes| {
-            let mut at = 0;
-            for r in sub_spans(&mine, eb, off..off + bytes.len()) {
-                let n = r.len() * eb;
+            place_piece(&mine, eb, off, bytes, |r, b| {
                 // Lengths were checked by `recv_pieces`, so this cannot fail.
-                acc.add_encoded(base + r.start, &bytes[at..at + n]);
-                at += n;
-            }
+                acc.add_encoded(base + r.start, b);
+            })
         })?;
     }
     Ok(())

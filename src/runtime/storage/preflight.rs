@@ -104,7 +104,9 @@ fn fs_stats(dir: &Path) -> std::io::Result<(i64, u64)> {
     Ok((fs.f_type as i64, vfs.f_bavail as u64 * vfs.f_frsize as u64))
 }
 
-fn direct_write(probe: &Path) -> std::io::Result<()> {
+/// Writes one aligned block to `probe` (an existing file) with O_DIRECT: fails where the file
+/// system has no direct I/O.
+pub(super) fn direct_write(probe: &Path) -> std::io::Result<()> {
     let mut f = OpenOptions::new()
         .write(true)
         .custom_flags(libc::O_DIRECT)

@@ -242,38 +242,18 @@ fn io_thread(
             // SAFETY of the pointers: the buffer stays in `active` (not moved or dropped) until
             // every block of it has completed.
             let fixed = a.req.buf.fixed_in(ring_id);
+            let at = unsafe { a.req.buf.as_mut_ptr().add(a.sent) };
+            let (file, n) = (types::Fd(fd), len as u32);
             let entry = match (a.req.op, fixed) {
-                (Op::Read, None) => opcode::Read::new(
-                    types::Fd(fd),
-                    unsafe { a.req.buf.as_mut_ptr().add(a.sent) },
-                    len as u32,
-                )
-                .offset(offset)
-                .build(),
-                (Op::Write, None) => opcode::Write::new(
-                    types::Fd(fd),
-                    unsafe { a.req.buf.as_ptr().add(a.sent) },
-                    len as u32,
-                )
-                .offset(offset)
-                .build(),
+                (Op::Read, None) => opcode::Read::new(file, at, n).offset(offset).build(),
+                (Op::Write, None) => opcode::Write::new(file, at, n).offset(offset).build(),
                 // A block anywhere inside the registered buffer, by its index.
-                (Op::Read, Some(index)) => opcode::ReadFixed::new(
-                    types::Fd(fd),
-                    unsafe { a.req.buf.as_mut_ptr().add(a.sent) },
-                    len as u32,
-                    index,
-                )
-                .offset(offset)
-                .build(),
-                (Op::Write, Some(index)) => opcode::WriteFixed::new(
-                    types::Fd(fd),
-                    unsafe { a.req.buf.as_ptr().add(a.sent) },
-                    len as u32,
-                    index,
-                )
-                .offset(offset)
-                .build(),
+                (Op::Read, Some(i)) => opcode::ReadFixed::new(file, at, n, i)
+                    .offset(offset)
+                    .build(),
+                (Op::Write, Some(i)) => opcode::WriteFixed::new(file, at, n, i)
+                    .offset(offset)
+                    .build(),
             }
             .user_data((id << 24) | (len as u64 >> 12));
             // SAFETY: the entry's buffer outlives the operation (see above).
@@ -359,14 +339,9 @@ mod tests {
     /// where that is RAM (tmpfs has no O_DIRECT).
     fn disk_dir() -> tempfile::TempDir {
         let t = tempfile::tempdir().unwrap();
-        let direct = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(t.path().join("probe"))
-            .is_ok();
-        if direct {
+        let probe = t.path().join("probe");
+        File::create(&probe).unwrap();
+        if crate::runtime::storage::preflight::direct_write(&probe).is_ok() {
             return t;
         }
         tempfile::tempdir_in(concat!(env!("CARGO_MANIFEST_DIR"), "/target")).unwrap()
