@@ -84,8 +84,8 @@ pub enum BenchCommand {
         /// Bytes per I/O request.
         #[arg(long, default_value = "1MiB", value_parser = parse_bytes)]
         block: u64,
-        /// Requests in flight.
-        #[arg(long, default_value_t = 8)]
+        /// Requests in flight (the tier's default, `nvme_queue_depth`).
+        #[arg(long, default_value_t = 32)]
         queue_depth: u32,
         #[arg(long, default_value_t = 3)]
         rounds: u32,

@@ -246,7 +246,7 @@ pub struct TrainConfig {
     /// Use buffered I/O on the tier instead of O_DIRECT, for file systems without direct I/O
     /// (page cache then counts against memory) (default false).
     pub nvme_buffered: bool,
-    /// I/O requests in flight per rank (default 8).
+    /// I/O requests in flight per rank (default 32).
     pub nvme_queue_depth: u32,
     /// Bytes per I/O request, a multiple of 4096 (default 1048576).
     pub nvme_block_bytes: u64,
@@ -340,7 +340,7 @@ impl Default for TrainConfig {
             offload_grads: Offload::Auto,
             nvme_dir: None,
             nvme_buffered: false,
-            nvme_queue_depth: 8,
+            nvme_queue_depth: 32,
             nvme_block_bytes: 1 << 20,
             memory_max_bytes: None,
             nvme_record_elems: None,
