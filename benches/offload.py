@@ -3,7 +3,7 @@
 back to back for several rounds (the order alternates), plus the disk's bandwidth from
 `ezero bench io` (the engine and fio in the same run) for the disk floor.
 
-Two shapes:
+Three shapes:
   compute  the ZeRO-3 benchmark GPT (4 layers, d_model 256, seq 128, 8 sequences per rank,
            3.3M parameters, 2 ranks): compute-bound, fits in RAM. Target: offloaded step at
            most 1.10x the in-RAM step, per placement (optimizer; optimizer + gradients;
