@@ -118,13 +118,13 @@ def main():
         in_ram = [x["step_s"] for x in rows if x["placement"] == "ram"]
         shas = {x["sha"] for x in rows}
         if in_ram:
-            ram, against = statistics.median(in_ram), "RAM step"
-            print(f"\n{shape}: {rows[0]['params']} params, in-RAM step {ram:.3f} s, param-sha256 "
+            base, against = statistics.median(in_ram), "RAM step"
+            print(f"\n{shape}: {rows[0]['params']} params, in-RAM step {base:.3f} s, param-sha256 "
                   f"{'identical' if len(shas) == 1 else 'DIFFERENT'} across placements")
         else:
             # Too big for RAM: the step is held against its own compute time instead.
-            ram, against = statistics.median(x["compute_s"] for x in rows), "compute"
-            print(f"\n{shape}: {rows[0]['params']} params, compute {ram:.3f} s a step, "
+            base, against = statistics.median(x["compute_s"] for x in rows), "compute"
+            print(f"\n{shape}: {rows[0]['params']} params, compute {base:.3f} s a step, "
                   f"param-sha256 {'identical' if len(shas) == 1 else 'DIFFERENT'} across rounds")
         for placement in sorted({x["placement"] for x in rows} - {"ram"}):
             xs = [x for x in rows if x["placement"] == placement]
@@ -132,12 +132,12 @@ def main():
             rd = statistics.median(x["read_bytes"] for x in xs)
             wr = statistics.median(x["write_bytes"] for x in xs)
             floor = rd / (d["read"] * 1e9) + wr / (d["write"] * 1e9)
-            line = (f"  {placement:9} step {step:.3f} s = {step / ram:.2f}x {against}; "
+            line = (f"  {placement:9} step {step:.3f} s = {step / base:.2f}x {against}; "
                     f"read {statistics.median(x['read_b_per_param'] for x in xs):.1f} + write "
                     f"{statistics.median(x['write_b_per_param'] for x in xs):.1f} B/param; "
                     f"io wait {statistics.median(x['io_wait_s'] for x in xs):.3f} s; disk floor "
                     f"{floor:.3f} s; step / max(floor, {against}) "
-                    f"{step / max(floor, ram):.2f}; peak RSS while training "
+                    f"{step / max(floor, base):.2f}; peak RSS while training "
                     f"{statistics.median(x['peak_rss_training_mib'] for x in xs):.0f} MiB, process "
                     f"{max(x['peak_rss_mib'] for x in xs):.0f} MiB (the largest)")
             print(line)

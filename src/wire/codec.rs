@@ -110,10 +110,7 @@ pub fn encode(msg: &WireMsg) -> [Bytes; 3] {
     head[0] = WIRE_VERSION;
     head[1..5].copy_from_slice(&body.to_le_bytes());
     head[5] = h as u8;
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(&head);
-    crc.update(&payload);
-    let sum = crc.finalize().to_le_bytes();
+    let sum = crc32_of(&[&head, &payload]).to_le_bytes();
     [Bytes::from(head), payload, Bytes::copy_from_slice(&sum)]
 }
 
@@ -142,11 +139,11 @@ pub(super) fn check_prefix(
     Ok((body, h))
 }
 
-/// The checksum of a frame's prefix and body (everything before the trailing checksum).
-pub(super) fn checksum(prefix: &[u8; PREFIX_BYTES], body: &[u8]) -> u32 {
+/// CRC-32 of `parts` one after the other, as of their concatenation: every plane's frame
+/// checksum (this codec's prefix, header and payload; the TCP plane's header and payload).
+pub fn crc32_of(parts: &[&[u8]]) -> u32 {
     let mut crc = crc32fast::Hasher::new();
-    crc.update(prefix);
-    crc.update(body);
+    parts.iter().for_each(|p| crc.update(p));
     crc.finalize()
 }
 
@@ -195,11 +192,7 @@ pub fn decode_split(
             need: PREFIX_BYTES + body + CHECKSUM_BYTES,
         });
     }
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(&prefix);
-    crc.update(header);
-    crc.update(&payload);
-    let got = crc.finalize();
+    let got = crc32_of(&[&prefix, header, &payload]);
     let c = &around[around.len() - CHECKSUM_BYTES..];
     let expected = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
     if got != expected {
@@ -298,7 +291,7 @@ fn decode_with(
             need: total,
         });
     }
-    let got = checksum(&prefix, &buf[PREFIX_BYTES..total - CHECKSUM_BYTES]);
+    let got = crc32_of(&[&prefix, &buf[PREFIX_BYTES..total - CHECKSUM_BYTES]]);
     let rest = body_of(PREFIX_BYTES..total);
     Ok((decode_body(h, rest, got)?, total))
 }

@@ -22,7 +22,9 @@ pub mod f32s;
 pub mod frame;
 mod stream;
 
-pub use codec::{decode, decode_split, encode, encode_split, encode_to_vec, Lane, WireMsg};
+pub use codec::{
+    crc32_of, decode, decode_split, encode, encode_split, encode_to_vec, Lane, WireMsg,
+};
 pub use stream::StreamDecoder;
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -26,6 +26,7 @@ use rustls::{ClientConnection, ServerConnection, StreamOwned};
 use crate::net::tls::{check_alpn, peer_server_name, ClusterTls, Protocol};
 use crate::plan::RankId;
 use crate::runtime::transport::{recv_inbox, Frame, Tag, TagKind, Transport, TransportError};
+use crate::wire::crc32_of;
 
 /// 2: the header carries the tag's piece number (collectives' payloads travel in pieces), and
 /// its checksum covers the header as well as the payload.
@@ -367,23 +368,15 @@ pub fn encode_header(frame: &Frame) -> Result<[u8; HEADER_BYTES], TransportError
     h[24..28].copy_from_slice(&frame.from.to_le_bytes());
     h[28..32].copy_from_slice(&len.to_le_bytes());
     h[32..36].copy_from_slice(&frame.tag.piece.to_le_bytes());
-    let crc = checksum(&h[..CHECKED_HEADER_BYTES], &frame.payload);
+    let crc = crc32_of(&[&h[..CHECKED_HEADER_BYTES], &frame.payload]);
     h[CHECKED_HEADER_BYTES..].copy_from_slice(&crc.to_le_bytes());
     Ok(h)
 }
 
-/// Header bytes the checksum covers: all but the checksum itself, which comes last.
+/// Header bytes the checksum covers: all but the checksum itself, which comes last. A damaged
+/// tag, epoch, step, sender or length is caught like damaged data (TLS already protects them in
+/// transit; this catches the rest, as the wire codec of the other planes does).
 const CHECKED_HEADER_BYTES: usize = HEADER_BYTES - 4;
-
-/// CRC-32 of a frame's header fields and its payload: a damaged tag, epoch, step, sender or
-/// length is caught like damaged data (TLS already protects them in transit; this catches the
-/// rest, as the wire codec of the other planes does).
-fn checksum(header: &[u8], payload: &[u8]) -> u32 {
-    let mut h = crc32fast::Hasher::new();
-    h.update(header);
-    h.update(payload);
-    h.finalize()
-}
 
 /// Reads one frame; `Ok(None)` when the peer closed the connection between frames.
 pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, String> {
@@ -410,7 +403,7 @@ pub fn read_frame(r: &mut impl Read) -> Result<Option<Frame>, String> {
     }
     let mut payload = vec![0u8; len as usize];
     r.read_exact(&mut payload).map_err(|e| e.to_string())?;
-    if checksum(&h[..CHECKED_HEADER_BYTES], &payload) != u32_at(CHECKED_HEADER_BYTES) {
+    if crc32_of(&[&h[..CHECKED_HEADER_BYTES], &payload]) != u32_at(CHECKED_HEADER_BYTES) {
         return Err("checksum mismatch".into());
     }
     Ok(Some(Frame {
