@@ -223,6 +223,7 @@ pub fn memory_demand(
             (Some(_), true) => Snapshots::StreamedOffTier,
         },
         chunk_elems: cfg.chunk_elems as u64,
+        clipping: cfg.grad_clip > 0.0,
     }
 }
 

@@ -143,6 +143,7 @@ mod tests {
                 },
                 snapshot_bytes: 0,
                 process_bytes: bytes,
+                update_in_backward: false,
             };
             if base + act <= budget {
                 Ok(fit(Placement::RAM, base + act))

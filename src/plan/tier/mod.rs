@@ -191,6 +191,9 @@ pub struct Demand {
     pub snapshots: Snapshots,
     /// Elements per chunk (`chunk_elems`): a streamed snapshot's piece is at least one chunk.
     pub chunk_elems: u64,
+    /// Global-norm clipping is on (`grad_clip` > 0): no update can start before the step's
+    /// norm is known, after the whole backward ([`updates_in_backward`]).
+    pub clipping: bool,
 }
 
 /// How a checkpoint's snapshot is held while it is written.
@@ -304,6 +307,9 @@ pub struct Fit {
     pub snapshot_bytes: u64,
     /// Expected peak of the whole process.
     pub process_bytes: u64,
+    /// Each unit's optimizer update runs in the backward ([`updates_in_backward`]).
+    #[serde(default)]
+    pub update_in_backward: bool,
 }
 
 /// Why a run cannot start. Each says what to change.
@@ -441,6 +447,24 @@ fn fit_largest_tile(d: &Demand, p: Placement, budget: u64) -> Option<Fit> {
     }
 }
 
+/// Whether each unit's optimizer update runs during the backward, as soon as the unit's
+/// gradient shard is reduced, instead of after the backward (owed to the next forward).
+///
+/// Only at stage 3 with everything on the tier and clipping off: the update then needs nothing
+/// the rest of the backward produces (the clip coefficient is 1), so its disk traffic overlaps
+/// the backward's compute and the gradient never goes to the tier. The step's outcome (an
+/// overflowed exact reduction is redone, a non-finite gradient skips the step) is known only
+/// after the backward, so the updated parameters, m and v go to a second copy of each record
+/// that becomes the state when the step is agreed: the tier holds p, m and v twice and no
+/// gradients. With clipping on the update needs the global norm, so it waits for the backward.
+pub fn updates_in_backward(stage: Stage, p: Placement, clipping: bool) -> bool {
+    stage == Stage::Zero3
+        && !clipping
+        && p.params == Tier::Nvme
+        && p.optimizer == Tier::Nvme
+        && p.grads == Tier::Nvme
+}
+
 /// What placement `p` with records of `tile_elems` needs.
 pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
     let held = resident(
@@ -489,9 +513,12 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
         _ => 0,
     };
     let working = working + overlap;
-    let values = p
-        .kinds(d.stage, d.state_per_param, d.param_copy_bytes)
-        .values() as u64;
+    let in_backward = updates_in_backward(d.stage, p, d.clipping);
+    let mut kinds = p.kinds(d.stage, d.state_per_param, d.param_copy_bytes);
+    if in_backward {
+        kinds.grads = 0;
+    }
+    let values = kinds.values() as u64;
     let staging = if p.any_nvme() {
         STAGING_BUFFERS * round_up(4 * tile_elems * values, IO_ALIGN_BYTES)
     } else {
@@ -508,6 +535,11 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
     let (params, tier_params) = split(p.params, held.params);
     let (grads, tier_grads) = split(p.grads, held.grads);
     let (optimizer, tier_opt) = split(p.optimizer, held.optimizer);
+    // Updated in the backward: two copies of p, m and v, and the gradients never stored.
+    let tier = match in_backward {
+        true => 2 * (tier_params + tier_opt),
+        false => tier_params + tier_grads + tier_opt,
+    };
     // With a tier, backups go to files beside it and snapshots stream off it, a piece at a
     // time; without one, both are whole copies in RAM.
     let chunk_state_bytes = |elems: u64| 4 * elems * (1 + d.state_per_param);
@@ -540,7 +572,7 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
         activations: d.activation_bytes,
         staging,
         backup,
-        tier: tier_params + tier_grads + tier_opt,
+        tier,
         backup_disk,
     };
     let snapshot_bytes = match d.snapshots {
@@ -559,6 +591,7 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
         per_rank,
         snapshot_bytes,
         process_bytes: BASE_BYTES + d.ranks_in_process * per_rank.ram() + snapshot_bytes,
+        update_in_backward: in_backward,
     }
 }
 

@@ -18,6 +18,7 @@ fn demand(stage: Stage, total: u64, ranks: u64) -> Demand {
         backups: false,
         snapshots: Snapshots::None,
         chunk_elems: 8192,
+        clipping: true,
     }
 }
 
@@ -112,6 +113,50 @@ fn the_working_set_counts_what_the_step_holds_at_once() {
     };
     let fit1 = evaluate(&d1, ram, DEFAULT_TILE_ELEMS);
     assert_eq!(fit1.per_rank.working, (8 + 4) * unit);
+}
+
+#[test]
+fn updates_run_in_the_backward_only_with_everything_on_the_tier_and_clipping_off() {
+    let all = Placement {
+        optimizer: Tier::Nvme,
+        params: Tier::Nvme,
+        grads: Tier::Nvme,
+    };
+    let clipped = demand(Stage::Zero3, 100_000_000, 1);
+    let off = Demand {
+        clipping: false,
+        ..clipped
+    };
+    let after = evaluate(&clipped, all, DEFAULT_TILE_ELEMS);
+    let during = evaluate(&off, all, DEFAULT_TILE_ELEMS);
+    assert!(!after.update_in_backward && during.update_in_backward);
+    // p, m and v twice (the step's update goes to the second copy), no gradients: 24 bytes a
+    // parameter instead of 16; records of three values instead of four; RAM as before.
+    assert_eq!(after.per_rank.tier, 16 * 100_000_000);
+    assert_eq!(during.per_rank.tier, 24 * 100_000_000);
+    assert_eq!(
+        during.per_rank.staging,
+        STAGING_BUFFERS * DEFAULT_TILE_ELEMS * 4 * 3
+    );
+    assert_eq!(during.per_rank.working, after.per_rank.working);
+    // Anything in RAM, or another stage, keeps the update after the backward.
+    for p in [
+        Placement {
+            grads: Tier::Ram,
+            ..all
+        },
+        Placement {
+            optimizer: Tier::Ram,
+            ..all
+        },
+    ] {
+        assert!(!evaluate(&off, p, DEFAULT_TILE_ELEMS).update_in_backward);
+    }
+    let stage2 = Demand {
+        stage: Stage::Zero2,
+        ..off
+    };
+    assert!(!updates_in_backward(stage2.stage, all, false));
 }
 
 #[test]
