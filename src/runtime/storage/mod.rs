@@ -38,6 +38,9 @@ pub struct TierSpec {
     pub simulate: bool,
     /// Fault injection: faults in front of this rank's device.
     pub faults: Option<(u32, Faults)>,
+    /// Each unit's update runs in the backward (`plan::tier::updates_in_backward`): the files
+    /// keep two copies of p, m and v and no gradients.
+    pub update_in_backward: bool,
 }
 
 impl TierSpec {
@@ -72,6 +75,7 @@ impl TierSpec {
                 uring,
                 simulate: false,
                 faults: None,
+                update_in_backward: false,
             },
             lock,
         ))
@@ -113,7 +117,13 @@ impl TierSpec {
             let dev = UringDevice::open(&path, self.uring).map_err(|e| fail(&path, e))?;
             Box::new(FaultyDevice::new(dev, faults))
         };
-        TierFile::create(&path, dev, layout, self.staging_buffers)
+        TierFile::create_with(
+            &path,
+            dev,
+            layout,
+            self.staging_buffers,
+            self.update_in_backward,
+        )
     }
 }
 

@@ -192,6 +192,19 @@ pub struct TierFile {
     deferred: VecDeque<Pending>,
     deferred_err: Option<TierError>,
     pub stats: TierStats,
+    /// With two copies of every record, which copy holds each unit's state; `None` with one.
+    copies: Option<Copies>,
+}
+
+/// Two copies of every record (`plan::tier::updates_in_backward`): a step's updates are
+/// written to each unit's other copy, which becomes its state only when the step is agreed
+/// ([`TierFile::commit_next`]); until then, and for ever if the step is redone or skipped,
+/// the state is what it was. The second copy follows the first in the file.
+struct Copies {
+    /// Per unit: its state is in the second copy.
+    second: Vec<bool>,
+    /// Per unit: its other copy holds this step's update, complete.
+    staged: Vec<bool>,
 }
 
 static FILE_SEQ: AtomicU64 = AtomicU64::new(0);
@@ -209,11 +222,27 @@ impl TierFile {
     /// allocates `staging` buffers of one record each.
     pub fn create(
         path: &Path,
-        mut dev: Box<dyn Device>,
+        dev: Box<dyn Device>,
         layout: TierLayout,
         staging: usize,
     ) -> Result<Self, TierError> {
-        let bytes = layout.file_bytes();
+        Self::create_with(path, dev, layout, staging, false)
+    }
+
+    /// Like [`TierFile::create`]; with `two_copies`, the file holds every record twice (see
+    /// `Copies`).
+    pub fn create_with(
+        path: &Path,
+        mut dev: Box<dyn Device>,
+        layout: TierLayout,
+        staging: usize,
+        two_copies: bool,
+    ) -> Result<Self, TierError> {
+        let copies = two_copies.then(|| Copies {
+            second: vec![false; layout.unit_lens.len()],
+            staged: vec![false; layout.unit_lens.len()],
+        });
+        let bytes = layout.file_bytes() * if two_copies { 2 } else { 1 };
         dev.reserve(bytes).map_err(|source| TierError::Reserve {
             path: path.to_path_buf(),
             bytes,
@@ -234,11 +263,68 @@ impl TierFile {
             deferred: VecDeque::new(),
             deferred_err: None,
             stats: TierStats::default(),
+            copies,
         })
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Bytes the file takes (both copies where it keeps two).
+    pub fn file_bytes(&self) -> u64 {
+        self.layout.file_bytes() * if self.copies.is_some() { 2 } else { 1 }
+    }
+
+    /// Whether the file keeps two copies of every record (updates go to the other one).
+    pub fn two_copies(&self) -> bool {
+        self.copies.is_some()
+    }
+
+    /// File offset of logical offset `offset` of unit `u`'s records: in the copy holding the
+    /// unit's state, or with `next` in the other one.
+    fn placed(&self, offset: u64, u: usize, next: bool) -> u64 {
+        match &self.copies {
+            Some(c) if c.second[u] != next => offset + self.layout.file_bytes(),
+            _ => offset,
+        }
+    }
+
+    /// Marks unit `u`'s other copy as holding its complete update for this step.
+    pub fn stage_next(&mut self, u: usize) {
+        if let Some(c) = &mut self.copies {
+            c.staged[u] = true;
+        }
+    }
+
+    /// Units whose other copy holds this step's complete update.
+    pub fn staged_units(&self) -> usize {
+        self.copies
+            .as_ref()
+            .map_or(0, |c| c.staged.iter().filter(|s| **s).count())
+    }
+
+    /// Makes every staged unit's other copy its state; how many units that was.
+    pub fn commit_next(&mut self) -> usize {
+        let Some(c) = &mut self.copies else {
+            return 0;
+        };
+        let mut n = 0;
+        for (second, staged) in c.second.iter_mut().zip(&mut c.staged) {
+            if std::mem::take(staged) {
+                *second = !*second;
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Forgets what was written to the other copies (a pass redone, a step skipped or
+    /// abandoned): the state stays what it was.
+    pub fn drop_next(&mut self) {
+        if let Some(c) = &mut self.copies {
+            c.staged.iter_mut().for_each(|s| *s = false);
+        }
     }
 
     /// A staging buffer of one record, if one is free or a deferred write can give one back.
@@ -315,6 +401,7 @@ impl TierFile {
         buf: AlignedBuf,
     ) -> Result<Pending, TierError> {
         let (offset, len) = self.layout.values_span(rec, kinds);
+        let offset = self.placed(offset, self.layout.record_span(rec).0, false);
         // What it reads may be what a deferred write is writing: those writes land first. The
         // others stay in flight (the next step's first reads need not wait for the last
         // records the optimizer wrote back).
@@ -338,11 +425,36 @@ impl TierFile {
         kinds: Range<usize>,
         buf: AlignedBuf,
     ) -> Result<Pending, TierError> {
-        if let Some(e) = self.deferred_err.take() {
+        self.write_values(rec, kinds, buf, false)
+    }
+
+    /// Like [`TierFile::start_write_values`], into the unit's other copy: its update, which
+    /// becomes its state at [`TierFile::commit_next`]. Needs a file with two copies.
+    pub fn start_write_next(
+        &mut self,
+        rec: usize,
+        kinds: Range<usize>,
+        buf: AlignedBuf,
+    ) -> Result<Pending, TierError> {
+        debug_assert!(self.copies.is_some(), "a file with one copy has no other");
+        self.write_values(rec, kinds, buf, true)
+    }
+
+    fn write_values(
+        &mut self,
+        rec: usize,
+        kinds: Range<usize>,
+        buf: AlignedBuf,
+        next: bool,
+    ) -> Result<Pending, TierError> {
+        let (offset, len) = self.layout.values_span(rec, kinds);
+        let offset = self.placed(offset, self.layout.record_span(rec).0, next);
+        // Two writes of the same blocks in flight could land in either order (an update of a
+        // redone pass over the first pass's): the earlier one lands first.
+        if let Err(e) = self.settle_range(offset, len) {
             self.pool.push(buf);
             return Err(e);
         }
-        let (offset, len) = self.layout.values_span(rec, kinds);
         let first = offset as usize / BLOCK;
         for (i, block) in buf.bytes()[..len].chunks(BLOCK).enumerate() {
             self.crcs[first + i] = crc32fast::hash(block);
@@ -413,7 +525,7 @@ impl TierFile {
                 for (i, block) in done.buf.bytes()[..p.len].chunks(BLOCK).enumerate() {
                     if crc32fast::hash(block) != self.crcs[first + i] {
                         let offset = ((first + i) * BLOCK) as u64;
-                        let rec = self.layout.record_at(offset);
+                        let rec = self.layout.record_at(offset % self.layout.file_bytes());
                         let unit = self.layout.record_span(rec).0;
                         self.pool.push(done.buf);
                         return Err(TierError::Corrupt {
@@ -445,178 +557,4 @@ impl Drop for TierFile {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::sync::{Arc, Mutex};
-
-    use super::super::device::{Faults, FaultyDevice, MemDevice};
-    use super::*;
-
-    fn layout() -> TierLayout {
-        TierLayout::new(
-            vec![3000, 0, 1024],
-            1024,
-            RecordKinds {
-                params: true,
-                state: 2,
-                grads: 0,
-            },
-        )
-    }
-
-    #[test]
-    fn records_tile_each_unit() {
-        let l = layout();
-        assert_eq!(l.records(), 4);
-        assert_eq!(l.unit_records(0), 0..3);
-        assert_eq!(l.unit_records(1), 3..3);
-        assert_eq!(l.record_span(2), (0, 2048..3000));
-        assert_eq!(l.record_span(3), (2, 0..1024));
-        assert_eq!(l.stride(), 3 * 4096);
-        assert_eq!(l.value_offset(1, 2), (3 * 4096 + 2 * 4096) as u64);
-    }
-
-    fn file(faults: Faults) -> TierFile {
-        file_and_bytes(faults).0
-    }
-
-    fn file_and_bytes(faults: Faults) -> (TierFile, Arc<Mutex<Vec<u8>>>) {
-        let dev = MemDevice::new();
-        let bytes = Arc::clone(&dev.data);
-        let f = TierFile::create(
-            Path::new("/nonexistent/never-written"),
-            Box::new(FaultyDevice::new(dev, faults)),
-            layout(),
-            2,
-        )
-        .unwrap();
-        (f, bytes)
-    }
-
-    #[test]
-    fn round_trip_and_partial_reads() {
-        let mut f = file(Faults::default());
-        let mut b = f.take_buf().unwrap();
-        for (i, x) in b.f32s_mut().iter_mut().enumerate() {
-            *x = i as f32;
-        }
-        let p = f.start_write(1, b).unwrap();
-        let b = f.finish(p).unwrap();
-        f.put_buf(b);
-        let b = f.take_buf().unwrap();
-        let p = f.start_read(1, 1..3, b).unwrap();
-        let b = f.finish(p).unwrap();
-        assert_eq!(b.f32s()[0], 1024.0);
-        assert_eq!(b.f32s()[2047], 3071.0);
-        f.put_buf(b);
-        // Elements 1030..1040 of the shard are record 1's elements 6..16; value 2 is v.
-        let b = f.take_buf().unwrap();
-        let p = f.start_read(1, 2..3, b).unwrap();
-        let b = f.finish(p).unwrap();
-        let v = b.f32s()[6..16].to_vec();
-        assert_eq!(v, (2054..2064).map(|i| i as f32).collect::<Vec<_>>());
-        assert_eq!(f.stats.write_bytes, 3 * 4096);
-    }
-
-    /// The waits of a helper beside compute are not the step's; joining one is.
-    #[test]
-    fn waits_beside_compute_are_not_counted() {
-        let mut f = file(Faults::default());
-        let moved = beside_compute(|| {
-            let b = f.take_buf().unwrap();
-            let p = f.start_write(0, b).unwrap();
-            let b = f.finish(p).unwrap();
-            f.put_buf(b);
-            f.stats
-        });
-        assert_eq!(moved.write_bytes, 3 * 4096);
-        assert_eq!(moved.wait_s, 0.0);
-        f.add_wait(0.25);
-        assert_eq!(f.stats.wait_s, 0.25);
-        // The thread is the step's again once `beside_compute` returns.
-        assert!(!BESIDE_COMPUTE.with(|b| b.get()));
-    }
-
-    #[test]
-    fn a_damaged_block_is_named_and_not_used() {
-        let (mut f, bytes) = file_and_bytes(Faults::default());
-        let b = f.take_buf().unwrap();
-        let p = f.start_write(2, b).unwrap();
-        let b = f.finish(p).unwrap();
-        f.put_buf(b);
-        // Flip a bit behind the engine's back, in record 2's v.
-        bytes.lock().unwrap()[2 * 3 * 4096 + 2 * 4096 + 17] ^= 1;
-        let b = f.take_buf().unwrap();
-        let p = f.start_read(2, 0..3, b).unwrap();
-        let err = f.finish(p).unwrap_err();
-        assert_eq!(
-            err,
-            TierError::Corrupt {
-                path: PathBuf::from("/nonexistent/never-written"),
-                offset: (2 * 3 * 4096 + 2 * 4096) as u64,
-                unit: 0,
-            }
-        );
-        assert!(err.to_string().contains("fails its CRC check"));
-        // The buffer went back to the pool.
-        assert_eq!(f.pool.len(), 2);
-    }
-
-    #[test]
-    fn a_full_disk_is_a_typed_error() {
-        let mut f = file(Faults {
-            fail_after_write_bytes: Some(4096),
-            errno: libc::ENOSPC,
-        });
-        let b = f.take_buf().unwrap();
-        let p = f.start_write(0, b).unwrap();
-        let err = f.finish(p).unwrap_err();
-        assert!(matches!(
-            err,
-            TierError::Io {
-                source: IoError::NoSpace,
-                ..
-            }
-        ));
-        assert!(err.to_string().contains("no space left"));
-    }
-
-    #[test]
-    fn deferred_writes_are_waited_for_by_overlapping_reads_and_their_errors_surface() {
-        let mut f = file(Faults::default());
-        let mut b = f.take_buf().unwrap();
-        b.f32s_mut().iter_mut().for_each(|x| *x = 7.0);
-        let p = f.start_write(0, b).unwrap();
-        f.defer(p);
-        // The deferred write's buffer counts as free and is taken back when wanted.
-        assert_eq!(f.free_bufs(), 2);
-        let b1 = f.take_buf().unwrap();
-        let b2 = f.take_buf().unwrap();
-        assert!(f.take_buf().is_none());
-        f.put_buf(b2);
-        // A read waits for what is deferred and sees it.
-        let p = f.start_read(0, 0..1, b1).unwrap();
-        assert_eq!(f.finish(p).unwrap().f32s()[0], 7.0);
-        // A failed deferred write is reported by the next operation, not lost.
-        let mut f = file(Faults {
-            fail_after_write_bytes: Some(4096),
-            errno: libc::EIO,
-        });
-        let b = f.take_buf().unwrap();
-        let p = f.start_write(0, b).unwrap();
-        f.defer(p);
-        // A read of another record leaves it in flight...
-        let b = f.take_buf().unwrap();
-        let p = f.start_read(1, 0..1, b).unwrap();
-        let b = f.finish(p).unwrap();
-        f.put_buf(b);
-        assert_eq!(f.deferred.len(), 1);
-        // ... and one that overlaps it waits for it and gets its error.
-        let b = f.take_buf().unwrap();
-        assert!(matches!(
-            f.start_read(0, 1..2, b),
-            Err(TierError::Io { .. })
-        ));
-        assert_eq!(f.free_bufs(), 2, "every buffer is back");
-        assert!(f.settle().is_ok(), "reported once");
-    }
-}
+mod tests;
