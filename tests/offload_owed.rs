@@ -49,6 +49,91 @@ fn updates_owed_to_the_next_forward_change_no_bits() {
     assert_clean(dir.path());
 }
 
+/// With clipping off, stage 3 with everything on the tier runs each unit's update in the
+/// backward, as soon as its gradient shard is reduced, into a second copy of its records that
+/// becomes its state when the step is agreed. The first step's exact reduction overflows its
+/// guessed bounds and is redone (the first pass's updates are dropped); a kill mid-step rolls
+/// back to a backup; a leave and a join reshard. Each run ends with the RAM run's digest.
+#[test]
+fn updates_in_the_backward_change_no_bits() {
+    let dir = tier_dir();
+    let base = TrainConfig {
+        steps: 6,
+        stage: 3,
+        grad_clip: 0.0,
+        // Too small for the first step's gradients: its first pass overflows.
+        initial_grad_bound: 1e-6,
+        ..small(ModelKind::Gpt)
+    };
+    let want = sha(&base);
+    for (ranks, replicate_every, leave, join, kill) in [
+        (1, 0, vec![], vec![], vec![]),
+        (2, 0, vec![], vec![], vec![]),
+        (3, 2, vec![], vec![], vec![at(2, 3)]),
+        (3, 3, vec![at(1, 2)], vec![at(3, 4)], vec![]),
+    ] {
+        let cfg = offloaded(
+            &TrainConfig {
+                ranks,
+                replicate_every,
+                leave,
+                join,
+                kill,
+                ..base.clone()
+            },
+            dir.path(),
+            true,
+            true,
+        );
+        let out = common::run_cfg(&cfg).unwrap();
+        assert_eq!(out.param_sha256, want, "{cfg:?}");
+        if ranks == 1 {
+            assert_eq!(out.records[0].attempts, 2, "step 0 was redone");
+            // The tier holds p, m and v twice and no gradient: 6 values an element against
+            // the 4 of the schedule that updates after the backward.
+            let clipped = common::run_cfg(&TrainConfig {
+                grad_clip: 1.0,
+                ..cfg.clone()
+            })
+            .unwrap();
+            let bytes =
+                |o: &elastic_zero::runtime::TrainOutcome| o.records[0].reports[0].tier_bytes;
+            assert_eq!(2 * bytes(&out), 3 * bytes(&clipped));
+        }
+    }
+    // A disk failing under an update in the backward stops the run naming the file; with
+    // backups the survivor takes the rank's state over and the run ends with the same digest.
+    let two = TrainConfig {
+        ranks: 2,
+        steps: 5,
+        ..base.clone()
+    };
+    let want = sha(&two);
+    for (fault, what) in [
+        ("1:eio@600KiB", "I/O error (EIO)"),
+        ("0:enospc@700KiB", "no space left on the device"),
+    ] {
+        let cfg = TrainConfig {
+            nvme_fault: Some(fault.parse().unwrap()),
+            ..offloaded(&two, dir.path(), true, true)
+        };
+        let err = common::run_cfg(&TrainConfig {
+            replicate_every: 0,
+            ..cfg.clone()
+        })
+        .err()
+        .expect("the run stops")
+        .to_string();
+        assert!(err.contains(what), "{fault}: {err}");
+        assert!(
+            err.contains(&*dir.path().to_string_lossy()),
+            "{fault}: {err}"
+        );
+        assert_eq!(sha(&cfg), want, "{fault}");
+    }
+    assert_clean(dir.path());
+}
+
 /// A snapshot an operator asks for lands after a step whose updates are owed (the coordinator
 /// plans for the snapshots, backups and changes it knows of, not for this one). Reading the
 /// state runs what is owed first, so the snapshot is what a run in RAM snapshots at the same

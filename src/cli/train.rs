@@ -450,7 +450,7 @@ pub(super) fn describe_fit(fit: &Fit, cfg: &TrainConfig) -> String {
     }
     if fit.placement.any_nvme() {
         line += &format!(
-            ", staging {}); on the tier: {} per rank ({}{}) in {}, {} KiB records",
+            ", staging {}); on the tier: {} per rank ({}{}{}) in {}, {} KiB records",
             gib(r.staging),
             gib(r.tier),
             [
@@ -462,6 +462,12 @@ pub(super) fn describe_fit(fit: &Fit, cfg: &TrainConfig) -> String {
             .flatten()
             .collect::<Vec<_>>()
             .join(", "),
+            if fit.update_in_backward {
+                "; updates run in the backward, into a second copy of parameters and optimizer \
+                 state, so gradients are not stored"
+            } else {
+                ""
+            },
             if cfg.nvme_buffered {
                 ", buffered I/O"
             } else {

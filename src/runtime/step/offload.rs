@@ -9,8 +9,10 @@
 
 use std::collections::VecDeque;
 use std::ops::Range;
+use std::sync::Arc;
 
 use crate::model::backend::Backend;
+use crate::model::Model;
 use crate::optim::OptimSettings;
 use crate::reduce::grad_buf;
 use crate::runtime::storage::tier_file::Pending;
@@ -113,6 +115,107 @@ pub struct StepArgs<'a> {
     pub g: &'a [f32],
     /// The clip coefficient, for a mean gradient read off the tier (`grad_buf::apply_clip`).
     pub clip_coef: f64,
+    /// Write the update into the unit's other copy (`TierFile::start_write_next`), not over
+    /// its state.
+    pub next_copy: bool,
+}
+
+/// The scalars of one step's update: Adam's t, the learning rate and the clip coefficient.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepScalars {
+    pub t: u64,
+    pub lr: f32,
+    pub clip_coef: f64,
+}
+
+/// Updates units whose whole shard state (masters, m and v) is on the tier, one at a time, for
+/// the step's updates that run outside the optimizer phase: owed to the next forward
+/// (`owed.rs`) or run in the backward (`tier_io.rs`).
+pub struct TierUpdater {
+    model: Arc<dyn Model>,
+    settings: OptimSettings,
+    /// Each unit's shard chunk ranges within the unit.
+    ranges: Vec<Vec<Range<usize>>>,
+}
+
+impl TierUpdater {
+    pub fn new(
+        model: Arc<dyn Model>,
+        settings: OptimSettings,
+        ranges: Vec<Vec<Range<usize>>>,
+    ) -> Self {
+        Self {
+            model,
+            settings,
+            ranges,
+        }
+    }
+
+    pub fn units(&self) -> usize {
+        self.ranges.len()
+    }
+
+    pub fn settings(&self) -> OptimSettings {
+        self.settings
+    }
+
+    /// Streams unit `u`'s records through the update with `step`'s scalars. `g` is the unit's
+    /// mean gradient shard, or empty where the records hold it; the updated masters also land
+    /// in `params_out` (the shard's length, or empty); with `next_copy` the update goes to the
+    /// unit's other copy.
+    #[allow(clippy::too_many_arguments)]
+    pub fn update(
+        &self,
+        tier: &mut TierFile,
+        stream: &mut UpdateStream,
+        u: usize,
+        step: StepScalars,
+        g: &[f32],
+        params_out: &mut [f32],
+        next_copy: bool,
+    ) -> Result<(), TierError> {
+        let args = StepArgs {
+            be: self.model.backend(),
+            settings: self.settings,
+            masters_in_shard: true,
+            t: step.t,
+            lr: step.lr,
+            g,
+            clip_coef: step.clip_coef,
+            next_copy,
+        };
+        let parts = ShardParts {
+            ranges: &self.ranges[u],
+            params: &mut [],
+            m: &mut [],
+            v: &mut [],
+            params_out,
+        };
+        update_unit(tier, stream, u, parts, &mut FullCopy::default(), &args)
+    }
+
+    /// Runs unit `u`'s update in the backward, from its mean gradient shard `g` (clipping is
+    /// off), into the unit's other copy, and stages it: it becomes the unit's state when the
+    /// step is agreed. Reads go no further ahead than the unit's own records.
+    pub fn update_into_next(
+        &self,
+        tier: &mut TierFile,
+        u: usize,
+        t: u64,
+        lr: f32,
+        g: &[f32],
+    ) -> Result<(), TierError> {
+        let step = StepScalars {
+            t,
+            lr,
+            clip_coef: 1.0,
+        };
+        let mut stream = UpdateStream::until(tier.layout.unit_records(u).end);
+        let res = self.update(tier, &mut stream, u, step, g, &mut [], true);
+        res.and(stream.finish(tier))?;
+        tier.stage_next(u);
+        Ok(())
+    }
 }
 
 /// The parts of a unit's shard that stay in RAM (empty where they are on the tier).
@@ -265,6 +368,8 @@ pub fn update_unit(
             let own = 0..kinds.grads_at();
             if own.is_empty() {
                 tier.put_buf(buf);
+            } else if a.next_copy {
+                writes.push_back(tier.start_write_next(rec, own, buf)?);
             } else {
                 writes.push_back(tier.start_write_values(rec, own, buf)?);
             }

@@ -5,7 +5,8 @@
 //! the updated shard to the gather. So the update's disk traffic overlaps the previous unit's
 //! compute instead of running as a phase of its own between the backward and the next forward
 //! (exact clipping cannot start it earlier: it needs the global norm), and the forward's read of
-//! the parameters is the update's read.
+//! the parameters is the update's read. With clipping off the update runs earlier still, in the
+//! backward (`plan::tier::updates_in_backward`), and nothing is owed.
 //!
 //! The rank's state is what the tier holds with the owed updates applied. Whatever reads that
 //! state between steps (backups, checkpoints, reshards, digests) goes through
@@ -16,22 +17,11 @@
 //! changes no bits.
 
 use std::collections::BTreeSet;
-use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
-use super::full_copy::FullCopy;
-use super::offload::{update_unit, ShardParts, StepArgs, UpdateStream};
-use crate::model::Model;
-use crate::optim::OptimSettings;
+pub use super::offload::StepScalars as OwedStep;
+use super::offload::{TierUpdater, UpdateStream};
 use crate::runtime::storage::{TierError, TierFile};
-
-/// The scalars of the step whose updates are owed.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct OwedStep {
-    pub t: u64,
-    pub lr: f32,
-    pub clip_coef: f64,
-}
 
 #[derive(Default)]
 struct Debts {
@@ -41,23 +31,14 @@ struct Debts {
 
 /// The updates a rank owes its tier.
 pub struct Owed {
-    model: Arc<dyn Model>,
-    settings: OptimSettings,
-    /// Each unit's shard chunk ranges within the unit.
-    ranges: Vec<Vec<Range<usize>>>,
+    updater: Arc<TierUpdater>,
     debts: Mutex<Debts>,
 }
 
 impl Owed {
-    pub fn new(
-        model: Arc<dyn Model>,
-        settings: OptimSettings,
-        ranges: Vec<Vec<Range<usize>>>,
-    ) -> Self {
+    pub fn new(updater: Arc<TierUpdater>) -> Self {
         Self {
-            model,
-            settings,
-            ranges,
+            updater,
             debts: Mutex::new(Debts::default()),
         }
     }
@@ -74,7 +55,7 @@ impl Owed {
             "the previous step's updates were settled"
         );
         d.step = Some(step);
-        d.units = (0..self.ranges.len()).collect();
+        d.units = (0..self.updater.units()).collect();
     }
 
     /// Takes unit `u`'s update to run it: the step it is for, if it was owed.
@@ -121,23 +102,8 @@ impl Owed {
         step: OwedStep,
         params_out: &mut [f32],
     ) -> Result<(), TierError> {
-        let args = StepArgs {
-            be: self.model.backend(),
-            settings: self.settings,
-            masters_in_shard: true,
-            t: step.t,
-            lr: step.lr,
-            g: &[],
-            clip_coef: step.clip_coef,
-        };
-        let parts = ShardParts {
-            ranges: &self.ranges[u],
-            params: &mut [],
-            m: &mut [],
-            v: &mut [],
-            params_out,
-        };
-        update_unit(tier, stream, u, parts, &mut FullCopy::default(), &args)
+        self.updater
+            .update(tier, stream, u, step, &[], params_out, false)
     }
 
     /// Runs every update still owed, in unit order, each run of consecutive units as one
@@ -173,6 +139,8 @@ mod tests {
 
     use super::*;
     use crate::model::mlp::{Mlp, MlpConfig};
+    use crate::model::Model;
+    use crate::optim::OptimSettings;
     use crate::optim::{AdamHyper, OptimizerKind};
     use crate::runtime::step::offload::read_shard_values;
     use crate::runtime::storage::device::MemDevice;
@@ -247,7 +215,7 @@ mod tests {
             vec![0..1500],
             vec![0..700, 700..2100],
         ];
-        Owed::new(model, settings, ranges)
+        Owed::new(Arc::new(TierUpdater::new(model, settings, ranges)))
     }
 
     #[test]
@@ -262,7 +230,7 @@ mod tests {
         // What the optimizer phase computes in RAM, on the clipped mean gradient.
         for [p, m, v, g] in &mut ram {
             crate::reduce::grad_buf::apply_clip(g, step.clip_coef);
-            o.settings.update(p, g, m, v, step.t, step.lr);
+            o.updater.settings().update(p, g, m, v, step.t, step.lr);
         }
         assert_eq!(o.take(1), None, "nothing is owed yet");
         o.owe(step);

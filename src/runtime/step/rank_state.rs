@@ -90,6 +90,9 @@ pub struct RankState {
     /// With everything of stage 3 on the tier, the optimizer updates owed to the next forward
     /// (`owed.rs`); `None` where the update runs in the optimizer phase.
     pub owed: Option<Arc<Owed>>,
+    /// With everything of stage 3 on the tier and clipping off, what runs each unit's update
+    /// in the backward (`plan::tier::updates_in_backward`); `None` otherwise.
+    pub in_backward: Option<Arc<offload::TierUpdater>>,
 }
 
 /// One chunk's complete training state: master parameters and optimizer state. This is the
@@ -209,7 +212,10 @@ impl RankState {
         let mut tier =
             open_tier(rank, stage, &map, optim, precision, storage).map_err(|e| e.to_string())?;
         let masters_in_shard = masters_in_shard(stage, precision.param_bytes());
-        let grads_on_tier = tier.as_ref().is_some_and(|t| t.layout.kinds.grads > 0);
+        // Updated in the backward, a unit's gradient shard lives only until its update.
+        let grads_leave_ram = tier
+            .as_ref()
+            .is_some_and(|t| t.layout.kinds.grads > 0 || t.two_copies());
         let shard_count = map.units.len();
         let mut ledger = Ledger::default();
         let mut shards = Vec::with_capacity(specs.len());
@@ -277,7 +283,7 @@ impl RankState {
                     };
                 }
             }
-            let grads = (matches!(stage, Stage::Zero2 | Stage::Zero3) && !grads_on_tier)
+            let grads = (matches!(stage, Stage::Zero2 | Stage::Zero3) && !grads_leave_ram)
                 .then(|| vec![0f32; len]);
             // Stage 3's shard is its parameters; the owned masters beside a full copy count
             // with the optimizer state they are updated with (the paper's 12 bytes for Adam).
@@ -312,13 +318,15 @@ impl RankState {
         // The chunk states taken apart above were small heap blocks; without this the heap
         // keeps their pages for the whole run (0.36 GB at d_model 2048, two layers, one rank).
         crate::runtime::alloc::release_free_memory();
+        let updater = || {
+            let ranges = shards.iter().map(|s| s.ranges.clone()).collect();
+            Arc::new(offload::TierUpdater::new(Arc::clone(&model), optim, ranges))
+        };
         let owed = tier
             .as_ref()
             .filter(|t| defers_update(stage, t.layout.kinds, optim))
-            .map(|_| {
-                let ranges = shards.iter().map(|s| s.ranges.clone()).collect();
-                Arc::new(Owed::new(Arc::clone(&model), optim, ranges))
-            });
+            .map(|_| Arc::new(Owed::new(updater())));
+        let in_backward = tier.as_ref().filter(|t| t.two_copies()).map(|_| updater());
         Ok(Self {
             rank,
             stage,
@@ -338,6 +346,7 @@ impl RankState {
             tier: tier.map(|t| Arc::new(Mutex::new(t))),
             grad_ss: vec![crate::reduce::SumSquares::zero(mode); shard_count],
             owed,
+            in_backward,
         })
     }
 
@@ -512,6 +521,7 @@ impl RankState {
                     lr,
                     g: &g,
                     clip_coef,
+                    next_copy: false,
                 };
                 let parts = offload::ShardParts {
                     ranges: &shard.ranges,
@@ -571,11 +581,35 @@ impl RankState {
     /// Bytes of this rank's tier file (0 without one).
     pub fn tier_bytes(&self) -> u64 {
         self.tier.as_ref().map_or(0, |t| {
-            t.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .layout
-                .file_bytes()
+            t.lock().unwrap_or_else(|p| p.into_inner()).file_bytes()
         })
+    }
+
+    /// Starts a pass of a step whose updates run in the backward: what an earlier pass (redone,
+    /// skipped or abandoned) wrote to the other copies is forgotten.
+    pub fn begin_backward_updates(&self) {
+        if let (Some(_), Some(t)) = (&self.in_backward, &self.tier) {
+            t.lock().unwrap_or_else(|p| p.into_inner()).drop_next();
+        }
+    }
+
+    /// The step is agreed: every unit's update, run in the backward, becomes its state. Every
+    /// unit must have been updated (an error otherwise, with nothing committed).
+    pub fn commit_backward_updates(&self) -> Result<(), TierError> {
+        let Some(t) = &self.tier else {
+            return Ok(());
+        };
+        let mut t = t.lock().unwrap_or_else(|p| p.into_inner());
+        let units = t.layout.unit_lens.len();
+        let staged = t.staged_units();
+        if staged != units {
+            t.drop_next();
+            return Err(TierError::Helper(format!(
+                "{staged} of {units} units were updated in the backward; the step's updates were not applied"
+            )));
+        }
+        t.commit_next();
+        Ok(())
     }
 
     /// Whether the reduced gradient shards live on the tier (stages 2-3 with `offload_grads`).
@@ -624,11 +658,15 @@ fn open_tier(
     let Some(spec) = storage else {
         return Ok(None);
     };
-    let kinds = spec
+    let mut kinds = spec
         .placement
         .kinds(stage, optim.state_per_param(), precision.param_bytes());
     if kinds.values() == 0 {
         return Ok(None);
+    }
+    if spec.update_in_backward {
+        // Each unit's gradient shard goes straight into its update (`TierUpdater`).
+        kinds.grads = 0;
     }
     let lens = (0..map.units.len())
         .map(|u| {

@@ -2,7 +2,9 @@
 //! unit's shard is read on a helper thread while the current unit computes; with gradients on
 //! the tier, a unit's reduced shard is written on a helper thread while the backward goes on.
 //! Where the unit's optimizer update is owed to this forward (`owed.rs`), the read ahead is that
-//! update, which yields the updated shard.
+//! update, which yields the updated shard. Where the update runs in the backward
+//! (`plan::tier::updates_in_backward`), the helper that would write a unit's gradient shard
+//! runs its update instead, into the unit's other copy.
 //! At most one read and one write are in flight (a shard of each in RAM besides the step's
 //! own buffers, which the planner counts), and every helper is joined before the step's optimizer touches the tier and
 //! before the step returns, so no I/O outlives the step.
@@ -11,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use super::offload;
+use super::offload::{self, TierUpdater};
 use super::owed::{Owed, OwedStep};
 use crate::runtime::storage::tier_file::beside_compute;
 use crate::runtime::storage::{TierError, TierFile};
@@ -21,6 +23,7 @@ type Read = JoinHandle<Result<Vec<f32>, TierError>>;
 pub struct TierIo {
     tier: Arc<Mutex<TierFile>>,
     owed: Option<Arc<Owed>>,
+    in_backward: Option<Arc<TierUpdater>>,
     /// The unit whose parameter shard is being read, whether the read is its owed update, and
     /// the reader.
     read: Option<(usize, bool, Read)>,
@@ -60,10 +63,15 @@ fn join<T>(tier: &Mutex<TierFile>, h: JoinHandle<Result<T, TierError>>) -> Resul
 }
 
 impl TierIo {
-    pub fn new(tier: Arc<Mutex<TierFile>>, owed: Option<Arc<Owed>>) -> Self {
+    pub fn new(
+        tier: Arc<Mutex<TierFile>>,
+        owed: Option<Arc<Owed>>,
+        in_backward: Option<Arc<TierUpdater>>,
+    ) -> Self {
         Self {
             tier,
             owed,
+            in_backward,
             read: None,
             write: None,
         }
@@ -90,7 +98,15 @@ impl TierIo {
         let step = self.take_owed(u);
         let h = std::thread::Builder::new()
             .name("ezero-tier-read".into())
-            .spawn(move || beside_compute(|| load(&tier, owed.as_deref().zip(step), u, len)));
+            .spawn(move || {
+                beside_compute(|| {
+                    let t0 = Instant::now();
+                    let res = load(&tier, owed.as_deref().zip(step), u, len);
+                    let ms = t0.elapsed().as_secs_f64() * 1e3;
+                    tracing::trace!(unit = u, ms, "read ahead");
+                    res
+                })
+            });
         match h {
             Ok(h) => self.read = Some((u, step.is_some(), h)),
             // Without a thread the shard is read (and the update run) when it is needed, as
@@ -162,6 +178,39 @@ impl TierIo {
                 )))
             }
         }
+    }
+
+    /// Starts unit `u`'s update from its mean gradient shard `g` with Adam's `t` and learning
+    /// rate `lr`, into the unit's other copy, after the previous write or update finishes
+    /// (whose error, if any, is returned instead).
+    pub fn update_in_backward(
+        &mut self,
+        u: usize,
+        g: Vec<f32>,
+        t: u64,
+        lr: f32,
+    ) -> Result<(), TierError> {
+        self.wait_write()?;
+        let tier = Arc::clone(&self.tier);
+        let updater = self.in_backward.clone().ok_or_else(|| {
+            TierError::Helper("this rank's updates do not run in the backward".into())
+        })?;
+        let h = std::thread::Builder::new()
+            .name("ezero-tier-update".into())
+            .spawn(move || {
+                beside_compute(|| {
+                    let t0 = Instant::now();
+                    let mut tier = lock(&tier);
+                    let locked_ms = t0.elapsed().as_secs_f64() * 1e3;
+                    let res = updater.update_into_next(&mut tier, u, t, lr, &g);
+                    let ms = t0.elapsed().as_secs_f64() * 1e3;
+                    tracing::trace!(unit = u, locked_ms, ms, "update in the backward");
+                    res
+                })
+            })
+            .map_err(|e| TierError::Helper(format!("cannot start a tier I/O thread: {e}")))?;
+        self.write = Some(h);
+        Ok(())
     }
 
     /// Waits for everything in flight; the first write error, if any (a read nobody asked

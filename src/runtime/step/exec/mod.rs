@@ -214,8 +214,12 @@ impl<'a> Pass<'a> {
     ) -> Self {
         let units = st.units();
         let tier_io = (st.params_on_tier() || st.grads_on_tier())
-            .then(|| st.tier_shared().map(|t| TierIo::new(t, st.owed.clone())))
+            .then(|| {
+                st.tier_shared()
+                    .map(|t| TierIo::new(t, st.owed.clone(), st.in_backward.clone()))
+            })
             .flatten();
+        st.begin_backward_updates();
         if let Some(w) = &mut st.whole_grads {
             w.iter_mut().for_each(GradBuf::fill_zero);
         }
@@ -264,7 +268,17 @@ impl<'a> Pass<'a> {
             if stop == Some(i) {
                 return Err(CommError::Vanished);
             }
+            let t0 = Instant::now();
             self.exec(comm, phase)?;
+            // Where a step's time goes, phase by phase (`EZERO_LOG=elastic_zero=trace`).
+            let ms = t0.elapsed().as_secs_f64() * 1e3;
+            tracing::trace!(
+                rank = self.st.rank,
+                step = self.plan.step,
+                ?phase,
+                ms,
+                "phase"
+            );
             if let Phase::PostGather { .. } = phase {
                 self.read_ahead(&program[i + 1..]);
             }
@@ -346,6 +360,16 @@ impl<'a> Pass<'a> {
             Phase::Agree => {
                 self.finish_tier_io()?;
                 self.agree(comm)
+            }
+            Phase::Optimizer if self.st.in_backward.is_some() => {
+                // The backward ran every unit's update; the step is agreed, so they count.
+                let done = self
+                    .st
+                    .commit_backward_updates()
+                    .map_err(|e| CommError::Storage(e.to_string()));
+                let (rank, epoch, step) = (self.st.rank, self.plan.epoch, self.plan.step);
+                (0..self.st.units()).for_each(|_| self.cfg.progress.beat(rank, epoch, step));
+                done
             }
             Phase::Optimizer => {
                 let a = self.agreed.as_ref().expect("Optimizer follows Agree");

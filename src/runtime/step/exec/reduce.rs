@@ -43,7 +43,8 @@ impl Pass<'_> {
         // The owned ranges, in the shard's layout: into the shard's buffer, or into one that
         // goes to the tier. The previous unit's write finishes first, so that one gradient
         // shard at most is in RAM besides this unit's accumulator.
-        if self.st.grads_on_tier() {
+        let in_backward = self.st.in_backward.is_some();
+        if self.st.grads_on_tier() || in_backward {
             if let Some(io) = self.tier_io.as_mut() {
                 io.wait_write()
                     .map_err(|e| CommError::Storage(e.to_string()))?;
@@ -53,7 +54,7 @@ impl Pass<'_> {
         // tier, before clipping, which needs the global norm: its partial sum of squares is
         // taken now, from the exact sums, and the optimizer applies the clip coefficient when
         // it reads the shard.
-        let on_tier = self.st.grads_on_tier();
+        let on_tier = self.st.grads_on_tier() || in_backward;
         let mode = self.st.mode;
         let factor = grad_buf::mean_factor(mode, self.exps[u], self.plan.micro_batches);
         let shard = &mut self.st.shards[u];
@@ -74,8 +75,12 @@ impl Pass<'_> {
             Some((g, sum_squares)) => {
                 self.st.grad_ss[u] = sum_squares;
                 let io = self.tier_io.as_mut().expect("a tier holds the gradients");
-                io.write_grads(u, g)
-                    .map_err(|e| CommError::Storage(e.to_string()))
+                let (t, lr) = (self.plan.opt_step, self.plan.lr);
+                match in_backward {
+                    true => io.update_in_backward(u, g, t, lr),
+                    false => io.write_grads(u, g),
+                }
+                .map_err(|e| CommError::Storage(e.to_string()))
             }
             None => Ok(()),
         }
