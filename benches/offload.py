@@ -24,6 +24,7 @@ consolidation), and the param-sha256 (must equal the in-RAM run's).
 
     python3 benches/offload.py --dir /path/on/the/disk            # 3 rounds, ~6 min here
     python3 benches/offload.py --dir DIR --rounds 1 --shapes io
+    python3 benches/offload.py --dir DIR --rounds 2 --shapes 1b --grad-clip 0
 """
 import argparse
 import json
@@ -58,9 +59,9 @@ PLACEMENTS = {
 }
 
 
-def run(shape, placement, tier):
+def run(shape, placement, tier, extra):
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        args = [EZERO, "train", *SHAPES[shape], "--sample-tokens", "0", "--json", f.name]
+        args = [EZERO, "train", *SHAPES[shape], *extra, "--sample-tokens", "0", "--json", f.name]
         if placement != "ram":
             args += [*PLACEMENTS[placement], "--nvme-dir", tier]
         subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
@@ -97,7 +98,12 @@ def main():
     ap.add_argument("--dir", required=True, help="tier directory on the disk to measure")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shapes", nargs="+", default=["compute", "io"])
+    ap.add_argument("--grad-clip", type=float,
+                    help="passed to every run (ezero's default 1.0 otherwise); 0 turns clipping "
+                         "off, which lets stage 3 with everything on the tier update each unit "
+                         "in the backward")
     a = ap.parse_args()
+    extra = [] if a.grad_clip is None else ["--grad-clip", str(a.grad_clip)]
     subprocess.run(["cargo", "build", "--release", "--quiet"], cwd=ROOT, check=True)
     d = disk(a.dir)
     print(f"disk ({d['ref']} medians): read {d['read']:.2f} GB/s, write {d['write']:.2f} GB/s; "
@@ -110,7 +116,7 @@ def main():
             if r % 2:
                 order.reverse()
             for placement in order:
-                runs.append(run(shape, placement, a.dir))
+                runs.append(run(shape, placement, a.dir, extra))
                 x = runs[-1]
                 print(json.dumps({"round": r, **x}))
     for shape in a.shapes:
