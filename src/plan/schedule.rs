@@ -68,9 +68,13 @@ pub enum Phase {
     GatherParams,
 }
 
-/// The phase program for one step. `max_live_units` bounds ZeRO-3's gathered working set: the
-/// unit being computed plus `max_live_units - 1` prefetched ones.
-pub fn phases(stage: Stage, units: u32, max_live_units: usize) -> Vec<Phase> {
+/// The phase program for one step of `ranks` ranks. `max_live_units` bounds ZeRO-3's gathered
+/// working set: the unit being computed plus `max_live_units - 1` prefetched ones.
+pub fn phases(stage: Stage, units: u32, max_live_units: usize, ranks: usize) -> Vec<Phase> {
+    // With one rank a reduce-scatter moves nothing, so there is nothing to overlap: each unit's
+    // wait follows its post, which keeps one accumulator live instead of two and hands the
+    // reduced shard on (to the optimizer's tier I/O) a unit earlier.
+    let lag = ranks > 1;
     let mut p = Vec::new();
     let ahead = max_live_units.max(1) as u32 - 1;
     if stage == Stage::Zero3 {
@@ -96,7 +100,7 @@ pub fn phases(stage: Stage, units: u32, max_live_units: usize) -> Vec<Phase> {
                 }
             }
         }
-        let mut out = lag_reduce_scatter_waits(out);
+        let mut out = reduce_scatter_waits(out, lag);
         out.extend([Phase::Agree, Phase::Optimizer]);
         return out;
     }
@@ -107,7 +111,7 @@ pub fn phases(stage: Stage, units: u32, max_live_units: usize) -> Vec<Phase> {
             p.push(Phase::ReduceScatterUnit { unit: u });
         }
     }
-    let mut p = lag_reduce_scatter_waits(p);
+    let mut p = reduce_scatter_waits(p, lag);
     match stage {
         Stage::Zero0 => p.extend([Phase::ReduceScatterAll, Phase::AllGatherGrads]),
         Stage::Zero1 => p.push(Phase::ReduceScatterAll),
@@ -120,16 +124,19 @@ pub fn phases(stage: Stage, units: u32, max_live_units: usize) -> Vec<Phase> {
     p
 }
 
-/// Inserts each unit's `WaitReduceScatter` right after the next unit's `ReduceScatterUnit`, and
-/// the last one at the end: at most two unit accumulators are live, and a rank waits for a
-/// unit's sums only after a whole further backward.
-fn lag_reduce_scatter_waits(p: Vec<Phase>) -> Vec<Phase> {
+/// Inserts each unit's `WaitReduceScatter`: with `lag`, right after the next unit's
+/// `ReduceScatterUnit`, and the last one at the end (at most two unit accumulators are live,
+/// and a rank waits for a unit's sums only after a whole further backward); without, right
+/// after its own.
+fn reduce_scatter_waits(p: Vec<Phase>, lag: bool) -> Vec<Phase> {
     let mut out = Vec::with_capacity(p.len() * 2);
     let mut pending = None;
     for ph in p {
         out.push(ph);
         if let Phase::ReduceScatterUnit { unit } = ph {
-            if let Some(prev) = pending.replace(unit) {
+            if !lag {
+                out.push(Phase::WaitReduceScatter { unit });
+            } else if let Some(prev) = pending.replace(unit) {
                 out.push(Phase::WaitReduceScatter { unit: prev });
             }
         }
@@ -207,7 +214,7 @@ mod tests {
     #[test]
     fn stage3_gathers_twice_and_scatters_once_per_unit() {
         for live in 1..4 {
-            let p = phases(Stage::Zero3, 5, live);
+            let p = phases(Stage::Zero3, 5, live, 2);
             assert_eq!(count(&p, |x| matches!(x, Phase::PostGather { .. })), 10);
             assert_eq!(count(&p, |x| matches!(x, Phase::WaitGather { .. })), 10);
             assert_eq!(
@@ -236,7 +243,7 @@ mod tests {
     #[test]
     fn reduce_scatter_waits_lag_one_unit() {
         for (stage, units) in [(Stage::Zero2, 1), (Stage::Zero2, 4), (Stage::Zero3, 5)] {
-            let p = phases(stage, units, 2);
+            let p = phases(stage, units, 2, 2);
             let agree = p.iter().position(|x| *x == Phase::Agree).unwrap();
             let mut live = 0usize;
             for u in 0..units {
@@ -271,13 +278,35 @@ mod tests {
         }
     }
 
+    /// With one rank there is nothing to overlap: each wait follows its post, one accumulator
+    /// is live, and only the waits moved.
+    #[test]
+    fn one_rank_waits_for_each_reduce_scatter_at_once() {
+        for (stage, units) in [(Stage::Zero2, 4), (Stage::Zero3, 5)] {
+            let (one, many) = (phases(stage, units, 2, 1), phases(stage, units, 2, 2));
+            for (i, ph) in one.iter().enumerate() {
+                if let Phase::ReduceScatterUnit { unit } = ph {
+                    assert_eq!(one[i + 1], Phase::WaitReduceScatter { unit: *unit });
+                }
+            }
+            let others = |p: &[Phase]| -> Vec<Phase> {
+                p.iter()
+                    .copied()
+                    .filter(|x| !matches!(x, Phase::WaitReduceScatter { .. }))
+                    .collect()
+            };
+            assert_eq!(others(&one), others(&many), "{stage:?}");
+            assert_eq!(one.len(), many.len());
+        }
+    }
+
     #[test]
     fn stages_0_to_2_shapes() {
-        let p0 = phases(Stage::Zero0, 3, 2);
+        let p0 = phases(Stage::Zero0, 3, 2, 2);
         assert!(p0.contains(&Phase::AllGatherGrads) && !p0.contains(&Phase::GatherParams));
-        let p1 = phases(Stage::Zero1, 3, 2);
+        let p1 = phases(Stage::Zero1, 3, 2, 2);
         assert!(p1.contains(&Phase::ReduceScatterAll) && p1.contains(&Phase::GatherParams));
-        let p2 = phases(Stage::Zero2, 3, 2);
+        let p2 = phases(Stage::Zero2, 3, 2, 2);
         assert_eq!(
             count(&p2, |x| matches!(x, Phase::ReduceScatterUnit { .. })),
             3

@@ -6,9 +6,11 @@
 //! (`plan::tier::updates_in_backward`), the helper that would write a unit's gradient shard
 //! runs its update instead, into the unit's other copy.
 //! At most one read and one write are in flight (a shard of each in RAM besides the step's
-//! own buffers, which the planner counts), and every helper is joined before the step's optimizer touches the tier and
-//! before the step returns, so no I/O outlives the step.
+//! own buffers, which the planner counts), or two updates with one rank, whose single
+//! exact accumulator leaves room for the second shard; every helper is joined before the
+//! step's optimizer touches the tier and before the step returns, so no I/O outlives the step.
 
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -27,7 +29,10 @@ pub struct TierIo {
     /// The unit whose parameter shard is being read, whether the read is its owed update, and
     /// the reader.
     read: Option<(usize, bool, Read)>,
-    write: Option<JoinHandle<Result<(), TierError>>>,
+    /// Gradient writes or updates in flight, oldest first.
+    writes: VecDeque<JoinHandle<Result<(), TierError>>>,
+    /// How many may be in flight ([`TierIo::allow_writes`]).
+    max_writes: usize,
 }
 
 /// Unit `u`'s parameter shard: read, or made by running its owed update.
@@ -73,7 +78,8 @@ impl TierIo {
             owed,
             in_backward,
             read: None,
-            write: None,
+            writes: VecDeque::new(),
+            max_writes: 1,
         }
     }
 
@@ -140,18 +146,35 @@ impl TierIo {
         load(&self.tier, self.owed.as_deref().zip(step), u, len)
     }
 
-    /// Waits for the gradient write in flight, if any.
-    pub fn wait_write(&mut self) -> Result<(), TierError> {
-        match self.write.take() {
-            Some(h) => join(&self.tier, h),
-            None => Ok(()),
-        }
+    /// Lets `n` gradient writes or updates be in flight (at least one): with a second queued
+    /// behind the running one, the disk does not wait for the rank's thread between them.
+    pub fn allow_writes(&mut self, n: usize) {
+        self.max_writes = n.max(1);
     }
 
-    /// Starts writing unit `u`'s mean gradient shard, after the previous write finishes
+    /// Waits for the oldest writes or updates until another may start; the first error.
+    pub fn make_room(&mut self) -> Result<(), TierError> {
+        let mut res = Ok(());
+        while self.writes.len() >= self.max_writes {
+            let h = self.writes.pop_front().expect("the queue is not empty");
+            res = res.and(join(&self.tier, h));
+        }
+        res
+    }
+
+    /// Waits for every gradient write or update in flight; the first error.
+    pub fn wait_write(&mut self) -> Result<(), TierError> {
+        let mut res = Ok(());
+        while let Some(h) = self.writes.pop_front() {
+            res = res.and(join(&self.tier, h));
+        }
+        res
+    }
+
+    /// Starts writing unit `u`'s mean gradient shard, once there is room ([`TierIo::make_room`])
     /// (whose error, if any, is returned instead).
     pub fn write_grads(&mut self, u: usize, g: Vec<f32>) -> Result<(), TierError> {
-        self.wait_write()?;
+        self.make_room()?;
         let (tier, owed) = (Arc::clone(&self.tier), self.owed.clone());
         // An update still owed reads the gradient about to be overwritten: it runs first.
         let step = self.take_owed(u);
@@ -168,7 +191,7 @@ impl TierIo {
             });
         match h {
             Ok(h) => {
-                self.write = Some(h);
+                self.writes.push_back(h);
                 Ok(())
             }
             Err(e) => {
@@ -181,7 +204,7 @@ impl TierIo {
     }
 
     /// Starts unit `u`'s update from its mean gradient shard `g` with Adam's `t` and learning
-    /// rate `lr`, into the unit's other copy, after the previous write or update finishes
+    /// rate `lr`, into the unit's other copy, once there is room ([`TierIo::make_room`])
     /// (whose error, if any, is returned instead).
     pub fn update_in_backward(
         &mut self,
@@ -190,7 +213,7 @@ impl TierIo {
         t: u64,
         lr: f32,
     ) -> Result<(), TierError> {
-        self.wait_write()?;
+        self.make_room()?;
         let tier = Arc::clone(&self.tier);
         let updater = self.in_backward.clone().ok_or_else(|| {
             TierError::Helper("this rank's updates do not run in the backward".into())
@@ -209,7 +232,7 @@ impl TierIo {
                 })
             })
             .map_err(|e| TierError::Helper(format!("cannot start a tier I/O thread: {e}")))?;
-        self.write = Some(h);
+        self.writes.push_back(h);
         Ok(())
     }
 

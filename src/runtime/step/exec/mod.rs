@@ -99,7 +99,8 @@ pub fn run_step<T: Transport>(
             )
         })
         .collect();
-    let program = phases(st.stage, st.units() as u32, cfg.max_live_units);
+    let ranks = st.map.members.len();
+    let program = phases(st.stage, st.units() as u32, cfg.max_live_units, ranks);
     let ties = Ties::of(&*st.model).map_err(|what| CommError::Protocol {
         from: st.rank,
         what: format!("the model's tied parameters: {what}"),
@@ -213,12 +214,20 @@ impl<'a> Pass<'a> {
         ties: (&'a Ties, &'a [u32]),
     ) -> Self {
         let units = st.units();
-        let tier_io = (st.params_on_tier() || st.grads_on_tier())
+        let mut tier_io = (st.params_on_tier() || st.grads_on_tier())
             .then(|| {
                 st.tier_shared()
                     .map(|t| TierIo::new(t, st.owed.clone(), st.in_backward.clone()))
             })
             .flatten();
+        // One rank waits for each reduce-scatter at once (`schedule::phases`): its one exact
+        // accumulator (8 bytes an element) leaves room for a second update's gradient (4), so
+        // the disk can go from one update to the next without waiting for the rank's thread.
+        if let Some(io) = tier_io.as_mut() {
+            if st.in_backward.is_some() && st.map.members.len() == 1 {
+                io.allow_writes(2);
+            }
+        }
         st.begin_backward_updates();
         if let Some(w) = &mut st.whole_grads {
             w.iter_mut().for_each(GradBuf::fill_zero);

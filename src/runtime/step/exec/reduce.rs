@@ -41,12 +41,12 @@ impl Pass<'_> {
         let tag = self.tag(TagKind::ReduceScatter, unit, 0);
         let res = collectives::wait_reduce_scatter(comm, &self.st.map, u, tag, &mut acc, 0);
         // The owned ranges, in the shard's layout: into the shard's buffer, or into one that
-        // goes to the tier. The previous unit's write finishes first, so that one gradient
-        // shard at most is in RAM besides this unit's accumulator.
+        // goes to the tier. Earlier units' writes finish first as far as needed, so that the
+        // gradient shards in RAM besides this unit's accumulator stay bounded (`TierIo`).
         let in_backward = self.st.in_backward.is_some();
         if self.st.grads_on_tier() || in_backward {
             if let Some(io) = self.tier_io.as_mut() {
-                io.wait_write()
+                io.make_room()
                     .map_err(|e| CommError::Storage(e.to_string()))?;
             }
         }
