@@ -412,14 +412,23 @@ fn a_failing_disk_stops_the_run_cleanly_or_loses_the_rank() {
         stage: 3,
         ..small(ModelKind::Gpt)
     };
-    let want = sha(&base);
+    assert_failing_disks_stop_or_recover(&base, dir.path());
+    assert_clean(dir.path());
+}
+
+/// `base` (two ranks or more) with everything on the tier in `dir` and an injected EIO on rank
+/// 1's disk, then an ENOSPC on rank 0's: without backups the run stops naming the error and the
+/// directory; with them the survivor takes the rank's state over and the run ends with `base`'s
+/// digest in RAM.
+pub(crate) fn assert_failing_disks_stop_or_recover(base: &TrainConfig, dir: &Path) {
+    let want = sha(base);
     for (fault, what) in [
         ("1:eio@600KiB", "I/O error (EIO)"),
         ("0:enospc@700KiB", "no space left on the device"),
     ] {
         let cfg = TrainConfig {
             nvme_fault: Some(fault.parse().unwrap()),
-            ..offloaded(&base, dir.path(), true, true)
+            ..offloaded(base, dir, true, true)
         };
         let err = run_cfg(&TrainConfig {
             replicate_every: 0,
@@ -429,11 +438,10 @@ fn a_failing_disk_stops_the_run_cleanly_or_loses_the_rank() {
         .expect("the run stops")
         .to_string();
         assert!(err.contains(what), "{fault}: {err}");
-        assert!(err.contains(&s(dir.path()).to_string()), "{fault}: {err}");
+        assert!(err.contains(&s(dir).to_string()), "{fault}: {err}");
         // With backups, the survivor takes the rank's state over.
         assert_eq!(sha(&cfg), want, "{fault}");
     }
-    assert_clean(dir.path());
 }
 
 /// The tier's disk fills up mid-run (an injected ENOSPC on rank 0's tier file, after the step-2

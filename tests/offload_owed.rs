@@ -11,7 +11,30 @@ use elastic_zero::runtime::actors::ClusterEvent;
 use elastic_zero::runtime::step::rank_state::ChunkState;
 use elastic_zero::runtime::{Cluster, ClusterSpec};
 
-use crate::offload::{assert_clean, at, offloaded, sha, tier_dir};
+use crate::offload::{
+    assert_clean, assert_failing_disks_stop_or_recover, at, offloaded, sha, tier_dir,
+};
+
+/// `base` at 1, 2 and 3 ranks: fixed; with backups before steps 0, 2 and 4 and a kill in step 3
+/// (after step 2, whose update may be owed, rolled back to a backup); with a leave and a join.
+fn elastic_cases(base: &TrainConfig) -> Vec<TrainConfig> {
+    [
+        (1, 0, vec![], vec![], vec![]),
+        (2, 0, vec![], vec![], vec![]),
+        (3, 2, vec![], vec![], vec![at(2, 3)]),
+        (3, 3, vec![at(1, 2)], vec![at(3, 4)], vec![]),
+    ]
+    .into_iter()
+    .map(|(ranks, replicate_every, leave, join, kill)| TrainConfig {
+        ranks,
+        replicate_every,
+        leave,
+        join,
+        kill,
+        ..base.clone()
+    })
+    .collect()
+}
 
 /// Stage 3 with everything on the tier owes each step's update to the next forward, unless the
 /// state is read before it (a backup, a scripted change, the end). Owed or not, through a kill
@@ -26,21 +49,7 @@ fn updates_owed_to_the_next_forward_change_no_bits() {
         ..small(ModelKind::Gpt)
     };
     let want = sha(&base);
-    for (ranks, replicate_every, leave, join, kill) in [
-        (1, 0, vec![], vec![], vec![]),
-        (2, 0, vec![], vec![], vec![]),
-        // Backups before steps 0, 2 and 4: step 2 owes its update, step 3 is killed mid-step.
-        (3, 2, vec![], vec![], vec![at(2, 3)]),
-        (3, 3, vec![at(1, 2)], vec![at(3, 4)], vec![]),
-    ] {
-        let cfg = TrainConfig {
-            ranks,
-            replicate_every,
-            leave,
-            join,
-            kill,
-            ..base.clone()
-        };
+    for cfg in elastic_cases(&base) {
         for params in [true, false] {
             let got = sha(&offloaded(&cfg, dir.path(), params, true));
             assert_eq!(got, want, "parameters on the tier: {params}, {cfg:?}");
@@ -66,28 +75,11 @@ fn updates_in_the_backward_change_no_bits() {
         ..small(ModelKind::Gpt)
     };
     let want = sha(&base);
-    for (ranks, replicate_every, leave, join, kill) in [
-        (1, 0, vec![], vec![], vec![]),
-        (2, 0, vec![], vec![], vec![]),
-        (3, 2, vec![], vec![], vec![at(2, 3)]),
-        (3, 3, vec![at(1, 2)], vec![at(3, 4)], vec![]),
-    ] {
-        let cfg = offloaded(
-            &TrainConfig {
-                ranks,
-                replicate_every,
-                leave,
-                join,
-                kill,
-                ..base.clone()
-            },
-            dir.path(),
-            true,
-            true,
-        );
+    for case in elastic_cases(&base) {
+        let cfg = offloaded(&case, dir.path(), true, true);
         let out = common::run_cfg(&cfg).unwrap();
         assert_eq!(out.param_sha256, want, "{cfg:?}");
-        if ranks == 1 {
+        if cfg.ranks == 1 {
             assert_eq!(out.records[0].attempts, 2, "step 0 was redone");
             // The tier holds p, m and v twice and no gradient: 6 values an element against
             // the 4 of the schedule that updates after the backward.
@@ -108,29 +100,7 @@ fn updates_in_the_backward_change_no_bits() {
         steps: 5,
         ..base.clone()
     };
-    let want = sha(&two);
-    for (fault, what) in [
-        ("1:eio@600KiB", "I/O error (EIO)"),
-        ("0:enospc@700KiB", "no space left on the device"),
-    ] {
-        let cfg = TrainConfig {
-            nvme_fault: Some(fault.parse().unwrap()),
-            ..offloaded(&two, dir.path(), true, true)
-        };
-        let err = common::run_cfg(&TrainConfig {
-            replicate_every: 0,
-            ..cfg.clone()
-        })
-        .err()
-        .expect("the run stops")
-        .to_string();
-        assert!(err.contains(what), "{fault}: {err}");
-        assert!(
-            err.contains(&*dir.path().to_string_lossy()),
-            "{fault}: {err}"
-        );
-        assert_eq!(sha(&cfg), want, "{fault}");
-    }
+    assert_failing_disks_stop_or_recover(&two, dir.path());
     assert_clean(dir.path());
 }
 

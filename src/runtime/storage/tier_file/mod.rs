@@ -400,16 +400,32 @@ impl TierFile {
         kinds: Range<usize>,
         buf: AlignedBuf,
     ) -> Result<Pending, TierError> {
-        let (offset, len) = self.layout.values_span(rec, kinds);
-        let offset = self.placed(offset, self.layout.record_span(rec).0, false);
-        // What it reads may be what a deferred write is writing: those writes land first. The
-        // others stay in flight (the next step's first reads need not wait for the last
-        // records the optimizer wrote back).
-        if let Err(e) = self.settle_range(offset, len) {
-            self.pool.push(buf);
-            return Err(e);
-        }
+        let (offset, len, buf) = self.settled_span(rec, kinds, false, buf)?;
         self.start(Op::Read, offset, len, buf)
+    }
+
+    /// File offset and bytes of values `kinds` of record `rec` (in the unit's other copy with
+    /// `next`), once the deferred writes of those bytes have landed: a read may want what one
+    /// is writing, and two writes of the same blocks in flight could land in either order (an
+    /// update of a redone pass over the first pass's). The other deferred writes stay in
+    /// flight (the next step's first reads need not wait for the last records the optimizer
+    /// wrote back). On error `buf` goes back to the pool.
+    fn settled_span(
+        &mut self,
+        rec: usize,
+        kinds: Range<usize>,
+        next: bool,
+        buf: AlignedBuf,
+    ) -> Result<(u64, usize, AlignedBuf), TierError> {
+        let (offset, len) = self.layout.values_span(rec, kinds);
+        let offset = self.placed(offset, self.layout.record_span(rec).0, next);
+        match self.settle_range(offset, len) {
+            Ok(()) => Ok((offset, len, buf)),
+            Err(e) => {
+                self.pool.push(buf);
+                Err(e)
+            }
+        }
     }
 
     /// Starts writing the whole record `rec` from `buf`.
@@ -447,14 +463,7 @@ impl TierFile {
         buf: AlignedBuf,
         next: bool,
     ) -> Result<Pending, TierError> {
-        let (offset, len) = self.layout.values_span(rec, kinds);
-        let offset = self.placed(offset, self.layout.record_span(rec).0, next);
-        // Two writes of the same blocks in flight could land in either order (an update of a
-        // redone pass over the first pass's): the earlier one lands first.
-        if let Err(e) = self.settle_range(offset, len) {
-            self.pool.push(buf);
-            return Err(e);
-        }
+        let (offset, len, buf) = self.settled_span(rec, kinds, next, buf)?;
         let first = offset as usize / BLOCK;
         for (i, block) in buf.bytes()[..len].chunks(BLOCK).enumerate() {
             self.crcs[first + i] = crc32fast::hash(block);
