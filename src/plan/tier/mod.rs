@@ -486,8 +486,10 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
     // Backward: the unit accumulators and a micro-batch gradient; the optimizer: one unit's
     // gradient shard widened to f32. They do not overlap in time. Stages 2-3 wait for a unit's
     // reduce-scatter only after the next unit's backward (`schedule::phases`), so two
-    // accumulators are live; stages 0-1 accumulate into their resident whole-model gradients
-    // (counted there), and one is kept as a margin.
+    // accumulators are live (one with a single rank, but a join can grow the world mid-run;
+    // the room it leaves holds a second update's gradient shard, `TierIo`); stages 0-1
+    // accumulate into their resident whole-model gradients (counted there), and one is kept as
+    // a margin.
     let accumulators = if matches!(d.stage, Stage::Zero2 | Stage::Zero3) {
         2
     } else {
