@@ -71,10 +71,7 @@ pub enum Phase {
 /// The phase program for one step of `ranks` ranks. `max_live_units` bounds ZeRO-3's gathered
 /// working set: the unit being computed plus `max_live_units - 1` prefetched ones.
 pub fn phases(stage: Stage, units: u32, max_live_units: usize, ranks: usize) -> Vec<Phase> {
-    // With one rank a reduce-scatter moves nothing, so there is nothing to overlap: each unit's
-    // wait follows its post, which keeps one accumulator live instead of two and hands the
-    // reduced shard on (to the optimizer's tier I/O) a unit earlier.
-    let lag = ranks > 1;
+    let lag = !waits_at_once(ranks);
     let mut p = Vec::new();
     let ahead = max_live_units.max(1) as u32 - 1;
     if stage == Stage::Zero3 {
@@ -122,6 +119,14 @@ pub fn phases(stage: Stage, units: u32, max_live_units: usize, ranks: usize) -> 
         p.push(Phase::GatherParams);
     }
     p
+}
+
+/// Whether a step of `ranks` ranks waits for each unit's reduce-scatter right after posting it.
+/// With one rank a reduce-scatter moves nothing, so there is nothing to overlap: one exact
+/// accumulator is live instead of two, and the reduced shard is handed on (to the optimizer's
+/// tier I/O) a unit earlier.
+pub fn waits_at_once(ranks: usize) -> bool {
+    ranks <= 1
 }
 
 /// Inserts each unit's `WaitReduceScatter`: with `lag`, right after the next unit's

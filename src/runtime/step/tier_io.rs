@@ -154,18 +154,17 @@ impl TierIo {
 
     /// Waits for the oldest writes or updates until another may start; the first error.
     pub fn make_room(&mut self) -> Result<(), TierError> {
-        let mut res = Ok(());
-        while self.writes.len() >= self.max_writes {
-            let h = self.writes.pop_front().expect("the queue is not empty");
-            res = res.and(join(&self.tier, h));
-        }
-        res
+        self.join_writes(self.max_writes - 1)
     }
 
-    /// Waits for every gradient write or update in flight; the first error.
-    pub fn wait_write(&mut self) -> Result<(), TierError> {
+    /// Waits for the oldest writes or updates until `keep` are left in flight; the first error.
+    fn join_writes(&mut self, keep: usize) -> Result<(), TierError> {
         let mut res = Ok(());
-        while let Some(h) = self.writes.pop_front() {
+        while self.writes.len() > keep {
+            let h = self
+                .writes
+                .pop_front()
+                .expect("the queue is longer than keep");
             res = res.and(join(&self.tier, h));
         }
         res
@@ -240,7 +239,7 @@ impl TierIo {
     /// for is dropped).
     pub fn finish(&mut self) -> Result<(), TierError> {
         let read = self.drop_read();
-        self.wait_write().and(read)
+        self.join_writes(0).and(read)
     }
 }
 

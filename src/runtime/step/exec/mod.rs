@@ -24,7 +24,7 @@ use crate::model::backend::Precision;
 use crate::model::gemm::round_bf16;
 use crate::model::tie::Ties;
 use crate::model::{Kept, MicroBatch};
-use crate::plan::schedule::{phases, Phase};
+use crate::plan::schedule::{phases, waits_at_once, Phase};
 use crate::plan::volume::Volume;
 use crate::plan::Stage;
 use crate::reduce::exact::{self, QuantStats};
@@ -220,11 +220,11 @@ impl<'a> Pass<'a> {
                     .map(|t| TierIo::new(t, st.owed.clone(), st.in_backward.clone()))
             })
             .flatten();
-        // One rank waits for each reduce-scatter at once (`schedule::phases`): its one exact
-        // accumulator (8 bytes an element) leaves room for a second update's gradient (4), so
-        // the disk can go from one update to the next without waiting for the rank's thread.
+        // A rank that waits for each reduce-scatter at once holds one exact accumulator (8 bytes
+        // an element), which leaves room for a second update's gradient (4), so the disk can go
+        // from one update to the next without waiting for the rank's thread.
         if let Some(io) = tier_io.as_mut() {
-            if st.in_backward.is_some() && st.map.members.len() == 1 {
+            if st.in_backward.is_some() && waits_at_once(st.map.members.len()) {
                 io.allow_writes(2);
             }
         }

@@ -44,7 +44,8 @@ impl Pass<'_> {
         // goes to the tier. Earlier units' writes finish first as far as needed, so that the
         // gradient shards in RAM besides this unit's accumulator stay bounded (`TierIo`).
         let in_backward = self.st.in_backward.is_some();
-        if self.st.grads_on_tier() || in_backward {
+        let on_tier = self.st.grads_on_tier() || in_backward;
+        if on_tier {
             if let Some(io) = self.tier_io.as_mut() {
                 io.make_room()
                     .map_err(|e| CommError::Storage(e.to_string()))?;
@@ -54,7 +55,6 @@ impl Pass<'_> {
         // tier, before clipping, which needs the global norm: its partial sum of squares is
         // taken now, from the exact sums, and the optimizer applies the clip coefficient when
         // it reads the shard.
-        let on_tier = self.st.grads_on_tier() || in_backward;
         let mode = self.st.mode;
         let factor = grad_buf::mean_factor(mode, self.exps[u], self.plan.micro_batches);
         let shard = &mut self.st.shards[u];

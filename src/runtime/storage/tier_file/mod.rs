@@ -186,9 +186,9 @@ pub struct TierFile {
     crcs: Vec<u32>,
     pool: Vec<AlignedBuf>,
     /// Writes left in flight past the phase that started them (the optimizer's write-back runs
-    /// on into the next step's compute). A read waits for those it overlaps, a buffer wanted
-    /// when none is free is taken from the oldest, and their first error is returned by the
-    /// next read, write or [`TierFile::settle`].
+    /// on into the next step's compute). A read or a write waits for those it overlaps, a
+    /// buffer wanted when none is free is taken from the oldest, and their first error is
+    /// returned by the next read, write or [`TierFile::settle`].
     deferred: VecDeque<Pending>,
     deferred_err: Option<TierError>,
     pub stats: TierStats,
