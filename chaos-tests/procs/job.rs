@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -92,14 +92,43 @@ pub(crate) struct Run<'a> {
 }
 
 /// A free loopback port (TCP or UDP), released for the worker to bind.
+///
+/// Taken below the kernel's ephemeral range and never handed out twice by this process: a
+/// port from `bind(:0)` that is released again can be given to the next `bind(:0)` (one of
+/// the proxies' sockets, another worker's probe) before the worker binds it, and the worker
+/// then stops at start-up with the address in use.
 fn free_port(udp: bool) -> Result<u16, String> {
-    let port = if udp {
-        UdpSocket::bind("127.0.0.1:0").and_then(|s| s.local_addr())
-    } else {
-        TcpListener::bind("127.0.0.1:0").and_then(|s| s.local_addr())
-    };
-    port.map(|a| a.port())
-        .map_err(|e| format!("no free port: {e}"))
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let (low, high) = below_ephemeral();
+    let span = u32::from(high - low);
+    // Test binaries run one after another and may overlap in TIME_WAIT; start each at its own
+    // offset.
+    let offset = std::process::id() % span;
+    for _ in 0..span {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = low + ((offset + n) % span) as u16;
+        let addr = ("127.0.0.1", port);
+        let free = if udp {
+            UdpSocket::bind(addr).is_ok()
+        } else {
+            TcpListener::bind(addr).is_ok()
+        };
+        if free {
+            return Ok(port);
+        }
+    }
+    Err(format!("no free port in {low}..{high}"))
+}
+
+/// Ports the kernel never picks for `bind(:0)`: the 12k below its ephemeral range
+/// (`/proc/sys/net/ipv4/ip_local_port_range`, 32768 by default), above the privileged ones.
+fn below_ephemeral() -> (u16, u16) {
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    let high = low.max(2048);
+    (high.saturating_sub(12_000).max(1024), high)
 }
 
 /// The train flags of a scenario (for the coordinator and the fault-free reference alike).
@@ -369,7 +398,12 @@ fn run_inner(
     let result = drive(&mut run, reference, expect);
     let finish = finish(&mut run, *expect == Expect::Digest);
     let mut out = std::mem::take(&mut run.out);
-    out.failure = result.err().or(finish.err());
+    // A job that failed shows why its workers stopped too: "rank 1 failed before it was
+    // bound" alone does not say that rank 1 could not bind its address.
+    out.failure = match (result, finish) {
+        (Err(job), Err(workers)) => Some(format!("{job}; {workers}")),
+        (r, f) => r.err().or(f.err()),
+    };
     for (k, v) in [
         ("bytes_passed", &run.net.counts.bytes_passed),
         ("chunks_delayed", &run.net.counts.chunks_delayed),
