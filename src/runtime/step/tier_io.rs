@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use super::buf_pool::BufPool;
 use super::offload::{self, TierUpdater};
 use super::owed::{Owed, OwedStep};
 use crate::runtime::storage::tier_file::beside_compute;
@@ -33,23 +34,25 @@ pub struct TierIo {
     writes: VecDeque<JoinHandle<Result<(), TierError>>>,
     /// How many may be in flight ([`TierIo::allow_writes`]).
     max_writes: usize,
+    /// Where shards are read into and where the gradient shards go once on the tier.
+    pool: Arc<BufPool>,
 }
 
-/// Unit `u`'s parameter shard: read, or made by running its owed update.
+/// Unit `u`'s parameter shard (`len` elements, into a buffer from `pool`): read, or made by
+/// running its owed update.
 fn load(
     tier: &Mutex<TierFile>,
     owed: Option<(&Owed, OwedStep)>,
     u: usize,
     len: usize,
+    pool: &BufPool,
 ) -> Result<Vec<f32>, TierError> {
+    let mut out = pool.take(len);
     match owed {
-        Some((o, step)) => {
-            let mut out = vec![0f32; len];
-            o.apply(&mut lock(tier), u, step, &mut out)?;
-            Ok(out)
-        }
-        None => offload::read_unit_params(&mut lock(tier), u, len),
+        Some((o, step)) => o.apply(&mut lock(tier), u, step, &mut out)?,
+        None => offload::read_shard_values_into(&mut lock(tier), u, 0, 0..len, &mut out)?,
     }
+    Ok(out)
 }
 
 fn lock(t: &Mutex<TierFile>) -> std::sync::MutexGuard<'_, TierFile> {
@@ -72,6 +75,7 @@ impl TierIo {
         tier: Arc<Mutex<TierFile>>,
         owed: Option<Arc<Owed>>,
         in_backward: Option<Arc<TierUpdater>>,
+        pool: Arc<BufPool>,
     ) -> Self {
         Self {
             tier,
@@ -80,6 +84,7 @@ impl TierIo {
             read: None,
             writes: VecDeque::new(),
             max_writes: 1,
+            pool,
         }
     }
 
@@ -101,13 +106,14 @@ impl TierIo {
             return;
         }
         let (tier, owed) = (Arc::clone(&self.tier), self.owed.clone());
+        let pool = Arc::clone(&self.pool);
         let step = self.take_owed(u);
         let h = std::thread::Builder::new()
             .name("ezero-tier-read".into())
             .spawn(move || {
                 beside_compute(|| {
                     let t0 = Instant::now();
-                    let res = load(&tier, owed.as_deref().zip(step), u, len);
+                    let res = load(&tier, owed.as_deref().zip(step), u, len, &pool);
                     let ms = t0.elapsed().as_secs_f64() * 1e3;
                     tracing::trace!(unit = u, ms, "read ahead");
                     res
@@ -143,7 +149,13 @@ impl TierIo {
         // A read of another unit is finished first: one reader of the file at a time.
         self.drop_read()?;
         let step = self.take_owed(u);
-        load(&self.tier, self.owed.as_deref().zip(step), u, len)
+        load(
+            &self.tier,
+            self.owed.as_deref().zip(step),
+            u,
+            len,
+            &self.pool,
+        )
     }
 
     /// Lets `n` gradient writes or updates be in flight (at least one): with a second queued
@@ -175,6 +187,7 @@ impl TierIo {
     pub fn write_grads(&mut self, u: usize, g: Vec<f32>) -> Result<(), TierError> {
         self.make_room()?;
         let (tier, owed) = (Arc::clone(&self.tier), self.owed.clone());
+        let pool = Arc::clone(&self.pool);
         // An update still owed reads the gradient about to be overwritten: it runs first.
         let step = self.take_owed(u);
         let h = std::thread::Builder::new()
@@ -185,7 +198,9 @@ impl TierIo {
                     if let (Some(o), Some(step)) = (owed, step) {
                         o.apply(&mut t, u, step, &mut [])?;
                     }
-                    offload::spill_grads(&mut t, u, &g)
+                    let res = offload::spill_grads(&mut t, u, &g);
+                    pool.give(g);
+                    res
                 })
             });
         match h {
@@ -214,6 +229,7 @@ impl TierIo {
     ) -> Result<(), TierError> {
         self.make_room()?;
         let tier = Arc::clone(&self.tier);
+        let pool = Arc::clone(&self.pool);
         let updater = self.in_backward.clone().ok_or_else(|| {
             TierError::Helper("this rank's updates do not run in the backward".into())
         })?;
@@ -225,6 +241,7 @@ impl TierIo {
                     let mut tier = lock(&tier);
                     let locked_ms = t0.elapsed().as_secs_f64() * 1e3;
                     let res = updater.update_into_next(&mut tier, u, t, lr, &g);
+                    pool.give(g);
                     let ms = t0.elapsed().as_secs_f64() * 1e3;
                     tracing::trace!(unit = u, locked_ms, ms, "update in the backward");
                     res
