@@ -487,8 +487,7 @@ pub fn evaluate(d: &Demand, p: Placement, tile_elems: u64) -> Fit {
     // gradient shard widened to f32. They do not overlap in time. Stages 2-3 wait for a unit's
     // reduce-scatter only after the next unit's backward (`schedule::phases`), so two
     // accumulators are live (one with a single rank, but a join can grow the world mid-run;
-    // the 8 bytes an element it leaves hold a second update's gradient shard, `TierIo`, and the
-    // step's one recycled unit buffer, `BufPool`); stages 0-1
+    // the room it leaves holds a second update's gradient shard, `TierIo`); stages 0-1
     // accumulate into their resident whole-model gradients (counted there), and one is kept as
     // a margin.
     let accumulators = if matches!(d.stage, Stage::Zero2 | Stage::Zero3) {

@@ -6,7 +6,6 @@
 //! (messages, the memory ledger, progress), `model`, `optim`, `reduce`, `data`, `config` and
 //! `wire`. Never `actors`, `api` or `procs`.
 
-pub mod buf_pool;
 pub mod chunk_set;
 pub mod collectives;
 pub mod comm;

@@ -417,19 +417,6 @@ pub fn read_shard_values(
     elems: Range<usize>,
 ) -> Result<Vec<f32>, TierError> {
     let mut out = vec![0f32; elems.len()];
-    read_shard_values_into(tier, u, k, elems, &mut out)?;
-    Ok(out)
-}
-
-/// [`read_shard_values`] into `out` (`elems`' length), every element of which is written.
-pub fn read_shard_values_into(
-    tier: &mut TierFile,
-    u: usize,
-    k: usize,
-    elems: Range<usize>,
-    out: &mut [f32],
-) -> Result<(), TierError> {
-    debug_assert_eq!(out.len(), elems.len());
     let mut reads: VecDeque<(usize, Pending)> = VecDeque::new();
     let mut first_err = None;
     let wanted = tier.layout.unit_records(u).filter(|&rec| {
@@ -440,7 +427,7 @@ pub fn read_shard_values_into(
     for rec in wanted {
         if tier.free_bufs() == 0 {
             let (r, p) = reads.pop_front().expect("buffers are free or reading");
-            if let Err(e) = copy_values(tier, r, p, &elems, out) {
+            if let Err(e) = copy_values(tier, r, p, &elems, &mut out) {
                 first_err.get_or_insert(e);
             }
         }
@@ -457,11 +444,16 @@ pub fn read_shard_values_into(
         }
     }
     for (r, p) in reads {
-        if let Err(e) = copy_values(tier, r, p, &elems, out) {
+        if let Err(e) = copy_values(tier, r, p, &elems, &mut out) {
             first_err.get_or_insert(e);
         }
     }
-    first_err.map_or(Ok(()), Err)
+    first_err.map_or(Ok(out), Err)
+}
+
+/// Reads unit `u`'s whole parameter shard (value 0 of every record).
+pub fn read_unit_params(tier: &mut TierFile, u: usize, len: usize) -> Result<Vec<f32>, TierError> {
+    read_shard_values(tier, u, 0, 0..len)
 }
 
 /// Copies the part of record `rec`'s finished read that falls in `elems` into `out` (indexed

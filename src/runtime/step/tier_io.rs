@@ -15,7 +15,6 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use super::buf_pool::BufPool;
 use super::offload::{self, TierUpdater};
 use super::owed::{Owed, OwedStep};
 use crate::runtime::storage::tier_file::beside_compute;
@@ -34,25 +33,23 @@ pub struct TierIo {
     writes: VecDeque<JoinHandle<Result<(), TierError>>>,
     /// How many may be in flight ([`TierIo::allow_writes`]).
     max_writes: usize,
-    /// Where shards are read into and where the gradient shards go once on the tier.
-    pool: Arc<BufPool>,
 }
 
-/// Unit `u`'s parameter shard (`len` elements, into a buffer from `pool`): read, or made by
-/// running its owed update.
+/// Unit `u`'s parameter shard: read, or made by running its owed update.
 fn load(
     tier: &Mutex<TierFile>,
     owed: Option<(&Owed, OwedStep)>,
     u: usize,
     len: usize,
-    pool: &BufPool,
 ) -> Result<Vec<f32>, TierError> {
-    let mut out = pool.take(len);
     match owed {
-        Some((o, step)) => o.apply(&mut lock(tier), u, step, &mut out)?,
-        None => offload::read_shard_values_into(&mut lock(tier), u, 0, 0..len, &mut out)?,
+        Some((o, step)) => {
+            let mut out = vec![0f32; len];
+            o.apply(&mut lock(tier), u, step, &mut out)?;
+            Ok(out)
+        }
+        None => offload::read_unit_params(&mut lock(tier), u, len),
     }
-    Ok(out)
 }
 
 fn lock(t: &Mutex<TierFile>) -> std::sync::MutexGuard<'_, TierFile> {
@@ -75,7 +72,6 @@ impl TierIo {
         tier: Arc<Mutex<TierFile>>,
         owed: Option<Arc<Owed>>,
         in_backward: Option<Arc<TierUpdater>>,
-        pool: Arc<BufPool>,
     ) -> Self {
         Self {
             tier,
@@ -84,7 +80,6 @@ impl TierIo {
             read: None,
             writes: VecDeque::new(),
             max_writes: 1,
-            pool,
         }
     }
 
@@ -106,14 +101,13 @@ impl TierIo {
             return;
         }
         let (tier, owed) = (Arc::clone(&self.tier), self.owed.clone());
-        let pool = Arc::clone(&self.pool);
         let step = self.take_owed(u);
         let h = std::thread::Builder::new()
             .name("ezero-tier-read".into())
             .spawn(move || {
                 beside_compute(|| {
                     let t0 = Instant::now();
-                    let res = load(&tier, owed.as_deref().zip(step), u, len, &pool);
+                    let res = load(&tier, owed.as_deref().zip(step), u, len);
                     let ms = t0.elapsed().as_secs_f64() * 1e3;
                     tracing::trace!(unit = u, ms, "read ahead");
                     res
@@ -149,13 +143,7 @@ impl TierIo {
         // A read of another unit is finished first: one reader of the file at a time.
         self.drop_read()?;
         let step = self.take_owed(u);
-        load(
-            &self.tier,
-            self.owed.as_deref().zip(step),
-            u,
-            len,
-            &self.pool,
-        )
+        load(&self.tier, self.owed.as_deref().zip(step), u, len)
     }
 
     /// Lets `n` gradient writes or updates be in flight (at least one): with a second queued
@@ -187,7 +175,6 @@ impl TierIo {
     pub fn write_grads(&mut self, u: usize, g: Vec<f32>) -> Result<(), TierError> {
         self.make_room()?;
         let (tier, owed) = (Arc::clone(&self.tier), self.owed.clone());
-        let pool = Arc::clone(&self.pool);
         // An update still owed reads the gradient about to be overwritten: it runs first.
         let step = self.take_owed(u);
         let h = std::thread::Builder::new()
@@ -198,9 +185,7 @@ impl TierIo {
                     if let (Some(o), Some(step)) = (owed, step) {
                         o.apply(&mut t, u, step, &mut [])?;
                     }
-                    let res = offload::spill_grads(&mut t, u, &g);
-                    pool.give(g);
-                    res
+                    offload::spill_grads(&mut t, u, &g)
                 })
             });
         match h {
@@ -229,7 +214,6 @@ impl TierIo {
     ) -> Result<(), TierError> {
         self.make_room()?;
         let tier = Arc::clone(&self.tier);
-        let pool = Arc::clone(&self.pool);
         let updater = self.in_backward.clone().ok_or_else(|| {
             TierError::Helper("this rank's updates do not run in the backward".into())
         })?;
@@ -241,7 +225,6 @@ impl TierIo {
                     let mut tier = lock(&tier);
                     let locked_ms = t0.elapsed().as_secs_f64() * 1e3;
                     let res = updater.update_into_next(&mut tier, u, t, lr, &g);
-                    pool.give(g);
                     let ms = t0.elapsed().as_secs_f64() * 1e3;
                     tracing::trace!(unit = u, locked_ms, ms, "update in the backward");
                     res

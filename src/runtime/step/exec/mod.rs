@@ -13,9 +13,6 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use std::sync::Arc;
-
-use super::buf_pool::BufPool;
 use super::collectives;
 use super::comm::{Comm, CommError};
 use super::rank_state::RankState;
@@ -114,13 +111,6 @@ pub fn run_step<T: Transport>(
         .map(|t| t * plan.micro_batches)
         .collect();
     let mut bounds = plan.grad_bounds.clone();
-    // Stage 3's gathered units and, with a tier, the shards read for them and the gradient
-    // shards going to it. One kept buffer serves a unit's cycle (its gathered unit freed, then
-    // its gradient shard taken; an update done, then the next shard read). Only where one
-    // exact accumulator is live (`plan::tier::evaluate` counts two): the room of the second
-    // holds the kept buffer.
-    let spares = usize::from(waits_at_once(ranks));
-    let pool = Arc::new(BufPool::new(spares));
     let (mut compute_s, mut optimizer_s) = (0.0, 0.0);
     for attempt in 0..MAX_ATTEMPTS {
         let exps: Vec<i32> = bounds
@@ -128,7 +118,7 @@ pub fn run_step<T: Transport>(
             .zip(&terms)
             .map(|(&b, &t)| exact::scale_exponent(b, t))
             .collect();
-        let mut pass = Pass::new(st, plan, &mbs, cfg, (attempt, exps), (&ties, &terms), &pool);
+        let mut pass = Pass::new(st, plan, &mbs, cfg, attempt, exps, (&ties, &terms));
         // An injected kill strikes halfway through the phase program.
         let stop = vanish_at.map(|p| p.min(program.len() / 2));
         let outcome = pass.run(comm, &program, stop);
@@ -206,8 +196,6 @@ struct Pass<'a> {
     own: BTreeMap<u32, Vec<f32>>,
     /// Reads ahead and writes gradients beside compute, when the tier holds them.
     tier_io: Option<TierIo>,
-    /// Unit-sized buffers recycled through the step.
-    pool: Arc<BufPool>,
     unit_acc: BTreeMap<u32, GradBuf>,
     stats: Vec<QuantStats>,
     agreed: Option<Agreed>,
@@ -221,17 +209,15 @@ impl<'a> Pass<'a> {
         plan: &'a StepPlan,
         mbs: &'a [(u32, MicroBatch)],
         cfg: &'a ExecConfig,
-        (attempt, exps): (u8, Vec<i32>),
+        attempt: u8,
+        exps: Vec<i32>,
         ties: (&'a Ties, &'a [u32]),
-        pool: &Arc<BufPool>,
     ) -> Self {
         let units = st.units();
         let mut tier_io = (st.params_on_tier() || st.grads_on_tier())
             .then(|| {
-                st.tier_shared().map(|t| {
-                    let pool = Arc::clone(pool);
-                    TierIo::new(t, st.owed.clone(), st.in_backward.clone(), pool)
-                })
+                st.tier_shared()
+                    .map(|t| TierIo::new(t, st.owed.clone(), st.in_backward.clone()))
             })
             .flatten();
         // A rank that waits for each reduce-scatter at once holds one exact accumulator (8 bytes
@@ -263,7 +249,6 @@ impl<'a> Pass<'a> {
             gathered: BTreeMap::new(),
             own: BTreeMap::new(),
             tier_io,
-            pool: Arc::clone(pool),
             unit_acc: BTreeMap::new(),
             stats: vec![QuantStats::default(); units],
             agreed: None,
@@ -363,7 +348,6 @@ impl<'a> Pass<'a> {
                     self.st
                         .ledger
                         .free(Category::Gathered, 4 * buf.len() as u64);
-                    self.pool.give(buf);
                 }
                 Ok(())
             }
@@ -445,21 +429,17 @@ impl<'a> Pass<'a> {
         let own = self.own.remove(&unit);
         let shard = &self.st.shards[u];
         let whole = matches!(shard.ranges.as_slice(), [r] if *r == (0..numel));
-        // The gather overwrites every element: this rank's ranges here, the peers' as they
-        // arrive (`wait_owned` waits for every owner), so a recycled buffer's values never show.
         let mut full = match own {
-            // Holding the whole unit (one rank), the shard read off the tier is the unit.
+            // A rank holding the whole unit (one rank) read the unit itself off the tier: no
+            // second buffer and no copy (a fresh 200 MiB buffer costs 0.1 s of page faults).
             Some(own) if whole => own,
             own => {
-                let mut full = self.pool.take(numel);
+                let mut full = vec![0f32; numel];
                 let src = own.as_deref().unwrap_or(&shard.params);
                 let mut off = 0;
                 for r in &shard.ranges {
                     full[r.clone()].copy_from_slice(&src[off..off + r.len()]);
                     off += r.len();
-                }
-                if let Some(own) = own {
-                    self.pool.give(own);
                 }
                 full
             }

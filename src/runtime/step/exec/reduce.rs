@@ -59,9 +59,7 @@ impl Pass<'_> {
         let factor = grad_buf::mean_factor(mode, self.exps[u], self.plan.micro_batches);
         let shard = &mut self.st.shards[u];
         let spilled = if on_tier {
-            let mut g = self.pool.take(shard.len());
-            let sum_squares = acc.shard_mean_into(&shard.ranges, factor, &mut g);
-            Some((g, sum_squares))
+            Some(acc.shard_mean(&shard.ranges, factor))
         } else {
             let sg = shard
                 .grads
