@@ -91,6 +91,12 @@ fn updates_in_the_backward_change_no_bits() {
             let bytes =
                 |o: &elastic_zero::runtime::TrainOutcome| o.records[0].reports[0].tier_bytes;
             assert_eq!(2 * bytes(&out), 3 * bytes(&clipped));
+            // The update takes the parameters the backward's gather read: a step reads p
+            // (forward), p (backward's gather), m and v, four values a record, against the
+            // clipped schedule's p, m, v and g (the owed update in the forward) and p again.
+            let read =
+                |o: &elastic_zero::runtime::TrainOutcome| o.records[1].reports[0].tier_read_bytes;
+            assert_eq!(5 * read(&out), 4 * read(&clipped));
         }
     }
     // A disk failing under an update in the backward stops the run naming the file; with

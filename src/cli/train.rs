@@ -462,11 +462,17 @@ pub(super) fn describe_fit(fit: &Fit, cfg: &TrainConfig) -> String {
             .flatten()
             .collect::<Vec<_>>()
             .join(", "),
-            if fit.update_in_backward {
-                "; updates run in the backward, into a second copy of parameters and optimizer \
-                 state, so gradients are not stored"
-            } else {
-                ""
+            match (fit.update_in_backward, fit.update_reuses_params) {
+                (true, true) => {
+                    "; updates run in the backward, into a second copy of parameters and \
+                     optimizer state, so gradients are not stored, with the parameters the \
+                     backward read"
+                }
+                (true, false) => {
+                    "; updates run in the backward, into a second copy of parameters and \
+                     optimizer state, so gradients are not stored"
+                }
+                _ => "",
             },
             if cfg.nvme_buffered {
                 ", buffered I/O"

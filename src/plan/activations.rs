@@ -144,6 +144,7 @@ mod tests {
                 snapshot_bytes: 0,
                 process_bytes: bytes,
                 update_in_backward: false,
+                update_reuses_params: false,
             };
             if base + act <= budget {
                 Ok(fit(Placement::RAM, base + act))

@@ -160,6 +160,51 @@ fn updates_run_in_the_backward_only_with_everything_on_the_tier_and_clipping_off
 }
 
 #[test]
+fn the_update_in_the_backward_reuses_the_gathered_parameters_where_they_fit() {
+    let all = Placement {
+        optimizer: Tier::Nvme,
+        params: Tier::Nvme,
+        grads: Tier::Nvme,
+    };
+    let off = Demand {
+        clipping: false,
+        ..demand(Stage::Zero3, 100_000_000, 1)
+    };
+    let without = evaluate(&off, all, DEFAULT_TILE_ELEMS);
+    let with = evaluate_with(&off, all, DEFAULT_TILE_ELEMS, true);
+    assert!(with.update_reuses_params && !without.update_reuses_params);
+    // Two shards kept, one running update's and the next's.
+    let shard = off.largest_unit_elems * off.owned_elems / off.total_elems;
+    assert_eq!(with.per_rank.working, without.per_rank.working + 8 * shard);
+    let only = |allow: Offload| Limits {
+        grads: allow,
+        ..limits(Offload::Nvme, Offload::Nvme, with.process_bytes)
+    };
+    // Room for the kept shards: reused; a byte less at the same record size: read again.
+    assert!(
+        place(&off, &only(Offload::Nvme))
+            .unwrap()
+            .update_reuses_params
+    );
+    let tight = Limits {
+        budget: Budget::Configured(with.process_bytes - 1),
+        tile_elems: Some(DEFAULT_TILE_ELEMS),
+        ..only(Offload::Nvme)
+    };
+    let fit = place(&off, &tight).unwrap();
+    assert!(fit.update_in_backward && !fit.update_reuses_params);
+    // Not with clipping on (no update in the backward), nor under bf16, whose gathered unit
+    // holds rounded values, not the masters.
+    let clipped = demand(Stage::Zero3, 100_000_000, 1);
+    assert!(!evaluate_with(&clipped, all, DEFAULT_TILE_ELEMS, true).update_reuses_params);
+    let bf16 = Demand {
+        param_copy_bytes: 2,
+        ..off
+    };
+    assert!(!evaluate_with(&bf16, all, DEFAULT_TILE_ELEMS, true).update_reuses_params);
+}
+
+#[test]
 fn memory_stays_bounded_as_the_model_grows() {
     // With everything offloaded, RAM grows only with the largest unit, not with the
     // parameter, optimizer or gradient state.

@@ -197,6 +197,7 @@ pub fn prepare_storage(
     .map_err(|e| ClusterError::Memory(e.to_string()))?;
     let spec = TierSpec {
         update_in_backward: fit.update_in_backward,
+        update_reuses_params: fit.update_reuses_params,
         faults: cfg.nvme_fault.map(|f| {
             (
                 f.rank,

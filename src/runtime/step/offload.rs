@@ -136,6 +136,9 @@ pub struct TierUpdater {
     settings: OptimSettings,
     /// Each unit's shard chunk ranges within the unit.
     ranges: Vec<Vec<Range<usize>>>,
+    /// Updates in the backward take the parameter shard its gather read
+    /// ([`TierUpdater::reusing_params`]).
+    reuses_params: bool,
 }
 
 impl TierUpdater {
@@ -148,7 +151,21 @@ impl TierUpdater {
             model,
             settings,
             ranges,
+            reuses_params: false,
         }
+    }
+
+    /// With `yes`, the step keeps the parameter shard each unit's backward gather read and
+    /// hands it to the unit's update in the backward, which then reads only m and v.
+    pub fn reusing_params(self, yes: bool) -> Self {
+        Self {
+            reuses_params: yes,
+            ..self
+        }
+    }
+
+    pub fn reuses_params(&self) -> bool {
+        self.reuses_params
     }
 
     pub fn units(&self) -> usize {
@@ -160,9 +177,10 @@ impl TierUpdater {
     }
 
     /// Streams unit `u`'s records through the update with `step`'s scalars. `g` is the unit's
-    /// mean gradient shard, or empty where the records hold it; the updated masters also land
-    /// in `params_out` (the shard's length, or empty); with `next_copy` the update goes to the
-    /// unit's other copy.
+    /// mean gradient shard, or empty where the records hold it; `params_in` the shard's
+    /// parameters as the tier holds them (not read again), or empty; the updated masters also
+    /// land in `params_out` (the shard's length, or empty); with `next_copy` the update goes
+    /// to the unit's other copy.
     #[allow(clippy::too_many_arguments)]
     pub fn update(
         &self,
@@ -170,7 +188,7 @@ impl TierUpdater {
         stream: &mut UpdateStream,
         u: usize,
         step: StepScalars,
-        g: &[f32],
+        (g, params_in): (&[f32], &[f32]),
         params_out: &mut [f32],
         next_copy: bool,
     ) -> Result<(), TierError> {
@@ -189,14 +207,17 @@ impl TierUpdater {
             params: &mut [],
             m: &mut [],
             v: &mut [],
+            params_in,
             params_out,
         };
         update_unit(tier, stream, u, parts, &mut FullCopy::default(), &args)
     }
 
     /// Runs unit `u`'s update in the backward, from its mean gradient shard `g` (clipping is
-    /// off), into the unit's other copy, and stages it: it becomes the unit's state when the
-    /// step is agreed. Reads go no further ahead than the unit's own records.
+    /// off) and its parameter shard `params` if the step kept it (else read), into the unit's
+    /// other copy, and stages it: it becomes the unit's state when the step is agreed. Reads go
+    /// no further ahead than the unit's own records.
+    #[allow(clippy::too_many_arguments)]
     pub fn update_into_next(
         &self,
         tier: &mut TierFile,
@@ -204,6 +225,7 @@ impl TierUpdater {
         t: u64,
         lr: f32,
         g: &[f32],
+        params: &[f32],
     ) -> Result<(), TierError> {
         let step = StepScalars {
             t,
@@ -211,7 +233,7 @@ impl TierUpdater {
             clip_coef: 1.0,
         };
         let mut stream = UpdateStream::until(tier.layout.unit_records(u).end);
-        let res = self.update(tier, &mut stream, u, step, g, &mut [], true);
+        let res = self.update(tier, &mut stream, u, step, (g, params), &mut [], true);
         res.and(stream.finish(tier))?;
         tier.stage_next(u);
         Ok(())
@@ -225,6 +247,9 @@ pub struct ShardParts<'a> {
     pub params: &'a mut [f32],
     pub m: &'a mut [f32],
     pub v: &'a mut [f32],
+    /// The shard's parameters as the records hold them, which are then not read (empty for
+    /// none): an update in the backward takes the shard its gather read.
+    pub params_in: &'a [f32],
     /// Where the updated masters are copied as well, in shard order (empty for none): an
     /// update owed to the next forward hands the gather its shard without reading it again.
     pub params_out: &'a mut [f32],
@@ -294,6 +319,10 @@ pub fn update_unit(
         .map_or(tier.layout.records(), |e| e.min(tier.layout.records()));
     debug_assert!(records.end <= total, "unit {u} is past the stream's end");
     stream.next = stream.next.max(records.start);
+    // The parameters at hand are not read: the read takes the values after them, and they are
+    // put in front once it lands.
+    let given = kinds.params && !shard.params_in.is_empty();
+    let read = usize::from(given)..values;
     let mut g_tile = if kinds.grads > 0 {
         vec![0f32; tier.layout.tile_elems]
     } else {
@@ -311,7 +340,7 @@ pub fn update_unit(
             // write-back pipeline.
             while *next < total && (*next == rec || tier_has_spare(tier)) {
                 let buf = next_buf(tier, writes)?;
-                reads.push_back((*next, tier.start_read(*next, 0..values, buf)?));
+                reads.push_back((*next, tier.start_read(*next, read.clone(), buf)?));
                 *next += 1;
             }
             let (r, pending) = reads.pop_front().expect("the current record was started");
@@ -319,6 +348,12 @@ pub fn update_unit(
             let mut buf = tier.finish(pending)?;
             let (_, span) = tier.layout.record_span(rec);
             let tile = tier.layout.record_tile(rec);
+            if given {
+                let vals = buf.f32s_mut();
+                vals.copy_within(0..tile * read.len(), tile);
+                vals[..span.len()].copy_from_slice(&shard.params_in[span.clone()]);
+                vals[span.len()..tile].fill(0.0);
+            }
             let (head, gcols) = buf.f32s_mut().split_at_mut(tile * kinds.grads_at());
             if kinds.grads > 0 {
                 let g = &mut g_tile[..span.len()];

@@ -103,7 +103,7 @@ impl Owed {
         params_out: &mut [f32],
     ) -> Result<(), TierError> {
         self.updater
-            .update(tier, stream, u, step, &[], params_out, false)
+            .update(tier, stream, u, step, (&[], &[]), params_out, false)
     }
 
     /// Runs every update still owed, in unit order, each run of consecutive units as one

@@ -320,13 +320,17 @@ impl RankState {
         crate::runtime::alloc::release_free_memory();
         let updater = || {
             let ranges = shards.iter().map(|s| s.ranges.clone()).collect();
-            Arc::new(offload::TierUpdater::new(Arc::clone(&model), optim, ranges))
+            offload::TierUpdater::new(Arc::clone(&model), optim, ranges)
         };
         let owed = tier
             .as_ref()
             .filter(|t| defers_update(stage, t.layout.kinds, optim))
-            .map(|_| Arc::new(Owed::new(updater())));
-        let in_backward = tier.as_ref().filter(|t| t.two_copies()).map(|_| updater());
+            .map(|_| Arc::new(Owed::new(Arc::new(updater()))));
+        let reuses_params = storage.is_some_and(|s| s.update_reuses_params);
+        let in_backward = tier
+            .as_ref()
+            .filter(|t| t.two_copies())
+            .map(|_| Arc::new(updater().reusing_params(reuses_params)));
         Ok(Self {
             rank,
             stage,
@@ -528,6 +532,7 @@ impl RankState {
                     params: &mut shard.params,
                     m: &mut shard.opt.m,
                     v: &mut shard.opt.v,
+                    params_in: &[],
                     params_out: &mut [],
                 };
                 offload::update_unit(&mut tier, stream, u, parts, &mut self.full[u], &args)

@@ -202,13 +202,13 @@ impl TierIo {
         }
     }
 
-    /// Starts unit `u`'s update from its mean gradient shard `g` with Adam's `t` and learning
-    /// rate `lr`, into the unit's other copy, once there is room ([`TierIo::make_room`])
-    /// (whose error, if any, is returned instead).
+    /// Starts unit `u`'s update from its mean gradient shard `g` (and its parameter shard, if
+    /// the step kept it) with Adam's `t` and learning rate `lr`, into the unit's other copy,
+    /// once there is room ([`TierIo::make_room`]) (whose error, if any, is returned instead).
     pub fn update_in_backward(
         &mut self,
         u: usize,
-        g: Vec<f32>,
+        (g, params): (Vec<f32>, Option<Vec<f32>>),
         t: u64,
         lr: f32,
     ) -> Result<(), TierError> {
@@ -224,7 +224,8 @@ impl TierIo {
                     let t0 = Instant::now();
                     let mut tier = lock(&tier);
                     let locked_ms = t0.elapsed().as_secs_f64() * 1e3;
-                    let res = updater.update_into_next(&mut tier, u, t, lr, &g);
+                    let params = params.as_deref().unwrap_or(&[]);
+                    let res = updater.update_into_next(&mut tier, u, t, lr, &g, params);
                     let ms = t0.elapsed().as_secs_f64() * 1e3;
                     tracing::trace!(unit = u, locked_ms, ms, "update in the backward");
                     res

@@ -41,6 +41,8 @@ pub struct TierSpec {
     /// Each unit's update runs in the backward (`plan::tier::updates_in_backward`): the files
     /// keep two copies of p, m and v and no gradients.
     pub update_in_backward: bool,
+    /// That update takes the parameter shard the backward's gather read (`Fit::update_reuses_params`).
+    pub update_reuses_params: bool,
 }
 
 impl TierSpec {
@@ -76,6 +78,7 @@ impl TierSpec {
                 simulate: false,
                 faults: None,
                 update_in_backward: false,
+                update_reuses_params: false,
             },
             lock,
         ))

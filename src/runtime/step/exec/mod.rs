@@ -8,7 +8,7 @@
 
 mod reduce;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -194,6 +194,11 @@ struct Pass<'a> {
     gathered: BTreeMap<u32, Vec<f32>>,
     /// Stage 3 with parameters on the tier: the shard read for a gather, until its wait.
     own: BTreeMap<u32, Vec<f32>>,
+    /// Parameter shards read for the backward's gathers, kept for the units' updates in the
+    /// backward (`TierUpdater::reuses_params`); with one rank the gathered unit is the shard
+    /// and is kept at its `Free` (the units in `keep_at_free`).
+    kept_params: BTreeMap<u32, Vec<f32>>,
+    keep_at_free: BTreeSet<u32>,
     /// Reads ahead and writes gradients beside compute, when the tier holds them.
     tier_io: Option<TierIo>,
     unit_acc: BTreeMap<u32, GradBuf>,
@@ -248,6 +253,8 @@ impl<'a> Pass<'a> {
             losses: Vec::new(),
             gathered: BTreeMap::new(),
             own: BTreeMap::new(),
+            kept_params: BTreeMap::new(),
+            keep_at_free: BTreeSet::new(),
             tier_io,
             unit_acc: BTreeMap::new(),
             stats: vec![QuantStats::default(); units],
@@ -348,6 +355,9 @@ impl<'a> Pass<'a> {
                     self.st
                         .ledger
                         .free(Category::Gathered, 4 * buf.len() as u64);
+                    if self.keep_at_free.remove(&unit) {
+                        self.kept_params.insert(unit, buf);
+                    }
                 }
                 Ok(())
             }
@@ -429,10 +439,23 @@ impl<'a> Pass<'a> {
         let own = self.own.remove(&unit);
         let shard = &self.st.shards[u];
         let whole = matches!(shard.ranges.as_slice(), [r] if *r == (0..numel));
+        // The backward's gather read the shard its update in the backward needs.
+        let keep = pass == 1
+            && self.cfg.precision == Precision::Fp32
+            && self
+                .st
+                .in_backward
+                .as_ref()
+                .is_some_and(|u| u.reuses_params());
         let mut full = match own {
             // A rank holding the whole unit (one rank) read the unit itself off the tier: no
             // second buffer and no copy (a fresh 200 MiB buffer costs 0.1 s of page faults).
-            Some(own) if whole => own,
+            Some(own) if whole => {
+                if keep {
+                    self.keep_at_free.insert(unit);
+                }
+                own
+            }
             own => {
                 let mut full = vec![0f32; numel];
                 let src = own.as_deref().unwrap_or(&shard.params);
@@ -440,6 +463,9 @@ impl<'a> Pass<'a> {
                 for r in &shard.ranges {
                     full[r.clone()].copy_from_slice(&src[off..off + r.len()]);
                     off += r.len();
+                }
+                if let (true, Some(own)) = (keep, own) {
+                    self.kept_params.insert(unit, own);
                 }
                 full
             }

@@ -77,7 +77,10 @@ impl Pass<'_> {
                 let io = self.tier_io.as_mut().expect("a tier holds the gradients");
                 let (t, lr) = (self.plan.opt_step, self.plan.lr);
                 match in_backward {
-                    true => io.update_in_backward(u, g, t, lr),
+                    true => {
+                        let params = self.kept_params.remove(&unit);
+                        io.update_in_backward(u, (g, params), t, lr)
+                    }
                     false => io.write_grads(u, g),
                 }
                 .map_err(|e| CommError::Storage(e.to_string()))
