@@ -217,7 +217,6 @@ impl TierUpdater {
     /// off) and its parameter shard `params` if the step kept it (else read), into the unit's
     /// other copy, and stages it: it becomes the unit's state when the step is agreed. Reads go
     /// no further ahead than the unit's own records.
-    #[allow(clippy::too_many_arguments)]
     pub fn update_into_next(
         &self,
         tier: &mut TierFile,
@@ -322,6 +321,7 @@ pub fn update_unit(
     // The parameters at hand are not read: the read takes the values after them, and they are
     // put in front once it lands.
     let given = kinds.params && !shard.params_in.is_empty();
+    debug_assert!(!given || shard.params_in.len() == tier.layout.unit_lens[u]);
     let read = usize::from(given)..values;
     let mut g_tile = if kinds.grads > 0 {
         vec![0f32; tier.layout.tile_elems]
