@@ -450,7 +450,7 @@ pub(super) fn describe_fit(fit: &Fit, cfg: &TrainConfig) -> String {
     }
     if fit.placement.any_nvme() {
         line += &format!(
-            ", staging {}); on the tier: {} per rank ({}{}{}) in {}, {} KiB records",
+            ", staging {}); on the tier: {} per rank ({}{}{}{}) in {}, {} KiB records",
             gib(r.staging),
             gib(r.tier),
             [
@@ -462,17 +462,16 @@ pub(super) fn describe_fit(fit: &Fit, cfg: &TrainConfig) -> String {
             .flatten()
             .collect::<Vec<_>>()
             .join(", "),
-            match (fit.update_in_backward, fit.update_reuses_params) {
-                (true, true) => {
-                    "; updates run in the backward, into a second copy of parameters and \
-                     optimizer state, so gradients are not stored, with the parameters the \
-                     backward read"
-                }
-                (true, false) => {
-                    "; updates run in the backward, into a second copy of parameters and \
-                     optimizer state, so gradients are not stored"
-                }
-                _ => "",
+            if fit.update_in_backward {
+                "; updates run in the backward, into a second copy of parameters and optimizer \
+                 state, so gradients are not stored"
+            } else {
+                ""
+            },
+            if fit.update_reuses_params {
+                ", with the parameters the backward read"
+            } else {
+                ""
             },
             if cfg.nvme_buffered {
                 ", buffered I/O"

@@ -326,7 +326,9 @@ impl RankState {
             .as_ref()
             .filter(|t| defers_update(stage, t.layout.kinds, optim))
             .map(|_| Arc::new(Owed::new(Arc::new(updater()))));
-        let reuses_params = storage.is_some_and(|s| s.update_reuses_params);
+        // Under bf16 the gathered unit holds rounded values, not the masters the update needs.
+        let reuses_params =
+            storage.is_some_and(|s| s.update_reuses_params) && precision == Precision::Fp32;
         let in_backward = tier
             .as_ref()
             .filter(|t| t.two_copies())

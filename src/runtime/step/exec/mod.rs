@@ -441,7 +441,6 @@ impl<'a> Pass<'a> {
         let whole = matches!(shard.ranges.as_slice(), [r] if *r == (0..numel));
         // The backward's gather read the shard its update in the backward needs.
         let keep = pass == 1
-            && self.cfg.precision == Precision::Fp32
             && self
                 .st
                 .in_backward
