@@ -58,6 +58,19 @@ impl UnitShard {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Whether the held chunks are the whole unit of `numel` elements, in order: the shard is
+    /// then laid out as the unit is (one rank holds every chunk of every unit).
+    pub fn is_whole_unit(&self, numel: usize) -> bool {
+        let mut end = 0;
+        for r in &self.ranges {
+            if r.start != end {
+                return false;
+            }
+            end = r.end;
+        }
+        end == numel
+    }
 }
 
 pub struct RankState {
@@ -719,5 +732,31 @@ impl RankState {
             let t = t.lock().unwrap_or_else(|p| p.into_inner());
             (t.stats.read_bytes, t.stats.write_bytes, t.stats.wait_s)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shard(ranges: Vec<Range<usize>>) -> UnitShard {
+        UnitShard {
+            chunks: (0..ranges.len()).collect(),
+            ranges,
+            params: Vec::new(),
+            opt: OptimState::default(),
+            grads: None,
+        }
+    }
+
+    #[test]
+    fn a_shard_of_every_chunk_in_order_is_the_whole_unit() {
+        assert!(shard(vec![0..4, 4..8, 8..10]).is_whole_unit(10));
+        assert!(shard(vec![0..10]).is_whole_unit(10));
+        // A chunk missing, out of order, or the unit longer than the chunks.
+        assert!(!shard(vec![0..4, 8..10]).is_whole_unit(10));
+        assert!(!shard(vec![4..8, 0..4, 8..10]).is_whole_unit(10));
+        assert!(!shard(vec![0..4, 4..8]).is_whole_unit(10));
+        assert!(!shard(vec![]).is_whole_unit(10));
     }
 }

@@ -438,7 +438,7 @@ impl<'a> Pass<'a> {
         self.load_own_params(unit)?;
         let own = self.own.remove(&unit);
         let shard = &self.st.shards[u];
-        let whole = matches!(shard.ranges.as_slice(), [r] if *r == (0..numel));
+        let whole = shard.is_whole_unit(numel);
         // The backward's gather read the shard its update in the backward needs.
         let keep = pass == 1
             && self
