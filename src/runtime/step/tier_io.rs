@@ -11,6 +11,7 @@
 //! step's optimizer touches the tier and before the step returns, so no I/O outlives the step.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -33,37 +34,76 @@ pub struct TierIo {
     writes: VecDeque<JoinHandle<Result<(), TierError>>>,
     /// How many may be in flight ([`TierIo::allow_writes`]).
     max_writes: usize,
+    /// Time the rank's thread waited for helpers, not yet added to the tier's
+    /// `TierStats::wait_s`: that takes the file's lock, which a running update holds, so a
+    /// join of a helper that has finished would wait for the next one too. Added when
+    /// everything is joined ([`TierIo::finish`]).
+    waited_s: f64,
+    /// Reads of a parameter shard waiting for the file ([`lock_for_read`]).
+    reads_waiting: Arc<AtomicUsize>,
 }
 
 /// Unit `u`'s parameter shard: read, or made by running its owed update.
 fn load(
-    tier: &Mutex<TierFile>,
+    (tier, reads_waiting): (&Mutex<TierFile>, &AtomicUsize),
     owed: Option<(&Owed, OwedStep)>,
     u: usize,
     len: usize,
 ) -> Result<Vec<f32>, TierError> {
+    let mut t = lock_for_read(tier, reads_waiting);
     match owed {
         Some((o, step)) => {
             let mut out = vec![0f32; len];
-            o.apply(&mut lock(tier), u, step, &mut out)?;
+            o.apply(&mut t, u, step, &mut out)?;
             Ok(out)
         }
-        None => offload::read_unit_params(&mut lock(tier), u, len),
+        None => offload::read_unit_params(&mut t, u, len),
     }
 }
+
+/// The file, for a read the step's compute will wait on, counted in `reads_waiting` while it
+/// waits so that updates and gradient writes not yet started let it go first
+/// ([`lock_after_reads`]).
+fn lock_for_read<'a>(
+    t: &'a Mutex<TierFile>,
+    reads_waiting: &AtomicUsize,
+) -> std::sync::MutexGuard<'a, TierFile> {
+    reads_waiting.fetch_add(1, Ordering::AcqRel);
+    let g = lock(t);
+    reads_waiting.fetch_sub(1, Ordering::AcqRel);
+    g
+}
+
+/// The file, for an update or a gradient write: after any read waiting for it. The backward
+/// waits on the read of the unit it differentiates next, while an update only has to finish
+/// within the step, and with one rank two of them may be queued, so a read behind them held
+/// up the compute for two updates (0.7 s each at 1B parameters) while nothing waited on them.
+/// At most one read is in flight (and the rank's own when it has none), so the wait ends.
+fn lock_after_reads<'a>(
+    t: &'a Mutex<TierFile>,
+    reads_waiting: &AtomicUsize,
+) -> std::sync::MutexGuard<'a, TierFile> {
+    while reads_waiting.load(Ordering::Acquire) > 0 {
+        std::thread::sleep(READ_FIRST_POLL);
+    }
+    lock(t)
+}
+
+/// How often an update waiting for reads to go first looks again (a read takes 0.1 s or more).
+const READ_FIRST_POLL: std::time::Duration = std::time::Duration::from_micros(200);
 
 fn lock(t: &Mutex<TierFile>) -> std::sync::MutexGuard<'_, TierFile> {
     t.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Waits for a helper, counting the wait as the step's (`TierStats::wait_s`). A helper thread
-/// that died is an I/O failure of this rank, not a panic of the step.
-fn join<T>(tier: &Mutex<TierFile>, h: JoinHandle<Result<T, TierError>>) -> Result<T, TierError> {
+/// Waits for a helper, adding the wait to `waited_s`. A helper thread that died is an I/O
+/// failure of this rank, not a panic of the step.
+fn join<T>(waited_s: &mut f64, h: JoinHandle<Result<T, TierError>>) -> Result<T, TierError> {
     let t0 = Instant::now();
     let out = h
         .join()
         .unwrap_or_else(|_| Err(TierError::Helper("a tier I/O thread panicked".into())));
-    lock(tier).add_wait(t0.elapsed().as_secs_f64());
+    *waited_s += t0.elapsed().as_secs_f64();
     out
 }
 
@@ -80,6 +120,8 @@ impl TierIo {
             read: None,
             writes: VecDeque::new(),
             max_writes: 1,
+            waited_s: 0.0,
+            reads_waiting: Arc::default(),
         }
     }
 
@@ -101,13 +143,14 @@ impl TierIo {
             return;
         }
         let (tier, owed) = (Arc::clone(&self.tier), self.owed.clone());
+        let waiting = Arc::clone(&self.reads_waiting);
         let step = self.take_owed(u);
         let h = std::thread::Builder::new()
             .name("ezero-tier-read".into())
             .spawn(move || {
                 beside_compute(|| {
                     let t0 = Instant::now();
-                    let res = load(&tier, owed.as_deref().zip(step), u, len);
+                    let res = load((&tier, &waiting), owed.as_deref().zip(step), u, len);
                     let ms = t0.elapsed().as_secs_f64() * 1e3;
                     tracing::trace!(unit = u, ms, "read ahead");
                     res
@@ -126,9 +169,9 @@ impl TierIo {
     /// which must stop the step.
     fn drop_read(&mut self) -> Result<(), TierError> {
         match self.read.take() {
-            Some((_, true, h)) => join(&self.tier, h).map(drop),
+            Some((_, true, h)) => join(&mut self.waited_s, h).map(drop),
             Some((_, false, h)) => {
-                drop(join(&self.tier, h));
+                drop(join(&mut self.waited_s, h));
                 Ok(())
             }
             None => Ok(()),
@@ -138,12 +181,13 @@ impl TierIo {
     /// Unit `u`'s parameter shard: the prefetched one, or read now.
     pub fn params(&mut self, u: usize, len: usize) -> Result<Vec<f32>, TierError> {
         if let Some((_, _, h)) = self.read.take_if(|(p, _, _)| *p == u) {
-            return join(&self.tier, h);
+            return join(&mut self.waited_s, h);
         }
         // A read of another unit is finished first: one reader of the file at a time.
         self.drop_read()?;
         let step = self.take_owed(u);
-        load(&self.tier, self.owed.as_deref().zip(step), u, len)
+        let files = (&*self.tier, &*self.reads_waiting);
+        load(files, self.owed.as_deref().zip(step), u, len)
     }
 
     /// Lets `n` gradient writes or updates be in flight (at least one): with a second queued
@@ -165,7 +209,7 @@ impl TierIo {
                 .writes
                 .pop_front()
                 .expect("the queue is longer than keep");
-            res = res.and(join(&self.tier, h));
+            res = res.and(join(&mut self.waited_s, h));
         }
         res
     }
@@ -175,13 +219,14 @@ impl TierIo {
     pub fn write_grads(&mut self, u: usize, g: Vec<f32>) -> Result<(), TierError> {
         self.make_room()?;
         let (tier, owed) = (Arc::clone(&self.tier), self.owed.clone());
+        let waiting = Arc::clone(&self.reads_waiting);
         // An update still owed reads the gradient about to be overwritten: it runs first.
         let step = self.take_owed(u);
         let h = std::thread::Builder::new()
             .name("ezero-tier-write".into())
             .spawn(move || {
                 beside_compute(|| {
-                    let mut t = lock(&tier);
+                    let mut t = lock_after_reads(&tier, &waiting);
                     if let (Some(o), Some(step)) = (owed, step) {
                         o.apply(&mut t, u, step, &mut [])?;
                     }
@@ -214,6 +259,7 @@ impl TierIo {
     ) -> Result<(), TierError> {
         self.make_room()?;
         let tier = Arc::clone(&self.tier);
+        let waiting = Arc::clone(&self.reads_waiting);
         let updater = self.in_backward.clone().ok_or_else(|| {
             TierError::Helper("this rank's updates do not run in the backward".into())
         })?;
@@ -222,7 +268,7 @@ impl TierIo {
             .spawn(move || {
                 beside_compute(|| {
                     let t0 = Instant::now();
-                    let mut tier = lock(&tier);
+                    let mut tier = lock_after_reads(&tier, &waiting);
                     let locked_ms = t0.elapsed().as_secs_f64() * 1e3;
                     let params = params.as_deref().unwrap_or(&[]);
                     let res = updater.update_into_next(&mut tier, u, t, lr, &g, params);
@@ -240,7 +286,12 @@ impl TierIo {
     /// for is dropped).
     pub fn finish(&mut self) -> Result<(), TierError> {
         let read = self.drop_read();
-        self.join_writes(0).and(read)
+        let res = self.join_writes(0).and(read);
+        let waited = std::mem::take(&mut self.waited_s);
+        if waited > 0.0 {
+            lock(&self.tier).add_wait(waited);
+        }
+        res
     }
 }
 

@@ -45,12 +45,14 @@ impl Pass<'_> {
         // gradient shards in RAM besides this unit's accumulator stay bounded (`TierIo`).
         let in_backward = self.st.in_backward.is_some();
         let on_tier = self.st.grads_on_tier() || in_backward;
+        let t0 = std::time::Instant::now();
         if on_tier {
             if let Some(io) = self.tier_io.as_mut() {
                 io.make_room()
                     .map_err(|e| CommError::Storage(e.to_string()))?;
             }
         }
+        let room_ms = t0.elapsed().as_secs_f64() * 1e3;
         // The mean gradient is kept as f32 (4 bytes, not the accumulator's 8), in RAM or on the
         // tier, before clipping, which needs the global norm: its partial sum of squares is
         // taken now, from the exact sums, and the optimizer applies the clip coefficient when
@@ -70,6 +72,8 @@ impl Pass<'_> {
         };
         self.st.ledger.free(Category::Transient, acc.bytes() as u64);
         drop(acc);
+        let mean_ms = t0.elapsed().as_secs_f64() * 1e3 - room_ms;
+        tracing::trace!(unit, room_ms, mean_ms, "reduced shard");
         res?;
         match spilled {
             Some((g, sum_squares)) => {
