@@ -6,6 +6,9 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
+#[global_allocator]
+static ALLOC: elastic_zero::runtime::alloc::HugePages = elastic_zero::runtime::alloc::HugePages;
+
 fn main() -> ExitCode {
     elastic_zero::runtime::alloc::keep_freed_memory();
     // Before any thread starts: UCX reads its process-wide settings from the environment.
