@@ -739,10 +739,10 @@ impl RankState {
 mod tests {
     use super::*;
 
-    fn shard(ranges: Vec<Range<usize>>) -> UnitShard {
+    fn shard(ranges: &[Range<usize>]) -> UnitShard {
         UnitShard {
             chunks: (0..ranges.len()).collect(),
-            ranges,
+            ranges: ranges.to_vec(),
             params: Vec::new(),
             opt: OptimState::default(),
             grads: None,
@@ -751,12 +751,12 @@ mod tests {
 
     #[test]
     fn a_shard_of_every_chunk_in_order_is_the_whole_unit() {
-        assert!(shard(vec![0..4, 4..8, 8..10]).is_whole_unit(10));
-        assert!(shard(vec![0..10]).is_whole_unit(10));
+        assert!(shard(&[0..4, 4..8, 8..10]).is_whole_unit(10));
+        assert!(shard(&[Range { start: 0, end: 10 }]).is_whole_unit(10));
         // A chunk missing, out of order, or the unit longer than the chunks.
-        assert!(!shard(vec![0..4, 8..10]).is_whole_unit(10));
-        assert!(!shard(vec![4..8, 0..4, 8..10]).is_whole_unit(10));
-        assert!(!shard(vec![0..4, 4..8]).is_whole_unit(10));
-        assert!(!shard(vec![]).is_whole_unit(10));
+        assert!(!shard(&[0..4, 8..10]).is_whole_unit(10));
+        assert!(!shard(&[4..8, 0..4, 8..10]).is_whole_unit(10));
+        assert!(!shard(&[0..4, 4..8]).is_whole_unit(10));
+        assert!(!shard(&[]).is_whole_unit(10));
     }
 }
