@@ -300,3 +300,74 @@ impl Drop for TierIo {
         let _ = self.finish();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::sync::atomic::AtomicBool;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::runtime::storage::device::MemDevice;
+    use crate::runtime::storage::{RecordKinds, TierLayout};
+
+    fn tier() -> Arc<Mutex<TierFile>> {
+        let kinds = RecordKinds {
+            params: true,
+            state: 2,
+            grads: 1,
+        };
+        let layout = TierLayout::new(vec![4096, 4096], 1024, kinds);
+        let file = TierFile::create(Path::new("mem"), Box::new(MemDevice::new()), layout, 4)
+            .expect("a tier file in memory");
+        Arc::new(Mutex::new(file))
+    }
+
+    #[test]
+    fn taking_a_finished_helper_needs_no_file_lock() {
+        let t = tier();
+        let mut io = TierIo::new(Arc::clone(&t), None, None);
+        io.write_grads(0, vec![0.5; 4096])
+            .expect("the write starts");
+        while !io.writes.front().is_some_and(JoinHandle::is_finished) {
+            std::thread::yield_now();
+        }
+        // Another thread holds the file, as a running update would; making room takes the
+        // finished write without it. (Before, the join took the lock and waited here.)
+        let held = lock(&t);
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            s.spawn(move || tx.send(io.make_room()).expect("the test waits"));
+            // A liveness bound, not a speed one: a regression would wait forever.
+            let got = rx.recv_timeout(Duration::from_secs(60));
+            drop(held);
+            let res = got.expect("making room waited for the file's lock");
+            assert!(res.is_ok(), "{res:?}");
+        });
+        assert_eq!(lock(&t).stats.write_bytes, 4 * 4096);
+    }
+
+    #[test]
+    fn updates_and_gradient_writes_start_after_a_waiting_read() {
+        let t = tier();
+        let waiting = AtomicUsize::new(1);
+        let started = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let w = s.spawn(|| {
+                let _file = lock_after_reads(&t, &waiting);
+                started.store(true, Ordering::Release);
+            });
+            // However long it is given, it does not start while the read waits.
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(!started.load(Ordering::Acquire));
+            waiting.store(0, Ordering::Release);
+            w.join().expect("the writer");
+        });
+        assert!(started.load(Ordering::Acquire));
+        // A read does not wait for updates queued behind it, and counts itself only while it
+        // waits.
+        let r = lock_for_read(&t, &waiting);
+        assert_eq!(waiting.load(Ordering::Acquire), 0);
+        drop(r);
+    }
+}
