@@ -9,10 +9,12 @@
 //! own buffers, which the planner counts), or two updates with one rank, whose single
 //! exact accumulator leaves room for the second shard; every helper is joined before the
 //! step's optimizer touches the tier and before the step returns, so no I/O outlives the step.
+//! Helpers take the file through [`SharedTier`], which lets a parameter read go before updates
+//! and gradient writes that have not started yet.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -24,7 +26,7 @@ use crate::runtime::storage::{TierError, TierFile};
 type Read = JoinHandle<Result<Vec<f32>, TierError>>;
 
 pub struct TierIo {
-    tier: Arc<Mutex<TierFile>>,
+    tier: SharedTier,
     owed: Option<Arc<Owed>>,
     in_backward: Option<Arc<TierUpdater>>,
     /// The unit whose parameter shard is being read, whether the read is its owed update, and
@@ -39,18 +41,62 @@ pub struct TierIo {
     /// join of a helper that has finished would wait for the next one too. Added when
     /// everything is joined ([`TierIo::finish`]).
     waited_s: f64,
-    /// Reads of a parameter shard waiting for the file ([`lock_for_read`]).
+}
+
+/// The rank's tier file as the step's helpers share it. The backward waits on the read of the
+/// unit it differentiates next, while an update only has to finish within the step, and with
+/// one rank two of them may be queued: a read behind them held up the compute for two updates
+/// (0.7 s each at 1B parameters) while nothing waited on them. So a read counts itself while
+/// it waits for the file ([`SharedTier::for_read`]), and updates and gradient writes start only
+/// when no read waits ([`SharedTier::after_reads`]). At most one read is in flight (and the
+/// rank's own when it has none), so that wait ends.
+#[derive(Clone)]
+struct SharedTier {
+    file: Arc<Mutex<TierFile>>,
     reads_waiting: Arc<AtomicUsize>,
 }
 
+impl SharedTier {
+    fn new(file: Arc<Mutex<TierFile>>) -> Self {
+        Self {
+            file,
+            reads_waiting: Arc::default(),
+        }
+    }
+
+    /// The file, for a read the step's compute will wait on.
+    fn for_read(&self) -> MutexGuard<'_, TierFile> {
+        self.reads_waiting.fetch_add(1, Ordering::AcqRel);
+        let g = self.lock();
+        self.reads_waiting.fetch_sub(1, Ordering::AcqRel);
+        g
+    }
+
+    /// The file, for an update or a gradient write: after any read waiting for it.
+    fn after_reads(&self) -> MutexGuard<'_, TierFile> {
+        while self.reads_waiting.load(Ordering::Acquire) > 0 {
+            std::thread::sleep(READ_FIRST_POLL);
+        }
+        self.lock()
+    }
+
+    /// The file, in turn with whoever else wants it.
+    fn lock(&self) -> MutexGuard<'_, TierFile> {
+        self.file.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// How often an update waiting for reads to go first looks again (a read takes 0.1 s or more).
+const READ_FIRST_POLL: std::time::Duration = std::time::Duration::from_micros(200);
+
 /// Unit `u`'s parameter shard: read, or made by running its owed update.
 fn load(
-    (tier, reads_waiting): (&Mutex<TierFile>, &AtomicUsize),
+    tier: &SharedTier,
     owed: Option<(&Owed, OwedStep)>,
     u: usize,
     len: usize,
 ) -> Result<Vec<f32>, TierError> {
-    let mut t = lock_for_read(tier, reads_waiting);
+    let mut t = tier.for_read();
     match owed {
         Some((o, step)) => {
             let mut out = vec![0f32; len];
@@ -59,41 +105,6 @@ fn load(
         }
         None => offload::read_unit_params(&mut t, u, len),
     }
-}
-
-/// The file, for a read the step's compute will wait on, counted in `reads_waiting` while it
-/// waits so that updates and gradient writes not yet started let it go first
-/// ([`lock_after_reads`]).
-fn lock_for_read<'a>(
-    t: &'a Mutex<TierFile>,
-    reads_waiting: &AtomicUsize,
-) -> std::sync::MutexGuard<'a, TierFile> {
-    reads_waiting.fetch_add(1, Ordering::AcqRel);
-    let g = lock(t);
-    reads_waiting.fetch_sub(1, Ordering::AcqRel);
-    g
-}
-
-/// The file, for an update or a gradient write: after any read waiting for it. The backward
-/// waits on the read of the unit it differentiates next, while an update only has to finish
-/// within the step, and with one rank two of them may be queued, so a read behind them held
-/// up the compute for two updates (0.7 s each at 1B parameters) while nothing waited on them.
-/// At most one read is in flight (and the rank's own when it has none), so the wait ends.
-fn lock_after_reads<'a>(
-    t: &'a Mutex<TierFile>,
-    reads_waiting: &AtomicUsize,
-) -> std::sync::MutexGuard<'a, TierFile> {
-    while reads_waiting.load(Ordering::Acquire) > 0 {
-        std::thread::sleep(READ_FIRST_POLL);
-    }
-    lock(t)
-}
-
-/// How often an update waiting for reads to go first looks again (a read takes 0.1 s or more).
-const READ_FIRST_POLL: std::time::Duration = std::time::Duration::from_micros(200);
-
-fn lock(t: &Mutex<TierFile>) -> std::sync::MutexGuard<'_, TierFile> {
-    t.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Waits for a helper, adding the wait to `waited_s`. A helper thread that died is an I/O
@@ -114,14 +125,13 @@ impl TierIo {
         in_backward: Option<Arc<TierUpdater>>,
     ) -> Self {
         Self {
-            tier,
+            tier: SharedTier::new(tier),
             owed,
             in_backward,
             read: None,
             writes: VecDeque::new(),
             max_writes: 1,
             waited_s: 0.0,
-            reads_waiting: Arc::default(),
         }
     }
 
@@ -142,15 +152,14 @@ impl TierIo {
         if self.read.is_some() {
             return;
         }
-        let (tier, owed) = (Arc::clone(&self.tier), self.owed.clone());
-        let waiting = Arc::clone(&self.reads_waiting);
+        let (tier, owed) = (self.tier.clone(), self.owed.clone());
         let step = self.take_owed(u);
         let h = std::thread::Builder::new()
             .name("ezero-tier-read".into())
             .spawn(move || {
                 beside_compute(|| {
                     let t0 = Instant::now();
-                    let res = load((&tier, &waiting), owed.as_deref().zip(step), u, len);
+                    let res = load(&tier, owed.as_deref().zip(step), u, len);
                     let ms = t0.elapsed().as_secs_f64() * 1e3;
                     tracing::trace!(unit = u, ms, "read ahead");
                     res
@@ -186,8 +195,7 @@ impl TierIo {
         // A read of another unit is finished first: one reader of the file at a time.
         self.drop_read()?;
         let step = self.take_owed(u);
-        let files = (&*self.tier, &*self.reads_waiting);
-        load(files, self.owed.as_deref().zip(step), u, len)
+        load(&self.tier, self.owed.as_deref().zip(step), u, len)
     }
 
     /// Lets `n` gradient writes or updates be in flight (at least one): with a second queued
@@ -218,15 +226,14 @@ impl TierIo {
     /// (whose error, if any, is returned instead).
     pub fn write_grads(&mut self, u: usize, g: Vec<f32>) -> Result<(), TierError> {
         self.make_room()?;
-        let (tier, owed) = (Arc::clone(&self.tier), self.owed.clone());
-        let waiting = Arc::clone(&self.reads_waiting);
+        let (tier, owed) = (self.tier.clone(), self.owed.clone());
         // An update still owed reads the gradient about to be overwritten: it runs first.
         let step = self.take_owed(u);
         let h = std::thread::Builder::new()
             .name("ezero-tier-write".into())
             .spawn(move || {
                 beside_compute(|| {
-                    let mut t = lock_after_reads(&tier, &waiting);
+                    let mut t = tier.after_reads();
                     if let (Some(o), Some(step)) = (owed, step) {
                         o.apply(&mut t, u, step, &mut [])?;
                     }
@@ -258,8 +265,7 @@ impl TierIo {
         lr: f32,
     ) -> Result<(), TierError> {
         self.make_room()?;
-        let tier = Arc::clone(&self.tier);
-        let waiting = Arc::clone(&self.reads_waiting);
+        let tier = self.tier.clone();
         let updater = self.in_backward.clone().ok_or_else(|| {
             TierError::Helper("this rank's updates do not run in the backward".into())
         })?;
@@ -268,7 +274,7 @@ impl TierIo {
             .spawn(move || {
                 beside_compute(|| {
                     let t0 = Instant::now();
-                    let mut tier = lock_after_reads(&tier, &waiting);
+                    let mut tier = tier.after_reads();
                     let locked_ms = t0.elapsed().as_secs_f64() * 1e3;
                     let params = params.as_deref().unwrap_or(&[]);
                     let res = updater.update_into_next(&mut tier, u, t, lr, &g, params);
@@ -289,7 +295,7 @@ impl TierIo {
         let res = self.join_writes(0).and(read);
         let waited = std::mem::take(&mut self.waited_s);
         if waited > 0.0 {
-            lock(&self.tier).add_wait(waited);
+            self.tier.lock().add_wait(waited);
         }
         res
     }
@@ -334,7 +340,7 @@ mod tests {
         }
         // Another thread holds the file, as a running update would; making room takes the
         // finished write without it. (Before, the join took the lock and waited here.)
-        let held = lock(&t);
+        let held = t.lock().unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::scope(|s| {
             s.spawn(move || tx.send(io.make_room()).expect("the test waits"));
@@ -344,30 +350,30 @@ mod tests {
             let res = got.expect("making room waited for the file's lock");
             assert!(res.is_ok(), "{res:?}");
         });
-        assert_eq!(lock(&t).stats.write_bytes, 4 * 4096);
+        assert_eq!(t.lock().unwrap().stats.write_bytes, 4 * 4096);
     }
 
     #[test]
     fn updates_and_gradient_writes_start_after_a_waiting_read() {
-        let t = tier();
-        let waiting = AtomicUsize::new(1);
+        let t = SharedTier::new(tier());
+        t.reads_waiting.store(1, Ordering::Release);
         let started = AtomicBool::new(false);
         std::thread::scope(|s| {
             let w = s.spawn(|| {
-                let _file = lock_after_reads(&t, &waiting);
+                let _file = t.after_reads();
                 started.store(true, Ordering::Release);
             });
             // However long it is given, it does not start while the read waits.
             std::thread::sleep(Duration::from_millis(50));
             assert!(!started.load(Ordering::Acquire));
-            waiting.store(0, Ordering::Release);
+            t.reads_waiting.store(0, Ordering::Release);
             w.join().expect("the writer");
         });
         assert!(started.load(Ordering::Acquire));
         // A read does not wait for updates queued behind it, and counts itself only while it
         // waits.
-        let r = lock_for_read(&t, &waiting);
-        assert_eq!(waiting.load(Ordering::Acquire), 0);
+        let r = t.for_read();
+        assert_eq!(t.reads_waiting.load(Ordering::Acquire), 0);
         drop(r);
     }
 }
