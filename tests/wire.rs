@@ -6,8 +6,8 @@ use proptest::prelude::*;
 
 use elastic_zero::runtime::transport::{Frame, Tag, TagKind};
 use elastic_zero::wire::{
-    decode, decode_split, encode_split, encode_to_vec, Lane, StreamDecoder, WireError, WireMsg,
-    WireStats, WIRE_VERSION,
+    check_split_in_place, decode, decode_split, encode_split, encode_to_vec, frame_head, Lane,
+    StreamDecoder, WireError, WireMsg, WireStats, WIRE_VERSION,
 };
 
 const MAX: u32 = 1 << 16;
@@ -159,6 +159,36 @@ proptest! {
         let (mut a, mut p) = (around.clone(), payload.to_vec());
         if grow { p.push(0) } else if p.pop().is_none() { a = around[..around.len() - 1].to_vec() }
         prop_assert!(decode_split(&a, Bytes::from(p), MAX).is_err());
+    }
+
+    /// A frame's prefix and header are known before it arrives (what a receiver that lends a
+    /// buffer matches on), and the payload checked where it landed passes exactly when the
+    /// message decodes: a flipped byte anywhere is refused there too.
+    #[test]
+    fn a_frame_is_known_by_its_head_and_checked_in_place(
+        m in arb_msg(),
+        at in any::<prop::sample::Index>(),
+        x in 1u8..=255,
+    ) {
+        let (around, payload) = encode_split(&m);
+        if let WireMsg::Frame(f) = &m {
+            let head = frame_head(f.epoch, f.step, f.from, f.tag, f.payload.len());
+            prop_assert_eq!(&around[..around.len() - 4], &head[..]);
+            // Another length or tag gives another head.
+            let other = frame_head(f.epoch, f.step, f.from, f.tag, f.payload.len() + 1);
+            prop_assert!(!around.starts_with(&other));
+            match check_split_in_place(&around, &payload, MAX) {
+                Ok(WireMsg::Frame(g)) => {
+                    prop_assert_eq!((g.epoch, g.step, g.from, g.tag), (f.epoch, f.step, f.from, f.tag));
+                    prop_assert!(g.payload.is_empty());
+                }
+                other => prop_assert!(false, "{:?}", other),
+            }
+        }
+        let i = at.index(around.len() + payload.len());
+        let (mut a, mut p) = (around.clone(), payload.to_vec());
+        if i < a.len() { a[i] ^= x } else { p[i - a.len()] ^= x }
+        prop_assert!(check_split_in_place(&a, &p, MAX).is_err());
     }
 
     /// A corrupted header with a valid checksum (a buggy or hostile peer, not line noise) is

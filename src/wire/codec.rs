@@ -101,17 +101,40 @@ pub fn encode(msg: &WireMsg) -> [Bytes; 3] {
         ),
         WireMsg::Control { from, payload } => (Header::Control { from: *from }, payload.clone()),
     };
+    let head = head_bytes(&header, payload.len());
+    let sum = crc32_of(&[&head, &payload]).to_le_bytes();
+    [Bytes::from(head), payload, Bytes::copy_from_slice(&sum)]
+}
+
+/// Prefix and header of a message whose payload is `payload_len` bytes.
+fn head_bytes(header: &Header, payload_len: usize) -> Vec<u8> {
     let mut head = vec![0u8; PREFIX_BYTES + MAX_HEADER_BYTES];
     // Every header variant is far below the limit, so encoding into the slice cannot fail.
-    let h = bincode::encode_into_slice(&header, &mut head[PREFIX_BYTES..], config())
+    let h = bincode::encode_into_slice(header, &mut head[PREFIX_BYTES..], config())
         .expect("headers are at most 37 bytes");
     head.truncate(PREFIX_BYTES + h);
-    let body = (h + payload.len()) as u32;
+    let body = (h + payload_len) as u32;
     head[0] = WIRE_VERSION;
     head[1..5].copy_from_slice(&body.to_le_bytes());
     head[5] = h as u8;
-    let sum = crc32_of(&[&head, &payload]).to_le_bytes();
-    [Bytes::from(head), payload, Bytes::copy_from_slice(&sum)]
+    head
+}
+
+/// The prefix and header that [`encode`] puts before the payload of a frame with this
+/// (epoch, step, sender, tag) and a `payload_len`-byte payload: one encoding per frame, so a
+/// receiver that lends a buffer for that frame knows it by these bytes before it arrives.
+pub fn frame_head(epoch: u64, step: u64, from: RankId, tag: Tag, payload_len: usize) -> Vec<u8> {
+    let header = Header::Frame {
+        epoch,
+        step,
+        from,
+        kind: tag.kind as u8,
+        attempt: tag.attempt,
+        unit: tag.unit,
+        pass: tag.pass,
+        piece: tag.piece,
+    };
+    head_bytes(&header, payload_len)
 }
 
 /// The frame as one contiguous buffer (tests, fuzzing, small messages).
@@ -177,6 +200,27 @@ pub fn decode_split(
     payload: Bytes,
     max_frame_bytes: u32,
 ) -> Result<WireMsg, WireError> {
+    let header = check_split(around, &payload, max_frame_bytes)?;
+    decode_header(header, payload)
+}
+
+/// Checks what [`encode_split`] made, with every check of [`decode`], for a payload that stays
+/// where it landed (a buffer the receiver lent): the message comes back with an empty payload.
+pub fn check_split_in_place(
+    around: &[u8],
+    payload: &[u8],
+    max_frame_bytes: u32,
+) -> Result<WireMsg, WireError> {
+    let header = check_split(around, payload, max_frame_bytes)?;
+    decode_header(header, Bytes::new())
+}
+
+/// The header bytes of a message split as [`encode_split`] does, once every check passed.
+fn check_split<'a>(
+    around: &'a [u8],
+    payload: &[u8],
+    max_frame_bytes: u32,
+) -> Result<&'a [u8], WireError> {
     if around.len() < PREFIX_BYTES + CHECKSUM_BYTES {
         return Err(WireError::Truncated {
             have: around.len(),
@@ -192,13 +236,13 @@ pub fn decode_split(
             need: PREFIX_BYTES + body + CHECKSUM_BYTES,
         });
     }
-    let got = crc32_of(&[&prefix, header, &payload]);
+    let got = crc32_of(&[&prefix, header, payload]);
     let c = &around[around.len() - CHECKSUM_BYTES..];
     let expected = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
     if got != expected {
         return Err(WireError::Checksum { expected, got });
     }
-    decode_header(header, payload)
+    Ok(header)
 }
 
 /// The message of a checked frame: its header bytes and its payload.
