@@ -54,6 +54,32 @@ pub trait Transport: Send + 'static {
     /// Delivers anything the transport is still holding back (called when a rank finishes a
     /// job and may not send or receive again for a while).
     fn flush(&self) {}
+    /// Lends `len` bytes at `at` for the payload of the frame `from` sends at (epoch, step)
+    /// with `tag`, if it has exactly that length: a transport that can land it there without a
+    /// copy does, checks it there, and delivers the frame with an empty payload that
+    /// [`Transport::was_placed`] recognises. `false`: not lent (the default: the frame comes
+    /// as usual), so it comes as usual.
+    ///
+    /// # Safety
+    /// The memory must stay valid, and nobody may read or write it, until
+    /// [`Transport::end_loans`] returns.
+    unsafe fn lend(
+        &self,
+        _from: RankId,
+        _at_step: (u64, u64),
+        _tag: Tag,
+        _at: *mut u8,
+        _len: usize,
+    ) -> bool {
+        false
+    }
+    /// Ends every loan: once it returns, the transport no longer touches lent memory.
+    fn end_loans(&self) {}
+    /// Whether `frame` is the notice that its payload landed in lent memory and passed every
+    /// check there, rather than a frame carrying its payload (true once per frame).
+    fn was_placed(&self, _frame: &Frame) -> bool {
+        false
+    }
 }
 
 /// The next frame of a rank's inbox channel, waiting at most `timeout_ms` (the receive side of

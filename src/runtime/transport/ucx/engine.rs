@@ -19,9 +19,11 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+pub use super::config::{valid_net_devices, EngineConfig, EngineCounts, Inbound};
 use super::credit::Credit;
+use super::lent::Loan;
+pub use super::thread::HEADER_MAX_BYTES;
 use super::thread::{run, Cmd, Waker};
-pub use super::thread::{valid_net_devices, EngineConfig, EngineCounts, Inbound, HEADER_MAX_BYTES};
 use super::{library, sys, UcxError};
 
 /// A UCP worker on its own thread.
@@ -156,6 +158,44 @@ impl Engine {
         })
     }
 
+    /// Lends `len` bytes at `at` for the next rendezvous message from `from` whose header
+    /// starts with `key` and whose payload is `len` bytes (see `lent`): the payload lands
+    /// there, and an [`Inbound::Placed`] says so.
+    ///
+    /// # Safety
+    /// The memory must stay valid, and nobody may read or write it, until
+    /// [`Engine::end_loans`] for `batch` has returned and an [`Inbound::Placed`] has come for
+    /// every loan of the batch it did not count as withdrawn.
+    pub unsafe fn lend(
+        &self,
+        batch: u64,
+        from: u32,
+        key: Vec<u8>,
+        at: *mut u8,
+        len: usize,
+    ) -> Result<(), UcxError> {
+        self.submit(Cmd::Lend(Loan {
+            batch,
+            from,
+            key,
+            at: at as usize,
+            len,
+        }))
+    }
+
+    /// Withdraws the loans of `batch` no message has matched; how many there were.
+    pub fn end_loans(&self, batch: u64) -> Result<usize, UcxError> {
+        let (done, answer) = mpsc::sync_channel(1);
+        self.submit(Cmd::EndLoans { batch, done })?;
+        answer.recv().map_err(|_| UcxError::Stopped)
+    }
+
+    /// Fetches waiting rendezvous messages now instead of keeping them for loans (the
+    /// consumer is about to wait for frames it lent nothing for).
+    pub fn fetch_now(&self) -> Result<(), UcxError> {
+        self.submit(Cmd::FetchNow)
+    }
+
     /// The next message or event, waiting at most `timeout`. A message holds its payload's
     /// length of receive credit until [`Engine::release`].
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Inbound, RecvTimeoutError> {
@@ -284,6 +324,69 @@ mod tests {
             a.send_with_header(1, vec![0; HEADER_MAX_BYTES + 1], Bytes::new()),
             Err(UcxError::TooLarge { .. })
         ));
+        assert_eq!(b.counts(), EngineCounts::default());
+    }
+
+    /// A lent buffer receives its message in place: lent before the message comes, or after
+    /// it was announced while the engine kept it for a loan; a loan nothing matched is
+    /// counted as withdrawn, and the next message nobody lent for arrives as usual.
+    #[test]
+    fn a_lent_buffer_receives_its_message_in_place() {
+        let Some((a, b)) = pair() else { return };
+        const N: usize = 3 << 20;
+        let body = |k: u8| -> Vec<u8> { (0..N).map(|i| (i * 13) as u8 ^ k).collect() };
+        let mut first = vec![0u8; N];
+        let mut second = vec![0u8; N];
+        // SAFETY: both buffers outlive the loans: batch 1 ends, and its one message is
+        // placed, before either is read; batch 2's below likewise.
+        unsafe { b.lend(1, 0, b"one".to_vec(), first.as_mut_ptr(), N) }.unwrap();
+        a.send_with_header(1, b"one+".to_vec(), body(1).into())
+            .unwrap();
+        let placed = next(&b);
+        assert_eq!(
+            placed,
+            Inbound::Placed {
+                from: 0,
+                header: b"one+".to_vec(),
+                batch: 1,
+                at: first.as_ptr() as usize,
+                len: N,
+                ok: true
+            }
+        );
+        assert_eq!(b.end_loans(1).unwrap(), 0, "its one loan was matched");
+        assert!(first == body(1));
+        // A loan that nothing will match keeps batch 2 open, so the engine keeps the next
+        // message back; the loan made for it afterwards still gets it.
+        unsafe { b.lend(2, 0, b"never".to_vec(), first.as_mut_ptr(), N) }.unwrap();
+        a.send_with_header(1, b"two+".to_vec(), body(2).into())
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        unsafe { b.lend(2, 0, b"two".to_vec(), second.as_mut_ptr(), N) }.unwrap();
+        assert!(matches!(
+            next(&b),
+            Inbound::Placed {
+                batch: 2,
+                ok: true,
+                ..
+            }
+        ));
+        assert_eq!(
+            b.end_loans(2).unwrap(),
+            1,
+            "the unmatched loan is withdrawn"
+        );
+        assert!(second == body(2));
+        assert!(first == body(1), "a withdrawn loan's memory is untouched");
+        // No loan: a message arrives in a buffer of the engine's.
+        b.fetch_now().unwrap();
+        a.send_with_header(1, b"three".to_vec(), body(3).into())
+            .unwrap();
+        let Inbound::Message { bytes, .. } = next(&b) else {
+            panic!("an ordinary message")
+        };
+        assert!(bytes == body(3));
+        b.release(N);
         assert_eq!(b.counts(), EngineCounts::default());
     }
 

@@ -10,7 +10,7 @@ use super::transport::UcxPlane;
 use super::UcxError;
 use crate::plan::RankId;
 use crate::runtime::transport::tcp::TcpTransport;
-use crate::runtime::transport::{Frame, Transport, TransportError};
+use crate::runtime::transport::{Frame, Tag, Transport, TransportError};
 use crate::wire::WireStats;
 
 /// TCP to every peer not reached over UCX.
@@ -123,6 +123,7 @@ impl Transport for MixedTransport {
     }
 
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
+        self.routes.ucx.before_wait();
         let f = self.tcp.recv_timeout(timeout_ms)?;
         self.routes.ucx.taken(&f);
         Ok(f)
@@ -130,6 +131,26 @@ impl Transport for MixedTransport {
 
     fn flush(&self) {
         self.tcp.flush()
+    }
+
+    unsafe fn lend(
+        &self,
+        from: RankId,
+        at_step: (u64, u64),
+        tag: Tag,
+        at: *mut u8,
+        len: usize,
+    ) -> bool {
+        // SAFETY: the trait's contract is the plane's. Peers over TCP get no loans.
+        self.routes.contains(from) && unsafe { self.routes.ucx.lend(from, at_step, tag, at, len) }
+    }
+
+    fn end_loans(&self) {
+        self.routes.ucx.end_loans()
+    }
+
+    fn was_placed(&self, frame: &Frame) -> bool {
+        self.routes.ucx.was_placed(frame)
     }
 }
 

@@ -9,7 +9,9 @@
 //!   bounded channel and wake it with `ucp_worker_signal`. Messages are active messages whose
 //!   payload the receiver places into a buffer it allocates (rendezvous above the eager size).
 //!   The thread's UCP calls and callbacks are in `thread`; large receive buffers are reused
-//!   (`pool`); received bytes are bounded by a receive credit (`credit`).
+//!   (`pool`); received bytes are bounded by a receive credit (`credit`). A consumer that
+//!   knows which message comes next lends the buffer it belongs in (`lent`), and the payload
+//!   lands there with no copy after the transfer.
 //!
 //! - [`transport`]: `Transport` over the engine, every frame checked as on the TCP and QUIC
 //!   planes (version, lengths, CRC-32, and a `from` that matches the sending engine).
@@ -22,8 +24,10 @@
 //! `EngineConfig::with_network` adds TCP and RDMA transports on devices the operator declares
 //! trusted (`--ucx-net`): unencrypted.
 
+mod config;
 mod credit;
 pub mod engine;
+mod lent;
 pub mod mixed;
 mod pool;
 pub mod sys;

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use super::config::{EngineConfig, EngineCounts, Inbound};
 use super::credit::Credit;
+use super::lent::{Loan, Loans};
 use super::pool::Pool;
 use super::{check, status_text, sys, UcxError};
 
@@ -23,94 +25,12 @@ pub const HEADER_MAX_BYTES: usize = 256;
 const IDLE_POLL_MS: i32 = 10;
 /// Most `ucp_worker_progress` calls in a row before the thread looks at its commands again.
 const PROGRESS_ROUNDS_MAX: usize = 256;
+/// How long after a batch of loans ends the engine still leaves unmatched rendezvous messages
+/// in their senders' memory: long enough for a consumer that receives one payload after
+/// another to lend the next buffer, short enough not to hold up anything else.
+const LOAN_GRACE: Duration = Duration::from_millis(2);
 /// How long closing endpoints may take when the engine stops.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
-
-/// How an engine is set up.
-#[derive(Clone, Debug)]
-pub struct EngineConfig {
-    /// This engine's id, carried in every message's header so the receiver knows the sender.
-    pub id: u32,
-    /// UCX transports (`UCX_TLS`), set in code so that the environment does not choose them.
-    pub transports: String,
-    /// The largest message taken, in bytes; a larger one is refused by the receiver (counted).
-    pub max_message_bytes: usize,
-    /// Commands queued for the thread at most.
-    pub queue_max: usize,
-    /// Received messages held at most before the thread stops progressing.
-    pub inbox_max: usize,
-    /// Bytes of received payloads held at most before the consumer gives them back
-    /// ([`super::engine::Engine::release`]); rendezvous payloads beyond it wait in the
-    /// sender's memory. `None`: twice `max_message_bytes`.
-    pub inbox_bytes_max: Option<usize>,
-    /// Network devices UCX may use (`UCX_NET_DEVICES`; `None`: shared memory only). Traffic
-    /// on them is not encrypted.
-    pub net_devices: Option<String>,
-}
-
-impl EngineConfig {
-    /// Shared memory only (SysV or POSIX segments, CMA zero copy, loopback), 256 MiB messages.
-    pub fn shared_memory(id: u32) -> Self {
-        Self {
-            id,
-            transports: "sysv,posix,cma,self".into(),
-            max_message_bytes: crate::wire::DEFAULT_MAX_FRAME_BYTES as usize,
-            queue_max: 1024,
-            inbox_max: 1024,
-            inbox_bytes_max: None,
-            net_devices: None,
-        }
-    }
-
-    /// The receive credit, in bytes.
-    pub fn inbox_bytes(&self) -> usize {
-        self.inbox_bytes_max
-            .unwrap_or(self.max_message_bytes.saturating_mul(2))
-    }
-
-    /// Shared memory, and TCP or RDMA (`rc`, `ud`, `dc` where present) on `devices` (e.g.
-    /// `eth1` or `mlx5_0:1`), unencrypted: for networks the operator trusts.
-    pub fn with_network(id: u32, devices: &str) -> Self {
-        Self {
-            transports: "sysv,posix,cma,self,tcp,rc,ud,dc".into(),
-            net_devices: Some(devices.to_string()),
-            ..Self::shared_memory(id)
-        }
-    }
-}
-
-/// Whether `devices` is a list UCX can take (`eth1`, `mlx5_0:1,eth2`): names of letters,
-/// digits and `_ . : -`, comma-separated.
-pub fn valid_net_devices(devices: &str) -> bool {
-    !devices.is_empty()
-        && devices.split(',').all(|d| {
-            !d.is_empty()
-                && d.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "_.:-".contains(c))
-        })
-}
-
-/// What arrives.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Inbound {
-    /// A message from engine `from`: its small header and its payload.
-    Message {
-        from: u32,
-        header: Vec<u8>,
-        bytes: Bytes,
-    },
-    /// UCX reported that the endpoint to `peer` failed; it is closed.
-    PeerLost { peer: u32, why: String },
-}
-
-/// Counters of what the engine refused or lost.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct EngineCounts {
-    /// Messages over `max_message_bytes` or with a malformed header, dropped.
-    pub refused: u64,
-    /// Sends or receives that completed with an error.
-    pub failed: u64,
-}
 
 pub(super) enum Cmd {
     Connect {
@@ -123,6 +43,15 @@ pub(super) enum Cmd {
         header: Vec<u8>,
         payload: Bytes,
     },
+    /// Lends a buffer for one expected message (`lent`).
+    Lend(Loan),
+    /// Withdraws the unmatched loans of `batch` and answers how many there were.
+    EndLoans {
+        batch: u64,
+        done: SyncSender<usize>,
+    },
+    /// Ends the wait for loans: the consumer now waits for messages it lent nothing for.
+    FetchNow,
     Stop,
 }
 
@@ -145,6 +74,22 @@ struct State {
     /// Peers whose endpoint failed since the loop last closed failed endpoints.
     failed: Vec<u32>,
     pool: Arc<Pool>,
+    /// Buffers lent for expected messages, and the announced messages matched to one, to be
+    /// received into it after progress returns (no receive starts inside the callback).
+    loans: Loans,
+    to_place: VecDeque<(Announced, Loan)>,
+    /// While a batch of loans is open, and for [`LOAN_GRACE`] after it ends, unmatched
+    /// rendezvous messages are not fetched: the next loan may be for them (the sender is often
+    /// a payload ahead), and a payload fetched into the pool would be copied again.
+    batch_open: bool,
+    defer_until: Option<Instant>,
+}
+
+impl State {
+    /// Whether unmatched rendezvous messages wait for a loan now.
+    fn deferring(&self) -> bool {
+        self.batch_open || self.defer_until.is_some_and(|t| Instant::now() < t)
+    }
 }
 
 impl State {
@@ -173,9 +118,11 @@ struct SendOp {
 struct RecvOp {
     from: u32,
     header: Vec<u8>,
-    /// Allocated for `len` bytes, empty until the receive completes.
+    /// Allocated for `len` bytes, empty until the receive completes (empty for a loan).
     buf: Vec<u8>,
     len: usize,
+    /// Into a lent buffer instead: its batch and address.
+    loan: Option<(u64, usize)>,
     state: *mut State,
 }
 
@@ -210,6 +157,16 @@ unsafe extern "C" fn on_am(
     let from = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
     let header = header[4..].to_vec();
     if rndv {
+        if let Some(loan) = st.loans.take_match(from, &header, length) {
+            let a = Announced {
+                from,
+                header,
+                desc: data,
+                len: length,
+            };
+            st.to_place.push_back((a, loan));
+            return sys::UCS_INPROGRESS;
+        }
         st.announced.push_back(Announced {
             from,
             header,
@@ -251,6 +208,21 @@ unsafe extern "C" fn on_received(
 }
 
 fn finish_recv(st: &mut State, op: RecvOp, status: sys::ucs_status_t) {
+    if let Some((batch, at)) = op.loan {
+        let ok = status == sys::UCS_OK;
+        if !ok {
+            st.count(|c| c.failed += 1);
+        }
+        st.received.push_back(Inbound::Placed {
+            from: op.from,
+            header: op.header,
+            batch,
+            at,
+            len: op.len,
+            ok,
+        });
+        return;
+    }
     if status == sys::UCS_OK {
         let mut bytes = op.buf;
         // SAFETY: the buffer holds `len` bytes, and UCX wrote all of them (the receive of
@@ -402,6 +374,10 @@ pub(super) fn run(
         sending: 0,
         failed: Vec::new(),
         pool: Arc::default(),
+        loans: Loans::default(),
+        to_place: VecDeque::new(),
+        batch_open: false,
+        defer_until: None,
     }));
     let mut eps: HashMap<u32, (sys::ucp_ep_h, *mut EpArg)> = HashMap::new();
     // SAFETY: the worker, the state and the endpoints are used on this thread only, and each
@@ -467,6 +443,16 @@ pub(super) fn run(
                         Some(&(ep, _)) => send(state, ep, cfg.id, header, payload),
                         None => (*state).count(|c| c.failed += 1),
                     },
+                    Cmd::Lend(loan) => lend(state, loan),
+                    Cmd::EndLoans { batch, done } => {
+                        let _ = done.send((*state).loans.end(batch));
+                        (*state).batch_open = false;
+                        (*state).defer_until = Some(Instant::now() + LOAN_GRACE);
+                    }
+                    Cmd::FetchNow => {
+                        (*state).batch_open = false;
+                        (*state).defer_until = None;
+                    }
                 }
             }
             if stopping {
@@ -482,6 +468,7 @@ pub(super) fn run(
                         break;
                     }
                 }
+                place_lent(state);
                 fetch_announced(state);
                 held.extend((*state).received.drain(..));
                 close_failed(state, &mut eps, &mut closing);
@@ -504,6 +491,15 @@ pub(super) fn run(
                 std::thread::sleep(Duration::from_millis(1));
                 continue;
             }
+            // Messages left waiting for a loan are fetched once the grace ends, so the sleep
+            // ends then too.
+            let sleep_ms = match (*state).defer_until {
+                Some(t) if !(*state).announced.is_empty() && !(*state).batch_open => {
+                    let left = t.saturating_duration_since(Instant::now());
+                    (left.as_millis() as i32 + 1).min(IDLE_POLL_MS)
+                }
+                _ => IDLE_POLL_MS,
+            };
             match (ucp.ucp_worker_arm)(worker) {
                 sys::UCS_OK => {
                     let mut fd = libc::pollfd {
@@ -511,7 +507,7 @@ pub(super) fn run(
                         events: libc::POLLIN,
                         revents: 0,
                     };
-                    libc::poll(&mut fd, 1, IDLE_POLL_MS);
+                    libc::poll(&mut fd, 1, sleep_ms);
                 }
                 // Events arrived after the last progress: progress again.
                 _ => continue,
@@ -520,6 +516,8 @@ pub(super) fn run(
         // Sends still in flight complete first (a rendezvous receiver may still be reading
         // this process's memory), within the close timeout.
         let deadline = Instant::now() + CLOSE_TIMEOUT;
+        (*state).batch_open = false;
+        (*state).defer_until = None;
         while (*state).sending > 0 && Instant::now() < deadline {
             if (ucp.ucp_worker_progress)(worker) == 0 {
                 std::thread::sleep(Duration::from_micros(50));
@@ -528,6 +526,9 @@ pub(super) fn run(
         }
         // Payloads never fetched: their senders see the receive end.
         for a in std::mem::take(&mut (*state).announced) {
+            (ucp.ucp_am_data_release)(worker, a.desc);
+        }
+        for (a, _) in std::mem::take(&mut (*state).to_place) {
             (ucp.ucp_am_data_release)(worker, a.desc);
         }
         close_all(state, &mut eps, closing);
@@ -614,6 +615,9 @@ unsafe fn send(state: *mut State, ep: sys::ucp_ep_h, me: u32, header: Vec<u8>, p
 /// progress returns, so that no receive starts inside the callback), in order, while the
 /// receive credit allows; the rest wait for the consumer to give credit back.
 unsafe fn fetch_announced(state: *mut State) {
+    if (*state).deferring() {
+        return;
+    }
     loop {
         let Some(len) = (*state).announced.front().map(|a| a.len) else {
             return;
@@ -630,7 +634,39 @@ unsafe fn fetch_announced(state: *mut State) {
     }
 }
 
+/// Opens `loan`, or, when a message it fits was announced and is still waiting for credit,
+/// receives that message into it at once.
+unsafe fn lend(state: *mut State, loan: Loan) {
+    let st = &mut *state;
+    st.batch_open = true;
+    let waiting = st
+        .announced
+        .iter()
+        .position(|a| loan.fits(a.from, &a.header, a.len));
+    match waiting {
+        Some(i) => {
+            let a = st.announced.remove(i).expect("the position is in range");
+            st.to_place.push_back((a, loan));
+        }
+        None => {
+            st.loans.lend(loan);
+        }
+    }
+}
+
+/// Starts the receives of the announced messages matched to a loan: into the lent memory,
+/// without receive credit (the memory is the consumer's own).
+unsafe fn place_lent(state: *mut State) {
+    while let Some((a, loan)) = (*state).to_place.pop_front() {
+        receive_into(state, a, Some((loan.batch, loan.at)));
+    }
+}
+
 unsafe fn receive(state: *mut State, a: Announced) {
+    receive_into(state, a, None)
+}
+
+unsafe fn receive_into(state: *mut State, a: Announced, loan: Option<(u64, usize)>) {
     let Announced {
         from,
         header,
@@ -641,11 +677,18 @@ unsafe fn receive(state: *mut State, a: Announced) {
     let mut op = Box::new(RecvOp {
         from,
         header,
-        buf: (*state).pool.take(len),
+        buf: match loan {
+            Some(_) => Vec::new(),
+            None => (*state).pool.take(len),
+        },
         len,
+        loan,
         state,
     });
-    let buf = op.buf.as_mut_ptr() as *mut c_void;
+    let buf = match loan {
+        Some((_, at)) => at as *mut c_void,
+        None => op.buf.as_mut_ptr() as *mut c_void,
+    };
     let user = Box::into_raw(op) as *mut c_void;
     let mut p: sys::ucp_request_param_t = std::mem::zeroed();
     p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_CALLBACK | sys::UCP_OP_ATTR_FIELD_USER_DATA;

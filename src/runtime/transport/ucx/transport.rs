@@ -18,21 +18,30 @@
 //! bounded by the credit, not by how much its peers send. Frames are known by their payload's
 //! address, which is unique while the frame lives, so frames from another plane or from the
 //! rank itself sharing the inbox are told apart.
+//!
+//! A rank that knows which frame comes next can lend the memory its payload belongs in
+//! ([`UcxPlane::lend`]): the engine receives the payload there, this plane checks it there
+//! (CRC included), and the rank gets the frame with an empty payload that
+//! [`UcxPlane::was_placed`] recognises. A payload that fails a check is counted and never
+//! reported placed, so the rank times out as for a lost frame.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
 use super::engine::{Engine, Inbound};
+use super::lent::LOANS_MAX;
 use super::UcxError;
 use crate::plan::RankId;
-use crate::runtime::transport::{recv_inbox, Frame, Transport, TransportError};
-use crate::wire::{decode_split, encode_split, WireMsg, WireStats};
+use crate::runtime::transport::{recv_inbox, Frame, Tag, Transport, TransportError};
+use crate::wire::{
+    check_split_in_place, decode_split, encode_split, frame_head, WireMsg, WireStats,
+};
 
 /// Frames delivered, and their payload bytes.
 #[derive(Default, Debug)]
@@ -52,6 +61,49 @@ fn lock(u: &InInbox) -> std::sync::MutexGuard<'_, HashMap<usize, usize>> {
     u.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Payloads smaller than this are not worth a loan (UCX sends up to 8 KiB eagerly, and a
+/// small copy costs less than the bookkeeping).
+pub const LEND_MIN_BYTES: usize = 64 << 10;
+/// How long ending a batch of loans waits for the receives already matched. They complete or
+/// fail within UCX's keepalive (1 s) even when the sender dies; past this the engine is broken,
+/// and the process stops rather than hand back memory the engine may still write.
+const LOANS_DRAIN_MAX: Duration = Duration::from_secs(60);
+
+/// Buffers lent for frames the rank expects: one batch at a time, the rank's current one.
+#[derive(Default)]
+struct Lending {
+    state: Mutex<LendState>,
+    settled: Condvar,
+}
+
+#[derive(Default)]
+struct LendState {
+    batch: u64,
+    /// Loans of the batch opened so far, and those not yet placed, failed or withdrawn.
+    opened: usize,
+    open: usize,
+    /// Loans were made since the engine was last told to stop keeping messages for them.
+    engine_waits: bool,
+    /// Frames whose payload landed in a loan and passed every check, until the rank claims
+    /// them: (from, epoch, step, tag) → batch.
+    placed: HashMap<(RankId, u64, u64, Tag), u64>,
+}
+
+impl Lending {
+    fn lock(&self) -> std::sync::MutexGuard<'_, LendState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// One loan of `batch` is settled (placed or failed).
+    fn settle(&self, batch: u64) {
+        let mut st = self.lock();
+        if st.batch == batch {
+            st.open = st.open.saturating_sub(1);
+            self.settled.notify_all();
+        }
+    }
+}
+
 /// The UCX side of a rank's data plane.
 pub struct UcxPlane {
     rank: RankId,
@@ -59,6 +111,7 @@ pub struct UcxPlane {
     stats: Arc<WireStats>,
     received: Arc<Received>,
     in_inbox: InInbox,
+    lending: Arc<Lending>,
     stop: Arc<AtomicBool>,
     deliverer: Option<JoinHandle<()>>,
 }
@@ -76,13 +129,21 @@ impl UcxPlane {
         let stats: Arc<WireStats> = Arc::default();
         let received: Arc<Received> = Arc::default();
         let in_inbox: InInbox = Arc::default();
+        let lending: Arc<Lending> = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));
         let (e, halt) = (Arc::clone(&engine), Arc::clone(&stop));
         let counters = (Arc::clone(&stats), Arc::clone(&received));
-        let held = Arc::clone(&in_inbox);
+        let (held, lent) = (Arc::clone(&in_inbox), Arc::clone(&lending));
         let deliverer = std::thread::Builder::new()
             .name(format!("ucx-deliver-{rank}"))
-            .spawn(move || deliver_loop(&e, max_frame_bytes, &counters, &held, &halt, &deliver))
+            .spawn(move || {
+                let to = Deliver {
+                    inbox: &held,
+                    lending: &lent,
+                    frames: &deliver,
+                };
+                deliver_loop(&e, max_frame_bytes, &counters, &to, &halt)
+            })
             .map_err(|e| UcxError::Call {
                 call: "spawning the delivering thread",
                 status: e.to_string(),
@@ -93,9 +154,102 @@ impl UcxPlane {
             stats,
             received,
             in_inbox,
+            lending,
             stop,
             deliverer: Some(deliverer),
         })
+    }
+
+    /// Lends `len` bytes at `at` for the payload of the frame (epoch, step, `from`, `tag`) of
+    /// exactly that length; `false` (nothing lent) for a payload too small to be worth it, a
+    /// frame from this rank, or a full batch. The frame then arrives with an empty payload
+    /// that [`UcxPlane::was_placed`] recognises, unless it came before the loan.
+    ///
+    /// # Safety
+    /// The memory must stay valid, and nobody may read or write it, until
+    /// [`UcxPlane::end_loans`] returns.
+    pub unsafe fn lend(
+        &self,
+        from: RankId,
+        (epoch, step): (u64, u64),
+        tag: Tag,
+        at: *mut u8,
+        len: usize,
+    ) -> bool {
+        if from == self.rank || len < LEND_MIN_BYTES {
+            return false;
+        }
+        let mut st = self.lending.lock();
+        if st.opened >= LOANS_MAX {
+            return false;
+        }
+        let key = frame_head(epoch, step, from, tag, len);
+        // SAFETY: passed on from the caller.
+        if unsafe { self.engine.lend(st.batch, from, key, at, len) }.is_err() {
+            return false;
+        }
+        st.opened += 1;
+        st.open += 1;
+        st.engine_waits = true;
+        true
+    }
+
+    /// The rank is about to wait for frames: if no loan is open, the engine must not keep
+    /// messages back for loans any longer (it would until its grace ran out).
+    pub fn before_wait(&self) {
+        let mut st = self.lending.lock();
+        if st.engine_waits && st.opened == 0 {
+            st.engine_waits = false;
+            drop(st);
+            // A stopped engine keeps nothing back.
+            let _ = self.engine.fetch_now();
+        }
+    }
+
+    /// Ends the current batch of loans: withdraws the unmatched ones and waits until the
+    /// matched ones are placed and checked, so that once it returns nothing touches the lent
+    /// memory. Frames placed but not claimed are forgotten.
+    pub fn end_loans(&self) {
+        let batch = self.lending.lock().batch;
+        if self.lending.lock().opened == 0 {
+            return;
+        }
+        // A stopped engine's thread has ended, and its receives with it.
+        let withdrawn = self.engine.end_loans(batch).unwrap_or(usize::MAX);
+        let deadline = Instant::now() + LOANS_DRAIN_MAX;
+        let mut st = self.lending.lock();
+        st.open = st.open.saturating_sub(withdrawn);
+        while st.open > 0 {
+            let dead = self.deliverer.as_ref().is_none_or(JoinHandle::is_finished);
+            if Instant::now() >= deadline || dead {
+                tracing::error!(
+                    "ucx: {} receive(s) into lent memory did not finish within {LOANS_DRAIN_MAX:?}; stopping the process rather than hand the memory back",
+                    st.open
+                );
+                std::process::abort();
+            }
+            st = self
+                .lending
+                .settled
+                .wait_timeout(st, Duration::from_millis(100))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        st.placed.retain(|_, b| *b != batch);
+        st.batch += 1;
+        st.opened = 0;
+    }
+
+    /// Whether `frame` says that its payload landed in a loan of the current batch and passed
+    /// every check there (claimed: true once).
+    pub fn was_placed(&self, frame: &Frame) -> bool {
+        frame.payload.is_empty()
+            && self
+                .lending
+                .lock()
+                .placed
+                .remove(&(frame.from, frame.epoch, frame.step, frame.tag))
+                .is_some()
     }
 
     /// The rank took `frame` out of its inbox: if it came over UCX, its receive credit goes
@@ -182,14 +336,43 @@ fn accept(
     }
 }
 
+/// Where the delivering thread puts what arrives.
+struct Deliver<'a> {
+    inbox: &'a InInbox,
+    lending: &'a Lending,
+    frames: &'a Sender<Frame>,
+}
+
+/// [`accept`] for a payload checked where it landed: the frame comes back with an empty
+/// payload.
+fn accept_in_place(
+    from: u32,
+    around: &[u8],
+    payload: &[u8],
+    max_frame_bytes: u32,
+    stats: &WireStats,
+) -> Option<Frame> {
+    match check_split_in_place(around, payload, max_frame_bytes) {
+        Ok(WireMsg::Frame(f)) if f.from == from => Some(f),
+        Ok(_) => {
+            stats.header.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+        Err(e) => {
+            stats.count(&e);
+            None
+        }
+    }
+}
+
 fn deliver_loop(
     engine: &Engine,
     max_frame_bytes: u32,
     (stats, received): &(Arc<WireStats>, Arc<Received>),
-    in_inbox: &InInbox,
+    to: &Deliver<'_>,
     stop: &AtomicBool,
-    deliver: &Sender<Frame>,
 ) {
+    let (in_inbox, deliver) = (to.inbox, to.frames);
     while !stop.load(Ordering::Relaxed) {
         match engine.recv_timeout(DELIVER_POLL) {
             Ok(Inbound::Message {
@@ -214,6 +397,34 @@ fn deliver_loop(
                 }
                 if deliver.send(f).is_err() {
                     return;
+                }
+            }
+            Ok(Inbound::Placed {
+                from,
+                header,
+                batch,
+                at,
+                len,
+                ok,
+            }) => {
+                let placed = ok.then(|| {
+                    // SAFETY: the engine wrote these `len` bytes and no longer touches them, and
+                    // the rank does not until this loan is settled (below).
+                    let payload = unsafe { std::slice::from_raw_parts(at as *const u8, len) };
+                    accept_in_place(from, &header, payload, max_frame_bytes, stats)
+                });
+                if let Some(Some(f)) = placed {
+                    received.frames.fetch_add(1, Ordering::Relaxed);
+                    received.bytes.fetch_add(len as u64, Ordering::Relaxed);
+                    // Before the frame goes: the rank may take it at once.
+                    let key = (f.from, f.epoch, f.step, f.tag);
+                    to.lending.lock().placed.insert(key, batch);
+                    to.lending.settle(batch);
+                    if deliver.send(f).is_err() {
+                        return;
+                    }
+                } else {
+                    to.lending.settle(batch);
                 }
             }
             // The collective waiting on that peer fails at its deadline; the control plane's
@@ -285,9 +496,30 @@ impl Transport for UcxTransport {
     }
 
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
+        self.plane.before_wait();
         let f = recv_inbox(&self.inbox_rx, timeout_ms)?;
         self.plane.taken(&f);
         Ok(f)
+    }
+
+    unsafe fn lend(
+        &self,
+        from: RankId,
+        at_step: (u64, u64),
+        tag: Tag,
+        at: *mut u8,
+        len: usize,
+    ) -> bool {
+        // SAFETY: the trait's contract is the plane's.
+        unsafe { self.plane.lend(from, at_step, tag, at, len) }
+    }
+
+    fn end_loans(&self) {
+        self.plane.end_loans()
+    }
+
+    fn was_placed(&self, frame: &Frame) -> bool {
+        self.plane.was_placed(frame)
     }
 }
 
@@ -396,6 +628,71 @@ mod tests {
             0,
             "refused frames give their credit back"
         );
+    }
+
+    /// A payload lent a buffer lands there and is checked there: the frame comes with an empty
+    /// payload that `was_placed` recognises once. A damaged payload in a loan is counted and
+    /// never reported placed, and a frame that came before its loan arrives as usual.
+    #[test]
+    fn a_lent_payload_lands_in_place_and_is_checked_there() {
+        if !available() {
+            return;
+        }
+        const N: usize = 2 << 20;
+        let mut t = plane(2);
+        let body = |k: usize| -> Vec<u8> { (0..N).map(|i| (i * 3 + k) as u8).collect() };
+        let mut buf = vec![0u8; N];
+        let f = frame(0, 1, body(1));
+        let at_step = (f.epoch, f.step);
+        // SAFETY (each loan below): `buf` is not touched until `end_loans` returns.
+        assert!(unsafe { t[1].lend(0, at_step, f.tag, buf.as_mut_ptr(), N) });
+        t[0].send(1, f.clone()).unwrap();
+        let got = t[1].recv_timeout(10_000).unwrap();
+        assert_eq!((got.from, got.tag, got.payload.len()), (0, f.tag, 0));
+        assert!(t[1].was_placed(&got));
+        assert!(!t[1].was_placed(&got), "claimed once");
+        t[1].end_loans();
+        assert!(buf == body(1));
+        assert_eq!(
+            t[1].plane.received().bytes.load(Ordering::Relaxed),
+            N as u64
+        );
+
+        // The right header with a damaged payload.
+        let f = frame(0, 2, body(2));
+        let (around, payload) = encode_split(&WireMsg::Frame(f.clone()));
+        let mut damaged = payload.to_vec();
+        damaged[N / 2] ^= 0x10;
+        assert!(unsafe { t[1].lend(0, at_step, f.tag, buf.as_mut_ptr(), N) });
+        t[0].plane
+            .engine
+            .send_with_header(1, around, damaged.into())
+            .unwrap();
+        assert!(matches!(
+            t[1].recv_timeout(500),
+            Err(TransportError::Timeout(500))
+        ));
+        t[1].end_loans();
+        assert_eq!(t[1].stats().snapshot().checksum, 1);
+
+        // Sent and fetched before any loan: it comes with its payload.
+        let f = frame(0, 3, body(3));
+        t[0].send(1, f.clone()).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while t[1].plane.held_bytes() < N && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(unsafe { t[1].lend(0, at_step, f.tag, buf.as_mut_ptr(), N) });
+        let got = t[1].recv_timeout(10_000).unwrap();
+        assert!(!t[1].was_placed(&got));
+        assert_eq!(got.payload, Bytes::from(body(3)));
+        t[1].end_loans();
+        // Below the size worth a loan, or from itself: not lent.
+        let small = unsafe { t[1].lend(0, at_step, f.tag, buf.as_mut_ptr(), 100) };
+        let own = unsafe { t[1].lend(1, at_step, f.tag, buf.as_mut_ptr(), N) };
+        assert!(!small && !own);
+        t[1].end_loans();
+        assert_eq!(t[1].plane.held_bytes(), 0);
     }
 
     /// A rank that does not look at its inbox holds at most its receive credit; the rest waits
