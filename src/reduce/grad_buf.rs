@@ -8,7 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::exact::{self, QuantStats};
-use super::le::{copy_le_into, extend_le};
+use super::le::{copy_le_into, extend_le, le_bytes_mut};
 
 /// How gradients are reduced across micro-batches and ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -100,6 +100,15 @@ impl GradBuf {
         match self {
             GradBuf::Exact(v) => extend_le(out, &v[range]),
             GradBuf::Fast(v) => extend_le(out, &v[range]),
+        }
+    }
+
+    /// The accumulator's memory as its wire encoding, to receive into in place (`None` on a
+    /// big-endian target).
+    pub fn le_bytes_mut(&mut self) -> Option<&mut [u8]> {
+        match self {
+            GradBuf::Exact(v) => le_bytes_mut(v),
+            GradBuf::Fast(v) => le_bytes_mut(v),
         }
     }
 

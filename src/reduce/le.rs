@@ -69,6 +69,16 @@ pub fn copy_le_into<T: LeNum>(bytes: &[u8], dst: &mut [T]) {
     }
 }
 
+/// `v`'s memory as its little-endian bytes, to be written in place (a receive straight into a
+/// tensor); `None` on a big-endian target, where the bytes are not the encoding.
+pub fn le_bytes_mut<T: LeNum>(v: &mut [T]) -> Option<&mut [u8]> {
+    // SAFETY: as in `copy_le_into`: no padding, every bit pattern valid, so any bytes written
+    // leave valid numbers; the slice borrows `v` for its lifetime.
+    cfg!(target_endian = "little").then(|| unsafe {
+        std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), v.len() * T::BYTES)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -158,6 +158,124 @@ pub fn wait_owned<T: Transport>(
     Ok(())
 }
 
+/// `wait_owned` into `dest`, the unit's elements encoded back to back (`elem_bytes` each, in
+/// the wire's byte order): a peer whose chunks of the unit are one run of elements sends
+/// exactly the bytes of that run, so its payload is received straight into `dest` where the
+/// transport can (UCX lends the memory; no copy after the transfer). Other peers' pieces are
+/// copied in chunk by chunk.
+pub fn wait_owned_into<T: Transport>(
+    comm: &mut Comm<T>,
+    map: &ShardMap,
+    unit: usize,
+    tag: Tag,
+    elem_bytes: usize,
+    dest: &mut [u8],
+) -> Result<(), CommError> {
+    let me = comm.rank();
+    for &peer in map.members.iter().filter(|&&r| r != me) {
+        let spans = owned_spans(map, unit, peer);
+        match one_run(&spans) {
+            Some(run) if !run.is_empty() => {
+                let bytes = run.start * elem_bytes..run.end * elem_bytes;
+                comm.recv_pieces_into(peer, tag, &mut dest[bytes])?;
+            }
+            Some(_) => {}
+            None => {
+                let expected = spans.iter().map(Range::len).sum::<usize>() * elem_bytes;
+                comm.recv_pieces(peer, tag, expected, |off, bytes| {
+                    place_piece(&spans, elem_bytes, off, bytes, |r, b| {
+                        dest[r.start * elem_bytes..r.end * elem_bytes].copy_from_slice(b)
+                    })
+                })?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// All-gather of `unit` into `dest`, the unit's elements encoded back to back (`elem_bytes`
+/// each, in the wire's byte order): every peer's chunks land in `dest`, and `send(comm, mine)`
+/// sends this rank's (`mine`: its bytes in `dest`, `None` when some member's chunks are not
+/// one run of elements). When every member's chunks are one run, a peer's payload is exactly the bytes
+/// of its run, so the receives are lent before `send` runs and the payloads land in place
+/// where the transport can (UCX: no copy after the transfer, even for a peer that sends at
+/// once). Otherwise the pieces are copied in as they come.
+pub fn all_gather_into<T: Transport>(
+    comm: &mut Comm<T>,
+    map: &ShardMap,
+    unit: usize,
+    tag: Tag,
+    elem_bytes: usize,
+    dest: &mut [u8],
+    send: impl FnOnce(&mut Comm<T>, Option<&[u8]>) -> Result<(), CommError>,
+) -> Result<(), CommError> {
+    let me = comm.rank();
+    let runs: Option<Vec<(RankId, Range<usize>)>> = map
+        .members
+        .iter()
+        .map(|&r| {
+            one_run(&owned_spans(map, unit, r))
+                .map(|run| (r, run.start * elem_bytes..run.end * elem_bytes))
+        })
+        .collect();
+    let Some(mut runs) = runs else {
+        send(comm, None)?;
+        return wait_owned_into(comm, map, unit, tag, elem_bytes, dest);
+    };
+    runs.retain(|(_, r)| !r.is_empty());
+    runs.sort_by_key(|(_, r)| r.start);
+    // Disjoint borrows of `dest`: one per peer to receive into, and this rank's own to send.
+    let (mut rest, mut at) = (dest, 0);
+    let (mut mine, mut dests): (&[u8], Vec<(RankId, &mut [u8])>) = (&[], Vec::new());
+    for (r, run) in runs {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(run.start - at);
+        let (this, tail) = tail.split_at_mut(run.len());
+        (rest, at) = (tail, run.end);
+        if r == me {
+            mine = this;
+        } else {
+            dests.push((r, this));
+        }
+    }
+    comm.recv_pieces_into_after(tag, dests, |c| send(c, Some(mine)))
+}
+
+/// Sends `mine`, this rank's chunks of `unit` as one run of encoded elements (`elems` of
+/// them), to every peer in pieces copied from it (the sending half of `all_gather_into`).
+pub fn post_run<T: Transport>(
+    comm: &mut Comm<T>,
+    map: &ShardMap,
+    tag: Tag,
+    mine: &[u8],
+    elems: u64,
+    is_param: bool,
+) -> Result<(), CommError> {
+    let peers = others(&map.members, comm.rank());
+    if mine.is_empty() || peers.is_empty() {
+        return Ok(());
+    }
+    comm.send_pieces_with(&peers, tag, mine.len(), |r| {
+        Bytes::copy_from_slice(&mine[r])
+    })?;
+    count_owned(comm, elems * peers.len() as u64, is_param);
+    Ok(())
+}
+
+/// `spans` (ascending, disjoint) as one range when they follow each other with no gap.
+fn one_run(spans: &[Range<usize>]) -> Option<Range<usize>> {
+    let Some(first) = spans.first() else {
+        return Some(0..0);
+    };
+    let mut end = first.end;
+    for r in &spans[1..] {
+        if r.start != end {
+            return None;
+        }
+        end = r.end;
+    }
+    Some(first.start..end)
+}
+
 /// Reduce-scatter of one unit's accumulator `acc` (the unit's full length, at `base` within the
 /// buffer). Afterwards the positions of the chunks this rank owns hold the sums over all ranks;
 /// other positions are left as they were (this rank's own partials).
@@ -257,6 +375,25 @@ pub fn broadcast<T: Transport>(
         comm.send_pieces(&others(members, me), tag, payload)
     } else {
         comm.recv_pieces(root, tag, len, place)
+    }
+}
+
+/// `broadcast` into `dest` (every member's, exactly the payload's length): receivers get the
+/// pieces straight into it where the transport can (see `Comm::recv_pieces_into`); the
+/// root's `dest` is left alone (its `payload` already holds the bytes).
+pub fn broadcast_into<T: Transport>(
+    comm: &mut Comm<T>,
+    members: &[RankId],
+    root: RankId,
+    tag: Tag,
+    payload: Bytes,
+    dest: &mut [u8],
+) -> Result<(), CommError> {
+    let me = comm.rank();
+    if me == root {
+        broadcast(comm, members, root, tag, payload, dest.len(), |_, _| {})
+    } else {
+        comm.recv_pieces_into(root, tag, dest)
     }
 }
 

@@ -6,7 +6,7 @@
 //! keyed by (epoch, step, sender, tag); late and duplicate frames are dropped and counted, never
 //! applied.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::time::Instant;
 
@@ -78,6 +78,9 @@ pub struct Comm<T: Transport> {
     timeout_ms: u64,
     /// Early frames by (epoch, step, sender, tag): a fast peer may already be one step ahead.
     pending: BTreeMap<(u64, u64, RankId, Tag), Bytes>,
+    /// Frames whose payload the transport placed in lent memory (`recv_pieces_into`), by the
+    /// same key: their frames arrive with empty payloads.
+    placed: BTreeSet<(u64, u64, RankId, Tag)>,
     stats: CommStats,
 }
 
@@ -89,6 +92,7 @@ impl<T: Transport> Comm<T> {
             step: 0,
             timeout_ms,
             pending: BTreeMap::new(),
+            placed: BTreeSet::new(),
             stats: CommStats::default(),
         }
     }
@@ -109,6 +113,7 @@ impl<T: Transport> Comm<T> {
         let before = self.pending.len();
         self.pending
             .retain(|&(e, s, _, _), _| (e, s) >= (epoch, step));
+        self.placed.retain(|&(e, s, _, _)| (e, s) >= (epoch, step));
         let stale_dropped = self.stats.stale_dropped + (before - self.pending.len()) as u64;
         self.stats = CommStats {
             stale_dropped,
@@ -226,6 +231,112 @@ impl<T: Transport> Comm<T> {
         Ok(())
     }
 
+    /// Receives the payload `from` sent as pieces (as `recv_pieces`) into `dest`, which is
+    /// exactly its length. Where the transport can (UCX), each piece lands in `dest` with no
+    /// copy and is checked there; otherwise, and for pieces that arrived before this call,
+    /// the bytes are copied in. On an error `dest` holds an unspecified mix of old and new
+    /// bytes.
+    pub fn recv_pieces_into(
+        &mut self,
+        from: RankId,
+        tag: Tag,
+        dest: &mut [u8],
+    ) -> Result<(), CommError> {
+        self.recv_pieces_into_after(tag, vec![(from, dest)], |_| Ok(()))
+    }
+
+    /// `recv_pieces_into` from several peers at once (each `dests` entry is one peer's payload
+    /// and where it goes), with `before` run after the buffers are lent and before the wait:
+    /// sends made there let the peers' answers, often sent at the same moment, land in place
+    /// instead of arriving before their buffers were lent.
+    pub fn recv_pieces_into_after(
+        &mut self,
+        tag: Tag,
+        mut dests: Vec<(RankId, &mut [u8])>,
+        before: impl FnOnce(&mut Self) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        let at_step = (self.epoch, self.step);
+        let mut lent = false;
+        // One pointer per buffer, taken once: the pieces' pointers derive from it, and the
+        // buffer is not reborrowed while they are lent.
+        let bases: Vec<*mut u8> = dests.iter_mut().map(|(_, d)| d.as_mut_ptr()).collect();
+        for ((from, dest), &base) in dests.iter().zip(&bases) {
+            for (i, r) in pieces(dest.len()).enumerate() {
+                let t = tag.piece(i as u32);
+                if self
+                    .pending
+                    .contains_key(&(self.epoch, self.step, *from, t))
+                {
+                    continue;
+                }
+                // SAFETY: no buffer is touched again until `end_loans` below has returned,
+                // and an unwind in between aborts (`AbortOnUnwind`) instead of releasing them.
+                lent |= unsafe {
+                    self.transport
+                        .lend(*from, at_step, t, base.add(r.start), r.len())
+                };
+            }
+        }
+        if !lent {
+            before(self)?;
+            for (from, dest) in dests {
+                self.recv_pieces(from, tag, dest.len(), |at, bytes| {
+                    dest[at..at + bytes.len()].copy_from_slice(bytes)
+                })?;
+            }
+            return Ok(());
+        }
+        let armed = AbortOnUnwind;
+        // Pieces that came the usual way wait here: copied only once no loan is open, so that
+        // nothing writes the lent memory while the transport might.
+        let mut copies = Vec::new();
+        let lens: Vec<(RankId, usize)> = dests.iter().map(|(f, d)| (*f, d.len())).collect();
+        let got = before(self).and_then(|()| {
+            let deadline = self.deadline();
+            lens.iter().enumerate().try_for_each(|(k, &(from, len))| {
+                self.recv_lent(from, tag, len, deadline, |at, b| copies.push((k, at, b)))
+            })
+        });
+        self.transport.end_loans();
+        drop(armed);
+        got?;
+        for (k, at, bytes) in copies {
+            dests[k].1[at..at + bytes.len()].copy_from_slice(&bytes);
+        }
+        Ok(())
+    }
+
+    /// The waiting half of `recv_pieces_into_after` for one peer while loans are open: pieces
+    /// that did not land in place go to `copy(byte offset, bytes)`.
+    fn recv_lent(
+        &mut self,
+        from: RankId,
+        tag: Tag,
+        len: usize,
+        deadline: Instant,
+        mut copy: impl FnMut(usize, Bytes),
+    ) -> Result<(), CommError> {
+        for (i, r) in pieces(len).enumerate() {
+            let tag = tag.piece(i as u32);
+            let got = self.recv_by(from, tag, deadline)?;
+            if self.placed.remove(&(self.epoch, self.step, from, tag)) {
+                continue;
+            }
+            if got.len() != r.len() {
+                return Err(CommError::Protocol {
+                    from,
+                    what: format!(
+                        "{tag:?}: {} bytes, expected {} (piece {i} of a {len}-byte payload)",
+                        got.len(),
+                        r.len()
+                    ),
+                });
+            }
+            copy(r.start, got);
+        }
+        Ok(())
+    }
+
     fn deadline(&self) -> Instant {
         Instant::now() + std::time::Duration::from_millis(self.timeout_ms)
     }
@@ -264,6 +375,10 @@ impl<T: Transport> Comm<T> {
                 // Whatever we were waiting for is not coming: a peer died.
                 return Err(CommError::Interrupted);
             }
+            if frame.payload.is_empty() && self.transport.was_placed(&frame) {
+                self.placed
+                    .insert((frame.epoch, frame.step, frame.from, frame.tag));
+            }
             if frame.from == from
                 && frame.tag == tag
                 && (frame.epoch, frame.step) == (self.epoch, self.step)
@@ -297,6 +412,20 @@ impl<T: Transport> Comm<T> {
             }
         }
         Ok(())
+    }
+}
+
+/// Stops the process if dropped while unwinding: memory lent to a transport must not be handed
+/// back (freed, reused) while the transport may still write it, and a panic between lending and
+/// `end_loans` would do that.
+struct AbortOnUnwind;
+
+impl Drop for AbortOnUnwind {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("ezero: a panic while memory was lent to the transport; aborting");
+            std::process::abort();
+        }
     }
 }
 
@@ -353,6 +482,69 @@ mod tests {
         a.begin_step(0, 2);
         assert_eq!(&a.recv(1, tag(1)).unwrap()[..], b"b2");
         assert_eq!(a.stats().stale_dropped, 0);
+    }
+
+    /// Three ranks each send the others a payload of several pieces (the last one short)
+    /// while receiving theirs into one buffer with `recv_pieces_into_after`: every byte lands
+    /// where it belongs, whether the transport lends (UCX) or copies (in-process).
+    fn exchange_into<T: Transport>(eps: Vec<T>) {
+        const LEN: usize = 9 << 20;
+        let body =
+            |r: RankId| -> Vec<u8> { (0..LEN).map(|i| (i * 7 + r as usize) as u8).collect() };
+        let hs: Vec<_> = eps
+            .into_iter()
+            .map(|ep| {
+                std::thread::spawn(move || {
+                    let mut c = Comm::new(ep, 10_000);
+                    c.begin_step(0, 1);
+                    let me = c.rank();
+                    let peers: Vec<RankId> = (0..3).filter(|&r| r != me).collect();
+                    let mut buf = vec![0u8; 2 * LEN];
+                    let (x, y) = buf.split_at_mut(LEN);
+                    let dests = vec![(peers[0], x), (peers[1], y)];
+                    let mine = Bytes::from(body(me));
+                    c.recv_pieces_into_after(tag(4), dests, |c| {
+                        c.send_pieces(&peers, tag(4), mine)
+                    })
+                    .unwrap();
+                    assert!(buf[..LEN] == body(peers[0]), "rank {me} from {}", peers[0]);
+                    assert!(buf[LEN..] == body(peers[1]), "rank {me} from {}", peers[1]);
+                    assert!(c.placed.is_empty());
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+    }
+
+    #[test]
+    fn payloads_received_into_a_buffer_land_whole_in_process() {
+        let net = LocalNetwork::new();
+        exchange_into((0..3).map(|r| net.endpoint(r)).collect());
+    }
+
+    #[cfg(feature = "ucx")]
+    #[test]
+    fn payloads_received_into_a_buffer_land_whole_over_ucx() {
+        use crate::runtime::transport::ucx::engine::{Engine, EngineConfig};
+        use crate::runtime::transport::ucx::transport::UcxTransport;
+        use std::sync::Arc;
+        if !crate::runtime::transport::ucx::available_for_tests() {
+            return;
+        }
+        let engines: Vec<Arc<Engine>> = (0..3)
+            .map(|r| Arc::new(Engine::start(EngineConfig::shared_memory(r)).unwrap()))
+            .collect();
+        let peers: BTreeMap<RankId, Vec<u8>> = engines
+            .iter()
+            .map(|e| (e.id(), e.address().to_vec()))
+            .collect();
+        let eps = engines
+            .into_iter()
+            .map(|e| UcxTransport::connect(e.id(), e, &peers, 64 << 20).unwrap())
+            .collect();
+        exchange_into(eps);
     }
 
     #[test]
