@@ -74,6 +74,31 @@ fn launch_over_ucx_gives_the_in_process_digest_at_2_and_3_processes() {
     }
 }
 
+/// The collectives benchmark over UCX (payloads lent into the receivers' buffers, in pieces,
+/// from several peers at once) checks every result it times: a wrong byte fails the run.
+#[test]
+fn collectives_over_ucx_land_the_right_bytes() {
+    if !available() {
+        return;
+    }
+    let (code, out, err) = run(Command::new(EZERO).args([
+        "bench",
+        "collectives",
+        "--transport",
+        "ucx",
+        "--nprocs",
+        "3",
+        "--bytes",
+        "12M",
+        "--iters",
+        "3",
+    ]));
+    assert_eq!(code, 0, "{out}\n{err}");
+    for op in ["all_gather", "reduce_scatter", "all_reduce", "broadcast"] {
+        assert!(out.contains(&format!("\"op\":\"{op}\"")), "{op}: {out}");
+    }
+}
+
 /// A leave moves the leaver's chunks peer to peer over UCX; a joiner is reached over UCX by
 /// the members (`AddPeer`) and reaches them (its peer list).
 #[test]

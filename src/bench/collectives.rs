@@ -14,9 +14,11 @@ use bytes::Bytes;
 use serde::Serialize;
 
 use crate::plan::{RankId, ShardMap};
+use crate::reduce::le::le_bytes_mut;
 use crate::reduce::GradBuf;
 use crate::runtime::step::collectives::{
-    broadcast, exchange_small, post_owned, post_owned_with, reduce_scatter, wait_owned,
+    all_gather_into, broadcast, broadcast_into, exchange_small, post_owned, post_owned_with,
+    post_run, reduce_scatter, wait_owned,
 };
 use crate::runtime::step::comm::{Comm, CommError};
 use crate::runtime::transport::{Tag, TagKind, Transport};
@@ -132,11 +134,19 @@ fn one<T: Transport>(
         Op::AllGather => {
             let t = tag(TagKind::Gather, iter);
             let n = b.mine.len() as u64 / 4;
-            post_owned(comm, map, 0, t, || b.mine.clone(), n, true)?;
-            let out = &mut b.out;
-            wait_owned(comm, map, 0, t, 4, |r, bytes| {
-                decode_f32_into(bytes, &mut out[r])
-            })
+            let mine = &b.mine;
+            let send = |c: &mut Comm<T>| post_owned(c, map, 0, t, || mine.clone(), n, true);
+            // Received in place where the transport can (as a tensor would be).
+            match le_bytes_mut(&mut b.out) {
+                Some(out) => all_gather_into(comm, map, 0, t, 4, out, |c, _| send(c)),
+                None => {
+                    send(comm)?;
+                    let out = &mut b.out;
+                    wait_owned(comm, map, 0, t, 4, |r, bytes| {
+                        decode_f32_into(bytes, &mut out[r])
+                    })
+                }
+            }
         }
         Op::ReduceScatter => reduce_scatter(
             comm,
@@ -156,8 +166,20 @@ fn one<T: Transport>(
                 0,
             )?;
             let t = tag(TagKind::GatherGrads, iter);
+            let eb = b.acc.elem_bytes();
+            let n = map.owned_elems_in_unit(0, comm.rank()) as u64;
+            if let Some(out) = b.acc.le_bytes_mut() {
+                // This rank's sums go out from the same buffer the others' land in.
+                return all_gather_into(comm, map, 0, t, eb, out, |c, mine| match mine {
+                    Some(mine) => post_run(c, map, t, mine, n, false),
+                    // The bench's map gives every rank one run.
+                    None => Err(CommError::Protocol {
+                        from: c.rank(),
+                        what: "the benchmark's shard is not one run".into(),
+                    }),
+                });
+            }
             let acc = &b.acc;
-            let eb = acc.elem_bytes();
             post_owned_with(comm, map, 0, t, eb, |r, out| acc.encode_into(r, out), false)?;
             let acc = &mut b.acc;
             wait_owned(comm, map, 0, t, eb, |r, bytes| {
@@ -167,13 +189,18 @@ fn one<T: Transport>(
         Op::Broadcast => {
             // Receivers land the bytes in their tensor as they arrive, as a real broadcast
             // would; the root's tensor already holds them (gloo's root copies nothing either).
+            let (root, t) = (members[0], tag(TagKind::Broadcast, iter));
+            let payload = b.root_payload.clone();
+            if let Some(out) = le_bytes_mut(&mut b.out) {
+                return broadcast_into(comm, members, root, t, payload, out);
+            }
             let out = &mut b.out;
             broadcast(
                 comm,
                 members,
-                members[0],
-                tag(TagKind::Broadcast, iter),
-                b.root_payload.clone(),
+                root,
+                t,
+                payload,
                 out.len() * 4,
                 |at, bytes| decode_f32_into(bytes, &mut out[at / 4..]),
             )
@@ -204,7 +231,7 @@ pub fn run_op<T: Transport>(
             what: e.to_string(),
         }
     })?;
-    let full: Vec<f32> = (0..numel).map(|i| (i % 1024) as f32).collect();
+    let full: Vec<f32> = (0..numel).map(start_value).collect();
     let mut b = Bufs {
         mine: encode_f32(
             &full,
@@ -237,6 +264,10 @@ pub fn run_op<T: Transport>(
     crate::runtime::step::collectives::barrier(comm, members, tag(TagKind::Barrier, run, 1))?;
     let wall = t0.elapsed().as_secs_f64();
     let cpu = process_cpu_s() - cpu0;
+    verify(op, &b, members, me, warmup + iters).map_err(|what| CommError::Protocol {
+        from: me,
+        what: format!("{op:?} of {bytes} bytes gave a wrong result: {what}"),
+    })?;
     let mut mine = wall.to_le_bytes().to_vec();
     mine.extend_from_slice(&cpu.to_le_bytes());
     let all = exchange_small(
@@ -253,6 +284,61 @@ pub fn run_op<T: Transport>(
         }
     }
     Ok((max_wall / iters as f64, cpu_sum, max_wall))
+}
+
+/// The value every element starts from (the benchmark's tensor).
+fn start_value(i: usize) -> f32 {
+    (i % 1024) as f32
+}
+
+/// Checks, after `rounds` runs of `op`, that this rank holds what the op should have left it:
+/// bandwidth measured over wrong bytes must not be reported. All-gather and broadcast: every
+/// received element is the sender's. All-reduce: every rank starts from the same tensor, so
+/// each round turns every element `v` into `v` plus the others' `v` in member order (the
+/// owner's `fast`-mode sum), the same float operations here. Reduce-scatter leaves partial
+/// sums that depend on the rounds' interleaving, and is not checked.
+fn verify(op: Op, b: &Bufs, members: &[RankId], me: RankId, rounds: usize) -> Result<(), String> {
+    let wrong =
+        |i: usize, got: f32, want: f32| Err(format!("element {i} is {got}, expected {want}"));
+    match op {
+        Op::AllGather => {
+            for &peer in members.iter().filter(|&&r| r != me) {
+                for c in b.map.owned_in_unit(0, peer) {
+                    for i in b.map.chunk_range(0, c) {
+                        if b.out[i].to_bits() != start_value(i).to_bits() {
+                            return wrong(i, b.out[i], start_value(i));
+                        }
+                    }
+                }
+            }
+        }
+        Op::Broadcast if me != members[0] => {
+            for (i, &v) in b.out.iter().enumerate() {
+                if v.to_bits() != start_value(i).to_bits() {
+                    return wrong(i, v, start_value(i));
+                }
+            }
+        }
+        Op::AllReduce => {
+            let GradBuf::Fast(acc) = &b.acc else {
+                return Err("the benchmark reduces in fast mode".into());
+            };
+            let want: Vec<f32> = (0..1024)
+                .map(|i| {
+                    (0..rounds).fold(start_value(i), |v, _| {
+                        (1..members.len()).fold(v, |sum, _| sum + v)
+                    })
+                })
+                .collect();
+            for (i, &v) in acc.iter().enumerate() {
+                if v.to_bits() != want[i % 1024].to_bits() {
+                    return wrong(i, v, want[i % 1024]);
+                }
+            }
+        }
+        Op::Broadcast | Op::ReduceScatter => {}
+    }
+    Ok(())
 }
 
 /// Builds the JSON record from `run_op`'s numbers.
@@ -356,7 +442,7 @@ mod tests {
     use super::*;
     use crate::runtime::transport::local::LocalNetwork;
 
-    /// Every op completes over the local transport and the reductions are right.
+    /// Every op completes over the local transport, and `run_op` checked each result.
     #[test]
     fn every_op_runs_on_three_local_ranks() {
         let net = LocalNetwork::new();
