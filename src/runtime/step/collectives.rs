@@ -146,16 +146,35 @@ pub fn wait_owned<T: Transport>(
 ) -> Result<(), CommError> {
     let me = comm.rank();
     for &peer in map.members.iter().filter(|&&r| r != me) {
-        let spans = owned_spans(map, unit, peer);
-        let expected = spans.iter().map(Range::len).sum::<usize>() * elem_bytes;
-        if expected == 0 {
-            continue;
-        }
-        comm.recv_pieces(peer, tag, expected, |off, bytes| {
-            place_piece(&spans, elem_bytes, off, bytes, &mut place)
-        })?;
+        recv_spans(
+            comm,
+            peer,
+            tag,
+            &owned_spans(map, unit, peer),
+            elem_bytes,
+            &mut place,
+        )?;
     }
     Ok(())
+}
+
+/// Receives `peer`'s payload made of element ranges `spans` and hands each piece of a range to
+/// `place(range, bytes)`.
+fn recv_spans<T: Transport>(
+    comm: &mut Comm<T>,
+    peer: RankId,
+    tag: Tag,
+    spans: &[Range<usize>],
+    elem_bytes: usize,
+    mut place: impl FnMut(Range<usize>, &[u8]),
+) -> Result<(), CommError> {
+    let expected = spans.iter().map(Range::len).sum::<usize>() * elem_bytes;
+    if expected == 0 {
+        return Ok(());
+    }
+    comm.recv_pieces(peer, tag, expected, |off, bytes| {
+        place_piece(spans, elem_bytes, off, bytes, &mut place)
+    })
 }
 
 /// `wait_owned` into `dest`, the unit's elements encoded back to back (`elem_bytes` each, in
@@ -180,14 +199,9 @@ pub fn wait_owned_into<T: Transport>(
                 comm.recv_pieces_into(peer, tag, &mut dest[bytes])?;
             }
             Some(_) => {}
-            None => {
-                let expected = spans.iter().map(Range::len).sum::<usize>() * elem_bytes;
-                comm.recv_pieces(peer, tag, expected, |off, bytes| {
-                    place_piece(&spans, elem_bytes, off, bytes, |r, b| {
-                        dest[r.start * elem_bytes..r.end * elem_bytes].copy_from_slice(b)
-                    })
-                })?;
-            }
+            None => recv_spans(comm, peer, tag, &spans, elem_bytes, |r, b| {
+                dest[r.start * elem_bytes..r.end * elem_bytes].copy_from_slice(b)
+            })?,
         }
     }
     Ok(())

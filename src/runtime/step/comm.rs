@@ -216,16 +216,7 @@ impl<T: Transport> Comm<T> {
         for (i, r) in pieces(len).enumerate() {
             let tag = tag.piece(i as u32);
             let got = self.recv_by(from, tag, deadline)?;
-            if got.len() != r.len() {
-                return Err(CommError::Protocol {
-                    from,
-                    what: format!(
-                        "{tag:?}: {} bytes, expected {} (piece {i} of a {len}-byte payload)",
-                        got.len(),
-                        r.len()
-                    ),
-                });
-            }
+            piece_fits(from, tag, i, got.len(), r.len(), len)?;
             place(r.start, &got);
         }
         Ok(())
@@ -322,16 +313,7 @@ impl<T: Transport> Comm<T> {
             if self.placed.remove(&(self.epoch, self.step, from, tag)) {
                 continue;
             }
-            if got.len() != r.len() {
-                return Err(CommError::Protocol {
-                    from,
-                    what: format!(
-                        "{tag:?}: {} bytes, expected {} (piece {i} of a {len}-byte payload)",
-                        got.len(),
-                        r.len()
-                    ),
-                });
-            }
+            piece_fits(from, tag, i, got.len(), r.len(), len)?;
             copy(r.start, got);
         }
         Ok(())
@@ -413,6 +395,24 @@ impl<T: Transport> Comm<T> {
         }
         Ok(())
     }
+}
+
+/// A piece of the wrong length is a protocol error (nothing of it is placed).
+fn piece_fits(
+    from: RankId,
+    tag: Tag,
+    i: usize,
+    got: usize,
+    want: usize,
+    len: usize,
+) -> Result<(), CommError> {
+    if got == want {
+        return Ok(());
+    }
+    Err(CommError::Protocol {
+        from,
+        what: format!("{tag:?}: {got} bytes, expected {want} (piece {i} of a {len}-byte payload)"),
+    })
 }
 
 /// Stops the process if dropped while unwinding: memory lent to a transport must not be handed

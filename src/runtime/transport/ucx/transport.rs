@@ -322,7 +322,32 @@ fn accept(
     max_frame_bytes: u32,
     stats: &WireStats,
 ) -> Option<Frame> {
-    match decode_split(around, payload, max_frame_bytes) {
+    frame_from(from, decode_split(around, payload, max_frame_bytes), stats)
+}
+
+/// [`accept`] for a payload checked where it landed: the frame comes back with an empty
+/// payload.
+fn accept_in_place(
+    from: u32,
+    around: &[u8],
+    payload: &[u8],
+    max_frame_bytes: u32,
+    stats: &WireStats,
+) -> Option<Frame> {
+    frame_from(
+        from,
+        check_split_in_place(around, payload, max_frame_bytes),
+        stats,
+    )
+}
+
+/// The frame of a decoded message if it is one from engine `from`; anything else is counted.
+fn frame_from(
+    from: u32,
+    decoded: Result<WireMsg, crate::wire::WireError>,
+    stats: &WireStats,
+) -> Option<Frame> {
+    match decoded {
         Ok(WireMsg::Frame(f)) if f.from == from => Some(f),
         Ok(_) => {
             // Another message kind, or a frame claiming another sender.
@@ -341,28 +366,6 @@ struct Deliver<'a> {
     inbox: &'a InInbox,
     lending: &'a Lending,
     frames: &'a Sender<Frame>,
-}
-
-/// [`accept`] for a payload checked where it landed: the frame comes back with an empty
-/// payload.
-fn accept_in_place(
-    from: u32,
-    around: &[u8],
-    payload: &[u8],
-    max_frame_bytes: u32,
-    stats: &WireStats,
-) -> Option<Frame> {
-    match check_split_in_place(around, payload, max_frame_bytes) {
-        Ok(WireMsg::Frame(f)) if f.from == from => Some(f),
-        Ok(_) => {
-            stats.header.fetch_add(1, Ordering::Relaxed);
-            None
-        }
-        Err(e) => {
-            stats.count(&e);
-            None
-        }
-    }
 }
 
 fn deliver_loop(
