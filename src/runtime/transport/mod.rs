@@ -57,8 +57,8 @@ pub trait Transport: Send + 'static {
     /// Lends `len` bytes at `at` for the payload of the frame `from` sends at (epoch, step)
     /// with `tag`, if it has exactly that length: a transport that can land it there without a
     /// copy does, checks it there, and delivers the frame with an empty payload that
-    /// [`Transport::was_placed`] recognises. `false`: not lent (the default: the frame comes
-    /// as usual), so it comes as usual.
+    /// [`Transport::was_placed`] recognises. `false` (the default): not lent, and the frame
+    /// comes with its payload as usual.
     ///
     /// # Safety
     /// The memory must stay valid, and nobody may read or write it, until
