@@ -232,6 +232,22 @@ pub fn chunk_lengths(numel: usize, chunk_elems: usize) -> impl Iterator<Item = u
     (0..n).map(move |i| chunk_elems.min(numel - i * chunk_elems))
 }
 
+/// Chunk ranges (ascending, disjoint) as one range when each starts where the one before ended:
+/// a rank's chunks of a unit that are one run of its elements (`0..0` for none).
+pub fn one_run(spans: &[Range<usize>]) -> Option<Range<usize>> {
+    let Some(first) = spans.first() else {
+        return Some(0..0);
+    };
+    let mut end = first.end;
+    for r in &spans[1..] {
+        if r.start != end {
+            return None;
+        }
+        end = r.end;
+    }
+    Some(first.start..end)
+}
+
 pub(crate) fn sorted_members(members: &[RankId]) -> Result<Vec<RankId>, PlanError> {
     if members.is_empty() {
         return Err(PlanError::NoRanks);
@@ -254,6 +270,15 @@ fn least_loaded(load: &[usize]) -> usize {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn one_run_joins_ranges_that_follow_each_other() {
+        assert_eq!(one_run(&[2..4, 4..8, 8..9]), Some(2..9));
+        assert_eq!(one_run(&[Range { start: 3, end: 5 }]), Some(3..5));
+        assert_eq!(one_run(&[]), Some(0..0));
+        assert_eq!(one_run(&[0..4, 5..8]), None, "a gap");
+        assert_eq!(one_run(&[4..8, 0..4]), None, "out of order");
+    }
 
     fn owned_counts(map: &ShardMap) -> Vec<usize> {
         map.members.iter().map(|&r| map.owned_elems(r)).collect()

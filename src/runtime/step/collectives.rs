@@ -12,6 +12,7 @@ use std::ops::Range;
 use bytes::Bytes;
 
 use super::comm::{Comm, CommError};
+use crate::plan::shard_map::one_run;
 use crate::plan::{RankId, ShardMap};
 use crate::reduce::GradBuf;
 use crate::runtime::transport::{Tag, Transport};
@@ -273,21 +274,6 @@ pub fn post_run<T: Transport>(
     })?;
     count_owned(comm, elems * peers.len() as u64, is_param);
     Ok(())
-}
-
-/// `spans` (ascending, disjoint) as one range when they follow each other with no gap.
-fn one_run(spans: &[Range<usize>]) -> Option<Range<usize>> {
-    let Some(first) = spans.first() else {
-        return Some(0..0);
-    };
-    let mut end = first.end;
-    for r in &spans[1..] {
-        if r.start != end {
-            return None;
-        }
-        end = r.end;
-    }
-    Some(first.start..end)
 }
 
 /// Reduce-scatter of one unit's accumulator `acc` (the unit's full length, at `base` within the

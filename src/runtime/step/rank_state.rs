@@ -23,6 +23,7 @@ use crate::model::{Model, UnitSpec};
 pub use crate::optim::OptimSettings;
 use crate::optim::OptimState;
 use crate::plan::memory::masters_in_shard;
+use crate::plan::shard_map::one_run;
 use crate::plan::{RankId, ShardMap, Stage};
 use crate::reduce::{grad_buf, GradBuf, ReduceMode};
 use crate::runtime::storage::{RecordKinds, TierError, TierFile, TierLayout, TierSpec};
@@ -62,14 +63,7 @@ impl UnitShard {
     /// Whether the held chunks are the whole unit of `numel` elements, in order: the shard is
     /// then laid out as the unit is (one rank holds every chunk of every unit).
     pub fn is_whole_unit(&self, numel: usize) -> bool {
-        let mut end = 0;
-        for r in &self.ranges {
-            if r.start != end {
-                return false;
-            }
-            end = r.end;
-        }
-        end == numel
+        one_run(&self.ranges) == Some(0..numel)
     }
 }
 

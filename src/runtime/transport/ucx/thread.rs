@@ -630,12 +630,12 @@ unsafe fn fetch_announced(state: *mut State) {
             }
         }
         let a = (*state).announced.pop_front().expect("the front was there");
-        receive(state, a);
+        receive_into(state, a, None);
     }
 }
 
-/// Opens `loan`, or, when a message it fits was announced and is still waiting for credit,
-/// receives that message into it at once.
+/// Opens `loan`, or, when a message it fits was announced and not fetched yet (waiting for
+/// credit, or kept back for a loan), receives that message into it at once.
 unsafe fn lend(state: *mut State, loan: Loan) {
     let st = &mut *state;
     st.batch_open = true;
@@ -662,10 +662,8 @@ unsafe fn place_lent(state: *mut State) {
     }
 }
 
-unsafe fn receive(state: *mut State, a: Announced) {
-    receive_into(state, a, None)
-}
-
+/// Starts the receive of the announced message `a`: into the lent memory of `loan` (its batch
+/// and address), or into a pooled buffer of its length.
 unsafe fn receive_into(state: *mut State, a: Announced, loan: Option<(u64, usize)>) {
     let Announced {
         from,

@@ -94,9 +94,13 @@ impl Lending {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// One loan of `batch` is settled (placed or failed).
-    fn settle(&self, batch: u64) {
+    /// One loan of `batch` is settled: placed as the frame `placed` names (kept for the rank to
+    /// claim), or failed.
+    fn settle(&self, batch: u64, placed: Option<&Frame>) {
         let mut st = self.lock();
+        if let Some(f) = placed {
+            st.placed.insert((f.from, f.epoch, f.step, f.tag), batch);
+        }
         if st.batch == batch {
             st.open = st.open.saturating_sub(1);
             self.settled.notify_all();
@@ -210,8 +214,11 @@ impl UcxPlane {
     /// matched ones are placed and checked, so that once it returns nothing touches the lent
     /// memory. Frames placed but not claimed are forgotten.
     pub fn end_loans(&self) {
-        let batch = self.lending.lock().batch;
-        if self.lending.lock().opened == 0 {
+        let (batch, opened) = {
+            let st = self.lending.lock();
+            (st.batch, st.opened)
+        };
+        if opened == 0 {
             return;
         }
         // A stopped engine's thread has ended, and its receives with it.
@@ -410,24 +417,24 @@ fn deliver_loop(
                 len,
                 ok,
             }) => {
-                let placed = ok.then(|| {
-                    // SAFETY: the engine wrote these `len` bytes and no longer touches them, and
-                    // the rank does not until this loan is settled (below).
-                    let payload = unsafe { std::slice::from_raw_parts(at as *const u8, len) };
-                    accept_in_place(from, &header, payload, max_frame_bytes, stats)
-                });
-                if let Some(Some(f)) = placed {
+                let placed = ok
+                    .then(|| {
+                        // SAFETY: the engine wrote these `len` bytes and no longer touches
+                        // them, and the rank does not until this loan is settled (below).
+                        let payload = unsafe { std::slice::from_raw_parts(at as *const u8, len) };
+                        accept_in_place(from, &header, payload, max_frame_bytes, stats)
+                    })
+                    .flatten();
+                if placed.is_some() {
                     received.frames.fetch_add(1, Ordering::Relaxed);
                     received.bytes.fetch_add(len as u64, Ordering::Relaxed);
-                    // Before the frame goes: the rank may take it at once.
-                    let key = (f.from, f.epoch, f.step, f.tag);
-                    to.lending.lock().placed.insert(key, batch);
-                    to.lending.settle(batch);
+                }
+                // Before the frame goes: the rank may take it at once.
+                to.lending.settle(batch, placed.as_ref());
+                if let Some(f) = placed {
                     if deliver.send(f).is_err() {
                         return;
                     }
-                } else {
-                    to.lending.settle(batch);
                 }
             }
             // The collective waiting on that peer fails at its deadline; the control plane's
