@@ -173,6 +173,11 @@ impl TierIo {
         }
     }
 
+    /// Whether unit `u`'s shard is being read ahead and the read has not finished.
+    pub fn reading(&self, u: usize) -> bool {
+        matches!(&self.read, Some((p, _, h)) if *p == u && !h.is_finished())
+    }
+
     /// Finishes the read in flight of a unit other than the one wanted: a plain read nobody
     /// asks for any more is dropped, but a failed update left the unit's state half written,
     /// which must stop the step.
