@@ -203,6 +203,7 @@ pub fn memory_demand(
         total_elems: numels.iter().sum::<usize>() as u64,
         owned_elems: owned as u64,
         largest_unit_elems: numels.iter().copied().max().unwrap_or(0) as u64,
+        units: numels.len() as u64,
         tied_elems: Ties::of(model)
             .map(|t| (0..numels.len()).map(|u| t.borrowed_len(u)).sum::<usize>())
             .unwrap_or(0) as u64,

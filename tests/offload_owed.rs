@@ -172,3 +172,30 @@ async fn a_snapshot_nobody_planned_reads_the_owed_updates() {
     }
     assert_clean(dir.path());
 }
+
+/// A slow disk (every read on rank 1's tier held 5 ms, far longer than a small unit's compute):
+/// a gather whose shard is still being read is posted after the next unit's compute instead of
+/// before it, and the optimizer's reads start during the backward. Neither may change a bit, at
+/// any placement, or leave a rank waiting on another.
+#[test]
+fn a_slow_disk_changes_when_reads_land_and_no_bits() {
+    let dir = tier_dir();
+    let base = TrainConfig {
+        steps: 3,
+        ranks: 2,
+        stage: 3,
+        replicate_every: 0,
+        ..small(ModelKind::Gpt)
+    };
+    let want = sha(&base);
+    for (params, grads) in [(false, false), (false, true), (true, true)] {
+        let cfg = TrainConfig {
+            nvme_fault: Some("1:slow@5".parse().unwrap()),
+            // One record a unit: a read a unit, not a read every 1024 elements.
+            nvme_record_elems: None,
+            ..offloaded(&base, dir.path(), params, grads)
+        };
+        assert_eq!(sha(&cfg), want, "params {params} grads {grads}");
+    }
+    assert_clean(dir.path());
+}

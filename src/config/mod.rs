@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use self::error::toml_error;
 pub use self::error::ConfigError;
 pub use self::membership::{At, Round, RoundKill};
-pub use self::offload::{parse_bytes, NvmeFault};
+pub use self::offload::{parse_bytes, NvmeFault, NvmeFaultKind};
 pub use self::optim::OptimizerChoice;
 pub use self::shape::ModelKind;
 use crate::data::DataFormat;
@@ -257,7 +257,7 @@ pub struct TrainConfig {
     /// refuses before training (default: 90% of the memory available at start).
     pub memory_max_bytes: Option<u64>,
     /// Fault injection: `RANK:enospc@BYTES` or `RANK:eio@BYTES` fails that rank's tier writes
-    /// past BYTES (default none).
+    /// past BYTES; `RANK:slow@MS` holds each of its tier reads MS milliseconds (default none).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nvme_fault: Option<NvmeFault>,
 }

@@ -73,41 +73,61 @@ impl TrainConfig {
     }
 }
 
-/// Fault injection: rank `rank`'s tier fails every write past its first `after_write_bytes`
-/// bytes with ENOSPC or EIO. Written `RANK:enospc@BYTES` or `RANK:eio@BYTES`.
+/// Fault injection on rank `rank`'s tier. Written `RANK:enospc@BYTES` or `RANK:eio@BYTES`
+/// (every write past the first BYTES fails with ENOSPC or EIO) or `RANK:slow@MS` (every read
+/// is held MS milliseconds before it is submitted: a slow disk, which the step must wait for
+/// without losing anything).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NvmeFault {
     pub rank: u32,
-    pub errno: i32,
-    pub after_write_bytes: u64,
+    pub kind: NvmeFaultKind,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NvmeFaultKind {
+    FailWrites { errno: i32, after_bytes: u64 },
+    SlowReads { ms: u64 },
 }
 
 impl std::str::FromStr for NvmeFault {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let bad = || format!("`{s}` is not RANK:enospc@BYTES or RANK:eio@BYTES");
+        let bad = || format!("`{s}` is not RANK:enospc@BYTES, RANK:eio@BYTES or RANK:slow@MS");
         let (rank, rest) = s.split_once(':').ok_or_else(bad)?;
-        let (kind, bytes) = rest.split_once('@').ok_or_else(bad)?;
+        let (kind, arg) = rest.split_once('@').ok_or_else(bad)?;
+        let fail = |errno| -> Result<NvmeFaultKind, String> {
+            Ok(NvmeFaultKind::FailWrites {
+                errno,
+                after_bytes: parse_bytes(arg)?,
+            })
+        };
         Ok(Self {
             rank: rank.parse().map_err(|_| bad())?,
-            errno: match kind {
-                "enospc" => libc::ENOSPC,
-                "eio" => libc::EIO,
+            kind: match kind {
+                "enospc" => fail(libc::ENOSPC)?,
+                "eio" => fail(libc::EIO)?,
+                "slow" => NvmeFaultKind::SlowReads {
+                    ms: arg.parse().map_err(|_| bad())?,
+                },
                 _ => return Err(bad()),
             },
-            after_write_bytes: parse_bytes(bytes)?,
         })
     }
 }
 
 impl std::fmt::Display for NvmeFault {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let kind = if self.errno == libc::ENOSPC {
-            "enospc"
-        } else {
-            "eio"
-        };
-        write!(f, "{}:{kind}@{}", self.rank, self.after_write_bytes)
+        match self.kind {
+            NvmeFaultKind::FailWrites { errno, after_bytes } => {
+                let kind = if errno == libc::ENOSPC {
+                    "enospc"
+                } else {
+                    "eio"
+                };
+                write!(f, "{}:{kind}@{after_bytes}", self.rank)
+            }
+            NvmeFaultKind::SlowReads { ms } => write!(f, "{}:slow@{ms}", self.rank),
+        }
     }
 }
 
@@ -167,5 +187,34 @@ mod tests {
         assert!(parse_bytes("lots").is_err());
         assert!(parse_bytes("2 parsecs").is_err());
         assert!(parse_bytes("0").is_err());
+    }
+
+    #[test]
+    fn faults_parse_and_print_back() {
+        for (text, kind) in [
+            (
+                "1:eio@600KiB",
+                NvmeFaultKind::FailWrites {
+                    errno: libc::EIO,
+                    after_bytes: 600 << 10,
+                },
+            ),
+            (
+                "0:enospc@4096",
+                NvmeFaultKind::FailWrites {
+                    errno: libc::ENOSPC,
+                    after_bytes: 4096,
+                },
+            ),
+            ("2:slow@25", NvmeFaultKind::SlowReads { ms: 25 }),
+        ] {
+            let f: NvmeFault = text.parse().unwrap();
+            assert_eq!(f.kind, kind, "{text}");
+            assert_eq!(f.to_string().parse::<NvmeFault>(), Ok(f));
+        }
+        for bad in ["1:slow@fast", "slow@5", "1:hang@5", "1:eio"] {
+            let err = bad.parse::<NvmeFault>().unwrap_err();
+            assert!(err.contains("RANK:slow@MS"), "{bad}: {err}");
+        }
     }
 }

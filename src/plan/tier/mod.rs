@@ -155,6 +155,9 @@ pub const DEFAULT_TILE_ELEMS: u64 = 1 << 18;
 pub const MIN_TILE_ELEMS: u64 = IO_ALIGN_BYTES / 4;
 /// Staging buffers: two records read ahead, one being updated, one being written back.
 pub const STAGING_BUFFERS: u64 = 4;
+/// The most staging buffers a rank takes where the budget has room for more
+/// ([`with_reads_ahead`]): 128 MiB a rank with the optimizer's m and v in 1 MiB values.
+pub const MAX_STAGING_BUFFERS: u64 = 64;
 /// What the process needs besides the training state: code, thread stacks, the async runtime,
 /// allocator slack (peak RSS of a 40K-parameter run on one rank was 18 MiB here; doubled).
 pub const BASE_BYTES: u64 = 48 << 20;
@@ -169,6 +172,8 @@ pub struct Demand {
     /// Elements owned by the rank that owns the most.
     pub owned_elems: u64,
     pub largest_unit_elems: u64,
+    /// Units of the model: the tier cuts each unit's shard into records of its own.
+    pub units: u64,
     /// Elements of tied parameters (`model::tie`): the step holds a copy of them from the
     /// owner's forward to the user's backward, and the user computes on a view holding them.
     pub tied_elems: u64,
@@ -458,6 +463,37 @@ fn fit_tile(d: &Demand, p: Placement, tile_elems: u64, budget: u64) -> Option<Fi
         .into_iter()
         .map(|reuse| evaluate_with(d, p, tile_elems, reuse))
         .find(|f| f.process_bytes <= budget)
+        .map(|f| with_reads_ahead(d, f, budget))
+}
+
+/// `f` with more staging buffers where the tier holds the optimizer's state (and perhaps the
+/// gradients) but not the parameters, and the budget has room: one per record of the rank's optimizer phase (and the phase's own
+/// [`STAGING_BUFFERS`]), at most [`MAX_STAGING_BUFFERS`], taking at most a quarter of what the
+/// budget leaves, so a run near its budget is planned as before. The step starts the phase's
+/// reads into them during the backward (`TierFile::read_ahead`), while the disk has little
+/// else to do; with the parameters on the tier their reads are the forward's and the
+/// backward's.
+pub fn with_reads_ahead(d: &Demand, f: Fit, budget: u64) -> Fit {
+    let kinds = f
+        .placement
+        .kinds(d.stage, d.state_per_param, d.param_copy_bytes);
+    if !f.placement.any_nvme() || kinds.params || f.update_in_backward || f.staging_buffers == 0 {
+        return f;
+    }
+    let record = f.per_rank.staging / f.staging_buffers;
+    // Each unit's shard starts a record of its own.
+    let records = d.owned_elems.div_ceil(f.tile_elems.max(1)) + d.units;
+    let wanted = (records + STAGING_BUFFERS).min(MAX_STAGING_BUFFERS);
+    let ranks = d.ranks_in_process.max(1);
+    let room = budget.saturating_sub(f.process_bytes) / 4 / ranks;
+    let extra = wanted
+        .saturating_sub(f.staging_buffers)
+        .min(room / record.max(1));
+    let mut f = f;
+    f.staging_buffers += extra;
+    f.per_rank.staging += extra * record;
+    f.process_bytes += ranks * extra * record;
+    f
 }
 
 /// Whether each unit's optimizer update runs during the backward, as soon as the unit's

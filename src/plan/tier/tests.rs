@@ -9,6 +9,7 @@ fn demand(stage: Stage, total: u64, ranks: u64) -> Demand {
         total_elems: total,
         owned_elems: total / ranks,
         largest_unit_elems: total / 10,
+        units: 10,
         tied_elems: 0,
         grad_elem_bytes: 8,
         state_per_param: 2,
@@ -85,6 +86,58 @@ fn staging_records_shrink_to_fit_and_stay_aligned() {
     assert_eq!(
         fit.per_rank.staging,
         STAGING_BUFFERS * fit.tile_elems * 4 * 3
+    );
+}
+
+#[test]
+fn staging_grows_for_the_optimizers_reads_ahead_where_the_budget_has_room() {
+    // 1M parameters in 10 units over 2 ranks: 500,000 owned, records of 131,072 elements (the
+    // largest unit, 100,000, rounded up to a power of two), so at most 4 + 10 records a rank.
+    let d = demand(Stage::Zero3, 1_000_000, 2);
+    let opt = Placement {
+        optimizer: Tier::Nvme,
+        ..Placement::RAM
+    };
+    let base = evaluate(&d, opt, 131_072);
+    let record = base.per_rank.staging / STAGING_BUFFERS;
+    assert_eq!(record, 131_072 * 4 * 2);
+    let ample = limits(Offload::Nvme, Offload::None, 1 << 34);
+    let fit = place(&d, &ample).unwrap();
+    assert_eq!((fit.placement, fit.tile_elems), (opt, 131_072));
+    assert_eq!(fit.staging_buffers, 14 + STAGING_BUFFERS);
+    assert_eq!(fit.per_rank.staging, fit.staging_buffers * record);
+    assert_eq!(fit.process_bytes, base.process_bytes + 2 * 14 * record);
+    // They take at most a quarter of what the budget leaves: room for 3 more a rank here.
+    let tight = limits(
+        Offload::Nvme,
+        Offload::None,
+        base.process_bytes + 4 * 2 * 3 * record,
+    );
+    let fit = place(&d, &tight).unwrap();
+    assert_eq!(fit.staging_buffers, STAGING_BUFFERS + 3);
+    assert!(fit.process_bytes <= base.process_bytes + 4 * 2 * 3 * record);
+    // And none where the budget is the plan's own.
+    let exact = limits(Offload::Nvme, Offload::None, base.process_bytes);
+    assert_eq!(place(&d, &exact).unwrap().staging_buffers, STAGING_BUFFERS);
+    // The gradients on the tier as well: their records are read ahead too, with the gradient.
+    let grads = Limits {
+        grads: Offload::Nvme,
+        ..ample
+    };
+    let fit = place(&d, &grads).unwrap();
+    assert_eq!(fit.placement.grads, Tier::Nvme);
+    assert_eq!(fit.staging_buffers, 14 + STAGING_BUFFERS);
+    assert_eq!(fit.per_rank.staging, fit.staging_buffers * 131_072 * 4 * 3);
+    // The parameters on the tier: their reads are the passes' own, nothing grows.
+    let params = limits(Offload::Nvme, Offload::Nvme, 1 << 34);
+    let fit = place(&d, &params).unwrap();
+    assert_eq!(fit.placement.params, Tier::Nvme);
+    assert_eq!(fit.staging_buffers, STAGING_BUFFERS);
+    // A model of many small units stops at the cap.
+    let many = Demand { units: 1000, ..d };
+    assert_eq!(
+        place(&many, &ample).unwrap().staging_buffers,
+        MAX_STAGING_BUFFERS
     );
 }
 

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use ractor::{Actor, ActorRef};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::config::{ConfigError, TrainConfig};
+use crate::config::{ConfigError, NvmeFaultKind, TrainConfig};
 use crate::data::Dataset;
 use crate::engine::coordinator::{
     Change, Coordinator, JobSpec, MembershipRecord, Refusal, ScriptedChange, StepRecord,
@@ -199,13 +199,18 @@ pub fn prepare_storage(
         update_in_backward: fit.update_in_backward,
         update_reuses_params: fit.update_reuses_params,
         faults: cfg.nvme_fault.map(|f| {
-            (
-                f.rank,
-                Faults {
-                    fail_after_write_bytes: Some(f.after_write_bytes),
-                    errno: f.errno,
+            let faults = match f.kind {
+                NvmeFaultKind::FailWrites { errno, after_bytes } => Faults {
+                    fail_after_write_bytes: Some(after_bytes),
+                    errno,
+                    ..Faults::default()
                 },
-            )
+                NvmeFaultKind::SlowReads { ms } => Faults {
+                    read_delay_ms: ms,
+                    ..Faults::default()
+                },
+            };
+            (f.rank, faults)
         }),
         ..spec
     };

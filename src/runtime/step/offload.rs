@@ -73,15 +73,18 @@ pub fn spill_unit(
     drain(tier, writes)
 }
 
-/// A free staging buffer, finishing the oldest write if none is free.
+/// A free staging buffer, finishing the oldest of `writes` if none is free, and only then
+/// taking one from a read ahead (which would be read again).
 fn next_buf(tier: &mut TierFile, writes: &mut VecDeque<Pending>) -> Result<AlignedBuf, TierError> {
     loop {
-        if let Some(b) = tier.take_buf() {
+        if let Some(b) = tier.take_free_buf() {
             return Ok(b);
         }
-        let oldest = writes
-            .pop_front()
-            .expect("a staging buffer is either free or in a write");
+        let Some(oldest) = writes.pop_front() else {
+            return Ok(tier
+                .take_buf()
+                .expect("a staging buffer is free, in a write or in a read ahead"));
+        };
         let b = tier.finish(oldest)?;
         tier.put_buf(b);
     }
@@ -430,7 +433,8 @@ pub fn spill_grads(tier: &mut TierFile, u: usize, g: &[f32]) -> Result<(), TierE
 }
 
 fn tier_has_spare(tier: &TierFile) -> bool {
-    tier.free_bufs() > 1
+    // A read ahead's buffer is not spare: it holds a record the stream reads later.
+    tier.free_bufs() - tier.reads_ahead() > 1
 }
 
 fn ram_state(v: &mut [f32], r: Range<usize>) -> &mut [f32] {

@@ -20,6 +20,7 @@ use std::time::Instant;
 
 use super::offload::{self, TierUpdater};
 use super::owed::{Owed, OwedStep};
+use super::tier_reads::read_ahead_for_optimizer;
 use crate::runtime::storage::tier_file::beside_compute;
 use crate::runtime::storage::{TierError, TierFile};
 
@@ -239,10 +240,18 @@ impl TierIo {
             .spawn(move || {
                 beside_compute(|| {
                     let mut t = tier.after_reads();
+                    let owes = owed.is_some();
                     if let (Some(o), Some(step)) = (owed, step) {
                         o.apply(&mut t, u, step, &mut [])?;
                     }
-                    offload::spill_grads(&mut t, u, &g)
+                    offload::spill_grads(&mut t, u, &g)?;
+                    if !owes {
+                        // The optimizer phase reads this unit's records next: its gradient is
+                        // there now, and the disk is otherwise idle until the phase.
+                        let recs = t.layout.unit_records(u);
+                        read_ahead_for_optimizer(&mut t, recs)?;
+                    }
+                    Ok(())
                 })
             });
         match h {

@@ -16,7 +16,54 @@ pub const GROUP_ELEMS: usize = crate::plan::tier::SNAPSHOT_PIECE_ELEMS as usize;
 /// Takes one group of chunk states.
 pub type Emit<'a> = dyn FnMut(Vec<ChunkState>) -> Result<(), TierError> + 'a;
 
+/// Staging buffers a read ahead for the optimizer leaves in the pool: the optimizer's own stream
+/// reads one record past the ones read ahead while it updates another, and a gradient write
+/// stages through one.
+const KEEP_FOR_STREAM: usize = 2;
+
+/// Starts reading records `recs` (all their values) for the next optimizer phase
+/// (`tier_file::read_ahead`), in order, while staging buffers are free beyond
+/// [`KEEP_FOR_STREAM`]; only where the tier holds the optimizer's state and perhaps the
+/// gradients, which is all the phase reads. How many were started (or already were).
+pub fn read_ahead_for_optimizer(
+    t: &mut TierFile,
+    recs: std::ops::Range<usize>,
+) -> Result<usize, TierError> {
+    let kinds = t.layout.kinds;
+    if kinds.params {
+        // The phase gets the parameters from RAM and reads what follows them.
+        return Ok(0);
+    }
+    t.land_finished_writes();
+    let mut started = 0;
+    for rec in recs {
+        if !t.read_ahead(rec, 0..kinds.values(), KEEP_FOR_STREAM)? {
+            break;
+        }
+        started += 1;
+    }
+    Ok(started)
+}
+
 impl RankState {
+    /// With only the optimizer's state on the tier (nothing the backward writes), starts the
+    /// next optimizer phase's reads, in its order, into the staging buffers free: the
+    /// backward's compute then hides them. With the gradients there too, each unit's records
+    /// are read ahead once its gradient is written (`TierIo::write_grads`) instead. Writes the
+    /// last phase left in flight that have landed give their buffers back first; it never
+    /// waits for one. How many records were read ahead.
+    pub fn read_ahead_for_optimizer(&self) -> Result<usize, TierError> {
+        let (Some(tier), None, None) = (&self.tier, &self.owed, &self.in_backward) else {
+            return Ok(0);
+        };
+        if self.tier_kinds().grads > 0 {
+            return Ok(0);
+        }
+        let mut t = tier.lock().unwrap_or_else(|p| p.into_inner());
+        let records = t.layout.records();
+        read_ahead_for_optimizer(&mut t, 0..records)
+    }
+
     /// Everything this rank holds, as chunk states: [`RankState::try_chunk_state`] of every
     /// chunk it has, with the tier read in groups.
     pub fn held_chunk_states(&self) -> Result<Vec<ChunkState>, TierError> {

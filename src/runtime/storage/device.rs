@@ -2,7 +2,7 @@
 //! file, asynchronously. [`MemDevice`] is the reference implementation the tests use (a file in
 //! RAM, with injectable faults); `uring::UringDevice` is the real one.
 
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 
 use super::aligned::AlignedBuf;
@@ -77,14 +77,38 @@ pub trait Device: Send {
 }
 
 /// A pending request's completion.
-pub struct Ticket(pub Receiver<IoDone>);
+pub struct Ticket {
+    rx: Receiver<IoDone>,
+    /// The outcome, once [`Ticket::is_done`] has seen it.
+    got: Option<IoDone>,
+}
 
 impl Ticket {
     pub fn wait(self) -> IoDone {
-        self.0.recv().unwrap_or_else(|_| IoDone {
-            buf: AlignedBuf::new(0),
-            result: Err(IoError::Stopped),
-        })
+        match self.got {
+            Some(done) => done,
+            None => self.rx.recv().unwrap_or_else(|_| stopped()),
+        }
+    }
+
+    /// Whether the request has finished (then [`Ticket::wait`] does not block).
+    pub fn is_done(&mut self) -> bool {
+        if self.got.is_none() {
+            self.got = match self.rx.try_recv() {
+                Ok(done) => Some(done),
+                Err(TryRecvError::Disconnected) => Some(stopped()),
+                Err(TryRecvError::Empty) => None,
+            };
+        }
+        self.got.is_some()
+    }
+}
+
+/// The outcome of a request whose engine went away.
+fn stopped() -> IoDone {
+    IoDone {
+        buf: AlignedBuf::new(0),
+        result: Err(IoError::Stopped),
     }
 }
 
@@ -104,15 +128,17 @@ pub fn submit(
         buf,
         done: tx,
     })?;
-    Ok(Ticket(rx))
+    Ok(Ticket { rx, got: None })
 }
 
 /// Injected faults: the write that would take the bytes written past `fail_after_write_bytes`
-/// fails with `errno` (ENOSPC, EIO), and so does every later one.
+/// fails with `errno` (ENOSPC, EIO), and so does every later one; every read is held
+/// `read_delay_ms` before it is submitted (on the submitting thread, as a slow disk holds it).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Faults {
     pub fail_after_write_bytes: Option<u64>,
     pub errno: i32,
+    pub read_delay_ms: u64,
 }
 
 /// Any device with [`Faults`] injected in front of it.
@@ -147,6 +173,9 @@ impl<D: Device> Device for FaultyDevice<D> {
                 return Ok(());
             }
             self.written += req.len as u64;
+        }
+        if req.op == Op::Read && self.faults.read_delay_ms > 0 {
+            std::thread::sleep(std::time::Duration::from_millis(self.faults.read_delay_ms));
         }
         self.inner.submit(req)
     }

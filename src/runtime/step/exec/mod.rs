@@ -394,6 +394,11 @@ impl<'a> Pass<'a> {
                 Ok(())
             }
             Phase::Backward { unit } => {
+                // The disk has nothing else to do during the backward when only the optimizer's
+                // state is on the tier: the optimizer's first reads start now.
+                self.st
+                    .read_ahead_for_optimizer()
+                    .map_err(|e| CommError::Storage(e.to_string()))?;
                 self.timed(|p| {
                     p.round_full(unit);
                     p.backward(unit as usize);

@@ -191,6 +191,8 @@ pub struct TierFile {
     /// returned by the next read, write or [`TierFile::settle`].
     deferred: VecDeque<Pending>,
     deferred_err: Option<TierError>,
+    /// Reads started before anyone asked for them ([`TierFile::read_ahead`]).
+    ahead: VecDeque<Ahead>,
     pub stats: TierStats,
     /// With two copies of every record, which copy holds each unit's state; `None` with one.
     copies: Option<Copies>,
@@ -262,6 +264,7 @@ impl TierFile {
             layout,
             deferred: VecDeque::new(),
             deferred_err: None,
+            ahead: VecDeque::new(),
             stats: TierStats::default(),
             copies,
         })
@@ -327,8 +330,19 @@ impl TierFile {
         }
     }
 
-    /// A staging buffer of one record, if one is free or a deferred write can give one back.
+    /// A staging buffer of one record, if one is free, a deferred write can give one back, or
+    /// (the last resort) a read ahead nobody has taken yet gives its up, the newest first.
     pub fn take_buf(&mut self) -> Option<AlignedBuf> {
+        let b = self.take_free_buf();
+        if b.is_some() {
+            return b;
+        }
+        self.drop_newest_read_ahead();
+        self.pool.pop()
+    }
+
+    /// [`TierFile::take_buf`] without taking one from a read ahead.
+    pub fn take_free_buf(&mut self) -> Option<AlignedBuf> {
         if self.pool.is_empty() {
             if let Some(b) = self.deferred.pop_front().and_then(|p| self.land(p)) {
                 return Some(b);
@@ -387,10 +401,10 @@ impl TierFile {
         self.pool.push(b);
     }
 
-    /// Staging buffers not in use (a deferred write's counts: [`TierFile::take_buf`] waits for
-    /// it and takes its buffer).
+    /// Staging buffers not in use (a deferred write's and a read ahead's count:
+    /// [`TierFile::take_buf`] waits for them and takes their buffers).
     pub fn free_bufs(&self) -> usize {
-        self.pool.len() + self.deferred.len()
+        self.pool.len() + self.deferred.len() + self.ahead.len()
     }
 
     /// Starts reading values `kinds` (a range of value indices) of record `rec` into `buf`.
@@ -400,6 +414,10 @@ impl TierFile {
         kinds: Range<usize>,
         buf: AlignedBuf,
     ) -> Result<Pending, TierError> {
+        if let Some(p) = self.take_read_ahead(rec, &kinds) {
+            self.pool.push(buf);
+            return Ok(p);
+        }
         let (offset, len, buf) = self.settled_span(rec, kinds, false, buf)?;
         self.start(Op::Read, offset, len, buf)
     }
@@ -464,6 +482,8 @@ impl TierFile {
         next: bool,
     ) -> Result<Pending, TierError> {
         let (offset, len, buf) = self.settled_span(rec, kinds, next, buf)?;
+        // A read ahead of these bytes would hand out what they held before.
+        self.drop_read_ahead_over(offset, len);
         let first = offset as usize / BLOCK;
         for (i, block) in buf.bytes()[..len].chunks(BLOCK).enumerate() {
             self.crcs[first + i] = crc32fast::hash(block);
@@ -554,7 +574,8 @@ impl TierFile {
 
 impl Drop for TierFile {
     fn drop(&mut self) {
-        // No write may still be landing in a file about to be removed.
+        // No read or write may still be landing in buffers or a file about to go.
+        self.drop_read_ahead_over(0, usize::MAX);
         let _ = self.settle();
         // Scratch state: a dropped rank state's file is of no use to anyone.
         let _ = std::fs::remove_file(&self.path);
@@ -564,6 +585,9 @@ impl Drop for TierFile {
         }
     }
 }
+
+mod read_ahead;
+use read_ahead::Ahead;
 
 #[cfg(test)]
 mod tests;

@@ -208,6 +208,7 @@ fn a_full_disk_is_a_typed_error() {
     let mut f = file(Faults {
         fail_after_write_bytes: Some(4096),
         errno: libc::ENOSPC,
+        ..Faults::default()
     });
     let b = f.take_buf().unwrap();
     let p = f.start_write(0, b).unwrap();
@@ -242,6 +243,7 @@ fn deferred_writes_are_waited_for_by_overlapping_reads_and_their_errors_surface(
     let mut f = file(Faults {
         fail_after_write_bytes: Some(4096),
         errno: libc::EIO,
+        ..Faults::default()
     });
     let b = f.take_buf().unwrap();
     let p = f.start_write(0, b).unwrap();
