@@ -71,7 +71,15 @@ pub enum Phase {
 /// The phase program for one step of `ranks` ranks. `max_live_units` bounds ZeRO-3's gathered
 /// working set: the unit being computed plus `max_live_units - 1` prefetched ones.
 pub fn phases(stage: Stage, units: u32, max_live_units: usize, ranks: usize) -> Vec<Phase> {
-    let lag = !waits_at_once(ranks);
+    phases_waiting(stage, units, max_live_units, !waits_at_once(ranks))
+}
+
+/// [`phases`] with each unit's reduce-scatter waited for after the next unit's backward (`lag`)
+/// or right after its own. A step that updates each unit in the backward
+/// (`tier::updates_in_backward`) waits at once whatever the ranks: the update of a unit starts
+/// when its sums are in, so waiting a unit later would start the last block's update after the
+/// backward, with no compute left beside it.
+pub fn phases_waiting(stage: Stage, units: u32, max_live_units: usize, lag: bool) -> Vec<Phase> {
     let mut p = Vec::new();
     let ahead = max_live_units.max(1) as u32 - 1;
     if stage == Stage::Zero3 {
@@ -302,6 +310,9 @@ mod tests {
             };
             assert_eq!(others(&one), others(&many), "{stage:?}");
             assert_eq!(one.len(), many.len());
+            // Updating in the backward, any number of ranks waits at once, and otherwise lags.
+            assert_eq!(phases_waiting(stage, units, 2, false), one);
+            assert_eq!(phases_waiting(stage, units, 2, true), many);
         }
     }
 

@@ -541,8 +541,9 @@ pub fn evaluate_with(d: &Demand, p: Placement, tile_elems: u64, reuse: bool) -> 
     // Backward: the unit accumulators and a micro-batch gradient; the optimizer: one unit's
     // gradient shard widened to f32. They do not overlap in time. Stages 2-3 wait for a unit's
     // reduce-scatter only after the next unit's backward (`schedule::phases`), so two
-    // accumulators are live (one with a single rank, but a join can grow the world mid-run;
-    // the room it leaves holds a second update's gradient shard, `TierIo`); stages 0-1
+    // accumulators are live (one with a single rank or with the update in the backward,
+    // `schedule::phases_waiting`, but a join can grow the world mid-run; the room it leaves
+    // holds a second update's gradient shard, `TierIo`); stages 0-1
     // accumulate into their resident whole-model gradients (counted there), and one is kept as
     // a margin.
     let accumulators = if matches!(d.stage, Stage::Zero2 | Stage::Zero3) {
@@ -572,7 +573,7 @@ pub fn evaluate_with(d: &Demand, p: Placement, tile_elems: u64, reuse: bool) -> 
     let in_backward = updates_in_backward(d.stage, p, d.clipping);
     // Reused by the update: the shard read for a unit's backward gather stays until its update
     // is done, two at a time (one unit's update running while the next unit computes, or the
-    // two updates a single rank queues).
+    // two updates queued behind each other).
     // fp32 only: under bf16 the gathered unit holds the rounded values, not the masters.
     let reuse = in_backward && reuse && d.param_copy_bytes == 4;
     let kept_params = if reuse { 8 * shard } else { 0 };

@@ -6,8 +6,9 @@
 //! (`plan::tier::updates_in_backward`), the helper that would write a unit's gradient shard
 //! runs its update instead, into the unit's other copy.
 //! At most one read and one write are in flight (a shard of each in RAM besides the step's
-//! own buffers, which the planner counts), or two updates with one rank, whose single
-//! exact accumulator leaves room for the second shard; every helper is joined before the
+//! own buffers, which the planner counts), or two updates where the update runs in the
+//! backward, whose step waits for each reduce-scatter at once and so holds a single exact
+//! accumulator, which leaves room for the second shard; every helper is joined before the
 //! step's optimizer touches the tier and before the step returns, so no I/O outlives the step.
 //! Helpers take the file through [`SharedTier`], which lets a parameter read go before updates
 //! and gradient writes that have not started yet.

@@ -24,7 +24,7 @@ use crate::model::backend::Precision;
 use crate::model::gemm::round_bf16;
 use crate::model::tie::Ties;
 use crate::model::{Kept, MicroBatch};
-use crate::plan::schedule::{phases, waits_at_once, Phase};
+use crate::plan::schedule::{phases_waiting, waits_at_once, Phase};
 use crate::plan::volume::Volume;
 use crate::plan::Stage;
 use crate::reduce::exact::{self, QuantStats};
@@ -100,7 +100,8 @@ pub fn run_step<T: Transport>(
         })
         .collect();
     let ranks = st.map.members.len();
-    let program = phases(st.stage, st.units() as u32, cfg.max_live_units, ranks);
+    let lag = !waits_at_once(ranks) && st.in_backward.is_none();
+    let program = phases_waiting(st.stage, st.units() as u32, cfg.max_live_units, lag);
     let ties = Ties::of(&*st.model).map_err(|what| CommError::Protocol {
         from: st.rank,
         what: format!("the model's tied parameters: {what}"),
@@ -240,11 +241,12 @@ impl<'a> Pass<'a> {
                     .map(|t| TierIo::new(t, st.owed.clone(), st.in_backward.clone()))
             })
             .flatten();
-        // A rank that waits for each reduce-scatter at once holds one exact accumulator (8 bytes
-        // an element), which leaves room for a second update's gradient (4), so the disk can go
-        // from one update to the next without waiting for the rank's thread.
+        // Updating in the backward, a rank waits for each reduce-scatter at once (see
+        // `phases_waiting`) and holds one exact accumulator (8 bytes an element), which leaves
+        // room for a second update's gradient (4), so the disk can go from one update to the
+        // next without waiting for the rank's thread.
         if let Some(io) = tier_io.as_mut() {
-            if st.in_backward.is_some() && waits_at_once(st.map.members.len()) {
+            if st.in_backward.is_some() {
                 io.allow_writes(2);
             }
         }
