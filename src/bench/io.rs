@@ -1,7 +1,8 @@
 //! `ezero bench io`: the tier's I/O engine against the disk's own tools, on the same file system
 //! in the same run. Sequential direct-I/O writes then reads of one file, in the engine's
 //! blocks, with the same block size and queue depth for `fio` (io_uring engine) when it is
-//! installed, else `dd` with direct I/O (one request at a time).
+//! installed, else `dd` with direct I/O (one request at a time), the two taking turns at going
+//! first.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -44,14 +45,18 @@ pub fn run(b: &IoBench, mut emit: impl FnMut(IoResult)) -> Result<(), String> {
         .join(format!(".ezero-bench-io-{}", std::process::id()));
     let result = (|| {
         for round in 0..b.rounds {
-            let (w, r) = engine(&file, b)?;
-            let _ = std::fs::remove_file(&file);
-            emit(result(b, round, "ezero", "write", w));
-            emit(result(b, round, "ezero", "read", r));
-            let (tool, w, r) = reference(&file, b)?;
-            let _ = std::fs::remove_file(&file);
-            emit(result(b, round, tool, "write", w));
-            emit(result(b, round, tool, "read", r));
+            // Who goes first alternates: the disk's speed drifts within a round.
+            for ours in [round % 2 == 0, round % 2 == 1] {
+                let (tool, w, r) = if ours {
+                    let (w, r) = engine(&file, b)?;
+                    ("ezero", w, r)
+                } else {
+                    reference(&file, b)?
+                };
+                let _ = std::fs::remove_file(&file);
+                emit(result(b, round, tool, "write", w));
+                emit(result(b, round, tool, "read", r));
+            }
         }
         Ok(())
     })();
