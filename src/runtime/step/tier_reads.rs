@@ -50,8 +50,9 @@ impl RankState {
     /// next optimizer phase's reads, in its order, into the staging buffers free: the
     /// backward's compute then hides them. With the gradients there too, each unit's records
     /// are read ahead once its gradient is written (`TierIo::write_grads`) instead. Writes the
-    /// last phase left in flight that have landed give their buffers back first; it never
-    /// waits for one. How many records were read ahead.
+    /// last phase left in flight that have landed give their buffers back first; one still
+    /// landing is waited for only where it writes a record read ahead. How many records were
+    /// read ahead.
     pub fn read_ahead_for_optimizer(&self) -> Result<usize, TierError> {
         let (Some(tier), None, None) = (&self.tier, &self.owed, &self.in_backward) else {
             return Ok(0);

@@ -6,6 +6,7 @@
 //! losses, per-unit maxima, the overflow flag and the exact global norm. An overflowed first
 //! attempt is redone with bounds from the agreed maxima, so a step takes at most two passes.
 
+mod program;
 mod reduce;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -209,21 +210,6 @@ struct Pass<'a> {
     optimizer_s: f64,
 }
 
-/// Whether `phase` may run before `deferred`, a gather's post waiting for its shard: the
-/// waits for other gathers and the compute (after which it is posted) may, anything else, or
-/// its own wait, may not. Each rank's deferred post is of a unit it gathers after every unit it
-/// may wait for in the meantime, whose posts it made already, so no two ranks wait on each
-/// other.
-fn may_pass(phase: Phase, deferred: Phase) -> bool {
-    match (phase, deferred) {
-        (Phase::WaitGather { unit, pass }, Phase::PostGather { unit: u, pass: p }) => {
-            (unit, pass) != (u, p)
-        }
-        (Phase::Forward { .. } | Phase::Backward { .. }, _) => true,
-        _ => false,
-    }
-}
-
 impl<'a> Pass<'a> {
     fn new(
         st: &'a mut RankState,
@@ -289,79 +275,6 @@ impl<'a> Pass<'a> {
             pass,
             piece: 0,
         }
-    }
-
-    fn run<T: Transport>(
-        &mut self,
-        comm: &mut Comm<T>,
-        program: &[Phase],
-        stop: Option<usize>,
-    ) -> Result<Agreed, CommError> {
-        // A gather whose shard is still coming off the tier, posted after the next compute
-        // phase instead of waiting for the disk before it (its index in `program`).
-        let mut deferred: Option<usize> = None;
-        for (i, &phase) in program.iter().enumerate() {
-            if stop == Some(i) {
-                return Err(CommError::Vanished);
-            }
-            if let Some(d) = deferred.take_if(|&mut d| !may_pass(phase, program[d])) {
-                self.run_phase(comm, program, d)?;
-            }
-            if matches!(phase, Phase::PostGather { unit, .. } if self.reading(unit)) {
-                deferred = Some(i);
-                continue;
-            }
-            self.run_phase(comm, program, i)?;
-            if matches!(phase, Phase::Forward { .. } | Phase::Backward { .. }) {
-                if let Some(d) = deferred.take() {
-                    self.run_phase(comm, program, d)?;
-                }
-            }
-            if let Some(a) = &self.agreed {
-                if a.overflow {
-                    break; // nothing after Agree may run on an overflowed pass
-                }
-            }
-        }
-        if let Some(d) = deferred {
-            self.run_phase(comm, program, d)?;
-        }
-        self.agreed.take().ok_or_else(|| CommError::Protocol {
-            from: self.st.rank,
-            what: "phase program has no Agree".into(),
-        })
-    }
-
-    /// Runs `program[i]`, traced, and after a gather's post starts reading the next shard.
-    fn run_phase<T: Transport>(
-        &mut self,
-        comm: &mut Comm<T>,
-        program: &[Phase],
-        i: usize,
-    ) -> Result<(), CommError> {
-        let phase = program[i];
-        let t0 = Instant::now();
-        self.exec(comm, phase)?;
-        // Where a step's time goes, phase by phase (`EZERO_LOG=elastic_zero=trace`).
-        let ms = t0.elapsed().as_secs_f64() * 1e3;
-        tracing::trace!(
-            rank = self.st.rank,
-            step = self.plan.step,
-            ?phase,
-            ms,
-            "phase"
-        );
-        if let Phase::PostGather { .. } = phase {
-            self.read_ahead(&program[i + 1..]);
-        }
-        Ok(())
-    }
-
-    /// Whether unit `unit`'s shard is being read off the tier and is not there yet.
-    fn reading(&self, unit: u32) -> bool {
-        self.tier_io
-            .as_ref()
-            .is_some_and(|io| io.reading(unit as usize))
     }
 
     fn exec<T: Transport>(&mut self, comm: &mut Comm<T>, phase: Phase) -> Result<(), CommError> {
