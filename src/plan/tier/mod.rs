@@ -156,7 +156,8 @@ pub const MIN_TILE_ELEMS: u64 = IO_ALIGN_BYTES / 4;
 /// Staging buffers: two records read ahead, one being updated, one being written back.
 pub const STAGING_BUFFERS: u64 = 4;
 /// The most staging buffers a rank takes where the budget has room for more
-/// ([`with_reads_ahead`]): 128 MiB a rank with the optimizer's m and v in 1 MiB values.
+/// ([`with_reads_ahead`]): 128 MiB a rank with m and v in records of 1 MiB a value, 192 MiB
+/// with the gradient beside them.
 pub const MAX_STAGING_BUFFERS: u64 = 64;
 /// What the process needs besides the training state: code, thread stacks, the async runtime,
 /// allocator slack (peak RSS of a 40K-parameter run on one rank was 18 MiB here; doubled).
