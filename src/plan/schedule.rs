@@ -69,17 +69,20 @@ pub enum Phase {
 }
 
 /// The phase program for one step of `ranks` ranks. `max_live_units` bounds ZeRO-3's gathered
-/// working set: the unit being computed plus `max_live_units - 1` prefetched ones.
-pub fn phases(stage: Stage, units: u32, max_live_units: usize, ranks: usize) -> Vec<Phase> {
-    phases_waiting(stage, units, max_live_units, !waits_at_once(ranks))
-}
-
-/// [`phases`] with each unit's reduce-scatter waited for after the next unit's backward (`lag`)
-/// or right after its own. A step that updates each unit in the backward
-/// (`tier::updates_in_backward`) waits at once whatever the ranks: the update of a unit starts
+/// working set: the unit being computed plus `max_live_units - 1` prefetched ones. Each unit's
+/// reduce-scatter is waited for after the next unit's backward, or right after its own with one
+/// rank ([`waits_at_once`]) and in a step that updates each unit in the backward
+/// (`updates_in_backward`, `tier::updates_in_backward`): there the update of a unit starts
 /// when its sums are in, so waiting a unit later would start the last block's update after the
 /// backward, with no compute left beside it.
-pub fn phases_waiting(stage: Stage, units: u32, max_live_units: usize, lag: bool) -> Vec<Phase> {
+pub fn phases(
+    stage: Stage,
+    units: u32,
+    max_live_units: usize,
+    ranks: usize,
+    updates_in_backward: bool,
+) -> Vec<Phase> {
+    let lag = !waits_at_once(ranks) && !updates_in_backward;
     let mut p = Vec::new();
     let ahead = max_live_units.max(1) as u32 - 1;
     if stage == Stage::Zero3 {
@@ -227,7 +230,7 @@ mod tests {
     #[test]
     fn stage3_gathers_twice_and_scatters_once_per_unit() {
         for live in 1..4 {
-            let p = phases(Stage::Zero3, 5, live, 2);
+            let p = phases(Stage::Zero3, 5, live, 2, false);
             assert_eq!(count(&p, |x| matches!(x, Phase::PostGather { .. })), 10);
             assert_eq!(count(&p, |x| matches!(x, Phase::WaitGather { .. })), 10);
             assert_eq!(
@@ -256,7 +259,7 @@ mod tests {
     #[test]
     fn reduce_scatter_waits_lag_one_unit() {
         for (stage, units) in [(Stage::Zero2, 1), (Stage::Zero2, 4), (Stage::Zero3, 5)] {
-            let p = phases(stage, units, 2, 2);
+            let p = phases(stage, units, 2, 2, false);
             let agree = p.iter().position(|x| *x == Phase::Agree).unwrap();
             let mut live = 0usize;
             for u in 0..units {
@@ -296,7 +299,10 @@ mod tests {
     #[test]
     fn one_rank_waits_for_each_reduce_scatter_at_once() {
         for (stage, units) in [(Stage::Zero2, 4), (Stage::Zero3, 5)] {
-            let (one, many) = (phases(stage, units, 2, 1), phases(stage, units, 2, 2));
+            let (one, many) = (
+                phases(stage, units, 2, 1, false),
+                phases(stage, units, 2, 2, false),
+            );
             for (i, ph) in one.iter().enumerate() {
                 if let Phase::ReduceScatterUnit { unit } = ph {
                     assert_eq!(one[i + 1], Phase::WaitReduceScatter { unit: *unit });
@@ -310,19 +316,18 @@ mod tests {
             };
             assert_eq!(others(&one), others(&many), "{stage:?}");
             assert_eq!(one.len(), many.len());
-            // Updating in the backward, any number of ranks waits at once, and otherwise lags.
-            assert_eq!(phases_waiting(stage, units, 2, false), one);
-            assert_eq!(phases_waiting(stage, units, 2, true), many);
+            // Updating in the backward, any number of ranks waits at once.
+            assert_eq!(phases(stage, units, 2, 2, true), one);
         }
     }
 
     #[test]
     fn stages_0_to_2_shapes() {
-        let p0 = phases(Stage::Zero0, 3, 2, 2);
+        let p0 = phases(Stage::Zero0, 3, 2, 2, false);
         assert!(p0.contains(&Phase::AllGatherGrads) && !p0.contains(&Phase::GatherParams));
-        let p1 = phases(Stage::Zero1, 3, 2, 2);
+        let p1 = phases(Stage::Zero1, 3, 2, 2, false);
         assert!(p1.contains(&Phase::ReduceScatterAll) && p1.contains(&Phase::GatherParams));
-        let p2 = phases(Stage::Zero2, 3, 2, 2);
+        let p2 = phases(Stage::Zero2, 3, 2, 2, false);
         assert_eq!(
             count(&p2, |x| matches!(x, Phase::ReduceScatterUnit { .. })),
             3

@@ -543,7 +543,7 @@ pub fn evaluate_with(d: &Demand, p: Placement, tile_elems: u64, reuse: bool) -> 
     // gradient shard widened to f32. They do not overlap in time. Stages 2-3 wait for a unit's
     // reduce-scatter only after the next unit's backward (`schedule::phases`), so two
     // accumulators are live (one with a single rank or with the update in the backward,
-    // `schedule::phases_waiting`, but a join can grow the world mid-run; the room it leaves
+    // `schedule::phases`, but a join can grow the world mid-run; the room it leaves
     // holds a second update's gradient shard, `TierIo`); stages 0-1
     // accumulate into their resident whole-model gradients (counted there), and one is kept as
     // a margin.

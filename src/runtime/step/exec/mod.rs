@@ -25,7 +25,7 @@ use crate::model::backend::Precision;
 use crate::model::gemm::round_bf16;
 use crate::model::tie::Ties;
 use crate::model::{Kept, MicroBatch};
-use crate::plan::schedule::{phases_waiting, waits_at_once, Phase};
+use crate::plan::schedule::{phases, Phase};
 use crate::plan::volume::Volume;
 use crate::plan::Stage;
 use crate::reduce::exact::{self, QuantStats};
@@ -101,8 +101,14 @@ pub fn run_step<T: Transport>(
         })
         .collect();
     let ranks = st.map.members.len();
-    let lag = !waits_at_once(ranks) && st.in_backward.is_none();
-    let program = phases_waiting(st.stage, st.units() as u32, cfg.max_live_units, lag);
+    let in_backward = st.in_backward.is_some();
+    let program = phases(
+        st.stage,
+        st.units() as u32,
+        cfg.max_live_units,
+        ranks,
+        in_backward,
+    );
     let ties = Ties::of(&*st.model).map_err(|what| CommError::Protocol {
         from: st.rank,
         what: format!("the model's tied parameters: {what}"),
@@ -228,7 +234,7 @@ impl<'a> Pass<'a> {
             })
             .flatten();
         // Updating in the backward, a rank waits for each reduce-scatter at once (see
-        // `phases_waiting`) and holds one exact accumulator (8 bytes an element), which leaves
+        // `schedule::phases`) and holds one exact accumulator (8 bytes an element), which leaves
         // room for a second update's gradient (4), so the disk can go from one update to the
         // next without waiting for the rank's thread.
         if let Some(io) = tier_io.as_mut() {
