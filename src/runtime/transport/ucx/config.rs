@@ -91,9 +91,11 @@ pub enum Inbound {
     PeerLost { peer: u32, why: String },
 }
 
-/// Counters of what the engine refused or lost.
+/// Counters of what the engine refused or lost, and of the messages received into lent memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EngineCounts {
+    /// Rendezvous messages whose receive started straight into memory a consumer lent.
+    pub lent: u64,
     /// Messages over `max_message_bytes` or with a malformed header, dropped.
     pub refused: u64,
     /// Sends or receives that completed with an error.

@@ -10,6 +10,12 @@
 //! the consumer ends together: ending a batch withdraws its unmatched loans, and the consumer
 //! then waits for the matched ones to complete before it touches the memory again.
 
+/// Payloads smaller than this are not worth a loan (UCX sends up to 8 KiB eagerly, and a
+/// small copy costs less than the bookkeeping). The engine keeps back for loans only
+/// messages at least this long: a shorter one is never lent for, and a consumer waiting for it
+/// while its loans are open would wait until its deadline.
+pub const LEND_MIN_BYTES: usize = 64 << 10;
+
 /// One lent buffer: `len` bytes at address `at`, for the next rendezvous message from engine
 /// `from` whose header starts with `key` and whose payload is exactly `len` bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]

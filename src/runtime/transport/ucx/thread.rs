@@ -11,7 +11,7 @@ use bytes::Bytes;
 
 use super::config::{EngineConfig, EngineCounts, Inbound};
 use super::credit::Credit;
-use super::lent::{Loan, Loans};
+use super::lent::{Loan, Loans, LEND_MIN_BYTES};
 use super::pool::Pool;
 use super::{check, status_text, sys, UcxError};
 
@@ -615,13 +615,14 @@ unsafe fn send(state: *mut State, ep: sys::ucp_ep_h, me: u32, header: Vec<u8>, p
 /// progress returns, so that no receive starts inside the callback), in order, while the
 /// receive credit allows; the rest wait for the consumer to give credit back.
 unsafe fn fetch_announced(state: *mut State) {
-    if (*state).deferring() {
-        return;
-    }
-    loop {
-        let Some(len) = (*state).announced.front().map(|a| a.len) else {
-            return;
-        };
+    // While messages wait for loans, those too short for one are still fetched.
+    let deferring = (*state).deferring();
+    let mut i = 0;
+    while let Some(len) = (*state).announced.get(i).map(|a| a.len) {
+        if deferring && len >= LEND_MIN_BYTES {
+            i += 1;
+            continue;
+        }
         if !(*state).credit.try_take(len) {
             // Then once more: credit given back before the mark would not wake this thread.
             (*state).credit.starve();
@@ -629,7 +630,7 @@ unsafe fn fetch_announced(state: *mut State) {
                 return;
             }
         }
-        let a = (*state).announced.pop_front().expect("the front was there");
+        let a = (*state).announced.remove(i).expect("the index is in range");
         receive_into(state, a, None);
     }
 }
@@ -684,7 +685,10 @@ unsafe fn receive_into(state: *mut State, a: Announced, loan: Option<(u64, usize
         state,
     });
     let buf = match loan {
-        Some((_, at)) => at as *mut c_void,
+        Some((_, at)) => {
+            (*state).count(|c| c.lent += 1);
+            at as *mut c_void
+        }
         None => op.buf.as_mut_ptr() as *mut c_void,
     };
     let user = Box::into_raw(op) as *mut c_void;

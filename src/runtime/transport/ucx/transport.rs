@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::engine::{Engine, Inbound};
-use super::lent::LOANS_MAX;
+use super::lent::{LEND_MIN_BYTES, LOANS_MAX};
 use super::UcxError;
 use crate::plan::RankId;
 use crate::runtime::transport::{recv_inbox, Frame, Tag, Transport, TransportError};
@@ -61,9 +61,6 @@ fn lock(u: &InInbox) -> std::sync::MutexGuard<'_, HashMap<usize, usize>> {
     u.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Payloads smaller than this are not worth a loan (UCX sends up to 8 KiB eagerly, and a
-/// small copy costs less than the bookkeeping).
-pub const LEND_MIN_BYTES: usize = 64 << 10;
 /// How long ending a batch of loans waits for the receives already matched. They complete or
 /// fail within UCX's keepalive (1 s) even when the sender dies; past this the engine is broken,
 /// and the process stops rather than hand back memory the engine may still write.
