@@ -22,6 +22,30 @@ pub enum ReduceMode {
 }
 
 impl ReduceMode {
+    /// Adds the encoded values `src` into the encoded values `dst` (this mode's wire encoding,
+    /// the same length, a multiple of the element's): [`GradBuf::add_encoded`] for an
+    /// accumulator seen as its bytes, as when its sums are sent and received in place. Exact
+    /// adds wrap, as there.
+    pub fn add_encoded_into(self, dst: &mut [u8], src: &[u8]) {
+        assert_eq!(dst.len(), src.len(), "sums of equal lengths");
+        match self {
+            ReduceMode::Exact => {
+                for (d, s) in dst.chunks_exact_mut(8).zip(src.chunks_exact(8)) {
+                    let a = i64::from_le_bytes((&*d).try_into().expect("8 bytes"));
+                    let b = i64::from_le_bytes(s.try_into().expect("8 bytes"));
+                    d.copy_from_slice(&a.wrapping_add(b).to_le_bytes());
+                }
+            }
+            ReduceMode::Fast => {
+                for (d, s) in dst.chunks_exact_mut(4).zip(src.chunks_exact(4)) {
+                    let a = f32::from_le_bytes((&*d).try_into().expect("4 bytes"));
+                    let b = f32::from_le_bytes(s.try_into().expect("4 bytes"));
+                    d.copy_from_slice(&(a + b).to_le_bytes());
+                }
+            }
+        }
+    }
+
     /// Bytes one accumulated gradient element takes in memory and on the wire.
     pub fn elem_bytes(self) -> usize {
         match self {
@@ -109,6 +133,13 @@ impl GradBuf {
         match self {
             GradBuf::Exact(v) => le_bytes_mut(v),
             GradBuf::Fast(v) => le_bytes_mut(v),
+        }
+    }
+
+    pub fn mode(&self) -> ReduceMode {
+        match self {
+            GradBuf::Exact(_) => ReduceMode::Exact,
+            GradBuf::Fast(_) => ReduceMode::Fast,
         }
     }
 
@@ -310,6 +341,46 @@ pub fn global_norm(
                 })
                 .sum();
             total.sqrt() / m
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Adding on the bytes gives what adding into the accumulator gives, bit for bit, in both
+    /// modes (wrapping in exact mode).
+    #[test]
+    fn adding_encoded_bytes_matches_adding_into_the_buffer() {
+        for mode in [ReduceMode::Exact, ReduceMode::Fast] {
+            let mut a = GradBuf::zeros(mode, 40);
+            let mut b = GradBuf::zeros(mode, 40);
+            match (&mut a, &mut b) {
+                (GradBuf::Exact(x), GradBuf::Exact(y)) => {
+                    for i in 0..40 {
+                        x[i] = i64::MAX - i as i64;
+                        y[i] = i as i64 * 1_000_003 + 7;
+                    }
+                }
+                (GradBuf::Fast(x), GradBuf::Fast(y)) => {
+                    for i in 0..40 {
+                        x[i] = 0.1 * i as f32 - 1.7;
+                        y[i] = 1e-3 / (i as f32 + 0.5);
+                    }
+                }
+                _ => unreachable!(),
+            }
+            let mut src = Vec::new();
+            b.encode_into(3..31, &mut src);
+            let mut want = a.clone();
+            assert!(want.add_encoded(3, &src));
+            let mut got = a.clone();
+            let eb = got.elem_bytes();
+            let bytes = got.le_bytes_mut().expect("little-endian target");
+            mode.add_encoded_into(&mut bytes[3 * eb..31 * eb], &src);
+            assert_eq!(got, want, "{mode:?}");
+            assert_ne!(got, a, "{mode:?}: something was added");
         }
     }
 }
