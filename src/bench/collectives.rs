@@ -16,9 +16,10 @@ use serde::Serialize;
 use crate::plan::{RankId, ShardMap};
 use crate::reduce::le::le_bytes_mut;
 use crate::reduce::GradBuf;
+use crate::runtime::step::all_reduce::all_reduce;
 use crate::runtime::step::collectives::{
-    all_gather_into, broadcast, broadcast_into, exchange_small, post_owned, post_owned_with,
-    post_run, reduce_scatter, wait_owned,
+    all_gather_into, broadcast, broadcast_into, exchange_small, post_owned, reduce_scatter,
+    wait_owned,
 };
 use crate::runtime::step::comm::{Comm, CommError};
 use crate::runtime::transport::{Tag, TagKind, Transport};
@@ -117,6 +118,8 @@ struct Bufs {
     mine: Bytes,
     out: Vec<f32>,
     acc: GradBuf,
+    /// Where an all-reduce's peers' partial sums land.
+    scratch: Vec<u8>,
     root_payload: Bytes,
 }
 
@@ -156,36 +159,17 @@ fn one<T: Transport>(
             &mut b.acc,
             0,
         ),
-        Op::AllReduce => {
-            reduce_scatter(
-                comm,
-                map,
-                0,
+        Op::AllReduce => all_reduce(
+            comm,
+            map,
+            0,
+            [
                 tag(TagKind::ReduceScatter, iter),
-                &mut b.acc,
-                0,
-            )?;
-            let t = tag(TagKind::GatherGrads, iter);
-            let eb = b.acc.elem_bytes();
-            let n = map.owned_elems_in_unit(0, comm.rank()) as u64;
-            if let Some(out) = b.acc.le_bytes_mut() {
-                // This rank's sums go out from the same buffer the others' land in.
-                return all_gather_into(comm, map, 0, t, eb, out, |c, mine| match mine {
-                    Some(mine) => post_run(c, map, t, mine, n, false),
-                    // The bench's map gives every rank one run.
-                    None => Err(CommError::Protocol {
-                        from: c.rank(),
-                        what: "the benchmark's shard is not one run".into(),
-                    }),
-                });
-            }
-            let acc = &b.acc;
-            post_owned_with(comm, map, 0, t, eb, |r, out| acc.encode_into(r, out), false)?;
-            let acc = &mut b.acc;
-            wait_owned(comm, map, 0, t, eb, |r, bytes| {
-                acc.set_encoded(r.start, bytes);
-            })
-        }
+                tag(TagKind::GatherGrads, iter),
+            ],
+            &mut b.acc,
+            &mut b.scratch,
+        ),
         Op::Broadcast => {
             // Receivers land the bytes in their tensor as they arrive, as a real broadcast
             // would; the root's tensor already holds them (gloo's root copies nothing either).
@@ -239,6 +223,7 @@ pub fn run_op<T: Transport>(
         ),
         out: vec![0.0; numel],
         acc: GradBuf::Fast(full.clone()),
+        scratch: Vec::new(),
         root_payload: if me == members[0] {
             encode_f32(&full, std::iter::once(0..numel))
         } else {

@@ -18,7 +18,7 @@ use crate::reduce::GradBuf;
 use crate::runtime::transport::{Tag, Transport};
 
 /// `members` without `me`: the ranks a one-to-all send goes to.
-fn others(members: &[RankId], me: RankId) -> Vec<RankId> {
+pub(super) fn others(members: &[RankId], me: RankId) -> Vec<RankId> {
     members.iter().copied().filter(|&r| r != me).collect()
 }
 
@@ -41,7 +41,7 @@ fn sub_spans(
 }
 
 /// The ranges of `owner`'s chunks of `unit`, in ascending chunk order (the order of its payload).
-fn owned_spans(map: &ShardMap, unit: usize, owner: RankId) -> Vec<Range<usize>> {
+pub(super) fn owned_spans(map: &ShardMap, unit: usize, owner: RankId) -> Vec<Range<usize>> {
     map.owned_in_unit(unit, owner)
         .map(|i| map.chunk_range(unit, i))
         .collect()
@@ -253,27 +253,6 @@ pub fn all_gather_into<T: Transport>(
         }
     }
     comm.recv_pieces_into_after(tag, dests, |c| send(c, Some(mine)))
-}
-
-/// Sends `mine`, this rank's chunks of `unit` as one run of encoded elements (`elems` of
-/// them), to every peer in pieces copied from it (the sending half of `all_gather_into`).
-pub fn post_run<T: Transport>(
-    comm: &mut Comm<T>,
-    map: &ShardMap,
-    tag: Tag,
-    mine: &[u8],
-    elems: u64,
-    is_param: bool,
-) -> Result<(), CommError> {
-    let peers = others(&map.members, comm.rank());
-    if mine.is_empty() || peers.is_empty() {
-        return Ok(());
-    }
-    comm.send_pieces_with(&peers, tag, mine.len(), |r| {
-        Bytes::copy_from_slice(&mine[r])
-    })?;
-    count_owned(comm, elems * peers.len() as u64, is_param);
-    Ok(())
 }
 
 /// Reduce-scatter of one unit's accumulator `acc` (the unit's full length, at `base` within the

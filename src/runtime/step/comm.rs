@@ -18,6 +18,9 @@ use crate::runtime::transport::{
 };
 use crate::wire::frame::pieces;
 
+/// Memory lent for one payload: its sender, its tag (piece 0), where it goes and its length.
+pub type Lend = (RankId, Tag, *mut u8, usize);
+
 /// Most frames held for later phases; a peer that floods us is a protocol error, not an OOM.
 pub const MAX_PENDING_FRAMES: usize = 1 << 16;
 
@@ -246,50 +249,39 @@ impl<T: Transport> Comm<T> {
         mut dests: Vec<(RankId, &mut [u8])>,
         before: impl FnOnce(&mut Self) -> Result<(), CommError>,
     ) -> Result<(), CommError> {
-        let at_step = (self.epoch, self.step);
-        let mut lent = false;
         // One pointer per buffer, taken once: the pieces' pointers derive from it, and the
         // buffer is not reborrowed while they are lent.
-        let bases: Vec<*mut u8> = dests.iter_mut().map(|(_, d)| d.as_mut_ptr()).collect();
-        for ((from, dest), &base) in dests.iter().zip(&bases) {
-            for (i, r) in pieces(dest.len()).enumerate() {
-                let t = tag.piece(i as u32);
-                if self
-                    .pending
-                    .contains_key(&(self.epoch, self.step, *from, t))
-                {
-                    continue;
-                }
-                // SAFETY: no buffer is touched again until `end_loans` below has returned,
-                // and an unwind in between aborts (`AbortOnUnwind`) instead of releasing them.
-                lent |= unsafe {
-                    self.transport
-                        .lend(*from, at_step, t, base.add(r.start), r.len())
-                };
-            }
-        }
-        if !lent {
-            before(self)?;
-            for (from, dest) in dests {
-                self.recv_pieces(from, tag, dest.len(), |at, bytes| {
-                    dest[at..at + bytes.len()].copy_from_slice(bytes)
-                })?;
-            }
-            return Ok(());
-        }
-        let armed = AbortOnUnwind;
-        // Pieces that came the usual way wait here: copied only once no loan is open, so that
-        // nothing writes the lent memory while the transport might.
+        let loans: Vec<Lend> = dests
+            .iter_mut()
+            .map(|(from, d)| (*from, tag, d.as_mut_ptr(), d.len()))
+            .collect();
+        // Pieces that came the usual way while memory was lent wait here: copied only once no
+        // loan is open, so that nothing writes the lent memory while the transport might.
         let mut copies = Vec::new();
-        let lens: Vec<(RankId, usize)> = dests.iter().map(|(f, d)| (*f, d.len())).collect();
-        let got = before(self).and_then(|()| {
-            let deadline = self.deadline();
-            lens.iter().enumerate().try_for_each(|(k, &(from, len))| {
-                self.recv_lent(from, tag, len, deadline, |at, b| copies.push((k, at, b)))
+        // SAFETY: the buffers outlive the call, and `body` writes them only when nothing is
+        // lent.
+        let got = unsafe {
+            self.lent(&loans, |c, any_lent| {
+                before(c)?;
+                let deadline = c.deadline();
+                for (k, &(from, _, base, len)) in loans.iter().enumerate() {
+                    for (i, r) in pieces(len).enumerate() {
+                        match c.recv_piece(from, tag, i, len, deadline)? {
+                            None => {}
+                            Some(b) if any_lent => copies.push((k, r.start, b)),
+                            // SAFETY: nothing is lent, so only this rank writes the buffer,
+                            // and the piece is its range's length (checked).
+                            Some(b) => std::ptr::copy_nonoverlapping(
+                                b.as_ptr(),
+                                base.add(r.start),
+                                b.len(),
+                            ),
+                        }
+                    }
+                }
+                Ok(())
             })
-        });
-        self.transport.end_loans();
-        drop(armed);
+        };
         got?;
         for (k, at, bytes) in copies {
             dests[k].1[at..at + bytes.len()].copy_from_slice(&bytes);
@@ -297,29 +289,66 @@ impl<T: Transport> Comm<T> {
         Ok(())
     }
 
-    /// The waiting half of `recv_pieces_into_after` for one peer while loans are open: pieces
-    /// that did not land in place go to `copy(byte offset, bytes)`.
-    fn recv_lent(
+    /// Lends the memory of each of `loans`, piece by piece (those not here yet), runs
+    /// `body(self, anything lent)`, and ends the loans once it returns; a panic in between
+    /// aborts the process. Inside, [`Comm::recv_piece`] says which pieces landed in place.
+    ///
+    /// # Safety
+    /// Each loan's memory must stay valid until this returns, and nothing may read or write
+    /// it meanwhile except a piece that `recv_piece` reported landed (the transport is done
+    /// with that piece's memory once its frame has arrived: a loan is matched once).
+    pub(super) unsafe fn lent<R>(
+        &mut self,
+        loans: &[Lend],
+        body: impl FnOnce(&mut Self, bool) -> Result<R, CommError>,
+    ) -> Result<R, CommError> {
+        let at_step = (self.epoch, self.step);
+        let mut lent = false;
+        for &(from, tag, base, len) in loans {
+            for (i, r) in pieces(len).enumerate() {
+                let t = tag.piece(i as u32);
+                if self.pending.contains_key(&(self.epoch, self.step, from, t)) {
+                    continue;
+                }
+                // SAFETY: passed on from the caller.
+                lent |= unsafe {
+                    self.transport
+                        .lend(from, at_step, t, base.add(r.start), r.len())
+                };
+            }
+        }
+        if !lent {
+            return body(self, false);
+        }
+        let armed = AbortOnUnwind;
+        let got = body(self, true);
+        self.transport.end_loans();
+        drop(armed);
+        got
+    }
+
+    /// Waits (until `deadline`) for piece `i` of the `len`-byte payload `tag` from `from`:
+    /// `None` when it landed in memory lent for it and passed every check there, else its
+    /// bytes (checked to be the piece's length).
+    pub fn recv_piece(
         &mut self,
         from: RankId,
         tag: Tag,
+        i: usize,
         len: usize,
         deadline: Instant,
-        mut copy: impl FnMut(usize, Bytes),
-    ) -> Result<(), CommError> {
-        for (i, r) in pieces(len).enumerate() {
-            let tag = tag.piece(i as u32);
-            let got = self.recv_by(from, tag, deadline)?;
-            if self.placed.remove(&(self.epoch, self.step, from, tag)) {
-                continue;
-            }
-            piece_fits(from, tag, i, got.len(), r.len(), len)?;
-            copy(r.start, got);
+    ) -> Result<Option<Bytes>, CommError> {
+        let t = tag.piece(i as u32);
+        let got = self.recv_by(from, t, deadline)?;
+        if self.placed.remove(&(self.epoch, self.step, from, t)) {
+            return Ok(None);
         }
-        Ok(())
+        let want = pieces(len).nth(i).map_or(0, |r| r.len());
+        piece_fits(from, t, i, got.len(), want, len)?;
+        Ok(Some(got))
     }
 
-    fn deadline(&self) -> Instant {
+    pub fn deadline(&self) -> Instant {
         Instant::now() + std::time::Duration::from_millis(self.timeout_ms)
     }
 

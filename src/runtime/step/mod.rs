@@ -6,6 +6,7 @@
 //! (messages, the memory ledger, progress), `model`, `optim`, `reduce`, `data`, `config` and
 //! `wire`. Never `actors`, `api` or `procs`.
 
+pub mod all_reduce;
 pub mod chunk_set;
 pub mod collectives;
 pub mod comm;
