@@ -78,6 +78,14 @@ fn lane(b: u8) -> Result<Lane, WireError> {
 /// The frame as chunks to write in order (prefix+header, payload, checksum), so that the
 /// payload `Bytes` goes to the socket layer without a copy.
 pub fn encode(msg: &WireMsg) -> [Bytes; 3] {
+    encode_summed(msg, None)
+}
+
+/// [`encode`], given the payload's CRC-32 when the sender computed it as it wrote the payload
+/// (`payload_crc`): the checksum is then combined from the header's and that one, without
+/// reading the payload again. It must be the payload's: a wrong one makes the frame fail the
+/// receiver's check.
+fn encode_summed(msg: &WireMsg, payload_crc: Option<u32>) -> [Bytes; 3] {
     let (header, payload) = match msg {
         WireMsg::Hello { rank, lane } => (
             Header::Hello {
@@ -102,8 +110,23 @@ pub fn encode(msg: &WireMsg) -> [Bytes; 3] {
         WireMsg::Control { from, payload } => (Header::Control { from: *from }, payload.clone()),
     };
     let head = head_bytes(&header, payload.len());
-    let sum = crc32_of(&[&head, &payload]).to_le_bytes();
-    [Bytes::from(head), payload, Bytes::copy_from_slice(&sum)]
+    let sum = match payload_crc {
+        Some(crc) => {
+            let mut h = crc32fast::Hasher::new();
+            h.update(&head);
+            h.combine(&crc32fast::Hasher::new_with_initial_len(
+                crc,
+                payload.len() as u64,
+            ));
+            h.finalize()
+        }
+        None => crc32_of(&[&head, &payload]),
+    };
+    [
+        Bytes::from(head),
+        payload,
+        Bytes::copy_from_slice(&sum.to_le_bytes()),
+    ]
 }
 
 /// Prefix and header of a message whose payload is `payload_len` bytes.
@@ -187,7 +210,12 @@ pub(super) fn decode_body(h: usize, rest: Bytes, got: u32) -> Result<WireMsg, Wi
 /// header, then the checksum) in one small buffer. The UCX plane sends the payload where it
 /// lies, so that it can land in the receiver's buffer with one copy.
 pub fn encode_split(msg: &WireMsg) -> (Vec<u8>, Bytes) {
-    let [head, payload, sum] = encode(msg);
+    encode_split_summed(msg, None)
+}
+
+/// [`encode_split`] with the payload's CRC-32 when the sender has it (see [`encode`]).
+pub fn encode_split_summed(msg: &WireMsg, payload_crc: Option<u32>) -> (Vec<u8>, Bytes) {
+    let [head, payload, sum] = encode_summed(msg, payload_crc);
     let mut around = Vec::with_capacity(head.len() + sum.len());
     around.extend_from_slice(&head);
     around.extend_from_slice(&sum);
@@ -338,4 +366,40 @@ fn decode_with(
     let got = crc32_of(&[&prefix, &buf[PREFIX_BYTES..total - CHECKSUM_BYTES]]);
     let rest = body_of(PREFIX_BYTES..total);
     Ok((decode_body(h, rest, got)?, total))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::frame::{Frame, Tag, TagKind};
+
+    /// A checksum combined from the header's and the payload's CRC is the one computed over
+    /// the whole frame; a wrong payload CRC makes the frame fail the receiver's check.
+    #[test]
+    fn a_summed_encoding_is_the_plain_one_and_a_wrong_sum_is_caught() {
+        let payload: Vec<u8> = (0..70_001u32).map(|i| (i * 31 % 251) as u8).collect();
+        let msg = WireMsg::Frame(Frame {
+            epoch: 2,
+            step: 9,
+            from: 1,
+            tag: Tag {
+                kind: TagKind::ReduceScatter,
+                attempt: 0,
+                unit: 4,
+                pass: 0,
+                piece: 3,
+            },
+            payload: Bytes::from(payload.clone()),
+        });
+        let plain = encode_split(&msg);
+        let crc = crc32_of(&[&payload]);
+        assert_eq!(encode_split_summed(&msg, Some(crc)), plain);
+        let (around, body) = encode_split_summed(&msg, Some(crc ^ 1));
+        assert!(matches!(
+            decode_split(&around, body, 1 << 20),
+            Err(WireError::Checksum { .. })
+        ));
+        let (around, body) = plain;
+        assert!(decode_split(&around, body, 1 << 20).is_ok());
+    }
 }

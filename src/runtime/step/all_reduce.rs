@@ -4,8 +4,6 @@
 
 use std::ops::Range;
 
-use bytes::Bytes;
-
 use super::collectives::{
     others, owned_spans, post_owned_with, post_reduce_scatter, wait_owned, wait_reduce_scatter,
 };
@@ -118,7 +116,10 @@ pub fn all_reduce<T: Transport>(
                         Some(b) => mode.add_encoded_into(&mut mine[r.clone()], &b),
                     }
                 }
-                c.send_to_each(&peers, ag.piece(i as u32), Bytes::copy_from_slice(&mine[r]))?;
+                let sums = &*mine;
+                c.send_encoded(&peers, ag.piece(i as u32), r, |b, out| {
+                    out.extend_from_slice(&sums[b])
+                })?;
             }
             if n > 0 {
                 c.count_elems(0, elems * peers.len() as u64);

@@ -47,19 +47,18 @@ pub(super) fn owned_spans(map: &ShardMap, unit: usize, owner: RankId) -> Vec<Ran
         .collect()
 }
 
-/// The piece at bytes `bytes` of the payload made of `spans`: `encode(range, out)` appends the
-/// encoding of each element range the piece covers.
-fn encode_piece(
+/// Appends bytes `bytes` of the payload made of `spans` to `out`: `encode(range, out)` appends
+/// the encoding of each element range they cover.
+fn encode_bytes(
     spans: &[Range<usize>],
     elem_bytes: usize,
     bytes: Range<usize>,
+    out: &mut Vec<u8>,
     mut encode: impl FnMut(Range<usize>, &mut Vec<u8>),
-) -> Bytes {
-    let mut out = Vec::with_capacity(bytes.len());
+) {
     for r in sub_spans(spans, elem_bytes, bytes) {
-        encode(r, &mut out);
+        encode(r, out);
     }
-    Bytes::from(out)
 }
 
 /// Hands the piece `bytes`, at byte `offset` of the payload made of `spans`, to
@@ -120,8 +119,8 @@ pub fn post_owned_with<T: Transport>(
     if elems == 0 || peers.is_empty() {
         return Ok(());
     }
-    comm.send_pieces_with(&peers, tag, elems * elem_bytes, |bytes| {
-        encode_piece(&spans, elem_bytes, bytes, &mut encode)
+    comm.send_pieces_encoded(&peers, tag, elems * elem_bytes, |bytes, out| {
+        encode_bytes(&spans, elem_bytes, bytes, out, &mut encode)
     })?;
     count_owned(comm, (elems * peers.len()) as u64, is_param);
     Ok(())
@@ -289,8 +288,8 @@ pub fn post_reduce_scatter<T: Transport>(
         if elems == 0 {
             continue;
         }
-        comm.send_pieces_with(&[owner], tag, elems * eb, |bytes| {
-            encode_piece(&spans, eb, bytes, |r, out| {
+        comm.send_pieces_encoded(&[owner], tag, elems * eb, |bytes, out| {
+            encode_bytes(&spans, eb, bytes, out, |r, out| {
                 acc.encode_into(base + r.start..base + r.end, out)
             })
         })?;

@@ -21,6 +21,11 @@ use crate::wire::frame::pieces;
 /// Memory lent for one payload: its sender, its tag (piece 0), where it goes and its length.
 pub type Lend = (RankId, Tag, *mut u8, usize);
 
+/// Bytes encoded at a time by [`Comm::send_pieces_encoded`] before their checksum is taken: small
+/// enough to be read back from L1/L2 (a 4 MiB piece read again for its checksum comes from
+/// memory), a multiple of every element width.
+pub const SUM_BLOCK_BYTES: usize = 64 << 10;
+
 /// Most frames held for later phases; a peer that floods us is a protocol error, not an OOM.
 pub const MAX_PENDING_FRAMES: usize = 1 << 16;
 
@@ -203,6 +208,60 @@ impl<T: Transport> Comm<T> {
             self.send_to_each(to, tag.piece(i as u32), bytes)?;
         }
         Ok(())
+    }
+
+    /// Sends a `len`-byte payload as its pieces, each written by `encode(byte range, out)`
+    /// (appending exactly that range's bytes to `out`) just before it goes, in blocks of
+    /// [`SUM_BLOCK_BYTES`] whose checksum is taken while they are still in cache: the
+    /// transport then need not read the piece again for its frame's checksum.
+    pub fn send_pieces_encoded(
+        &mut self,
+        to: &[RankId],
+        tag: Tag,
+        len: usize,
+        mut encode: impl FnMut(Range<usize>, &mut Vec<u8>),
+    ) -> Result<(), CommError> {
+        if to.is_empty() {
+            return Ok(());
+        }
+        for (i, r) in pieces(len).enumerate() {
+            self.send_encoded(to, tag.piece(i as u32), r, &mut encode)?;
+        }
+        Ok(())
+    }
+
+    /// One frame of [`Comm::send_pieces_encoded`]: the bytes `range` of a payload, as `tag`.
+    pub fn send_encoded(
+        &mut self,
+        to: &[RankId],
+        tag: Tag,
+        range: Range<usize>,
+        mut encode: impl FnMut(Range<usize>, &mut Vec<u8>),
+    ) -> Result<(), CommError> {
+        if to.is_empty() {
+            return Ok(());
+        }
+        let mut out = Vec::with_capacity(range.len());
+        let mut sum = crc32fast::Hasher::new();
+        let mut at = range.start;
+        while at < range.end {
+            let block = at..(at + SUM_BLOCK_BYTES).min(range.end);
+            let from = out.len();
+            encode(block.clone(), &mut out);
+            assert_eq!(
+                out.len() - from,
+                block.len(),
+                "an encoded block has its length"
+            );
+            sum.update(&out[from..]);
+            at = block.end;
+        }
+        self.stats.frames_sent += to.len() as u64;
+        self.stats.bytes_sent += (out.len() as u64 + FRAME_HEADER_BYTES) * to.len() as u64;
+        let frame = self.frame(tag, Bytes::from(out));
+        Ok(self
+            .transport
+            .send_to_each_summed(to, frame, sum.finalize())?)
     }
 
     /// Receives the `len`-byte payload `from` sent as pieces, handing each to

@@ -49,6 +49,19 @@ pub trait Transport: Send + 'static {
     fn send_to_each(&self, to: &[RankId], frame: Frame) -> Result<(), TransportError> {
         to.iter().try_for_each(|&r| self.send(r, frame.clone()))
     }
+    /// `send_to_each` of a frame whose payload's CRC-32 ([`crate::wire::crc32_of`]) the sender
+    /// computed while it wrote the payload: a transport whose frames carry that checksum
+    /// combines it with its header's instead of reading the payload again (UCX). It must be
+    /// the payload's. The default ignores it.
+    fn send_to_each_summed(
+        &self,
+        to: &[RankId],
+        frame: Frame,
+        payload_crc: u32,
+    ) -> Result<(), TransportError> {
+        let _ = payload_crc;
+        self.send_to_each(to, frame)
+    }
     /// The next frame addressed to this rank, waiting at most `timeout_ms`.
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError>;
     /// Delivers anything the transport is still holding back (called when a rank finishes a

@@ -85,6 +85,35 @@ impl MixedTransport {
     pub fn ucx_stats(&self) -> &Arc<WireStats> {
         self.routes.ucx.stats()
     }
+
+    /// Sends `frame` to each of `to` in the given order, as the trait asks: runs of UCX peers
+    /// share one encoding (with the payload's checksum where the sender has it).
+    fn send_summed(
+        &self,
+        to: &[RankId],
+        frame: Frame,
+        payload_crc: Option<u32>,
+    ) -> Result<(), TransportError> {
+        let mut run: Vec<RankId> = Vec::new();
+        for &r in to {
+            if self.routes.contains(r) {
+                run.push(r);
+                continue;
+            }
+            if !run.is_empty() {
+                let run = std::mem::take(&mut run);
+                self.routes
+                    .ucx
+                    .send_to_each(&run, frame.clone(), payload_crc)?;
+            }
+            self.tcp.send(r, frame.clone())?;
+        }
+        if run.is_empty() {
+            Ok(())
+        } else {
+            self.routes.ucx.send_to_each(&run, frame, payload_crc)
+        }
+    }
 }
 
 impl Transport for MixedTransport {
@@ -94,32 +123,23 @@ impl Transport for MixedTransport {
 
     fn send(&self, to: RankId, frame: Frame) -> Result<(), TransportError> {
         if self.routes.contains(to) {
-            self.routes.ucx.send_to_each(&[to], frame)
+            self.routes.ucx.send_to_each(&[to], frame, None)
         } else {
             self.tcp.send(to, frame)
         }
     }
 
     fn send_to_each(&self, to: &[RankId], frame: Frame) -> Result<(), TransportError> {
-        // In the given order, as the trait asks: runs of UCX peers share one encoding.
-        let mut run: Vec<RankId> = Vec::new();
-        for &r in to {
-            if self.routes.contains(r) {
-                run.push(r);
-                continue;
-            }
-            if !run.is_empty() {
-                self.routes
-                    .ucx
-                    .send_to_each(&std::mem::take(&mut run), frame.clone())?;
-            }
-            self.tcp.send(r, frame.clone())?;
-        }
-        if run.is_empty() {
-            Ok(())
-        } else {
-            self.routes.ucx.send_to_each(&run, frame)
-        }
+        self.send_summed(to, frame, None)
+    }
+
+    fn send_to_each_summed(
+        &self,
+        to: &[RankId],
+        frame: Frame,
+        payload_crc: u32,
+    ) -> Result<(), TransportError> {
+        self.send_summed(to, frame, Some(payload_crc))
     }
 
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {

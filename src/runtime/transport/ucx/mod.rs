@@ -27,6 +27,7 @@
 mod config;
 mod credit;
 pub mod engine;
+mod lending;
 mod lent;
 pub mod mixed;
 mod pool;

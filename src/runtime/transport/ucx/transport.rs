@@ -28,19 +28,20 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
 use super::engine::{Engine, Inbound};
+use super::lending::{Lending, LOANS_DRAIN_MAX};
 use super::lent::{LEND_MIN_BYTES, LOANS_MAX};
 use super::UcxError;
 use crate::plan::RankId;
 use crate::runtime::transport::{recv_inbox, Frame, Tag, Transport, TransportError};
 use crate::wire::{
-    check_split_in_place, decode_split, encode_split, frame_head, WireMsg, WireStats,
+    check_split_in_place, decode_split, encode_split_summed, frame_head, WireMsg, WireStats,
 };
 
 /// Frames delivered, and their payload bytes.
@@ -59,50 +60,6 @@ type InInbox = Arc<Mutex<HashMap<usize, usize>>>;
 
 fn lock(u: &InInbox) -> std::sync::MutexGuard<'_, HashMap<usize, usize>> {
     u.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// How long ending a batch of loans waits for the receives already matched. They complete or
-/// fail within UCX's keepalive (1 s) even when the sender dies; past this the engine is broken,
-/// and the process stops rather than hand back memory the engine may still write.
-const LOANS_DRAIN_MAX: Duration = Duration::from_secs(60);
-
-/// Buffers lent for frames the rank expects: one batch at a time, the rank's current one.
-#[derive(Default)]
-struct Lending {
-    state: Mutex<LendState>,
-    settled: Condvar,
-}
-
-#[derive(Default)]
-struct LendState {
-    batch: u64,
-    /// Loans of the batch opened so far, and those not yet placed, failed or withdrawn.
-    opened: usize,
-    open: usize,
-    /// Loans were made since the engine was last told to stop keeping messages for them.
-    engine_waits: bool,
-    /// Frames whose payload landed in a loan and passed every check, until the rank claims
-    /// them: (from, epoch, step, tag) → batch.
-    placed: HashMap<(RankId, u64, u64, Tag), u64>,
-}
-
-impl Lending {
-    fn lock(&self) -> std::sync::MutexGuard<'_, LendState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// One loan of `batch` is settled: placed as the frame `placed` names (kept for the rank to
-    /// claim), or failed.
-    fn settle(&self, batch: u64, placed: Option<&Frame>) {
-        let mut st = self.lock();
-        if let Some(f) = placed {
-            st.placed.insert((f.from, f.epoch, f.step, f.tag), batch);
-        }
-        if st.batch == batch {
-            st.open = st.open.saturating_sub(1);
-            self.settled.notify_all();
-        }
-    }
 }
 
 /// The UCX side of a rank's data plane.
@@ -293,9 +250,15 @@ impl UcxPlane {
         self.engine.address()
     }
 
-    /// Sends `frame` to each of `to` (none of them this rank), encoded once.
-    pub fn send_to_each(&self, to: &[RankId], frame: Frame) -> Result<(), TransportError> {
-        let (around, payload) = encode_split(&WireMsg::Frame(frame));
+    /// Sends `frame` to each of `to` (none of them this rank), encoded once; `payload_crc`: its
+    /// payload's CRC-32 if the sender has it.
+    pub fn send_to_each(
+        &self,
+        to: &[RankId],
+        frame: Frame,
+        payload_crc: Option<u32>,
+    ) -> Result<(), TransportError> {
+        let (around, payload) = encode_split_summed(&WireMsg::Frame(frame), payload_crc);
         for &peer in to {
             debug_assert_ne!(peer, self.rank, "a rank's frames to itself skip UCX");
             self.engine
@@ -477,18 +440,15 @@ impl UcxTransport {
     pub fn stats(&self) -> &Arc<WireStats> {
         self.plane.stats()
     }
-}
 
-impl Transport for UcxTransport {
-    fn rank(&self) -> RankId {
-        self.plane.rank
-    }
-
-    fn send(&self, to: RankId, frame: Frame) -> Result<(), TransportError> {
-        self.send_to_each(&[to], frame)
-    }
-
-    fn send_to_each(&self, to: &[RankId], frame: Frame) -> Result<(), TransportError> {
+    /// Sends `frame` to each of `to`: to this rank through its inbox, to the others over UCX,
+    /// encoded once.
+    fn send_summed(
+        &self,
+        to: &[RankId],
+        frame: Frame,
+        payload_crc: Option<u32>,
+    ) -> Result<(), TransportError> {
         let me = self.plane.rank;
         let others: Vec<RankId> = to.iter().copied().filter(|&r| r != me).collect();
         if others.len() < to.len() {
@@ -499,7 +459,30 @@ impl Transport for UcxTransport {
         if others.is_empty() {
             return Ok(());
         }
-        self.plane.send_to_each(&others, frame)
+        self.plane.send_to_each(&others, frame, payload_crc)
+    }
+}
+
+impl Transport for UcxTransport {
+    fn rank(&self) -> RankId {
+        self.plane.rank
+    }
+
+    fn send(&self, to: RankId, frame: Frame) -> Result<(), TransportError> {
+        self.send_summed(&[to], frame, None)
+    }
+
+    fn send_to_each(&self, to: &[RankId], frame: Frame) -> Result<(), TransportError> {
+        self.send_summed(to, frame, None)
+    }
+
+    fn send_to_each_summed(
+        &self,
+        to: &[RankId],
+        frame: Frame,
+        payload_crc: u32,
+    ) -> Result<(), TransportError> {
+        self.send_summed(to, frame, Some(payload_crc))
     }
 
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
@@ -536,6 +519,7 @@ mod tests {
     use super::super::engine::EngineConfig;
     use super::*;
     use crate::runtime::transport::test_frame;
+    use crate::wire::encode_split;
     use bytes::Bytes;
     use std::sync::atomic::Ordering;
 
