@@ -2,14 +2,12 @@
 //! piece: a piece of this rank's sums goes out as soon as every peer's partial sums of it are
 //! in, so the gather overlaps the rest of the reduce-scatter.
 
-use std::ops::Range;
-
 use super::collectives::{
-    others, owned_spans, post_owned_with, post_reduce_scatter, wait_owned, wait_reduce_scatter,
+    member_runs, others, post_owned_with, post_reduce_scatter, split_runs, wait_owned,
+    wait_reduce_scatter,
 };
-use super::comm::{Comm, CommError, Lend};
-use crate::plan::shard_map::one_run;
-use crate::plan::{RankId, ShardMap};
+use super::comm::{place_later, Comm, CommError, Lend};
+use crate::plan::ShardMap;
 use crate::reduce::GradBuf;
 use crate::runtime::transport::{Tag, Transport};
 use crate::wire::frame::pieces;
@@ -37,11 +35,7 @@ pub fn all_reduce<T: Transport>(
     let [rs, ag] = tags;
     let me = comm.rank();
     let (mode, eb) = (acc.mode(), acc.elem_bytes());
-    let runs: Option<Vec<(RankId, Range<usize>)>> = map
-        .members
-        .iter()
-        .map(|&r| one_run(&owned_spans(map, unit, r)).map(|run| (r, run.start * eb..run.end * eb)))
-        .collect();
+    let runs = member_runs(map, unit, eb);
     post_reduce_scatter(comm, map, unit, rs, acc, 0)?;
     let (Some(runs), Some(bytes)) = (runs, acc.le_bytes_mut()) else {
         wait_reduce_scatter(comm, map, unit, rs, acc, 0)?;
@@ -60,21 +54,7 @@ pub fn all_reduce<T: Transport>(
         });
     };
     // Disjoint borrows of the accumulator: this rank's sums, and each peer's run to gather.
-    let (mut rest, mut at) = (bytes, 0);
-    let (mut mine, mut gather): (&mut [u8], Vec<(RankId, &mut [u8])>) = (&mut [], Vec::new());
-    let mut runs = runs;
-    runs.retain(|(_, r)| !r.is_empty());
-    runs.sort_by_key(|(_, r)| r.start);
-    for (r, run) in runs {
-        let (_, tail) = std::mem::take(&mut rest).split_at_mut(run.start - at);
-        let (this, tail) = tail.split_at_mut(run.len());
-        (rest, at) = (tail, run.end);
-        if r == me {
-            mine = this;
-        } else {
-            gather.push((r, this));
-        }
-    }
+    let (mine, mut gather) = split_runs(bytes, runs, me);
     let peers = others(&map.members, me);
     let n = mine.len();
     scratch.resize(scratch.len().max(n * peers.len()), 0);
@@ -95,11 +75,11 @@ pub fn all_reduce<T: Transport>(
             .map(|(p, d)| (*p, ag, d.as_mut_ptr(), d.len())),
     );
     let elems = (n / eb) as u64;
-    let mut copies = Vec::new();
-    // SAFETY: the lent memory (`scratch`'s and the peers' runs of `acc`) outlives the call, and
-    // the body reads a piece of `scratch` only once `recv_piece` said it landed; the gathered
-    // pieces that came the usual way are copied in after the loans end.
-    let got = unsafe {
+    let mut later = Vec::new();
+    // SAFETY: the lent memory (`scratch`'s and the peers' runs of `acc`, borrowed by `gather`
+    // until the end) outlives the call, and the body reads a piece of `scratch` only once
+    // `recv_piece` said it landed.
+    unsafe {
         comm.lent(&loans, |c, any_lent| {
             let deadline = c.deadline();
             // A rank owning nothing of the unit gets no partial sums (`pieces(0)` is one
@@ -124,46 +104,22 @@ pub fn all_reduce<T: Transport>(
             if n > 0 {
                 c.count_elems(0, elems * peers.len() as u64);
             }
-            for (k, &(p, _, base, len)) in loans[gather_from..].iter().enumerate() {
-                for (i, r) in pieces(len).enumerate() {
-                    match c.recv_piece(p, ag, i, len, deadline)? {
-                        None => {}
-                        Some(b) if any_lent => copies.push((k, r.start, b)),
-                        // Nothing is lent: only this rank writes the run.
-                        Some(b) => {
-                            std::ptr::copy_nonoverlapping(b.as_ptr(), base.add(r.start), b.len())
-                        }
-                    }
-                }
-            }
-            Ok(())
-        })
-    };
-    got?;
-    for (k, at, b) in copies {
-        gather[k].1[at..at + b.len()].copy_from_slice(&b);
+            c.recv_all_lent(&loans[gather_from..], any_lent, deadline, &mut later)
+        })?;
+        place_later(&loans[gather_from..], later);
     }
+    drop(gather);
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plan::RankId;
     use crate::reduce::ReduceMode;
     use crate::runtime::transport::local::LocalNetwork;
     use crate::runtime::transport::TagKind;
     use crate::wire::frame::PIECE_BYTES;
-
-    /// The tag of unit 0's first try, first pass.
-    fn tag(kind: TagKind) -> Tag {
-        Tag {
-            kind,
-            attempt: 0,
-            unit: 0,
-            pass: 0,
-            piece: 0,
-        }
-    }
 
     /// `all_reduce` gives, bit for bit, the owner-order sums that a reduce-scatter then a
     /// gather gives: pipelined on runs of several pieces, one half after the other on
@@ -303,8 +259,11 @@ mod tests {
                         let mut rounds = Vec::new();
                         for round in 0..2u32 {
                             let t = |kind| Tag {
+                                kind,
+                                attempt: 0,
                                 unit: 2 * m as u32 + round,
-                                ..tag(kind)
+                                pass: 0,
+                                piece: 0,
                             };
                             let tags = [t(TagKind::ReduceScatter), t(TagKind::GatherGrads)];
                             all_reduce(&mut comm, &map, 0, tags, &mut acc, &mut scratch).unwrap();

@@ -41,7 +41,7 @@ fn sub_spans(
 }
 
 /// The ranges of `owner`'s chunks of `unit`, in ascending chunk order (the order of its payload).
-pub(super) fn owned_spans(map: &ShardMap, unit: usize, owner: RankId) -> Vec<Range<usize>> {
+fn owned_spans(map: &ShardMap, unit: usize, owner: RankId) -> Vec<Range<usize>> {
     map.owned_in_unit(unit, owner)
         .map(|i| map.chunk_range(unit, i))
         .collect()
@@ -223,24 +223,43 @@ pub fn all_gather_into<T: Transport>(
     dest: &mut [u8],
     send: impl FnOnce(&mut Comm<T>, Option<&[u8]>) -> Result<(), CommError>,
 ) -> Result<(), CommError> {
-    let me = comm.rank();
-    let runs: Option<Vec<(RankId, Range<usize>)>> = map
+    let Some(runs) = member_runs(map, unit, elem_bytes) else {
+        send(comm, None)?;
+        return wait_owned_into(comm, map, unit, tag, elem_bytes, dest);
+    };
+    let (mine, dests) = split_runs(dest, runs, comm.rank());
+    comm.recv_pieces_into_after(tag, dests, |c| send(c, Some(mine)))
+}
+
+/// Each member's chunks of `unit` as one run of bytes (`elem_bytes` an element), the
+/// non-empty ones in ascending order; `None` when some member's chunks are not one run.
+pub(super) fn member_runs(
+    map: &ShardMap,
+    unit: usize,
+    elem_bytes: usize,
+) -> Option<Vec<(RankId, Range<usize>)>> {
+    let mut runs: Vec<(RankId, Range<usize>)> = map
         .members
         .iter()
         .map(|&r| {
             one_run(&owned_spans(map, unit, r))
                 .map(|run| (r, run.start * elem_bytes..run.end * elem_bytes))
         })
-        .collect();
-    let Some(mut runs) = runs else {
-        send(comm, None)?;
-        return wait_owned_into(comm, map, unit, tag, elem_bytes, dest);
-    };
+        .collect::<Option<_>>()?;
     runs.retain(|(_, r)| !r.is_empty());
     runs.sort_by_key(|(_, r)| r.start);
-    // Disjoint borrows of `dest`: one per peer to receive into, and this rank's own to send.
-    let (mut rest, mut at) = (dest, 0);
-    let (mut mine, mut dests): (&[u8], Vec<(RankId, &mut [u8])>) = (&[], Vec::new());
+    Some(runs)
+}
+
+/// Disjoint borrows of `buf` by [`member_runs`]' `runs`: `me`'s run (empty if it has none),
+/// and each other member's.
+pub(super) fn split_runs(
+    buf: &mut [u8],
+    runs: Vec<(RankId, Range<usize>)>,
+    me: RankId,
+) -> (&mut [u8], Vec<(RankId, &mut [u8])>) {
+    let (mut rest, mut at) = (buf, 0);
+    let (mut mine, mut others): (&mut [u8], Vec<(RankId, &mut [u8])>) = (&mut [], Vec::new());
     for (r, run) in runs {
         let (_, tail) = std::mem::take(&mut rest).split_at_mut(run.start - at);
         let (this, tail) = tail.split_at_mut(run.len());
@@ -248,10 +267,10 @@ pub fn all_gather_into<T: Transport>(
         if r == me {
             mine = this;
         } else {
-            dests.push((r, this));
+            others.push((r, this));
         }
     }
-    comm.recv_pieces_into_after(tag, dests, |c| send(c, Some(mine)))
+    (mine, others)
 }
 
 /// Reduce-scatter of one unit's accumulator `acc` (the unit's full length, at `base` within the

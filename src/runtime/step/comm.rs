@@ -314,36 +314,47 @@ impl<T: Transport> Comm<T> {
             .iter_mut()
             .map(|(from, d)| (*from, tag, d.as_mut_ptr(), d.len()))
             .collect();
-        // Pieces that came the usual way while memory was lent wait here: copied only once no
-        // loan is open, so that nothing writes the lent memory while the transport might.
-        let mut copies = Vec::new();
-        // SAFETY: the buffers outlive the call, and `body` writes them only when nothing is
-        // lent.
-        let got = unsafe {
+        let mut later = Vec::new();
+        // SAFETY: the buffers (borrowed by `dests` until the end) outlive the call, and
+        // nothing else touches them.
+        unsafe {
             self.lent(&loans, |c, any_lent| {
                 before(c)?;
                 let deadline = c.deadline();
-                for (k, &(from, _, base, len)) in loans.iter().enumerate() {
-                    for (i, r) in pieces(len).enumerate() {
-                        match c.recv_piece(from, tag, i, len, deadline)? {
-                            None => {}
-                            Some(b) if any_lent => copies.push((k, r.start, b)),
-                            // SAFETY: nothing is lent, so only this rank writes the buffer,
-                            // and the piece is its range's length (checked).
-                            Some(b) => std::ptr::copy_nonoverlapping(
-                                b.as_ptr(),
-                                base.add(r.start),
-                                b.len(),
-                            ),
-                        }
-                    }
+                c.recv_all_lent(&loans, any_lent, deadline, &mut later)
+            })?;
+            place_later(&loans, later);
+        }
+        Ok(())
+    }
+
+    /// Inside [`Comm::lent`]'s body (`any_lent` as it was given): waits (until `deadline`) for
+    /// every piece of each of `loans`' payloads. A piece that did not land in place is copied
+    /// into its buffer at once when nothing is lent; otherwise it waits in `later` (loan,
+    /// offset, bytes) for [`place_later`] once the loans have ended, so that nothing writes
+    /// lent memory while the transport might.
+    ///
+    /// # Safety
+    /// `loans`' memory is valid and nothing else touches it (as for `lent`).
+    pub(super) unsafe fn recv_all_lent(
+        &mut self,
+        loans: &[Lend],
+        any_lent: bool,
+        deadline: Instant,
+        later: &mut Vec<(usize, usize, Bytes)>,
+    ) -> Result<(), CommError> {
+        for (k, &(from, tag, base, len)) in loans.iter().enumerate() {
+            for (i, r) in pieces(len).enumerate() {
+                match self.recv_piece(from, tag, i, len, deadline)? {
+                    None => {}
+                    Some(b) if any_lent => later.push((k, r.start, b)),
+                    // SAFETY: nothing is lent, so only this rank writes the buffer, and the
+                    // piece is its range's length (checked).
+                    Some(b) => unsafe {
+                        std::ptr::copy_nonoverlapping(b.as_ptr(), base.add(r.start), b.len())
+                    },
                 }
-                Ok(())
-            })
-        };
-        got?;
-        for (k, at, bytes) in copies {
-            dests[k].1[at..at + bytes.len()].copy_from_slice(&bytes);
+            }
         }
         Ok(())
     }
@@ -501,6 +512,17 @@ fn piece_fits(
         from,
         what: format!("{tag:?}: {got} bytes, expected {want} (piece {i} of a {len}-byte payload)"),
     })
+}
+
+/// Copies the pieces [`Comm::recv_all_lent`] kept for later into `loans`' buffers.
+///
+/// # Safety
+/// The loans have ended, and `loans`' memory is valid and touched by nothing else.
+pub(super) unsafe fn place_later(loans: &[Lend], later: Vec<(usize, usize, Bytes)>) {
+    for (k, at, b) in later {
+        // SAFETY: no loan is open; the piece fits its buffer (its length was checked).
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), loans[k].2.add(at), b.len()) }
+    }
 }
 
 /// Stops the process if dropped while unwinding: memory lent to a transport must not be handed
