@@ -115,7 +115,6 @@ pub fn all_reduce<T: Transport>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::RankId;
     use crate::reduce::ReduceMode;
     use crate::runtime::transport::local::LocalNetwork;
     use crate::runtime::transport::TagKind;
@@ -161,6 +160,7 @@ mod tests {
     #[cfg(feature = "ucx")]
     #[test]
     fn all_reduce_over_ucx_lands_in_place_with_the_same_bits() {
+        use crate::plan::RankId;
         use crate::runtime::transport::ucx::engine::{Engine, EngineConfig};
         use crate::runtime::transport::ucx::transport::UcxTransport;
         use std::sync::Arc;

@@ -212,8 +212,9 @@ impl<T: Transport> Comm<T> {
 
     /// Sends a `len`-byte payload as its pieces, each written by `encode(byte range, out)`
     /// (appending exactly that range's bytes to `out`) just before it goes, in blocks of
-    /// [`SUM_BLOCK_BYTES`] whose checksum is taken while they are still in cache: the
-    /// transport then need not read the piece again for its frame's checksum.
+    /// [`SUM_BLOCK_BYTES`] whose checksum is taken while they are still in cache where the
+    /// transport uses it ([`Transport::wants_payload_crc`]): it then need not read the piece
+    /// again for its frame's checksum.
     pub fn send_pieces_encoded(
         &mut self,
         to: &[RankId],
@@ -242,7 +243,10 @@ impl<T: Transport> Comm<T> {
             return Ok(());
         }
         let mut out = Vec::with_capacity(range.len());
-        let mut sum = crc32fast::Hasher::new();
+        let mut sum = self
+            .transport
+            .wants_payload_crc()
+            .then(crc32fast::Hasher::new);
         let mut at = range.start;
         while at < range.end {
             let block = at..(at + SUM_BLOCK_BYTES).min(range.end);
@@ -253,15 +257,20 @@ impl<T: Transport> Comm<T> {
                 block.len(),
                 "an encoded block has its length"
             );
-            sum.update(&out[from..]);
+            if let Some(h) = &mut sum {
+                h.update(&out[from..]);
+            }
             at = block.end;
         }
         self.stats.frames_sent += to.len() as u64;
         self.stats.bytes_sent += (out.len() as u64 + FRAME_HEADER_BYTES) * to.len() as u64;
         let frame = self.frame(tag, Bytes::from(out));
-        Ok(self
-            .transport
-            .send_to_each_summed(to, frame, sum.finalize())?)
+        match sum {
+            Some(h) => Ok(self
+                .transport
+                .send_to_each_summed(to, frame, h.finalize())?),
+            None => Ok(self.transport.send_to_each(to, frame)?),
+        }
     }
 
     /// Receives the `len`-byte payload `from` sent as pieces, handing each to

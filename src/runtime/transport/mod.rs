@@ -49,6 +49,11 @@ pub trait Transport: Send + 'static {
     fn send_to_each(&self, to: &[RankId], frame: Frame) -> Result<(), TransportError> {
         to.iter().try_for_each(|&r| self.send(r, frame.clone()))
     }
+    /// Whether [`Transport::send_to_each_summed`] uses the payload's CRC-32: a sender that
+    /// would compute it only for this skips it where it is not (the default).
+    fn wants_payload_crc(&self) -> bool {
+        false
+    }
     /// `send_to_each` of a frame whose payload's CRC-32 ([`crate::wire::crc32_of`]) the sender
     /// computed while it wrote the payload: a transport whose frames carry that checksum
     /// combines it with its header's instead of reading the payload again (UCX). It must be

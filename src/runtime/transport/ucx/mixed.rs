@@ -133,6 +133,10 @@ impl Transport for MixedTransport {
         self.send_summed(to, frame, None)
     }
 
+    fn wants_payload_crc(&self) -> bool {
+        true
+    }
+
     fn send_to_each_summed(
         &self,
         to: &[RankId],

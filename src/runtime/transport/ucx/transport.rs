@@ -476,6 +476,10 @@ impl Transport for UcxTransport {
         self.send_summed(to, frame, None)
     }
 
+    fn wants_payload_crc(&self) -> bool {
+        true
+    }
+
     fn send_to_each_summed(
         &self,
         to: &[RankId],
