@@ -247,9 +247,14 @@ impl<T: Transport> Comm<T> {
             .transport
             .wants_payload_crc()
             .then(crc32fast::Hasher::new);
+        // Without a checksum to take, the piece is encoded in one go.
+        let block_bytes = match sum {
+            Some(_) => SUM_BLOCK_BYTES,
+            None => range.len().max(1),
+        };
         let mut at = range.start;
         while at < range.end {
-            let block = at..(at + SUM_BLOCK_BYTES).min(range.end);
+            let block = at..(at + block_bytes).min(range.end);
             let from = out.len();
             encode(block.clone(), &mut out);
             assert_eq!(
