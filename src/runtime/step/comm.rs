@@ -89,6 +89,9 @@ pub struct Comm<T: Transport> {
     /// Frames whose payload the transport placed in lent memory (`recv_pieces_into`), by the
     /// same key: their frames arrive with empty payloads.
     placed: BTreeSet<(u64, u64, RankId, Tag)>,
+    /// While a batch of loans is open: the pieces lent for, by (sender, tag), and whether the
+    /// transport was told that the rank waits for something else (`fetch_unlent`).
+    lent: Option<(BTreeSet<(RankId, Tag)>, bool)>,
     stats: CommStats,
 }
 
@@ -101,6 +104,7 @@ impl<T: Transport> Comm<T> {
             timeout_ms,
             pending: BTreeMap::new(),
             placed: BTreeSet::new(),
+            lent: None,
             stats: CommStats::default(),
         }
     }
@@ -387,7 +391,7 @@ impl<T: Transport> Comm<T> {
         body: impl FnOnce(&mut Self, bool) -> Result<R, CommError>,
     ) -> Result<R, CommError> {
         let at_step = (self.epoch, self.step);
-        let mut lent = false;
+        let mut keys = BTreeSet::new();
         for &(from, tag, base, len) in loans {
             for (i, r) in pieces(len).enumerate() {
                 let t = tag.piece(i as u32);
@@ -395,17 +399,21 @@ impl<T: Transport> Comm<T> {
                     continue;
                 }
                 // SAFETY: passed on from the caller.
-                lent |= unsafe {
+                if unsafe {
                     self.transport
                         .lend(from, at_step, t, base.add(r.start), r.len())
-                };
+                } {
+                    keys.insert((from, t));
+                }
             }
         }
-        if !lent {
+        if keys.is_empty() {
             return body(self, false);
         }
         let armed = AbortOnUnwind;
+        self.lent = Some((keys, false));
         let got = body(self, true);
+        self.lent = None;
         self.transport.end_loans();
         drop(armed);
         got
@@ -445,6 +453,14 @@ impl<T: Transport> Comm<T> {
     fn recv_by(&mut self, from: RankId, tag: Tag, deadline: Instant) -> Result<Bytes, CommError> {
         if let Some(p) = self.pending.remove(&(self.epoch, self.step, from, tag)) {
             return Ok(p);
+        }
+        if let Some((keys, told)) = &mut self.lent {
+            // A frame nothing was lent for (or whose loan was refused: too many open) is
+            // kept back like any unmatched one until the transport hears that the rank waits.
+            if !*told && !keys.contains(&(from, tag)) {
+                *told = true;
+                self.transport.fetch_unlent();
+            }
         }
         loop {
             let left_ms = deadline
@@ -669,6 +685,58 @@ mod tests {
             .map(|e| UcxTransport::connect(e.id(), e, &peers, 64 << 20).unwrap())
             .collect();
         exchange_into(eps);
+    }
+
+    /// With loans open, a rank may still wait for a frame it lent nothing for: the UCX
+    /// engine, which keeps unmatched payloads back for loans to come, must hand that one over
+    /// (it kept it back until the rank's deadline), and the lent payload still lands in place.
+    #[cfg(feature = "ucx")]
+    #[test]
+    fn a_frame_nothing_was_lent_for_arrives_while_loans_are_open() {
+        use crate::runtime::transport::ucx::engine::{Engine, EngineConfig};
+        use crate::runtime::transport::ucx::transport::UcxTransport;
+        use std::sync::Arc;
+        if !crate::runtime::transport::ucx::available_for_tests() {
+            return;
+        }
+        let engines: Vec<Arc<Engine>> = (0..2)
+            .map(|r| Arc::new(Engine::start(EngineConfig::shared_memory(r)).unwrap()))
+            .collect();
+        let peers: BTreeMap<RankId, Vec<u8>> = engines
+            .iter()
+            .map(|e| (e.id(), e.address().to_vec()))
+            .collect();
+        let mut eps = engines
+            .iter()
+            .map(|e| UcxTransport::connect(e.id(), Arc::clone(e), &peers, 64 << 20).unwrap());
+        // The deadline is the test's only bound: an engine keeping the frame back fails it.
+        let (mut a, mut b) = (
+            Comm::new(eps.next().unwrap(), 20_000),
+            Comm::new(eps.next().unwrap(), 20_000),
+        );
+        a.begin_step(0, 1);
+        b.begin_step(0, 1);
+        const LEN: usize = 1 << 20;
+        let (lent_body, other) = (Bytes::from(vec![7u8; LEN]), Bytes::from(vec![9u8; LEN]));
+        let mut buf = vec![0u8; LEN];
+        let loans = [(0, tag(1), buf.as_mut_ptr(), LEN)];
+        // SAFETY: `buf` is not touched until `lent` returns.
+        let got = unsafe {
+            b.lent(&loans, |b, any_lent| {
+                assert!(any_lent);
+                a.send(1, tag(2), other.clone())?;
+                a.send(1, tag(1), lent_body.clone())?;
+                let d = b.deadline();
+                let unlent = b.recv_by(0, tag(2), d)?;
+                let placed = b.recv_piece(0, tag(1), 0, LEN, d)?;
+                Ok((unlent, placed))
+            })
+        }
+        .unwrap();
+        assert_eq!(got.0, other);
+        assert!(got.1.is_none(), "the lent payload landed in place");
+        assert!(buf == lent_body);
+        assert!(engines[1].counts().lent > 0);
     }
 
     #[test]

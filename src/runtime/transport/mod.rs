@@ -93,6 +93,11 @@ pub trait Transport: Send + 'static {
     }
     /// Ends every loan: once it returns, the transport no longer touches lent memory.
     fn end_loans(&self) {}
+    /// The rank, its loans still open, is about to wait for a frame it lent nothing for: a
+    /// transport that keeps unmatched payloads back while loans are open (for loans still to
+    /// come) must deliver them from now on, or that wait lasts until its deadline. The default
+    /// keeps nothing back.
+    fn fetch_unlent(&self) {}
     /// Whether `frame` is the notice that its payload landed in lent memory and passed every
     /// check there, rather than a frame carrying its payload (true once per frame).
     fn was_placed(&self, _frame: &Frame) -> bool {

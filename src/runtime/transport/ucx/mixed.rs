@@ -173,6 +173,10 @@ impl Transport for MixedTransport {
         self.routes.ucx.end_loans()
     }
 
+    fn fetch_unlent(&self) {
+        self.routes.ucx.fetch_unlent()
+    }
+
     fn was_placed(&self, frame: &Frame) -> bool {
         self.routes.ucx.was_placed(frame)
     }

@@ -164,6 +164,18 @@ impl UcxPlane {
         }
     }
 
+    /// The rank waits, loans open, for a frame it lent nothing for: the engine fetches what it
+    /// keeps back for loans, and keeps nothing back until the next loan.
+    pub fn fetch_unlent(&self) {
+        let mut st = self.lending.lock();
+        if st.engine_waits {
+            st.engine_waits = false;
+            drop(st);
+            // A stopped engine keeps nothing back.
+            let _ = self.engine.fetch_now();
+        }
+    }
+
     /// Ends the current batch of loans: withdraws the unmatched ones and waits until the
     /// matched ones are placed and checked, so that once it returns nothing touches the lent
     /// memory. Frames placed but not claimed are forgotten.
@@ -510,6 +522,10 @@ impl Transport for UcxTransport {
 
     fn end_loans(&self) {
         self.plane.end_loans()
+    }
+
+    fn fetch_unlent(&self) {
+        self.plane.fetch_unlent()
     }
 
     fn was_placed(&self, frame: &Frame) -> bool {
