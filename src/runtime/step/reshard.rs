@@ -176,10 +176,6 @@ impl Reshard<'_> {
         let storage = |e: TierError| CommError::Storage(e.to_string());
         // With a tier, what arrives goes to a file in the rank's tier folder, not RAM.
         let dir = self.storage.map(|s| s.rank_dir(me));
-        if let Some(d) = dir.as_deref().filter(|_| !incoming.is_empty()) {
-            std::fs::create_dir_all(d)
-                .map_err(|e| CommError::Storage(format!("creating {}: {e}", d.display())))?;
-        }
         let mut received =
             Filling::new(dir.as_deref(), "reshard", self.new.epoch, self.step).map_err(storage)?;
         let mut sent = 0;

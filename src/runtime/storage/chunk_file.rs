@@ -44,7 +44,7 @@ pub struct ChunkFile {
 }
 
 impl ChunkFile {
-    /// Creates (or truncates) the file at `path`.
+    /// Creates (or truncates) the file at `path`, making its folder if it is missing.
     pub fn create(path: &Path) -> Result<Self, TierError> {
         let io = |e: std::io::Error| TierError::Io {
             path: path.to_path_buf(),
@@ -53,13 +53,19 @@ impl ChunkFile {
             len: 0,
             source: io_error(&e),
         };
-        let file = File::options()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(path)
-            .map_err(io)?;
+        let file = super::folder::create_in(
+            path,
+            |_, e| io(e),
+            || {
+                File::options()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .open(path)
+                    .map_err(io)
+            },
+        )?;
         let writer =
             BufWriter::with_capacity(CHUNK_FILE_BUFFER_BYTES, file.try_clone().map_err(io)?);
         Ok(Self {
@@ -194,11 +200,7 @@ impl ChunkFile {
 impl Drop for ChunkFile {
     fn drop(&mut self) {
         self.writer = None;
-        let _ = std::fs::remove_file(&self.path);
-        // And the rank's folder, if this was its last file (as the tier file does).
-        if let Some(dir) = self.path.parent() {
-            let _ = std::fs::remove_dir(dir);
-        }
+        super::folder::remove_with_folder(&self.path);
     }
 }
 

@@ -11,6 +11,7 @@
 pub mod aligned;
 pub mod chunk_file;
 pub mod device;
+pub mod folder;
 pub mod preflight;
 pub mod tier_file;
 pub mod uring;
@@ -111,23 +112,16 @@ impl TierSpec {
         let dev: Box<dyn device::Device> = if self.simulate {
             Box::new(FaultyDevice::new(device::MemDevice::new(), faults))
         } else {
-            // The rank's previous file, dropped on another thread, removes the folder once it
-            // is empty (`TierFile`'s drop), which can fall between making the folder and
-            // opening the file in it: a folder gone by the open is made again, a bounded number
-            // of times.
-            let mut tries = 0;
-            let dev = loop {
-                std::fs::create_dir_all(&dir).map_err(|e| {
+            let dev = folder::create_in(
+                &path,
+                |dir, e| {
                     fail(
                         &path,
                         IoError::Os(format!("creating {}: {e}", dir.display())),
                     )
-                })?;
-                match UringDevice::open(&path, self.uring) {
-                    Err(_) if tries < 3 && !dir.is_dir() => tries += 1,
-                    res => break res.map_err(|e| fail(&path, e))?,
-                }
-            };
+                },
+                || UringDevice::open(&path, self.uring).map_err(|e| fail(&path, e)),
+            )?;
             Box::new(FaultyDevice::new(dev, faults))
         };
         TierFile::create_with(

@@ -578,11 +578,7 @@ impl Drop for TierFile {
         self.drop_read_ahead_over(0, usize::MAX);
         let _ = self.settle();
         // Scratch state: a dropped rank state's file is of no use to anyone.
-        let _ = std::fs::remove_file(&self.path);
-        // And the rank's folder once its last file is gone (fails harmlessly otherwise).
-        if let Some(dir) = self.path.parent() {
-            let _ = std::fs::remove_dir(dir);
-        }
+        super::folder::remove_with_folder(&self.path);
     }
 }
 
