@@ -7,6 +7,7 @@ mod sealed {
     pub trait Sealed {}
     impl Sealed for f32 {}
     impl Sealed for i64 {}
+    impl Sealed for u16 {}
 }
 
 /// A plain number type whose in-memory bytes on a little-endian target are its little-endian
@@ -33,11 +34,13 @@ macro_rules! le_num {
 
 le_num!(f32, 4);
 le_num!(i64, 8);
+// bf16 bit patterns.
+le_num!(u16, 2);
 
 /// Appends `v` to `out` as little-endian bytes.
 pub fn extend_le<T: LeNum>(out: &mut Vec<u8>, v: &[T]) {
     if cfg!(target_endian = "little") {
-        // SAFETY: `T` is f32 or i64 (sealed): no padding, so its slice is `len * BYTES`
+        // SAFETY: `T` is f32, i64 or u16 (sealed): no padding, so its slice is `len * BYTES`
         // initialised bytes, and on this target those bytes are the little-endian encoding.
         let bytes =
             unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), v.len() * T::BYTES) };
@@ -57,7 +60,7 @@ pub fn copy_le_into<T: LeNum>(bytes: &[u8], dst: &mut [T]) {
     let n = bytes.len() / T::BYTES;
     assert!(n <= dst.len(), "{n} numbers into a slice of {}", dst.len());
     if cfg!(target_endian = "little") {
-        // SAFETY: as in `extend_le`; any bit pattern is a valid f32 or i64, and `dst` has room
+        // SAFETY: as in `extend_le`; any bit pattern is a valid f32, i64 or u16, and `dst` has room
         // for `n` of them.
         let out =
             unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), n * T::BYTES) };

@@ -38,11 +38,18 @@ pub fn decode_f32_into(bytes: &[u8], dst: &mut [f32]) {
 /// `src` rounded to bf16 (`model::gemm::to_bf16`), as little-endian bytes: ZeRO-3's parameter
 /// gather under bf16 mixed precision, half the bytes of [`encode_f32`].
 pub fn encode_bf16(src: &[f32]) -> Bytes {
-    let mut out = vec![0u8; 2 * src.len()];
-    for (dst, &x) in out.chunks_exact_mut(2).zip(src) {
+    let mut out = Vec::with_capacity(2 * src.len());
+    put_bf16s(&mut out, src);
+    Bytes::from(out)
+}
+
+/// Appends `src` rounded to bf16 as little-endian bytes (what [`encode_bf16`] makes of it).
+pub fn put_bf16s(out: &mut Vec<u8>, src: &[f32]) {
+    let at = out.len();
+    out.resize(at + 2 * src.len(), 0);
+    for (dst, &x) in out[at..].chunks_exact_mut(2).zip(src) {
         dst.copy_from_slice(&to_bf16(x).to_le_bytes());
     }
-    Bytes::from(out)
 }
 
 /// Writes the `f32` values of little-endian bf16 `bytes` into `dst` (exact: every bf16 is an

@@ -112,15 +112,37 @@ pub fn post_owned_with<T: Transport>(
     mut encode: impl FnMut(Range<usize>, &mut Vec<u8>),
     is_param: bool,
 ) -> Result<(), CommError> {
+    let spans = owned_spans(map, unit, comm.rank());
+    let encode = |elems: Range<usize>, out: &mut Vec<u8>| {
+        for r in sub_spans(&spans, 1, elems) {
+            encode(r, out);
+        }
+    };
+    post_own_encoded(comm, map, unit, tag, elem_bytes, encode, is_param)
+}
+
+/// `post_owned` of a payload encoded piece by piece from this rank's chunks of `unit` laid end
+/// to end: `encode(range, out)` appends the encoding of the payload's elements `range`
+/// (`elem_bytes` each) to `out`. Where the transport takes a checksum, it is taken while each
+/// block is in cache, and no buffer holds the whole payload.
+pub fn post_own_encoded<T: Transport>(
+    comm: &mut Comm<T>,
+    map: &ShardMap,
+    unit: usize,
+    tag: Tag,
+    elem_bytes: usize,
+    mut encode: impl FnMut(Range<usize>, &mut Vec<u8>),
+    is_param: bool,
+) -> Result<(), CommError> {
     let me = comm.rank();
     let peers = others(&map.members, me);
-    let spans = owned_spans(map, unit, me);
-    let elems: usize = spans.iter().map(Range::len).sum();
+    let elems = map.owned_elems_in_unit(unit, me);
     if elems == 0 || peers.is_empty() {
         return Ok(());
     }
+    // Piece and block boundaries are multiples of every element width.
     comm.send_pieces_encoded(&peers, tag, elems * elem_bytes, |bytes, out| {
-        encode_bytes(&spans, elem_bytes, bytes, out, &mut encode)
+        encode(bytes.start / elem_bytes..bytes.end / elem_bytes, out)
     })?;
     count_owned(comm, (elems * peers.len()) as u64, is_param);
     Ok(())

@@ -6,10 +6,9 @@
 
 use std::ops::Range;
 
-use bytes::Bytes;
-
 use crate::model::gemm::{from_bf16, to_bf16};
-use crate::wire::f32s::{decode_f32_into, encode_f32};
+use crate::reduce::le::extend_le;
+use crate::wire::f32s::{decode_f32_into, put_f32s};
 
 /// One unit's full copy (empty at stage 3).
 #[derive(Clone, Debug, PartialEq)]
@@ -93,23 +92,16 @@ impl FullCopy {
         }
     }
 
-    /// Little-endian bytes of the elements at `ranges`, concatenated: what an owner sends in
+    /// Appends the little-endian bytes of elements `r` to `out`: what an owner sends of them in
     /// the all-gather after the update, [`FullCopy::elem_bytes`] an element.
-    pub fn encode(&self, ranges: impl Iterator<Item = Range<usize>>) -> Bytes {
+    pub fn encode_into(&self, r: Range<usize>, out: &mut Vec<u8>) {
         match self {
-            FullCopy::F32(v) => encode_f32(v, ranges),
-            FullCopy::Bf16(v) => {
-                let mut out = Vec::new();
-                for r in ranges {
-                    v[r].iter()
-                        .for_each(|h| out.extend_from_slice(&h.to_le_bytes()));
-                }
-                Bytes::from(out)
-            }
+            FullCopy::F32(v) => put_f32s(out, &v[r]),
+            FullCopy::Bf16(v) => extend_le(out, &v[r]),
         }
     }
 
-    /// Writes what [`FullCopy::encode`] made of elements `r`.
+    /// Writes what [`FullCopy::encode_into`] made of elements `r`.
     pub fn decode_into(&mut self, r: Range<usize>, bytes: &[u8]) {
         match self {
             FullCopy::F32(v) => decode_f32_into(bytes, &mut v[r]),
@@ -133,10 +125,12 @@ mod tests {
         assert_eq!(copy.bytes(), 8);
         let want: Vec<f32> = masters.iter().map(|&x| round_bf16(x)).collect();
         assert_eq!(copy.values(0..4), want);
-        let wire = copy.encode(std::iter::once(1..3));
-        assert_eq!(wire.len(), 4);
+        let mut wire = vec![9u8];
+        copy.encode_into(1..3, &mut wire);
+        assert_eq!(wire.len(), 5, "appended");
+        let wire = &wire[1..];
         let mut other = FullCopy::from_values(vec![0.0; 4], true);
-        other.decode_into(1..3, &wire);
+        other.decode_into(1..3, wire);
         assert_eq!(other.values(1..3), want[1..3]);
         copy.set_from_masters(0..1, &[2.5]);
         assert_eq!(copy.values(0..1), vec![2.5]);

@@ -31,7 +31,7 @@ use crate::plan::Stage;
 use crate::reduce::exact::{self, QuantStats};
 use crate::reduce::{GradBuf, SumSquares};
 use crate::runtime::transport::{Tag, TagKind, Transport};
-use crate::wire::f32s::{decode_bf16_into, decode_f32_into, encode_bf16, encode_f32};
+use crate::wire::f32s::{decode_bf16_into, decode_f32_into, put_bf16s, put_f32s};
 
 /// Per-run settings the step needs besides the plan.
 #[derive(Clone, Debug)]
@@ -292,17 +292,26 @@ impl<'a> Pass<'a> {
                     .get(&unit)
                     .unwrap_or(&self.st.shards[unit as usize].params);
                 let precision = self.cfg.precision;
-                let payload = || match precision {
-                    Precision::Fp32 => encode_f32(own, std::iter::once(0..own.len())),
-                    Precision::Bf16 => encode_bf16(own),
+                let (elem_bytes, n) = (precision.param_bytes() as usize, own.len() as u64);
+                let encode = |r: std::ops::Range<usize>, out: &mut Vec<u8>| match precision {
+                    Precision::Fp32 => put_f32s(out, &own[r]),
+                    Precision::Bf16 => put_bf16s(out, &own[r]),
                 };
-                let n = own.len() as u64;
                 // From now on the peers' chunks of this unit are in flight to us: account for
                 // them here, so the ledger shows the whole prefetched working set.
                 let incoming = self.st.map.units[unit as usize].numel as u64 - n;
                 self.st.ledger.alloc(Category::Gathered, 4 * incoming);
                 let tag = self.tag(TagKind::Gather, unit, pass);
-                collectives::post_owned(comm, &self.st.map, unit as usize, tag, payload, n, true)
+                let map = &self.st.map;
+                collectives::post_own_encoded(
+                    comm,
+                    map,
+                    unit as usize,
+                    tag,
+                    elem_bytes,
+                    encode,
+                    true,
+                )
             }
             Phase::WaitGather { unit, pass } => self.wait_gather(comm, unit, pass),
             Phase::Forward { unit } => {

@@ -136,10 +136,8 @@ impl Pass<'_> {
         comm: &mut Comm<T>,
     ) -> Result<(), CommError> {
         let map = &self.st.map;
-        let me = self.st.rank;
         for u in 0..self.st.full.len() {
             let full = &self.st.full[u];
-            let payload = || full.encode(map.owned_in_unit(u, me).map(|i| map.chunk_range(u, i)));
             let tag = Tag {
                 kind: TagKind::GatherParams,
                 attempt: self.attempt,
@@ -147,8 +145,8 @@ impl Pass<'_> {
                 pass: 0,
                 piece: 0,
             };
-            let n = map.owned_elems_in_unit(u, me) as u64;
-            collectives::post_owned(comm, map, u, tag, payload, n, true)?;
+            let encode = |r, out: &mut Vec<u8>| full.encode_into(r, out);
+            collectives::post_owned_with(comm, map, u, tag, full.elem_bytes(), encode, true)?;
         }
         for u in 0..self.st.full.len() {
             let tag = Tag {
