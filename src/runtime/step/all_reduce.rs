@@ -160,24 +160,9 @@ mod tests {
     #[cfg(feature = "ucx")]
     #[test]
     fn all_reduce_over_ucx_lands_in_place_with_the_same_bits() {
-        use crate::plan::RankId;
-        use crate::runtime::transport::ucx::engine::{Engine, EngineConfig};
-        use crate::runtime::transport::ucx::transport::UcxTransport;
-        use std::sync::Arc;
-        if !crate::runtime::transport::ucx::available_for_tests() {
+        let Some((engines, eps)) = crate::runtime::transport::ucx::transports_for_tests(3) else {
             return;
-        }
-        let engines: Vec<Arc<Engine>> = (0..3)
-            .map(|r| Arc::new(Engine::start(EngineConfig::shared_memory(r)).unwrap()))
-            .collect();
-        let peers: std::collections::BTreeMap<RankId, Vec<u8>> = engines
-            .iter()
-            .map(|e| (e.id(), e.address().to_vec()))
-            .collect();
-        let eps: Vec<UcxTransport> = engines
-            .iter()
-            .map(|e| UcxTransport::connect(e.id(), Arc::clone(e), &peers, 64 << 20).unwrap())
-            .collect();
+        };
         let numel = 3 * (PIECE_BYTES / 4 + 5120);
         let map = ShardMap::plan(&[numel], &[0, 1, 2], numel.div_ceil(3), 0).unwrap();
         check_all_reduce(eps, &map);

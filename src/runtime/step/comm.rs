@@ -667,23 +667,9 @@ mod tests {
     #[cfg(feature = "ucx")]
     #[test]
     fn payloads_received_into_a_buffer_land_whole_over_ucx() {
-        use crate::runtime::transport::ucx::engine::{Engine, EngineConfig};
-        use crate::runtime::transport::ucx::transport::UcxTransport;
-        use std::sync::Arc;
-        if !crate::runtime::transport::ucx::available_for_tests() {
+        let Some((_engines, eps)) = crate::runtime::transport::ucx::transports_for_tests(3) else {
             return;
-        }
-        let engines: Vec<Arc<Engine>> = (0..3)
-            .map(|r| Arc::new(Engine::start(EngineConfig::shared_memory(r)).unwrap()))
-            .collect();
-        let peers: BTreeMap<RankId, Vec<u8>> = engines
-            .iter()
-            .map(|e| (e.id(), e.address().to_vec()))
-            .collect();
-        let eps = engines
-            .into_iter()
-            .map(|e| UcxTransport::connect(e.id(), e, &peers, 64 << 20).unwrap())
-            .collect();
+        };
         exchange_into(eps);
     }
 
@@ -693,22 +679,10 @@ mod tests {
     #[cfg(feature = "ucx")]
     #[test]
     fn a_frame_nothing_was_lent_for_arrives_while_loans_are_open() {
-        use crate::runtime::transport::ucx::engine::{Engine, EngineConfig};
-        use crate::runtime::transport::ucx::transport::UcxTransport;
-        use std::sync::Arc;
-        if !crate::runtime::transport::ucx::available_for_tests() {
+        let Some((engines, eps)) = crate::runtime::transport::ucx::transports_for_tests(2) else {
             return;
-        }
-        let engines: Vec<Arc<Engine>> = (0..2)
-            .map(|r| Arc::new(Engine::start(EngineConfig::shared_memory(r)).unwrap()))
-            .collect();
-        let peers: BTreeMap<RankId, Vec<u8>> = engines
-            .iter()
-            .map(|e| (e.id(), e.address().to_vec()))
-            .collect();
-        let mut eps = engines
-            .iter()
-            .map(|e| UcxTransport::connect(e.id(), Arc::clone(e), &peers, 64 << 20).unwrap());
+        };
+        let mut eps = eps.into_iter();
         // The deadline is the test's only bound: an engine keeping the frame back fails it.
         let (mut a, mut b) = (
             Comm::new(eps.next().unwrap(), 20_000),

@@ -125,6 +125,33 @@ pub(crate) fn available_for_tests() -> bool {
     }
 }
 
+/// For tests: `n` shared-memory engines in this process (ids `0..n`) and a `UcxTransport` on
+/// each, connected to all of them; `None` (skipped) without libucx.
+#[cfg(test)]
+pub(crate) fn transports_for_tests(
+    n: u32,
+) -> Option<(
+    Vec<std::sync::Arc<engine::Engine>>,
+    Vec<transport::UcxTransport>,
+)> {
+    use std::sync::Arc;
+    if !available_for_tests() {
+        return None;
+    }
+    let engines: Vec<Arc<engine::Engine>> = (0..n)
+        .map(|r| Arc::new(engine::Engine::start(engine::EngineConfig::shared_memory(r)).unwrap()))
+        .collect();
+    let peers: std::collections::BTreeMap<crate::plan::RankId, Vec<u8>> = engines
+        .iter()
+        .map(|e| (e.id(), e.address().to_vec()))
+        .collect();
+    let eps = engines
+        .iter()
+        .map(|e| transport::UcxTransport::connect(e.id(), Arc::clone(e), &peers, 64 << 20).unwrap())
+        .collect();
+    Some((engines, eps))
+}
+
 /// A UCS status as text.
 fn status_text(ucp: &sys::Ucp, status: sys::ucs_status_t) -> String {
     // SAFETY: ucs_status_string returns a static string for any value.
