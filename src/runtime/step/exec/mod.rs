@@ -293,6 +293,11 @@ impl<'a> Pass<'a> {
                     .unwrap_or(&self.st.shards[unit as usize].params);
                 let precision = self.cfg.precision;
                 let (elem_bytes, n) = (precision.param_bytes() as usize, own.len() as u64);
+                // The payload is this rank's chunks of the unit, which `own` holds end to end.
+                debug_assert_eq!(
+                    own.len(),
+                    self.st.map.owned_elems_in_unit(unit as usize, self.st.rank)
+                );
                 let encode = |r: std::ops::Range<usize>, out: &mut Vec<u8>| match precision {
                     Precision::Fp32 => put_f32s(out, &own[r]),
                     Precision::Bf16 => put_bf16s(out, &own[r]),
