@@ -35,15 +35,8 @@ pub fn decode_f32_into(bytes: &[u8], dst: &mut [f32]) {
     crate::reduce::le::copy_le_into(&bytes[..4 * n], dst);
 }
 
-/// `src` rounded to bf16 (`model::gemm::to_bf16`), as little-endian bytes: ZeRO-3's parameter
-/// gather under bf16 mixed precision, half the bytes of [`encode_f32`].
-pub fn encode_bf16(src: &[f32]) -> Bytes {
-    let mut out = Vec::with_capacity(2 * src.len());
-    put_bf16s(&mut out, src);
-    Bytes::from(out)
-}
-
-/// Appends `src` rounded to bf16 as little-endian bytes (what [`encode_bf16`] makes of it).
+/// Appends `src` rounded to bf16 (`model::gemm::to_bf16`) as little-endian bytes: ZeRO-3's
+/// parameter gather under bf16 mixed precision, half the bytes of [`put_f32s`].
 pub fn put_bf16s(out: &mut Vec<u8>, src: &[f32]) {
     let at = out.len();
     out.resize(at + 2 * src.len(), 0);

@@ -113,11 +113,8 @@ pub fn post_owned_with<T: Transport>(
     is_param: bool,
 ) -> Result<(), CommError> {
     let spans = owned_spans(map, unit, comm.rank());
-    let encode = |elems: Range<usize>, out: &mut Vec<u8>| {
-        for r in sub_spans(&spans, 1, elems) {
-            encode(r, out);
-        }
-    };
+    // The payload's elements `elems`, counted as one "byte" each, through the spans they cover.
+    let encode = |elems, out: &mut Vec<u8>| encode_bytes(&spans, 1, elems, out, &mut encode);
     post_own_encoded(comm, map, unit, tag, elem_bytes, encode, is_param)
 }
 

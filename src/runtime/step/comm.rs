@@ -178,38 +178,19 @@ impl<T: Transport> Comm<T> {
         }
     }
 
-    /// `send_to_each` of `payload` as its pieces ([`pieces`]), each its own frame.
+    /// `send_to_each` of `payload` as its pieces ([`pieces`]), each its own frame (a slice of
+    /// `payload`, no copy).
     pub fn send_pieces(
         &mut self,
         to: &[RankId],
         tag: Tag,
         payload: Bytes,
     ) -> Result<(), CommError> {
-        self.send_pieces_with(to, tag, payload.len(), |r| payload.slice(r))
-    }
-
-    /// Sends a `len`-byte payload as its pieces, each made by `piece(byte range)` just before it
-    /// goes: the next piece is encoded while the transport moves the last one, and no buffer
-    /// holds the whole payload.
-    pub fn send_pieces_with(
-        &mut self,
-        to: &[RankId],
-        tag: Tag,
-        len: usize,
-        mut piece: impl FnMut(Range<usize>) -> Bytes,
-    ) -> Result<(), CommError> {
         if to.is_empty() {
             return Ok(());
         }
-        for (i, r) in pieces(len).enumerate() {
-            let want = r.len();
-            let bytes = piece(r);
-            debug_assert_eq!(
-                bytes.len(),
-                want,
-                "a piece's encoding has its range's length"
-            );
-            self.send_to_each(to, tag.piece(i as u32), bytes)?;
+        for (i, r) in pieces(payload.len()).enumerate() {
+            self.send_to_each(to, tag.piece(i as u32), payload.slice(r))?;
         }
         Ok(())
     }

@@ -46,16 +46,18 @@ pub struct ChunkFile {
 impl ChunkFile {
     /// Creates (or truncates) the file at `path`, making its folder if it is missing.
     pub fn create(path: &Path) -> Result<Self, TierError> {
-        let io = |e: std::io::Error| TierError::Io {
-            path: path.to_path_buf(),
+        let io_at = |at: &Path, e: std::io::Error| TierError::Io {
+            path: at.to_path_buf(),
             op: Op::Write,
             offset: 0,
             len: 0,
             source: io_error(&e),
         };
+        let io = |e| io_at(path, e);
         let file = super::folder::create_in(
             path,
-            |_, e| io(e),
+            // The folder that could not be made is named, not the file.
+            io_at,
             || {
                 File::options()
                     .read(true)

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::engine::{Engine, Inbound};
-use super::lending::{Lending, LOANS_DRAIN_MAX};
+use super::lending::{LendState, Lending, LOANS_DRAIN_MAX};
 use super::lent::{LEND_MIN_BYTES, LOANS_MAX};
 use super::UcxError;
 use crate::plan::RankId;
@@ -155,20 +155,20 @@ impl UcxPlane {
     /// The rank is about to wait for frames: if no loan is open, the engine must not keep
     /// messages back for loans any longer (it would until its grace ran out).
     pub fn before_wait(&self) {
-        let mut st = self.lending.lock();
-        if st.engine_waits && st.opened == 0 {
-            st.engine_waits = false;
-            drop(st);
-            // A stopped engine keeps nothing back.
-            let _ = self.engine.fetch_now();
-        }
+        self.stop_keeping_back(|st| st.opened == 0)
     }
 
     /// The rank waits, loans open, for a frame it lent nothing for: the engine fetches what it
     /// keeps back for loans, and keeps nothing back until the next loan.
     pub fn fetch_unlent(&self) {
+        self.stop_keeping_back(|_| true)
+    }
+
+    /// Tells the engine to fetch what it keeps back for loans, if it was told to keep anything
+    /// since and `now` says so.
+    fn stop_keeping_back(&self, now: impl FnOnce(&LendState) -> bool) {
         let mut st = self.lending.lock();
-        if st.engine_waits {
+        if st.engine_waits && now(&st) {
             st.engine_waits = false;
             drop(st);
             // A stopped engine keeps nothing back.
