@@ -6,8 +6,8 @@ use proptest::prelude::*;
 
 use elastic_zero::runtime::transport::{Frame, Tag, TagKind};
 use elastic_zero::wire::{
-    check_split_in_place, decode, decode_split, encode_split, encode_to_vec, frame_head, Lane,
-    StreamDecoder, WireError, WireMsg, WireStats, WIRE_VERSION,
+    check_split_in_place, crc32_of, decode, decode_split, encode_split, encode_to_vec,
+    frame_around, frame_head, Lane, StreamDecoder, WireError, WireMsg, WireStats, WIRE_VERSION,
 };
 
 const MAX: u32 = 1 << 16;
@@ -107,7 +107,7 @@ proptest! {
             prop_assert!(same(m, &back));
             let (around, payload) = encode_split(m);
             prop_assert_eq!(around.len() + payload.len(), bytes.len());
-            prop_assert!(same(m, &decode_split(&around, payload, MAX).unwrap()));
+            prop_assert!(same(m, &decode_split(&around, payload, MAX, None).unwrap()));
             all.extend_from_slice(&bytes);
         }
         let got = stream(&all, &cuts).unwrap();
@@ -155,10 +155,16 @@ proptest! {
         let i = at.index(around.len() + payload.len());
         let (mut a, mut p) = (around.clone(), payload.to_vec());
         if i < a.len() { a[i] ^= x } else { p[i - a.len()] ^= x }
-        prop_assert!(decode_split(&a, Bytes::from(p), MAX).is_err());
+        // The receiver reads the payload for its checksum, or took it as the payload landed
+        // (a payload staged in shared memory): refused either way.
+        let landed_crc = crc32_of(&[&p]);
+        prop_assert!(decode_split(&a, Bytes::from(p.clone()), MAX, None).is_err());
+        prop_assert!(decode_split(&a, Bytes::from(p), MAX, Some(landed_crc)).is_err());
         let (mut a, mut p) = (around.clone(), payload.to_vec());
         if grow { p.push(0) } else if p.pop().is_none() { a = around[..around.len() - 1].to_vec() }
-        prop_assert!(decode_split(&a, Bytes::from(p), MAX).is_err());
+        let landed_crc = crc32_of(&[&p]);
+        prop_assert!(decode_split(&a, Bytes::from(p.clone()), MAX, None).is_err());
+        prop_assert!(decode_split(&a, Bytes::from(p), MAX, Some(landed_crc)).is_err());
     }
 
     /// A frame's prefix and header are known before it arrives (what a receiver that lends a
@@ -177,7 +183,11 @@ proptest! {
             // Another length or tag gives another head.
             let other = frame_head(f.epoch, f.step, f.from, f.tag, f.payload.len() + 1);
             prop_assert!(!around.starts_with(&other));
-            match check_split_in_place(&around, &payload, MAX) {
+            // A sender that writes the payload elsewhere (a staging slot) and sums it as it
+            // writes puts the same bytes around it.
+            let crc = crc32_of(&[&payload]);
+            prop_assert_eq!(&frame_around(f, payload.len(), crc), &around);
+            match check_split_in_place(&around, &payload, MAX, Some(crc)) {
                 Ok(WireMsg::Frame(g)) => {
                     prop_assert_eq!((g.epoch, g.step, g.from, g.tag), (f.epoch, f.step, f.from, f.tag));
                     prop_assert!(g.payload.is_empty());
@@ -188,7 +198,8 @@ proptest! {
         let i = at.index(around.len() + payload.len());
         let (mut a, mut p) = (around.clone(), payload.to_vec());
         if i < a.len() { a[i] ^= x } else { p[i - a.len()] ^= x }
-        prop_assert!(check_split_in_place(&a, &p, MAX).is_err());
+        prop_assert!(check_split_in_place(&a, &p, MAX, None).is_err());
+        prop_assert!(check_split_in_place(&a, &p, MAX, Some(crc32_of(&[&p]))).is_err());
     }
 
     /// A corrupted header with a valid checksum (a buggy or hostile peer, not line noise) is

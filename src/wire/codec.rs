@@ -86,7 +86,22 @@ pub fn encode(msg: &WireMsg) -> [Bytes; 3] {
 /// reading the payload again. It must be the payload's: a wrong one makes the frame fail the
 /// receiver's check.
 fn encode_summed(msg: &WireMsg, payload_crc: Option<u32>) -> [Bytes; 3] {
-    let (header, payload) = match msg {
+    let (header, payload) = header_of(msg);
+    let head = head_bytes(&header, payload.len());
+    let sum = match payload_crc {
+        Some(crc) => crc32_combined(&[&head], crc, payload.len()),
+        None => crc32_of(&[&head, &payload]),
+    };
+    [
+        Bytes::from(head),
+        payload,
+        Bytes::copy_from_slice(&sum.to_le_bytes()),
+    ]
+}
+
+/// A message's header and payload.
+fn header_of(msg: &WireMsg) -> (Header, Bytes) {
+    match msg {
         WireMsg::Hello { rank, lane } => (
             Header::Hello {
                 rank: *rank,
@@ -108,25 +123,7 @@ fn encode_summed(msg: &WireMsg, payload_crc: Option<u32>) -> [Bytes; 3] {
             f.payload.clone(),
         ),
         WireMsg::Control { from, payload } => (Header::Control { from: *from }, payload.clone()),
-    };
-    let head = head_bytes(&header, payload.len());
-    let sum = match payload_crc {
-        Some(crc) => {
-            let mut h = crc32fast::Hasher::new();
-            h.update(&head);
-            h.combine(&crc32fast::Hasher::new_with_initial_len(
-                crc,
-                payload.len() as u64,
-            ));
-            h.finalize()
-        }
-        None => crc32_of(&[&head, &payload]),
-    };
-    [
-        Bytes::from(head),
-        payload,
-        Bytes::copy_from_slice(&sum.to_le_bytes()),
-    ]
+    }
 }
 
 /// Prefix and header of a message whose payload is `payload_len` bytes.
@@ -193,6 +190,18 @@ pub fn crc32_of(parts: &[&[u8]]) -> u32 {
     crc.finalize()
 }
 
+/// The CRC-32 of `parts` followed by a `payload_len`-byte payload whose own CRC-32 is
+/// `payload_crc`, without reading the payload.
+fn crc32_combined(parts: &[&[u8]], payload_crc: u32, payload_len: usize) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    parts.iter().for_each(|p| h.update(p));
+    h.combine(&crc32fast::Hasher::new_with_initial_len(
+        payload_crc,
+        payload_len as u64,
+    ));
+    h.finalize()
+}
+
 /// Decodes a complete frame whose prefix was checked: `rest` is header, payload and checksum,
 /// and `got` the checksum the receiver computed over the prefix and `rest` less its last 4
 /// bytes.
@@ -222,24 +231,43 @@ pub fn encode_split_summed(msg: &WireMsg, payload_crc: Option<u32>) -> (Vec<u8>,
     (around, payload)
 }
 
-/// Decodes what [`encode_split`] made, with every check of [`decode`].
+/// What [`encode_split_summed`] puts around a frame's payload, for a payload of `payload_len`
+/// bytes whose CRC-32 is `payload_crc` (written elsewhere: the UCX plane's staging slots); the
+/// frame's own payload is ignored.
+pub fn frame_around(frame: &Frame, payload_len: usize, payload_crc: u32) -> Vec<u8> {
+    let (header, _) = header_of(&WireMsg::Frame(Frame {
+        payload: Bytes::new(),
+        ..frame.clone()
+    }));
+    let head = head_bytes(&header, payload_len);
+    let sum = crc32_combined(&[&head], payload_crc, payload_len);
+    let mut around = head;
+    around.extend_from_slice(&sum.to_le_bytes());
+    around
+}
+
+/// Decodes what [`encode_split`] made, with every check of [`decode`]. `payload_crc`: the
+/// payload's CRC-32 if the receiver took it as the payload landed (else it is read here).
 pub fn decode_split(
     around: &[u8],
     payload: Bytes,
     max_frame_bytes: u32,
+    payload_crc: Option<u32>,
 ) -> Result<WireMsg, WireError> {
-    let header = check_split(around, &payload, max_frame_bytes)?;
+    let header = check_split(around, &payload, max_frame_bytes, payload_crc)?;
     decode_header(header, payload)
 }
 
 /// Checks what [`encode_split`] made, with every check of [`decode`], for a payload that stays
 /// where it landed (a buffer the receiver lent): the message comes back with an empty payload.
+/// `payload_crc` as for [`decode_split`].
 pub fn check_split_in_place(
     around: &[u8],
     payload: &[u8],
     max_frame_bytes: u32,
+    payload_crc: Option<u32>,
 ) -> Result<WireMsg, WireError> {
-    let header = check_split(around, payload, max_frame_bytes)?;
+    let header = check_split(around, payload, max_frame_bytes, payload_crc)?;
     decode_header(header, Bytes::new())
 }
 
@@ -248,6 +276,7 @@ fn check_split<'a>(
     around: &'a [u8],
     payload: &[u8],
     max_frame_bytes: u32,
+    payload_crc: Option<u32>,
 ) -> Result<&'a [u8], WireError> {
     if around.len() < PREFIX_BYTES + CHECKSUM_BYTES {
         return Err(WireError::Truncated {
@@ -264,7 +293,10 @@ fn check_split<'a>(
             need: PREFIX_BYTES + body + CHECKSUM_BYTES,
         });
     }
-    let got = crc32_of(&[&prefix, header, payload]);
+    let got = match payload_crc {
+        Some(crc) => crc32_combined(&[&prefix, header], crc, payload.len()),
+        None => crc32_of(&[&prefix, header, payload]),
+    };
     let c = &around[around.len() - CHECKSUM_BYTES..];
     let expected = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
     if got != expected {
@@ -396,10 +428,29 @@ mod tests {
         assert_eq!(encode_split_summed(&msg, Some(crc)), plain);
         let (around, body) = encode_split_summed(&msg, Some(crc ^ 1));
         assert!(matches!(
-            decode_split(&around, body, 1 << 20),
+            decode_split(&around, body, 1 << 20, None),
             Err(WireError::Checksum { .. })
         ));
+        let WireMsg::Frame(f) = &msg else {
+            unreachable!()
+        };
+        // The bytes around a payload written elsewhere are the same.
+        assert_eq!(frame_around(f, payload.len(), crc), plain.0);
         let (around, body) = plain;
-        assert!(decode_split(&around, body, 1 << 20).is_ok());
+        assert!(decode_split(&around, body.clone(), 1 << 20, None).is_ok());
+        // A receiver that took the payload's CRC as it landed: the right one passes, and a
+        // payload that does not match its header's checksum fails either way.
+        assert!(decode_split(&around, body.clone(), 1 << 20, Some(crc)).is_ok());
+        assert!(matches!(
+            check_split_in_place(&around, &body, 1 << 20, Some(crc ^ 4)),
+            Err(WireError::Checksum { .. })
+        ));
+        let mut damaged = body.to_vec();
+        damaged[7] ^= 1;
+        let damaged_crc = crc32_of(&[&damaged]);
+        assert!(matches!(
+            check_split_in_place(&around, &damaged, 1 << 20, Some(damaged_crc)),
+            Err(WireError::Checksum { .. })
+        ));
     }
 }

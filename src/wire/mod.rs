@@ -24,7 +24,7 @@ mod stream;
 
 pub use codec::{
     check_split_in_place, crc32_of, decode, decode_split, encode, encode_split,
-    encode_split_summed, encode_to_vec, frame_head, Lane, WireMsg,
+    encode_split_summed, encode_to_vec, frame_around, frame_head, Lane, WireMsg,
 };
 pub use stream::StreamDecoder;
 

@@ -67,6 +67,20 @@ pub trait Transport: Send + 'static {
         let _ = payload_crc;
         self.send_to_each(to, frame)
     }
+    /// Sends `frame` (its own payload ignored) to each of `to` with a `len`-byte payload that
+    /// `fill` writes straight into memory the receivers read it from (a shared-memory slot),
+    /// returning the payload's CRC-32 ([`crate::wire::crc32_of`]); `fill` writes all `len`
+    /// bytes. `Ok(false)` (the default): no such memory for these receivers now, and nothing
+    /// was written or sent: send the frame another way.
+    fn send_to_each_staged(
+        &self,
+        _to: &[RankId],
+        _frame: &Frame,
+        _len: usize,
+        _fill: &mut dyn FnMut(&mut [u8]) -> u32,
+    ) -> Result<bool, TransportError> {
+        Ok(false)
+    }
     /// The next frame addressed to this rank, waiting at most `timeout_ms`.
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError>;
     /// Delivers anything the transport is still holding back (called when a rank finishes a

@@ -23,6 +23,12 @@ pub struct EngineConfig {
     /// Network devices UCX may use (`UCX_NET_DEVICES`; `None`: shared memory only). Traffic
     /// on them is not encrypted.
     pub net_devices: Option<String>,
+    /// Slots in this engine's staging segment (0: no staging, every payload goes through UCX's
+    /// rendezvous): payloads for peers on this host are written there once and copied out by
+    /// the receiver (`ring`).
+    pub staging_slots: u32,
+    /// Bytes per staging slot: payloads larger than this go through UCX's rendezvous.
+    pub staging_slot_bytes: u32,
 }
 
 impl EngineConfig {
@@ -36,6 +42,8 @@ impl EngineConfig {
             inbox_max: 1024,
             inbox_bytes_max: None,
             net_devices: None,
+            staging_slots: 4,
+            staging_slot_bytes: crate::wire::frame::PIECE_BYTES as u32,
         }
     }
 
@@ -75,6 +83,8 @@ pub enum Inbound {
         from: u32,
         header: Vec<u8>,
         bytes: Bytes,
+        /// The payload's CRC-32, when the engine took it while copying the payload.
+        crc: Option<u32>,
     },
     /// A message from engine `from` whose payload went into a lent buffer: `len` bytes at
     /// `at`, for the loan of `batch`; `ok` is false when the receive failed (the bytes there
@@ -86,6 +96,8 @@ pub enum Inbound {
         at: usize,
         len: usize,
         ok: bool,
+        /// As for `Message`.
+        crc: Option<u32>,
     },
     /// UCX reported that the endpoint to `peer` failed; it is closed.
     PeerLost { peer: u32, why: String },
@@ -94,8 +106,10 @@ pub enum Inbound {
 /// Counters of what the engine refused or lost, and of the messages received into lent memory.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EngineCounts {
-    /// Rendezvous messages whose receive started straight into memory a consumer lent.
+    /// Rendezvous or staged messages whose receive went straight into memory a consumer lent.
     pub lent: u64,
+    /// Payloads copied out of a peer's staging segment.
+    pub staged: u64,
     /// Messages over `max_message_bytes` or with a malformed header, dropped.
     pub refused: u64,
     /// Sends or receives that completed with an error.

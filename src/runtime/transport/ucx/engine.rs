@@ -12,6 +12,7 @@
 //! [`Engine::release`]; rendezvous payloads beyond it wait in the senders' memory. While the
 //! inbox is full (a count of messages) the thread stops progressing as well.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -19,9 +20,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use super::address::join_address;
 pub use super::config::{valid_net_devices, EngineConfig, EngineCounts, Inbound};
 use super::credit::Credit;
-use super::lent::Loan;
+use super::lent::{Loan, LEND_MIN_BYTES};
+use super::ring::{Ring, Staged};
+use super::shm::Segment;
 pub use super::thread::HEADER_MAX_BYTES;
 use super::thread::{run, Cmd, Waker};
 use super::{library, sys, UcxError};
@@ -39,6 +43,10 @@ pub struct Engine {
     max_message_bytes: usize,
     /// Peers with an endpoint (a send to another is refused at once).
     peers: Mutex<std::collections::BTreeSet<u32>>,
+    /// This engine's staging ring, if staging is on.
+    ring: Option<Arc<Ring>>,
+    /// Whether the thread holds staged payloads back for loans.
+    holding: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -53,6 +61,17 @@ impl Engine {
         let waker: Waker = Arc::default();
         let counts: Arc<Mutex<EngineCounts>> = Arc::default();
         let credit = Arc::new(Credit::new(cfg.inbox_bytes()));
+        let ring = (cfg.staging_slots > 0)
+            .then(|| Segment::create(cfg.staging_slots, cfg.staging_slot_bytes))
+            .and_then(|made| {
+                made.map_err(|e| {
+                    tracing::warn!("ucx: no staging segment ({e}); payloads go through UCX alone")
+                })
+                .ok()
+            })
+            .map(|segment| Arc::new(Ring::new(segment)));
+        let holding: Arc<AtomicBool> = Arc::default();
+        let thread_ring = (ring.clone(), Arc::clone(&holding));
         let (thread_waker, thread_counts, thread_cfg, thread_credit) = (
             Arc::clone(&waker),
             Arc::clone(&counts),
@@ -71,16 +90,18 @@ impl Engine {
                     thread_waker,
                     thread_counts,
                     thread_credit,
+                    thread_ring,
                 )
             })
             .map_err(|e| UcxError::Call {
                 call: "spawning the engine thread",
                 status: e.to_string(),
             })?;
-        let address = ready.recv().map_err(|_| UcxError::Stopped)??;
+        let worker = ready.recv().map_err(|_| UcxError::Stopped)??;
+        let staging = ring.as_ref().map(|r| *r.segment().descriptor());
         Ok(Self {
             id: cfg.id,
-            address,
+            address: join_address(&worker, staging.as_ref()),
             commands,
             inbox: Mutex::new(inbox),
             waker,
@@ -88,6 +109,8 @@ impl Engine {
             credit,
             max_message_bytes: cfg.max_message_bytes,
             peers: Mutex::default(),
+            ring,
+            holding,
             thread: Some(thread),
         })
     }
@@ -96,7 +119,8 @@ impl Engine {
         self.id
     }
 
-    /// The worker's address, for peers to connect with (an opaque blob of a few hundred bytes).
+    /// The worker's address and this engine's staging segment, for peers to connect with (an
+    /// opaque blob of a few hundred bytes).
     pub fn address(&self) -> &[u8] {
         &self.address
     }
@@ -156,6 +180,59 @@ impl Engine {
             header,
             payload,
         })
+    }
+
+    /// A staging slot for a `len`-byte payload to every one of `to` (peers that mapped this
+    /// engine's segment; none of them repeated), if one is free within the ring's short wait;
+    /// `None`: send it with [`Engine::send_with_header`].
+    pub fn stage(&self, to: &[u32], len: usize) -> Option<Staged<'_>> {
+        if len < LEND_MIN_BYTES || len > self.max_message_bytes {
+            return None;
+        }
+        self.ring.as_ref()?.take(to, len)
+    }
+
+    /// Whether payloads staged by peers wait for loans now: a consumer about to wait with no
+    /// loan open calls [`Engine::fetch_now`] first.
+    pub fn holds_staged(&self) -> bool {
+        self.holding.load(Ordering::Relaxed)
+    }
+
+    /// Whether payloads to `peer` can be staged: it mapped this engine's segment.
+    pub fn stages_to(&self, peer: u32) -> bool {
+        self.ring.as_ref().is_some_and(|r| r.lock().is_ready(peer))
+    }
+
+    /// Tells each of `to` that `staged` holds the payload of the message whose small header
+    /// is `header`; they copy it out and free the slot. A peer without an endpoint is refused
+    /// here, and the slot freed.
+    pub fn send_staged(
+        &self,
+        to: &[u32],
+        staged: Staged<'_>,
+        header: Vec<u8>,
+    ) -> Result<(), UcxError> {
+        if header.len() > HEADER_MAX_BYTES {
+            return Err(UcxError::TooLarge {
+                len: header.len(),
+                max: HEADER_MAX_BYTES,
+            });
+        }
+        {
+            let peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(&p) = to.iter().find(|p| !peers.contains(p)) {
+                return Err(UcxError::NoPeer(p));
+            }
+        }
+        self.submit(Cmd::SendStaged {
+            to: to.to_vec(),
+            slot: staged.slot,
+            generation: staged.generation,
+            len: staged.len(),
+            header,
+        })?;
+        staged.handed();
+        Ok(())
     }
 
     /// Lends `len` bytes at `at` for the next rendezvous message from `from` whose header
@@ -285,7 +362,8 @@ mod tests {
                 Inbound::Message {
                     from: 0,
                     header: Vec::new(),
-                    bytes: want.into()
+                    bytes: want.into(),
+                    crc: None,
                 },
                 "size {n}"
             );
@@ -296,7 +374,8 @@ mod tests {
             Inbound::Message {
                 from: 1,
                 header: Vec::new(),
-                bytes: Bytes::from_static(b"back")
+                bytes: Bytes::from_static(b"back"),
+                crc: None,
             }
         );
         assert_eq!(b.counts(), EngineCounts::default());
@@ -315,7 +394,8 @@ mod tests {
                 Inbound::Message {
                     from: 0,
                     header,
-                    bytes: payload.into()
+                    bytes: payload.into(),
+                    crc: None,
                 },
                 "payload of {n} bytes"
             );
@@ -351,7 +431,8 @@ mod tests {
                 batch: 1,
                 at: first.as_ptr() as usize,
                 len: N,
-                ok: true
+                ok: true,
+                crc: None,
             }
         );
         assert_eq!(b.end_loans(1).unwrap(), 0, "its one loan was matched");
@@ -415,7 +496,8 @@ mod tests {
             Inbound::Message {
                 from: 0,
                 header: Vec::new(),
-                bytes: payload.into()
+                bytes: payload.into(),
+                crc: None,
             }
         );
         assert!(valid_net_devices("eth1,mlx5_0:1"));
@@ -494,7 +576,8 @@ mod tests {
             Inbound::Message {
                 from: 1,
                 header: Vec::new(),
-                bytes: msg.iter().rev().copied().collect::<Vec<u8>>().into()
+                bytes: msg.iter().rev().copied().collect::<Vec<u8>>().into(),
+                crc: None,
             }
         );
         // kill -9: the endpoint's failure is reported, within a few keepalive rounds.
@@ -527,7 +610,8 @@ mod tests {
             Inbound::Message {
                 from: 0,
                 header: Vec::new(),
-                bytes: b"still here".to_vec().into()
+                bytes: b"still here".to_vec().into(),
+                crc: None,
             }
         );
     }
@@ -552,7 +636,8 @@ mod tests {
             Inbound::Message {
                 from: 0,
                 header: Vec::new(),
-                bytes: vec![1u8; 10].into()
+                bytes: vec![1u8; 10].into(),
+                crc: None,
             }
         );
         assert_eq!(b.counts().refused, 1);

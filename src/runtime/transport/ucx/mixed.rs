@@ -146,6 +146,20 @@ impl Transport for MixedTransport {
         self.send_summed(to, frame, Some(payload_crc))
     }
 
+    fn send_to_each_staged(
+        &self,
+        to: &[RankId],
+        frame: &Frame,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> u32,
+    ) -> Result<bool, TransportError> {
+        let me = self.tcp.rank();
+        if to.iter().any(|&r| r == me || !self.routes.contains(r)) {
+            return Ok(false);
+        }
+        self.routes.ucx.send_written(to, frame, len, fill)
+    }
+
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
         self.routes.ucx.before_wait();
         let f = self.tcp.recv_timeout(timeout_ms)?;

@@ -12,6 +12,11 @@
 //!   (`pool`); received bytes are bounded by a receive credit (`credit`). A consumer that
 //!   knows which message comes next lends the buffer it belongs in (`lent`), and the payload
 //!   lands there with no copy after the transfer.
+//! - Staging (`shm`, `ring`, `thread::staged`): a payload for peers on this host is written
+//!   once into a slot of the sender's shared segment (encoded and checksummed there), and the
+//!   receiver's engine copies it out (into the loan it matches, checksumming it in cache) and
+//!   frees the slot; UCX carries only small notices. Peers that cannot map the segment (on
+//!   another host, over `--ucx-net`) and payloads outside a slot's size use UCX's rendezvous.
 //!
 //! - [`transport`]: `Transport` over the engine, every frame checked as on the TCP and QUIC
 //!   planes (version, lengths, CRC-32, and a `from` that matches the sending engine).
@@ -24,6 +29,7 @@
 //! `EngineConfig::with_network` adds TCP and RDMA transports on devices the operator declares
 //! trusted (`--ucx-net`): unencrypted.
 
+mod address;
 mod config;
 mod credit;
 pub mod engine;
@@ -31,6 +37,8 @@ mod lending;
 mod lent;
 pub mod mixed;
 mod pool;
+mod ring;
+mod shm;
 pub mod sys;
 mod thread;
 pub mod transport;

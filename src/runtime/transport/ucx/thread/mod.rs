@@ -1,8 +1,14 @@
 //! The engine's thread: the UCP calls and the callbacks UCX makes during progress. Everything
-//! here runs on that one thread (`UCS_THREAD_MODE_SINGLE`).
+//! here runs on that one thread (`UCS_THREAD_MODE_SINGLE`). Payloads staged in a peer's
+//! shared segment are in `staged`; closing endpoints in `close`.
+
+mod close;
+mod open;
+mod staged;
 
 use std::collections::{HashMap, VecDeque};
-use std::ffi::{c_void, CString};
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -13,9 +19,13 @@ use super::config::{EngineConfig, EngineCounts, Inbound};
 use super::credit::Credit;
 use super::lent::{Loan, Loans, LEND_MIN_BYTES};
 use super::pool::Pool;
+use super::ring::Ring;
+use super::shm::Segment;
 use super::{check, status_text, sys, UcxError};
+use close::{close_all, close_failed};
+use open::{open, worker_address};
 
-/// The active-message id our messages use.
+/// The active-message id our messages use (the staging notices have their own, `staged`).
 const AM_ID: u32 = 0;
 /// The largest header a message may carry beside its payload (it travels in UCX's active
 /// message header, with the 4-byte sender id before it).
@@ -29,6 +39,11 @@ const PROGRESS_ROUNDS_MAX: usize = 256;
 /// in their senders' memory: long enough for a consumer that receives one payload after
 /// another to lend the next buffer, short enough not to hold up anything else.
 const LOAN_GRACE: Duration = Duration::from_millis(2);
+/// How long a staged payload no loan matched waits in its sender's slot for one (unless the
+/// consumer waits for frames with no loan open first): the receiver usually lends its buffer
+/// right after its own sends, and a payload fetched early is copied twice. Bounded, so that a
+/// consumer that waits without lending gets it late at worst, not never.
+const STAGED_HOLD: Duration = Duration::from_millis(5);
 /// How long closing endpoints may take when the engine stops.
 const CLOSE_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -45,6 +60,15 @@ pub(super) enum Cmd {
     },
     /// Lends a buffer for one expected message (`lent`).
     Lend(Loan),
+    /// Tells each of `to` that slot `slot` (of `generation`) of this engine's ring holds a
+    /// `len`-byte payload, whose frame header is `header`.
+    SendStaged {
+        to: Vec<u32>,
+        slot: usize,
+        generation: u64,
+        len: usize,
+        header: Vec<u8>,
+    },
     /// Withdraws the unmatched loans of `batch` and answers how many there were.
     EndLoans {
         batch: u64,
@@ -83,6 +107,17 @@ struct State {
     /// a payload ahead), and a payload fetched into the pool would be copied again.
     batch_open: bool,
     defer_until: Option<Instant>,
+    /// This engine's staging ring (`None`: staging is off or its segment could not be made).
+    ring: Option<Arc<Ring>>,
+    /// The peers' segments this engine reads staged payloads from.
+    peer_rings: HashMap<u32, Arc<Segment>>,
+    /// Slots of peers' rings copied out, to be freed (peer, slot, generation).
+    to_free: Vec<(u32, usize, u64)>,
+    /// Whether unmatched staged payloads wait for a loan ([`STAGED_HOLD`]): from a loan on,
+    /// until the consumer asks for everything (`FetchNow`).
+    hold_staged: bool,
+    /// Set while staged payloads are held, for the consumer to see before it waits.
+    holding: Arc<AtomicBool>,
 }
 
 impl State {
@@ -98,12 +133,45 @@ impl State {
     }
 }
 
-/// A rendezvous message the AM callback saw: its payload is fetched after progress returns.
+/// A message whose payload is fetched after progress returns: a rendezvous message the AM
+/// callback saw, or a payload a peer staged.
 struct Announced {
     from: u32,
     header: Vec<u8>,
-    desc: *mut c_void,
+    source: Source,
     len: usize,
+}
+
+/// Where an announced payload is.
+enum Source {
+    /// In the sender's memory, behind UCX's rendezvous descriptor.
+    Rndv(*mut c_void),
+    /// In slot `slot` of the sender's segment, for that slot's use `generation`.
+    Staged {
+        segment: Arc<Segment>,
+        slot: usize,
+        generation: u64,
+        /// When the notice arrived.
+        since: Instant,
+    },
+}
+
+impl Source {
+    /// Drops a payload that will not be fetched: UCX's descriptor goes back (a staged slot is
+    /// the sender's to reclaim).
+    unsafe fn release(self, ucp: &sys::Ucp, worker: sys::ucp_worker_h) {
+        if let Source::Rndv(desc) = self {
+            (ucp.ucp_am_data_release)(worker, desc);
+        }
+    }
+
+    /// Until when a staged payload waits for a loan.
+    fn held_until(&self) -> Option<Instant> {
+        match self {
+            Source::Staged { since, .. } => Some(*since + STAGED_HOLD),
+            Source::Rndv(_) => None,
+        }
+    }
 }
 
 /// A send in flight: what must outlive it.
@@ -112,6 +180,9 @@ struct SendOp {
     header: Vec<u8>,
     payload: Bytes,
     state: *mut State,
+    /// A staging notice: the slot (index, generation) and the peer it tells, whose hold on the
+    /// slot ends if the notice fails.
+    staged: Option<(usize, u64, u32)>,
 }
 
 /// A rendezvous receive in flight.
@@ -124,6 +195,8 @@ struct RecvOp {
     /// Into a lent buffer instead: its batch and address.
     loan: Option<(u64, usize)>,
     state: *mut State,
+    /// The payload's CRC-32, when it was taken while copying it.
+    crc: Option<u32>,
 }
 
 /// The argument of an endpoint's error handler.
@@ -157,20 +230,10 @@ unsafe extern "C" fn on_am(
     let from = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
     let header = header[4..].to_vec();
     if rndv {
-        if let Some(loan) = st.loans.take_match(from, &header, length) {
-            let a = Announced {
-                from,
-                header,
-                desc: data,
-                len: length,
-            };
-            st.to_place.push_back((a, loan));
-            return sys::UCS_INPROGRESS;
-        }
-        st.announced.push_back(Announced {
+        st.announce(Announced {
             from,
             header,
-            desc: data,
+            source: Source::Rndv(data),
             len: length,
         });
         return sys::UCS_INPROGRESS;
@@ -181,8 +244,19 @@ unsafe extern "C" fn on_am(
         from,
         header,
         bytes,
+        crc: None,
     });
     sys::UCS_OK
+}
+
+impl State {
+    /// A payload to fetch: into the loan it matches, else when credit allows.
+    fn announce(&mut self, a: Announced) {
+        match self.loans.take_match(a.from, &a.header, a.len) {
+            Some(loan) => self.to_place.push_back((a, loan)),
+            None => self.announced.push_back(a),
+        }
+    }
 }
 
 unsafe extern "C" fn on_sent(request: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
@@ -191,6 +265,7 @@ unsafe extern "C" fn on_sent(request: *mut c_void, status: sys::ucs_status_t, us
     st.sending -= 1;
     if status != sys::UCS_OK {
         st.count(|c| c.failed += 1);
+        staged::notice_failed(st, op.staged);
     }
     (st.ucp.ucp_request_free)(request);
 }
@@ -220,6 +295,7 @@ fn finish_recv(st: &mut State, op: RecvOp, status: sys::ucs_status_t) {
             at,
             len: op.len,
             ok,
+            crc: op.crc,
         });
         return;
     }
@@ -232,6 +308,7 @@ fn finish_recv(st: &mut State, op: RecvOp, status: sys::ucs_status_t) {
             from: op.from,
             header: op.header,
             bytes: st.pool.wrap(bytes),
+            crc: op.crc,
         });
     } else {
         st.credit.give(op.len);
@@ -243,6 +320,10 @@ unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, status: s
     let a = &*(arg as *const EpArg);
     let st = &mut *a.state;
     let why = status_text(st.ucp, status);
+    // Whatever it held of this engine's ring is free, and nothing more is staged to it.
+    if let Some(ring) = &st.ring {
+        ring.update(|s| s.peer_lost(a.peer));
+    }
     st.received
         .push_back(Inbound::PeerLost { peer: a.peer, why });
     // Closed by the loop, not here: UCX wants a failed endpoint closed, but not from inside
@@ -256,94 +337,6 @@ fn ptr_status(p: *mut c_void) -> Option<sys::ucs_status_t> {
     (v < 0 && v >= sys::UCS_ERR_LAST as isize).then_some(v as sys::ucs_status_t)
 }
 
-/// The context and worker, made on the engine thread.
-fn open(
-    ucp: &'static sys::Ucp,
-    cfg: &EngineConfig,
-) -> Result<(sys::ucp_context_h, sys::ucp_worker_h), UcxError> {
-    // SAFETY: every parameter struct is zeroed and its field mask names the fields set.
-    unsafe {
-        let mut config: *mut sys::ucp_config_t = std::ptr::null_mut();
-        check(
-            ucp,
-            "ucp_config_read",
-            (ucp.ucp_config_read)(std::ptr::null(), std::ptr::null(), &mut config),
-        )?;
-        // The rank decides these, not the user's shell.
-        let mut settings = vec![
-            ("TLS", cfg.transports.as_str()),
-            // Keep shared memory and CMA under peer-failure handling (§4 of UCX.md): without
-            // these UCX moves same-host traffic to TCP loopback.
-            // (`CMA_MEMORY_INVALIDATE` is a memory-domain setting that this call cannot reach:
-            // [`super::library`] sets it in the environment before libucp is loaded.)
-            ("MM_ERROR_HANDLING", "y"),
-            // Shared memory notices a dead peer only by keepalive, every 20 s by default; the
-            // control plane's heartbeats and every collective's deadline stay the authority.
-            ("KEEPALIVE_INTERVAL", "1s"),
-        ];
-        if let Some(devices) = cfg.net_devices.as_deref() {
-            settings.push(("NET_DEVICES", devices));
-        }
-        for (key, value) in settings {
-            let (Ok(k), Ok(v)) = (CString::new(key), CString::new(value)) else {
-                (ucp.ucp_config_release)(config);
-                return Err(UcxError::Call {
-                    call: "ucp_config_modify",
-                    status: format!("{key}: a NUL byte in `{value}`"),
-                });
-            };
-            let s = (ucp.ucp_config_modify)(config, k.as_ptr(), v.as_ptr());
-            if let Err(e) = check(ucp, "ucp_config_modify", s) {
-                (ucp.ucp_config_release)(config);
-                return Err(UcxError::Call {
-                    call: "ucp_config_modify",
-                    status: format!("{key}={value}: {e}"),
-                });
-            }
-        }
-        let mut params: sys::ucp_params_t = std::mem::zeroed();
-        params.field_mask = sys::UCP_PARAM_FIELD_FEATURES as u64;
-        params.features = (sys::UCP_FEATURE_AM | sys::UCP_FEATURE_WAKEUP) as u64;
-        let mut ctx: sys::ucp_context_h = std::ptr::null_mut();
-        let s = (ucp.ucp_init_version)(
-            sys::UCP_API_MAJOR,
-            sys::UCP_API_MINOR,
-            &params,
-            config,
-            &mut ctx,
-        );
-        (ucp.ucp_config_release)(config);
-        check(ucp, "ucp_init_version", s)?;
-        let mut wp: sys::ucp_worker_params_t = std::mem::zeroed();
-        wp.field_mask = sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE as u64;
-        wp.thread_mode = sys::UCS_THREAD_MODE_SINGLE;
-        let mut worker: sys::ucp_worker_h = std::ptr::null_mut();
-        if let Err(e) = check(
-            ucp,
-            "ucp_worker_create",
-            (ucp.ucp_worker_create)(ctx, &wp, &mut worker),
-        ) {
-            (ucp.ucp_cleanup)(ctx);
-            return Err(e);
-        }
-        Ok((ctx, worker))
-    }
-}
-
-/// The worker's address as bytes.
-unsafe fn worker_address(ucp: &sys::Ucp, worker: sys::ucp_worker_h) -> Result<Vec<u8>, UcxError> {
-    let mut addr: *mut sys::ucp_address_t = std::ptr::null_mut();
-    let mut len: sys::size_t = 0;
-    check(
-        ucp,
-        "ucp_worker_get_address",
-        (ucp.ucp_worker_get_address)(worker, &mut addr, &mut len),
-    )?;
-    let out = std::slice::from_raw_parts(addr as *const u8, len as usize).to_vec();
-    (ucp.ucp_worker_release_address)(worker, addr);
-    Ok(out)
-}
-
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run(
     ucp: &'static sys::Ucp,
@@ -354,6 +347,7 @@ pub(super) fn run(
     waker: Waker,
     counts: Arc<Mutex<EngineCounts>>,
     credit: Arc<Credit>,
+    (ring, holding): (Option<Arc<Ring>>, Arc<AtomicBool>),
 ) {
     let (ctx, worker) = match open(ucp, &cfg) {
         Ok(v) => v,
@@ -378,6 +372,11 @@ pub(super) fn run(
         to_place: VecDeque::new(),
         batch_open: false,
         defer_until: None,
+        ring,
+        peer_rings: HashMap::new(),
+        to_free: Vec::new(),
+        hold_staged: true,
+        holding,
     }));
     let mut eps: HashMap<u32, (sys::ucp_ep_h, *mut EpArg)> = HashMap::new();
     // SAFETY: the worker, the state and the endpoints are used on this thread only, and each
@@ -396,6 +395,7 @@ pub(super) fn run(
                 "ucp_worker_set_am_recv_handler",
                 (ucp.ucp_worker_set_am_recv_handler)(worker, &hp),
             )?;
+            staged::set_handlers(ucp, worker, state)?;
             let mut efd = -1;
             check(
                 ucp,
@@ -433,16 +433,30 @@ pub(super) fn run(
                         address,
                         done,
                     } => {
-                        let _ = done.send(connect(state, &mut eps, peer, &address));
+                        let _ = done.send(connect(state, &mut eps, peer, &address, cfg.id));
                     }
                     Cmd::Send {
                         peer,
                         header,
                         payload,
                     } => match eps.get(&peer) {
-                        Some(&(ep, _)) => send(state, ep, cfg.id, header, payload),
+                        Some(&(ep, _)) => send(state, ep, cfg.id, AM_ID, header, payload, None),
                         None => (*state).count(|c| c.failed += 1),
                     },
+                    Cmd::SendStaged {
+                        to,
+                        slot,
+                        generation,
+                        len,
+                        header,
+                    } => staged::send_notices(
+                        state,
+                        &eps,
+                        cfg.id,
+                        &to,
+                        (slot, generation, len),
+                        &header,
+                    ),
                     Cmd::Lend(loan) => lend(state, loan),
                     Cmd::EndLoans { batch, done } => {
                         let _ = done.send((*state).loans.end(batch));
@@ -452,6 +466,7 @@ pub(super) fn run(
                     Cmd::FetchNow => {
                         (*state).batch_open = false;
                         (*state).defer_until = None;
+                        (*state).hold_staged = false;
                     }
                 }
             }
@@ -470,6 +485,7 @@ pub(super) fn run(
                 }
                 place_lent(state);
                 fetch_announced(state);
+                staged::send_frees(state, &eps, cfg.id);
                 held.extend((*state).received.drain(..));
                 close_failed(state, &mut eps, &mut closing);
             }
@@ -491,14 +507,19 @@ pub(super) fn run(
                 std::thread::sleep(Duration::from_millis(1));
                 continue;
             }
-            // Messages left waiting for a loan are fetched once the grace ends, so the sleep
-            // ends then too.
-            let sleep_ms = match (*state).defer_until {
-                Some(t) if !(*state).announced.is_empty() && !(*state).batch_open => {
+            // Messages left waiting for a loan are fetched once the grace or the hold ends,
+            // so the sleep ends then too.
+            let grace = match (*state).defer_until {
+                Some(t) if !(*state).announced.is_empty() && !(*state).batch_open => Some(t),
+                _ => None,
+            };
+            let hold = (*state).held_until();
+            let sleep_ms = match grace.into_iter().chain(hold).min() {
+                Some(t) => {
                     let left = t.saturating_duration_since(Instant::now());
                     (left.as_millis() as i32 + 1).min(IDLE_POLL_MS)
                 }
-                _ => IDLE_POLL_MS,
+                None => IDLE_POLL_MS,
             };
             match (ucp.ucp_worker_arm)(worker) {
                 sys::UCS_OK => {
@@ -526,10 +547,10 @@ pub(super) fn run(
         }
         // Payloads never fetched: their senders see the receive end.
         for a in std::mem::take(&mut (*state).announced) {
-            (ucp.ucp_am_data_release)(worker, a.desc);
+            a.source.release(ucp, worker);
         }
         for (a, _) in std::mem::take(&mut (*state).to_place) {
-            (ucp.ucp_am_data_release)(worker, a.desc);
+            a.source.release(ucp, worker);
         }
         close_all(state, &mut eps, closing);
         *waker.lock().unwrap_or_else(|p| p.into_inner()) = None;
@@ -544,10 +565,12 @@ unsafe fn connect(
     eps: &mut HashMap<u32, (sys::ucp_ep_h, *mut EpArg)>,
     peer: u32,
     address: &[u8],
+    me: u32,
 ) -> Result<(), UcxError> {
     if eps.contains_key(&peer) {
         return Ok(());
     }
+    let (address, staging) = super::address::split_address(address)?;
     let arg = Box::into_raw(Box::new(EpArg { peer, state }));
     let mut p: sys::ucp_ep_params_t = std::mem::zeroed();
     p.field_mask = (sys::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
@@ -565,6 +588,9 @@ unsafe fn connect(
     ) {
         Ok(()) => {
             eps.insert(peer, (ep, arg));
+            if let Some(d) = staging {
+                staged::attach(state, ep, me, peer, &d);
+            }
             Ok(())
         }
         Err(e) => {
@@ -574,7 +600,17 @@ unsafe fn connect(
     }
 }
 
-unsafe fn send(state: *mut State, ep: sys::ucp_ep_h, me: u32, header: Vec<u8>, payload: Bytes) {
+/// Sends one active message `id` to `ep`: this engine's id and `header` in UCX's header, then
+/// `payload`. `staged`: a staging notice's slot and peer (see [`SendOp`]).
+unsafe fn send(
+    state: *mut State,
+    ep: sys::ucp_ep_h,
+    me: u32,
+    id: u32,
+    header: Vec<u8>,
+    payload: Bytes,
+    staged: Option<(usize, u64, u32)>,
+) {
     let mut h = Vec::with_capacity(4 + header.len());
     h.extend_from_slice(&me.to_le_bytes());
     h.extend_from_slice(&header);
@@ -582,6 +618,7 @@ unsafe fn send(state: *mut State, ep: sys::ucp_ep_h, me: u32, header: Vec<u8>, p
         header: h,
         payload,
         state,
+        staged,
     });
     let (hp, hl) = (op.header.as_ptr() as *const c_void, op.header.len());
     let (data, len) = (op.payload.as_ptr() as *const c_void, op.payload.len());
@@ -591,21 +628,14 @@ unsafe fn send(state: *mut State, ep: sys::ucp_ep_h, me: u32, header: Vec<u8>, p
     p.cb.send = Some(on_sent);
     p.user_data = user;
     let ucp = (*state).ucp;
-    let req = (ucp.ucp_am_send_nbx)(
-        ep,
-        AM_ID,
-        hp,
-        hl as sys::size_t,
-        data,
-        len as sys::size_t,
-        &p,
-    );
+    let req = (ucp.ucp_am_send_nbx)(ep, id, hp, hl as sys::size_t, data, len as sys::size_t, &p);
     if req.is_null() {
         // Completed at once: the callback will not run.
         drop(Box::from_raw(user as *mut SendOp));
     } else if ptr_status(req).is_some() {
-        drop(Box::from_raw(user as *mut SendOp));
+        let op = Box::from_raw(user as *mut SendOp);
         (*state).count(|c| c.failed += 1);
+        staged::notice_failed(&*state, op.staged);
     } else {
         (*state).sending += 1;
     }
@@ -617,9 +647,13 @@ unsafe fn send(state: *mut State, ep: sys::ucp_ep_h, me: u32, header: Vec<u8>, p
 unsafe fn fetch_announced(state: *mut State) {
     // While messages wait for loans, those too short for one are still fetched.
     let deferring = (*state).deferring();
+    let hold = (*state).hold_staged;
+    let now = Instant::now();
     let mut i = 0;
-    while let Some(len) = (*state).announced.get(i).map(|a| a.len) {
-        if deferring && len >= LEND_MIN_BYTES {
+    while let Some(a) = (*state).announced.get(i) {
+        let len = a.len;
+        let held = hold && a.source.held_until().is_some_and(|t| now < t);
+        if (deferring && len >= LEND_MIN_BYTES) || held {
             i += 1;
             continue;
         }
@@ -635,11 +669,27 @@ unsafe fn fetch_announced(state: *mut State) {
     }
 }
 
+impl State {
+    /// The earliest end of a staged payload's hold, if any is held; publishes whether one is.
+    fn held_until(&self) -> Option<Instant> {
+        let until = if self.hold_staged {
+            let now = Instant::now();
+            let ends = self.announced.iter().filter_map(|a| a.source.held_until());
+            ends.filter(|&t| now < t).min()
+        } else {
+            None
+        };
+        self.holding.store(until.is_some(), Ordering::Relaxed);
+        until
+    }
+}
+
 /// Opens `loan`, or, when a message it fits was announced and not fetched yet (waiting for
 /// credit, or kept back for a loan), receives that message into it at once.
 unsafe fn lend(state: *mut State, loan: Loan) {
     let st = &mut *state;
     st.batch_open = true;
+    st.hold_staged = true;
     let waiting = st
         .announced
         .iter()
@@ -669,9 +719,21 @@ unsafe fn receive_into(state: *mut State, a: Announced, loan: Option<(u64, usize
     let Announced {
         from,
         header,
-        desc,
+        source,
         len,
     } = a;
+    let desc = match source {
+        Source::Rndv(desc) => desc,
+        Source::Staged {
+            segment,
+            slot,
+            generation,
+            ..
+        } => {
+            let at = staged::RecvAt { from, header, loan };
+            return staged::copy_out(state, at, (&*segment, slot, generation), len);
+        }
+    };
     // Not zeroed: UCX fills all of it, and its length is set only once it has.
     let mut op = Box::new(RecvOp {
         from,
@@ -683,6 +745,7 @@ unsafe fn receive_into(state: *mut State, a: Announced, loan: Option<(u64, usize
         len,
         loan,
         state,
+        crc: None,
     });
     let buf = match loan {
         Some((_, at)) => {
@@ -706,86 +769,5 @@ unsafe fn receive_into(state: *mut State, a: Announced, loan: Option<(u64, usize
         );
     } else if let Some(s) = ptr_status(req) {
         finish_recv(&mut *state, *Box::from_raw(user as *mut RecvOp), s);
-    }
-}
-
-/// Starts closing `ep` (forced: no flush to a peer that may be gone); the close's request, or
-/// `None` if it completed at once.
-unsafe fn start_close(ucp: &sys::Ucp, ep: sys::ucp_ep_h) -> Option<*mut c_void> {
-    let mut p: sys::ucp_request_param_t = std::mem::zeroed();
-    p.op_attr_mask = sys::UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = sys::UCP_EP_CLOSE_FLAG_FORCE;
-    let req = (ucp.ucp_ep_close_nbx)(ep, &p);
-    (!req.is_null() && ptr_status(req).is_none()).then_some(req)
-}
-
-/// Starts closing the endpoints that failed (a later send to that peer counts as failed; a
-/// connect to it makes a new endpoint), and frees the closes that completed.
-unsafe fn close_failed(
-    state: *mut State,
-    eps: &mut HashMap<u32, (sys::ucp_ep_h, *mut EpArg)>,
-    closing: &mut Vec<(*mut c_void, *mut EpArg)>,
-) {
-    let ucp = (*state).ucp;
-    for peer in std::mem::take(&mut (*state).failed) {
-        // Its payloads still waiting for credit will not come: dropped before the endpoint
-        // closes.
-        let announced = std::mem::take(&mut (*state).announced);
-        for a in announced {
-            if a.from == peer {
-                (ucp.ucp_am_data_release)((*state).worker, a.desc);
-            } else {
-                (*state).announced.push_back(a);
-            }
-        }
-        if let Some((ep, arg)) = eps.remove(&peer) {
-            match start_close(ucp, ep) {
-                Some(req) => closing.push((req, arg)),
-                None => drop(Box::from_raw(arg)),
-            }
-        }
-    }
-    closing.retain(|&(req, arg)| {
-        let done = (ucp.ucp_request_check_status)(req) != sys::UCS_INPROGRESS;
-        if done {
-            (ucp.ucp_request_free)(req);
-            drop(Box::from_raw(arg));
-        }
-        !done
-    });
-}
-
-/// Closes every endpoint, progressing until each close (and those of failed endpoints already
-/// under way, `closing`) completes or [`CLOSE_TIMEOUT`].
-unsafe fn close_all(
-    state: *mut State,
-    eps: &mut HashMap<u32, (sys::ucp_ep_h, *mut EpArg)>,
-    closing: Vec<(*mut c_void, *mut EpArg)>,
-) {
-    let (ucp, worker) = ((*state).ucp, (*state).worker);
-    let deadline = Instant::now() + CLOSE_TIMEOUT;
-    let (mut pending, mut args): (Vec<_>, Vec<_>) = closing.into_iter().unzip();
-    for (_, (ep, arg)) in eps.drain() {
-        if let Some(req) = start_close(ucp, ep) {
-            pending.push(req);
-        }
-        args.push(arg);
-    }
-    while !pending.is_empty() && Instant::now() < deadline {
-        (ucp.ucp_worker_progress)(worker);
-        pending.retain(|&r| {
-            let done = (ucp.ucp_request_check_status)(r) != sys::UCS_INPROGRESS;
-            if done {
-                (ucp.ucp_request_free)(r);
-            }
-            !done
-        });
-    }
-    // An error handler may run until its endpoint's close completes: its argument is freed
-    // only then (a close that timed out leaks 16 bytes rather than risk a dangling pointer).
-    if pending.is_empty() {
-        for arg in args {
-            drop(Box::from_raw(arg));
-        }
     }
 }
