@@ -36,8 +36,8 @@ pub fn all_reduce<T: Transport>(
     let me = comm.rank();
     let (mode, eb) = (acc.mode(), acc.elem_bytes());
     let runs = member_runs(map, unit, eb);
-    post_reduce_scatter(comm, map, unit, rs, acc, 0)?;
     let (Some(runs), Some(bytes)) = (runs, acc.le_bytes_mut()) else {
+        post_reduce_scatter(comm, map, unit, rs, acc, 0)?;
         wait_reduce_scatter(comm, map, unit, rs, acc, 0)?;
         let a = &*acc;
         post_owned_with(
@@ -78,10 +78,20 @@ pub fn all_reduce<T: Transport>(
     let mut later = Vec::new();
     // SAFETY: the lent memory (`scratch`'s and the peers' runs of `acc`, borrowed by `gather`
     // until the end) outlives the call, and the body reads a piece of `scratch` only once
-    // `recv_piece` said it landed.
+    // `recv_piece` said it landed. It also reads each peer's run of `acc` (this rank's partial
+    // sums of it) while that run is lent for the peer's sums: a piece of it is read before its
+    // reduce-scatter frame goes, and the peer sends its sums of that piece only once it has
+    // that frame (and every other member's), so the read is over before anything lands there.
     unsafe {
         comm.lent(&loans, |c, any_lent| {
             let deadline = c.deadline();
+            // This rank's partial sums go out once every loan is open: the peers' arrive
+            // meanwhile and land in place (staged payloads do not wait for a late loan).
+            for &(p, _, at, len) in loans[gather_from..].iter().filter(|l| l.3 > 0) {
+                let run = std::slice::from_raw_parts(at, len);
+                c.send_pieces_encoded(&[p], rs, len, |b, out| out.extend_from_slice(&run[b]))?;
+                c.count_elems(0, (len / eb) as u64);
+            }
             // A rank owning nothing of the unit gets no partial sums (`pieces(0)` is one
             // empty piece).
             let mine_pieces = pieces(n).take(if n > 0 { usize::MAX } else { 0 });

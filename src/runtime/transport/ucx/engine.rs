@@ -229,6 +229,7 @@ impl Engine {
             slot: staged.slot,
             generation: staged.generation,
             len: staged.len(),
+            urgent: staged.last,
             header,
         })?;
         staged.handed();

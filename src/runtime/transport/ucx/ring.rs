@@ -69,6 +69,11 @@ impl Slots {
         Some((i, s.generation))
     }
 
+    /// Whether every slot is taken.
+    fn full(&self) -> bool {
+        !self.slot.iter().any(Slot::free)
+    }
+
     /// The rank handed slot `i` to the engine (or gave up on it: `sent` false).
     fn written(&mut self, i: usize, sent: bool) -> bool {
         let s = &mut self.slot[i];
@@ -121,6 +126,8 @@ pub struct Staged<'a> {
     ring: &'a Ring,
     pub slot: usize,
     pub generation: u64,
+    /// It took the last free slot: its receivers should not keep it waiting for a loan.
+    pub last: bool,
     len: usize,
     handed: bool,
 }
@@ -188,6 +195,7 @@ impl Ring {
                     ring: self,
                     slot,
                     generation,
+                    last: st.full(),
                     len,
                     handed: false,
                 });
@@ -235,8 +243,10 @@ mod tests {
         s.peer_ready(2);
         assert_eq!(s.take(&[1, 3]), None, "peer 3 did not attach");
         let (a, ga) = s.take(&[1, 2]).unwrap();
+        assert!(!s.full());
         let (b, gb) = s.take(&[1]).unwrap();
         assert_ne!(a, b);
+        assert!(s.full());
         assert_eq!(s.take(&[1]), None, "both taken");
         // Not free while written, even if every receiver freed it (a stale or forged notice).
         assert!(!s.release(b, gb, 1));

@@ -67,6 +67,8 @@ pub(super) enum Cmd {
         slot: usize,
         generation: u64,
         len: usize,
+        /// The sender has no free slot left: the receivers copy it out at once.
+        urgent: bool,
         header: Vec<u8>,
     },
     /// Withdraws the unmatched loans of `batch` and answers how many there were.
@@ -151,8 +153,9 @@ enum Source {
         segment: Arc<Segment>,
         slot: usize,
         generation: u64,
-        /// When the notice arrived.
-        since: Instant,
+        /// Until when it waits for a loan: its arrival plus [`STAGED_HOLD`], or then for a
+        /// notice marked urgent.
+        hold_until: Instant,
     },
 }
 
@@ -168,7 +171,7 @@ impl Source {
     /// Until when a staged payload waits for a loan.
     fn held_until(&self) -> Option<Instant> {
         match self {
-            Source::Staged { since, .. } => Some(*since + STAGED_HOLD),
+            Source::Staged { hold_until, .. } => Some(*hold_until),
             Source::Rndv(_) => None,
         }
     }
@@ -448,13 +451,19 @@ pub(super) fn run(
                         slot,
                         generation,
                         len,
+                        urgent,
                         header,
                     } => staged::send_notices(
                         state,
                         &eps,
                         cfg.id,
                         &to,
-                        (slot, generation, len),
+                        staged::Notice {
+                            slot,
+                            generation,
+                            len,
+                            urgent,
+                        },
                         &header,
                     ),
                     Cmd::Lend(loan) => lend(state, loan),

@@ -25,8 +25,12 @@ use crate::runtime::transport::ucx::{check, sys, UcxError};
 const NOTICE_ID: u32 = 1;
 const FREED_ID: u32 = 2;
 const ATTACHED_ID: u32 = 3;
-/// A notice's fields before the frame header: slot (u32), generation (u64), length (u64).
-const NOTICE_BYTES: usize = 4 + 8 + 8;
+/// A notice's fields before the frame header: slot (u32), generation (u64), length (u64),
+/// flags (u32: [`URGENT`]).
+const NOTICE_BYTES: usize = 4 + 8 + 8 + 4;
+/// The sender took its last free slot for this payload: copy it out now rather than keep it
+/// waiting for a loan (the sender would wait for a slot meanwhile).
+const URGENT: u32 = 1;
 /// A freed message: slot (u32), generation (u64).
 const FREED_BYTES: usize = 4 + 8;
 /// Bytes copied at a time before their checksum is taken: the block is still in cache.
@@ -125,6 +129,7 @@ unsafe extern "C" fn on_notice(
     };
     let (slot, generation) = (u32_at(h, 0) as usize, u64_at(h, 4));
     let len = u64_at(h, 12);
+    let urgent = u32_at(h, 20) & URGENT != 0;
     let Some(segment) = st.peer_rings.get(&from).cloned() else {
         return refuse(st, param);
     };
@@ -144,7 +149,10 @@ unsafe extern "C" fn on_notice(
             segment,
             slot,
             generation,
-            since: std::time::Instant::now(),
+            hold_until: match urgent {
+                true => std::time::Instant::now(),
+                false => std::time::Instant::now() + super::STAGED_HOLD,
+            },
         },
         len: len as usize,
     });
@@ -215,23 +223,33 @@ pub(super) unsafe fn attach(
     }
 }
 
-/// Sends each of `to` the notice of slot (index, generation, length) holding the frame whose
-/// header is `header`. A notice that cannot go frees that peer's hold on the slot.
+/// What a notice says of a slot.
+pub(super) struct Notice {
+    pub slot: usize,
+    pub generation: u64,
+    pub len: usize,
+    pub urgent: bool,
+}
+
+/// Sends each of `to` the notice `n` of the slot holding the frame whose header is `header`.
+/// A notice that cannot go frees that peer's hold on the slot.
 pub(super) unsafe fn send_notices(
     state: *mut State,
     eps: &HashMap<u32, (sys::ucp_ep_h, *mut EpArg)>,
     me: u32,
     to: &[u32],
-    (slot, generation, len): (usize, u64, usize),
+    n: Notice,
     header: &[u8],
 ) {
+    let flags = if n.urgent { URGENT } else { 0 };
     for &peer in to {
         let mut h = Vec::with_capacity(NOTICE_BYTES + header.len());
-        h.extend_from_slice(&(slot as u32).to_le_bytes());
-        h.extend_from_slice(&generation.to_le_bytes());
-        h.extend_from_slice(&(len as u64).to_le_bytes());
+        h.extend_from_slice(&(n.slot as u32).to_le_bytes());
+        h.extend_from_slice(&n.generation.to_le_bytes());
+        h.extend_from_slice(&(n.len as u64).to_le_bytes());
+        h.extend_from_slice(&flags.to_le_bytes());
         h.extend_from_slice(header);
-        let staged = Some((slot, generation, peer));
+        let staged = Some((n.slot, n.generation, peer));
         match eps.get(&peer) {
             Some(&(ep, _)) => send(state, ep, me, NOTICE_ID, h, Bytes::new(), staged),
             None => {
