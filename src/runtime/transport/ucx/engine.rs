@@ -189,7 +189,11 @@ impl Engine {
         if len < LEND_MIN_BYTES || len > self.max_message_bytes {
             return None;
         }
-        self.ring.as_ref()?.take(to, len)
+        // Receivers keeping its slots while they wait for loans let them go when told.
+        let tell = |holders: Vec<u32>| {
+            let _ = self.submit(Cmd::SendStarved { to: holders });
+        };
+        self.ring.as_ref()?.take(to, len, tell)
     }
 
     /// Whether payloads staged by peers wait for loans now: a consumer about to wait with no
@@ -229,7 +233,6 @@ impl Engine {
             slot: staged.slot,
             generation: staged.generation,
             len: staged.len(),
-            urgent: staged.last,
             header,
         })?;
         staged.handed();

@@ -74,6 +74,16 @@ impl Slots {
         !self.slot.iter().any(Slot::free)
     }
 
+    /// The receivers holding slots.
+    fn holders(&self) -> Vec<u32> {
+        let all: BTreeSet<u32> = self
+            .slot
+            .iter()
+            .flat_map(|s| s.holders.iter().copied())
+            .collect();
+        all.into_iter().collect()
+    }
+
     /// The rank handed slot `i` to the engine (or gave up on it: `sent` false).
     fn written(&mut self, i: usize, sent: bool) -> bool {
         let s = &mut self.slot[i];
@@ -126,8 +136,6 @@ pub struct Staged<'a> {
     ring: &'a Ring,
     pub slot: usize,
     pub generation: u64,
-    /// It took the last free slot: its receivers should not keep it waiting for a loan.
-    pub last: bool,
     len: usize,
     handed: bool,
 }
@@ -183,19 +191,25 @@ impl Ring {
 
     /// A free slot for a `len`-byte payload to every one of `to`, waiting at most
     /// [`SLOT_WAIT`] (not at all while the ring is starved); `None`: send it the other way.
-    pub fn take(&self, to: &[u32], len: usize) -> Option<Staged<'_>> {
+    /// Before it waits, `on_full` gets the receivers holding slots (to tell them).
+    pub fn take(
+        &self,
+        to: &[u32],
+        len: usize,
+        on_full: impl FnOnce(Vec<u32>),
+    ) -> Option<Staged<'_>> {
         if len > self.slot_bytes() {
             return None;
         }
         let mut st = self.lock();
         let deadline = Instant::now() + SLOT_WAIT;
+        let mut on_full = Some(on_full);
         loop {
             if let Some((slot, generation)) = st.take(to) {
                 return Some(Staged {
                     ring: self,
                     slot,
                     generation,
-                    last: st.full(),
                     len,
                     handed: false,
                 });
@@ -205,6 +219,16 @@ impl Ring {
             if st.starved || !ready || left.is_zero() {
                 st.starved |= ready && left.is_zero();
                 return None;
+            }
+            if st.full() {
+                if let Some(tell) = on_full.take() {
+                    // Not under the lock: the engine thread takes it to free slots.
+                    let holders = st.holders();
+                    drop(st);
+                    tell(holders);
+                    st = self.lock();
+                    continue;
+                }
             }
             st = self
                 .freed
@@ -247,6 +271,7 @@ mod tests {
         let (b, gb) = s.take(&[1]).unwrap();
         assert_ne!(a, b);
         assert!(s.full());
+        assert_eq!(s.holders(), vec![1, 2]);
         assert_eq!(s.take(&[1]), None, "both taken");
         // Not free while written, even if every receiver freed it (a stale or forged notice).
         assert!(!s.release(b, gb, 1));

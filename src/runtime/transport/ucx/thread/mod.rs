@@ -67,9 +67,11 @@ pub(super) enum Cmd {
         slot: usize,
         generation: u64,
         len: usize,
-        /// The sender has no free slot left: the receivers copy it out at once.
-        urgent: bool,
         header: Vec<u8>,
+    },
+    /// Tells `to` (holding slots of this engine's ring) that it has none free.
+    SendStarved {
+        to: Vec<u32>,
     },
     /// Withdraws the unmatched loans of `batch` and answers how many there were.
     EndLoans {
@@ -153,8 +155,8 @@ enum Source {
         segment: Arc<Segment>,
         slot: usize,
         generation: u64,
-        /// Until when it waits for a loan: its arrival plus [`STAGED_HOLD`], or then for a
-        /// notice marked urgent.
+        /// Until when it waits for a loan: its arrival plus [`STAGED_HOLD`], or once its
+        /// sender says it has no free slot.
         hold_until: Instant,
     },
 }
@@ -451,7 +453,6 @@ pub(super) fn run(
                         slot,
                         generation,
                         len,
-                        urgent,
                         header,
                     } => staged::send_notices(
                         state,
@@ -462,10 +463,10 @@ pub(super) fn run(
                             slot,
                             generation,
                             len,
-                            urgent,
                         },
                         &header,
                     ),
+                    Cmd::SendStarved { to } => staged::send_starved(state, &eps, cfg.id, &to),
                     Cmd::Lend(loan) => lend(state, loan),
                     Cmd::EndLoans { batch, done } => {
                         let _ = done.send((*state).loans.end(batch));

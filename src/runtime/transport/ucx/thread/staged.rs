@@ -8,6 +8,8 @@
 //!   matches, else when receive credit allows): one copy out of the mapping into the buffer,
 //!   checksummed per block while the block is in cache.
 //! - *freed* (receiver → sender, after the copy): the slot's generation is done with.
+//! - *starved* (sender → the receivers holding its slots): it has no free slot; payloads of
+//!   its that wait here for a loan are copied out now.
 //!
 //! Every field a notice carries is checked against the mapping before use; a payload a peer
 //! changed under us fails the frame's CRC like a damaged one.
@@ -25,12 +27,9 @@ use crate::runtime::transport::ucx::{check, sys, UcxError};
 const NOTICE_ID: u32 = 1;
 const FREED_ID: u32 = 2;
 const ATTACHED_ID: u32 = 3;
-/// A notice's fields before the frame header: slot (u32), generation (u64), length (u64),
-/// flags (u32: [`URGENT`]).
-const NOTICE_BYTES: usize = 4 + 8 + 8 + 4;
-/// The sender took its last free slot for this payload: copy it out now rather than keep it
-/// waiting for a loan (the sender would wait for a slot meanwhile).
-const URGENT: u32 = 1;
+const STARVED_ID: u32 = 4;
+/// A notice's fields before the frame header: slot (u32), generation (u64), length (u64).
+const NOTICE_BYTES: usize = 4 + 8 + 8;
 /// A freed message: slot (u32), generation (u64).
 const FREED_BYTES: usize = 4 + 8;
 /// Bytes copied at a time before their checksum is taken: the block is still in cache.
@@ -51,10 +50,11 @@ pub(super) unsafe fn set_handlers(
     worker: sys::ucp_worker_h,
     state: *mut State,
 ) -> Result<(), UcxError> {
-    let handlers: [(u32, Handler); 3] = [
+    let handlers: [(u32, Handler); 4] = [
         (NOTICE_ID, on_notice),
         (FREED_ID, on_freed),
         (ATTACHED_ID, on_attached),
+        (STARVED_ID, on_starved),
     ];
     for (id, cb) in handlers {
         let mut hp: sys::ucp_am_handler_param_t = std::mem::zeroed();
@@ -129,7 +129,6 @@ unsafe extern "C" fn on_notice(
     };
     let (slot, generation) = (u32_at(h, 0) as usize, u64_at(h, 4));
     let len = u64_at(h, 12);
-    let urgent = u32_at(h, 20) & URGENT != 0;
     let Some(segment) = st.peer_rings.get(&from).cloned() else {
         return refuse(st, param);
     };
@@ -149,10 +148,7 @@ unsafe extern "C" fn on_notice(
             segment,
             slot,
             generation,
-            hold_until: match urgent {
-                true => std::time::Instant::now(),
-                false => std::time::Instant::now() + super::STAGED_HOLD,
-            },
+            hold_until: std::time::Instant::now() + super::STAGED_HOLD,
         },
         len: len as usize,
     });
@@ -204,6 +200,42 @@ unsafe extern "C" fn on_attached(
     }
 }
 
+unsafe extern "C" fn on_starved(
+    arg: *mut c_void,
+    header: *const c_void,
+    header_length: sys::size_t,
+    _data: *mut c_void,
+    length: sys::size_t,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    let st = &mut *(arg as *mut State);
+    let Some((from, _)) = parse(header, header_length, length, 0, 0) else {
+        return refuse(st, param);
+    };
+    // Its payloads waiting for a loan here are copied out now, freeing its slots.
+    let now = std::time::Instant::now();
+    for a in st.announced.iter_mut().filter(|a| a.from == from) {
+        if let Source::Staged { hold_until, .. } = &mut a.source {
+            *hold_until = now;
+        }
+    }
+    sys::UCS_OK
+}
+
+/// Tells each of `to` that this engine's ring has no free slot.
+pub(super) unsafe fn send_starved(
+    state: *mut State,
+    eps: &HashMap<u32, (sys::ucp_ep_h, *mut EpArg)>,
+    me: u32,
+    to: &[u32],
+) {
+    for peer in to {
+        if let Some(&(ep, _)) = eps.get(peer) {
+            send(state, ep, me, STARVED_ID, Vec::new(), Bytes::new(), None);
+        }
+    }
+}
+
 /// Maps `peer`'s segment after its endpoint `ep` opened, and tells it so; a segment that is
 /// not there to map (another host's, or gone) leaves that peer's payloads on UCX's own path.
 pub(super) unsafe fn attach(
@@ -228,7 +260,6 @@ pub(super) struct Notice {
     pub slot: usize,
     pub generation: u64,
     pub len: usize,
-    pub urgent: bool,
 }
 
 /// Sends each of `to` the notice `n` of the slot holding the frame whose header is `header`.
@@ -241,13 +272,11 @@ pub(super) unsafe fn send_notices(
     n: Notice,
     header: &[u8],
 ) {
-    let flags = if n.urgent { URGENT } else { 0 };
     for &peer in to {
         let mut h = Vec::with_capacity(NOTICE_BYTES + header.len());
         h.extend_from_slice(&(n.slot as u32).to_le_bytes());
         h.extend_from_slice(&n.generation.to_le_bytes());
         h.extend_from_slice(&(n.len as u64).to_le_bytes());
-        h.extend_from_slice(&flags.to_le_bytes());
         h.extend_from_slice(header);
         let staged = Some((n.slot, n.generation, peer));
         match eps.get(&peer) {
