@@ -8,8 +8,8 @@ use super::collectives::{
 };
 use super::comm::{place_later, Comm, CommError, Lend};
 use crate::plan::ShardMap;
-use crate::reduce::GradBuf;
-use crate::runtime::transport::{Tag, Transport};
+use crate::reduce::{GradBuf, ReduceMode};
+use crate::runtime::transport::{AddFn, Tag, Transport};
 use crate::wire::frame::pieces;
 
 /// All-reduce of one unit's accumulator `acc` (the unit's full length): afterwards every
@@ -57,22 +57,30 @@ pub fn all_reduce<T: Transport>(
     let (mine, mut gather) = split_runs(bytes, runs, me);
     let peers = others(&map.members, me);
     let n = mine.len();
-    scratch.resize(scratch.len().max(n * peers.len()), 0);
-    // Peers' partial sums of my chunks go to `scratch`, their sums to their runs of `acc`.
+    // Peers' partial sums of my chunks are added into my sums as they arrive where the order
+    // of the additions cannot change them (fixed-point sums, or a single peer's), else they
+    // land in `scratch` and are added in member order; their sums go to their runs of `acc`.
     // One pointer per buffer, taken once; none of them is reborrowed while lent.
+    let adding = matches!(mode, ReduceMode::Exact) || peers.len() == 1;
+    if !adding {
+        scratch.resize(scratch.len().max(n * peers.len()), 0);
+    }
+    let (mine_at, partials) = (mine.as_mut_ptr(), scratch.as_mut_ptr());
     let mut loans: Vec<Lend> = Vec::new();
-    let partials = scratch.as_mut_ptr();
     if n > 0 {
         for (k, &p) in peers.iter().enumerate() {
-            // SAFETY: `scratch` holds `n` bytes for each peer.
-            loans.push((p, rs, unsafe { partials.add(k * n) }, n));
+            loans.push(match adding {
+                true => (p, rs, mine_at, n, Some(addition(mode))),
+                // SAFETY: `scratch` holds `n` bytes for each peer.
+                false => (p, rs, unsafe { partials.add(k * n) }, n, None),
+            });
         }
     }
     let gather_from = loans.len();
     loans.extend(
         gather
             .iter_mut()
-            .map(|(p, d)| (*p, ag, d.as_mut_ptr(), d.len())),
+            .map(|(p, d)| (*p, ag, d.as_mut_ptr(), d.len(), None)),
     );
     let elems = (n / eb) as u64;
     let mut later = Vec::new();
@@ -87,7 +95,7 @@ pub fn all_reduce<T: Transport>(
             let deadline = c.deadline();
             // This rank's partial sums go out once every loan is open: the peers' arrive
             // meanwhile and land in place (staged payloads do not wait for a late loan).
-            for &(p, _, at, len) in loans[gather_from..].iter().filter(|l| l.3 > 0) {
+            for &(p, _, at, len, _) in loans[gather_from..].iter().filter(|l| l.3 > 0) {
                 let run = std::slice::from_raw_parts(at, len);
                 c.send_pieces_encoded(&[p], rs, len, |b, out| out.extend_from_slice(&run[b]))?;
                 c.count_elems(0, (len / eb) as u64);
@@ -96,19 +104,30 @@ pub fn all_reduce<T: Transport>(
             // empty piece).
             let mine_pieces = pieces(n).take(if n > 0 { usize::MAX } else { 0 });
             for (i, r) in mine_pieces.enumerate() {
+                // This piece of my sums, through the pointer lent: the transport may be adding
+                // into later pieces meanwhile.
+                let piece = || std::slice::from_raw_parts_mut(mine_at.add(r.start), r.len());
+                let mut unlent = Vec::new();
                 for (k, &p) in peers.iter().enumerate() {
                     match c.recv_piece(p, rs, i, n, deadline)? {
+                        None if adding => {}
                         None => {
                             let at = loans[k].2.add(r.start);
                             let landed = std::slice::from_raw_parts(at, r.len());
-                            mode.add_encoded_into(&mut mine[r.clone()], landed);
+                            mode.add_encoded_into(piece(), landed);
                         }
-                        Some(b) => mode.add_encoded_into(&mut mine[r.clone()], &b),
+                        Some(b) if adding => unlent.push(b),
+                        Some(b) => mode.add_encoded_into(piece(), &b),
                     }
                 }
-                let sums = &*mine;
-                c.send_encoded(&peers, ag.piece(i as u32), r, |b, out| {
-                    out.extend_from_slice(&sums[b])
+                // Every loan of this piece has landed or was never matched: nothing but this
+                // rank writes it now.
+                for b in unlent {
+                    mode.add_encoded_into(piece(), &b);
+                }
+                let sums: &[u8] = piece();
+                c.send_encoded(&peers, ag.piece(i as u32), r.clone(), |b, out| {
+                    out.extend_from_slice(&sums[b.start - r.start..b.end - r.start])
                 })?;
             }
             if n > 0 {
@@ -120,6 +139,14 @@ pub fn all_reduce<T: Transport>(
     }
     drop(gather);
     Ok(())
+}
+
+/// `mode`'s addition of encoded sums, for a transport to add a payload into lent memory.
+fn addition(mode: ReduceMode) -> AddFn {
+    match mode {
+        ReduceMode::Exact => |d, s| ReduceMode::Exact.add_encoded_into(d, s),
+        ReduceMode::Fast => |d, s| ReduceMode::Fast.add_encoded_into(d, s),
+    }
 }
 
 #[cfg(test)]
@@ -178,6 +205,21 @@ mod tests {
         check_all_reduce(eps, &map);
         let lent: u64 = engines.iter().map(|e| e.counts().lent).sum();
         assert!(lent > 0, "some pieces landed in lent memory");
+        // Staged in shared memory: fixed-point partial sums added in place as they arrive
+        // (any order gives the same sums); with two members, f32 ones too (one peer each).
+        let staged: u64 = engines.iter().map(|e| e.counts().staged).sum();
+        assert!(staged > 0, "payloads went through the staging segments");
+        let Some((engines, eps)) = crate::runtime::transport::ucx::transports_for_tests(2) else {
+            return;
+        };
+        let numel = 2 * (3 * PIECE_BYTES / 8 + 77);
+        let map = ShardMap::plan(&[numel], &[0, 1], numel.div_ceil(2), 0).unwrap();
+        check_all_reduce(eps, &map);
+        assert!(engines.iter().all(|e| e.counts().staged > 0));
+        assert!(
+            engines.iter().all(|e| e.counts().added > 0),
+            "partial sums added in place"
+        );
     }
 
     /// Rank `r`'s addend for element `i`: large terms of both signs beside small ones, so that

@@ -14,12 +14,14 @@ use bytes::Bytes;
 
 use crate::plan::RankId;
 use crate::runtime::transport::{
-    Frame, Tag, TagKind, Transport, TransportError, FRAME_HEADER_BYTES,
+    AddFn, Frame, Tag, TagKind, Transport, TransportError, FRAME_HEADER_BYTES,
 };
 use crate::wire::frame::pieces;
 
-/// Memory lent for one payload: its sender, its tag (piece 0), where it goes and its length.
-pub type Lend = (RankId, Tag, *mut u8, usize);
+/// Memory lent for one payload: its sender, its tag (piece 0), where it goes, its length, and,
+/// for a payload to be added into the memory rather than written there, the addition
+/// ([`Transport::lend`]; the caller adds what did not land itself).
+pub type Lend = (RankId, Tag, *mut u8, usize, Option<AddFn>);
 
 /// Bytes encoded at a time by [`Comm::send_pieces_encoded`] before their checksum is taken: small
 /// enough to be read back from L1/L2 (a 4 MiB piece read again for its checksum comes from
@@ -366,7 +368,7 @@ impl<T: Transport> Comm<T> {
         // buffer is not reborrowed while they are lent.
         let loans: Vec<Lend> = dests
             .iter_mut()
-            .map(|(from, d)| (*from, tag, d.as_mut_ptr(), d.len()))
+            .map(|(from, d)| (*from, tag, d.as_mut_ptr(), d.len(), None))
             .collect();
         let mut later = Vec::new();
         // SAFETY: the buffers (borrowed by `dests` until the end) outlive the call, and
@@ -397,7 +399,8 @@ impl<T: Transport> Comm<T> {
         deadline: Instant,
         later: &mut Vec<(usize, usize, Bytes)>,
     ) -> Result<(), CommError> {
-        for (k, &(from, tag, base, len)) in loans.iter().enumerate() {
+        for (k, &(from, tag, base, len, add)) in loans.iter().enumerate() {
+            debug_assert!(add.is_none(), "pieces that did not land are copied in");
             for (i, r) in pieces(len).enumerate() {
                 match self.recv_piece(from, tag, i, len, deadline)? {
                     None => {}
@@ -428,7 +431,7 @@ impl<T: Transport> Comm<T> {
     ) -> Result<R, CommError> {
         let at_step = (self.epoch, self.step);
         let mut keys = BTreeSet::new();
-        for &(from, tag, base, len) in loans {
+        for &(from, tag, base, len, add) in loans {
             for (i, r) in pieces(len).enumerate() {
                 let t = tag.piece(i as u32);
                 if self.pending.contains_key(&(self.epoch, self.step, from, t)) {
@@ -437,7 +440,7 @@ impl<T: Transport> Comm<T> {
                 // SAFETY: passed on from the caller.
                 if unsafe {
                     self.transport
-                        .lend(from, at_step, t, base.add(r.start), r.len())
+                        .lend(from, at_step, t, (base.add(r.start), r.len()), add)
                 } {
                     keys.insert((from, t));
                 }
@@ -729,7 +732,7 @@ mod tests {
         const LEN: usize = 1 << 20;
         let (lent_body, other) = (Bytes::from(vec![7u8; LEN]), Bytes::from(vec![9u8; LEN]));
         let mut buf = vec![0u8; LEN];
-        let loans = [(0, tag(1), buf.as_mut_ptr(), LEN)];
+        let loans = [(0, tag(1), buf.as_mut_ptr(), LEN, None)];
         // SAFETY: `buf` is not touched until `lent` returns.
         let got = unsafe {
             b.lent(&loans, |b, any_lent| {

@@ -38,6 +38,10 @@ pub enum TransportError {
     UnknownPeer(RankId),
 }
 
+/// Adds encoded values `src` into `dst` (the same length): how a payload lent memory to be
+/// added into meets it ([`Transport::lend`]).
+pub type AddFn = fn(&mut [u8], &[u8]);
+
 /// One rank's endpoint on a network of ranks.
 pub trait Transport: Send + 'static {
     fn rank(&self) -> RankId;
@@ -89,19 +93,23 @@ pub trait Transport: Send + 'static {
     /// Lends `len` bytes at `at` for the payload of the frame `from` sends at (epoch, step)
     /// with `tag`, if it has exactly that length: a transport that can land it there without a
     /// copy does, checks it there, and delivers the frame with an empty payload that
-    /// [`Transport::was_placed`] recognises. `false` (the default): not lent, and the frame
-    /// comes with its payload as usual.
+    /// [`Transport::was_placed`] recognises. With `add`, the payload is added into the memory
+    /// (`add(dst, src)` over consecutive parts of it) instead of written there; loans of the
+    /// same memory are added in the order their frames arrive, so `add` must not depend on
+    /// that order. `false` (the default): not lent, and the frame comes with its payload as
+    /// usual.
     ///
     /// # Safety
     /// The memory must stay valid, and nobody may read or write it, until
-    /// [`Transport::end_loans`] returns.
+    /// [`Transport::end_loans`] returns (or, for a frame that arrived, until then for the
+    /// loans of the same memory still open).
     unsafe fn lend(
         &self,
         _from: RankId,
         _at_step: (u64, u64),
         _tag: Tag,
-        _at: *mut u8,
-        _len: usize,
+        (_at, _len): (*mut u8, usize),
+        _add: Option<AddFn>,
     ) -> bool {
         false
     }

@@ -110,6 +110,8 @@ pub struct EngineCounts {
     pub lent: u64,
     /// Payloads copied out of a peer's staging segment.
     pub staged: u64,
+    /// Of the lent ones, payloads added into the lent memory rather than written there.
+    pub added: u64,
     /// Messages over `max_message_bytes` or with a malformed header, dropped.
     pub refused: u64,
     /// Sends or receives that completed with an error.

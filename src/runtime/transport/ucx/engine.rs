@@ -29,6 +29,7 @@ use super::shm::Segment;
 pub use super::thread::HEADER_MAX_BYTES;
 use super::thread::{run, Cmd, Waker};
 use super::{library, sys, UcxError};
+use crate::runtime::transport::AddFn;
 
 /// A UCP worker on its own thread.
 pub struct Engine {
@@ -241,7 +242,7 @@ impl Engine {
 
     /// Lends `len` bytes at `at` for the next rendezvous message from `from` whose header
     /// starts with `key` and whose payload is `len` bytes (see `lent`): the payload lands
-    /// there, and an [`Inbound::Placed`] says so.
+    /// there (or, with `add`, is added into it), and an [`Inbound::Placed`] says so.
     ///
     /// # Safety
     /// The memory must stay valid, and nobody may read or write it, until
@@ -252,8 +253,8 @@ impl Engine {
         batch: u64,
         from: u32,
         key: Vec<u8>,
-        at: *mut u8,
-        len: usize,
+        (at, len): (*mut u8, usize),
+        add: Option<AddFn>,
     ) -> Result<(), UcxError> {
         self.submit(Cmd::Lend(Loan {
             batch,
@@ -261,6 +262,7 @@ impl Engine {
             key,
             at: at as usize,
             len,
+            add,
         }))
     }
 
@@ -423,7 +425,7 @@ mod tests {
         let mut second = vec![0u8; N];
         // SAFETY: both buffers outlive the loans: batch 1 ends, and its one message is
         // placed, before either is read; batch 2's below likewise.
-        unsafe { b.lend(1, 0, b"one".to_vec(), first.as_mut_ptr(), N) }.unwrap();
+        unsafe { b.lend(1, 0, b"one".to_vec(), (first.as_mut_ptr(), N), None) }.unwrap();
         a.send_with_header(1, b"one+".to_vec(), body(1).into())
             .unwrap();
         let placed = next(&b);
@@ -443,11 +445,11 @@ mod tests {
         assert!(first == body(1));
         // A loan that nothing will match keeps batch 2 open, so the engine keeps the next
         // message back; the loan made for it afterwards still gets it.
-        unsafe { b.lend(2, 0, b"never".to_vec(), first.as_mut_ptr(), N) }.unwrap();
+        unsafe { b.lend(2, 0, b"never".to_vec(), (first.as_mut_ptr(), N), None) }.unwrap();
         a.send_with_header(1, b"two+".to_vec(), body(2).into())
             .unwrap();
         std::thread::sleep(Duration::from_millis(100));
-        unsafe { b.lend(2, 0, b"two".to_vec(), second.as_mut_ptr(), N) }.unwrap();
+        unsafe { b.lend(2, 0, b"two".to_vec(), (second.as_mut_ptr(), N), None) }.unwrap();
         assert!(matches!(
             next(&b),
             Inbound::Placed {

@@ -18,13 +18,15 @@ pub const LEND_MIN_BYTES: usize = 64 << 10;
 
 /// One lent buffer: `len` bytes at address `at`, for the next rendezvous message from engine
 /// `from` whose header starts with `key` and whose payload is exactly `len` bytes.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Loan {
     pub batch: u64,
     pub from: u32,
     pub key: Vec<u8>,
     pub at: usize,
     pub len: usize,
+    /// Added into the memory rather than written there.
+    pub add: Option<crate::runtime::transport::AddFn>,
 }
 
 impl Loan {
@@ -94,6 +96,7 @@ mod tests {
             key: key.to_vec(),
             at,
             len,
+            add: None,
         }
     }
 
@@ -104,17 +107,16 @@ mod tests {
         assert!(t.lend(loan(1, 0, b"head-b", 200, 64)));
         assert!(t.lend(loan(1, 2, b"head-a", 300, 64)));
         // Wrong sender, wrong length, a header that does not start with the key.
-        assert_eq!(t.take_match(1, b"head-a+sum", 64), None);
-        assert_eq!(t.take_match(0, b"head-a+sum", 65), None);
-        assert_eq!(t.take_match(0, b"head-c+sum", 64), None);
-        assert_eq!(
-            t.take_match(0, b"head", 64),
-            None,
+        assert!(t.take_match(1, b"head-a+sum", 64).is_none());
+        assert!(t.take_match(0, b"head-a+sum", 65).is_none());
+        assert!(t.take_match(0, b"head-c+sum", 64).is_none());
+        assert!(
+            t.take_match(0, b"head", 64).is_none(),
             "a header shorter than the key"
         );
         assert_eq!(t.take_match(0, b"head-b+sum", 64).map(|l| l.at), Some(200));
         // Taken: the same message again finds nothing.
-        assert_eq!(t.take_match(0, b"head-b+sum", 64), None);
+        assert!(t.take_match(0, b"head-b+sum", 64).is_none());
         assert_eq!(t.take_match(2, b"head-a+sum", 64).map(|l| l.at), Some(300));
         assert_eq!(t.len(), 1);
     }

@@ -10,7 +10,7 @@ use super::transport::UcxPlane;
 use super::UcxError;
 use crate::plan::RankId;
 use crate::runtime::transport::tcp::TcpTransport;
-use crate::runtime::transport::{Frame, Tag, Transport, TransportError};
+use crate::runtime::transport::{AddFn, Frame, Tag, Transport, TransportError};
 use crate::wire::WireStats;
 
 /// TCP to every peer not reached over UCX.
@@ -176,11 +176,12 @@ impl Transport for MixedTransport {
         from: RankId,
         at_step: (u64, u64),
         tag: Tag,
-        at: *mut u8,
-        len: usize,
+        memory: (*mut u8, usize),
+        add: Option<AddFn>,
     ) -> bool {
         // SAFETY: the trait's contract is the plane's. Peers over TCP get no loans.
-        self.routes.contains(from) && unsafe { self.routes.ucx.lend(from, at_step, tag, at, len) }
+        self.routes.contains(from)
+            && unsafe { self.routes.ucx.lend(from, at_step, tag, memory, add) }
     }
 
     fn end_loans(&self) {

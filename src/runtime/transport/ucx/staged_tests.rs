@@ -119,7 +119,7 @@ fn a_staged_payload_lands_in_its_loan_and_damage_is_caught() {
     let mut buf = vec![0u8; N];
     let f = test_frame(3, 0, 1, Bytes::new());
     // SAFETY (each loan below): `buf` is not touched until `end_loans` returns.
-    assert!(unsafe { t[1].lend(0, (f.epoch, f.step), f.tag, buf.as_mut_ptr(), N) });
+    assert!(unsafe { t[1].lend(0, (f.epoch, f.step), f.tag, (buf.as_mut_ptr(), N), None) });
     stage(&t[0], &[1], &f, &body(1, N), 0);
     let got = t[1].recv_timeout(10_000).unwrap();
     assert!(got.payload.is_empty() && t[1].was_placed(&got));
@@ -130,7 +130,7 @@ fn a_staged_payload_lands_in_its_loan_and_damage_is_caught() {
     // A payload that does not match the checksum its notice carries: counted, never placed,
     // and its slot is freed all the same.
     let f = test_frame(3, 0, 2, Bytes::new());
-    assert!(unsafe { t[1].lend(0, (f.epoch, f.step), f.tag, buf.as_mut_ptr(), N) });
+    assert!(unsafe { t[1].lend(0, (f.epoch, f.step), f.tag, (buf.as_mut_ptr(), N), None) });
     stage(&t[0], &[1], &f, &body(2, N), 1);
     assert!(matches!(
         t[1].recv_timeout(500),
@@ -246,4 +246,82 @@ fn an_engine_without_staging_sends_through_ucx() {
     );
     assert_eq!(t[0].recv_timeout(10_000).unwrap().payload, body(1, 1 << 20));
     assert_eq!(engines[0].counts().staged, 1);
+}
+
+/// Bytes added with wrapping: an addition whose order does not matter.
+fn add_bytes(dst: &mut [u8], src: &[u8]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = d.wrapping_add(*s);
+    }
+}
+
+/// Memory lent to add into receives the sum of what was there and the payload, whether the
+/// payload was staged (added straight from the sender's slot) or came by rendezvous (received
+/// whole, then added); both are checked as any other frame.
+#[test]
+fn a_payload_lent_to_add_is_added_whichever_way_it_came() {
+    if !super::super::available_for_tests() {
+        return;
+    }
+    // Engine 0 stages nothing: what it sends goes by rendezvous.
+    let cfg = |r| EngineConfig {
+        staging_slots: if r == 0 { 0 } else { 4 },
+        ..EngineConfig::shared_memory(r)
+    };
+    let engines: Vec<Arc<Engine>> = (0..2)
+        .map(|r| Arc::new(Engine::start(cfg(r)).unwrap()))
+        .collect();
+    let peers: BTreeMap<RankId, Vec<u8>> = engines
+        .iter()
+        .map(|e| (e.id(), e.address().to_vec()))
+        .collect();
+    let mut t: Vec<UcxTransport> = engines
+        .iter()
+        .map(|e| UcxTransport::connect(e.id(), Arc::clone(e), &peers, 64 << 20).unwrap())
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !engines[1].stages_to(0) {
+        assert!(
+            Instant::now() < deadline,
+            "rank 0 never mapped rank 1's segment"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    const N: usize = 3 << 20;
+    let want = |k: usize| -> Vec<u8> {
+        body(100, N)
+            .iter()
+            .zip(body(k, N))
+            .map(|(a, b)| a.wrapping_add(b))
+            .collect()
+    };
+    for (k, (from, to)) in [(0usize, 1usize), (1, 0)].into_iter().enumerate() {
+        let mut buf = body(100, N);
+        let f = test_frame(3, from as RankId, 1, Bytes::new());
+        // SAFETY: `buf` is not touched until `end_loans` returns.
+        let lent = unsafe {
+            t[to].lend(
+                from as RankId,
+                (f.epoch, f.step),
+                f.tag,
+                (buf.as_mut_ptr(), N),
+                Some(add_bytes),
+            )
+        };
+        assert!(lent);
+        if from == 0 {
+            t[0].send(1, test_frame(3, 0, 1, body(k, N))).unwrap();
+        } else {
+            stage(&t[1], &[0], &f, &body(k, N), 0);
+        }
+        let got = t[to].recv_timeout(10_000).unwrap();
+        assert!(
+            got.payload.is_empty() && t[to].was_placed(&got),
+            "rank {to}"
+        );
+        t[to].end_loans();
+        assert!(buf == want(k), "rank {to}: the payload was added");
+        let c = engines[to].counts();
+        assert_eq!((c.added, c.staged), (1, from as u64), "rank {to}");
+    }
 }

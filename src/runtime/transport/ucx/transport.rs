@@ -39,7 +39,7 @@ use super::lending::{LendState, Lending, LOANS_DRAIN_MAX};
 use super::lent::{LEND_MIN_BYTES, LOANS_MAX};
 use super::UcxError;
 use crate::plan::RankId;
-use crate::runtime::transport::{recv_inbox, Frame, Tag, Transport, TransportError};
+use crate::runtime::transport::{recv_inbox, AddFn, Frame, Tag, Transport, TransportError};
 use crate::wire::{
     check_split_in_place, decode_split, encode_split_summed, frame_around, frame_head, WireMsg,
     WireStats,
@@ -122,7 +122,8 @@ impl UcxPlane {
     /// Lends `len` bytes at `at` for the payload of the frame (epoch, step, `from`, `tag`) of
     /// exactly that length; `false` (nothing lent) for a payload too small to be worth it, a
     /// frame from this rank, or a full batch. The frame then arrives with an empty payload
-    /// that [`UcxPlane::was_placed`] recognises, unless it came before the loan.
+    /// that [`UcxPlane::was_placed`] recognises, unless it came before the loan. With `add`,
+    /// the payload is added into the memory instead ([`Transport::lend`]).
     ///
     /// # Safety
     /// The memory must stay valid, and nobody may read or write it, until
@@ -132,8 +133,8 @@ impl UcxPlane {
         from: RankId,
         (epoch, step): (u64, u64),
         tag: Tag,
-        at: *mut u8,
-        len: usize,
+        (at, len): (*mut u8, usize),
+        add: Option<AddFn>,
     ) -> bool {
         if from == self.rank || len < LEND_MIN_BYTES {
             return false;
@@ -144,7 +145,7 @@ impl UcxPlane {
         }
         let key = frame_head(epoch, step, from, tag, len);
         // SAFETY: passed on from the caller.
-        if unsafe { self.engine.lend(st.batch, from, key, at, len) }.is_err() {
+        if unsafe { self.engine.lend(st.batch, from, key, (at, len), add) }.is_err() {
             return false;
         }
         st.opened += 1;
@@ -563,11 +564,11 @@ impl Transport for UcxTransport {
         from: RankId,
         at_step: (u64, u64),
         tag: Tag,
-        at: *mut u8,
-        len: usize,
+        memory: (*mut u8, usize),
+        add: Option<AddFn>,
     ) -> bool {
         // SAFETY: the trait's contract is the plane's.
-        unsafe { self.plane.lend(from, at_step, tag, at, len) }
+        unsafe { self.plane.lend(from, at_step, tag, memory, add) }
     }
 
     fn end_loans(&self) {

@@ -120,7 +120,7 @@ fn a_lent_payload_lands_in_place_and_is_checked_there() {
     let f = frame(0, 1, body(1));
     let at_step = (f.epoch, f.step);
     // SAFETY (each loan below): `buf` is not touched until `end_loans` returns.
-    assert!(unsafe { t[1].lend(0, at_step, f.tag, buf.as_mut_ptr(), N) });
+    assert!(unsafe { t[1].lend(0, at_step, f.tag, (buf.as_mut_ptr(), N), None) });
     t[0].send(1, f.clone()).unwrap();
     let got = t[1].recv_timeout(10_000).unwrap();
     assert_eq!((got.from, got.tag, got.payload.len()), (0, f.tag, 0));
@@ -138,7 +138,7 @@ fn a_lent_payload_lands_in_place_and_is_checked_there() {
     let (around, payload) = encode_split(&WireMsg::Frame(f.clone()));
     let mut damaged = payload.to_vec();
     damaged[N / 2] ^= 0x10;
-    assert!(unsafe { t[1].lend(0, at_step, f.tag, buf.as_mut_ptr(), N) });
+    assert!(unsafe { t[1].lend(0, at_step, f.tag, (buf.as_mut_ptr(), N), None) });
     t[0].plane
         .engine
         .send_with_header(1, around, damaged.into())
@@ -157,14 +157,14 @@ fn a_lent_payload_lands_in_place_and_is_checked_there() {
     while t[1].plane.held_bytes() < N && std::time::Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
     }
-    assert!(unsafe { t[1].lend(0, at_step, f.tag, buf.as_mut_ptr(), N) });
+    assert!(unsafe { t[1].lend(0, at_step, f.tag, (buf.as_mut_ptr(), N), None) });
     let got = t[1].recv_timeout(10_000).unwrap();
     assert!(!t[1].was_placed(&got));
     assert_eq!(got.payload, Bytes::from(body(3)));
     t[1].end_loans();
     // Below the size worth a loan, or from itself: not lent.
-    let small = unsafe { t[1].lend(0, at_step, f.tag, buf.as_mut_ptr(), 100) };
-    let own = unsafe { t[1].lend(1, at_step, f.tag, buf.as_mut_ptr(), N) };
+    let small = unsafe { t[1].lend(0, at_step, f.tag, (buf.as_mut_ptr(), 100), None) };
+    let own = unsafe { t[1].lend(1, at_step, f.tag, (buf.as_mut_ptr(), N), None) };
     assert!(!small && !own);
     t[1].end_loans();
     assert_eq!(t[1].plane.held_bytes(), 0);

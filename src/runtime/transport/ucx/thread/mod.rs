@@ -22,6 +22,7 @@ use super::pool::Pool;
 use super::ring::Ring;
 use super::shm::Segment;
 use super::{check, status_text, sys, UcxError};
+use crate::runtime::transport::AddFn;
 use close::{close_all, close_failed};
 use open::{open, worker_address};
 
@@ -190,6 +191,15 @@ struct SendOp {
     staged: Option<(usize, u64, u32)>,
 }
 
+/// Where a lent payload goes: the loan's batch, the lent address, and, for a payload added
+/// there, the addition.
+#[derive(Clone, Copy)]
+struct LoanAt {
+    batch: u64,
+    at: usize,
+    add: Option<AddFn>,
+}
+
 /// A rendezvous receive in flight.
 struct RecvOp {
     from: u32,
@@ -197,8 +207,8 @@ struct RecvOp {
     /// Allocated for `len` bytes, empty until the receive completes (empty for a loan).
     buf: Vec<u8>,
     len: usize,
-    /// Into a lent buffer instead: its batch and address.
-    loan: Option<(u64, usize)>,
+    /// Into a lent buffer instead.
+    loan: Option<LoanAt>,
     state: *mut State,
     /// The payload's CRC-32, when it was taken while copying it.
     crc: Option<u32>,
@@ -287,11 +297,24 @@ unsafe extern "C" fn on_received(
     (st.ucp.ucp_request_free)(request);
 }
 
-fn finish_recv(st: &mut State, op: RecvOp, status: sys::ucs_status_t) {
-    if let Some((batch, at)) = op.loan {
+fn finish_recv(st: &mut State, mut op: RecvOp, status: sys::ucs_status_t) {
+    if let Some(LoanAt { batch, at, add }) = op.loan {
         let ok = status == sys::UCS_OK;
         if !ok {
             st.count(|c| c.failed += 1);
+        }
+        if let (Some(add), None, true) = (add, op.crc, ok) {
+            // A rendezvous payload for memory it is added into landed in a buffer first.
+            st.count(|c| c.added += 1);
+            let mut buf = std::mem::take(&mut op.buf);
+            // SAFETY: UCX wrote all `len` bytes (the receive completed OK); the lent memory
+            // holds `len` bytes that only this thread touches until the loan is settled.
+            unsafe {
+                buf.set_len(op.len);
+                let dst = std::slice::from_raw_parts_mut(at as *mut u8, op.len);
+                op.crc = Some(staged::add_summed(add, dst, &buf));
+            }
+            drop(st.pool.wrap(buf));
         }
         st.received.push_back(Inbound::Placed {
             from: op.from,
@@ -719,13 +742,18 @@ unsafe fn lend(state: *mut State, loan: Loan) {
 /// without receive credit (the memory is the consumer's own).
 unsafe fn place_lent(state: *mut State) {
     while let Some((a, loan)) = (*state).to_place.pop_front() {
-        receive_into(state, a, Some((loan.batch, loan.at)));
+        let at = LoanAt {
+            batch: loan.batch,
+            at: loan.at,
+            add: loan.add,
+        };
+        receive_into(state, a, Some(at));
     }
 }
 
 /// Starts the receive of the announced message `a`: into the lent memory of `loan` (its batch
 /// and address), or into a pooled buffer of its length.
-unsafe fn receive_into(state: *mut State, a: Announced, loan: Option<(u64, usize)>) {
+unsafe fn receive_into(state: *mut State, a: Announced, loan: Option<LoanAt>) {
     let Announced {
         from,
         header,
@@ -749,8 +777,9 @@ unsafe fn receive_into(state: *mut State, a: Announced, loan: Option<(u64, usize
         from,
         header,
         buf: match loan {
-            Some(_) => Vec::new(),
-            None => (*state).pool.take(len),
+            Some(LoanAt { add: None, .. }) => Vec::new(),
+            // Received whole, then added (by `finish_recv`).
+            Some(LoanAt { add: Some(_), .. }) | None => (*state).pool.take(len),
         },
         len,
         loan,
@@ -758,9 +787,13 @@ unsafe fn receive_into(state: *mut State, a: Announced, loan: Option<(u64, usize
         crc: None,
     });
     let buf = match loan {
-        Some((_, at)) => {
+        Some(LoanAt { at, add: None, .. }) => {
             (*state).count(|c| c.lent += 1);
             at as *mut c_void
+        }
+        Some(LoanAt { add: Some(_), .. }) => {
+            (*state).count(|c| c.lent += 1);
+            op.buf.as_mut_ptr() as *mut c_void
         }
         None => op.buf.as_mut_ptr() as *mut c_void,
     };

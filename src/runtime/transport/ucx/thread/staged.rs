@@ -20,9 +20,10 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use super::{finish_recv, send, Announced, EpArg, RecvOp, Source, State, HEADER_MAX_BYTES};
+use super::{finish_recv, send, Announced, EpArg, LoanAt, RecvOp, Source, State, HEADER_MAX_BYTES};
 use crate::runtime::transport::ucx::shm::{Descriptor, Segment};
 use crate::runtime::transport::ucx::{check, sys, UcxError};
+use crate::runtime::transport::AddFn;
 
 const NOTICE_ID: u32 = 1;
 const FREED_ID: u32 = 2;
@@ -318,11 +319,12 @@ pub(super) unsafe fn send_frees(
 pub(super) struct RecvAt {
     pub from: u32,
     pub header: Vec<u8>,
-    pub loan: Option<(u64, usize)>,
+    pub loan: Option<LoanAt>,
 }
 
-/// Copies a `len`-byte payload out of slot (`segment`, index, generation) into the loan or a
-/// pooled buffer, checksumming it as it goes, and queues the slot's "freed".
+/// Copies a `len`-byte payload out of slot (`segment`, index, generation) into the loan (or
+/// adds it there) or into a pooled buffer, checksumming it as it goes, and queues the slot's
+/// "freed".
 pub(super) unsafe fn copy_out(
     state: *mut State,
     at: RecvAt,
@@ -331,18 +333,36 @@ pub(super) unsafe fn copy_out(
 ) {
     let st = &mut *state;
     let mut buf = Vec::new();
-    let dst = match at.loan {
-        Some((_, a)) => {
+    // The notice's length was checked against the slot's size when it arrived.
+    let src = segment.slot(slot);
+    let crc = match at.loan {
+        Some(LoanAt { at, add, .. }) => {
             st.count(|c| c.lent += 1);
-            a as *mut u8
+            match add {
+                None => copy_summed(src, at as *mut u8, len),
+                Some(add) => {
+                    st.count(|c| c.added += 1);
+                    // Each block is taken out of the mapping before it is summed and added,
+                    // so what is added is what was checked.
+                    let dst = std::slice::from_raw_parts_mut(at as *mut u8, len);
+                    let mut block = vec![0u8; COPY_BLOCK_BYTES.min(len)];
+                    let mut sum = crc32fast::Hasher::new();
+                    for (k, d) in dst.chunks_mut(COPY_BLOCK_BYTES).enumerate() {
+                        let b = &mut block[..d.len()];
+                        let from = src.add(k * COPY_BLOCK_BYTES);
+                        std::ptr::copy_nonoverlapping(from, b.as_mut_ptr(), b.len());
+                        sum.update(b);
+                        add(d, b);
+                    }
+                    sum.finalize()
+                }
+            }
         }
         None => {
             buf = st.pool.take(len);
-            buf.as_mut_ptr()
+            copy_summed(src, buf.as_mut_ptr(), len)
         }
     };
-    // The notice's length was checked against the slot's size when it arrived.
-    let crc = copy_summed(segment.slot(slot), dst, len);
     st.to_free.push((at.from, slot, generation));
     st.count(|c| c.staged += 1);
     let op = RecvOp {
@@ -355,6 +375,20 @@ pub(super) unsafe fn copy_out(
         crc: Some(crc),
     };
     finish_recv(st, op, sys::UCS_OK);
+}
+
+/// Adds `src` into `dst` (the same length) with `add` a block at a time, taking the CRC-32 of
+/// each block of `src` while it is in cache.
+pub(super) fn add_summed(add: AddFn, dst: &mut [u8], src: &[u8]) -> u32 {
+    let mut sum = crc32fast::Hasher::new();
+    for (d, s) in dst
+        .chunks_mut(COPY_BLOCK_BYTES)
+        .zip(src.chunks(COPY_BLOCK_BYTES))
+    {
+        sum.update(s);
+        add(d, s);
+    }
+    sum.finalize()
 }
 
 /// Copies `len` bytes from `src` to `dst` a block at a time, taking the CRC-32 of each block
