@@ -23,7 +23,8 @@ use crate::wire::frame::pieces;
 /// run, both halves land in place where the transport can (UCX): the peers' partial sums in
 /// `scratch` (grown to (members − 1) × this rank's bytes, kept by the caller for the next
 /// call), the peers' sums straight in `acc`. Otherwise the two halves run one after the other.
-/// `tags`: the reduce-scatter's and the gather's.
+/// `tags`: the reduce-scatter's and the gather's. On an error `acc` holds an unspecified mix
+/// of partial and total sums (partial sums may have been added in place).
 pub fn all_reduce<T: Transport>(
     comm: &mut Comm<T>,
     map: &ShardMap,
