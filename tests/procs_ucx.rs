@@ -34,8 +34,10 @@ fn launch_ucx(nprocs: u32, flags: &[String]) -> (i32, String, String) {
         .args(flags))
 }
 
-/// Every worker reached every other over UCX and received frames that way.
-fn assert_all_over_ucx(out: &str, nprocs: u32) {
+/// Every worker reached every other over UCX and received frames that way; how many payloads
+/// each copied out of its peers' staging slots.
+fn assert_all_over_ucx(out: &str, nprocs: u32) -> Vec<u64> {
+    let mut staged = Vec::new();
     for r in 0..nprocs {
         let line = out
             .lines()
@@ -55,7 +57,14 @@ fn assert_all_over_ucx(out: &str, nprocs: u32) {
             .and_then(|(n, _)| n.parse().ok())
             .unwrap_or_else(|| panic!("a frame count: {line}"));
         assert!(frames > 0, "{line}");
+        staged.push(
+            line.split_once(" MiB received, ")
+                .and_then(|(_, rest)| rest.split_once(" payloads from peers' staging slots"))
+                .and_then(|(n, _)| n.parse().ok())
+                .unwrap_or_else(|| panic!("a staged count: {line}")),
+        );
     }
+    staged
 }
 
 #[test]
@@ -72,6 +81,24 @@ fn launch_over_ucx_gives_the_in_process_digest_at_2_and_3_processes() {
         assert_eq!(digest(&out), Some(reference), "{case}: {out}");
         assert_all_over_ucx(&out, nprocs);
     }
+}
+
+/// Payloads of 64 KiB and more go through the senders' shared-memory staging slots, mapped
+/// across processes (the tiny models above send none that large), with the same digest.
+#[test]
+fn launch_over_ucx_stages_large_payloads_with_the_in_process_digest() {
+    if !available() {
+        return;
+    }
+    let mut flags = small("gpt", 3);
+    let at = flags.iter().position(|f| f == "--d-model").unwrap() + 1;
+    flags[at] = "256".into();
+    let reference = reference_digest(2, &flags);
+    let (code, out, err) = launch_ucx(2, &flags);
+    assert_eq!(code, 0, "{out}\n{err}");
+    assert_eq!(digest(&out), Some(reference), "{out}");
+    let staged = assert_all_over_ucx(&out, 2);
+    assert!(staged.iter().all(|&n| n > 0), "{staged:?}: {out}");
 }
 
 /// The collectives benchmark over UCX (payloads lent into the receivers' buffers, in pieces,

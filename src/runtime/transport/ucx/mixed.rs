@@ -45,10 +45,11 @@ impl UcxRoutes {
         let peers: Vec<String> = self.lock().iter().map(|r| r.to_string()).collect();
         let got = self.ucx.received();
         format!(
-            "ucx to ranks [{}] ({} frames, {:.1} MiB received), tls tcp to the others",
+            "ucx to ranks [{}] ({} frames, {:.1} MiB received, {} payloads from peers' staging slots), tls tcp to the others",
             peers.join(", "),
             got.frames.load(std::sync::atomic::Ordering::Relaxed),
-            got.bytes.load(std::sync::atomic::Ordering::Relaxed) as f64 / (1 << 20) as f64
+            got.bytes.load(std::sync::atomic::Ordering::Relaxed) as f64 / (1 << 20) as f64,
+            self.ucx.engine_counts().staged,
         )
     }
 

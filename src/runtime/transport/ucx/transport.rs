@@ -259,6 +259,11 @@ impl UcxPlane {
         &self.received
     }
 
+    /// The engine's counters (staged, lent, refused, failed).
+    pub fn engine_counts(&self) -> super::engine::EngineCounts {
+        self.engine.counts()
+    }
+
     /// This side's worker address, for peers to connect with.
     pub fn engine_address(&self) -> &[u8] {
         self.engine.address()
