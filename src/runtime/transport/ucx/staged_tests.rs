@@ -325,3 +325,53 @@ fn a_payload_lent_to_add_is_added_whichever_way_it_came() {
         assert_eq!((c.added, c.staged), (1, from as u64), "rank {to}");
     }
 }
+
+/// A receiver that stops reading holds the sender's slots, and the sender's frames then go by
+/// UCX's rendezvous; once it reads again the slots come back. (A receiver that dies gives them
+/// back when UCX reports its endpoint failed: `ring`'s tests, and the kill -9 tests over UCX.)
+#[test]
+fn a_receiver_that_stops_reading_holds_slots_until_it_reads() {
+    if !super::super::available_for_tests() {
+        return;
+    }
+    // Rank 1 takes one payload beyond its 1-byte credit, then nothing until it reads.
+    let cfg = |r| EngineConfig {
+        inbox_bytes_max: (r == 1).then_some(1),
+        ..EngineConfig::shared_memory(r)
+    };
+    let engines: Vec<Arc<Engine>> = (0..3)
+        .map(|r| Arc::new(Engine::start(cfg(r)).unwrap()))
+        .collect();
+    let peers: BTreeMap<RankId, Vec<u8>> = engines
+        .iter()
+        .map(|e| (e.id(), e.address().to_vec()))
+        .collect();
+    let mut t: Vec<UcxTransport> = engines
+        .iter()
+        .map(|e| UcxTransport::connect(e.id(), Arc::clone(e), &peers, 64 << 20).unwrap())
+        .collect();
+    wait_attached(&engines);
+    const MIB: usize = 1 << 20;
+    let f = |unit| test_frame(3, 0, unit, Bytes::new());
+    // One payload copied out, four held in their slots: the ring is full.
+    for k in 0..5 {
+        stage(&t[0], &[1], &f(k), &body(k as usize, MIB), 0);
+    }
+    let mut never = |dst: &mut [u8]| -> u32 { panic!("wrote {} bytes", dst.len()) };
+    assert!(!t[0]
+        .send_to_each_staged(&[2], &f(9), MIB, &mut never)
+        .unwrap());
+    // Its frames still go, through UCX's rendezvous.
+    t[0].send(2, test_frame(3, 0, 10, body(10, MIB))).unwrap();
+    assert_eq!(t[2].recv_timeout(10_000).unwrap().payload, body(10, MIB));
+    assert_eq!(engines[2].counts().staged, 0);
+    // Rank 1 reads: its credit comes back, its engine copies the rest out and frees them.
+    let mut units: Vec<u32> = (0..5)
+        .map(|_| t[1].recv_timeout(10_000).unwrap().tag.unit)
+        .collect();
+    units.sort_unstable();
+    assert_eq!(units, vec![0, 1, 2, 3, 4]);
+    stage(&t[0], &[2], &f(11), &body(11, MIB), 0);
+    assert_eq!(t[2].recv_timeout(10_000).unwrap().payload, body(11, MIB));
+    assert_eq!(engines[2].counts().staged, 1);
+}
