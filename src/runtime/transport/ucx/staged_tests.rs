@@ -56,6 +56,27 @@ fn stage(t: &UcxTransport, to: &[RankId], f: &Frame, payload: &[u8], crc_xor: u3
     }
 }
 
+/// `n` engines made with `cfg(rank)` and a `UcxTransport` on each, connected to all, taking
+/// frames of at most `max_frame(rank)` bytes.
+fn transports_with(
+    n: u32,
+    cfg: impl Fn(u32) -> EngineConfig,
+    max_frame: impl Fn(u32) -> u32,
+) -> (Vec<Arc<Engine>>, Vec<UcxTransport>) {
+    let engines: Vec<Arc<Engine>> = (0..n)
+        .map(|r| Arc::new(Engine::start(cfg(r)).unwrap()))
+        .collect();
+    let peers: BTreeMap<RankId, Vec<u8>> = engines
+        .iter()
+        .map(|e| (e.id(), e.address().to_vec()))
+        .collect();
+    let t = engines
+        .iter()
+        .map(|e| UcxTransport::connect(e.id(), Arc::clone(e), &peers, max_frame(e.id())).unwrap())
+        .collect();
+    (engines, t)
+}
+
 #[test]
 fn staged_payloads_reach_every_receiver_and_the_slots_are_reused() {
     let Some((engines, mut t)) = transports_for_tests(3) else {
@@ -168,19 +189,9 @@ fn a_staged_frame_over_the_receivers_limit_is_counted_and_dropped() {
     if !super::super::available_for_tests() {
         return;
     }
-    let engines: Vec<Arc<Engine>> = (0..2)
-        .map(|r| Arc::new(Engine::start(EngineConfig::shared_memory(r)).unwrap()))
-        .collect();
-    let peers: BTreeMap<RankId, Vec<u8>> = engines
-        .iter()
-        .map(|e| (e.id(), e.address().to_vec()))
-        .collect();
     // The receiver takes frames of at most 1 MiB.
-    let mut t: Vec<UcxTransport> = engines
-        .iter()
-        .zip([64 << 20, 1 << 20])
-        .map(|(e, max)| UcxTransport::connect(e.id(), Arc::clone(e), &peers, max).unwrap())
-        .collect();
+    let max_frame = |r| if r == 1 { 1 << 20 } else { 64 << 20 };
+    let (engines, mut t) = transports_with(2, EngineConfig::shared_memory, max_frame);
     wait_attached(&engines);
     stage(
         &t[0],
@@ -202,26 +213,14 @@ fn a_staged_frame_over_the_receivers_limit_is_counted_and_dropped() {
     assert_eq!(t[1].plane.held_bytes(), 0);
 }
 
-#[test]
-fn an_engine_without_staging_sends_through_ucx() {
-    if !super::super::available_for_tests() {
-        return;
-    }
+/// Two engines, rank 0's without a staging segment (what it sends goes by rendezvous), once
+/// rank 0 has mapped rank 1's.
+fn one_without_staging() -> (Vec<Arc<Engine>>, Vec<UcxTransport>) {
     let cfg = |r| EngineConfig {
         staging_slots: if r == 0 { 0 } else { 4 },
         ..EngineConfig::shared_memory(r)
     };
-    let engines: Vec<Arc<Engine>> = (0..2)
-        .map(|r| Arc::new(Engine::start(cfg(r)).unwrap()))
-        .collect();
-    let peers: BTreeMap<RankId, Vec<u8>> = engines
-        .iter()
-        .map(|e| (e.id(), e.address().to_vec()))
-        .collect();
-    let mut t: Vec<UcxTransport> = engines
-        .iter()
-        .map(|e| UcxTransport::connect(e.id(), Arc::clone(e), &peers, 64 << 20).unwrap())
-        .collect();
+    let (engines, t) = transports_with(2, cfg, |_| 64 << 20);
     let deadline = Instant::now() + Duration::from_secs(10);
     while !engines[1].stages_to(0) {
         assert!(
@@ -230,6 +229,15 @@ fn an_engine_without_staging_sends_through_ucx() {
         );
         std::thread::sleep(Duration::from_millis(1));
     }
+    (engines, t)
+}
+
+#[test]
+fn an_engine_without_staging_sends_through_ucx() {
+    if !super::super::available_for_tests() {
+        return;
+    }
+    let (engines, mut t) = one_without_staging();
     let f = test_frame(3, 0, 1, Bytes::new());
     let mut never = |dst: &mut [u8]| -> u32 { panic!("wrote {} bytes", dst.len()) };
     assert!(!engines[0].stages_to(1));
@@ -263,30 +271,7 @@ fn a_payload_lent_to_add_is_added_whichever_way_it_came() {
     if !super::super::available_for_tests() {
         return;
     }
-    // Engine 0 stages nothing: what it sends goes by rendezvous.
-    let cfg = |r| EngineConfig {
-        staging_slots: if r == 0 { 0 } else { 4 },
-        ..EngineConfig::shared_memory(r)
-    };
-    let engines: Vec<Arc<Engine>> = (0..2)
-        .map(|r| Arc::new(Engine::start(cfg(r)).unwrap()))
-        .collect();
-    let peers: BTreeMap<RankId, Vec<u8>> = engines
-        .iter()
-        .map(|e| (e.id(), e.address().to_vec()))
-        .collect();
-    let mut t: Vec<UcxTransport> = engines
-        .iter()
-        .map(|e| UcxTransport::connect(e.id(), Arc::clone(e), &peers, 64 << 20).unwrap())
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !engines[1].stages_to(0) {
-        assert!(
-            Instant::now() < deadline,
-            "rank 0 never mapped rank 1's segment"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let (engines, mut t) = one_without_staging();
     const N: usize = 3 << 20;
     let want = |k: usize| -> Vec<u8> {
         body(100, N)
@@ -339,17 +324,7 @@ fn a_receiver_that_stops_reading_holds_slots_until_it_reads() {
         inbox_bytes_max: (r == 1).then_some(1),
         ..EngineConfig::shared_memory(r)
     };
-    let engines: Vec<Arc<Engine>> = (0..3)
-        .map(|r| Arc::new(Engine::start(cfg(r)).unwrap()))
-        .collect();
-    let peers: BTreeMap<RankId, Vec<u8>> = engines
-        .iter()
-        .map(|e| (e.id(), e.address().to_vec()))
-        .collect();
-    let mut t: Vec<UcxTransport> = engines
-        .iter()
-        .map(|e| UcxTransport::connect(e.id(), Arc::clone(e), &peers, 64 << 20).unwrap())
-        .collect();
+    let (engines, mut t) = transports_with(3, cfg, |_| 64 << 20);
     wait_attached(&engines);
     const MIB: usize = 1 << 20;
     let f = |unit| test_frame(3, 0, unit, Bytes::new());

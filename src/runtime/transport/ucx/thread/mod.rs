@@ -403,7 +403,7 @@ pub(super) fn run(
         ring,
         peer_rings: HashMap::new(),
         to_free: Vec::new(),
-        hold_staged: true,
+        hold_staged: false,
         holding,
     }));
     let mut eps: HashMap<u32, (sys::ucp_ep_h, *mut EpArg)> = HashMap::new();
@@ -411,18 +411,7 @@ pub(super) fn run(
     // op's box lives until its completion callback (or the immediate completion) frees it.
     unsafe {
         let setup = (|| {
-            let mut hp: sys::ucp_am_handler_param_t = std::mem::zeroed();
-            hp.field_mask = (sys::UCP_AM_HANDLER_PARAM_FIELD_ID
-                | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
-                | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG) as u64;
-            hp.id = AM_ID;
-            hp.cb = Some(on_am);
-            hp.arg = state as *mut c_void;
-            check(
-                ucp,
-                "ucp_worker_set_am_recv_handler",
-                (ucp.ucp_worker_set_am_recv_handler)(worker, &hp),
-            )?;
+            staged::set_handler(ucp, worker, state, (AM_ID, on_am))?;
             staged::set_handlers(ucp, worker, state)?;
             let mut efd = -1;
             check(

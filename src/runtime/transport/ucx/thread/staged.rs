@@ -36,7 +36,7 @@ const FREED_BYTES: usize = 4 + 8;
 /// Bytes copied at a time before their checksum is taken: the block is still in cache.
 const COPY_BLOCK_BYTES: usize = 64 << 10;
 
-type Handler = unsafe extern "C" fn(
+pub(super) type Handler = unsafe extern "C" fn(
     *mut c_void,
     *const c_void,
     sys::size_t,
@@ -57,21 +57,31 @@ pub(super) unsafe fn set_handlers(
         (ATTACHED_ID, on_attached),
         (STARVED_ID, on_starved),
     ];
-    for (id, cb) in handlers {
-        let mut hp: sys::ucp_am_handler_param_t = std::mem::zeroed();
-        hp.field_mask = (sys::UCP_AM_HANDLER_PARAM_FIELD_ID
-            | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
-            | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG) as u64;
-        hp.id = id;
-        hp.cb = Some(cb);
-        hp.arg = state as *mut c_void;
-        check(
-            ucp,
-            "ucp_worker_set_am_recv_handler",
-            (ucp.ucp_worker_set_am_recv_handler)(worker, &hp),
-        )?;
+    for h in handlers {
+        set_handler(ucp, worker, state, h)?;
     }
     Ok(())
+}
+
+/// Sets `cb` as the handler of active messages `id`, called with the engine's state.
+pub(super) unsafe fn set_handler(
+    ucp: &sys::Ucp,
+    worker: sys::ucp_worker_h,
+    state: *mut State,
+    (id, cb): (u32, Handler),
+) -> Result<(), UcxError> {
+    let mut hp: sys::ucp_am_handler_param_t = std::mem::zeroed();
+    hp.field_mask = (sys::UCP_AM_HANDLER_PARAM_FIELD_ID
+        | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
+        | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG) as u64;
+    hp.id = id;
+    hp.cb = Some(cb);
+    hp.arg = state as *mut c_void;
+    check(
+        ucp,
+        "ucp_worker_set_am_recv_handler",
+        (ucp.ucp_worker_set_am_recv_handler)(worker, &hp),
+    )
 }
 
 /// The sender's id and the rest of a staging message's header, if it is one: no payload, and
