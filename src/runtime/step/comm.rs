@@ -258,7 +258,7 @@ impl<T: Transport> Comm<T> {
         // small buffer still in cache, summed there, and copied into the slot: the payload is
         // written to memory once, as below.
         let frame = self.frame(tag, Bytes::new());
-        let mut block_out = Vec::with_capacity(SUM_BLOCK_BYTES);
+        let mut block_out = Vec::new();
         let staged = self
             .transport
             .send_to_each_staged(to, &frame, range.len(), &mut |dst| {
