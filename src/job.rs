@@ -181,6 +181,10 @@ pub fn lr_schedule(cfg: &TrainConfig) -> LrSchedule {
     }
 }
 
+/// Chunks past which [`memory_demand`] bounds the largest owned share instead of planning it:
+/// the plan would take gigabytes and minutes before the memory check could refuse the run.
+const PLAN_CHUNKS_MAX: usize = 1 << 24;
+
 /// What a run of `cfg` needs per rank, for the memory planner (`plan::tier`), with
 /// `ranks_in_process` ranks' state in this process (all of them for `ezero train`, one for a
 /// worker process). `streamed_snapshots`: the runtime streams snapshots off the tier (an
@@ -193,9 +197,18 @@ pub fn memory_demand(
 ) -> Demand {
     let numels: Vec<usize> = model.units().iter().map(|u| u.numel()).collect();
     let members: Vec<u32> = (0..cfg.ranks).collect();
-    let owned = ShardMap::plan(&numels, &members, cfg.chunk_elems, 0)
-        .map(|m| members.iter().map(|&r| m.owned_elems(r)).max().unwrap_or(0))
-        .unwrap_or_else(|_| numels.iter().sum());
+    let total: usize = numels.iter().sum();
+    let chunk = cfg.chunk_elems.max(1);
+    let chunks: usize = numels.iter().map(|n| n.div_ceil(chunk)).sum();
+    let owned = if chunks <= PLAN_CHUNKS_MAX {
+        ShardMap::plan(&numels, &members, cfg.chunk_elems, 0)
+            .map(|m| members.iter().map(|&r| m.owned_elems(r)).max().unwrap_or(0))
+            .unwrap_or(total)
+    } else {
+        // Each chunk goes to the least-loaded member, so none owns more than the mean and one
+        // chunk: a bound, without planning billions of chunks for a run that cannot fit.
+        (total.div_ceil(members.len().max(1)) + chunk).min(total)
+    };
     let stage = Stage::from_u8(cfg.stage).unwrap_or(Stage::Zero3);
     Demand {
         stage,

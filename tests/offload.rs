@@ -559,6 +559,10 @@ fn bad_tier_settings_are_refused_before_training() {
         "64MiB",
     ]);
     refused(&r, "may use 64.0 MiB (memory_max_bytes)", "the run needs");
+    // Tens of trillions of parameters (five billion chunks): refused with the numbers, not
+    // after planning every chunk first.
+    let r = ezero(&["train", "--d-model", "131072", "--layers", "200"]);
+    refused(&r, "parameters 38400.39 GiB", "the run needs");
     if Path::new("/dev/shm").is_dir() {
         let shm = tempfile::tempdir_in("/dev/shm").unwrap();
         let r = train_cli(&["--offload-optimizer", "nvme", "--nvme-dir", s(shm.path())]);

@@ -286,14 +286,16 @@ impl Cluster {
             .resume
             .as_ref()
             .map_or(1, |src| src.saved_map().epoch + 1);
-        let map = ShardMap::plan(&numels, &members, cfg.chunk_elems, epoch)
-            .map_err(|e| ClusterError::Spawn(e.to_string()))?;
+        // The memory check first: a model that cannot fit is refused before its chunks are
+        // planned (billions of them for tens of trillions of parameters).
         let streamed = spec.snapshot_sink.is_some();
         let PreparedStorage {
             fit,
             activations,
             tier,
         } = prepare_storage(cfg, spec.model.as_ref(), u64::from(cfg.ranks), streamed)?;
+        let map = ShardMap::plan(&numels, &members, cfg.chunk_elems, epoch)
+            .map_err(|e| ClusterError::Spawn(e.to_string()))?;
         let (storage, tier_lock) = match tier {
             Some((spec, lock)) => (Some(Arc::new(spec)), Some(lock)),
             None => (None, None),
