@@ -564,7 +564,9 @@ pub fn evaluate_with(d: &Demand, p: Placement, tile_elems: u64, reuse: bool) -> 
     // Parameters on the tier: the shard read for a gather and the next one read ahead.
     // Gradients on the tier: the reduced shard's f32 mean, made from the accumulator, then
     // written beside compute while the next unit's accumulator fills.
-    let shard = (unit * d.owned_elems).div_ceil(d.total_elems.max(1));
+    // In u128: a unit of billions of elements times a share of trillions passes u64.
+    let shard = (u128::from(unit) * u128::from(d.owned_elems))
+        .div_ceil(u128::from(d.total_elems.max(1))) as u64;
     let overlap = match (p.params, p.grads) {
         (Tier::Nvme, Tier::Nvme) => (8 + 4) * shard,
         (Tier::Nvme, _) => 8 * shard,
