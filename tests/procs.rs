@@ -57,6 +57,29 @@ fn launch_with_state_on_the_tier_gives_the_in_process_digest() {
     assert_eq!(digest(&out).as_deref(), Some(reference.as_str()), "{out}");
 }
 
+/// A model of tens of trillions of parameters is refused by the coordinator with the numbers,
+/// as `ezero train` refuses it: from what the workers said they have free, before it plans
+/// billions of chunks (which ran past the deadline), and every worker is told why.
+#[test]
+fn launch_refuses_a_model_that_cannot_fit_before_planning_it() {
+    let (code, out, err) = run(Command::new(EZERO)
+        .args(["launch", "--nprocs", "2", "--"])
+        .args(["--d-model", "131072", "--layers", "200"]));
+    assert_ne!(code, 0, "{out}\n{err}");
+    assert_ne!(code, -1, "still running at the deadline: {out}\n{err}");
+    let all = format!("{out}\n{err}");
+    assert!(
+        all.contains("the model cannot fit on rank") && all.contains("parameters 76800.78 GiB"),
+        "{all}"
+    );
+    assert_eq!(
+        all.matches("the coordinator refused this worker").count(),
+        2,
+        "{all}"
+    );
+    assert!(!all.contains("param-sha256"), "{all}");
+}
+
 /// A coordinator and three workers.
 pub struct Job {
     pub coord: Proc,
@@ -193,6 +216,7 @@ fn control_client(addr: &str, config: rustls::ClientConfig) -> bool {
         token: "t".into(),
         rank_hint: None,
         standby: false,
+        available_memory_bytes: None,
     };
     let frame = elastic_zero::runtime::procs::control_plane::encode(&hello).unwrap();
     if tls.write_all(&frame).and_then(|_| tls.flush()).is_err() {

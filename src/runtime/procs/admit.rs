@@ -18,6 +18,9 @@ use super::control_plane::{read_msg, write_msg, ToCoord, ToWorker, HELLO_FRAME_M
 use super::error::ProcError;
 use super::link::{ControlReader, ControlWriter};
 use super::standby::Lobby;
+use crate::config::TrainConfig;
+use crate::job::plan_memory;
+use crate::model::Model;
 use crate::net::tls::{check_alpn, Protocol};
 use crate::plan::RankId;
 
@@ -28,6 +31,8 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 pub(super) struct Joined {
     pub(super) rank: RankId,
     pub(super) peer: SocketAddr,
+    /// What the worker said its host has free (see `ToCoord::Hello`).
+    pub(super) available_memory_bytes: Option<u64>,
     pub(super) reader: ControlReader,
     pub(super) writer: ControlWriter,
 }
@@ -180,10 +185,18 @@ async fn check_in(
         reader,
         mut writer,
     } = g;
+    let available_memory_bytes = match &msg {
+        ToCoord::Hello {
+            available_memory_bytes,
+            ..
+        } => *available_memory_bytes,
+        _ => None,
+    };
     match check_hello(msg, token, joined, world) {
         Ok(Some(rank)) => Ok(CheckedIn::Rank(Joined {
             rank,
             peer,
+            available_memory_bytes,
             reader,
             writer,
         })),
@@ -210,6 +223,7 @@ fn check_hello(
         token: got,
         rank_hint,
         standby,
+        ..
     } = msg
     else {
         return Err("the first message was not a hello".into());
@@ -225,3 +239,39 @@ fn check_hello(
         .filter(|r| *r < world && free(r))
         .or_else(|| (0..world).find(free)))
 }
+
+/// Refuses a model that cannot fit on a worker's host before the coordinator plans its shard
+/// map: each worker would refuse it too, but only once it has the plan, and a model of
+/// trillions of parameters takes the coordinator minutes and gigabytes to plan. Each worker's
+/// check (`worker_storage`) is one rank's plan against what its host has free; this is the same
+/// check against what each worker said in its hello. Every joined worker is told why.
+pub(super) async fn refuse_unfit(
+    cfg: &TrainConfig,
+    model: &dyn Model,
+    joined: &mut [Joined],
+) -> Result<(), ProcError> {
+    let tightest = joined
+        .iter()
+        .filter_map(|j| j.available_memory_bytes.map(|b| (b, j.rank, j.peer)))
+        .min();
+    let Some((available, rank, peer)) = tightest else {
+        return Ok(());
+    };
+    let Err(e) = plan_memory(cfg, model, 1, false, available) else {
+        return Ok(());
+    };
+    let reason = format!(
+        "the model cannot fit on rank {rank}'s host ({}, {:.2} GiB free): {e}",
+        peer.ip(),
+        available as f64 / GIB
+    );
+    for j in joined.iter_mut() {
+        let refused = ToWorker::Refused {
+            reason: reason.clone(),
+        };
+        let _ = tokio::time::timeout(HELLO_TIMEOUT, write_msg(&mut j.writer, &refused)).await;
+    }
+    Err(ProcError::Setup(reason))
+}
+
+const GIB: f64 = (1u64 << 30) as f64;

@@ -150,6 +150,9 @@ pub enum ToCoord {
         /// Only join as a new rank of the running job, never as one of its initial ranks.
         /// Every worker that connects once the job has started is a standby anyway.
         standby: bool,
+        /// The memory this worker's host has free, for the coordinator to refuse a model that
+        /// cannot fit before it plans the shard map (`None`: unknown on this platform).
+        available_memory_bytes: Option<u64>,
     },
     /// The data plane is bound (after the welcome, which says which one): peers reach this
     /// worker there.

@@ -28,7 +28,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
-use super::admit::{accept_standbys, admit, Joined};
+use super::admit::{accept_standbys, admit, refuse_unfit, Joined};
 use super::conn::{start_proxy, Inbox};
 use super::control_plane::{
     read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, HELLO_FRAME_MAX_BYTES,
@@ -175,6 +175,12 @@ pub async fn run_coordinator(
         &lobby,
     )
     .await?;
+    let mut joined = joined;
+    let model = build_model(&cfg)?;
+    if let Err(e) = refuse_unfit(&cfg, model.as_ref(), &mut joined).await {
+        lobby.dismiss_all(false, &e.to_string());
+        return Err(e);
+    }
     // From now on every worker that connects is a standby, those still saying hello included.
     let lobby_tasks = vec![
         tokio::spawn(accept_standbys(
@@ -189,7 +195,6 @@ pub async fn run_coordinator(
     let mut map = match &opts.start {
         Some(start) => start.map.clone(),
         None => {
-            let model = build_model(&cfg)?;
             let numels: Vec<usize> = model.units().iter().map(|u| u.numel()).collect();
             let members: Vec<RankId> = (0..cfg.ranks).collect();
             ShardMap::plan(&numels, &members, cfg.chunk_elems, 1)

@@ -113,6 +113,7 @@ pub async fn run_worker(
         token: opts.token.clone(),
         rank_hint: opts.rank_hint,
         standby: opts.standby,
+        available_memory_bytes: crate::runtime::alloc::available_memory_bytes(),
     };
     write_msg(&mut writer, &hello)
         .await
