@@ -2,6 +2,7 @@
 //! piece: a piece of this rank's sums goes out as soon as every peer's partial sums of it are
 //! in, so the gather overlaps the rest of the reduce-scatter.
 
+use super::all_reduce_pull::all_reduce_pulled;
 use super::collectives::{
     member_runs, others, post_owned_with, post_reduce_scatter, split_runs, wait_owned,
     wait_reduce_scatter,
@@ -19,7 +20,9 @@ use crate::wire::frame::pieces;
 ///
 /// The two halves are pipelined by piece: each piece of this rank's chunks goes out to the
 /// peers as soon as every peer's partial sums of it have been added, so the gather runs while
-/// the reduce-scatter's later pieces still come. When every member's chunks of the unit are one
+/// the reduce-scatter's later pieces still come. Where the transport can read every peer's
+/// memory (UCX on one host) each rank pulls what it needs straight out of the peers'
+/// accumulators instead ([`all_reduce_pulled`]). When every member's chunks of the unit are one
 /// run, both halves land in place where the transport can (UCX): the peers' partial sums in
 /// `scratch` (grown to (members − 1) × this rank's bytes, kept by the caller for the next
 /// call), the peers' sums straight in `acc`. Otherwise the two halves run one after the other.
@@ -57,6 +60,9 @@ pub fn all_reduce<T: Transport>(
     // Disjoint borrows of the accumulator: this rank's sums, and each peer's run to gather.
     let (mine, mut gather) = split_runs(bytes, runs, me);
     let peers = others(&map.members, me);
+    if comm.can_pull_all(&peers) {
+        return all_reduce_pulled(comm, tags, mode, eb, &peers, mine, &mut gather);
+    }
     let n = mine.len();
     // Peers' partial sums of my chunks are added into my sums as they arrive where the order
     // of the additions cannot change them (fixed-point sums, or a single peer's), else they
@@ -190,15 +196,46 @@ mod tests {
         assert!(c.corrupted > 0 && c.rejected == c.corrupted, "{c:?}");
     }
 
-    /// The same over the UCX plane (three engines in this process): the peers' partial sums
-    /// and sums are received into lent memory while the pipeline runs, with the same bits.
-    /// Each rank's run is a 4 MiB piece and one of 20 KiB: too short to lend for but sent by
-    /// rendezvous, which the engine kept back for loans, so the wait for it ran to the
-    /// deadline.
+    /// The same over the UCX plane (engines in this process), pulling: each rank reads the
+    /// peers' partial sums and sums out of their accumulators, with the same bits, at 3 and 2
+    /// members, over runs of several pieces and blocks.
+    #[cfg(feature = "ucx")]
+    #[test]
+    fn all_reduce_over_ucx_pulls_from_peers_memory_with_the_same_bits() {
+        use crate::runtime::transport::ucx::transports_for_tests;
+        for (n, numel) in [
+            (3u32, 3 * (PIECE_BYTES / 4 + 5120)),
+            (2, 2 * PIECE_BYTES / 3 + 11),
+        ] {
+            let Some((engines, eps)) = transports_for_tests(n) else {
+                return;
+            };
+            let members: Vec<u32> = (0..n).collect();
+            let map = ShardMap::plan(&[numel], &members, numel.div_ceil(n as usize), 0).unwrap();
+            check_all_reduce(eps, &map);
+            for e in &engines {
+                let c = e.counts();
+                assert!(c.pulls > 0 && c.pulled_bytes > 0, "{n} members: {c:?}");
+                assert_eq!(c.staged + c.lent, 0, "{n} members: nothing staged: {c:?}");
+            }
+        }
+    }
+
+    /// The same over the UCX plane with pulls off (three engines in this process): the peers'
+    /// partial sums and sums are received into lent memory while the pipeline runs, with the
+    /// same bits. Each rank's run is a 4 MiB piece and one of 20 KiB: too short to lend for
+    /// but sent by rendezvous, which the engine kept back for loans, so the wait for it ran to
+    /// the deadline.
     #[cfg(feature = "ucx")]
     #[test]
     fn all_reduce_over_ucx_lands_in_place_with_the_same_bits() {
-        let Some((engines, eps)) = crate::runtime::transport::ucx::transports_for_tests(3) else {
+        use crate::runtime::transport::ucx::engine::EngineConfig;
+        use crate::runtime::transport::ucx::transports_for_tests_with;
+        let no_pulls = |r| EngineConfig {
+            pulls: false,
+            ..EngineConfig::shared_memory(r)
+        };
+        let Some((engines, eps)) = transports_for_tests_with(3, no_pulls) else {
             return;
         };
         let numel = 3 * (PIECE_BYTES / 4 + 5120);
@@ -210,7 +247,7 @@ mod tests {
         // (any order gives the same sums); with two members, f32 ones too (one peer each).
         let staged: u64 = engines.iter().map(|e| e.counts().staged).sum();
         assert!(staged > 0, "payloads went through the staging segments");
-        let Some((engines, eps)) = crate::runtime::transport::ucx::transports_for_tests(2) else {
+        let Some((engines, eps)) = transports_for_tests_with(2, no_pulls) else {
             return;
         };
         let numel = 2 * (3 * PIECE_BYTES / 8 + 77);

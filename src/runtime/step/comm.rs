@@ -76,6 +76,10 @@ impl From<TransportError> for CommError {
         match e {
             TransportError::Closed => CommError::Closed,
             TransportError::UnknownPeer(r) => CommError::PeerGone(r),
+            TransportError::Pull { from, what } => CommError::Protocol {
+                from,
+                what: format!("reading its memory failed: {what}"),
+            },
             TransportError::Timeout(ms) => CommError::Protocol {
                 from: u32::MAX,
                 what: format!("bare transport timeout after {ms} ms"),
@@ -487,6 +491,26 @@ impl<T: Transport> Comm<T> {
     pub fn recv(&mut self, from: RankId, tag: Tag) -> Result<Bytes, CommError> {
         let deadline = self.deadline();
         self.recv_by(from, tag, deadline)
+    }
+
+    /// [`Comm::recv`] until `deadline` (one deadline for a whole collective).
+    pub fn recv_until(
+        &mut self,
+        from: RankId,
+        tag: Tag,
+        deadline: Instant,
+    ) -> Result<Bytes, CommError> {
+        self.recv_by(from, tag, deadline)
+    }
+
+    /// Whether the transport can read the memory of every one of `peers` (at least one).
+    pub fn can_pull_all(&self, peers: &[RankId]) -> bool {
+        !peers.is_empty() && peers.iter().all(|&p| self.transport.can_pull(p))
+    }
+
+    /// [`Transport::pull`]: `dst.len()` bytes at `at` in `from`'s memory into `dst`.
+    pub fn pull(&self, from: RankId, at: u64, dst: &mut [u8]) -> Result<(), CommError> {
+        Ok(self.transport.pull(from, at, dst)?)
     }
 
     fn recv_by(&mut self, from: RankId, tag: Tag, deadline: Instant) -> Result<Bytes, CommError> {

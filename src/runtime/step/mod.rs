@@ -7,6 +7,7 @@
 //! `wire`. Never `actors`, `api` or `procs`.
 
 pub mod all_reduce;
+mod all_reduce_pull;
 pub mod chunk_set;
 pub mod collectives;
 pub mod comm;

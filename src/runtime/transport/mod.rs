@@ -36,6 +36,10 @@ pub enum TransportError {
     Closed,
     #[error("rank {0} is not reachable (departed or never joined)")]
     UnknownPeer(RankId),
+    /// A pull from a peer's memory failed: it named memory it does not have, or this
+    /// transport cannot read that peer's memory.
+    #[error("reading rank {from}'s memory failed: {what}")]
+    Pull { from: RankId, what: String },
 }
 
 /// Adds encoded values `src` into `dst` (the same length): how a payload lent memory to be
@@ -124,6 +128,22 @@ pub trait Transport: Send + 'static {
     /// check there, rather than a frame carrying its payload (true once per frame).
     fn was_placed(&self, _frame: &Frame) -> bool {
         false
+    }
+    /// Whether [`Transport::pull`] can read `from`'s memory: a process on this host whose
+    /// identity the transport verified. The default: no peer's.
+    fn can_pull(&self, _from: RankId) -> bool {
+        false
+    }
+    /// Copies `dst.len()` bytes at address `at` of `from`'s memory into `dst`, in one copy
+    /// made by the kernel: the peer named the address in a frame of this step and keeps that
+    /// memory unchanged until it hears that the pull is over. What was read is not trusted: the
+    /// caller checks it against the checksum the peer sent. The default refuses every pull.
+    fn pull(&self, from: RankId, at: u64, dst: &mut [u8]) -> Result<(), TransportError> {
+        let _ = (at, dst);
+        Err(TransportError::Pull {
+            from,
+            what: "this transport cannot read peers' memory".into(),
+        })
     }
 }
 

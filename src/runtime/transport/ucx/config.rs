@@ -29,6 +29,10 @@ pub struct EngineConfig {
     pub staging_slots: u32,
     /// Bytes per staging slot: payloads larger than this go through UCX's rendezvous.
     pub staging_slot_bytes: u32,
+    /// Whether the consumer may read the memory of a peer whose staging segment it attached
+    /// (`UcxPlane::pull`, for the all-reduce's one-copy path). On by default; off, every
+    /// payload goes through the slots or UCX.
+    pub pulls: bool,
 }
 
 impl EngineConfig {
@@ -44,6 +48,7 @@ impl EngineConfig {
             net_devices: None,
             staging_slots: 4,
             staging_slot_bytes: crate::wire::frame::PIECE_BYTES as u32,
+            pulls: true,
         }
     }
 
@@ -116,4 +121,7 @@ pub struct EngineCounts {
     pub refused: u64,
     /// Sends or receives that completed with an error.
     pub failed: u64,
+    /// Reads of a peer's memory (`UcxPlane::pull`), and the bytes they copied.
+    pub pulls: u64,
+    pub pulled_bytes: u64,
 }

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
@@ -27,9 +27,12 @@ use super::lent::{Loan, LEND_MIN_BYTES};
 use super::ring::{Ring, Staged};
 use super::shm::Segment;
 pub use super::thread::HEADER_MAX_BYTES;
-use super::thread::{run, Cmd, Waker};
+use super::thread::{lock_pids, run, Cmd, Pids, Waker};
 use super::{library, sys, UcxError};
 use crate::runtime::transport::AddFn;
+
+/// How long [`Engine::pid_of`] waits for a peer's word that it mapped this engine's segment.
+const ATTACH_WAIT: Duration = Duration::from_secs(1);
 
 /// A UCP worker on its own thread.
 pub struct Engine {
@@ -48,6 +51,10 @@ pub struct Engine {
     ring: Option<Arc<Ring>>,
     /// Whether the thread holds staged payloads back for loans.
     holding: Arc<AtomicBool>,
+    /// The process behind each peer whose staging segment the thread attached.
+    pids: Pids,
+    /// [`EngineConfig::pulls`].
+    pulls: bool,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -72,7 +79,8 @@ impl Engine {
             })
             .map(|segment| Arc::new(Ring::new(segment)));
         let holding: Arc<AtomicBool> = Arc::default();
-        let thread_ring = (ring.clone(), Arc::clone(&holding));
+        let pids: Pids = Arc::default();
+        let thread_ring = (ring.clone(), Arc::clone(&holding), Arc::clone(&pids));
         let (thread_waker, thread_counts, thread_cfg, thread_credit) = (
             Arc::clone(&waker),
             Arc::clone(&counts),
@@ -112,8 +120,31 @@ impl Engine {
             peers: Mutex::default(),
             ring,
             holding,
+            pids,
+            pulls: cfg.pulls,
             thread: Some(thread),
         })
+    }
+
+    /// The process behind `peer`, for reading its memory, if each side mapped the other's
+    /// staging segment: then it runs on this host as this user, its segment carried the nonce
+    /// its authenticated address named, and it reads ours too. Both sides must agree on that
+    /// (a collective either pulls or stages, on every member alike), so a peer whose segment
+    /// is mapped here but whose word that it mapped ours has not come yet is waited for, up to
+    /// [`ATTACH_WAIT`]: it sends it when it connects to us, before any collective.
+    pub fn pid_of(&self, peer: u32) -> Option<i32> {
+        if !self.pulls {
+            return None;
+        }
+        let pid = lock_pids(&self.pids).get(&peer).copied()?;
+        let until = Instant::now() + ATTACH_WAIT;
+        while !self.stages_to(peer) {
+            if Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Some(pid)
     }
 
     pub fn id(&self) -> u32 {
@@ -303,6 +334,13 @@ impl Engine {
 
     pub fn counts(&self) -> EngineCounts {
         *self.counts.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts a pull of `bytes` from a peer's memory (made by the consumer, not this thread).
+    pub fn count_pull(&self, bytes: usize) {
+        let mut c = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        c.pulls += 1;
+        c.pulled_bytes += bytes as u64;
     }
 
     fn submit(&self, cmd: Cmd) -> Result<(), UcxError> {

@@ -196,6 +196,20 @@ impl Transport for MixedTransport {
     fn was_placed(&self, frame: &Frame) -> bool {
         self.routes.ucx.was_placed(frame)
     }
+
+    fn can_pull(&self, from: RankId) -> bool {
+        self.routes.contains(from) && self.routes.ucx.can_pull(from)
+    }
+
+    fn pull(&self, from: RankId, at: u64, dst: &mut [u8]) -> Result<(), TransportError> {
+        if !self.routes.contains(from) {
+            return Err(TransportError::Pull {
+                from,
+                what: "it is reached over TCP, not shared memory".into(),
+            });
+        }
+        self.routes.ucx.pull(from, at, dst)
+    }
 }
 
 #[cfg(test)]

@@ -142,12 +142,24 @@ pub(crate) fn transports_for_tests(
     Vec<std::sync::Arc<engine::Engine>>,
     Vec<transport::UcxTransport>,
 )> {
+    transports_for_tests_with(n, engine::EngineConfig::shared_memory)
+}
+
+/// [`transports_for_tests`] with engine `r`'s config `cfg(r)`.
+#[cfg(test)]
+pub(crate) fn transports_for_tests_with(
+    n: u32,
+    cfg: impl Fn(u32) -> engine::EngineConfig,
+) -> Option<(
+    Vec<std::sync::Arc<engine::Engine>>,
+    Vec<transport::UcxTransport>,
+)> {
     use std::sync::Arc;
     if !available_for_tests() {
         return None;
     }
     let engines: Vec<Arc<engine::Engine>> = (0..n)
-        .map(|r| Arc::new(engine::Engine::start(engine::EngineConfig::shared_memory(r)).unwrap()))
+        .map(|r| Arc::new(engine::Engine::start(cfg(r)).unwrap()))
         .collect();
     let peers: std::collections::BTreeMap<crate::plan::RankId, Vec<u8>> = engines
         .iter()

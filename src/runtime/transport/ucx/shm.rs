@@ -73,6 +73,8 @@ impl Descriptor {
 pub struct Segment {
     base: *mut u8,
     desc: Descriptor,
+    /// The process that made it (a peer's: as the kernel recorded it), 0 for our own.
+    creator_pid: i32,
 }
 
 // SAFETY: the mapping is process-wide memory; who writes which slot when is ordered by the
@@ -111,7 +113,11 @@ impl Segment {
             let base = base as *mut u8;
             std::ptr::copy_nonoverlapping(MAGIC.as_ptr(), base, 8);
             std::ptr::copy_nonoverlapping(nonce.as_ptr(), base.add(8), 16);
-            Ok(Self { base, desc })
+            Ok(Self {
+                base,
+                desc,
+                creator_pid: 0,
+            })
         }
     }
 
@@ -145,6 +151,7 @@ impl Segment {
             let seg = Self {
                 base: base as *mut u8,
                 desc: *desc,
+                creator_pid: ds.shm_cpid,
             };
             let head = std::slice::from_raw_parts(seg.base, 24);
             if head[..8] != MAGIC || head[8..24] != desc.nonce {
@@ -159,6 +166,13 @@ impl Segment {
 
     pub fn descriptor(&self) -> &Descriptor {
         &self.desc
+    }
+
+    /// The process that made an attached peer's segment, as the kernel recorded it: the
+    /// process a pull from that peer reads (`UcxPlane::pull`). The nonce check tied the
+    /// segment to the address that came over the authenticated control plane.
+    pub fn creator_pid(&self) -> i32 {
+        self.creator_pid
     }
 
     /// The start of slot `i` (`i` below the slot count).

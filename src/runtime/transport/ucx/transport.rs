@@ -291,6 +291,59 @@ impl UcxPlane {
         Ok(true)
     }
 
+    /// Whether `from`'s memory can be pulled: its staging segment is attached, so it runs on
+    /// this host as this user, and its process is the one the kernel says made the segment.
+    pub fn can_pull(&self, from: RankId) -> bool {
+        self.engine.pid_of(from).is_some()
+    }
+
+    /// Copies `dst.len()` bytes at `at` in `from`'s memory into `dst` with
+    /// `process_vm_readv` (what UCX's `cma` transport does, here under our own checks): one
+    /// copy, made by the kernel, of memory the peer named. A peer that names memory it does not
+    /// have gets an error, never a read of ours.
+    pub fn pull(&self, from: RankId, at: u64, dst: &mut [u8]) -> Result<(), TransportError> {
+        let failed = |what: String| TransportError::Pull { from, what };
+        let pid = self.engine.pid_of(from).ok_or_else(|| {
+            failed("its memory is not readable from here (no shared segment)".into())
+        })?;
+        let len = dst.len();
+        at.checked_add(len as u64)
+            .ok_or_else(|| failed(format!("{len} bytes at {at:#x} wrap the address space")))?;
+        let mut done = 0usize;
+        while done < len {
+            let local = libc::iovec {
+                iov_base: dst[done..].as_mut_ptr().cast(),
+                iov_len: len - done,
+            };
+            let remote = libc::iovec {
+                iov_base: (at as usize + done) as *mut libc::c_void,
+                iov_len: len - done,
+            };
+            // SAFETY: `local` is `dst`'s unread tail, which we hold mutably; the kernel checks
+            // `remote` against the peer's mappings and fails the call rather than fault.
+            let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+            if n <= 0 {
+                let e = std::io::Error::last_os_error();
+                if n < 0 && e.raw_os_error() == Some(libc::ESRCH) {
+                    return Err(TransportError::UnknownPeer(from));
+                }
+                return Err(failed(format!(
+                    "{} bytes at {:#x}: {}",
+                    len - done,
+                    at as usize + done,
+                    if n == 0 {
+                        "nothing read".to_string()
+                    } else {
+                        e.to_string()
+                    }
+                )));
+            }
+            done += n as usize;
+        }
+        self.engine.count_pull(len);
+        Ok(())
+    }
+
     /// Sends `frame` to each of `to` (none of them this rank), encoded once; `payload_crc`: its
     /// payload's CRC-32 if the sender has it.
     pub fn send_to_each(
@@ -586,6 +639,14 @@ impl Transport for UcxTransport {
 
     fn was_placed(&self, frame: &Frame) -> bool {
         self.plane.was_placed(frame)
+    }
+
+    fn can_pull(&self, from: RankId) -> bool {
+        self.plane.can_pull(from)
+    }
+
+    fn pull(&self, from: RankId, at: u64, dst: &mut [u8]) -> Result<(), TransportError> {
+        self.plane.pull(from, at, dst)
     }
 }
 

@@ -257,3 +257,43 @@ fn ranks_sending_past_each_others_credit_do_not_deadlock() {
         assert_eq!(t[me].plane.held_bytes(), 0);
     }
 }
+
+/// A pull copies the bytes a peer named (the engines share this process, so its memory is
+/// ours); memory the peer does not have is an error, not a fault; a plane with pulls off
+/// refuses every pull.
+#[test]
+fn a_pull_reads_what_the_peer_named_and_refuses_what_it_does_not_have() {
+    if !available() {
+        return;
+    }
+    let ts = plane(2);
+    assert!(ts[0].can_pull(1) && ts[1].can_pull(0));
+    assert!(!ts[0].can_pull(7), "no such peer");
+    let theirs: Vec<u8> = (0..3 << 20).map(|i| (i * 31 % 251) as u8).collect();
+    let mut got = vec![0u8; theirs.len()];
+    ts[0].pull(1, theirs.as_ptr() as u64, &mut got).unwrap();
+    assert!(got == theirs);
+    assert_eq!(ts[0].plane.engine_counts().pulled_bytes, 3 << 20);
+    for at in [8u64, u64::MAX - 4] {
+        let e = ts[0].pull(1, at, &mut got[..64]).unwrap_err();
+        assert!(matches!(e, TransportError::Pull { from: 1, .. }), "{e:?}");
+    }
+    let e = ts[0].pull(7, theirs.as_ptr() as u64, &mut got).unwrap_err();
+    assert!(matches!(e, TransportError::Pull { from: 7, .. }), "{e:?}");
+    let engines: Vec<Arc<Engine>> = (0..2)
+        .map(|r| {
+            let cfg = EngineConfig {
+                pulls: false,
+                ..EngineConfig::shared_memory(r)
+            };
+            Arc::new(Engine::start(cfg).unwrap())
+        })
+        .collect();
+    let peers: BTreeMap<RankId, Vec<u8>> = engines
+        .iter()
+        .map(|e| (e.id(), e.address().to_vec()))
+        .collect();
+    let off = UcxTransport::connect(0, Arc::clone(&engines[0]), &peers, 64 << 20).unwrap();
+    assert!(!off.can_pull(1));
+    assert!(off.pull(1, theirs.as_ptr() as u64, &mut got).is_err());
+}

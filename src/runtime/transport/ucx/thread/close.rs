@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::time::Instant;
 
-use super::{ptr_status, EpArg, State, CLOSE_TIMEOUT};
+use super::{lock_pids, ptr_status, EpArg, State, CLOSE_TIMEOUT};
 use crate::runtime::transport::ucx::sys;
 
 /// Starts closing `ep` (forced: no flush to a peer that may be gone); the close's request, or
@@ -39,6 +39,7 @@ pub(super) unsafe fn close_failed(
             }
         }
         (*state).peer_rings.remove(&peer);
+        lock_pids(&(*state).pids).remove(&peer);
         if let Some((ep, arg)) = eps.remove(&peer) {
             match start_close(ucp, ep) {
                 Some(req) => closing.push((req, arg)),

@@ -84,6 +84,9 @@ pub(super) enum Cmd {
     Stop,
 }
 
+/// The process id behind each peer whose segment is attached.
+pub(super) type Pids = Arc<Mutex<HashMap<u32, i32>>>;
+
 /// The worker pointer for `ucp_worker_signal`, cleared before the worker is destroyed.
 pub(super) type Waker = Arc<Mutex<Option<usize>>>;
 
@@ -116,6 +119,8 @@ struct State {
     ring: Option<Arc<Ring>>,
     /// The peers' segments this engine reads staged payloads from.
     peer_rings: HashMap<u32, Arc<Segment>>,
+    /// The process behind each attached segment, for pulls (shared with the engine).
+    pids: Pids,
     /// Slots of peers' rings copied out, to be freed (peer, slot, generation).
     to_free: Vec<(u32, usize, u64)>,
     /// Whether unmatched staged payloads wait for a loan ([`STAGED_HOLD`]): from a loan on,
@@ -375,7 +380,7 @@ pub(super) fn run(
     waker: Waker,
     counts: Arc<Mutex<EngineCounts>>,
     credit: Arc<Credit>,
-    (ring, holding): (Option<Arc<Ring>>, Arc<AtomicBool>),
+    (ring, holding, pids): (Option<Arc<Ring>>, Arc<AtomicBool>, Pids),
 ) {
     let (ctx, worker) = match open(ucp, &cfg) {
         Ok(v) => v,
@@ -402,6 +407,7 @@ pub(super) fn run(
         defer_until: None,
         ring,
         peer_rings: HashMap::new(),
+        pids,
         to_free: Vec::new(),
         hold_staged: false,
         holding,
@@ -802,4 +808,8 @@ unsafe fn receive_into(state: *mut State, a: Announced, loan: Option<LoanAt>) {
     } else if let Some(s) = ptr_status(req) {
         finish_recv(&mut *state, *Box::from_raw(user as *mut RecvOp), s);
     }
+}
+
+pub(super) fn lock_pids(p: &Pids) -> std::sync::MutexGuard<'_, HashMap<u32, i32>> {
+    p.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -258,6 +258,7 @@ pub(super) unsafe fn attach(
 ) {
     match Segment::attach(d) {
         Ok(segment) => {
+            super::lock_pids(&(*state).pids).insert(peer, segment.creator_pid());
             (*state).peer_rings.insert(peer, Arc::new(segment));
             let nonce = d.nonce.to_vec();
             send(state, ep, me, ATTACHED_ID, nonce, Bytes::new(), None);
