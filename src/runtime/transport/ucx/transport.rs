@@ -300,7 +300,9 @@ impl UcxPlane {
     /// Copies `dst.len()` bytes at `at` in `from`'s memory into `dst` with
     /// `process_vm_readv` (what UCX's `cma` transport does, here under our own checks): one
     /// copy, made by the kernel, of memory the peer named. A peer that names memory it does not
-    /// have gets an error, never a read of ours.
+    /// have gets an error. A peer that passed another process's segment off as its own (the
+    /// descriptors travel to every member) would have us read that process: one of this user
+    /// on this host, which it could read itself (`ptrace`): the trust shared memory assumes.
     pub fn pull(&self, from: RankId, at: u64, dst: &mut [u8]) -> Result<(), TransportError> {
         let failed = |what: String| TransportError::Pull { from, what };
         let pid = self.engine.pid_of(from).ok_or_else(|| {
