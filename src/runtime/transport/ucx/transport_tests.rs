@@ -16,14 +16,16 @@ fn plane(n: u32) -> Vec<UcxTransport> {
 }
 
 fn plane_with(n: u32, inbox_bytes_max: Option<usize>) -> Vec<UcxTransport> {
+    plane_of(n, |r| EngineConfig {
+        inbox_bytes_max,
+        ..EngineConfig::shared_memory(r)
+    })
+}
+
+/// `n` engines with configs `cfg(r)`, each with a transport connected to all of them.
+fn plane_of(n: u32, cfg: impl Fn(u32) -> EngineConfig) -> Vec<UcxTransport> {
     let engines: Vec<Arc<Engine>> = (0..n)
-        .map(|r| {
-            let cfg = EngineConfig {
-                inbox_bytes_max,
-                ..EngineConfig::shared_memory(r)
-            };
-            Arc::new(Engine::start(cfg).unwrap())
-        })
+        .map(|r| Arc::new(Engine::start(cfg(r)).unwrap()))
         .collect();
     let peers: BTreeMap<RankId, Vec<u8>> = engines
         .iter()
@@ -280,20 +282,10 @@ fn a_pull_reads_what_the_peer_named_and_refuses_what_it_does_not_have() {
     }
     let e = ts[0].pull(7, theirs.as_ptr() as u64, &mut got).unwrap_err();
     assert!(matches!(e, TransportError::Pull { from: 7, .. }), "{e:?}");
-    let engines: Vec<Arc<Engine>> = (0..2)
-        .map(|r| {
-            let cfg = EngineConfig {
-                pulls: false,
-                ..EngineConfig::shared_memory(r)
-            };
-            Arc::new(Engine::start(cfg).unwrap())
-        })
-        .collect();
-    let peers: BTreeMap<RankId, Vec<u8>> = engines
-        .iter()
-        .map(|e| (e.id(), e.address().to_vec()))
-        .collect();
-    let off = UcxTransport::connect(0, Arc::clone(&engines[0]), &peers, 64 << 20).unwrap();
-    assert!(!off.can_pull(1));
-    assert!(off.pull(1, theirs.as_ptr() as u64, &mut got).is_err());
+    let off = plane_of(2, |r| EngineConfig {
+        pulls: false,
+        ..EngineConfig::shared_memory(r)
+    });
+    assert!(!off[0].can_pull(1));
+    assert!(off[0].pull(1, theirs.as_ptr() as u64, &mut got).is_err());
 }
