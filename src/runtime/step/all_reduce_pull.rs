@@ -160,3 +160,37 @@ impl Where {
         Ok(Self { at, crcs })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A notice names its bytes and checksums; one of another length, or naming another
+    /// length, is the sender's protocol error, not a read.
+    #[test]
+    fn a_notice_is_taken_only_as_the_protocol_says() {
+        let msg = Where::encode(0x7000_1000, 3 << 20, &[1, 2, 3]);
+        let w = Where::parse(4, &msg, 3 << 20, 3).unwrap();
+        assert_eq!((w.at, w.crcs), (0x7000_1000, vec![1, 2, 3]));
+        let protocol =
+            |r: Result<Where, CommError>| matches!(r, Err(CommError::Protocol { from: 4, .. }));
+        assert!(
+            protocol(Where::parse(4, &msg, 3 << 20, 2)),
+            "too many checksums"
+        );
+        assert!(
+            protocol(Where::parse(4, &msg, 2 << 20, 3)),
+            "another length named"
+        );
+        assert!(
+            protocol(Where::parse(4, &msg[..20], 3 << 20, 3)),
+            "cut short"
+        );
+        assert!(protocol(Where::parse(4, &[], 0, 0)), "empty");
+        assert!(check(4, "sums", 0, 7, 7).is_ok());
+        assert!(matches!(
+            check(4, "sums", 0, 7, 8),
+            Err(CommError::Protocol { from: 4, .. })
+        ));
+    }
+}
