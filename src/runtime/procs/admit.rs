@@ -22,6 +22,7 @@ use crate::config::TrainConfig;
 use crate::job::plan_memory;
 use crate::model::Model;
 use crate::net::tls::{check_alpn, Protocol};
+use crate::plan::tier::gib;
 use crate::plan::RankId;
 
 /// How long a new connection may take to say hello.
@@ -261,9 +262,9 @@ pub(super) async fn refuse_unfit(
         return Ok(());
     };
     let reason = format!(
-        "the model cannot fit on rank {rank}'s host ({}, {:.2} GiB free): {e}",
+        "the model cannot fit on rank {rank}'s host ({}, {} free): {e}",
         peer.ip(),
-        available as f64 / GIB
+        gib(available)
     );
     for j in joined.iter_mut() {
         let refused = ToWorker::Refused {
@@ -273,5 +274,3 @@ pub(super) async fn refuse_unfit(
     }
     Err(ProcError::Setup(reason))
 }
-
-const GIB: f64 = (1u64 << 30) as f64;

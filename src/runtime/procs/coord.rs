@@ -164,7 +164,7 @@ pub async fn run_coordinator(
     let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
     let lobby = Arc::new(Lobby::new(Arc::clone(&clock), opts.procs, addr));
     let acceptor = TlsAcceptor::from(opts.tls.server(Protocol::Control));
-    let (joined, greeting) = admit(
+    let (mut joined, greeting) = admit(
         &listener,
         &acceptor,
         cfg.ranks,
@@ -175,7 +175,6 @@ pub async fn run_coordinator(
         &lobby,
     )
     .await?;
-    let mut joined = joined;
     let model = build_model(&cfg)?;
     if let Err(e) = refuse_unfit(&cfg, model.as_ref(), &mut joined).await {
         lobby.dismiss_all(false, &e.to_string());
