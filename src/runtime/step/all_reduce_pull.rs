@@ -24,15 +24,10 @@
 use bytes::Bytes;
 
 use super::comm::{Comm, CommError};
+use super::pull_notice::{blocks, check, crc32, done_tag, Where, PULL_BLOCK_BYTES};
 use crate::plan::RankId;
 use crate::reduce::ReduceMode;
-use crate::runtime::transport::{Tag, TagKind, Transport};
-use crate::wire::crc32_of;
-
-/// Bytes pulled at a time: each block is checksummed and added while it is in cache (1 MiB
-/// pulls beat 64 KiB ones by 1.3-1.6x here: each `process_vm_readv` pins the pages it reads),
-/// and each block of sums is announced on its own.
-const PULL_BLOCK_BYTES: usize = 1 << 20;
+use crate::runtime::transport::{Tag, Transport};
 
 /// All-reduce over pulls: `mine` is this rank's run of the accumulator (summed here), `gather`
 /// each peer's run (this rank's partial sums of it, then the peer's sums). `peers`: the other
@@ -47,11 +42,7 @@ pub(super) fn all_reduce_pulled<T: Transport>(
     gather: &mut [(RankId, &mut [u8])],
 ) -> Result<(), CommError> {
     let deadline = comm.deadline();
-    let done = Tag {
-        kind: TagKind::Barrier,
-        piece: u32::MAX,
-        ..ag
-    };
+    let done = done_tag(ag);
     for (p, run) in gather.iter() {
         let crcs: Vec<u32> = blocks(run.len()).map(|r| crc32(&run[r])).collect();
         comm.send(*p, rs, Where::encode(run.as_ptr() as u64, run.len(), &crcs))?;
@@ -95,102 +86,4 @@ pub(super) fn all_reduce_pulled<T: Transport>(
         }
     }
     Ok(())
-}
-
-/// The blocks of a `len`-byte run: each is pulled, checked, added and announced on its own,
-/// so that a peer reads a block's sums while the next is summed.
-fn blocks(len: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
-    (0..len.div_ceil(PULL_BLOCK_BYTES))
-        .map(move |i| i * PULL_BLOCK_BYTES..((i + 1) * PULL_BLOCK_BYTES).min(len))
-}
-
-fn crc32(b: &[u8]) -> u32 {
-    crc32_of(&[b])
-}
-
-fn check(from: RankId, what: &str, piece: usize, got: u32, want: u32) -> Result<(), CommError> {
-    if got == want {
-        return Ok(());
-    }
-    Err(CommError::Protocol {
-        from,
-        what: format!(
-            "its {what} of piece {piece} read from its memory fail their checksum ({got:#010x}, announced {want:#010x}): the memory changed while it was read"
-        ),
-    })
-}
-
-/// Where a peer's bytes lie in its memory, and the CRC-32 of each piece of them.
-struct Where {
-    at: u64,
-    crcs: Vec<u32>,
-}
-
-impl Where {
-    fn encode(at: u64, len: usize, crcs: &[u32]) -> Bytes {
-        let mut b = Vec::with_capacity(16 + 4 * crcs.len());
-        b.extend_from_slice(&at.to_le_bytes());
-        b.extend_from_slice(&(len as u64).to_le_bytes());
-        crcs.iter()
-            .for_each(|c| b.extend_from_slice(&c.to_le_bytes()));
-        Bytes::from(b)
-    }
-
-    /// A frame from `from` naming `len` bytes in `crcs` pieces, or the protocol error it is.
-    fn parse(from: RankId, msg: &[u8], len: usize, crcs: usize) -> Result<Self, CommError> {
-        let bad = |what: String| CommError::Protocol { from, what };
-        if msg.len() != 16 + 4 * crcs {
-            return Err(bad(format!(
-                "a pull notice of {} bytes where {} were due",
-                msg.len(),
-                16 + 4 * crcs
-            )));
-        }
-        let u64_at = |i: usize| u64::from_le_bytes(msg[i..i + 8].try_into().expect("checked"));
-        let (at, named) = (u64_at(0), u64_at(8));
-        if named != len as u64 {
-            return Err(bad(format!(
-                "a pull notice of {named} bytes where {len} were due"
-            )));
-        }
-        let crcs = msg[16..]
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
-            .collect();
-        Ok(Self { at, crcs })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A notice names its bytes and checksums; one of another length, or naming another
-    /// length, is the sender's protocol error, not a read.
-    #[test]
-    fn a_notice_is_taken_only_as_the_protocol_says() {
-        let msg = Where::encode(0x7000_1000, 3 << 20, &[1, 2, 3]);
-        let w = Where::parse(4, &msg, 3 << 20, 3).unwrap();
-        assert_eq!((w.at, w.crcs), (0x7000_1000, vec![1, 2, 3]));
-        let protocol =
-            |r: Result<Where, CommError>| matches!(r, Err(CommError::Protocol { from: 4, .. }));
-        assert!(
-            protocol(Where::parse(4, &msg, 3 << 20, 2)),
-            "too many checksums"
-        );
-        assert!(
-            protocol(Where::parse(4, &msg, 2 << 20, 3)),
-            "another length named"
-        );
-        assert!(
-            protocol(Where::parse(4, &msg[..20], 3 << 20, 3)),
-            "cut short"
-        );
-        assert!(protocol(Where::parse(4, &[], 0, 0)), "empty");
-        assert!(check(4, "sums", 0, 7, 7).is_ok());
-        assert!(matches!(
-            check(4, "sums", 0, 7, 8),
-            Err(CommError::Protocol { from: 4, .. })
-        ));
-    }
 }

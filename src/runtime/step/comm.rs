@@ -8,13 +8,14 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
 
 use crate::plan::RankId;
 use crate::runtime::transport::{
-    AddFn, Frame, Tag, TagKind, Transport, TransportError, FRAME_HEADER_BYTES,
+    AddFn, Frame, PeerMemory, Tag, TagKind, Transport, TransportError, FRAME_HEADER_BYTES,
 };
 use crate::wire::frame::pieces;
 
@@ -505,12 +506,22 @@ impl<T: Transport> Comm<T> {
 
     /// Whether the transport can read the memory of every one of `peers` (at least one).
     pub fn can_pull_all(&self, peers: &[RankId]) -> bool {
-        !peers.is_empty() && peers.iter().all(|&p| self.transport.can_pull(p))
+        !peers.is_empty() && peers.iter().all(|&p| self.can_pull(p))
+    }
+
+    /// [`Transport::can_pull`]: whether this rank and `peer` can read each other's memory.
+    pub fn can_pull(&self, peer: RankId) -> bool {
+        self.transport.can_pull(peer)
     }
 
     /// [`Transport::pull`]: `dst.len()` bytes at `at` in `from`'s memory into `dst`.
     pub fn pull(&self, from: RankId, at: u64, dst: &mut [u8]) -> Result<(), CommError> {
         Ok(self.transport.pull(from, at, dst)?)
+    }
+
+    /// [`Transport::peer_memory`]: `from`'s memory, to read from any thread.
+    pub fn peer_memory(&self, from: RankId) -> Result<Arc<dyn PeerMemory>, CommError> {
+        Ok(self.transport.peer_memory(from)?)
     }
 
     fn recv_by(&mut self, from: RankId, tag: Tag, deadline: Instant) -> Result<Bytes, CommError> {

@@ -17,6 +17,7 @@ pub mod offload;
 pub mod owed;
 pub mod parcel;
 pub mod progress;
+mod pull_notice;
 pub mod rank_state;
 pub mod replica;
 pub mod reshard;

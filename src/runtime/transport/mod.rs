@@ -19,6 +19,7 @@ pub mod tcp;
 pub mod ucx;
 
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::plan::RankId;
@@ -130,21 +131,35 @@ pub trait Transport: Send + 'static {
         false
     }
     /// Whether [`Transport::pull`] can read `from`'s memory: a process on this host whose
-    /// identity the transport verified. The default: no peer's.
+    /// identity the transport verified. Collectives choose their path by it on both sides of
+    /// a pair, so a transport answers it alike on both (once either says yes, the other does
+    /// too, waiting a bounded time if it must). The default: no peer's.
     fn can_pull(&self, _from: RankId) -> bool {
         false
     }
-    /// Copies `dst.len()` bytes at address `at` of `from`'s memory into `dst`, in one copy
-    /// made by the kernel: the peer named the address in a frame of this step and keeps that
-    /// memory unchanged until it hears that the pull is over. What was read is not trusted: the
-    /// caller checks it against the checksum the peer sent. The default refuses every pull.
-    fn pull(&self, from: RankId, at: u64, dst: &mut [u8]) -> Result<(), TransportError> {
-        let _ = (at, dst);
+    /// `from`'s memory, to read from any thread: a process on this host whose identity the
+    /// transport verified ([`Transport::can_pull`]). The default refuses every peer.
+    fn peer_memory(&self, from: RankId) -> Result<Arc<dyn PeerMemory>, TransportError> {
         Err(TransportError::Pull {
             from,
             what: "this transport cannot read peers' memory".into(),
         })
     }
+    /// Copies `dst.len()` bytes at address `at` of `from`'s memory into `dst`, in one copy
+    /// made by the kernel ([`PeerMemory::read`] of [`Transport::peer_memory`]).
+    fn pull(&self, from: RankId, at: u64, dst: &mut [u8]) -> Result<(), TransportError> {
+        self.peer_memory(from)?.read(at, dst)
+    }
+}
+
+/// A peer's memory that this process can read ([`Transport::peer_memory`]); `Send` and `Sync`
+/// so that a collective can read one peer from two threads.
+pub trait PeerMemory: Send + Sync {
+    /// Copies `dst.len()` bytes at address `at` of the peer's memory into `dst`: the peer
+    /// named the address in a frame of this step and keeps that memory unchanged until it
+    /// hears that the read is over. What was read is not trusted: the caller checks it against
+    /// the checksum the peer sent.
+    fn read(&self, at: u64, dst: &mut [u8]) -> Result<(), TransportError>;
 }
 
 /// The next frame of a rank's inbox channel, waiting at most `timeout_ms` (the receive side of

@@ -10,7 +10,7 @@ use super::transport::UcxPlane;
 use super::UcxError;
 use crate::plan::RankId;
 use crate::runtime::transport::tcp::TcpTransport;
-use crate::runtime::transport::{AddFn, Frame, Tag, Transport, TransportError};
+use crate::runtime::transport::{AddFn, Frame, PeerMemory, Tag, Transport, TransportError};
 use crate::wire::WireStats;
 
 /// TCP to every peer not reached over UCX.
@@ -201,14 +201,14 @@ impl Transport for MixedTransport {
         self.routes.contains(from) && self.routes.ucx.can_pull(from)
     }
 
-    fn pull(&self, from: RankId, at: u64, dst: &mut [u8]) -> Result<(), TransportError> {
+    fn peer_memory(&self, from: RankId) -> Result<Arc<dyn PeerMemory>, TransportError> {
         if !self.routes.contains(from) {
             return Err(TransportError::Pull {
                 from,
                 what: "it is reached over TCP, not shared memory".into(),
             });
         }
-        self.routes.ucx.pull(from, at, dst)
+        self.routes.ucx.peer_memory(from)
     }
 }
 

@@ -39,7 +39,9 @@ use super::lending::{LendState, Lending, LOANS_DRAIN_MAX};
 use super::lent::{LEND_MIN_BYTES, LOANS_MAX};
 use super::UcxError;
 use crate::plan::RankId;
-use crate::runtime::transport::{recv_inbox, AddFn, Frame, Tag, Transport, TransportError};
+use crate::runtime::transport::{
+    recv_inbox, AddFn, Frame, PeerMemory, Tag, Transport, TransportError,
+};
 use crate::wire::{
     check_split_in_place, decode_split, encode_split_summed, frame_around, frame_head, WireMsg,
     WireStats,
@@ -297,53 +299,25 @@ impl UcxPlane {
         self.engine.pid_of(from).is_some()
     }
 
-    /// Copies `dst.len()` bytes at `at` in `from`'s memory into `dst` with
-    /// `process_vm_readv` (what UCX's `cma` transport does, here under our own checks): one
-    /// copy, made by the kernel, of memory the peer named. A peer that names memory it does not
-    /// have gets an error. A peer that passed another process's segment off as its own (the
-    /// descriptors travel to every member) would have us read that process: one of this user
-    /// on this host, which it could read itself (`ptrace`): the trust shared memory assumes.
-    pub fn pull(&self, from: RankId, at: u64, dst: &mut [u8]) -> Result<(), TransportError> {
-        let failed = |what: String| TransportError::Pull { from, what };
-        let pid = self.engine.pid_of(from).ok_or_else(|| {
-            failed("its memory is not readable from here (no shared segment)".into())
-        })?;
-        let len = dst.len();
-        at.checked_add(len as u64)
-            .ok_or_else(|| failed(format!("{len} bytes at {at:#x} wrap the address space")))?;
-        let mut done = 0usize;
-        while done < len {
-            let local = libc::iovec {
-                iov_base: dst[done..].as_mut_ptr().cast(),
-                iov_len: len - done,
-            };
-            let remote = libc::iovec {
-                iov_base: (at as usize + done) as *mut libc::c_void,
-                iov_len: len - done,
-            };
-            // SAFETY: `local` is `dst`'s unread tail, which we hold mutably; the kernel checks
-            // `remote` against the peer's mappings and fails the call rather than fault.
-            let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
-            if n <= 0 {
-                let e = std::io::Error::last_os_error();
-                if n < 0 && e.raw_os_error() == Some(libc::ESRCH) {
-                    return Err(TransportError::UnknownPeer(from));
-                }
-                return Err(failed(format!(
-                    "{} bytes at {:#x}: {}",
-                    len - done,
-                    at as usize + done,
-                    if n == 0 {
-                        "nothing read".to_string()
-                    } else {
-                        e.to_string()
-                    }
-                )));
-            }
-            done += n as usize;
-        }
-        self.engine.count_pull(len);
-        Ok(())
+    /// `from`'s memory, read with `process_vm_readv` (what UCX's `cma` transport does, here
+    /// under our own checks): one copy, made by the kernel, of memory the peer named. A peer
+    /// that names memory it does not have gets an error. A peer that passed another process's
+    /// segment off as its own (the descriptors travel to every member) would have us read
+    /// that process: one of this user on this host, which it could read itself (`ptrace`):
+    /// the trust shared memory assumes.
+    pub fn peer_memory(&self, from: RankId) -> Result<Arc<dyn PeerMemory>, TransportError> {
+        let pid = self
+            .engine
+            .pid_of(from)
+            .ok_or_else(|| TransportError::Pull {
+                from,
+                what: "its memory is not readable from here (no shared segment)".into(),
+            })?;
+        Ok(Arc::new(CmaMemory {
+            from,
+            pid,
+            engine: self.engine.clone(),
+        }))
     }
 
     /// Sends `frame` to each of `to` (none of them this rank), encoded once; `payload_crc`: its
@@ -517,6 +491,56 @@ fn deliver_loop(
     }
 }
 
+/// A peer process's memory, read with `process_vm_readv` ([`UcxPlane::peer_memory`]).
+struct CmaMemory {
+    from: RankId,
+    pid: i32,
+    engine: Arc<Engine>,
+}
+
+impl PeerMemory for CmaMemory {
+    fn read(&self, at: u64, dst: &mut [u8]) -> Result<(), TransportError> {
+        let (from, pid) = (self.from, self.pid);
+        let failed = |what: String| TransportError::Pull { from, what };
+        let len = dst.len();
+        at.checked_add(len as u64)
+            .ok_or_else(|| failed(format!("{len} bytes at {at:#x} wrap the address space")))?;
+        let mut done = 0usize;
+        while done < len {
+            let local = libc::iovec {
+                iov_base: dst[done..].as_mut_ptr().cast(),
+                iov_len: len - done,
+            };
+            let remote = libc::iovec {
+                iov_base: (at as usize + done) as *mut libc::c_void,
+                iov_len: len - done,
+            };
+            // SAFETY: `local` is `dst`'s unread tail, which we hold mutably; the kernel checks
+            // `remote` against the peer's mappings and fails the call rather than fault.
+            let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+            if n <= 0 {
+                let e = std::io::Error::last_os_error();
+                if n < 0 && e.raw_os_error() == Some(libc::ESRCH) {
+                    return Err(TransportError::UnknownPeer(from));
+                }
+                return Err(failed(format!(
+                    "{} bytes at {:#x}: {}",
+                    len - done,
+                    at as usize + done,
+                    if n == 0 {
+                        "nothing read".to_string()
+                    } else {
+                        e.to_string()
+                    }
+                )));
+            }
+            done += n as usize;
+        }
+        self.engine.count_pull(len);
+        Ok(())
+    }
+}
+
 /// A rank's endpoint with UCX to every peer.
 pub struct UcxTransport {
     plane: UcxPlane,
@@ -647,8 +671,8 @@ impl Transport for UcxTransport {
         self.plane.can_pull(from)
     }
 
-    fn pull(&self, from: RankId, at: u64, dst: &mut [u8]) -> Result<(), TransportError> {
-        self.plane.pull(from, at, dst)
+    fn peer_memory(&self, from: RankId) -> Result<Arc<dyn PeerMemory>, TransportError> {
+        self.plane.peer_memory(from)
     }
 }
 
