@@ -11,6 +11,7 @@ use std::ops::Range;
 
 use bytes::Bytes;
 
+use super::broadcast_pull::{recv_pulled, send_pulled, split_pullers, Landing};
 use super::comm::{Comm, CommError};
 use crate::plan::shard_map::one_run;
 use crate::plan::{RankId, ShardMap};
@@ -367,7 +368,8 @@ pub fn wait_reduce_scatter<T: Transport>(
 /// Broadcast: `root` sends its `len`-byte `payload` (ignored elsewhere) to every member, in
 /// pieces; every other member hands each piece to `place(byte offset, bytes)` as it arrives (the
 /// root's own buffer already holds the bytes). The same pieces go to every peer, so the
-/// in-process transport copies nothing.
+/// in-process transport copies nothing. Members that can read the root's memory (UCX on one
+/// host) pull the bytes instead (`broadcast_pull`), and the root returns once they have.
 pub fn broadcast<T: Transport>(
     comm: &mut Comm<T>,
     members: &[RankId],
@@ -388,15 +390,19 @@ pub fn broadcast<T: Transport>(
                 ),
             });
         }
-        comm.send_pieces(&others(members, me), tag, payload)
+        let (pullers, staged) = split_pullers(comm, others(members, me));
+        comm.send_pieces(&staged, tag, payload.clone())?;
+        send_pulled(comm, tag, &pullers, &payload)
+    } else if comm.can_pull(root) {
+        recv_pulled(comm, tag, root, len, members.len(), Landing::Place(place))
     } else {
         comm.recv_pieces(root, tag, len, place)
     }
 }
 
 /// `broadcast` into `dest` (every member's, exactly the payload's length): receivers get the
-/// pieces straight into it where the transport can (see `Comm::recv_pieces_into`); the
-/// root's `dest` is left alone (its `payload` already holds the bytes).
+/// pieces straight into it where the transport can (see `Comm::recv_pieces_into`), or pull
+/// them into it; the root's `dest` is left alone (its `payload` already holds the bytes).
 pub fn broadcast_into<T: Transport>(
     comm: &mut Comm<T>,
     members: &[RankId],
@@ -408,6 +414,16 @@ pub fn broadcast_into<T: Transport>(
     let me = comm.rank();
     if me == root {
         broadcast(comm, members, root, tag, payload, dest.len(), |_, _| {})
+    } else if comm.can_pull(root) {
+        let (len, n) = (dest.len(), members.len());
+        recv_pulled(
+            comm,
+            tag,
+            root,
+            len,
+            n,
+            Landing::Into::<fn(usize, &[u8])>(dest),
+        )
     } else {
         comm.recv_pieces_into(root, tag, dest)
     }

@@ -8,6 +8,7 @@
 
 pub mod all_reduce;
 mod all_reduce_pull;
+mod broadcast_pull;
 pub mod chunk_set;
 pub mod collectives;
 pub mod comm;
