@@ -1,5 +1,5 @@
 //! All-reduce by pulling, for members whose memory the transport can read (processes on one
-//! host, [`Transport::pull`]): each rank reads its peers' partial sums of its run straight out
+//! host, [`Transport::peer_memory`]): each rank reads its peers' partial sums of its run straight out
 //! of their accumulators and adds them in member order, then reads each peer's sums straight
 //! into its own accumulator. A byte moves with one copy, made by the kernel, where the staged
 //! path copies it twice (into the sender's slot, out of it) and lands partial sums in scratch
@@ -50,18 +50,20 @@ pub(super) fn all_reduce_pulled<T: Transport>(
     }
     let n = mine.len();
     if n > 0 {
+        // Each peer's notice, and its memory (looked up once, not per block).
         let mut from = Vec::with_capacity(peers.len());
         for &k in peers {
             let msg = comm.recv_until(k, rs, deadline)?;
-            from.push((k, Where::parse(k, &msg, n, blocks(n).count())?));
+            let w = Where::parse(k, &msg, n, blocks(n).count())?;
+            from.push((k, w, comm.peer_memory(k)?));
         }
         let mut pulled = vec![0u8; PULL_BLOCK_BYTES.min(n)];
         for (i, r) in blocks(n).enumerate() {
             let block = &mut mine[r.clone()];
-            for (k, w) in &from {
+            for (k, w, memory) in &from {
                 let s = &mut pulled[..r.len()];
                 // Saturating: a peer's address near the top fails the pull, not this rank.
-                comm.pull(*k, w.at.saturating_add(r.start as u64), s)?;
+                memory.read(w.at.saturating_add(r.start as u64), s)?;
                 check(*k, "partial sums", i, crc32(s), w.crcs[i])?;
                 mode.add_encoded_into(block, s);
             }
@@ -71,11 +73,12 @@ pub(super) fn all_reduce_pulled<T: Transport>(
         comm.count_elems(0, (n / elem_bytes * peers.len()) as u64);
     }
     for (k, run) in gather.iter_mut() {
+        let memory = comm.peer_memory(*k)?;
         for (j, r) in blocks(run.len()).enumerate() {
             let msg = comm.recv_until(*k, ag.piece(j as u32), deadline)?;
             let w = Where::parse(*k, &msg, r.len(), 1)?;
             let d = &mut run[r];
-            comm.pull(*k, w.at, d)?;
+            memory.read(w.at, d)?;
             check(*k, "sums", j, crc32(d), w.crcs[0])?;
         }
         comm.send(*k, done, Bytes::new())?;

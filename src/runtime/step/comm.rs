@@ -338,7 +338,7 @@ impl<T: Transport> Comm<T> {
         let deadline = self.deadline();
         for (i, r) in pieces(len).enumerate() {
             let tag = tag.piece(i as u32);
-            let got = self.recv_by(from, tag, deadline)?;
+            let got = self.recv_until(from, tag, deadline)?;
             piece_fits(from, tag, i, got.len(), r.len(), len)?;
             place(r.start, &got);
         }
@@ -475,7 +475,7 @@ impl<T: Transport> Comm<T> {
         deadline: Instant,
     ) -> Result<Option<Bytes>, CommError> {
         let t = tag.piece(i as u32);
-        let got = self.recv_by(from, t, deadline)?;
+        let got = self.recv_until(from, t, deadline)?;
         if self.placed.remove(&(self.epoch, self.step, from, t)) {
             return Ok(None);
         }
@@ -491,17 +491,7 @@ impl<T: Transport> Comm<T> {
     /// Waits for the frame `tag` from `from` in the current (epoch, step).
     pub fn recv(&mut self, from: RankId, tag: Tag) -> Result<Bytes, CommError> {
         let deadline = self.deadline();
-        self.recv_by(from, tag, deadline)
-    }
-
-    /// [`Comm::recv`] until `deadline` (one deadline for a whole collective).
-    pub fn recv_until(
-        &mut self,
-        from: RankId,
-        tag: Tag,
-        deadline: Instant,
-    ) -> Result<Bytes, CommError> {
-        self.recv_by(from, tag, deadline)
+        self.recv_until(from, tag, deadline)
     }
 
     /// Whether the transport can read the memory of every one of `peers` (at least one).
@@ -514,17 +504,18 @@ impl<T: Transport> Comm<T> {
         self.transport.can_pull(peer)
     }
 
-    /// [`Transport::pull`]: `dst.len()` bytes at `at` in `from`'s memory into `dst`.
-    pub fn pull(&self, from: RankId, at: u64, dst: &mut [u8]) -> Result<(), CommError> {
-        Ok(self.transport.pull(from, at, dst)?)
-    }
-
     /// [`Transport::peer_memory`]: `from`'s memory, to read from any thread.
     pub fn peer_memory(&self, from: RankId) -> Result<Arc<dyn PeerMemory>, CommError> {
         Ok(self.transport.peer_memory(from)?)
     }
 
-    fn recv_by(&mut self, from: RankId, tag: Tag, deadline: Instant) -> Result<Bytes, CommError> {
+    /// [`Comm::recv`] until `deadline` (one deadline for a whole collective).
+    pub fn recv_until(
+        &mut self,
+        from: RankId,
+        tag: Tag,
+        deadline: Instant,
+    ) -> Result<Bytes, CommError> {
         if let Some(p) = self.pending.remove(&(self.epoch, self.step, from, tag)) {
             return Ok(p);
         }
@@ -775,7 +766,7 @@ mod tests {
                 a.send(1, tag(2), other.clone())?;
                 a.send(1, tag(1), lent_body.clone())?;
                 let d = b.deadline();
-                let unlent = b.recv_by(0, tag(2), d)?;
+                let unlent = b.recv_until(0, tag(2), d)?;
                 let placed = b.recv_piece(0, tag(1), 0, LEN, d)?;
                 Ok((unlent, placed))
             })

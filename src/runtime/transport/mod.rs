@@ -130,7 +130,7 @@ pub trait Transport: Send + 'static {
     fn was_placed(&self, _frame: &Frame) -> bool {
         false
     }
-    /// Whether [`Transport::pull`] can read `from`'s memory: a process on this host whose
+    /// Whether [`Transport::peer_memory`] can read `from`'s memory: a process on this host whose
     /// identity the transport verified. Collectives choose their path by it on both sides of
     /// a pair, so a transport answers it alike on both (once either says yes, the other does
     /// too, waiting a bounded time if it must). The default: no peer's.
@@ -145,17 +145,13 @@ pub trait Transport: Send + 'static {
             what: "this transport cannot read peers' memory".into(),
         })
     }
-    /// Copies `dst.len()` bytes at address `at` of `from`'s memory into `dst`, in one copy
-    /// made by the kernel ([`PeerMemory::read`] of [`Transport::peer_memory`]).
-    fn pull(&self, from: RankId, at: u64, dst: &mut [u8]) -> Result<(), TransportError> {
-        self.peer_memory(from)?.read(at, dst)
-    }
 }
 
 /// A peer's memory that this process can read ([`Transport::peer_memory`]); `Send` and `Sync`
 /// so that a collective can read one peer from two threads.
 pub trait PeerMemory: Send + Sync {
-    /// Copies `dst.len()` bytes at address `at` of the peer's memory into `dst`: the peer
+    /// Copies `dst.len()` bytes at address `at` of the peer's memory into `dst`, in one copy
+    /// made by the kernel: the peer
     /// named the address in a frame of this step and keeps that memory unchanged until it
     /// hears that the read is over. What was read is not trusted: the caller checks it against
     /// the checksum the peer sent.

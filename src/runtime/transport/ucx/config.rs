@@ -30,7 +30,8 @@ pub struct EngineConfig {
     /// Bytes per staging slot: payloads larger than this go through UCX's rendezvous.
     pub staging_slot_bytes: u32,
     /// Whether the consumer may read the memory of a peer whose staging segment it attached
-    /// (`UcxPlane::pull`, for the all-reduce's one-copy path). On by default; off, every
+    /// (`UcxPlane::peer_memory`, for the all-reduce's and broadcast's one-copy paths). On by
+    /// default; off, every
     /// payload goes through the slots or UCX.
     pub pulls: bool,
 }
@@ -121,7 +122,7 @@ pub struct EngineCounts {
     pub refused: u64,
     /// Sends or receives that completed with an error.
     pub failed: u64,
-    /// Reads of a peer's memory (`UcxPlane::pull`), and the bytes they copied.
+    /// Reads of a peer's memory (`UcxPlane::peer_memory`), and the bytes they copied.
     pub pulls: u64,
     pub pulled_bytes: u64,
 }

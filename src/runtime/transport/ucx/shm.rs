@@ -169,7 +169,7 @@ impl Segment {
     }
 
     /// The process that made an attached peer's segment, as the kernel recorded it: the
-    /// process a pull from that peer reads (`UcxPlane::pull`). The nonce check tied the
+    /// process a pull from that peer reads (`UcxPlane::peer_memory`). The nonce check tied the
     /// segment to the address that came over the authenticated control plane.
     pub fn creator_pid(&self) -> i32 {
         self.creator_pid

@@ -273,19 +273,23 @@ fn a_pull_reads_what_the_peer_named_and_refuses_what_it_does_not_have() {
     assert!(!ts[0].can_pull(7), "no such peer");
     let theirs: Vec<u8> = (0..3 << 20).map(|i| (i * 31 % 251) as u8).collect();
     let mut got = vec![0u8; theirs.len()];
-    ts[0].pull(1, theirs.as_ptr() as u64, &mut got).unwrap();
+    let memory = ts[0].peer_memory(1).unwrap();
+    memory.read(theirs.as_ptr() as u64, &mut got).unwrap();
     assert!(got == theirs);
     assert_eq!(ts[0].plane.engine_counts().pulled_bytes, 3 << 20);
     for at in [8u64, u64::MAX - 4] {
-        let e = ts[0].pull(1, at, &mut got[..64]).unwrap_err();
+        let e = memory.read(at, &mut got[..64]).unwrap_err();
         assert!(matches!(e, TransportError::Pull { from: 1, .. }), "{e:?}");
     }
-    let e = ts[0].pull(7, theirs.as_ptr() as u64, &mut got).unwrap_err();
+    let e = ts[0]
+        .peer_memory(7)
+        .err()
+        .expect("no memory for an unknown peer");
     assert!(matches!(e, TransportError::Pull { from: 7, .. }), "{e:?}");
     let off = plane_of(2, |r| EngineConfig {
         pulls: false,
         ..EngineConfig::shared_memory(r)
     });
     assert!(!off[0].can_pull(1));
-    assert!(off[0].pull(1, theirs.as_ptr() as u64, &mut got).is_err());
+    assert!(off[0].peer_memory(1).is_err());
 }
