@@ -206,8 +206,8 @@ fn the_process_peak_is_the_ledgers_peak_plus_the_runtime() {
     // One 50M-parameter block (1.6 GB of state and working set) in a process of its own, two
     // steps (the second is the first with Adam's m and v resident). Its VmHWM while training
     // must be the ledger's peak plus what any run of the binary holds (code, thread stacks:
-    // about 40-60 MiB here), not more: building the rank's state out of 8192-element chunk
-    // states used to leave their freed heap resident for the whole run (360 MiB here).
+    // about 40-60 MiB here), not more: freed heap left resident after building the rank's
+    // state out of 8192-element chunk states would be 360 MiB here.
     let t = tempfile::tempdir().unwrap();
     let json = t.path().join("summary.json");
     let r = common::ezero::ezero(&[

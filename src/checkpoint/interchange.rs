@@ -20,7 +20,7 @@ use super::hf::source::{NamedWeights, Naming};
 use super::read::Loaded;
 use super::write::{tmp_path, write_synced};
 use crate::model::UnitSpec;
-use crate::runtime::step::rank_state::ChunkState;
+use crate::runtime::step::state::rank_state::ChunkState;
 
 /// How to export.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -192,11 +192,6 @@ pub fn weights(
     units: &[UnitSpec],
 ) -> Result<NamedWeights<TensorDir>, CheckpointError> {
     NamedWeights::open(TensorDir::open_file(path)?, &OwnNames, units)
-}
-
-/// Every unit's full parameters from such a file.
-pub fn import_params(path: &Path, units: &[UnitSpec]) -> Result<Vec<Vec<f32>>, CheckpointError> {
-    weights(path, units)?.read_all()
 }
 
 #[cfg(test)]

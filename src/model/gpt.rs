@@ -1,4 +1,4 @@
-//! The GPT of the PyTorch reference (`/work/shared/peers/train_fsdp.py`, classes `Block` and
+//! The GPT of the PyTorch reference (`../shared/peers/train_fsdp.py`, classes `Block` and
 //! `GPT`), cut into ZeRO units: the embeddings, one unit per transformer block, and the head.
 //!
 //! Pre-LN blocks: `x + proj(attn(ln1(x)))`, then `x + fc2(gelu(fc1(ln2(x))))`; learned token and

@@ -193,7 +193,7 @@ mod tests {
 
     #[test]
     fn splitmix_matches_reference_stream() {
-        // Same stream as `splitmix64_stream(seed, n)` in /work/shared/peers/train_fsdp.py.
+        // Same stream as `splitmix64_stream(seed, n)` in ../shared/peers/train_fsdp.py.
         let mut r = SplitMix64::new(0);
         assert_eq!(r.next_u64(), 0xE220_A839_7B1D_CDAF);
         assert_eq!(r.next_u64(), 0x6E78_9E6A_A1B9_65F4);

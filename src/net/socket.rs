@@ -7,11 +7,8 @@ use std::net::{SocketAddr, UdpSocket};
 use socket2::{Domain, Protocol, Socket, Type};
 
 /// A UDP socket bound to exactly `addr`, with send and receive buffers of `buffer_bytes`
-/// (the kernel may cap them at `net.core.{r,w}mem_max`; the granted sizes are returned).
-pub fn bind_udp(
-    addr: SocketAddr,
-    buffer_bytes: usize,
-) -> std::io::Result<(UdpSocket, SocketBuffers)> {
+/// (the kernel may cap them at `net.core.{r,w}mem_max`).
+pub fn bind_udp(addr: SocketAddr, buffer_bytes: usize) -> std::io::Result<UdpSocket> {
     let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
     if addr.is_ipv6() {
         // Bind to the given address only, never to the IPv4 side as well.
@@ -22,16 +19,5 @@ pub fn bind_udp(
         s.set_send_buffer_size(buffer_bytes)?;
     }
     s.bind(&addr.into())?;
-    let got = SocketBuffers {
-        recv_bytes: s.recv_buffer_size()?,
-        send_bytes: s.send_buffer_size()?,
-    };
-    Ok((s.into(), got))
-}
-
-/// Buffer sizes the kernel granted (Linux reports twice the requested value, for bookkeeping).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
-pub struct SocketBuffers {
-    pub recv_bytes: usize,
-    pub send_bytes: usize,
+    Ok(s.into())
 }

@@ -31,10 +31,6 @@ impl Stage {
             .get(stage as usize)
             .copied()
     }
-
-    pub fn as_u8(self) -> u8 {
-        self as u8
-    }
 }
 
 /// One step of the phase program a rank executes.

@@ -4,7 +4,7 @@
 //! parameters, gradient accumulators, frames: 1-30 MiB each). glibc's malloc serves blocks above
 //! a dynamic threshold with fresh `mmap`s and trims freed memory at the top of its heaps back to
 //! the kernel, so every step paid again for page faults and the kernel zeroing those pages: in
-//! paired runs of the ZeRO-3 benchmark (BENCHMARKS.md §2.7) that was about a tenth of the step and
+//! paired runs of the ZeRO-3 benchmark (docs/benchmark-history.md) that was about a tenth of the step and
 //! half of the system CPU time. Keeping freed memory in the process, as PyTorch's caching
 //! allocator does, removes it; the process keeps its peak heap instead of shrinking after it.
 

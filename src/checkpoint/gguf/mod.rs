@@ -94,10 +94,6 @@ impl GgufFile {
         self.metadata.get(key)
     }
 
-    pub fn metadata_keys(&self) -> impl Iterator<Item = &str> {
-        self.metadata.keys().map(String::as_str)
-    }
-
     /// Every tensor, in file order, under its GGUF name.
     pub fn tensors(&self) -> &[GgufTensorInfo] {
         &self.tensors

@@ -88,25 +88,6 @@ impl GgufValue {
             _ => None,
         }
     }
-
-    /// The GGUF name of this value's type, for error messages.
-    pub fn type_name(&self) -> &'static str {
-        match self {
-            Self::U8(_) => "u8",
-            Self::I8(_) => "i8",
-            Self::U16(_) => "u16",
-            Self::I16(_) => "i16",
-            Self::U32(_) => "u32",
-            Self::I32(_) => "i32",
-            Self::U64(_) => "u64",
-            Self::I64(_) => "i64",
-            Self::F32(_) => "f32",
-            Self::F64(_) => "f64",
-            Self::Bool(_) => "bool",
-            Self::String(_) => "string",
-            Self::Array(_) => "array",
-        }
-    }
 }
 
 impl GgufArray {

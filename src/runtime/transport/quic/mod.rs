@@ -31,7 +31,7 @@ pub use self::io::ControlEvent;
 use self::io::{accept_loop, dial, Counters, Shared, CLOSE_BYE};
 use self::socket::CappedSocket;
 use crate::net::secrets::Identity;
-use crate::net::socket::{bind_udp, SocketBuffers};
+use crate::net::socket::bind_udp;
 use crate::net::tls;
 use crate::plan::RankId;
 use crate::runtime::transport::{Frame, Tag, TagKind, Transport, TransportError};
@@ -64,7 +64,6 @@ pub struct QuicTransport {
     shared: Arc<Shared>,
     runtime: Option<tokio::runtime::Runtime>,
     local_addr: SocketAddr,
-    buffers: SocketBuffers,
     linger_ms: u64,
 }
 
@@ -109,7 +108,7 @@ impl QuicTransport {
             .enable_all()
             .build()
             .map_err(|e| QuicError::Runtime(e.to_string()))?;
-        let (socket, buffers) =
+        let socket =
             bind_udp(addr, cfg.socket_buffer_bytes).map_err(|e| bind_err(e.to_string()))?;
         let transport = Arc::new(transport_config(cfg)?);
         let mut server = quinn::ServerConfig::with_crypto(tls.quic_server()?);
@@ -154,18 +153,12 @@ impl QuicTransport {
             shared,
             runtime: Some(runtime),
             local_addr,
-            buffers,
             linger_ms: cfg.linger_ms,
         })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
-    }
-
-    /// Socket buffer sizes the kernel granted.
-    pub fn socket_buffers(&self) -> SocketBuffers {
-        self.buffers
     }
 
     pub fn control(&self) -> QuicControl {
