@@ -3,8 +3,8 @@
 //! and a stop naming the rank without them. Each worker's last line says which peers it reached
 //! over UCX and what arrived that way, so a run that quietly fell back to TCP fails.
 //!
-//! Without libucx the tests skip, saying so, unless `EZERO_REQUIRE_UCX=1` (set by `.ci/run`
-//! after installing it).
+//! They need libucx0, so they are ignored by plain `cargo test`; `cargo test --
+//! --include-ignored` (what `.ci/run` runs) fails them if it is missing.
 
 use crate::common;
 use crate::procs::start_job_over;
@@ -15,14 +15,9 @@ use std::process::Command;
 use common::procs::{digest, flags_with, reference_digest, run, small, EZERO};
 use elastic_zero::runtime::transport::ucx;
 
-fn available() -> bool {
-    match ucx::library() {
-        Ok(_) => true,
-        Err(e) if ucx::required_by_tests() => panic!("EZERO_REQUIRE_UCX=1: {e}"),
-        Err(e) => {
-            eprintln!("skipped: {e}");
-            false
-        }
+fn require() {
+    if let Err(e) = ucx::library() {
+        panic!("this test needs libucx0 (apt-get install libucx0): {e}");
     }
 }
 
@@ -67,11 +62,10 @@ fn assert_all_over_ucx(out: &str, nprocs: u32) -> Vec<u64> {
     staged
 }
 
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn launch_over_ucx_gives_the_in_process_digest_at_2_and_3_processes() {
-    if !available() {
-        return;
-    }
+    require();
     for (nprocs, stage, model) in [(2, 1, "gpt"), (3, 1, "mlp"), (2, 3, "mlp"), (3, 3, "gpt")] {
         let flags = small(model, stage);
         let reference = reference_digest(nprocs, &flags);
@@ -85,11 +79,10 @@ fn launch_over_ucx_gives_the_in_process_digest_at_2_and_3_processes() {
 
 /// Payloads of 64 KiB and more go through the senders' shared-memory staging slots, mapped
 /// across processes (the tiny models above send none that large), with the same digest.
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn launch_over_ucx_stages_large_payloads_with_the_in_process_digest() {
-    if !available() {
-        return;
-    }
+    require();
     let mut flags = small("gpt", 3);
     let at = flags.iter().position(|f| f == "--d-model").unwrap() + 1;
     flags[at] = "256".into();
@@ -106,11 +99,10 @@ fn launch_over_ucx_stages_large_payloads_with_the_in_process_digest() {
 /// rank's share is a 4 MiB piece and one of 20 KiB, sent by rendezvous but too short to lend
 /// for: the engine kept it back for loans while the others' were open, and the all-gather
 /// waited for it until its deadline.
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn collectives_over_ucx_land_the_right_bytes() {
-    if !available() {
-        return;
-    }
+    require();
     let (code, out, err) = run(Command::new(EZERO).args([
         "bench",
         "collectives",
@@ -131,11 +123,10 @@ fn collectives_over_ucx_land_the_right_bytes() {
 
 /// A leave moves the leaver's chunks peer to peer over UCX; a joiner is reached over UCX by
 /// the members (`AddPeer`) and reaches them (its peer list).
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn leave_and_join_over_ucx_give_the_in_process_digest() {
-    if !available() {
-        return;
-    }
+    require();
     for (nprocs, extra) in [(3, ["--leave", "1@1"]), (2, ["--join", "1@3"])] {
         let flags = flags_with("mlp", 3, 5, &extra);
         let reference = reference_digest(nprocs, &flags_with("mlp", 3, 5, &[]));
@@ -152,20 +143,18 @@ fn leave_and_join_over_ucx_give_the_in_process_digest() {
     }
 }
 
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn kill_9_over_ucx_is_recovered_from_buddy_backups_with_the_fault_free_digest() {
-    if !available() {
-        return;
-    }
+    require();
     kill_9_inside_a_step_is_recovered("ucx");
 }
 
 /// Without backups the job cannot recover: it stops, naming the killed rank.
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn kill_9_over_ucx_without_backups_stops_naming_the_rank() {
-    if !available() {
-        return;
-    }
+    require();
     let mut job = start_job_over("ucx-kill", "ucx");
     job.coord.wait_for_line("step ");
     job.workers[1].kill().expect("SIGKILL worker 1");
@@ -199,6 +188,7 @@ fn a_missing_libucx_is_one_line_exit_2() {
 /// `--ucx-net`: refused without `--transport ucx` or with a malformed device list (exit 2,
 /// one line); with it, the workers' UCX may also use the device (here loopback), the coordinator
 /// warns that such traffic is unencrypted, and the digest is unchanged.
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn ucx_net_is_checked_warned_about_and_keeps_the_digest() {
     for (transport, devices, says) in [
@@ -221,9 +211,7 @@ fn ucx_net_is_checked_warned_about_and_keeps_the_digest() {
         assert_eq!(code, 2, "{transport} {devices}: {out}\n{err}");
         assert!(err.contains(says), "{err}");
     }
-    if !available() {
-        return;
-    }
+    require();
     let flags = small("gpt", 3);
     let reference = reference_digest(2, &flags);
     let (code, out, err) = run(Command::new(EZERO)

@@ -113,35 +113,25 @@ fn load(name: &str) -> Result<sys::Ucp, UcxError> {
     unsafe { sys::Ucp::new(name) }.map_err(|e| UcxError::Missing(e.to_string()))
 }
 
-/// Whether the tests must find libucx rather than skip (`EZERO_REQUIRE_UCX=1`, which `.ci/run`
-/// sets after installing it).
-pub fn required_by_tests() -> bool {
-    std::env::var("EZERO_REQUIRE_UCX").is_ok_and(|v| v == "1")
-}
-
-/// For tests: whether libucx is here. Without it a test skips, saying so, unless
-/// [`required_by_tests`].
+/// For tests: libucx, or a panic saying what to install. The tests that call it are
+/// `#[ignore = "needs libucx0 ..."]`, so plain `cargo test` lists them as ignored and
+/// `cargo test -- --include-ignored` (what `.ci/run` runs) must find the library.
 #[cfg(test)]
-pub(crate) fn available_for_tests() -> bool {
-    match library() {
-        Ok(_) => true,
-        Err(e) if required_by_tests() => panic!("EZERO_REQUIRE_UCX=1: {e}"),
-        Err(e) => {
-            eprintln!("skipped: {e}");
-            false
-        }
+pub(crate) fn require_for_tests() {
+    if let Err(e) = library() {
+        panic!("this test needs libucx0 (apt-get install libucx0): {e}");
     }
 }
 
 /// For tests: `n` shared-memory engines in this process (ids `0..n`) and a `UcxTransport` on
-/// each, connected to all of them; `None` (skipped) without libucx.
+/// each, connected to all of them.
 #[cfg(test)]
 pub(crate) fn transports_for_tests(
     n: u32,
-) -> Option<(
+) -> (
     Vec<std::sync::Arc<engine::Engine>>,
     Vec<transport::UcxTransport>,
-)> {
+) {
     transports_for_tests_with(n, engine::EngineConfig::shared_memory)
 }
 
@@ -150,14 +140,12 @@ pub(crate) fn transports_for_tests(
 pub(crate) fn transports_for_tests_with(
     n: u32,
     cfg: impl Fn(u32) -> engine::EngineConfig,
-) -> Option<(
+) -> (
     Vec<std::sync::Arc<engine::Engine>>,
     Vec<transport::UcxTransport>,
-)> {
+) {
     use std::sync::Arc;
-    if !available_for_tests() {
-        return None;
-    }
+    require_for_tests();
     let engines: Vec<Arc<engine::Engine>> = (0..n)
         .map(|r| Arc::new(engine::Engine::start(cfg(r)).unwrap()))
         .collect();
@@ -169,7 +157,7 @@ pub(crate) fn transports_for_tests_with(
         .iter()
         .map(|e| transport::UcxTransport::connect(e.id(), Arc::clone(e), &peers, 64 << 20).unwrap())
         .collect();
-    Some((engines, eps))
+    (engines, eps)
 }
 
 /// A UCS status as text.

@@ -77,11 +77,10 @@ fn transports_with(
     (engines, t)
 }
 
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn staged_payloads_reach_every_receiver_and_the_slots_are_reused() {
-    let Some((engines, mut t)) = transports_for_tests(3) else {
-        return;
-    };
+    let (engines, mut t) = transports_for_tests(3);
     wait_attached(&engines);
     const MIB: usize = 1 << 20;
     // One slot read by two receivers.
@@ -130,11 +129,10 @@ fn staged_payloads_reach_every_receiver_and_the_slots_are_reused() {
         .unwrap());
 }
 
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn a_staged_payload_lands_in_its_loan_and_damage_is_caught() {
-    let Some((engines, mut t)) = transports_for_tests(2) else {
-        return;
-    };
+    let (engines, mut t) = transports_for_tests(2);
     wait_attached(&engines);
     const N: usize = 2 << 20;
     let mut buf = vec![0u8; N];
@@ -184,11 +182,10 @@ fn a_staged_payload_lands_in_its_loan_and_damage_is_caught() {
     assert_eq!(t[1].plane.held_bytes(), 0);
 }
 
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn a_staged_frame_over_the_receivers_limit_is_counted_and_dropped() {
-    if !super::super::available_for_tests() {
-        return;
-    }
+    super::super::require_for_tests();
     // The receiver takes frames of at most 1 MiB.
     let max_frame = |r| if r == 1 { 1 << 20 } else { 64 << 20 };
     let (engines, mut t) = transports_with(2, EngineConfig::shared_memory, max_frame);
@@ -232,11 +229,10 @@ fn one_without_staging() -> (Vec<Arc<Engine>>, Vec<UcxTransport>) {
     (engines, t)
 }
 
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn an_engine_without_staging_sends_through_ucx() {
-    if !super::super::available_for_tests() {
-        return;
-    }
+    super::super::require_for_tests();
     let (engines, mut t) = one_without_staging();
     let f = test_frame(3, 0, 1, Bytes::new());
     let mut never = |dst: &mut [u8]| -> u32 { panic!("wrote {} bytes", dst.len()) };
@@ -266,11 +262,10 @@ fn add_bytes(dst: &mut [u8], src: &[u8]) {
 /// Memory lent to add into receives the sum of what was there and the payload, whether the
 /// payload was staged (added straight from the sender's slot) or came by rendezvous (received
 /// whole, then added); both are checked as any other frame.
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn a_payload_lent_to_add_is_added_whichever_way_it_came() {
-    if !super::super::available_for_tests() {
-        return;
-    }
+    super::super::require_for_tests();
     let (engines, mut t) = one_without_staging();
     const N: usize = 3 << 20;
     let want = |k: usize| -> Vec<u8> {
@@ -314,11 +309,10 @@ fn a_payload_lent_to_add_is_added_whichever_way_it_came() {
 /// A receiver that stops reading holds the sender's slots, and the sender's frames then go by
 /// UCX's rendezvous; once it reads again the slots come back. (A receiver that dies gives them
 /// back when UCX reports its endpoint failed: `ring`'s tests, and the kill -9 tests over UCX.)
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn a_receiver_that_stops_reading_holds_slots_until_it_reads() {
-    if !super::super::available_for_tests() {
-        return;
-    }
+    super::super::require_for_tests();
     // Rank 1 takes one payload beyond its 1-byte credit, then nothing until it reads.
     let cfg = |r| EngineConfig {
         inbox_bytes_max: (r == 1).then_some(1),

@@ -1,6 +1,6 @@
 //! `UcxTransport` and `UcxPlane`: frames between engines, checked, lent and bounded.
-use super::super::available_for_tests as available;
 use super::super::engine::EngineConfig;
+use super::super::require_for_tests as require;
 use super::*;
 use crate::runtime::transport::test_frame;
 use crate::wire::encode_split;
@@ -37,11 +37,10 @@ fn plane_of(n: u32, cfg: impl Fn(u32) -> EngineConfig) -> Vec<UcxTransport> {
         .collect()
 }
 
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn frames_cross_between_three_ranks_and_to_self() {
-    if !available() {
-        return;
-    }
+    require();
     let mut t = plane(3);
     let big: Vec<u8> = (0..(8 << 20)).map(|i| (i % 251) as u8).collect();
     t[0].send(2, frame(0, 1, big.clone())).unwrap();
@@ -73,11 +72,10 @@ fn frames_cross_between_three_ranks_and_to_self() {
     }
 }
 
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn damaged_misattributed_and_oversize_frames_are_counted_and_dropped() {
-    if !available() {
-        return;
-    }
+    require();
     let mut t = plane(2);
     let good = encode_split(&WireMsg::Frame(frame(0, 1, vec![5; 100])));
     // A flipped payload byte fails the CRC.
@@ -110,11 +108,10 @@ fn damaged_misattributed_and_oversize_frames_are_counted_and_dropped() {
 /// A payload lent a buffer lands there and is checked there: the frame comes with an empty
 /// payload that `was_placed` recognises once. A damaged payload in a loan is counted and
 /// never reported placed, and a frame that came before its loan arrives as usual.
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn a_lent_payload_lands_in_place_and_is_checked_there() {
-    if !available() {
-        return;
-    }
+    require();
     const N: usize = 2 << 20;
     let mut t = plane(2);
     let body = |k: usize| -> Vec<u8> { (0..N).map(|i| (i * 3 + k) as u8).collect() };
@@ -174,11 +171,10 @@ fn a_lent_payload_lands_in_place_and_is_checked_there() {
 
 /// A rank that does not look at its inbox holds at most its receive credit; the rest waits
 /// in the senders' memory and arrives whole once the rank reads.
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn a_busy_rank_holds_at_most_its_receive_credit() {
-    if !available() {
-        return;
-    }
+    require();
     const MIB: usize = 1 << 20;
     let mut t = plane_with(3, Some(4 * MIB));
     let body = |k: usize, n: usize| -> Vec<u8> { (0..n).map(|i| (i * 7 + k) as u8).collect() };
@@ -234,11 +230,10 @@ fn a_busy_rank_holds_at_most_its_receive_credit() {
 /// Two ranks that each send the other many times their credit before reading anything:
 /// neither engine stops for its full credit, so each can read everything the other sent
 /// while the other is still not reading.
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn ranks_sending_past_each_others_credit_do_not_deadlock() {
-    if !available() {
-        return;
-    }
+    require();
     const MIB: usize = 1 << 20;
     let mut t = plane_with(2, Some(2 * MIB));
     for k in 0..10u32 {
@@ -263,11 +258,10 @@ fn ranks_sending_past_each_others_credit_do_not_deadlock() {
 /// A pull copies the bytes a peer named (the engines share this process, so its memory is
 /// ours); memory the peer does not have is an error, not a fault; a plane with pulls off
 /// refuses every pull.
+#[ignore = "needs libucx0 (apt-get install libucx0)"]
 #[test]
 fn a_pull_reads_what_the_peer_named_and_refuses_what_it_does_not_have() {
-    if !available() {
-        return;
-    }
+    require();
     let ts = plane(2);
     assert!(ts[0].can_pull(1) && ts[1].can_pull(0));
     assert!(!ts[0].can_pull(7), "no such peer");
