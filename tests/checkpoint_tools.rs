@@ -145,10 +145,12 @@ fn export_round_trips_through_safetensors_and_init_starts_from_it() {
             .snapshot
             .chunks
             .iter()
-            .map(|c| elastic_zero::runtime::step::rank_state::ChunkState {
-                params: c.m.clone(),
-                ..c.clone()
-            })
+            .map(
+                |c| elastic_zero::runtime::step::state::rank_state::ChunkState {
+                    params: c.m.clone(),
+                    ..c.clone()
+                },
+            )
             .collect::<Vec<_>>(),
     );
     for (u, unit) in units.iter().enumerate() {

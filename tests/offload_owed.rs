@@ -8,7 +8,7 @@ use crate::common;
 use common::small;
 use elastic_zero::config::{ModelKind, TrainConfig};
 use elastic_zero::runtime::actors::ClusterEvent;
-use elastic_zero::runtime::step::rank_state::ChunkState;
+use elastic_zero::runtime::step::state::rank_state::ChunkState;
 use elastic_zero::runtime::{Cluster, ClusterSpec};
 
 use crate::offload::{

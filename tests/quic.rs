@@ -7,9 +7,10 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use elastic_zero::bench::collectives::broadcast::broadcast;
 use elastic_zero::net::{ClusterCa, Identity};
 use elastic_zero::plan::RankId;
-use elastic_zero::runtime::step::collectives::{barrier, broadcast, exchange_small};
+use elastic_zero::runtime::step::comm::collectives::{barrier, exchange_small};
 use elastic_zero::runtime::step::comm::Comm;
 use elastic_zero::runtime::transport::quic::{ControlEvent, QuicConfig, QuicTransport};
 use elastic_zero::runtime::transport::{Frame, Tag, TagKind, Transport, TransportError};

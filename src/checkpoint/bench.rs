@@ -25,8 +25,8 @@ use crate::model::{ParamSpec, UnitSpec};
 use crate::plan::ShardMap;
 use crate::runtime::actors::Snapshot;
 use crate::runtime::api::cluster::Observer;
-use crate::runtime::step::rank_state::ChunkState;
-use crate::runtime::step::resume::read_owned_chunks;
+use crate::runtime::step::elastic::resume::read_owned_chunks;
+use crate::runtime::step::state::rank_state::ChunkState;
 use crate::runtime::{train, ClusterSpec};
 use crate::summary::median;
 

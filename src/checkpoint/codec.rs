@@ -3,7 +3,7 @@
 //! no headers and any chunk (or element range) can be read with one seek.
 
 use super::manifest::ChunkEntry;
-use crate::runtime::step::rank_state::ChunkState;
+use crate::runtime::step::state::rank_state::ChunkState;
 use crate::wire::f32s::{get_f32s, put_f32s};
 
 /// Appends `c`'s record to `out`.

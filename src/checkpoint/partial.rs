@@ -20,8 +20,8 @@ use super::read::{check_len, check_record, read_manifest};
 use super::store;
 use crate::engine::coordinator::Progress;
 use crate::plan::{ChunkId, ShardMap};
-use crate::runtime::step::rank_state::ChunkState;
-use crate::runtime::step::resume::{covering, recut, RankRead, ResumeSource};
+use crate::runtime::step::elastic::resume::{covering, recut, RankRead, ResumeSource};
+use crate::runtime::step::state::rank_state::ChunkState;
 
 /// A checkpoint opened for resuming: manifest checked, chunk data not yet read.
 #[derive(Debug, Clone)]

@@ -15,7 +15,7 @@ use super::manifest::{crc_hex, ChunkEntry, FileEntry, Manifest, MANIFEST_FILE, T
 use super::store;
 use crate::param_digest::ParamDigest;
 use crate::runtime::actors::Snapshot;
-use crate::runtime::step::rank_state::ChunkState;
+use crate::runtime::step::state::rank_state::ChunkState;
 
 /// A checkpoint read and verified.
 #[derive(Clone, Debug)]
@@ -394,7 +394,7 @@ mod tests {
                 ),
                 (
                     "resume",
-                    crate::runtime::step::resume::params_sha256(&by_id),
+                    crate::runtime::step::elastic::resume::params_sha256(&by_id),
                 ),
                 ("save", super::super::write::params_sha256(&chunks)),
                 ("load", params_sha256_of_records(&files, &blobs).unwrap()),

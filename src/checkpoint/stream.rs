@@ -25,8 +25,8 @@ use super::{SaveOptions, SaveReport};
 use crate::engine::coordinator::Progress;
 use crate::param_digest::ParamDigest;
 use crate::plan::{RankId, ShardMap};
-use crate::runtime::step::rank_state::ChunkState;
-use crate::runtime::step::snapshot::{SnapshotSink, SnapshotStream};
+use crate::runtime::step::elastic::snapshot::{SnapshotSink, SnapshotStream};
+use crate::runtime::step::state::rank_state::ChunkState;
 
 /// Saves streamed snapshots under `root`; each save's outcome goes to `results` (the caller
 /// reports them as it does the background writer's).

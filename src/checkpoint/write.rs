@@ -31,7 +31,7 @@ use super::store;
 use crate::engine::coordinator::Progress;
 use crate::plan::{RankId, ShardMap};
 use crate::runtime::actors::Snapshot;
-use crate::runtime::step::rank_state::ChunkState;
+use crate::runtime::step::state::rank_state::ChunkState;
 
 /// A point of the save sequence at which a crash test aborts the process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -18,7 +18,7 @@ use elastic_zero::plan::tier::{gib, Fit, Tier};
 use elastic_zero::plan::RankId;
 use elastic_zero::runtime::alloc::peak_rss_bytes;
 use elastic_zero::runtime::api::cluster::Observer;
-use elastic_zero::runtime::step::resume::ResumeSource;
+use elastic_zero::runtime::step::elastic::resume::ResumeSource;
 use elastic_zero::runtime::{ChangeRecord, Cluster, ClusterBuilder, ClusterError, ClusterSpec};
 use elastic_zero::summary::{median, rank_summaries, StepBreakdown, TrainSummary};
 

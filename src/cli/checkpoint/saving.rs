@@ -19,7 +19,7 @@ use elastic_zero::model::Model;
 use elastic_zero::plan::RankId;
 use elastic_zero::runtime::actors::{BoundarySnapshot, Snapshot};
 use elastic_zero::runtime::api::cluster::Observer;
-use elastic_zero::runtime::step::snapshot::SnapshotSink;
+use elastic_zero::runtime::step::elastic::snapshot::SnapshotSink;
 use elastic_zero::runtime::ChangeRecord;
 
 use super::usage;

@@ -9,9 +9,9 @@ use super::messages::RankMsg;
 use crate::engine::coordinator::Progress;
 use crate::param_digest::ParamDigest;
 use crate::plan::{RankId, ShardMap};
-use crate::runtime::step::rank_state::ChunkState;
-use crate::runtime::step::snapshot::SnapshotSink;
-use crate::runtime::step::tier_reads::GROUP_ELEMS;
+use crate::runtime::step::elastic::snapshot::SnapshotSink;
+use crate::runtime::step::state::rank_state::ChunkState;
+use crate::runtime::step::state::tier_reads::GROUP_ELEMS;
 use crate::runtime::transport::Transport;
 
 /// Asks every rank for the chunks it owns and checks that each chunk arrives exactly once.

@@ -17,8 +17,8 @@ use super::rank::{RankActor, RankArgs};
 use crate::engine::coordinator::{Command, Coordinator, Event, Refusal};
 use crate::plan::{RankId, ShardMap};
 use crate::runtime::clock::Clock;
+use crate::runtime::step::elastic::snapshot::{Snapshot, SnapshotSink};
 use crate::runtime::step::progress::{Beat, RunProgress};
-use crate::runtime::step::snapshot::{Snapshot, SnapshotSink};
 use crate::runtime::transport::Transport;
 
 /// Starts a new rank (a joiner): the arguments of its rank actor (its endpoint, shared setup, no

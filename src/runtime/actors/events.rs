@@ -2,7 +2,7 @@
 
 use crate::engine::coordinator::{MembershipRecord, StepRecord};
 use crate::plan::RankId;
-use crate::runtime::step::snapshot::Snapshot;
+use crate::runtime::step::elastic::snapshot::Snapshot;
 
 /// What the cluster reports to whoever drives it. Embedders match it with a wildcard arm:
 /// events may be added.

@@ -8,8 +8,8 @@ use crate::engine::coordinator::{Change, Refusal};
 use crate::engine::messages::{StepPlan, StepReport};
 use crate::plan::{RankId, ShardMap};
 use crate::runtime::step::comm::CommError;
-use crate::runtime::step::rank_state::ChunkState;
-use crate::runtime::step::work::Work;
+use crate::runtime::step::exec::work::Work;
+use crate::runtime::step::state::rank_state::ChunkState;
 use crate::runtime::transport::Transport;
 
 /// Messages to the coordinator. Expected failures arrive as `RankFailed`, never as errors.
@@ -40,7 +40,7 @@ pub enum CoordMsg<T: Transport> {
     Tick,
     /// From now on, snapshots stream into this sink instead of being collected whole (the
     /// runtime sends it when state lives on the tier).
-    StreamSnapshots(std::sync::Arc<dyn crate::runtime::step::snapshot::SnapshotSink>),
+    StreamSnapshots(std::sync::Arc<dyn crate::runtime::step::elastic::snapshot::SnapshotSink>),
     /// A rank finished a unit within (epoch, step) (worker processes; the coordinator reads
     /// in-process ranks' beats itself).
     Progress {

@@ -17,5 +17,5 @@ pub use self::coord::{BoundarySnapshot, CoordArgs, CoordinatorActor, NewRank, Ra
 pub use self::events::ClusterEvent;
 pub use self::messages::{Activity, CoordMsg, CoordView, RankMsg};
 pub use self::rank::{RankActor, RankArgs};
-pub use crate::runtime::step::snapshot::Snapshot;
-pub use crate::runtime::step::work::{RankSetup, Work};
+pub use crate::runtime::step::elastic::snapshot::Snapshot;
+pub use crate::runtime::step::exec::work::{RankSetup, Work};

@@ -15,10 +15,10 @@ use crate::config::{Round, RoundKill};
 use crate::plan::replica::holders;
 use crate::plan::{RankId, ShardMap};
 use crate::runtime::step::comm::CommError;
+use crate::runtime::step::elastic::replica::{replicate, Backup};
+use crate::runtime::step::elastic::reshard::Reshard;
 use crate::runtime::step::exec::run_step;
-use crate::runtime::step::replica::{replicate, Backup};
-use crate::runtime::step::reshard::Reshard;
-use crate::runtime::step::work::{RankSetup, Work};
+use crate::runtime::step::exec::work::{RankSetup, Work};
 use crate::runtime::transport::Transport;
 
 pub struct RankArgs<T: Transport> {

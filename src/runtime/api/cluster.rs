@@ -29,11 +29,11 @@ use crate::runtime::actors::{
 use crate::runtime::alloc::available_memory_bytes;
 use crate::runtime::clock::SystemClock;
 use crate::runtime::step::comm::Comm;
+use crate::runtime::step::elastic::resume::{read_owned_chunks, ResumeSource};
+use crate::runtime::step::elastic::snapshot::SnapshotSink;
 use crate::runtime::step::exec::ExecConfig;
 use crate::runtime::step::progress::RunProgress;
-use crate::runtime::step::rank_state::{ChunkState, RankState};
-use crate::runtime::step::resume::{read_owned_chunks, ResumeSource};
-use crate::runtime::step::snapshot::SnapshotSink;
+use crate::runtime::step::state::rank_state::{ChunkState, RankState};
 use crate::runtime::storage::{DirLock, Faults, TierSpec, UringConfig};
 use crate::runtime::transport::local::{
     LocalEndpoint, LocalNetwork, NetCounts, NetFaults, Partition,

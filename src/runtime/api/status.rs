@@ -17,8 +17,8 @@ use crate::plan::rebalance::rebalance;
 use crate::plan::replica::holders;
 use crate::plan::{RankId, ShardMap, Stage};
 use crate::runtime::actors::{Activity, CoordView};
-use crate::runtime::step::rank_state::OptimSettings;
-use crate::runtime::step::reshard::transfers;
+use crate::runtime::step::elastic::reshard::transfers;
+use crate::runtime::step::state::rank_state::OptimSettings;
 
 /// Membership changes kept for `/status` (older ones are counted, not listed).
 pub const HISTORY_MAX: usize = 256;

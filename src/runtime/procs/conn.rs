@@ -19,7 +19,7 @@ use crate::plan::RankId;
 use crate::runtime::actors::CoordMsg;
 use crate::runtime::actors::RankMsg;
 use crate::runtime::clock::Clock;
-use crate::runtime::step::rank_state::ChunkState;
+use crate::runtime::step::state::rank_state::ChunkState;
 use crate::runtime::transport::detached::Detached;
 
 /// Starts the proxy of a worker that is ready, with its reader and heartbeat tasks.

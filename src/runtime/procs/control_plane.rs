@@ -14,7 +14,7 @@ use crate::engine::messages::{StepPlan, StepReport};
 use crate::plan::{RankId, ShardMap};
 use crate::runtime::actors::CoordMsg;
 use crate::runtime::actors::RankMsg;
-use crate::runtime::step::rank_state::ChunkState;
+use crate::runtime::step::state::rank_state::ChunkState;
 use crate::runtime::transport::Transport;
 
 /// Version of the control protocol; a peer speaking another is refused.

@@ -53,7 +53,7 @@ use crate::runtime::api::cluster::{consolidate, job_spec, Observer, TrainOutcome
 use crate::runtime::api::control::{ControlHandle, DataPlanes, Monitor, Workers};
 use crate::runtime::api::http::{self, HttpLimits};
 use crate::runtime::clock::{Clock, SystemClock};
-use crate::runtime::step::snapshot::SnapshotSink;
+use crate::runtime::step::elastic::snapshot::SnapshotSink;
 use crate::runtime::transport::detached::Detached;
 
 /// How long final messages get to leave before the process stops.

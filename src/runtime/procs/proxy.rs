@@ -18,7 +18,7 @@ use super::control_plane::{RankCommand, RankReport, ToCoord, ToWorker};
 use crate::plan::RankId;
 use crate::runtime::actors::CoordMsg;
 use crate::runtime::actors::RankMsg;
-use crate::runtime::step::rank_state::ChunkState;
+use crate::runtime::step::state::rank_state::ChunkState;
 use crate::runtime::transport::detached::Detached;
 use crate::runtime::transport::Transport;
 

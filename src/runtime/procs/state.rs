@@ -21,9 +21,9 @@ use crate::engine::coordinator::Progress;
 use crate::model::weights::WeightSource;
 use crate::optim::{OptimState, OptimizerKind};
 use crate::plan::{ChunkId, RankId, ShardMap, Stage};
-use crate::runtime::step::rank_state::ChunkState;
-use crate::runtime::step::resume::{read_owned_chunks, ResumeSource};
-use crate::runtime::step::start_weights::{kept_chunks, read_chunks};
+use crate::runtime::step::elastic::resume::{read_owned_chunks, ResumeSource};
+use crate::runtime::step::state::rank_state::ChunkState;
+use crate::runtime::step::state::start_weights::{kept_chunks, read_chunks};
 
 /// Default largest part of chunk states in one control frame, by the bytes of its values.
 pub const STATE_PART_MAX_BYTES: usize = 32 << 20;

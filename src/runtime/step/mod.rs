@@ -1,30 +1,22 @@
-//! One rank's step and what the rank owns: its chunk state, the communicator and the collectives
-//! over it, the step executor, resharding, buddy replicas and the sources a rank resumes from.
+//! One rank's step and what the rank owns, in four parts whose imports point one way:
+//!
+//! | part | what it owns |
+//! |---|---|
+//! | [`comm`] | the communicator (frame matching, deadlines, bounds, frames in pieces) and the training collectives over it |
+//! | [`state`] | a rank's shards: chunk state, the full copy, the NVMe tier's reads and writes, owed updates, start weights |
+//! | [`elastic`] | what moves when membership changes: reshards, buddy replicas, parcels, snapshots and resume sources |
+//! | [`exec`] | the step executor and the work a rank's thread runs |
+//!
+//! `comm` and `state` know nothing of each other; `elastic` builds on both; `exec` on all three.
+//! [`progress`] (counters the CLI and the coordinator read) is below them all.
 //!
 //! Everything here runs on a rank's own OS thread and is synchronous; it knows nothing of
 //! actors. Imports: the transport seam below it (`runtime::transport`), and `plan`, `engine`
 //! (messages, the memory ledger, progress), `model`, `optim`, `reduce`, `data`, `config` and
-//! `wire`. Never `actors`, `api` or `procs`.
+//! `wire`. Never `actors`, `api` or `procs`. `tests/tidy.rs` checks the order (its `LAYERS`).
 
-pub mod all_reduce;
-mod all_reduce_pull;
-mod broadcast_pull;
-pub mod chunk_set;
-pub mod collectives;
 pub mod comm;
+pub mod elastic;
 pub mod exec;
-pub mod full_copy;
-pub mod offload;
-pub mod owed;
-pub mod parcel;
 pub mod progress;
-mod pull_notice;
-pub mod rank_state;
-pub mod replica;
-pub mod reshard;
-pub mod resume;
-pub mod snapshot;
-pub mod start_weights;
-pub mod tier_io;
-pub mod tier_reads;
-pub mod work;
+pub mod state;

@@ -55,7 +55,7 @@ use crate::runtime::clock::{Clock, SystemClock};
 use crate::runtime::step::comm::Comm;
 use crate::runtime::step::exec::ExecConfig;
 use crate::runtime::step::progress::RunProgress;
-use crate::runtime::step::rank_state::{ChunkState, RankState};
+use crate::runtime::step::state::rank_state::{ChunkState, RankState};
 use crate::runtime::storage::TierSpec;
 #[cfg(feature = "ucx")]
 use crate::runtime::transport::tcp::DATA_FRAME_MAX_BYTES;

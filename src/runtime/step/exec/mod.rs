@@ -8,16 +8,13 @@
 
 mod program;
 mod reduce;
+pub mod work;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use super::collectives;
-use super::comm::{Comm, CommError};
-use super::rank_state::RankState;
-use super::tier_io::TierIo;
 use crate::data::Dataset;
 use crate::engine::ledger::Category;
 use crate::engine::messages::{StepPlan, StepReport};
@@ -30,6 +27,10 @@ use crate::plan::volume::Volume;
 use crate::plan::Stage;
 use crate::reduce::exact::{self, QuantStats};
 use crate::reduce::{GradBuf, SumSquares};
+use crate::runtime::step::comm::collectives;
+use crate::runtime::step::comm::{Comm, CommError};
+use crate::runtime::step::state::rank_state::RankState;
+use crate::runtime::step::state::tier_io::TierIo;
 use crate::runtime::transport::{Tag, TagKind, Transport};
 use crate::wire::f32s::{decode_bf16_into, decode_f32_into, put_bf16s, put_f32s};
 
@@ -47,7 +48,7 @@ pub struct ExecConfig {
     /// Fault injection: ranks that vanish halfway through a round between steps.
     pub round_kills: Vec<crate::config::RoundKill>,
     /// Counts unit passes for the progress line of long steps.
-    pub progress: std::sync::Arc<super::progress::RunProgress>,
+    pub progress: std::sync::Arc<crate::runtime::step::progress::RunProgress>,
     /// `Bf16`: the model sees every parameter rounded to bf16, and ZeRO-3 gathers them as bf16.
     pub precision: Precision,
 }

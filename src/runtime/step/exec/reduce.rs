@@ -10,7 +10,7 @@ use crate::engine::ledger::Category;
 use crate::plan::Stage;
 use crate::reduce::exact;
 use crate::reduce::{grad_buf, SumSquares};
-use crate::runtime::step::collectives;
+use crate::runtime::step::comm::collectives;
 use crate::runtime::step::comm::{Comm, CommError};
 use crate::runtime::transport::{Tag, TagKind, Transport};
 

@@ -12,13 +12,13 @@
 //! most `GROUP_ELEMS` elements, each sent before the next is received from the predecessor: a
 //! backup of a model larger than memory holds a few pieces in RAM, not the model.
 
-use super::chunk_set::{ChunkSet, Filling};
-use super::comm::{Comm, CommError};
-use super::parcel::{decode_parcel, encode_parcel};
-use super::progress::RunProgress;
-use super::rank_state::{ChunkState, RankState};
-use super::tier_reads::GROUP_ELEMS;
 use crate::plan::replica::{buddy, predecessor};
+use crate::runtime::step::comm::{Comm, CommError};
+use crate::runtime::step::elastic::chunk_set::{ChunkSet, Filling};
+use crate::runtime::step::elastic::parcel::{decode_parcel, encode_parcel};
+use crate::runtime::step::progress::RunProgress;
+use crate::runtime::step::state::rank_state::{ChunkState, RankState};
+use crate::runtime::step::state::tier_reads::GROUP_ELEMS;
 use crate::runtime::storage::TierError;
 use crate::runtime::transport::{Tag, TagKind, Transport};
 

@@ -1,12 +1,19 @@
 //! Collective bandwidth over any `Transport`: all-gather, reduce-scatter, all-reduce and
-//! broadcast as the runtime runs them (`runtime::collectives`, direct sends to every peer), on
-//! f32 buffers.
+//! broadcast, on f32 buffers. The gathers and reduce-scatters are the training step's own
+//! (`runtime::step::comm::collectives`, direct sends to every peer); the all-reduce and the
+//! broadcast, which training does not run, live here with their one-copy pulls over UCX.
 //!
 //! Definitions follow nccl-tests (and `../shared/peers/collectives.py`, the gloo baseline):
 //! `bytes` is the largest buffer (all-gather output, reduce-scatter input, the all-reduce or
 //! broadcast tensor); `algbw = bytes / t`; `busbw = algbw * (n-1)/n` for all-gather and
 //! reduce-scatter, `* 2(n-1)/n` for all-reduce, `* 1` for broadcast; GB = 1e9 bytes. `t` is the
 //! mean time per op of a back-to-back loop, the maximum over ranks.
+
+mod all_reduce;
+mod all_reduce_pull;
+pub mod broadcast;
+mod broadcast_pull;
+mod pull_notice;
 
 use std::time::Instant;
 
@@ -16,14 +23,14 @@ use serde::Serialize;
 use crate::plan::{RankId, ShardMap};
 use crate::reduce::le::le_bytes_mut;
 use crate::reduce::GradBuf;
-use crate::runtime::step::all_reduce::all_reduce;
-use crate::runtime::step::collectives::{
-    all_gather_into, broadcast, broadcast_into, exchange_small, post_owned, reduce_scatter,
-    wait_owned,
+use crate::runtime::step::comm::collectives::{
+    all_gather_into, exchange_small, post_owned, reduce_scatter, wait_owned,
 };
 use crate::runtime::step::comm::{Comm, CommError};
 use crate::runtime::transport::{Tag, TagKind, Transport};
 use crate::wire::f32s::{decode_f32_into, encode_f32};
+use all_reduce::all_reduce;
+use broadcast::{broadcast, broadcast_into};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -237,7 +244,7 @@ pub fn run_op<T: Transport>(
     for i in 0..warmup {
         one(comm, op, &mut b, members, run, i)?;
     }
-    crate::runtime::step::collectives::barrier(comm, members, tag(TagKind::Barrier, run, 0))?;
+    crate::runtime::step::comm::collectives::barrier(comm, members, tag(TagKind::Barrier, run, 0))?;
     let cpu0 = process_cpu_s();
     let t0 = Instant::now();
     for i in warmup..warmup + iters {
@@ -246,7 +253,7 @@ pub fn run_op<T: Transport>(
     // Every rank stops its clocks once all are done: a broadcast's root returns as soon as
     // its sends are queued, and its transport encrypts them afterwards, so without this its
     // CPU time would be counted over a window that misses most of the work.
-    crate::runtime::step::collectives::barrier(comm, members, tag(TagKind::Barrier, run, 1))?;
+    crate::runtime::step::comm::collectives::barrier(comm, members, tag(TagKind::Barrier, run, 1))?;
     let wall = t0.elapsed().as_secs_f64();
     let cpu = process_cpu_s() - cpu0;
     verify(op, &b, members, me, warmup + iters).map_err(|what| CommError::Protocol {

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::rank_state::ChunkState;
+use crate::runtime::step::state::rank_state::ChunkState;
 use crate::runtime::storage::{ChunkFile, TierError};
 
 /// Chunk states kept in RAM, or in a file on the rank's tier.

@@ -3,14 +3,14 @@
 
 use std::sync::Arc;
 
-use super::comm::Comm;
-use super::exec::ExecConfig;
-use super::rank_state::{OptimSettings, RankState};
-use super::replica::Backup;
+use super::ExecConfig;
 use crate::data::Dataset;
 use crate::model::Model;
 use crate::plan::{RankId, Stage};
 use crate::reduce::ReduceMode;
+use crate::runtime::step::comm::Comm;
+use crate::runtime::step::elastic::replica::Backup;
+use crate::runtime::step::state::rank_state::{OptimSettings, RankState};
 use crate::runtime::storage::TierSpec;
 use crate::runtime::transport::Transport;
 

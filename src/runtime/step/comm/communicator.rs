@@ -397,7 +397,7 @@ impl<T: Transport> Comm<T> {
     ///
     /// # Safety
     /// `loans`' memory is valid and nothing else touches it (as for `lent`).
-    pub(super) unsafe fn recv_all_lent(
+    pub unsafe fn recv_all_lent(
         &mut self,
         loans: &[Lend],
         any_lent: bool,
@@ -429,7 +429,7 @@ impl<T: Transport> Comm<T> {
     /// Each loan's memory must stay valid until this returns, and nothing may read or write
     /// it meanwhile except a piece that `recv_piece` reported landed (the transport is done
     /// with that piece's memory once its frame has arrived: a loan is matched once).
-    pub(super) unsafe fn lent<R>(
+    pub unsafe fn lent<R>(
         &mut self,
         loans: &[Lend],
         body: impl FnOnce(&mut Self, bool) -> Result<R, CommError>,
@@ -613,7 +613,7 @@ fn piece_fits(
 ///
 /// # Safety
 /// The loans have ended, and `loans`' memory is valid and touched by nothing else.
-pub(super) unsafe fn place_later(loans: &[Lend], later: Vec<(usize, usize, Bytes)>) {
+pub unsafe fn place_later(loans: &[Lend], later: Vec<(usize, usize, Bytes)>) {
     for (k, at, b) in later {
         // SAFETY: no loan is open; the piece fits its buffer (its length was checked).
         unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), loans[k].2.add(at), b.len()) }
@@ -730,11 +730,10 @@ mod tests {
     }
 
     #[cfg(feature = "ucx")]
+    #[ignore = "needs libucx0 (apt-get install libucx0)"]
     #[test]
     fn payloads_received_into_a_buffer_land_whole_over_ucx() {
-        let Some((_engines, eps)) = crate::runtime::transport::ucx::transports_for_tests(3) else {
-            return;
-        };
+        let (_engines, eps) = crate::runtime::transport::ucx::transports_for_tests(3);
         exchange_into(eps);
     }
 
@@ -742,11 +741,10 @@ mod tests {
     /// engine, which keeps unmatched payloads back for loans to come, must hand that one over
     /// (it kept it back until the rank's deadline), and the lent payload still lands in place.
     #[cfg(feature = "ucx")]
+    #[ignore = "needs libucx0 (apt-get install libucx0)"]
     #[test]
     fn a_frame_nothing_was_lent_for_arrives_while_loans_are_open() {
-        let Some((engines, eps)) = crate::runtime::transport::ucx::transports_for_tests(2) else {
-            return;
-        };
+        let (engines, eps) = crate::runtime::transport::ucx::transports_for_tests(2);
         let mut eps = eps.into_iter();
         // The deadline is the test's only bound: an engine keeping the frame back fails it.
         let (mut a, mut b) = (

@@ -28,10 +28,10 @@ use crate::plan::{RankId, ShardMap, Stage};
 use crate::reduce::{grad_buf, GradBuf, ReduceMode};
 use crate::runtime::storage::{RecordKinds, TierError, TierFile, TierLayout, TierSpec};
 
-use super::full_copy::FullCopy;
-use super::offload;
-use super::owed::{Owed, OwedStep};
-use super::start_weights::{kept_chunks, read_chunks};
+use crate::runtime::step::state::full_copy::FullCopy;
+use crate::runtime::step::state::offload;
+use crate::runtime::step::state::owed::{Owed, OwedStep};
+use crate::runtime::step::state::start_weights::{kept_chunks, read_chunks};
 
 /// This rank's slice of one unit.
 pub struct UnitShard {

@@ -1,8 +1,8 @@
 //! Every chunk's state at a step boundary: what checkpoints save and a run resumes from.
 
-use super::rank_state::ChunkState;
 use crate::engine::coordinator::Progress;
 use crate::plan::ShardMap;
+use crate::runtime::step::state::rank_state::ChunkState;
 
 /// Every chunk's state at a step boundary, with the progress needed to resume from it.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]

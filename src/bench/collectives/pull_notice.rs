@@ -6,8 +6,8 @@
 
 use bytes::Bytes;
 
-use super::comm::CommError;
 use crate::plan::RankId;
+use crate::runtime::step::comm::CommError;
 use crate::runtime::transport::{Tag, TagKind};
 use crate::wire::crc32_of;
 

@@ -5,9 +5,9 @@
 
 use std::sync::Mutex;
 
-use super::offload::read_shard_values;
-use super::rank_state::{ChunkState, RankState};
 use crate::plan::Stage;
+use crate::runtime::step::state::offload::read_shard_values;
+use crate::runtime::step::state::rank_state::{ChunkState, RankState};
 use crate::runtime::storage::{TierError, TierFile};
 
 /// Elements read per group: 1 Mi elements, 12 MiB for parameters and Adam's m and v.

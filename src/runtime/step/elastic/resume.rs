@@ -8,10 +8,10 @@
 
 use std::collections::BTreeMap;
 
-use super::rank_state::ChunkState;
-use super::snapshot::Snapshot;
 use crate::engine::coordinator::Progress;
 use crate::plan::{ChunkId, RankId, ShardMap};
+use crate::runtime::step::elastic::snapshot::Snapshot;
+use crate::runtime::step::state::rank_state::ChunkState;
 
 /// What one rank's read produced.
 #[derive(Debug, Clone, Default)]

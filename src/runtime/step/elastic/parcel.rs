@@ -8,9 +8,9 @@
 
 use bytes::Bytes;
 
-use super::comm::CommError;
-use super::rank_state::ChunkState;
 use crate::plan::RankId;
+use crate::runtime::step::comm::CommError;
+use crate::runtime::step::state::rank_state::ChunkState;
 use crate::wire::f32s::{get_f32s, put_f32s};
 
 /// unit, index (u32 each), three lengths (u64 each), CRC-32.

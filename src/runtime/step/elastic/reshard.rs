@@ -17,17 +17,17 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::chunk_set::Filling;
-use super::comm::{Comm, CommError};
-use super::parcel::{decode_parcel, encode_parcel};
-use super::progress::RunProgress;
-use super::rank_state::{ChunkSource, ChunkState, OptimSettings, RankState};
-use super::tier_reads::GROUP_ELEMS;
 use crate::model::backend::Precision;
 use crate::model::Model;
 use crate::plan::memory::masters_in_shard;
 use crate::plan::{RankId, ShardMap, Stage};
 use crate::reduce::ReduceMode;
+use crate::runtime::step::comm::{Comm, CommError};
+use crate::runtime::step::elastic::chunk_set::Filling;
+use crate::runtime::step::elastic::parcel::{decode_parcel, encode_parcel};
+use crate::runtime::step::progress::RunProgress;
+use crate::runtime::step::state::rank_state::{ChunkSource, ChunkState, OptimSettings, RankState};
+use crate::runtime::step::state::tier_reads::GROUP_ELEMS;
 use crate::runtime::storage::{TierError, TierSpec};
 use crate::runtime::transport::{Tag, TagKind, Transport};
 

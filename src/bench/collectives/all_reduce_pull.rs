@@ -23,10 +23,10 @@
 
 use bytes::Bytes;
 
-use super::comm::{Comm, CommError};
 use super::pull_notice::{blocks, check, crc32, done_tag, Where, PULL_BLOCK_BYTES};
 use crate::plan::RankId;
 use crate::reduce::ReduceMode;
+use crate::runtime::step::comm::{Comm, CommError};
 use crate::runtime::transport::{Tag, Transport};
 
 /// All-reduce over pulls: `mine` is this rank's run of the accumulator (summed here), `gather`

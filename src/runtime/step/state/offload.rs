@@ -18,7 +18,7 @@ use crate::reduce::grad_buf;
 use crate::runtime::storage::tier_file::Pending;
 use crate::runtime::storage::{AlignedBuf, TierError, TierFile};
 
-use super::full_copy::FullCopy;
+use crate::runtime::step::state::full_copy::FullCopy;
 
 /// The pieces of shard elements `span` as (shard range, unit range) pairs, given the shard's
 /// chunk ranges within the unit (the shard is those ranges concatenated).

@@ -19,9 +19,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use super::offload::{self, TierUpdater};
-use super::owed::{Owed, OwedStep};
-use super::tier_reads::read_ahead_for_optimizer;
+use crate::runtime::step::state::offload::{self, TierUpdater};
+use crate::runtime::step::state::owed::{Owed, OwedStep};
+use crate::runtime::step::state::tier_reads::read_ahead_for_optimizer;
 use crate::runtime::storage::tier_file::beside_compute;
 use crate::runtime::storage::{TierError, TierFile};
 

@@ -19,8 +19,8 @@
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
-pub use super::offload::StepScalars as OwedStep;
-use super::offload::{TierUpdater, UpdateStream};
+pub use crate::runtime::step::state::offload::StepScalars as OwedStep;
+use crate::runtime::step::state::offload::{TierUpdater, UpdateStream};
 use crate::runtime::storage::{TierError, TierFile};
 
 #[derive(Default)]
@@ -142,7 +142,7 @@ mod tests {
     use crate::model::Model;
     use crate::optim::OptimSettings;
     use crate::optim::{AdamHyper, OptimizerKind};
-    use crate::runtime::step::offload::read_shard_values;
+    use crate::runtime::step::state::offload::read_shard_values;
     use crate::runtime::storage::device::MemDevice;
     use crate::runtime::storage::{RecordKinds, TierLayout};
 
