@@ -1,4 +1,4 @@
-//! Tidy: the source tree keeps the shape the README's "Layout" section draws.
+//! Tidy: the source tree keeps the shape docs/layout.md draws.
 //!
 //! - `plan/` and `engine/` do no I/O: they never name the runtime, tokio, ractor, quinn or
 //!   `std::net`.
@@ -8,7 +8,7 @@
 //!   holds never import each other in a circle (a folder's `mod.rs` declaring and re-exporting
 //!   its children is not an import, and test modules may reach across).
 //! - No source file is over `FILE_LINES_MAX` lines, unless it is marked `@generated`.
-//! - Every module under `src/` and `src/runtime/` is in a part, and the README's "Layout" table
+//! - Every module under `src/` and `src/runtime/` is in a part, and the table in docs/layout.md
 //!   has a row for each part, in `LAYERS`' order.
 //!
 //! It reads the source text (comments and string literals removed), so it sees `use` items and
@@ -222,7 +222,7 @@ fn check(root: &Path) -> Vec<Finding> {
                         line: named.line,
                         what: format!(
                             "`{}` imports `{full}`, but {} sits above {} in the declared order \
-                             (LAYERS in tests/tidy.rs; README \"Layout\"): move the shared item down",
+                             (LAYERS in tests/tidy.rs; docs/layout.md): move the shared item down",
                             s.module.join("::"),
                             LAYERS[theirs],
                             LAYERS[mine]
@@ -323,7 +323,10 @@ fn circles(edges: &BTreeMap<(Vec<String>, String, String), (PathBuf, usize)>) ->
     out
 }
 
-/// Where `LAYERS` and the tree or the README's "Layout" table disagree: a part that is not a
+/// The document whose table lists the parts, one row each, in `LAYERS`' order.
+const LAYOUT_DOC: &str = "docs/layout.md";
+
+/// Where `LAYERS` and the tree or the layout table (`LAYOUT_DOC`) disagree: a part that is not a
 /// module, a module in no part, a part the table leaves out or lists out of order.
 fn layout_table(root: &Path, layers: &[&str]) -> Vec<Finding> {
     let src = root.join("src");
@@ -383,32 +386,27 @@ fn layout_table(root: &Path, layers: &[&str]) -> Vec<Finding> {
                     1,
                     format!(
                         "`{joined}` is in no part: add it to LAYERS (tests/tidy.rs) where its \
-                         imports put it, and a row to the README's Layout table"
+                         imports put it, and a row to the table in {LAYOUT_DOC}"
                     ),
                 ));
             }
         }
     }
-    let readme = fs::read_to_string(root.join("README.md")).unwrap_or_default();
-    let start = readme.find("## Layout").unwrap_or(readme.len());
-    let end = readme[start..]
-        .find("\n## ")
-        .map_or(readme.len(), |k| start + k + 1);
-    let section = &readme[start..end];
-    let section_line = line_of(&readme, start);
+    // The table is docs/layout.md's; a row starts with its part's path.
+    let table = fs::read_to_string(root.join(LAYOUT_DOC)).unwrap_or_default();
     let mut last = 0;
     for (layer, shown) in rows {
-        match section.find(&format!("`{shown}`")) {
+        match table.find(&format!("| `{shown}`")) {
             Some(at) if at >= last => last = at,
             Some(at) => findings.push(finding(
-                "README.md",
-                section_line + line_of(section, at) - 1,
-                format!("the Layout table lists `{shown}` ({layer}) before a part below it; keep LAYERS' order"),
+                LAYOUT_DOC,
+                line_of(&table, at),
+                format!("the layout table lists `{shown}` ({layer}) before a part below it; keep LAYERS' order"),
             )),
             None => findings.push(finding(
-                "README.md",
-                section_line,
-                format!("the Layout table has no row for `{shown}` ({layer})"),
+                LAYOUT_DOC,
+                1,
+                format!("the layout table has no row for `{shown}` ({layer})"),
             )),
         }
     }

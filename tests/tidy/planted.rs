@@ -126,8 +126,8 @@ fn the_layout_table_follows_the_layers_and_the_tree() {
         ("src/engine/mod.rs", ""),
         ("src/extra.rs", ""),
         (
-            "README.md",
-            "# x\n\n## Layout\n\n| `src/engine/` | e |\n| `src/plan/` | p |\n\n## Next\n",
+            "docs/layout.md",
+            "# x\n\n## Parts\n\n| `src/engine/` | e |\n| `src/plan/` | p |\n\n## Next\n",
         ),
     ]);
     let found: Vec<String> = layout_table(dir.path(), &["plan", "engine", "runtime::gone"])
@@ -144,7 +144,7 @@ fn the_layout_table_follows_the_layers_and_the_tree() {
         "{found:?}"
     );
     assert!(
-        found[2].starts_with("README.md:5: the Layout table lists `src/engine/` (engine) before"),
+        found[2].starts_with("docs/layout.md:5: the layout table lists `src/engine/` (engine) before"),
         "{found:?}"
     );
 }
