@@ -18,7 +18,9 @@
 //! what the runtime snapshots at step boundaries.
 //!
 //! `tests/tidy.rs` keeps the order: its `LAYERS` lists every part, bottom first, and a module
-//! may import only its own part and the parts below it (README, "Layout").
+//! may import only its own part and the parts below it (docs/layout.md).
+//!
+//! Design: docs/layout.md (the parts and their order), and one page a part under docs/.
 
 pub mod bench;
 pub mod checkpoint;

@@ -22,6 +22,8 @@
 //! - [`compat`]: whether a checkpoint may resume a given run;
 //! - [`interchange`]: safetensors export and import; [`bench`]: throughput and slowdown.
 //! - [`hf`]: Hugging Face model directories (GPT-2) in and out.
+//!
+//! Design: docs/wire.md (checkpoints on disk).
 
 pub mod bench;
 pub mod codec;

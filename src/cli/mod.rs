@@ -1,5 +1,7 @@
 //! Command-line parsing and the commands themselves. Usage errors (bad flags, bad config, bad
 //! data) exit with code 2 and one line naming the field; run failures exit with code 1.
+//!
+//! Usage: README.md.
 
 mod checkpoint;
 mod collectives;

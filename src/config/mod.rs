@@ -8,6 +8,8 @@
 //! have a file with their types and checks: the model's shape (`shape`), the optimizer and its
 //! schedule (`optim`), the membership script and injected kills (`membership`), injected
 //! network faults (`faults`), and what a bad value gets (`error`).
+//!
+//! Usage: README.md (Flags).
 
 mod error;
 mod faults;

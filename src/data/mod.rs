@@ -4,6 +4,8 @@
 //! `(seed, step, index, batch, seq)` and the dataset, never of the world size or of which rank
 //! asks, so an elastic run that re-deals micro-batches over a different number of ranks sees
 //! exactly the same tokens. Tokens are bytes (`vocab() == 256`).
+//!
+//! Design: docs/models.md (tokens).
 
 pub mod markov;
 pub mod text;

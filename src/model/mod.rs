@@ -11,6 +11,8 @@
 //! Determinism contract (exact reduction relies on it): `forward`, `backward` and `loss` are pure
 //! functions of their arguments, bit for bit, whichever thread or rank calls them. Implementations
 //! must not use thread pools whose reduction order depends on the number of threads.
+//!
+//! Design: docs/models.md.
 
 pub mod attention;
 pub mod backend;

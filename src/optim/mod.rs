@@ -8,6 +8,8 @@
 //!
 //! `step` is the one entry point the runtime needs; `adam_step` / `sgd_step` are the kernels and
 //! `*_scalar` the plain references the kernels are tested against.
+//!
+//! Design: docs/exact-reduction.md (the update's gradient).
 
 pub mod adam;
 pub mod lr;

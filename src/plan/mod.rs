@@ -1,5 +1,7 @@
 //! The plan layer: pure data and functions. Shard layout, step schedules, the memory model and
 //! communication volumes. Nothing here touches threads, sockets, clocks or the runtime.
+//!
+//! Design: docs/sharding.md.
 
 pub mod activations;
 pub mod memory;

@@ -15,6 +15,8 @@
 //! | [`procs`] | worker processes: the coordinator and worker processes, their control plane, standbys, joins |
 //!
 //! `tests/tidy.rs` checks the order (its `LAYERS`); a new part takes a row here and there.
+//!
+//! Design: docs/layout.md.
 
 pub mod actors;
 pub mod alloc;

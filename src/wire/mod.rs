@@ -16,6 +16,8 @@
 //! before anything is allocated; a frame that fails any check is rejected with a [`WireError`],
 //! counted in [`WireStats`], and never applied. After a rejection the byte stream has lost its
 //! framing, so the reader drops the stream (and the QUIC layer the connection).
+//!
+//! Design: docs/wire.md.
 
 mod codec;
 pub mod f32s;

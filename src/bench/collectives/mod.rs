@@ -8,6 +8,8 @@
 //! broadcast tensor); `algbw = bytes / t`; `busbw = algbw * (n-1)/n` for all-gather and
 //! reduce-scatter, `* 2(n-1)/n` for all-reduce, `* 1` for broadcast; GB = 1e9 bytes. `t` is the
 //! mean time per op of a back-to-back loop, the maximum over ranks.
+//!
+//! Design: docs/transports.md (pulls); results: BENCHMARKS.md.
 
 mod all_reduce;
 mod all_reduce_pull;

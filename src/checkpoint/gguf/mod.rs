@@ -10,6 +10,8 @@
 //! - [`value`]: metadata values; [`quant`]: tensor types and dequantization;
 //! - [`names`]: llama.cpp against Hugging Face tensor names, and the q/k permutation;
 //! - [`llama`]: the model shape; [`tokenizer`]: `tokenizer.json`.
+//!
+//! Design: docs/models.md.
 
 pub mod hf_view;
 pub mod llama;

@@ -7,6 +7,8 @@
 //! - [`gpt2`], [`llama`]: each family's names and layouts against our models'.
 //!
 //! GPT-2, Llama and Qwen2 are read; another `model_type` is refused naming the supported ones.
+//!
+//! Design: docs/models.md.
 
 pub mod config;
 pub mod files;

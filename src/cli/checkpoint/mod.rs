@@ -5,6 +5,8 @@
 //! A damaged, incomplete or incompatible checkpoint is bad input: one line naming the file and
 //! what is wrong, exit code 2, and no training from partial state. A save that fails during a
 //! run is a run failure (exit code 1 at the end; the run itself continues).
+//!
+//! Usage: README.md (Checkpoints).
 
 mod saving;
 

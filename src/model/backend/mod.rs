@@ -14,6 +14,8 @@
 //! Buffers are host slices. A device backend (CUDA through cudarc, later) keeps device copies of
 //! what it is handed; the seam will grow a buffer type when one exists, without changing the
 //! models' code, which only names these operations.
+//!
+//! Design: docs/models.md (the compute seam).
 
 mod counting;
 mod cpu;

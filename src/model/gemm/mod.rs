@@ -16,6 +16,8 @@
 //! generations agree bit for bit (with `matrixmultiply`, used before, they did not: its AVX,
 //! FMA and SSE kernels sum differently). `EZERO_GEMM=avx512|avx2|portable` forces a path (tests
 //! and benchmarks); unset or `auto`, the widest one the CPU has is used.
+//!
+//! Design: docs/exact-reduction.md (the same bits on every CPU).
 
 mod avx2;
 mod avx512;

@@ -7,6 +7,8 @@
 //! stage 2/3 reduced shards), the full parameter copy of stages 0-2 (in fp32 training it is both
 //! the master and the compute copy), one unit's gathered parameters per live unit, one unit's
 //! backward scratch, the activations, and the staging buffers.
+//!
+//! Design: docs/memory-and-tier.md.
 
 use serde::{Deserialize, Serialize};
 

@@ -5,6 +5,8 @@
 //!
 //! Imports: `step`, `transport` and `clock` below, and the engines they drive; never `api` or
 //! `procs`.
+//!
+//! Design: docs/sharding.md, docs/elastic.md.
 
 pub mod collect;
 pub mod coord;

@@ -4,6 +4,8 @@
 //!
 //! Imports: the actors and what they run (`actors`, `step`, `transport`, `clock`). Never
 //! `procs`: the worker-process mode builds on this surface, not the other way round.
+//!
+//! Usage: README.md (The control API).
 
 pub mod cluster;
 pub mod control;

@@ -4,6 +4,8 @@
 //!
 //! The top of the runtime: it may import every other part (`api`, `actors`, `step`,
 //! `transport`); nothing in the runtime imports it.
+//!
+//! Design: docs/processes.md.
 
 mod admit;
 mod conn;

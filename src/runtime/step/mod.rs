@@ -14,6 +14,8 @@
 //! actors. Imports: the transport seam below it (`runtime::transport`), and `plan`, `engine`
 //! (messages, the memory ledger, progress), `model`, `optim`, `reduce`, `data`, `config` and
 //! `wire`. Never `actors`, `api` or `procs`. `tests/tidy.rs` checks the order (its `LAYERS`).
+//!
+//! Design: docs/sharding.md.
 
 pub mod comm;
 pub mod elastic;

@@ -7,6 +7,8 @@
 //! offloaded state go to [`ChunkFile`]s beside the tier file.
 //!
 //! Imports: `plan`, `crate::runtime::alloc` and below; nothing above (the step uses this).
+//!
+//! Design: docs/memory-and-tier.md.
 
 pub mod aligned;
 pub mod chunk_file;

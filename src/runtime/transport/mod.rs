@@ -9,6 +9,8 @@
 //!
 //! The bottom of the runtime's parts: it imports nothing else of the runtime. Imports: `wire`,
 //! `net`, `plan` and the seeded RNG of `model::rng`.
+//!
+//! Design: docs/transports.md.
 
 pub mod detached;
 pub mod local;

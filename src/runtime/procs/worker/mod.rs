@@ -11,6 +11,8 @@
 //! Both its connections are mutual TLS against the cluster CA: the control connection to the
 //! coordinator (it checks the coordinator's certificate and presents its own) and the data plane
 //! to its peers.
+//!
+//! Design: docs/processes.md.
 
 mod data_plane;
 

@@ -1,6 +1,8 @@
 //! What moves when membership changes: the reshard that moves chunks to a new map, the buddy
 //! replicas that cover an abrupt loss, the parcels both travel in, the snapshots checkpoints
 //! save, and the sources a rank resumes from.
+//!
+//! Design: docs/elastic.md.
 
 pub mod chunk_set;
 pub mod parcel;

@@ -5,6 +5,8 @@
 //! per-unit scale fixed by the plan's bounds; after backward, ranks agree (small all-reduce) on
 //! losses, per-unit maxima, the overflow flag and the exact global norm. An overflowed first
 //! attempt is redone with bounds from the agreed maxima, so a step takes at most two passes.
+//!
+//! Design: docs/sharding.md.
 
 mod program;
 mod reduce;

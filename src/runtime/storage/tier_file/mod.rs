@@ -11,6 +11,8 @@
 //! The CRCs live in RAM (4 bytes per 4 KiB block, 0.1% of the tier) because the file is scratch
 //! space for this run: a checkpoint, not this file, is what outlives the process. A block whose
 //! CRC does not match is reported with its unit and offset and its values are never used.
+//!
+//! Design: docs/memory-and-tier.md (the tier file).
 
 use std::collections::VecDeque;
 use std::ops::Range;

@@ -11,6 +11,8 @@
 //! control messages travel on each connection's control stream; everything else on its bulk
 //! stream. Streams are independently flow-controlled and the control stream has the higher
 //! send priority, so a multi-megabyte shard transfer never sits in front of a heartbeat.
+//!
+//! Design: docs/transports.md (QUIC).
 
 mod config;
 mod inbox;

@@ -28,6 +28,8 @@
 //! test) as `Inbound::PeerLost`; the control plane's heartbeats decide membership.
 //! `EngineConfig::with_network` adds TCP and RDMA transports on devices the operator declares
 //! trusted (`--ucx-net`): unencrypted.
+//!
+//! Design: docs/transports.md (UCX).
 
 mod address;
 mod config;

@@ -1,6 +1,8 @@
 //! The engine's thread: the UCP calls and the callbacks UCX makes during progress. Everything
 //! here runs on that one thread (`UCS_THREAD_MODE_SINGLE`). Payloads staged in a peer's
 //! shared segment are in `staged`; closing endpoints in `close`.
+//!
+//! Design: docs/transports.md (UCX).
 
 mod close;
 mod open;
