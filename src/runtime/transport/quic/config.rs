@@ -1,5 +1,6 @@
 //! Settings of the QUIC transport, validated once. Defaults are safe on any network; the
-//! loopback-tuned values measured in BENCHMARKS.md are noted per field.
+//! loopback-tuned values measured (docs/benchmark-history.md, collectives over QUIC) are noted
+//! per field.
 
 use crate::wire::{DEFAULT_MAX_FRAME_BYTES, MAX_HEADER_BYTES};
 
@@ -103,7 +104,7 @@ pub struct QuicConfigError {
 }
 
 impl QuicConfig {
-    /// The loopback tuning measured in BENCHMARKS.md:
+    /// The loopback tuning measured in docs/benchmark-history.md (collectives over QUIC):
     /// - 16000-byte datagrams from the start (loopback's MTU is 65536). Per-packet work in quinn
     ///   and the kernel is a large share of QUIC's CPU: 4× fewer packets than at 4000 gave
     ///   1.25–1.37× the busbw.
