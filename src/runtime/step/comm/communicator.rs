@@ -7,7 +7,7 @@
 //! applied.
 //!
 //! Where the transport shares memory with its peers ([`SharedMemory`], asked for in one place:
-//! [`Comm::shared_memory`]), payloads are written straight into a slot the receivers read,
+//! `Comm::shared_memory`), payloads are written straight into a slot the receivers read,
 //! checksummed as they are written, and received into memory the rank lends ([`Comm::lent`]);
 //! without it every payload travels in its frame. The rules of lent memory are in
 //! `transport::shared_memory`.

@@ -1,6 +1,8 @@
 //! Mixed planes: UCX shared memory to the peers on this rank's host, TLS TCP to the others.
 //! Which peer goes which way is decided outside (the coordinator, per pair); this transport
-//! only routes. Every frame lands in the TCP plane's inbox, so one receive waits on both.
+//! only routes. Every frame lands in the TCP plane's inbox, so one receive waits on both. It
+//! offers the `SharedMemory` capability, which serves only the peers routed over UCX: the
+//! others get no staged sends, loans or pulls.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
