@@ -56,9 +56,9 @@ const HUGE_PAGE_BYTES: usize = 2 << 20;
 /// back them with 4 KiB pages: 51,200 page faults per 200 MB on the rank's thread. With
 /// `MADV_HUGEPAGE` on the fresh mapping the first touch takes 2 MiB at a time. Blocks of 4 to
 /// 32 MiB come from glibc's heap and are advised too: a collective that reads a peer's buffer
-/// (`Transport::peer_memory`) makes the kernel walk the peer's page table page by page, and on 4 KiB
-/// pages that walk cost as much as a third of the copy (the 16 MiB all-reduce over UCX at 4
-/// processes ran at 1.5-1.6 GB/s on 4 KiB pages, 2.8-2.9 on huge ones). Smaller blocks are
+/// (`SharedMemory::peer_memory`) makes the kernel walk the peer's page table page by page, and
+/// on 4 KiB pages that walk cost as much as a third of the copy (the 16 MiB all-reduce over UCX
+/// at 4 processes ran at 1.5-1.6 GB/s on 4 KiB pages, 2.8-2.9 on huge ones). Smaller blocks are
 /// left alone.
 /// Install it in a binary with `#[global_allocator]`; where the kernel refuses (THP off, other
 /// systems) it is the system allocator.

@@ -1,9 +1,10 @@
-//! All-reduce by pulling, for members whose memory the transport can read (processes on one
-//! host, [`Transport::peer_memory`]): each rank reads its peers' partial sums of its run straight out
-//! of their accumulators and adds them in member order, then reads each peer's sums straight
-//! into its own accumulator. A byte moves with one copy, made by the kernel, where the staged
-//! path copies it twice (into the sender's slot, out of it) and lands partial sums in scratch
-//! before adding them: on 2 vCPUs with 4 processes the copies are the cost.
+//! All-reduce by pulling, for members whose memory the transport can read (processes on one host,
+//! [`SharedMemory::peer_memory`](crate::runtime::transport::SharedMemory::peer_memory)): each rank
+//! reads its peers' partial sums of its run straight out of their accumulators and adds them in
+//! member order, then reads each peer's sums straight into its own accumulator. A byte moves with
+//! one copy, made by the kernel, where the staged path copies it twice (into the sender's slot, out
+//! of it) and lands partial sums in scratch before adding them: on 2 vCPUs with 4 processes the
+//! copies are the cost.
 //!
 //! The frames are small and of this step: where the memory is and its checksums.
 //! - *partials* (`rs`): to each peer that owns a run, where this rank's partial sums of that

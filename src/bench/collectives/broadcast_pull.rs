@@ -1,9 +1,9 @@
 //! Broadcast by pulling, to members that can read the root's memory (processes on one host,
-//! [`Transport::peer_memory`]): each such member reads the root's payload straight into its
-//! tensor. A byte moves with one copy, made by the kernel on the receiver's core, where the
-//! staged path copies it twice (the root into its slot, the receiver out of it): with two
-//! processes on 2 vCPUs those two copies bound the staged path
-//! (docs/benchmark-history.md, the UCX broadcast).
+//! [`SharedMemory::peer_memory`](crate::runtime::transport::SharedMemory::peer_memory)): each
+//! such member reads the root's payload straight into its tensor. A byte moves with one copy,
+//! made by the kernel on the receiver's core, where the staged path copies it twice (the root
+//! into its slot, the receiver out of it): with two processes on 2 vCPUs those two copies bound
+//! the staged path (docs/benchmark-history.md, the UCX broadcast).
 //!
 //! Frames, all of this step, from the root to each puller: *where* (piece 0: the payload's
 //! address and length), then *sums* (piece 1: the CRC-32 of each 1 MiB block), sent once the
@@ -161,7 +161,7 @@ fn read_blocks(memory: &dyn PeerMemory, at: u64, dest: &mut [u8]) -> Result<Vec<
 
 /// The members of a broadcast from `root` that read its memory, and those it sends to: a pair
 /// pulls where the transport says it can on this side (it says so on both, see
-/// [`Transport::can_pull`]).
+/// [`SharedMemory::can_pull`](crate::runtime::transport::SharedMemory::can_pull)).
 pub(super) fn split_pullers<T: Transport>(
     comm: &Comm<T>,
     receivers: Vec<RankId>,
@@ -174,7 +174,7 @@ mod tests {
     use super::super::broadcast::{broadcast, broadcast_into};
     use super::*;
     use crate::runtime::transport::ucx::transports_for_tests;
-    use crate::runtime::transport::TagKind;
+    use crate::runtime::transport::{SharedMemory, TagKind};
 
     fn tag() -> Tag {
         Tag {

@@ -1,8 +1,8 @@
 //! The frames of the collectives that pull (`all_reduce_pull`, `broadcast_pull`): a rank
 //! names where bytes lie in its memory and their checksums; a peer reads them through
-//! [`Transport::peer_memory`](crate::runtime::transport::Transport::peer_memory), checks what
-//! it read, and
-//! says *done* once it reads no more of that memory, so that the owner may change or free it.
+//! [`SharedMemory::peer_memory`](crate::runtime::transport::SharedMemory::peer_memory), checks
+//! what it read (`transport::shared_memory` says why it must), and says *done* once it reads no
+//! more of that memory, so that the owner may change or free it.
 
 use bytes::Bytes;
 

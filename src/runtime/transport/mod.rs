@@ -1,6 +1,22 @@
-//! The one network seam. Everything that moves bytes between ranks goes through `Transport`:
-//! the in-process channels of the embedded default, a seeded simulated network for chaos runs,
-//! and QUIC between processes.
+//! The one network seam. Everything that moves bytes between ranks goes through [`Transport`],
+//! which carries only what every transport must do: say its rank, send a frame to one peer or
+//! to several, receive with a deadline, and flush. The transports:
+//!
+//! - [`local`]: in-process channels between the ranks of one process (the embedded default),
+//!   with [`net_faults`], the seeded simulated network (losses, damage, delays, partitions)
+//!   that chaos runs put under it.
+//! - [`tcp`]: mutual TLS over TCP between worker processes, one connection per ordered pair.
+//! - [`quic`]: QUIC (quinn) with mutual TLS, separate control and bulk streams per peer.
+//! - `ucx` (the `ucx` cargo feature): UCX shared memory between processes on one host, and
+//!   the mixed plane (`ucx::mixed`) that reaches the peers on this host over UCX and the
+//!   others over TLS TCP.
+//! - [`detached`]: the empty transport type of a process that hosts no rank.
+//!
+//! What only shared memory can do (payloads written straight into a slot the receiver reads,
+//! receives that land in memory the rank lends, reads of a peer's memory) is the optional
+//! [`SharedMemory`] capability ([`shared_memory`]), which a transport offers through
+//! [`Transport::shared_memory`]: UCX and the mixed plane do, the others do not. Its module
+//! docs hold every rule of the unsafe surface (lent memory, pulled bytes).
 //!
 //! A transport moves whole frames and never blocks on the receiver. Matching frames to the
 //! collective waiting for them, dropping stale ones and enforcing deadlines happen above it, in
@@ -16,12 +32,12 @@ pub mod detached;
 pub mod local;
 pub mod net_faults;
 pub mod quic;
+pub mod shared_memory;
 pub mod tcp;
 #[cfg(feature = "ucx")]
 pub mod ucx;
 
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::sync::Arc;
 use std::time::Duration;
 
 use crate::plan::RankId;
@@ -29,6 +45,7 @@ use crate::plan::RankId;
 /// What `--transport ucx` says on a build without the `ucx` feature.
 pub const NO_UCX_BUILD: &str = "--transport ucx: this ezero was built without UCX; rebuild with the `ucx` cargo feature (on by default: `cargo build --release`, or add `--features ucx` after `--no-default-features`)";
 pub use crate::wire::frame::{Frame, Tag, TagKind, FRAME_HEADER_BYTES};
+pub use shared_memory::{AddFn, PeerMemory, SharedMemory};
 
 /// Expected transport failures: typed, never panics.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -45,11 +62,7 @@ pub enum TransportError {
     Pull { from: RankId, what: String },
 }
 
-/// Adds encoded values `src` into `dst` (the same length): how a payload lent memory to be
-/// added into meets it ([`Transport::lend`]).
-pub type AddFn = fn(&mut [u8], &[u8]);
-
-/// One rank's endpoint on a network of ranks.
+/// One rank's endpoint on a network of ranks: what every transport must do.
 pub trait Transport: Send + 'static {
     fn rank(&self) -> RankId;
     /// Queues `frame` for `to`; never waits for the receiver.
@@ -60,104 +73,16 @@ pub trait Transport: Send + 'static {
     fn send_to_each(&self, to: &[RankId], frame: Frame) -> Result<(), TransportError> {
         to.iter().try_for_each(|&r| self.send(r, frame.clone()))
     }
-    /// Whether [`Transport::send_to_each_summed`] uses the payload's CRC-32: a sender that
-    /// would compute it only for this skips it where it is not (the default).
-    fn wants_payload_crc(&self) -> bool {
-        false
-    }
-    /// `send_to_each` of a frame whose payload's CRC-32 ([`crate::wire::crc32_of`]) the sender
-    /// computed while it wrote the payload: a transport whose frames carry that checksum
-    /// combines it with its header's instead of reading the payload again (UCX). It must be
-    /// the payload's. The default ignores it.
-    fn send_to_each_summed(
-        &self,
-        to: &[RankId],
-        frame: Frame,
-        payload_crc: u32,
-    ) -> Result<(), TransportError> {
-        let _ = payload_crc;
-        self.send_to_each(to, frame)
-    }
-    /// Sends `frame` (its own payload ignored) to each of `to` with a `len`-byte payload that
-    /// `fill` writes straight into memory the receivers read it from (a shared-memory slot),
-    /// returning the payload's CRC-32 ([`crate::wire::crc32_of`]); `fill` writes all `len`
-    /// bytes. `Ok(false)` (the default): no such memory for these receivers now, and nothing
-    /// was written or sent: send the frame another way.
-    fn send_to_each_staged(
-        &self,
-        _to: &[RankId],
-        _frame: &Frame,
-        _len: usize,
-        _fill: &mut dyn FnMut(&mut [u8]) -> u32,
-    ) -> Result<bool, TransportError> {
-        Ok(false)
-    }
     /// The next frame addressed to this rank, waiting at most `timeout_ms`.
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError>;
     /// Delivers anything the transport is still holding back (called when a rank finishes a
     /// job and may not send or receive again for a while).
     fn flush(&self) {}
-    /// Lends `len` bytes at `at` for the payload of the frame `from` sends at (epoch, step)
-    /// with `tag`, if it has exactly that length: a transport that can land it there without a
-    /// copy does, checks it there, and delivers the frame with an empty payload that
-    /// [`Transport::was_placed`] recognises. With `add`, the payload is added into the memory
-    /// (`add(dst, src)` over consecutive parts of it) instead of written there; loans of the
-    /// same memory are added in the order their frames arrive, so `add` must not depend on
-    /// that order. `false` (the default): not lent, and the frame comes with its payload as
-    /// usual.
-    ///
-    /// # Safety
-    /// The memory must stay valid, and nobody may read or write it, until
-    /// [`Transport::end_loans`] returns (or, for a frame that arrived, until then for the
-    /// loans of the same memory still open).
-    unsafe fn lend(
-        &self,
-        _from: RankId,
-        _at_step: (u64, u64),
-        _tag: Tag,
-        (_at, _len): (*mut u8, usize),
-        _add: Option<AddFn>,
-    ) -> bool {
-        false
+    /// The transport's shared-memory capability (staged and summed sends, loans, pulls), if it
+    /// has one. The default: none, and every payload travels in its frame.
+    fn shared_memory(&self) -> Option<&dyn SharedMemory> {
+        None
     }
-    /// Ends every loan: once it returns, the transport no longer touches lent memory.
-    fn end_loans(&self) {}
-    /// The rank, its loans still open, is about to wait for a frame it lent nothing for: a
-    /// transport that keeps unmatched payloads back while loans are open (for loans still to
-    /// come) must deliver them from now on, or that wait lasts until its deadline. The default
-    /// keeps nothing back.
-    fn fetch_unlent(&self) {}
-    /// Whether `frame` is the notice that its payload landed in lent memory and passed every
-    /// check there, rather than a frame carrying its payload (true once per frame).
-    fn was_placed(&self, _frame: &Frame) -> bool {
-        false
-    }
-    /// Whether [`Transport::peer_memory`] can read `from`'s memory: a process on this host whose
-    /// identity the transport verified. Collectives choose their path by it on both sides of
-    /// a pair, so a transport answers it alike on both (once either says yes, the other does
-    /// too, waiting a bounded time if it must). The default: no peer's.
-    fn can_pull(&self, _from: RankId) -> bool {
-        false
-    }
-    /// `from`'s memory, to read from any thread: a process on this host whose identity the
-    /// transport verified ([`Transport::can_pull`]). The default refuses every peer.
-    fn peer_memory(&self, from: RankId) -> Result<Arc<dyn PeerMemory>, TransportError> {
-        Err(TransportError::Pull {
-            from,
-            what: "this transport cannot read peers' memory".into(),
-        })
-    }
-}
-
-/// A peer's memory that this process can read ([`Transport::peer_memory`]); `Send` and `Sync`
-/// so that a collective can read one peer from two threads.
-pub trait PeerMemory: Send + Sync {
-    /// Copies `dst.len()` bytes at address `at` of the peer's memory into `dst`, in one copy
-    /// made by the kernel: the peer
-    /// named the address in a frame of this step and keeps that memory unchanged until it
-    /// hears that the read is over. What was read is not trusted: the caller checks it against
-    /// the checksum the peer sent.
-    fn read(&self, at: u64, dst: &mut [u8]) -> Result<(), TransportError>;
 }
 
 /// The next frame of a rank's inbox channel, waiting at most `timeout_ms` (the receive side of

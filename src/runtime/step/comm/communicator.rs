@@ -5,6 +5,12 @@
 //! or an old step) or twice (a duplicating network). Early frames wait in a bounded pending set
 //! keyed by (epoch, step, sender, tag); late and duplicate frames are dropped and counted, never
 //! applied.
+//!
+//! Where the transport shares memory with its peers ([`SharedMemory`], asked for in one place:
+//! `Comm::shared_memory`), payloads are written straight into a slot the receivers read,
+//! checksummed as they are written, and received into memory the rank lends ([`Comm::lent`]);
+//! without it every payload travels in its frame. The rules of lent memory are in
+//! `transport::shared_memory`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
@@ -15,13 +21,14 @@ use bytes::Bytes;
 
 use crate::plan::RankId;
 use crate::runtime::transport::{
-    AddFn, Frame, PeerMemory, Tag, TagKind, Transport, TransportError, FRAME_HEADER_BYTES,
+    AddFn, Frame, PeerMemory, SharedMemory, Tag, TagKind, Transport, TransportError,
+    FRAME_HEADER_BYTES,
 };
 use crate::wire::frame::pieces;
 
 /// Memory lent for one payload: its sender, its tag (piece 0), where it goes, its length, and,
 /// for a payload to be added into the memory rather than written there, the addition
-/// ([`Transport::lend`]; the caller adds what did not land itself).
+/// ([`SharedMemory::lend`]; the caller adds what did not land itself).
 pub type Lend = (RankId, Tag, *mut u8, usize, Option<AddFn>);
 
 /// Bytes encoded at a time by [`Comm::send_pieces_encoded`] before their checksum is taken: small
@@ -134,6 +141,12 @@ impl<T: Transport> Comm<T> {
         self.transport.rank()
     }
 
+    /// The transport's shared-memory capability, if it has one: the one place this
+    /// communicator asks for it.
+    fn shared_memory(&self) -> Option<&dyn SharedMemory> {
+        self.transport.shared_memory()
+    }
+
     pub fn stats(&self) -> CommStats {
         self.stats
     }
@@ -185,11 +198,12 @@ impl<T: Transport> Comm<T> {
         self.stats.frames_sent += to.len() as u64;
         self.stats.bytes_sent += (payload.len() as u64 + FRAME_HEADER_BYTES) * to.len() as u64;
         let mut frame = self.frame(tag, Bytes::new());
-        let staged = self
-            .transport
-            .send_to_each_staged(to, &frame, payload.len(), &mut |dst| {
+        let staged = match self.shared_memory() {
+            Some(shm) => shm.send_to_each_staged(to, &frame, payload.len(), &mut |dst| {
                 copy_summed(&payload, dst)
-            })?;
+            })?,
+            None => false,
+        };
         if !staged {
             frame.payload = payload;
             self.transport.send_to_each(to, frame)?;
@@ -228,8 +242,8 @@ impl<T: Transport> Comm<T> {
     /// Sends a `len`-byte payload as its pieces, each written by `encode(byte range, out)`
     /// (appending exactly that range's bytes to `out`) just before it goes, in blocks of
     /// [`SUM_BLOCK_BYTES`] whose checksum is taken while they are still in cache where the
-    /// transport uses it ([`Transport::wants_payload_crc`]): it then need not read the piece
-    /// again for its frame's checksum.
+    /// transport shares memory ([`SharedMemory::send_to_each_summed`]): it then need not read
+    /// the piece again for its frame's checksum.
     pub fn send_pieces_encoded(
         &mut self,
         to: &[RankId],
@@ -259,70 +273,44 @@ impl<T: Transport> Comm<T> {
         }
         self.stats.frames_sent += to.len() as u64;
         self.stats.bytes_sent += (range.len() as u64 + FRAME_HEADER_BYTES) * to.len() as u64;
-        // Where the transport stages payloads in shared memory, each block is encoded into a
-        // small buffer still in cache, summed there, and copied into the slot: the payload is
-        // written to memory once, as below.
         let frame = self.frame(tag, Bytes::new());
+        let Some(shm) = self.shared_memory() else {
+            // Without a checksum to take, the piece is encoded in one go.
+            let mut out = Vec::with_capacity(range.len());
+            encode_in_blocks(
+                range.clone(),
+                range.len().max(1),
+                &mut encode,
+                &mut out,
+                None,
+            );
+            let frame = Frame {
+                payload: Bytes::from(out),
+                ..frame
+            };
+            return Ok(self.transport.send_to_each(to, frame)?);
+        };
         let mut block_out = Vec::new();
-        let staged = self
-            .transport
-            .send_to_each_staged(to, &frame, range.len(), &mut |dst| {
-                let mut sum = crc32fast::Hasher::new();
-                let mut at = range.start;
-                while at < range.end {
-                    let block = at..(at + SUM_BLOCK_BYTES).min(range.end);
-                    block_out.clear();
-                    encode(block.clone(), &mut block_out);
-                    assert_eq!(
-                        block_out.len(),
-                        block.len(),
-                        "an encoded block has its length"
-                    );
-                    sum.update(&block_out);
-                    dst[block.start - range.start..block.end - range.start]
-                        .copy_from_slice(&block_out);
-                    at = block.end;
-                }
-                sum.finalize()
-            })?;
+        let staged = shm.send_to_each_staged(to, &frame, range.len(), &mut |dst| {
+            encode_into_slot(range.clone(), &mut encode, &mut block_out, dst)
+        })?;
         if staged {
             return Ok(());
         }
         let mut out = Vec::with_capacity(range.len());
-        let mut sum = self
-            .transport
-            .wants_payload_crc()
-            .then(crc32fast::Hasher::new);
-        // Without a checksum to take, the piece is encoded in one go.
-        let block_bytes = match sum {
-            Some(_) => SUM_BLOCK_BYTES,
-            None => range.len().max(1),
-        };
-        let mut at = range.start;
-        while at < range.end {
-            let block = at..(at + block_bytes).min(range.end);
-            let from = out.len();
-            encode(block.clone(), &mut out);
-            assert_eq!(
-                out.len() - from,
-                block.len(),
-                "an encoded block has its length"
-            );
-            if let Some(h) = &mut sum {
-                h.update(&out[from..]);
-            }
-            at = block.end;
-        }
+        let mut sum = crc32fast::Hasher::new();
+        encode_in_blocks(
+            range,
+            SUM_BLOCK_BYTES,
+            &mut encode,
+            &mut out,
+            Some(&mut sum),
+        );
         let frame = Frame {
             payload: Bytes::from(out),
             ..frame
         };
-        match sum {
-            Some(h) => Ok(self
-                .transport
-                .send_to_each_summed(to, frame, h.finalize())?),
-            None => Ok(self.transport.send_to_each(to, frame)?),
-        }
+        Ok(shm.send_to_each_summed(to, frame, sum.finalize())?)
     }
 
     /// Receives the `len`-byte payload `from` sent as pieces, handing each to
@@ -396,7 +384,8 @@ impl<T: Transport> Comm<T> {
     /// lent memory while the transport might.
     ///
     /// # Safety
-    /// `loans`' memory is valid and nothing else touches it (as for `lent`).
+    /// `loans`' memory is lent as for [`Comm::lent`] (`transport::shared_memory`'s loans
+    /// section).
     pub unsafe fn recv_all_lent(
         &mut self,
         loans: &[Lend],
@@ -424,33 +413,19 @@ impl<T: Transport> Comm<T> {
     /// Lends the memory of each of `loans`, piece by piece (those not here yet), runs
     /// `body(self, anything lent)`, and ends the loans once it returns; a panic in between
     /// aborts the process. Inside, [`Comm::recv_piece`] says which pieces landed in place.
+    /// Without the transport's [`SharedMemory`] nothing is lent.
     ///
     /// # Safety
-    /// Each loan's memory must stay valid until this returns, and nothing may read or write
-    /// it meanwhile except a piece that `recv_piece` reported landed (the transport is done
-    /// with that piece's memory once its frame has arrived: a loan is matched once).
+    /// Each loan's memory is borrowed as `transport::shared_memory`'s loans section says:
+    /// valid until this returns, and read or written by nothing meanwhile except a piece that
+    /// `recv_piece` reported landed.
     pub unsafe fn lent<R>(
         &mut self,
         loans: &[Lend],
         body: impl FnOnce(&mut Self, bool) -> Result<R, CommError>,
     ) -> Result<R, CommError> {
-        let at_step = (self.epoch, self.step);
-        let mut keys = BTreeSet::new();
-        for &(from, tag, base, len, add) in loans {
-            for (i, r) in pieces(len).enumerate() {
-                let t = tag.piece(i as u32);
-                if self.pending.contains_key(&(self.epoch, self.step, from, t)) {
-                    continue;
-                }
-                // SAFETY: passed on from the caller.
-                if unsafe {
-                    self.transport
-                        .lend(from, at_step, t, (base.add(r.start), r.len()), add)
-                } {
-                    keys.insert((from, t));
-                }
-            }
-        }
+        // SAFETY: passed on from the caller.
+        let keys = unsafe { self.lend_pieces(loans) };
         if keys.is_empty() {
             return body(self, false);
         }
@@ -458,9 +433,37 @@ impl<T: Transport> Comm<T> {
         self.lent = Some((keys, false));
         let got = body(self, true);
         self.lent = None;
-        self.transport.end_loans();
+        if let Some(shm) = self.shared_memory() {
+            shm.end_loans();
+        }
         drop(armed);
         got
+    }
+
+    /// Lends each piece of `loans` that is not pending already; the (sender, tag) of the
+    /// pieces lent.
+    ///
+    /// # Safety
+    /// As for [`Comm::lent`], which ends the loans.
+    unsafe fn lend_pieces(&self, loans: &[Lend]) -> BTreeSet<(RankId, Tag)> {
+        let mut keys = BTreeSet::new();
+        let Some(shm) = self.shared_memory() else {
+            return keys;
+        };
+        let at_step = (self.epoch, self.step);
+        for &(from, tag, base, len, add) in loans {
+            for (i, r) in pieces(len).enumerate() {
+                let t = tag.piece(i as u32);
+                if self.pending.contains_key(&(self.epoch, self.step, from, t)) {
+                    continue;
+                }
+                // SAFETY: passed on from the caller.
+                if unsafe { shm.lend(from, at_step, t, (base.add(r.start), r.len()), add) } {
+                    keys.insert((from, t));
+                }
+            }
+        }
+        keys
     }
 
     /// Waits (until `deadline`) for piece `i` of the `len`-byte payload `tag` from `from`:
@@ -499,14 +502,19 @@ impl<T: Transport> Comm<T> {
         !peers.is_empty() && peers.iter().all(|&p| self.can_pull(p))
     }
 
-    /// [`Transport::can_pull`]: whether this rank and `peer` can read each other's memory.
+    /// [`SharedMemory::can_pull`]: whether this rank and `peer` can read each other's memory
+    /// (never without the capability).
     pub fn can_pull(&self, peer: RankId) -> bool {
-        self.transport.can_pull(peer)
+        self.shared_memory().is_some_and(|shm| shm.can_pull(peer))
     }
 
-    /// [`Transport::peer_memory`]: `from`'s memory, to read from any thread.
+    /// [`SharedMemory::peer_memory`]: `from`'s memory, to read from any thread.
     pub fn peer_memory(&self, from: RankId) -> Result<Arc<dyn PeerMemory>, CommError> {
-        Ok(self.transport.peer_memory(from)?)
+        let shm = self.shared_memory().ok_or_else(|| TransportError::Pull {
+            from,
+            what: "this transport cannot read peers' memory".into(),
+        })?;
+        Ok(shm.peer_memory(from)?)
     }
 
     /// [`Comm::recv`] until `deadline` (one deadline for a whole collective).
@@ -524,7 +532,9 @@ impl<T: Transport> Comm<T> {
             // kept back like any unmatched one until the transport hears that the rank waits.
             if !*told && !keys.contains(&(from, tag)) {
                 *told = true;
-                self.transport.fetch_unlent();
+                if let Some(shm) = self.shared_memory() {
+                    shm.fetch_unlent();
+                }
             }
         }
         loop {
@@ -551,7 +561,11 @@ impl<T: Transport> Comm<T> {
                 // Whatever we were waiting for is not coming: a peer died.
                 return Err(CommError::Interrupted);
             }
-            if frame.payload.is_empty() && self.transport.was_placed(&frame) {
+            if frame.payload.is_empty()
+                && self
+                    .shared_memory()
+                    .is_some_and(|shm| shm.was_placed(&frame))
+            {
                 self.placed
                     .insert((frame.epoch, frame.step, frame.from, frame.tag));
             }
@@ -591,6 +605,59 @@ impl<T: Transport> Comm<T> {
     }
 }
 
+/// Appends the bytes `range` of a payload to `out`, `encode`d `block_bytes` at a time, each
+/// block added to `sum` (where one is taken) while it is still in cache.
+fn encode_in_blocks(
+    range: Range<usize>,
+    block_bytes: usize,
+    encode: &mut impl FnMut(Range<usize>, &mut Vec<u8>),
+    out: &mut Vec<u8>,
+    mut sum: Option<&mut crc32fast::Hasher>,
+) {
+    let mut at = range.start;
+    while at < range.end {
+        let block = at..(at + block_bytes).min(range.end);
+        let from = out.len();
+        encode(block.clone(), out);
+        assert_eq!(
+            out.len() - from,
+            block.len(),
+            "an encoded block has its length"
+        );
+        if let Some(h) = &mut sum {
+            h.update(&out[from..]);
+        }
+        at = block.end;
+    }
+}
+
+/// Writes the bytes `range` of a payload into a shared-memory slot `dst`, returning their
+/// CRC-32: each block is encoded into `block_out`, a small buffer still in cache, summed there
+/// and copied into the slot, so the payload is written to memory once.
+fn encode_into_slot(
+    range: Range<usize>,
+    encode: &mut impl FnMut(Range<usize>, &mut Vec<u8>),
+    block_out: &mut Vec<u8>,
+    dst: &mut [u8],
+) -> u32 {
+    let mut sum = crc32fast::Hasher::new();
+    let mut at = range.start;
+    while at < range.end {
+        let block = at..(at + SUM_BLOCK_BYTES).min(range.end);
+        block_out.clear();
+        encode(block.clone(), block_out);
+        assert_eq!(
+            block_out.len(),
+            block.len(),
+            "an encoded block has its length"
+        );
+        sum.update(block_out);
+        dst[block.start - range.start..block.end - range.start].copy_from_slice(block_out);
+        at = block.end;
+    }
+    sum.finalize()
+}
+
 /// A piece of the wrong length is a protocol error (nothing of it is placed).
 fn piece_fits(
     from: RankId,
@@ -612,7 +679,8 @@ fn piece_fits(
 /// Copies the pieces [`Comm::recv_all_lent`] kept for later into `loans`' buffers.
 ///
 /// # Safety
-/// The loans have ended, and `loans`' memory is valid and touched by nothing else.
+/// The loans have ended (`transport::shared_memory`'s loans section), and `loans`' memory is
+/// valid and touched by nothing else.
 pub unsafe fn place_later(loans: &[Lend], later: Vec<(usize, usize, Bytes)>) {
     for (k, at, b) in later {
         // SAFETY: no loan is open; the piece fits its buffer (its length was checked).

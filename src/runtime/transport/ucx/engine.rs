@@ -276,9 +276,10 @@ impl Engine {
     /// there (or, with `add`, is added into it), and an [`Inbound::Placed`] says so.
     ///
     /// # Safety
-    /// The memory must stay valid, and nobody may read or write it, until
-    /// [`Engine::end_loans`] for `batch` has returned and an [`Inbound::Placed`] has come for
-    /// every loan of the batch it did not count as withdrawn.
+    /// The memory is borrowed as [`crate::runtime::transport::shared_memory`]'s loans section
+    /// says; at this level the loan ends once [`Engine::end_loans`] for `batch` has returned
+    /// and an [`Inbound::Placed`] has come for every loan of the batch it did not count as
+    /// withdrawn (`UcxPlane::end_loans` waits for both).
     pub unsafe fn lend(
         &self,
         batch: u64,

@@ -8,7 +8,8 @@
 //! is the consumer's own). A message that arrived before its loan was made is matched when the
 //! loan comes, as long as it is still waiting to be fetched. Loans are grouped in batches that
 //! the consumer ends together: ending a batch withdraws its unmatched loans, and the consumer
-//! then waits for the matched ones to complete before it touches the memory again.
+//! then waits for the matched ones to complete before it touches the memory again. What the
+//! consumer promises about that memory is in `transport::shared_memory` (its loans section).
 
 /// Payloads smaller than this are not worth a loan (UCX sends up to 8 KiB eagerly, and a
 /// small copy costs less than the bookkeeping). The engine keeps back for loans only

@@ -1,6 +1,8 @@
 //! Mixed planes: UCX shared memory to the peers on this rank's host, TLS TCP to the others.
 //! Which peer goes which way is decided outside (the coordinator, per pair); this transport
-//! only routes. Every frame lands in the TCP plane's inbox, so one receive waits on both.
+//! only routes. Every frame lands in the TCP plane's inbox, so one receive waits on both. It
+//! offers the `SharedMemory` capability, which serves only the peers routed over UCX: the
+//! others get no staged sends, loans or pulls.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
@@ -10,7 +12,9 @@ use super::transport::UcxPlane;
 use super::UcxError;
 use crate::plan::RankId;
 use crate::runtime::transport::tcp::TcpTransport;
-use crate::runtime::transport::{AddFn, Frame, PeerMemory, Tag, Transport, TransportError};
+use crate::runtime::transport::{
+    AddFn, Frame, PeerMemory, SharedMemory, Tag, Transport, TransportError,
+};
 use crate::wire::WireStats;
 
 /// TCP to every peer not reached over UCX.
@@ -134,10 +138,24 @@ impl Transport for MixedTransport {
         self.send_summed(to, frame, None)
     }
 
-    fn wants_payload_crc(&self) -> bool {
-        true
+    fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
+        self.routes.ucx.before_wait();
+        let f = self.tcp.recv_timeout(timeout_ms)?;
+        self.routes.ucx.taken(&f);
+        Ok(f)
     }
 
+    fn flush(&self) {
+        self.tcp.flush()
+    }
+
+    fn shared_memory(&self) -> Option<&dyn SharedMemory> {
+        Some(self)
+    }
+}
+
+/// Shared memory with the peers routed over UCX; the peers over TCP get none of it.
+impl SharedMemory for MixedTransport {
     fn send_to_each_summed(
         &self,
         to: &[RankId],
@@ -161,17 +179,6 @@ impl Transport for MixedTransport {
         self.routes.ucx.send_written(to, frame, len, fill)
     }
 
-    fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
-        self.routes.ucx.before_wait();
-        let f = self.tcp.recv_timeout(timeout_ms)?;
-        self.routes.ucx.taken(&f);
-        Ok(f)
-    }
-
-    fn flush(&self) {
-        self.tcp.flush()
-    }
-
     unsafe fn lend(
         &self,
         from: RankId,
@@ -180,7 +187,8 @@ impl Transport for MixedTransport {
         memory: (*mut u8, usize),
         add: Option<AddFn>,
     ) -> bool {
-        // SAFETY: the trait's contract is the plane's. Peers over TCP get no loans.
+        // SAFETY: the trait's contract (`shared_memory`'s loans) is the plane's. Peers over
+        // TCP get no loans.
         self.routes.contains(from)
             && unsafe { self.routes.ucx.lend(from, at_step, tag, memory, add) }
     }

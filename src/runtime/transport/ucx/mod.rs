@@ -19,10 +19,13 @@
 //!   another host, over `--ucx-net`) and payloads outside a slot's size use UCX's rendezvous.
 //!
 //! - [`transport`]: `Transport` over the engine, every frame checked as on the TCP and QUIC
-//!   planes (version, lengths, CRC-32, and a `from` that matches the sending engine).
+//!   planes (version, lengths, CRC-32, and a `from` that matches the sending engine), with the
+//!   `SharedMemory` capability (staged and summed sends, loans, pulls; its rules are in
+//!   `transport::shared_memory`).
 //! - [`mixed`]: UCX to the peers on this host and TLS TCP to the others, into one inbox: what
 //!   a worker under `--transport ucx` runs (the coordinator picks the plane per pair,
-//!   `procs::planes`, and worker addresses travel over the mutual-TLS control plane).
+//!   `procs::planes`, and worker addresses travel over the mutual-TLS control plane). It
+//!   offers the capability for the peers it reaches over UCX.
 //!
 //! Peer death is reported by UCX's keepalive (set to 1 s; about 1 s after a kill -9 in the
 //! test) as `Inbound::PeerLost`; the control plane's heartbeats decide membership.

@@ -13,7 +13,7 @@ use super::super::engine::{Engine, EngineConfig};
 use super::super::transports_for_tests;
 use super::UcxTransport;
 use crate::plan::RankId;
-use crate::runtime::transport::{test_frame, Frame, Transport, TransportError};
+use crate::runtime::transport::{test_frame, Frame, SharedMemory, Transport, TransportError};
 
 fn body(k: usize, n: usize) -> Vec<u8> {
     (0..n).map(|i| (i * 13 + k) as u8).collect()

@@ -23,7 +23,9 @@
 //! ([`UcxPlane::lend`]): the engine receives the payload there, this plane checks it there
 //! (CRC included), and the rank gets the frame with an empty payload that
 //! [`UcxPlane::was_placed`] recognises. A payload that fails a check is counted and never
-//! reported placed, so the rank times out as for a lost frame.
+//! reported placed, so the rank times out as for a lost frame. [`UcxTransport`] offers this,
+//! the staged sends and the pulls as the [`SharedMemory`] capability, whose module docs give
+//! the rules of lent memory.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -40,7 +42,7 @@ use super::lent::{LEND_MIN_BYTES, LOANS_MAX};
 use super::UcxError;
 use crate::plan::RankId;
 use crate::runtime::transport::{
-    recv_inbox, AddFn, Frame, PeerMemory, Tag, Transport, TransportError,
+    recv_inbox, AddFn, Frame, PeerMemory, SharedMemory, Tag, Transport, TransportError,
 };
 use crate::wire::{
     check_split_in_place, decode_split, encode_split_summed, frame_around, frame_head, WireMsg,
@@ -125,11 +127,11 @@ impl UcxPlane {
     /// exactly that length; `false` (nothing lent) for a payload too small to be worth it, a
     /// frame from this rank, or a full batch. The frame then arrives with an empty payload
     /// that [`UcxPlane::was_placed`] recognises, unless it came before the loan. With `add`,
-    /// the payload is added into the memory instead ([`Transport::lend`]).
+    /// the payload is added into the memory instead ([`SharedMemory::lend`]).
     ///
     /// # Safety
-    /// The memory must stay valid, and nobody may read or write it, until
-    /// [`UcxPlane::end_loans`] returns.
+    /// The memory is borrowed as [`crate::runtime::transport::shared_memory`]'s loans section
+    /// says, until [`UcxPlane::end_loans`] returns.
     pub unsafe fn lend(
         &self,
         from: RankId,
@@ -609,10 +611,19 @@ impl Transport for UcxTransport {
         self.send_summed(to, frame, None)
     }
 
-    fn wants_payload_crc(&self) -> bool {
-        true
+    fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
+        self.plane.before_wait();
+        let f = recv_inbox(&self.inbox_rx, timeout_ms)?;
+        self.plane.taken(&f);
+        Ok(f)
     }
 
+    fn shared_memory(&self) -> Option<&dyn SharedMemory> {
+        Some(self)
+    }
+}
+
+impl SharedMemory for UcxTransport {
     fn send_to_each_summed(
         &self,
         to: &[RankId],
@@ -636,13 +647,6 @@ impl Transport for UcxTransport {
         self.plane.send_written(to, frame, len, fill)
     }
 
-    fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
-        self.plane.before_wait();
-        let f = recv_inbox(&self.inbox_rx, timeout_ms)?;
-        self.plane.taken(&f);
-        Ok(f)
-    }
-
     unsafe fn lend(
         &self,
         from: RankId,
@@ -651,7 +655,7 @@ impl Transport for UcxTransport {
         memory: (*mut u8, usize),
         add: Option<AddFn>,
     ) -> bool {
-        // SAFETY: the trait's contract is the plane's.
+        // SAFETY: the trait's contract (`shared_memory`'s loans) is the plane's.
         unsafe { self.plane.lend(from, at_step, tag, memory, add) }
     }
 

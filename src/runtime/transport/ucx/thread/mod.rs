@@ -1,23 +1,25 @@
 //! The engine's thread: the UCP calls and the callbacks UCX makes during progress. Everything
-//! here runs on that one thread (`UCS_THREAD_MODE_SINGLE`). Payloads staged in a peer's
-//! shared segment are in `staged`; closing endpoints in `close`.
+//! here runs on that one thread (`UCS_THREAD_MODE_SINGLE`). Its loop is in `event_loop`;
+//! payloads staged in a peer's shared segment are in `staged`; opening the worker in `open`,
+//! closing endpoints in `close`.
 //!
 //! Design: docs/transports.md (UCX).
 
 mod close;
+mod event_loop;
 mod open;
 mod staged;
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::config::{EngineConfig, EngineCounts, Inbound};
+use super::config::{EngineCounts, Inbound};
 use super::credit::Credit;
 use super::lent::{Loan, Loans, LEND_MIN_BYTES};
 use super::pool::Pool;
@@ -25,8 +27,7 @@ use super::ring::Ring;
 use super::shm::Segment;
 use super::{check, status_text, sys, UcxError};
 use crate::runtime::transport::AddFn;
-use close::{close_all, close_failed};
-use open::{open, worker_address};
+pub(super) use event_loop::run;
 
 /// The active-message id our messages use (the staging notices have their own, `staged`).
 const AM_ID: u32 = 0;
@@ -370,224 +371,6 @@ unsafe extern "C" fn on_ep_error(arg: *mut c_void, _ep: sys::ucp_ep_h, status: s
 fn ptr_status(p: *mut c_void) -> Option<sys::ucs_status_t> {
     let v = p as isize;
     (v < 0 && v >= sys::UCS_ERR_LAST as isize).then_some(v as sys::ucs_status_t)
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(super) fn run(
-    ucp: &'static sys::Ucp,
-    cfg: EngineConfig,
-    commands: Receiver<Cmd>,
-    inbox: SyncSender<Inbound>,
-    ready: SyncSender<Result<Vec<u8>, UcxError>>,
-    waker: Waker,
-    counts: Arc<Mutex<EngineCounts>>,
-    credit: Arc<Credit>,
-    (ring, holding, pids): (Option<Arc<Ring>>, Arc<AtomicBool>, Pids),
-) {
-    let (ctx, worker) = match open(ucp, &cfg) {
-        Ok(v) => v,
-        Err(e) => {
-            let _ = ready.send(Err(e));
-            return;
-        }
-    };
-    // Boxed so the callbacks' pointer to it stays put.
-    let state = Box::into_raw(Box::new(State {
-        ucp,
-        worker,
-        max_message_bytes: cfg.max_message_bytes,
-        received: VecDeque::new(),
-        announced: VecDeque::new(),
-        credit,
-        counts,
-        sending: 0,
-        failed: Vec::new(),
-        pool: Arc::default(),
-        loans: Loans::default(),
-        to_place: VecDeque::new(),
-        batch_open: false,
-        defer_until: None,
-        ring,
-        peer_rings: HashMap::new(),
-        pids,
-        to_free: Vec::new(),
-        hold_staged: false,
-        holding,
-    }));
-    let mut eps: HashMap<u32, (sys::ucp_ep_h, *mut EpArg)> = HashMap::new();
-    // SAFETY: the worker, the state and the endpoints are used on this thread only, and each
-    // op's box lives until its completion callback (or the immediate completion) frees it.
-    unsafe {
-        let setup = (|| {
-            staged::set_handler(ucp, worker, state, (AM_ID, on_am))?;
-            staged::set_handlers(ucp, worker, state)?;
-            let mut efd = -1;
-            check(
-                ucp,
-                "ucp_worker_get_efd",
-                (ucp.ucp_worker_get_efd)(worker, &mut efd),
-            )?;
-            Ok::<_, UcxError>((worker_address(ucp, worker)?, efd))
-        })();
-        let efd = match setup {
-            Ok((address, efd)) => {
-                *waker.lock().unwrap_or_else(|p| p.into_inner()) = Some(worker as usize);
-                let _ = ready.send(Ok(address));
-                efd
-            }
-            Err(e) => {
-                let _ = ready.send(Err(e));
-                drop(Box::from_raw(state));
-                (ucp.ucp_worker_destroy)(worker);
-                (ucp.ucp_cleanup)(ctx);
-                return;
-            }
-        };
-        // The callbacks reach the state through its raw pointer while progress runs, so no
-        // reference to it is held across a UCX call: each use below takes a short one.
-        let mut stopping = false;
-        let mut held: VecDeque<Inbound> = VecDeque::new();
-        // Failed endpoints being closed, with their error handlers' arguments.
-        let mut closing: Vec<(*mut c_void, *mut EpArg)> = Vec::new();
-        loop {
-            while let Ok(cmd) = commands.try_recv() {
-                match cmd {
-                    Cmd::Stop => stopping = true,
-                    Cmd::Connect {
-                        peer,
-                        address,
-                        done,
-                    } => {
-                        let _ = done.send(connect(state, &mut eps, peer, &address, cfg.id));
-                    }
-                    Cmd::Send {
-                        peer,
-                        header,
-                        payload,
-                    } => match eps.get(&peer) {
-                        Some(&(ep, _)) => send(state, ep, cfg.id, AM_ID, header, payload, None),
-                        None => (*state).count(|c| c.failed += 1),
-                    },
-                    Cmd::SendStaged {
-                        to,
-                        slot,
-                        generation,
-                        len,
-                        header,
-                    } => staged::send_notices(
-                        state,
-                        &eps,
-                        cfg.id,
-                        &to,
-                        staged::Notice {
-                            slot,
-                            generation,
-                            len,
-                        },
-                        &header,
-                    ),
-                    Cmd::SendStarved { to } => staged::send_starved(state, &eps, cfg.id, &to),
-                    Cmd::Lend(loan) => lend(state, loan),
-                    Cmd::EndLoans { batch, done } => {
-                        let _ = done.send((*state).loans.end(batch));
-                        (*state).batch_open = false;
-                        (*state).defer_until = Some(Instant::now() + LOAN_GRACE);
-                    }
-                    Cmd::FetchNow => {
-                        (*state).batch_open = false;
-                        (*state).defer_until = None;
-                        (*state).hold_staged = false;
-                    }
-                }
-            }
-            if stopping {
-                break;
-            }
-            // Backpressure: while the inbox is full nothing more is taken off the wire.
-            if held.len() < cfg.inbox_max {
-                // Bounded: a worker that always reports more progress (a peer's endpoint
-                // failing over and over) must not keep this thread from the commands, the
-                // announced receives and the inbox below.
-                for _ in 0..PROGRESS_ROUNDS_MAX {
-                    if (ucp.ucp_worker_progress)(worker) == 0 {
-                        break;
-                    }
-                }
-                place_lent(state);
-                fetch_announced(state);
-                staged::send_frees(state, &eps, cfg.id);
-                held.extend((*state).received.drain(..));
-                close_failed(state, &mut eps, &mut closing);
-            }
-            while let Some(m) = held.pop_front() {
-                match inbox.try_send(m) {
-                    Ok(()) => {}
-                    Err(TrySendError::Full(m)) => {
-                        held.push_front(m);
-                        break;
-                    }
-                    // Nobody reads any more: the engine is being dropped.
-                    Err(TrySendError::Disconnected(_)) => {
-                        held.clear();
-                        break;
-                    }
-                }
-            }
-            if !held.is_empty() {
-                std::thread::sleep(Duration::from_millis(1));
-                continue;
-            }
-            // Messages left waiting for a loan are fetched once the grace or the hold ends,
-            // so the sleep ends then too.
-            let grace = match (*state).defer_until {
-                Some(t) if !(*state).announced.is_empty() && !(*state).batch_open => Some(t),
-                _ => None,
-            };
-            let hold = (*state).held_until();
-            let sleep_ms = match grace.into_iter().chain(hold).min() {
-                Some(t) => {
-                    let left = t.saturating_duration_since(Instant::now());
-                    (left.as_millis() as i32 + 1).min(IDLE_POLL_MS)
-                }
-                None => IDLE_POLL_MS,
-            };
-            match (ucp.ucp_worker_arm)(worker) {
-                sys::UCS_OK => {
-                    let mut fd = libc::pollfd {
-                        fd: efd,
-                        events: libc::POLLIN,
-                        revents: 0,
-                    };
-                    libc::poll(&mut fd, 1, sleep_ms);
-                }
-                // Events arrived after the last progress: progress again.
-                _ => continue,
-            }
-        }
-        // Sends still in flight complete first (a rendezvous receiver may still be reading
-        // this process's memory), within the close timeout.
-        let deadline = Instant::now() + CLOSE_TIMEOUT;
-        (*state).batch_open = false;
-        (*state).defer_until = None;
-        while (*state).sending > 0 && Instant::now() < deadline {
-            if (ucp.ucp_worker_progress)(worker) == 0 {
-                std::thread::sleep(Duration::from_micros(50));
-            }
-            fetch_announced(state);
-        }
-        // Payloads never fetched: their senders see the receive end.
-        for a in std::mem::take(&mut (*state).announced) {
-            a.source.release(ucp, worker);
-        }
-        for (a, _) in std::mem::take(&mut (*state).to_place) {
-            a.source.release(ucp, worker);
-        }
-        close_all(state, &mut eps, closing);
-        *waker.lock().unwrap_or_else(|p| p.into_inner()) = None;
-        (ucp.ucp_worker_destroy)(worker);
-        drop(Box::from_raw(state));
-        (ucp.ucp_cleanup)(ctx);
-    }
 }
 
 unsafe fn connect(
