@@ -442,3 +442,20 @@ fn the_tree_is_tidy() {
 }
 
 mod planted;
+
+mod fn_length;
+
+#[test]
+fn functions_are_short() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let findings = fn_length::long_functions(root);
+    for f in &findings {
+        eprintln!("{f}");
+    }
+    assert!(
+        findings.is_empty(),
+        "{} functions over {} lines (above)",
+        findings.len(),
+        fn_length::FN_LINES_MAX
+    );
+}

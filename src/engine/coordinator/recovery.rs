@@ -4,6 +4,25 @@ use std::collections::BTreeSet;
 
 use super::*;
 
+/// What abandoned work aimed at: the ranks already lost in it, its target membership, who is
+/// still busy in it, and the round's (epoch, step) to interrupt them in.
+struct Abandoned {
+    lost: BTreeSet<RankId>,
+    target: Vec<RankId>,
+    busy: Vec<RankId>,
+    round: Option<(u64, u64)>,
+}
+
+/// How a loss meets the work in progress.
+enum Loss {
+    /// The work is abandoned and rebuilt from the backup.
+    Abandons(Abandoned),
+    /// A joiner that could not start: a failed change, not a loss.
+    Joiner(RankId),
+    /// Nothing to roll back onto: the run stops.
+    Fatal,
+}
+
 impl Coordinator {
     pub(super) fn on_aborted(&mut self, rank: RankId, reason: String, now_ms: u64) -> Vec<Command> {
         match &mut self.phase {
@@ -91,90 +110,16 @@ impl Coordinator {
             Some(rank) => format!("rank {rank} failed"),
             None => "the ranks gave up on each other".to_string(),
         };
-        let fail_plain = |c: &mut Self| c.fail(format!("{who} at step {step}: {reason}"));
-        let is_member = |m: &ShardMap| failed.is_none_or(|r| m.is_member(r));
-        // What the abandoned work aimed at, who is still busy in it, and the round's
-        // (epoch, step) to interrupt them in.
-        let (mut lost, target, busy, round): (BTreeSet<RankId>, Vec<RankId>, Vec<RankId>, _) =
-            match &self.phase {
-                Phase::Running { .. } => {
-                    if !is_member(&self.map) {
-                        return fail_plain(self);
-                    }
-                    let busy = self
-                        .map
-                        .members
-                        .iter()
-                        .copied()
-                        .filter(|r| !self.reports.contains_key(r) && !self.aborted.contains(r))
-                        .collect();
-                    (
-                        BTreeSet::new(),
-                        self.map.members.clone(),
-                        busy,
-                        Some((self.map.epoch, self.step)),
-                    )
-                }
-                Phase::Replicating { waiting, .. } => {
-                    if !is_member(&self.map) {
-                        return fail_plain(self);
-                    }
-                    let busy = waiting.difference(&self.aborted).copied().collect();
-                    (
-                        BTreeSet::new(),
-                        self.map.members.clone(),
-                        busy,
-                        Some((self.map.epoch, self.step)),
-                    )
-                }
-                Phase::Resharding {
-                    new,
-                    step,
-                    waiting,
-                    rollback,
-                    ..
-                } => {
-                    if !is_member(&self.map) && !is_member(new) {
-                        return fail_plain(self);
-                    }
-                    let lost: BTreeSet<RankId> = rollback
-                        .as_ref()
-                        .map(|(_, l)| l.iter().copied().collect())
-                        .unwrap_or_default();
-                    let busy = waiting.difference(&self.aborted).copied().collect();
-                    (lost, new.members.clone(), busy, Some((new.epoch, *step)))
-                }
-                // Joiners are coming up and members are idle; a joiner that cannot start is
-                // not a loss but a failed change.
-                Phase::Spawning { waiting, next, .. } => {
-                    let Some(rank) = failed else {
-                        return fail_plain(self);
-                    };
-                    if waiting.contains(&rank) {
-                        return self.drop_joiner(rank, reason, now_ms);
-                    }
-                    if !self.map.is_member(rank) {
-                        return fail_plain(self);
-                    }
-                    let target = next
-                        .iter()
-                        .copied()
-                        .filter(|r| !waiting.contains(r))
-                        .collect();
-                    (BTreeSet::new(), target, Vec::new(), None)
-                }
-                Phase::Recovering { lost, target, .. } => {
-                    // A leaver still to send its chunks counts too.
-                    let Some(rank) = failed else {
-                        return fail_plain(self);
-                    };
-                    if !self.map.is_member(rank) && !target.contains(&rank) {
-                        return fail_plain(self);
-                    }
-                    (lost.clone(), target.clone(), Vec::new(), None)
-                }
-                Phase::Idle | Phase::Done | Phase::Failed => return fail_plain(self),
-            };
+        let Abandoned {
+            mut lost,
+            target,
+            busy,
+            round,
+        } = match self.abandoned_work(failed) {
+            Loss::Abandons(work) => work,
+            Loss::Joiner(rank) => return self.drop_joiner(rank, reason, now_ms),
+            Loss::Fatal => return self.fail(format!("{who} at step {step}: {reason}")),
+        };
         let (started_ms, mut waiting) = match &self.phase {
             Phase::Recovering {
                 started_ms,
@@ -188,37 +133,8 @@ impl Coordinator {
             waiting.remove(&rank);
         }
         let target: Vec<RankId> = target.into_iter().filter(|r| !lost.contains(r)).collect();
-        let lost_list: Vec<RankId> = lost.iter().copied().collect();
-        let Some((epoch, _)) = &self.backup else {
-            return self.fail(format!(
-                "{who} at step {}: {reason}; no in-memory backup exists (replicate_every is 0 or the world has one rank): resume from your newest checkpoint",
-                self.step
-            ));
-        };
-        if *epoch != self.map.epoch {
-            return self.fail(format!(
-                "{who} at step {}: {reason}; the backup predates the current shard map",
-                self.step
-            ));
-        }
-        // Only members of the committed map hold backups; a lost joiner held nothing.
-        let lost_members: Vec<RankId> = lost_list
-            .iter()
-            .copied()
-            .filter(|r| self.map.is_member(*r))
-            .collect();
-        let missing = crate::plan::replica::holders(&self.map, &lost_members).err();
-        if let Some(missing) = missing {
-            return self.fail(format!(
-                "ranks {lost_list:?} are lost at step {} ({reason}); chunks {missing:?} (unit/index) had no other copy. Resume from your newest checkpoint",
-                self.step
-            ));
-        }
-        if let Err(e) = self.check_world(target.len()) {
-            return self.fail(format!(
-                "ranks {lost_list:?} are lost at step {}: {e}",
-                self.step
-            ));
+        if let Some(why) = self.unrestorable(&who, &reason, &lost, target.len()) {
+            return self.fail(why);
         }
         let mut out: Vec<Command> = failed
             .map(|rank| Command::Retire { ranks: vec![rank] })
@@ -238,6 +154,137 @@ impl Coordinator {
         };
         out.extend(self.try_restore(now_ms));
         out
+    }
+
+    /// How the loss of `failed` (or, with `None`, the cut between live ranks) meets the work
+    /// in progress: what that work aimed at, or why nothing can be rolled back.
+    fn abandoned_work(&self, failed: Option<RankId>) -> Loss {
+        let is_member = |m: &ShardMap| failed.is_none_or(|r| m.is_member(r));
+        let committed_round = || Some((self.map.epoch, self.step));
+        match &self.phase {
+            Phase::Running { .. } => {
+                if !is_member(&self.map) {
+                    return Loss::Fatal;
+                }
+                let busy = self
+                    .map
+                    .members
+                    .iter()
+                    .copied()
+                    .filter(|r| !self.reports.contains_key(r) && !self.aborted.contains(r))
+                    .collect();
+                Loss::Abandons(Abandoned {
+                    lost: BTreeSet::new(),
+                    target: self.map.members.clone(),
+                    busy,
+                    round: committed_round(),
+                })
+            }
+            Phase::Replicating { waiting, .. } => {
+                if !is_member(&self.map) {
+                    return Loss::Fatal;
+                }
+                Loss::Abandons(Abandoned {
+                    lost: BTreeSet::new(),
+                    target: self.map.members.clone(),
+                    busy: waiting.difference(&self.aborted).copied().collect(),
+                    round: committed_round(),
+                })
+            }
+            Phase::Resharding {
+                new,
+                step,
+                waiting,
+                rollback,
+                ..
+            } => {
+                if !is_member(&self.map) && !is_member(new) {
+                    return Loss::Fatal;
+                }
+                Loss::Abandons(Abandoned {
+                    lost: rollback
+                        .as_ref()
+                        .map(|(_, l)| l.iter().copied().collect())
+                        .unwrap_or_default(),
+                    target: new.members.clone(),
+                    busy: waiting.difference(&self.aborted).copied().collect(),
+                    round: Some((new.epoch, *step)),
+                })
+            }
+            // Joiners are coming up and members are idle; a joiner that cannot start is
+            // not a loss but a failed change.
+            Phase::Spawning { waiting, next, .. } => match failed {
+                Some(rank) if waiting.contains(&rank) => Loss::Joiner(rank),
+                Some(rank) if self.map.is_member(rank) => Loss::Abandons(Abandoned {
+                    lost: BTreeSet::new(),
+                    target: next
+                        .iter()
+                        .copied()
+                        .filter(|r| !waiting.contains(r))
+                        .collect(),
+                    busy: Vec::new(),
+                    round: None,
+                }),
+                _ => Loss::Fatal,
+            },
+            // A leaver still to send its chunks counts too.
+            Phase::Recovering { lost, target, .. } => match failed {
+                Some(rank) if self.map.is_member(rank) || target.contains(&rank) => {
+                    Loss::Abandons(Abandoned {
+                        lost: lost.clone(),
+                        target: target.clone(),
+                        busy: Vec::new(),
+                        round: None,
+                    })
+                }
+                _ => Loss::Fatal,
+            },
+            Phase::Idle | Phase::Done | Phase::Failed => Loss::Fatal,
+        }
+    }
+
+    /// Why the committed backup cannot rebuild the run without the `lost` ranks onto
+    /// `target_len` ranks, or `None` when it can.
+    fn unrestorable(
+        &self,
+        who: &str,
+        reason: &str,
+        lost: &BTreeSet<RankId>,
+        target_len: usize,
+    ) -> Option<String> {
+        let lost_list: Vec<RankId> = lost.iter().copied().collect();
+        let Some((epoch, _)) = &self.backup else {
+            return Some(format!(
+                "{who} at step {}: {reason}; no in-memory backup exists (replicate_every is 0 or the world has one rank): resume from your newest checkpoint",
+                self.step
+            ));
+        };
+        if *epoch != self.map.epoch {
+            return Some(format!(
+                "{who} at step {}: {reason}; the backup predates the current shard map",
+                self.step
+            ));
+        }
+        // Only members of the committed map hold backups; a lost joiner held nothing.
+        let lost_members: Vec<RankId> = lost_list
+            .iter()
+            .copied()
+            .filter(|r| self.map.is_member(*r))
+            .collect();
+        let missing = crate::plan::replica::holders(&self.map, &lost_members).err();
+        if let Some(missing) = missing {
+            return Some(format!(
+                "ranks {lost_list:?} are lost at step {} ({reason}); chunks {missing:?} (unit/index) had no other copy. Resume from your newest checkpoint",
+                self.step
+            ));
+        }
+        if let Err(e) = self.check_world(target_len) {
+            return Some(format!(
+                "ranks {lost_list:?} are lost at step {}: {e}",
+                self.step
+            ));
+        }
+        None
     }
 
     pub(super) fn try_restore(&mut self, now_ms: u64) -> Vec<Command> {

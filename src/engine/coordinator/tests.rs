@@ -108,6 +108,22 @@ fn kinds(cmds: &[Command]) -> Vec<&'static str> {
         .collect()
 }
 
+fn resharded(rank: RankId, epoch: u64, now_ms: u64) -> Event {
+    Event::ReshardDone {
+        rank,
+        epoch,
+        now_ms,
+    }
+}
+
+fn spawned(rank: RankId, now_ms: u64) -> Event {
+    Event::Spawned {
+        rank,
+        host: None,
+        now_ms,
+    }
+}
+
 #[test]
 fn scripted_leave_and_join_reshard_at_step_boundaries() {
     let map = ShardMap::plan(&[100], &[0, 1, 2], 10, 0).unwrap();
@@ -133,34 +149,10 @@ fn scripted_leave_and_join_reshard_at_step_boundaries() {
     };
     assert_eq!((new.epoch, new.members.clone()), (1, vec![0, 2]));
     // Every participant, the leaver included, must report before the epoch commits.
-    assert!(c
-        .handle(Event::ReshardDone {
-            rank: 0,
-            epoch: 1,
-            now_ms: 3
-        })
-        .is_empty());
-    assert!(
-        c.handle(Event::ReshardDone {
-            rank: 2,
-            epoch: 0,
-            now_ms: 3
-        })
-        .is_empty(),
-        "stale epoch"
-    );
-    assert!(c
-        .handle(Event::ReshardDone {
-            rank: 2,
-            epoch: 1,
-            now_ms: 3
-        })
-        .is_empty());
-    let cmds = c.handle(Event::ReshardDone {
-        rank: 1,
-        epoch: 1,
-        now_ms: 4,
-    });
+    assert!(c.handle(resharded(0, 1, 3)).is_empty());
+    assert!(c.handle(resharded(2, 0, 3)).is_empty(), "stale epoch");
+    assert!(c.handle(resharded(2, 1, 3)).is_empty());
+    let cmds = c.handle(resharded(1, 1, 4));
     assert_eq!(kinds(&cmds), ["retire", "membership", "run"]);
     let Command::RunStep(plan) = &cmds[2] else {
         unreachable!()
@@ -177,38 +169,12 @@ fn scripted_leave_and_join_reshard_at_step_boundaries() {
         unreachable!()
     };
     assert_eq!(ranks, &vec![3, 4], "joiners take the next unused ids");
-    assert!(c
-        .handle(Event::Spawned {
-            rank: 3,
-            host: None,
-            now_ms: 7
-        })
-        .is_empty());
-    assert_eq!(
-        kinds(&c.handle(Event::Spawned {
-            rank: 4,
-            host: None,
-            now_ms: 7
-        })),
-        ["reshard"]
-    );
+    assert!(c.handle(spawned(3, 7)).is_empty());
+    assert_eq!(kinds(&c.handle(spawned(4, 7))), ["reshard"]);
     for r in [0, 2, 3] {
-        assert!(c
-            .handle(Event::ReshardDone {
-                rank: r,
-                epoch: 2,
-                now_ms: 8
-            })
-            .is_empty());
+        assert!(c.handle(resharded(r, 2, 8)).is_empty());
     }
-    assert_eq!(
-        kinds(&c.handle(Event::ReshardDone {
-            rank: 4,
-            epoch: 2,
-            now_ms: 9
-        })),
-        ["membership", "run"]
-    );
+    assert_eq!(kinds(&c.handle(resharded(4, 2, 9))), ["membership", "run"]);
     assert_eq!(c.map().members, vec![0, 2, 3, 4]);
     assert_eq!(c.membership_log().len(), 2);
 }

@@ -14,7 +14,8 @@ use super::collect::{collect_chunks, digest_params, stream_snapshot, Streamed};
 use super::events::ClusterEvent;
 use super::messages::{Activity, CoordMsg, CoordView, RankMsg};
 use super::rank::{RankActor, RankArgs};
-use crate::engine::coordinator::{Command, Coordinator, Event, Refusal};
+use crate::engine::coordinator::{Command, Coordinator, Event, Progress, Refusal};
+use crate::engine::messages::{StepPlan, StepReport};
 use crate::plan::{RankId, ShardMap};
 use crate::runtime::clock::Clock;
 use crate::runtime::step::elastic::snapshot::{Snapshot, SnapshotSink};
@@ -154,104 +155,9 @@ impl<T: Transport> CoordState<T> {
     /// Executes one command; returns the events it produced.
     async fn execute(&mut self, me: &ActorRef<CoordMsg<T>>, cmd: Command) -> Vec<Event> {
         match cmd {
-            Command::RunStep(plan) => {
-                // Told before the step on the same mailbox, so the rank dies inside this step.
-                for rank in std::mem::take(&mut self.pending_kills) {
-                    if let Some(a) = self
-                        .ranks
-                        .get(&rank)
-                        .filter(|_| self.engine.map().is_member(rank))
-                    {
-                        let _ = a.cast(RankMsg::KillAt(plan.step));
-                    }
-                }
-                for r in self.ranks.values() {
-                    let _ = r.cast(RankMsg::RunStep(Box::new(plan.clone())));
-                }
-                let members = self.engine.map().members.clone();
-                self.begin(Activity::Running { step: plan.step }, members);
-            }
-            Command::Snapshot(progress) => {
-                // Ranks are idle between steps, so their chunks are consistent.
-                let map = self.engine.map().clone();
-                if let Some(sink) = self.snapshot_sink.clone() {
-                    // The ranks wait at this boundary until the snapshot is on disk.
-                    let step = progress.step;
-                    return match stream_snapshot(&self.rank_list(), &map, &progress, &*sink).await {
-                        Ok(streamed) => {
-                            let saved = match streamed {
-                                Streamed::Saved => Ok(()),
-                                Streamed::SaveFailed(e) => Err(e),
-                            };
-                            let _ = self
-                                .events
-                                .send(ClusterEvent::SnapshotStreamed { step, saved });
-                            // The ranks waited for the stream; the next phase's time starts now.
-                            vec![Event::Paused {
-                                now_ms: self.clock.now_ms(),
-                            }]
-                        }
-                        Err(e) => vec![Event::RankFailed {
-                            rank: u32::MAX,
-                            reason: format!("snapshot failed: {e}"),
-                            now_ms: self.clock.now_ms(),
-                        }],
-                    };
-                }
-                match collect_chunks(&self.rank_list(), &map).await {
-                    Ok(chunks) => {
-                        let snap = Snapshot {
-                            progress,
-                            map,
-                            chunks,
-                        };
-                        let _ = self.events.send(ClusterEvent::Snapshot(Box::new(snap)));
-                    }
-                    Err(e) => {
-                        let reason = format!("snapshot failed: {e}");
-                        return vec![Event::RankFailed {
-                            rank: u32::MAX,
-                            reason,
-                            now_ms: self.clock.now_ms(),
-                        }];
-                    }
-                }
-            }
-            Command::Spawn { ranks } => {
-                let mut out = Vec::new();
-                for rank in ranks {
-                    let args = match (self.factory)(rank, me.clone()) {
-                        Ok(NewRank::Args(args)) => *args,
-                        Ok(NewRank::Later) => continue,
-                        Err(reason) => {
-                            out.push(Event::RankFailed {
-                                rank,
-                                reason: format!("could not start: {reason}"),
-                                now_ms: self.clock.now_ms(),
-                            });
-                            continue;
-                        }
-                    };
-                    match Actor::spawn_linked(None, RankActor::<T>::default(), args, me.get_cell())
-                        .await
-                    {
-                        Ok((actor, _)) => {
-                            self.ranks.insert(rank, actor);
-                            out.push(Event::Spawned {
-                                rank,
-                                host: None,
-                                now_ms: self.clock.now_ms(),
-                            });
-                        }
-                        Err(e) => out.push(Event::RankFailed {
-                            rank,
-                            reason: format!("could not start: {e}"),
-                            now_ms: self.clock.now_ms(),
-                        }),
-                    }
-                }
-                return out;
-            }
+            Command::RunStep(plan) => self.run_step(plan),
+            Command::Snapshot(progress) => return self.snapshot(progress).await,
+            Command::Spawn { ranks } => return self.spawn(me, ranks).await,
             Command::Reshard { old, new, step } => {
                 let told = self.in_either(&old, &new);
                 self.begin(Activity::Resharding { step }, told.iter().copied());
@@ -289,19 +195,7 @@ impl<T: Transport> CoordState<T> {
                 new,
                 step,
                 lost,
-            } => {
-                // Lost ranks were retired; every other rank of either map takes part.
-                let told = self.in_either(&old, &new);
-                self.begin(Activity::Restoring { step }, told.iter().copied());
-                for a in told.iter().filter_map(|r| self.ranks.get(r)) {
-                    let _ = a.cast(RankMsg::Restore {
-                        old: Box::new(old.clone()),
-                        new: Box::new(new.clone()),
-                        step,
-                        lost: lost.clone(),
-                    });
-                }
-            }
+            } => self.restore(old, new, step, lost),
             Command::MembershipChanged(rec) => {
                 let _ = self.events.send(ClusterEvent::Membership(rec));
             }
@@ -324,6 +218,217 @@ impl<T: Transport> CoordState<T> {
             }
         }
         Vec::new()
+    }
+
+    /// Hands every rank the step's plan, after the operator's kills waiting for it.
+    fn run_step(&mut self, plan: StepPlan) {
+        // Told before the step on the same mailbox, so the rank dies inside this step.
+        for rank in std::mem::take(&mut self.pending_kills) {
+            if let Some(a) = self
+                .ranks
+                .get(&rank)
+                .filter(|_| self.engine.map().is_member(rank))
+            {
+                let _ = a.cast(RankMsg::KillAt(plan.step));
+            }
+        }
+        for r in self.ranks.values() {
+            let _ = r.cast(RankMsg::RunStep(Box::new(plan.clone())));
+        }
+        let members = self.engine.map().members.clone();
+        self.begin(Activity::Running { step: plan.step }, members);
+    }
+
+    /// Rolls back onto `new` from the backups taken under `old`, without the `lost` ranks.
+    fn restore(&mut self, old: ShardMap, new: ShardMap, step: u64, lost: Vec<RankId>) {
+        // Lost ranks were retired; every other rank of either map takes part.
+        let told = self.in_either(&old, &new);
+        self.begin(Activity::Restoring { step }, told.iter().copied());
+        for a in told.iter().filter_map(|r| self.ranks.get(r)) {
+            let _ = a.cast(RankMsg::Restore {
+                old: Box::new(old.clone()),
+                new: Box::new(new.clone()),
+                step,
+                lost: lost.clone(),
+            });
+        }
+    }
+
+    /// Takes a snapshot at this boundary: streamed to the sink where there is one, else
+    /// collected whole and sent as an event.
+    async fn snapshot(&mut self, progress: Progress) -> Vec<Event> {
+        // Ranks are idle between steps, so their chunks are consistent.
+        let map = self.engine.map().clone();
+        if let Some(sink) = self.snapshot_sink.clone() {
+            return self.stream_snapshot(&map, progress, &*sink).await;
+        }
+        match collect_chunks(&self.rank_list(), &map).await {
+            Ok(chunks) => {
+                let snap = Snapshot {
+                    progress,
+                    map,
+                    chunks,
+                };
+                let _ = self.events.send(ClusterEvent::Snapshot(Box::new(snap)));
+                Vec::new()
+            }
+            Err(e) => {
+                let reason = format!("snapshot failed: {e}");
+                vec![Event::RankFailed {
+                    rank: u32::MAX,
+                    reason,
+                    now_ms: self.clock.now_ms(),
+                }]
+            }
+        }
+    }
+
+    async fn stream_snapshot(
+        &mut self,
+        map: &ShardMap,
+        progress: Progress,
+        sink: &dyn SnapshotSink,
+    ) -> Vec<Event> {
+        // The ranks wait at this boundary until the snapshot is on disk.
+        let step = progress.step;
+        match stream_snapshot(&self.rank_list(), map, &progress, sink).await {
+            Ok(streamed) => {
+                let saved = match streamed {
+                    Streamed::Saved => Ok(()),
+                    Streamed::SaveFailed(e) => Err(e),
+                };
+                let _ = self
+                    .events
+                    .send(ClusterEvent::SnapshotStreamed { step, saved });
+                // The ranks waited for the stream; the next phase's time starts now.
+                vec![Event::Paused {
+                    now_ms: self.clock.now_ms(),
+                }]
+            }
+            Err(e) => vec![Event::RankFailed {
+                rank: u32::MAX,
+                reason: format!("snapshot failed: {e}"),
+                now_ms: self.clock.now_ms(),
+            }],
+        }
+    }
+
+    /// Starts the joiners the factory can start here; the others come up as `Joined`.
+    async fn spawn(&mut self, me: &ActorRef<CoordMsg<T>>, ranks: Vec<RankId>) -> Vec<Event> {
+        let mut out = Vec::new();
+        for rank in ranks {
+            let args = match (self.factory)(rank, me.clone()) {
+                Ok(NewRank::Args(args)) => *args,
+                Ok(NewRank::Later) => continue,
+                Err(reason) => {
+                    out.push(Event::RankFailed {
+                        rank,
+                        reason: format!("could not start: {reason}"),
+                        now_ms: self.clock.now_ms(),
+                    });
+                    continue;
+                }
+            };
+            match Actor::spawn_linked(None, RankActor::<T>::default(), args, me.get_cell()).await {
+                Ok((actor, _)) => {
+                    self.ranks.insert(rank, actor);
+                    out.push(Event::Spawned {
+                        rank,
+                        host: None,
+                        now_ms: self.clock.now_ms(),
+                    });
+                }
+                Err(e) => out.push(Event::RankFailed {
+                    rank,
+                    reason: format!("could not start: {e}"),
+                    now_ms: self.clock.now_ms(),
+                }),
+            }
+        }
+        out
+    }
+}
+
+/// What the coordinator actor does with each message family: rank answers and beats become
+/// engine events; queries are answered from the engine and the ranks.
+impl<T: Transport> CoordState<T> {
+    /// A rank answered the current activity: it no longer holds the engine up.
+    async fn rank_answered(&mut self, me: &ActorRef<CoordMsg<T>>, rank: RankId, event: Event) {
+        self.answered(rank);
+        self.feed(me, event).await
+    }
+
+    /// A step report, which may first ask for a snapshot at the boundary it ends at.
+    async fn step_done(
+        &mut self,
+        me: &ActorRef<CoordMsg<T>>,
+        report: Box<StepReport>,
+        now_ms: u64,
+    ) {
+        self.answered(report.rank);
+        if let Some(b) = &mut self.boundary_snapshot {
+            if b.raise_sigterm_at == Some(report.step) {
+                b.raise_sigterm_at = None;
+                // The handler runs in this thread before raise returns: the flag is set.
+                let _ = signal_hook::low_level::raise(signal_hook::consts::SIGTERM);
+            }
+            if b.flag.swap(false, Ordering::SeqCst) {
+                self.feed(me, Event::SnapshotRequested).await;
+            }
+        }
+        self.feed(me, Event::StepDone { report, now_ms }).await
+    }
+
+    /// The clock's tick, after the beats recorded since the last one.
+    async fn tick(&mut self, me: &ActorRef<CoordMsg<T>>, now_ms: u64) {
+        let beats = self
+            .progress
+            .as_ref()
+            .map(|p| p.beats())
+            .unwrap_or_default();
+        for (rank, beat) in beats {
+            if self.beats_seen.insert(rank, beat) != Some(beat) {
+                let (epoch, step) = (beat.epoch, beat.step);
+                let e = Event::Progress {
+                    rank,
+                    epoch,
+                    step,
+                    now_ms,
+                };
+                self.feed(me, e).await;
+            }
+        }
+        self.feed(me, Event::Tick { now_ms }).await
+    }
+
+    /// A joiner the runtime started itself is up, or could not come up.
+    async fn joined(
+        &mut self,
+        me: &ActorRef<CoordMsg<T>>,
+        rank: RankId,
+        started: Result<ActorRef<RankMsg<T>>, String>,
+        host: Option<String>,
+        now_ms: u64,
+    ) {
+        // A rank that stopped before this message arrived is not up.
+        let started = started.and_then(|a| match a.get_status() {
+            ActorStatus::Stopping | ActorStatus::Stopped => {
+                Err("it stopped while coming up".to_string())
+            }
+            _ => Ok(a),
+        });
+        let event = match started {
+            Ok(actor) => {
+                self.ranks.insert(rank, actor);
+                Event::Spawned { rank, host, now_ms }
+            }
+            Err(reason) => Event::RankFailed {
+                rank,
+                reason: format!("could not start: {reason}"),
+                now_ms,
+            },
+        };
+        self.feed(me, event).await
     }
 }
 
@@ -378,85 +483,41 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                 me.send_interval(Duration::from_millis(st.tick_ms), || CoordMsg::Tick);
                 st.feed(&me, Event::Start { now_ms }).await
             }
-            CoordMsg::StepDone(report) => {
-                st.answered(report.rank);
-                if let Some(b) = &mut st.boundary_snapshot {
-                    if b.raise_sigterm_at == Some(report.step) {
-                        b.raise_sigterm_at = None;
-                        // The handler runs in this thread before raise returns: the flag is set.
-                        let _ = signal_hook::low_level::raise(signal_hook::consts::SIGTERM);
-                    }
-                    if b.flag.swap(false, Ordering::SeqCst) {
-                        st.feed(&me, Event::SnapshotRequested).await;
-                    }
-                }
-                st.feed(&me, Event::StepDone { report, now_ms }).await
-            }
+            CoordMsg::StepDone(report) => st.step_done(&me, report, now_ms).await,
             CoordMsg::RankFailed { rank, reason } => {
-                st.answered(rank);
-                st.feed(
-                    &me,
-                    Event::RankFailed {
-                        rank,
-                        reason,
-                        now_ms,
-                    },
-                )
-                .await
+                let e = Event::RankFailed {
+                    rank,
+                    reason,
+                    now_ms,
+                };
+                st.rank_answered(&me, rank, e).await
             }
             CoordMsg::ReshardDone { rank, epoch } => {
-                st.answered(rank);
-                st.feed(
-                    &me,
-                    Event::ReshardDone {
-                        rank,
-                        epoch,
-                        now_ms,
-                    },
-                )
-                .await
+                let e = Event::ReshardDone {
+                    rank,
+                    epoch,
+                    now_ms,
+                };
+                st.rank_answered(&me, rank, e).await
             }
             CoordMsg::StepAborted { rank, reason } => {
-                st.answered(rank);
-                st.feed(
-                    &me,
-                    Event::StepAborted {
-                        rank,
-                        reason,
-                        now_ms,
-                    },
-                )
-                .await
+                let e = Event::StepAborted {
+                    rank,
+                    reason,
+                    now_ms,
+                };
+                st.rank_answered(&me, rank, e).await
             }
             CoordMsg::ReplicateDone { rank, epoch, step } => {
-                st.answered(rank);
-                st.feed(
-                    &me,
-                    Event::ReplicateDone {
-                        rank,
-                        epoch,
-                        step,
-                        now_ms,
-                    },
-                )
-                .await
+                let e = Event::ReplicateDone {
+                    rank,
+                    epoch,
+                    step,
+                    now_ms,
+                };
+                st.rank_answered(&me, rank, e).await
             }
-            CoordMsg::Tick => {
-                let beats = st.progress.as_ref().map(|p| p.beats()).unwrap_or_default();
-                for (rank, beat) in beats {
-                    if st.beats_seen.insert(rank, beat) != Some(beat) {
-                        let (epoch, step) = (beat.epoch, beat.step);
-                        let e = Event::Progress {
-                            rank,
-                            epoch,
-                            step,
-                            now_ms,
-                        };
-                        st.feed(&me, e).await;
-                    }
-                }
-                st.feed(&me, Event::Tick { now_ms }).await
-            }
+            CoordMsg::Tick => st.tick(&me, now_ms).await,
             CoordMsg::Progress { rank, epoch, step } => {
                 let e = Event::Progress {
                     rank,
@@ -492,27 +553,7 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
                 rank,
                 started,
                 host,
-            } => {
-                // A rank that stopped before this message arrived is not up.
-                let started = started.and_then(|a| match a.get_status() {
-                    ActorStatus::Stopping | ActorStatus::Stopped => {
-                        Err("it stopped while coming up".to_string())
-                    }
-                    _ => Ok(a),
-                });
-                let event = match started {
-                    Ok(actor) => {
-                        st.ranks.insert(rank, actor);
-                        Event::Spawned { rank, host, now_ms }
-                    }
-                    Err(reason) => Event::RankFailed {
-                        rank,
-                        reason: format!("could not start: {reason}"),
-                        now_ms,
-                    },
-                };
-                st.feed(&me, event).await
-            }
+            } => st.joined(&me, rank, started, host, now_ms).await,
         }
         Ok(())
     }

@@ -12,6 +12,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::messages::{CoordMsg, RankMsg};
 use crate::config::{Round, RoundKill};
+use crate::engine::messages::{StepPlan, StepReport};
 use crate::plan::replica::holders;
 use crate::plan::{RankId, ShardMap};
 use crate::runtime::step::comm::CommError;
@@ -19,6 +20,7 @@ use crate::runtime::step::elastic::replica::{replicate, Backup};
 use crate::runtime::step::elastic::reshard::Reshard;
 use crate::runtime::step::exec::run_step;
 use crate::runtime::step::exec::work::{RankSetup, Work};
+use crate::runtime::step::state::rank_state::{ChunkState, RankState};
 use crate::runtime::transport::Transport;
 
 pub struct RankArgs<T: Transport> {
@@ -69,6 +71,223 @@ impl<T: Transport> RankSlot<T> {
     }
 }
 
+/// The rounds a rank runs on its worker thread: each takes the work out, runs, and hands it
+/// back in a `*Finished` message.
+impl<T: Transport> RankSlot<T> {
+    /// One training step.
+    fn start_step(&mut self, me: ActorRef<RankMsg<T>>, plan: StepPlan) -> std::io::Result<()> {
+        let (setup, rank) = (Arc::clone(&self.setup), self.rank);
+        let Some(mut work) = self.take_work(&format!("step {}", plan.step)) else {
+            return Ok(());
+        };
+        // The coordinator runs a step only once the backup before it is complete.
+        if work
+            .fresh
+            .as_ref()
+            .is_some_and(|f| (f.epoch, f.step) == (plan.epoch, plan.step))
+        {
+            work.backup = work.fresh.take();
+        }
+        let panic_at = self.panic_at_step;
+        // An injected kill stops the rank halfway through the step's phases.
+        let vanish_at = (self.kill_at_step == Some(plan.step)).then_some(usize::MAX / 2);
+        on_thread(me, format!("rank-{rank}-step"), move || {
+            if panic_at == Some(plan.step) {
+                panic!(
+                    "injected fault: rank compute panicked at step {}",
+                    plan.step
+                );
+            }
+            let res = match work.state.as_mut() {
+                Some(st) => run_step(
+                    st,
+                    &mut work.comm,
+                    &plan,
+                    &setup.data,
+                    &setup.exec,
+                    vanish_at,
+                ),
+                None => Err(CommError::Protocol {
+                    from: rank,
+                    what: "asked to train before receiving state".into(),
+                }),
+            };
+            // A rank doomed in this step dies even if a peer's death interrupted it
+            // before it reached the kill point.
+            if vanish_at.is_some() && res.is_err() {
+                (setup.disconnect)(rank);
+                return RankMsg::ComputePanicked(format!(
+                    "rank {rank} vanished during step {} (injected kill)",
+                    plan.step
+                ));
+            }
+            work.comm.flush();
+            RankMsg::StepFinished(Box::new(work), res.map(Box::new))
+        })
+    }
+
+    /// Moves chunks from `old` to `new`, reading this rank's current state.
+    fn start_reshard(
+        &mut self,
+        me: ActorRef<RankMsg<T>>,
+        old: Box<ShardMap>,
+        new: Box<ShardMap>,
+        step: u64,
+    ) -> std::io::Result<()> {
+        let (setup, rank) = (Arc::clone(&self.setup), self.rank);
+        let Some(mut work) = self.take_work("a reshard") else {
+            return Ok(());
+        };
+        let vanish = dooms(&setup, rank, step, Round::Reshard);
+        on_thread(me, format!("rank-{rank}-reshard"), move || {
+            let owner = |u: usize, i: usize| old.owner(u, i);
+            let current = work.state.take();
+            let reader = current.as_ref().map(|s| s.cached_chunks());
+            let base = |u: usize, i: usize| reader.as_ref().and_then(|r| r.get(u, i));
+            let res = reshard_job(&setup, &owner, &old, &new, step, vanish).run(
+                rank,
+                &base,
+                &mut work.comm,
+            );
+            if vanish {
+                return vanished(&setup, rank, "reshard", step);
+            }
+            let res = match res {
+                Ok(state) => {
+                    work.state = state;
+                    Ok(new.epoch)
+                }
+                Err(e) => {
+                    work.state = current;
+                    Err(e)
+                }
+            };
+            work.comm.flush();
+            RankMsg::ReshardFinished(Box::new(work), res)
+        })
+    }
+
+    /// Rolls back to the backups taken under `old` and reshards them, without the `lost`
+    /// ranks, onto `new`.
+    fn start_restore(
+        &mut self,
+        me: ActorRef<RankMsg<T>>,
+        old: Box<ShardMap>,
+        new: Box<ShardMap>,
+        step: u64,
+        lost: Vec<RankId>,
+    ) -> std::io::Result<()> {
+        let (setup, rank) = (Arc::clone(&self.setup), self.rank);
+        let Some(mut work) = self.take_work("a restore") else {
+            return Ok(());
+        };
+        let vanish = dooms(&setup, rank, step, Round::Restore);
+        on_thread(me, format!("rank-{rank}-restore"), move || {
+            // A joiner holds nothing; every other rank rolls back to its backup under
+            // `old` (its current state may be half-way into an abandoned round).
+            let backup = match old.is_member(rank) {
+                true => work.backup_at(old.epoch, step).cloned(),
+                false => Some(Backup::default()),
+            };
+            let res = match (backup, holders(&old, &lost)) {
+                (Some(backup), Ok(holder)) => {
+                    let base = |u: usize, i: usize| backup.chunk(u, i);
+                    reshard_job(&setup, &holder, &old, &new, step, vanish).run(
+                        rank,
+                        &base,
+                        &mut work.comm,
+                    )
+                }
+                (None, Ok(_)) => Err(CommError::Protocol {
+                    from: rank,
+                    what: format!("no backup under epoch {} before step {step}", old.epoch),
+                }),
+                (_, Err(missing)) => Err(CommError::Protocol {
+                    from: rank,
+                    what: format!("chunks {missing:?} have no live copy"),
+                }),
+            };
+            if vanish {
+                return vanished(&setup, rank, "restore", step);
+            }
+            let res = res.map(|state| {
+                work.state = state;
+                new.epoch
+            });
+            work.comm.flush();
+            RankMsg::ReshardFinished(Box::new(work), res)
+        })
+    }
+
+    /// Takes a backup before step `step` (a local copy plus replicas with the buddy).
+    fn start_replicate(&mut self, me: ActorRef<RankMsg<T>>, step: u64) -> std::io::Result<()> {
+        let (setup, rank) = (Arc::clone(&self.setup), self.rank);
+        let Some(mut work) = self.take_work("a replication") else {
+            return Ok(());
+        };
+        let vanish = dooms(&setup, rank, step, Round::Replicate);
+        on_thread(me, format!("rank-{rank}-replicate"), move || {
+            let res = match work.state.as_ref() {
+                Some(st) => replicate(st, &mut work.comm, step, vanish, &setup.exec.progress),
+                None => Err(CommError::Protocol {
+                    from: rank,
+                    what: "no state to replicate".into(),
+                }),
+            };
+            if vanish {
+                return vanished(&setup, rank, "replicate", step);
+            }
+            let res = res.map(|b| {
+                let done = (b.epoch, b.step);
+                work.fresh = Some(b);
+                done
+            });
+            work.comm.flush();
+            RankMsg::ReplicateFinished(Box::new(work), res)
+        })
+    }
+
+    fn step_finished(&mut self, work: Work<T>, result: Result<Box<StepReport>, CommError>) {
+        let rank = self.rank;
+        self.work = Some(work);
+        self.report(match result {
+            Ok(report) => CoordMsg::StepDone(report),
+            // The rank's tier failed: its state cannot be trusted, so it is lost (its
+            // buddy's backup, if any, restores it elsewhere).
+            Err(e @ CommError::Storage(_)) => {
+                (self.setup.disconnect)(rank);
+                CoordMsg::RankFailed {
+                    rank,
+                    reason: e.to_string(),
+                }
+            }
+            // Expected: a peer vanished or the step was abandoned. The rank is alive and
+            // idle; the coordinator decides what happens next.
+            Err(e) => CoordMsg::StepAborted {
+                rank,
+                reason: e.to_string(),
+            },
+        });
+    }
+
+    /// The rank's state, while no round has it on the worker thread.
+    fn state(&self) -> Option<&RankState> {
+        self.work.as_ref().and_then(|w| w.state.as_ref())
+    }
+
+    /// Every chunk this rank owns, or none when it holds no state or cannot read it.
+    fn owned_chunk_states(&self) -> Vec<ChunkState> {
+        self.state()
+            .map(|s| {
+                s.owned_chunk_states().unwrap_or_else(|e| {
+                    tracing::error!(rank = self.rank, "collecting: {e}");
+                    Vec::new()
+                })
+            })
+            .unwrap_or_default()
+    }
+}
+
 /// Runs `job` on a named thread; a panic becomes a `ComputePanicked` message.
 fn on_thread<T: Transport>(
     me: ActorRef<RankMsg<T>>,
@@ -109,189 +328,24 @@ impl<T: Transport> Actor for RankActor<T> {
         msg: RankMsg<T>,
         slot: &mut RankSlot<T>,
     ) -> Result<(), ActorProcessingErr> {
-        let (setup, rank) = (Arc::clone(&slot.setup), slot.rank);
+        let rank = slot.rank;
         match msg {
-            RankMsg::RunStep(plan) => {
-                let Some(mut work) = slot.take_work(&format!("step {}", plan.step)) else {
-                    return Ok(());
-                };
-                // The coordinator runs a step only once the backup before it is complete.
-                if work
-                    .fresh
-                    .as_ref()
-                    .is_some_and(|f| (f.epoch, f.step) == (plan.epoch, plan.step))
-                {
-                    work.backup = work.fresh.take();
-                }
-                let panic_at = slot.panic_at_step;
-                // An injected kill stops the rank halfway through the step's phases.
-                let vanish_at = (slot.kill_at_step == Some(plan.step)).then_some(usize::MAX / 2);
-                on_thread(me, format!("rank-{rank}-step"), move || {
-                    if panic_at == Some(plan.step) {
-                        panic!(
-                            "injected fault: rank compute panicked at step {}",
-                            plan.step
-                        );
-                    }
-                    let res = match work.state.as_mut() {
-                        Some(st) => run_step(
-                            st,
-                            &mut work.comm,
-                            &plan,
-                            &setup.data,
-                            &setup.exec,
-                            vanish_at,
-                        ),
-                        None => Err(CommError::Protocol {
-                            from: rank,
-                            what: "asked to train before receiving state".into(),
-                        }),
-                    };
-                    // A rank doomed in this step dies even if a peer's death interrupted it
-                    // before it reached the kill point.
-                    if vanish_at.is_some() && res.is_err() {
-                        (setup.disconnect)(rank);
-                        return RankMsg::ComputePanicked(format!(
-                            "rank {rank} vanished during step {} (injected kill)",
-                            plan.step
-                        ));
-                    }
-                    work.comm.flush();
-                    RankMsg::StepFinished(Box::new(work), res.map(Box::new))
-                })?;
-            }
-            RankMsg::StepFinished(work, result) => {
-                slot.work = Some(*work);
-                slot.report(match result {
-                    Ok(report) => CoordMsg::StepDone(report),
-                    // The rank's tier failed: its state cannot be trusted, so it is lost (its
-                    // buddy's backup, if any, restores it elsewhere).
-                    Err(e @ CommError::Storage(_)) => {
-                        (slot.setup.disconnect)(rank);
-                        CoordMsg::RankFailed {
-                            rank,
-                            reason: e.to_string(),
-                        }
-                    }
-                    // Expected: a peer vanished or the step was abandoned. The rank is alive and
-                    // idle; the coordinator decides what happens next.
-                    Err(e) => CoordMsg::StepAborted {
-                        rank,
-                        reason: e.to_string(),
-                    },
-                });
-            }
-            RankMsg::Reshard { old, new, step } => {
-                let Some(mut work) = slot.take_work("a reshard") else {
-                    return Ok(());
-                };
-                let vanish = dooms(&setup, rank, step, Round::Reshard);
-                on_thread(me, format!("rank-{rank}-reshard"), move || {
-                    let owner = |u: usize, i: usize| old.owner(u, i);
-                    let current = work.state.take();
-                    let reader = current.as_ref().map(|s| s.cached_chunks());
-                    let base = |u: usize, i: usize| reader.as_ref().and_then(|r| r.get(u, i));
-                    let res = reshard_job(&setup, &owner, &old, &new, step, vanish).run(
-                        rank,
-                        &base,
-                        &mut work.comm,
-                    );
-                    if vanish {
-                        return vanished(&setup, rank, "reshard", step);
-                    }
-                    let res = match res {
-                        Ok(state) => {
-                            work.state = state;
-                            Ok(new.epoch)
-                        }
-                        Err(e) => {
-                            work.state = current;
-                            Err(e)
-                        }
-                    };
-                    work.comm.flush();
-                    RankMsg::ReshardFinished(Box::new(work), res)
-                })?;
-            }
+            RankMsg::RunStep(plan) => slot.start_step(me, *plan)?,
+            RankMsg::Reshard { old, new, step } => slot.start_reshard(me, old, new, step)?,
             RankMsg::Restore {
                 old,
                 new,
                 step,
                 lost,
-            } => {
-                let Some(mut work) = slot.take_work("a restore") else {
-                    return Ok(());
-                };
-                let vanish = dooms(&setup, rank, step, Round::Restore);
-                on_thread(me, format!("rank-{rank}-restore"), move || {
-                    // A joiner holds nothing; every other rank rolls back to its backup under
-                    // `old` (its current state may be half-way into an abandoned round).
-                    let backup = match old.is_member(rank) {
-                        true => work.backup_at(old.epoch, step).cloned(),
-                        false => Some(Backup::default()),
-                    };
-                    let res = match (backup, holders(&old, &lost)) {
-                        (Some(backup), Ok(holder)) => {
-                            let base = |u: usize, i: usize| backup.chunk(u, i);
-                            reshard_job(&setup, &holder, &old, &new, step, vanish).run(
-                                rank,
-                                &base,
-                                &mut work.comm,
-                            )
-                        }
-                        (None, Ok(_)) => Err(CommError::Protocol {
-                            from: rank,
-                            what: format!("no backup under epoch {} before step {step}", old.epoch),
-                        }),
-                        (_, Err(missing)) => Err(CommError::Protocol {
-                            from: rank,
-                            what: format!("chunks {missing:?} have no live copy"),
-                        }),
-                    };
-                    if vanish {
-                        return vanished(&setup, rank, "restore", step);
-                    }
-                    let res = res.map(|state| {
-                        work.state = state;
-                        new.epoch
-                    });
-                    work.comm.flush();
-                    RankMsg::ReshardFinished(Box::new(work), res)
-                })?;
-            }
+            } => slot.start_restore(me, old, new, step, lost)?,
+            RankMsg::Replicate { step } => slot.start_replicate(me, step)?,
+            RankMsg::StepFinished(work, result) => slot.step_finished(*work, result),
             RankMsg::ReshardFinished(work, result) => {
                 slot.work = Some(*work);
                 slot.report(match result {
                     Ok(epoch) => CoordMsg::ReshardDone { rank, epoch },
                     Err(e) => round_failed(rank, "reshard", e),
                 });
-            }
-            RankMsg::Replicate { step } => {
-                let Some(mut work) = slot.take_work("a replication") else {
-                    return Ok(());
-                };
-                let vanish = dooms(&setup, rank, step, Round::Replicate);
-                on_thread(me, format!("rank-{rank}-replicate"), move || {
-                    let res = match work.state.as_ref() {
-                        Some(st) => {
-                            replicate(st, &mut work.comm, step, vanish, &setup.exec.progress)
-                        }
-                        None => Err(CommError::Protocol {
-                            from: rank,
-                            what: "no state to replicate".into(),
-                        }),
-                    };
-                    if vanish {
-                        return vanished(&setup, rank, "replicate", step);
-                    }
-                    let res = res.map(|b| {
-                        let done = (b.epoch, b.step);
-                        work.fresh = Some(b);
-                        done
-                    });
-                    work.comm.flush();
-                    RankMsg::ReplicateFinished(Box::new(work), res)
-                })?;
             }
             RankMsg::ReplicateFinished(work, result) => {
                 slot.work = Some(*work);
@@ -305,18 +359,7 @@ impl<T: Transport> Actor for RankActor<T> {
                 return Err(format!("rank {rank} compute panicked: {text}").into());
             }
             RankMsg::Collect(reply) => {
-                let chunks = slot
-                    .work
-                    .as_ref()
-                    .and_then(|w| w.state.as_ref())
-                    .map(|s| {
-                        s.owned_chunk_states().unwrap_or_else(|e| {
-                            tracing::error!(rank, "collecting: {e}");
-                            Vec::new()
-                        })
-                    })
-                    .unwrap_or_default();
-                let _ = reply.send(chunks);
+                let _ = reply.send(slot.owned_chunk_states());
             }
             RankMsg::OwnedChunks {
                 unit,
@@ -324,7 +367,7 @@ impl<T: Transport> Actor for RankActor<T> {
                 params_only,
                 reply,
             } => {
-                let res = match slot.work.as_ref().and_then(|w| w.state.as_ref()) {
+                let res = match slot.state() {
                     Some(s) => s.owned_chunks_in(unit, &chunks, params_only),
                     None => Err(format!("rank {rank} holds no state")),
                 };

@@ -348,107 +348,129 @@ impl Status {
 
     /// Prometheus text exposition format (version 0.0.4).
     pub fn prometheus(&self) -> String {
-        let t = &self.telemetry;
         let mut out = String::new();
-        let mut metric = |name: &str, kind: &str, help: &str, value: String| {
-            // Writing to a String cannot fail.
-            let _ = write!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
-            );
-        };
+        self.progress_metrics(&mut out);
+        self.change_metrics(&mut out);
+        self.rank_metrics(&mut out);
+        out
+    }
+
+    /// Whether the run goes on, where it is, and how long its steps take.
+    fn progress_metrics(&self, out: &mut String) {
+        let t = &self.telemetry;
         let running = matches!(self.run, RunState::Running);
         metric(
+            out,
             "ezero_up",
             "gauge",
             "1 while the run goes on.",
             u8::from(running).to_string(),
         );
         metric(
+            out,
             "ezero_epoch",
             "gauge",
             "Shard-map epoch.",
             self.epoch.to_string(),
         );
         metric(
+            out,
             "ezero_step",
             "gauge",
             "Next step to run.",
             self.step.to_string(),
         );
         metric(
+            out,
             "ezero_members",
             "gauge",
             "Ranks in the job.",
             self.members.len().to_string(),
         );
         metric(
+            out,
             "ezero_steps_completed_total",
             "counter",
             "Steps completed, replays included.",
             t.steps_completed.to_string(),
         );
         metric(
+            out,
             "ezero_step_seconds_last",
             "gauge",
             "Duration of the newest completed step.",
             secs(t.step_ms_last.unwrap_or(0)),
         );
         metric(
+            out,
             "ezero_step_seconds_sum",
             "counter",
             "Total duration of completed steps.",
             secs(t.step_ms_sum),
         );
+    }
+
+    /// Membership changes and recoveries: how many, how long, and what they moved.
+    fn change_metrics(&self, out: &mut String) {
+        let t = &self.telemetry;
         metric(
+            out,
             "ezero_rebalances_total",
             "counter",
             "Graceful membership changes (leaves, joins).",
             t.rebalances.to_string(),
         );
         metric(
+            out,
             "ezero_failed_joins_total",
             "counter",
             "Joiners that did not come up; their change went on without them.",
             t.failed_joins.to_string(),
         );
         metric(
+            out,
             "ezero_recoveries_total",
             "counter",
             "Recoveries from abrupt rank loss.",
             t.recoveries.to_string(),
         );
         metric(
+            out,
             "ezero_recovery_seconds_last",
             "gauge",
             "Duration of the newest recovery (loss detected to state rebuilt).",
             secs(t.recovery_ms_last.unwrap_or(0)),
         );
         metric(
+            out,
             "ezero_replayed_steps_total",
             "counter",
             "Steps run again after rollbacks.",
             t.replayed_steps.to_string(),
         );
         metric(
+            out,
             "ezero_rebalance_moved_bytes_last",
             "gauge",
             "Payload bytes moved by the newest membership change.",
             t.moved_bytes_last.unwrap_or(0).to_string(),
         );
         metric(
+            out,
             "ezero_rebalance_moved_bytes_total",
             "counter",
             "Payload bytes moved by all membership changes.",
             t.moved_bytes_total.to_string(),
         );
         metric(
+            out,
             "ezero_rebalance_moved_elems_total",
             "counter",
             "Chunk elements whose owner changed.",
             t.moved_elems_total.to_string(),
         );
         metric(
+            out,
             "ezero_rebalance_min_elems_total",
             "counter",
             "Lower bound on elements that had to change owner.",
@@ -456,12 +478,17 @@ impl Status {
         );
         if let Some(lag) = self.replica_lag_steps {
             metric(
+                out,
                 "ezero_replica_lag_steps",
                 "gauge",
                 "Steps since the newest complete buddy backup.",
                 lag.to_string(),
             );
         }
+    }
+
+    /// One series per rank: its tier's traffic (where it has a tier) and the state it owns.
+    fn rank_metrics(&self, out: &mut String) {
         let tiers: Vec<(RankId, TierLast)> = self
             .shards
             .iter()
@@ -504,8 +531,16 @@ impl Status {
                 s.rank, s.owned_state_bytes
             );
         }
-        out
     }
+}
+
+/// One metric without labels, with its help and type lines.
+fn metric(out: &mut String, name: &str, kind: &str, help: &str, value: String) {
+    // Writing to a String cannot fail.
+    let _ = write!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"
+    );
 }
 
 fn secs(ms: u64) -> String {

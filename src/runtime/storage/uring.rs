@@ -186,33 +186,81 @@ struct Active {
 }
 
 fn io_thread(
-    mut ring: IoUring,
+    ring: IoUring,
     fd: i32,
     cfg: UringConfig,
     (ring_id, fixed_blocks): (u64, &AtomicU64),
     rx: Receiver<IoRequest>,
 ) {
-    let block = cfg.block_bytes.max(4096);
-    let depth = cfg.queue_depth.max(1) as usize;
-    let mut active: HashMap<u64, Active> = HashMap::new();
-    let mut order: VecDeque<u64> = VecDeque::new();
-    let mut next_id: u64 = 0;
-    let mut in_flight = 0usize;
+    let mut io = IoLoop {
+        ring,
+        fd,
+        ring_id,
+        fixed_blocks,
+        block: cfg.block_bytes.max(4096),
+        depth: cfg.queue_depth.max(1) as usize,
+        active: HashMap::new(),
+        order: VecDeque::new(),
+        next_id: 0,
+        in_flight: 0,
+    };
     let mut open = true;
     loop {
-        // Take new requests: block only when there is nothing else to do.
-        while open && active.len() < MAX_ACTIVE_REQUESTS {
-            let got = if active.is_empty() {
+        if open {
+            open = io.take_requests(&rx);
+        }
+        if !open && io.active.is_empty() {
+            return;
+        }
+        io.fill_queue();
+        if io.in_flight == 0 {
+            finish_ready(&mut io.active, &mut io.order);
+            continue;
+        }
+        if let Err(e) = io.ring.submit_and_wait(1) {
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            // The ring itself failed: fail everything in flight and stop.
+            io.fail_all(&e);
+            return;
+        }
+        io.reap();
+        finish_ready(&mut io.active, &mut io.order);
+    }
+}
+
+/// The I/O thread's state: its ring, and the requests accepted and not yet handed back.
+struct IoLoop<'a> {
+    ring: IoUring,
+    fd: i32,
+    ring_id: u64,
+    fixed_blocks: &'a AtomicU64,
+    block: usize,
+    depth: usize,
+    active: HashMap<u64, Active>,
+    order: VecDeque<u64>,
+    next_id: u64,
+    /// Blocks handed to the ring and not yet completed.
+    in_flight: usize,
+}
+
+impl IoLoop<'_> {
+    /// Takes new requests, blocking only when there is nothing else to do; `false` once the
+    /// owner has hung up.
+    fn take_requests(&mut self, rx: &Receiver<IoRequest>) -> bool {
+        while self.active.len() < MAX_ACTIVE_REQUESTS {
+            let got = if self.active.is_empty() {
                 rx.recv().map_err(|_| TryRecvError::Disconnected)
             } else {
                 rx.try_recv()
             };
             match got {
                 Ok(req) => {
-                    next_id += 1;
-                    order.push_back(next_id);
-                    active.insert(
-                        next_id,
+                    self.next_id += 1;
+                    self.order.push_back(self.next_id);
+                    self.active.insert(
+                        self.next_id,
                         Active {
                             req,
                             sent: 0,
@@ -222,28 +270,29 @@ fn io_thread(
                     );
                 }
                 Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) => open = false,
+                Err(TryRecvError::Disconnected) => return false,
             }
         }
-        if !open && active.is_empty() {
-            return;
-        }
-        // Fill the queue, oldest request first.
-        while in_flight < depth {
-            let Some(&id) = order.iter().find(|id| {
-                let a = &active[id];
+        true
+    }
+
+    /// Fills the queue with blocks, oldest request first.
+    fn fill_queue(&mut self) {
+        while self.in_flight < self.depth {
+            let Some(&id) = self.order.iter().find(|id| {
+                let a = &self.active[id];
                 a.sent < a.req.len && a.failed.is_none()
             }) else {
                 break;
             };
-            let a = active.get_mut(&id).expect("listed");
-            let len = block.min(a.req.len - a.sent);
+            let a = self.active.get_mut(&id).expect("listed");
+            let len = self.block.min(a.req.len - a.sent);
             let offset = a.req.offset + a.sent as u64;
             // SAFETY of the pointers: the buffer stays in `active` (not moved or dropped) until
             // every block of it has completed.
-            let fixed = a.req.buf.fixed_in(ring_id);
+            let fixed = a.req.buf.fixed_in(self.ring_id);
             let at = unsafe { a.req.buf.as_mut_ptr().add(a.sent) };
-            let (file, n) = (types::Fd(fd), len as u32);
+            let (file, n) = (types::Fd(self.fd), len as u32);
             let entry = match (a.req.op, fixed) {
                 (Op::Read, None) => opcode::Read::new(file, at, n).offset(offset).build(),
                 (Op::Write, None) => opcode::Write::new(file, at, n).offset(offset).build(),
@@ -257,44 +306,33 @@ fn io_thread(
             }
             .user_data((id << 24) | (len as u64 >> 12));
             // SAFETY: the entry's buffer outlives the operation (see above).
-            if unsafe { ring.submission().push(&entry) }.is_err() {
+            if unsafe { self.ring.submission().push(&entry) }.is_err() {
                 break;
             }
             a.sent += len;
             a.outstanding += 1;
-            in_flight += 1;
+            self.in_flight += 1;
             if fixed.is_some() {
-                fixed_blocks.fetch_add(1, Ordering::Relaxed);
+                self.fixed_blocks.fetch_add(1, Ordering::Relaxed);
             }
         }
-        if in_flight == 0 {
-            finish_ready(&mut active, &mut order);
-            continue;
-        }
-        if let Err(e) = ring.submit_and_wait(1) {
-            if e.raw_os_error() == Some(libc::EINTR) {
-                continue;
-            }
-            // The ring itself failed: fail everything in flight and stop.
-            for (_, mut a) in active.drain() {
-                a.failed
-                    .get_or_insert(IoError::Os(format!("io_uring_enter: {e}")));
-                let _ = a.req.done.send(IoDone {
-                    buf: a.req.buf,
-                    result: Err(a.failed.expect("set")),
-                });
-            }
-            return;
-        }
-        let done: Vec<(u64, i32)> = ring
+    }
+
+    /// Records the completed blocks: a request fails at its first error or short transfer.
+    fn reap(&mut self) {
+        let done: Vec<(u64, i32)> = self
+            .ring
             .completion()
             .map(|c| (c.user_data(), c.result()))
             .collect();
         for (data, res) in done {
-            in_flight -= 1;
+            self.in_flight -= 1;
             let id = data >> 24;
             let want = ((data & 0xff_ffff) << 12) as usize;
-            let a = active.get_mut(&id).expect("completion of a known request");
+            let a = self
+                .active
+                .get_mut(&id)
+                .expect("completion of a known request");
             a.outstanding -= 1;
             if a.failed.is_none() {
                 if res < 0 {
@@ -309,7 +347,18 @@ fn io_thread(
                 }
             }
         }
-        finish_ready(&mut active, &mut order);
+    }
+
+    /// Hands every request back failed, with the ring's error where it had none of its own.
+    fn fail_all(&mut self, e: &std::io::Error) {
+        for (_, mut a) in self.active.drain() {
+            a.failed
+                .get_or_insert(IoError::Os(format!("io_uring_enter: {e}")));
+            let _ = a.req.done.send(IoDone {
+                buf: a.req.buf,
+                result: Err(a.failed.expect("set")),
+            });
+        }
     }
 }
 

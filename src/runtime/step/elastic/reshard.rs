@@ -23,7 +23,7 @@ use crate::plan::memory::masters_in_shard;
 use crate::plan::{RankId, ShardMap, Stage};
 use crate::reduce::ReduceMode;
 use crate::runtime::step::comm::{Comm, CommError};
-use crate::runtime::step::elastic::chunk_set::Filling;
+use crate::runtime::step::elastic::chunk_set::{ChunkSet, Filling};
 use crate::runtime::step::elastic::parcel::{decode_parcel, encode_parcel};
 use crate::runtime::step::progress::RunProgress;
 use crate::runtime::step::state::rank_state::{ChunkSource, ChunkState, OptimSettings, RankState};
@@ -142,18 +142,22 @@ impl Reshard<'_> {
         comm: &mut Comm<T>,
     ) -> Result<Option<RankState>, CommError> {
         comm.begin_step(self.new.epoch, self.step);
+        let (outgoing, incoming) = self.links(me);
+        let received = self.exchange(me, base, comm, &outgoing, &incoming)?;
+        if !self.new.is_member(me) {
+            return Ok(None);
+        }
+        let received = received
+            .done()
+            .map_err(|e| CommError::Storage(e.to_string()))?;
+        self.rebuild(me, base, &received).map(Some)
+    }
+
+    /// This rank's links, each list cut in pieces: those it sends on, and those it receives on
+    /// (none for a rank that is leaving).
+    fn links(&self, me: RankId) -> (Vec<Link>, Vec<Link>) {
         let masters = masters_in_shard(self.stage, self.precision.param_bytes());
         let plan = transfers(self.old, self.new, self.stage, masters, self.sender);
-        let tag = |k: usize| Tag {
-            kind: TagKind::Reshard,
-            attempt: 0,
-            unit: k as u32,
-            pass: 0,
-            piece: 0,
-        };
-        // Every list travels in pieces of at most GROUP_ELEMS elements, piece k of every link
-        // in round k: each rank sends its round's pieces, then takes the pieces due to it, so
-        // no link carries more than a round's piece or two whatever the model's size.
         let cut = |list: &[Move]| pieces(list, self.old, GROUP_ELEMS);
         let outgoing: Vec<Link> = plan
             .iter()
@@ -165,9 +169,32 @@ impl Reshard<'_> {
             .filter(|((_, t), _)| *t == me && self.new.is_member(me))
             .map(|((from, _), list)| (*from, cut(list)))
             .collect();
+        (outgoing, incoming)
+    }
+
+    /// Moves the pieces, round by round, and returns what arrived.
+    ///
+    /// Every list travels in pieces of at most GROUP_ELEMS elements, piece k of every link in
+    /// round k: each rank sends its round's pieces, then takes the pieces due to it, so no link
+    /// carries more than a round's piece or two whatever the model's size.
+    fn exchange<T: Transport>(
+        &self,
+        me: RankId,
+        base: &ChunkSource<'_>,
+        comm: &mut Comm<T>,
+        outgoing: &[Link],
+        incoming: &[Link],
+    ) -> Result<Filling, CommError> {
+        let tag = |k: usize| Tag {
+            kind: TagKind::Reshard,
+            attempt: 0,
+            unit: k as u32,
+            pass: 0,
+            piece: 0,
+        };
         let rounds = outgoing
             .iter()
-            .chain(&incoming)
+            .chain(incoming)
             .map(|(_, p)| p.len())
             .max()
             .unwrap_or(0);
@@ -204,10 +231,16 @@ impl Reshard<'_> {
         if vanish_after.is_some() {
             return Err(CommError::Vanished);
         }
-        if !self.new.is_member(me) {
-            return Ok(None);
-        }
-        let received = received.done().map_err(storage)?;
+        Ok(received)
+    }
+
+    /// The rank's state under the new map: what it received over what it held.
+    fn rebuild(
+        &self,
+        me: RankId,
+        base: &ChunkSource<'_>,
+        received: &ChunkSet,
+    ) -> Result<RankState, CommError> {
         // A received chunk that cannot be read back fails the rebuild with its error, never
         // falls back to what this rank held before.
         let unreadable: std::cell::RefCell<Option<String>> = Default::default();
@@ -246,7 +279,6 @@ impl Reshard<'_> {
             &source,
             self.storage,
         )
-        .map(Some)
         .map_err(|what| match unreadable.take() {
             Some(e) => CommError::Storage(e),
             None => CommError::Protocol { from: me, what },

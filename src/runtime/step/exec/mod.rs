@@ -88,21 +88,7 @@ pub fn run_step<T: Transport>(
     let started = Instant::now();
     comm.begin_step(plan.epoch, plan.step);
     let io_before = st.tier_counters();
-    let local = plan.local_micro_batches(st.rank);
-    let mbs: Vec<(u32, MicroBatch)> = local
-        .map(|i| {
-            (
-                i,
-                data.micro_batch(
-                    cfg.seed,
-                    plan.step,
-                    i as u64,
-                    cfg.micro_batch_size,
-                    cfg.seq_len,
-                ),
-            )
-        })
-        .collect();
+    let mbs = local_micro_batches(st, plan, data, cfg);
     let ranks = st.map.members.len();
     let in_backward = st.in_backward.is_some();
     let program = phases(
@@ -112,15 +98,7 @@ pub fn run_step<T: Transport>(
         ranks,
         in_backward,
     );
-    let ties = Ties::of(&*st.model).map_err(|what| CommError::Protocol {
-        from: st.rank,
-        what: format!("the model's tied parameters: {what}"),
-    })?;
-    let terms: Vec<u32> = ties
-        .terms()
-        .iter()
-        .map(|t| t * plan.micro_batches)
-        .collect();
+    let (ties, terms) = gradient_terms(st, plan)?;
     let mut bounds = plan.grad_bounds.clone();
     let (mut compute_s, mut optimizer_s) = (0.0, 0.0);
     for attempt in 0..MAX_ATTEMPTS {
@@ -177,6 +155,45 @@ pub fn run_step<T: Transport>(
         });
     }
     unreachable!("the last attempt always returns")
+}
+
+/// This rank's micro-batches of the step, with their indices in the global batch.
+fn local_micro_batches(
+    st: &RankState,
+    plan: &StepPlan,
+    data: &Dataset,
+    cfg: &ExecConfig,
+) -> Vec<(u32, MicroBatch)> {
+    let local = plan.local_micro_batches(st.rank);
+    local
+        .map(|i| {
+            (
+                i,
+                data.micro_batch(
+                    cfg.seed,
+                    plan.step,
+                    i as u64,
+                    cfg.micro_batch_size,
+                    cfg.seq_len,
+                ),
+            )
+        })
+        .collect()
+}
+
+/// The model's tied parameters, and the gradient terms each unit's accumulator takes: the
+/// step's micro-batches times the uses of a lent parameter, which fix the quantization scale.
+fn gradient_terms(st: &RankState, plan: &StepPlan) -> Result<(Ties, Vec<u32>), CommError> {
+    let ties = Ties::of(&*st.model).map_err(|what| CommError::Protocol {
+        from: st.rank,
+        what: format!("the model's tied parameters: {what}"),
+    })?;
+    let terms: Vec<u32> = ties
+        .terms()
+        .iter()
+        .map(|t| t * plan.micro_batches)
+        .collect();
+    Ok((ties, terms))
 }
 
 /// Transient state of one pass over the phase program.
@@ -288,39 +305,7 @@ impl<'a> Pass<'a> {
 
     fn exec<T: Transport>(&mut self, comm: &mut Comm<T>, phase: Phase) -> Result<(), CommError> {
         match phase {
-            Phase::PostGather { unit, pass } => {
-                self.load_own_params(unit)?;
-                let own = self
-                    .own
-                    .get(&unit)
-                    .unwrap_or(&self.st.shards[unit as usize].params);
-                let precision = self.cfg.precision;
-                let (elem_bytes, n) = (precision.param_bytes() as usize, own.len() as u64);
-                // The payload is this rank's chunks of the unit, which `own` holds end to end.
-                debug_assert_eq!(
-                    own.len(),
-                    self.st.map.owned_elems_in_unit(unit as usize, self.st.rank)
-                );
-                let encode = |r: std::ops::Range<usize>, out: &mut Vec<u8>| match precision {
-                    Precision::Fp32 => put_f32s(out, &own[r]),
-                    Precision::Bf16 => put_bf16s(out, &own[r]),
-                };
-                // From now on the peers' chunks of this unit are in flight to us: account for
-                // them here, so the ledger shows the whole prefetched working set.
-                let incoming = self.st.map.units[unit as usize].numel as u64 - n;
-                self.st.ledger.alloc(Category::Gathered, 4 * incoming);
-                let tag = self.tag(TagKind::Gather, unit, pass);
-                let map = &self.st.map;
-                collectives::post_own_encoded(
-                    comm,
-                    map,
-                    unit as usize,
-                    tag,
-                    elem_bytes,
-                    encode,
-                    true,
-                )
-            }
+            Phase::PostGather { unit, pass } => self.post_gather(comm, unit, pass),
             Phase::WaitGather { unit, pass } => self.wait_gather(comm, unit, pass),
             Phase::Forward { unit } => {
                 self.timed(|p| {
@@ -346,69 +331,100 @@ impl<'a> Pass<'a> {
                 Ok(())
             }
             Phase::Free { unit } => {
-                if let Some(buf) = self.gathered.remove(&unit) {
-                    self.st
-                        .ledger
-                        .free(Category::Gathered, 4 * buf.len() as u64);
-                    if self.keep_at_free.remove(&unit) {
-                        self.kept_params.insert(unit, buf);
-                    }
-                }
+                self.free_gathered(unit);
                 Ok(())
             }
             Phase::ReduceScatterUnit { unit } => self.post_reduce_scatter(comm, unit),
             Phase::WaitReduceScatter { unit } => self.wait_reduce_scatter(comm, unit),
-            Phase::ReduceScatterAll => {
-                for u in 0..self.st.units() {
-                    let tag = self.tag(TagKind::ReduceScatter, u as u32, 0);
-                    let w = self
-                        .st
-                        .whole_grads
-                        .as_mut()
-                        .expect("stages 0/1 keep whole-model gradients");
-                    collectives::reduce_scatter(comm, &self.st.map, u, tag, &mut w[u], 0)?;
-                }
-                Ok(())
-            }
+            Phase::ReduceScatterAll => self.reduce_scatter_all(comm),
             Phase::AllGatherGrads => self.all_gather_grads(comm),
             Phase::Agree => {
                 self.finish_tier_io()?;
                 self.agree(comm)
             }
-            Phase::Optimizer if self.st.in_backward.is_some() => {
-                // The backward ran every unit's update; the step is agreed, so they count.
-                let done = self
-                    .st
-                    .commit_backward_updates()
-                    .map_err(|e| CommError::Storage(e.to_string()));
-                let (rank, epoch, step) = (self.st.rank, self.plan.epoch, self.plan.step);
-                (0..self.st.units()).for_each(|_| self.cfg.progress.beat(rank, epoch, step));
-                done
-            }
-            Phase::Optimizer => {
-                let a = self.agreed.as_ref().expect("Optimizer follows Agree");
-                let clip = exact::clip_coefficient(a.norm, self.cfg.grad_clip);
-                let (exps, m) = (self.exps.clone(), self.plan.micro_batches);
-                let (progress, rank) = (&self.cfg.progress, self.st.rank);
-                let (epoch, step) = (self.plan.epoch, self.plan.step);
-                let t0 = Instant::now();
-                let done = self
-                    .st
-                    .apply_optimizer(
-                        &exps,
-                        m,
-                        clip,
-                        self.plan.opt_step,
-                        self.plan.lr,
-                        self.plan.defer_update,
-                        &mut || progress.beat(rank, epoch, step),
-                    )
-                    .map_err(|e| CommError::Storage(e.to_string()));
-                self.optimizer_s += t0.elapsed().as_secs_f64();
-                done
-            }
+            Phase::Optimizer if self.st.in_backward.is_some() => self.commit_backward_updates(),
+            Phase::Optimizer => self.optimizer(),
             Phase::GatherParams => self.gather_params(comm),
         }
+    }
+
+    /// Sends this rank's chunks of `unit` to every peer for their gather of it.
+    fn post_gather<T: Transport>(
+        &mut self,
+        comm: &mut Comm<T>,
+        unit: u32,
+        pass: u8,
+    ) -> Result<(), CommError> {
+        self.load_own_params(unit)?;
+        let own = self
+            .own
+            .get(&unit)
+            .unwrap_or(&self.st.shards[unit as usize].params);
+        let precision = self.cfg.precision;
+        let (elem_bytes, n) = (precision.param_bytes() as usize, own.len() as u64);
+        // The payload is this rank's chunks of the unit, which `own` holds end to end.
+        debug_assert_eq!(
+            own.len(),
+            self.st.map.owned_elems_in_unit(unit as usize, self.st.rank)
+        );
+        let encode = |r: std::ops::Range<usize>, out: &mut Vec<u8>| match precision {
+            Precision::Fp32 => put_f32s(out, &own[r]),
+            Precision::Bf16 => put_bf16s(out, &own[r]),
+        };
+        // From now on the peers' chunks of this unit are in flight to us: account for
+        // them here, so the ledger shows the whole prefetched working set.
+        let incoming = self.st.map.units[unit as usize].numel as u64 - n;
+        self.st.ledger.alloc(Category::Gathered, 4 * incoming);
+        let tag = self.tag(TagKind::Gather, unit, pass);
+        let map = &self.st.map;
+        collectives::post_own_encoded(comm, map, unit as usize, tag, elem_bytes, encode, true)
+    }
+
+    /// Drops the gathered copy of `unit`, keeping it where the backward's update reuses it.
+    fn free_gathered(&mut self, unit: u32) {
+        if let Some(buf) = self.gathered.remove(&unit) {
+            self.st
+                .ledger
+                .free(Category::Gathered, 4 * buf.len() as u64);
+            if self.keep_at_free.remove(&unit) {
+                self.kept_params.insert(unit, buf);
+            }
+        }
+    }
+
+    /// The backward ran every unit's update; the step is agreed, so they count.
+    fn commit_backward_updates(&mut self) -> Result<(), CommError> {
+        let done = self
+            .st
+            .commit_backward_updates()
+            .map_err(|e| CommError::Storage(e.to_string()));
+        let (rank, epoch, step) = (self.st.rank, self.plan.epoch, self.plan.step);
+        (0..self.st.units()).for_each(|_| self.cfg.progress.beat(rank, epoch, step));
+        done
+    }
+
+    /// The optimizer over every owned chunk, with the agreed clipping.
+    fn optimizer(&mut self) -> Result<(), CommError> {
+        let a = self.agreed.as_ref().expect("Optimizer follows Agree");
+        let clip = exact::clip_coefficient(a.norm, self.cfg.grad_clip);
+        let (exps, m) = (self.exps.clone(), self.plan.micro_batches);
+        let (progress, rank) = (&self.cfg.progress, self.st.rank);
+        let (epoch, step) = (self.plan.epoch, self.plan.step);
+        let t0 = Instant::now();
+        let done = self
+            .st
+            .apply_optimizer(
+                &exps,
+                m,
+                clip,
+                self.plan.opt_step,
+                self.plan.lr,
+                self.plan.defer_update,
+                &mut || progress.beat(rank, epoch, step),
+            )
+            .map_err(|e| CommError::Storage(e.to_string()));
+        self.optimizer_s += t0.elapsed().as_secs_f64();
+        done
     }
 
     fn unit_pass_done(&self) {

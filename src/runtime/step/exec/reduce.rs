@@ -9,12 +9,29 @@ use super::{AgreeMsg, Agreed, Pass};
 use crate::engine::ledger::Category;
 use crate::plan::Stage;
 use crate::reduce::exact;
-use crate::reduce::{grad_buf, SumSquares};
+use crate::reduce::{grad_buf, GradBuf, SumSquares};
 use crate::runtime::step::comm::collectives;
 use crate::runtime::step::comm::{Comm, CommError};
 use crate::runtime::transport::{Tag, TagKind, Transport};
 
 impl Pass<'_> {
+    /// Stages 0-1: every unit's whole-model gradient, reduce-scattered after the backward.
+    pub(super) fn reduce_scatter_all<T: Transport>(
+        &mut self,
+        comm: &mut Comm<T>,
+    ) -> Result<(), CommError> {
+        for u in 0..self.st.units() {
+            let tag = self.tag(TagKind::ReduceScatter, u as u32, 0);
+            let w = self
+                .st
+                .whole_grads
+                .as_mut()
+                .expect("stages 0/1 keep whole-model gradients");
+            collectives::reduce_scatter(comm, &self.st.map, u, tag, &mut w[u], 0)?;
+        }
+        Ok(())
+    }
+
     pub(super) fn post_reduce_scatter<T: Transport>(
         &mut self,
         comm: &mut Comm<T>,
@@ -28,6 +45,8 @@ impl Pass<'_> {
         collectives::post_reduce_scatter(comm, &self.st.map, unit as usize, tag, acc, 0)
     }
 
+    /// Waits for `unit`'s reduce-scatter and keeps this rank's mean gradient shard: in RAM, or
+    /// spilled to the tier (and, updating in the backward, applied there at once).
     pub(super) fn wait_reduce_scatter<T: Transport>(
         &mut self,
         comm: &mut Comm<T>,
@@ -41,56 +60,83 @@ impl Pass<'_> {
         let tag = self.tag(TagKind::ReduceScatter, unit, 0);
         let res = collectives::wait_reduce_scatter(comm, &self.st.map, u, tag, &mut acc, 0);
         // The owned ranges, in the shard's layout: into the shard's buffer, or into one that
-        // goes to the tier. Earlier units' writes finish first as far as needed, so that the
-        // gradient shards in RAM besides this unit's accumulator stay bounded (`TierIo`).
-        let in_backward = self.st.in_backward.is_some();
-        let on_tier = self.st.grads_on_tier() || in_backward;
+        // goes to the tier.
+        let on_tier = self.st.grads_on_tier() || self.st.in_backward.is_some();
         let t0 = std::time::Instant::now();
         if on_tier {
-            if let Some(io) = self.tier_io.as_mut() {
-                io.make_room()
-                    .map_err(|e| CommError::Storage(e.to_string()))?;
-            }
+            self.make_tier_room()?;
         }
         let room_ms = t0.elapsed().as_secs_f64() * 1e3;
-        // The mean gradient is kept as f32 (4 bytes, not the accumulator's 8), in RAM or on the
-        // tier, before clipping, which needs the global norm: its partial sum of squares is
-        // taken now, from the exact sums, and the optimizer applies the clip coefficient when
-        // it reads the shard.
-        let mode = self.st.mode;
-        let factor = grad_buf::mean_factor(mode, self.exps[u], self.plan.micro_batches);
-        let shard = &mut self.st.shards[u];
-        let spilled = if on_tier {
-            Some(acc.shard_mean(&shard.ranges, factor))
-        } else {
-            let sg = shard
-                .grads
-                .as_mut()
-                .expect("stages 2/3 keep a gradient shard");
-            self.st.grad_ss[u] = acc.shard_mean_into(&shard.ranges, factor, sg);
-            None
-        };
+        let spilled = self.mean_shard(u, &acc, on_tier);
         self.st.ledger.free(Category::Transient, acc.bytes() as u64);
         drop(acc);
         let mean_ms = t0.elapsed().as_secs_f64() * 1e3 - room_ms;
         tracing::trace!(unit, room_ms, mean_ms, "reduced shard");
         res?;
         match spilled {
-            Some((g, sum_squares)) => {
-                self.st.grad_ss[u] = sum_squares;
-                let io = self.tier_io.as_mut().expect("a tier holds the gradients");
-                let (t, lr) = (self.plan.opt_step, self.plan.lr);
-                match in_backward {
-                    true => {
-                        let params = self.kept_params.remove(&unit);
-                        io.update_in_backward(u, (g, params), t, lr)
-                    }
-                    false => io.write_grads(u, g),
-                }
-                .map_err(|e| CommError::Storage(e.to_string()))
-            }
+            Some(spill) => self.spill(unit, spill),
             None => Ok(()),
         }
+    }
+
+    /// Earlier units' writes finish first as far as needed, so that the gradient shards in RAM
+    /// besides this unit's accumulator stay bounded (`TierIo`).
+    fn make_tier_room(&mut self) -> Result<(), CommError> {
+        match self.tier_io.as_mut() {
+            Some(io) => io
+                .make_room()
+                .map_err(|e| CommError::Storage(e.to_string())),
+            None => Ok(()),
+        }
+    }
+
+    /// The mean of unit `u`'s reduced sums over this rank's ranges, with its partial sum of
+    /// squares for the global norm: into the shard's gradient buffer, or (`on_tier`) returned
+    /// for the tier.
+    ///
+    /// The mean is kept as f32 (4 bytes, not the accumulator's 8), in RAM or on the tier,
+    /// before clipping, which needs the global norm: its partial sum of squares is taken now,
+    /// from the exact sums, and the optimizer applies the clip coefficient when it reads the
+    /// shard.
+    fn mean_shard(
+        &mut self,
+        u: usize,
+        acc: &GradBuf,
+        on_tier: bool,
+    ) -> Option<(Vec<f32>, SumSquares)> {
+        let mode = self.st.mode;
+        let factor = grad_buf::mean_factor(mode, self.exps[u], self.plan.micro_batches);
+        let shard = &mut self.st.shards[u];
+        if on_tier {
+            return Some(acc.shard_mean(&shard.ranges, factor));
+        }
+        let sg = shard
+            .grads
+            .as_mut()
+            .expect("stages 2/3 keep a gradient shard");
+        self.st.grad_ss[u] = acc.shard_mean_into(&shard.ranges, factor, sg);
+        None
+    }
+
+    /// Hands `unit`'s mean gradient to the tier: written for the optimizer, or, updating in
+    /// the backward, applied to the unit's shard at once.
+    fn spill(
+        &mut self,
+        unit: u32,
+        (g, sum_squares): (Vec<f32>, SumSquares),
+    ) -> Result<(), CommError> {
+        let u = unit as usize;
+        self.st.grad_ss[u] = sum_squares;
+        let io = self.tier_io.as_mut().expect("a tier holds the gradients");
+        let (t, lr) = (self.plan.opt_step, self.plan.lr);
+        match self.st.in_backward.is_some() {
+            true => {
+                let params = self.kept_params.remove(&unit);
+                io.update_in_backward(u, (g, params), t, lr)
+            }
+            false => io.write_grads(u, g),
+        }
+        .map_err(|e| CommError::Storage(e.to_string()))
     }
 
     pub(super) fn all_gather_grads<T: Transport>(

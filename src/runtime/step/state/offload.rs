@@ -16,7 +16,7 @@ use crate::model::Model;
 use crate::optim::OptimSettings;
 use crate::reduce::grad_buf;
 use crate::runtime::storage::tier_file::Pending;
-use crate::runtime::storage::{AlignedBuf, TierError, TierFile};
+use crate::runtime::storage::{AlignedBuf, RecordKinds, TierError, TierFile};
 
 use crate::runtime::step::state::full_copy::FullCopy;
 
@@ -309,7 +309,7 @@ pub fn update_unit(
     tier: &mut TierFile,
     stream: &mut UpdateStream,
     u: usize,
-    shard: ShardParts<'_>,
+    mut shard: ShardParts<'_>,
     full: &mut FullCopy,
     a: &StepArgs<'_>,
 ) -> Result<(), TierError> {
@@ -331,90 +331,126 @@ pub fn update_unit(
     } else {
         Vec::new()
     };
-    let UpdateStream {
-        reads,
-        writes,
-        next,
-        ..
-    } = stream;
-    let result = (|| {
-        for rec in records.clone() {
-            // Read ahead while a buffer is free (into the next units too); keep one for the
-            // write-back pipeline.
-            while *next < total && (*next == rec || tier_has_spare(tier)) {
-                let buf = next_buf(tier, writes)?;
-                reads.push_back((*next, tier.start_read(*next, read.clone(), buf)?));
-                *next += 1;
-            }
-            let (r, pending) = reads.pop_front().expect("the current record was started");
-            debug_assert_eq!(r, rec);
-            let mut buf = tier.finish(pending)?;
-            let (_, span) = tier.layout.record_span(rec);
-            let tile = tier.layout.record_tile(rec);
-            if given {
-                let vals = buf.f32s_mut();
-                vals.copy_within(0..tile * read.len(), tile);
-                vals[..span.len()].copy_from_slice(&shard.params_in[span.clone()]);
-                vals[span.len()..tile].fill(0.0);
-            }
-            let (head, gcols) = buf.f32s_mut().split_at_mut(tile * kinds.grads_at());
-            if kinds.grads > 0 {
-                let g = &mut g_tile[..span.len()];
-                g.copy_from_slice(&gcols[..span.len()]);
-                grad_buf::apply_clip(g, a.clip_coef);
-            }
-            let mut cols = head.chunks_mut(tile);
-            let mut tp = if kinds.params { cols.next() } else { None };
-            let mut tm = (kinds.state >= 1).then(|| cols.next()).flatten();
-            let mut tv = (kinds.state >= 2).then(|| cols.next()).flatten();
-            for (sr, ur) in shard_pieces(shard.ranges, span.clone()) {
-                let (lo, n) = (sr.start - span.start, sr.len());
-                let m: &mut [f32] = match tm.as_deref_mut() {
-                    Some(c) => &mut c[lo..lo + n],
-                    None => ram_state(shard.m, sr.clone()),
-                };
-                let v: &mut [f32] = match tv.as_deref_mut() {
-                    Some(c) => &mut c[lo..lo + n],
-                    None => ram_state(shard.v, sr.clone()),
-                };
-                let g = if kinds.grads > 0 {
-                    &g_tile[lo..lo + n]
-                } else {
-                    &a.g[sr.clone()]
-                };
-                let mut step =
-                    |p: &mut [f32]| a.be.optimizer_update(&a.settings, p, g, m, v, a.t, a.lr);
-                let p: &mut [f32] = match tp.as_deref_mut() {
-                    Some(c) => &mut c[lo..lo + n],
-                    None if a.masters_in_shard => &mut shard.params[sr.clone()],
-                    None => {
-                        let p = full
-                            .f32s_mut()
-                            .expect("a full copy without masters beside it is fp32");
-                        step(&mut p[ur]);
-                        continue;
-                    }
-                };
-                step(p);
-                if !shard.params_out.is_empty() {
-                    shard.params_out[sr].copy_from_slice(p);
-                }
-                if !full.is_empty() {
-                    full.set_from_masters(ur, p);
-                }
-            }
-            let own = 0..kinds.grads_at();
-            if own.is_empty() {
-                tier.put_buf(buf);
-            } else if a.next_copy {
-                writes.push_back(tier.start_write_next(rec, own, buf)?);
-            } else {
-                writes.push_back(tier.start_write_values(rec, own, buf)?);
-            }
+    for rec in records.clone() {
+        let mut buf = stream.next_record(tier, rec, total, &read)?;
+        let (_, span) = tier.layout.record_span(rec);
+        let tile = tier.layout.record_tile(rec);
+        if given {
+            let vals = buf.f32s_mut();
+            vals.copy_within(0..tile * read.len(), tile);
+            vals[..span.len()].copy_from_slice(&shard.params_in[span.clone()]);
+            vals[span.len()..tile].fill(0.0);
+        }
+        let (head, gcols) = buf.f32s_mut().split_at_mut(tile * kinds.grads_at());
+        if kinds.grads > 0 {
+            let g = &mut g_tile[..span.len()];
+            g.copy_from_slice(&gcols[..span.len()]);
+            grad_buf::apply_clip(g, a.clip_coef);
+        }
+        update_record(head, kinds, (tile, span), &mut shard, full, a, &g_tile);
+        stream.write_back(tier, rec, buf, kinds.grads_at(), a.next_copy)?;
+    }
+    Ok(())
+}
+
+impl UpdateStream {
+    /// Record `rec`'s values (`read` of them), once its read lands; reads ahead first, while
+    /// a buffer is free (into the next units too), keeping one for the write-back pipeline.
+    fn next_record(
+        &mut self,
+        tier: &mut TierFile,
+        rec: usize,
+        total: usize,
+        read: &Range<usize>,
+    ) -> Result<AlignedBuf, TierError> {
+        while self.next < total && (self.next == rec || tier_has_spare(tier)) {
+            let buf = next_buf(tier, &mut self.writes)?;
+            let pending = tier.start_read(self.next, read.clone(), buf)?;
+            self.reads.push_back((self.next, pending));
+            self.next += 1;
+        }
+        let (r, pending) = self
+            .reads
+            .pop_front()
+            .expect("the current record was started");
+        debug_assert_eq!(r, rec);
+        tier.finish(pending)
+    }
+
+    /// Starts writing record `rec`'s first `own` values back (the updated state; a gradient
+    /// after them is not written), into the unit's other copy with `next_copy`.
+    fn write_back(
+        &mut self,
+        tier: &mut TierFile,
+        rec: usize,
+        buf: AlignedBuf,
+        own: usize,
+        next_copy: bool,
+    ) -> Result<(), TierError> {
+        let own = 0..own;
+        if own.is_empty() {
+            tier.put_buf(buf);
+        } else if next_copy {
+            self.writes.push_back(tier.start_write_next(rec, own, buf)?);
+        } else {
+            self.writes
+                .push_back(tier.start_write_values(rec, own, buf)?);
         }
         Ok(())
-    })();
-    result
+    }
+}
+
+/// The optimizer over one record's pieces of the shard: `head` holds the record's state
+/// columns (each `tile` wide) where the tier holds them, the rest is in RAM; `g_tile` its
+/// clipped gradient where the tier holds the gradients.
+fn update_record(
+    head: &mut [f32],
+    kinds: RecordKinds,
+    (tile, span): (usize, Range<usize>),
+    shard: &mut ShardParts<'_>,
+    full: &mut FullCopy,
+    a: &StepArgs<'_>,
+    g_tile: &[f32],
+) {
+    let mut cols = head.chunks_mut(tile);
+    let mut tp = if kinds.params { cols.next() } else { None };
+    let mut tm = (kinds.state >= 1).then(|| cols.next()).flatten();
+    let mut tv = (kinds.state >= 2).then(|| cols.next()).flatten();
+    for (sr, ur) in shard_pieces(shard.ranges, span.clone()) {
+        let (lo, n) = (sr.start - span.start, sr.len());
+        let m: &mut [f32] = match tm.as_deref_mut() {
+            Some(c) => &mut c[lo..lo + n],
+            None => ram_state(shard.m, sr.clone()),
+        };
+        let v: &mut [f32] = match tv.as_deref_mut() {
+            Some(c) => &mut c[lo..lo + n],
+            None => ram_state(shard.v, sr.clone()),
+        };
+        let g = if kinds.grads > 0 {
+            &g_tile[lo..lo + n]
+        } else {
+            &a.g[sr.clone()]
+        };
+        let mut step = |p: &mut [f32]| a.be.optimizer_update(&a.settings, p, g, m, v, a.t, a.lr);
+        let p: &mut [f32] = match tp.as_deref_mut() {
+            Some(c) => &mut c[lo..lo + n],
+            None if a.masters_in_shard => &mut shard.params[sr.clone()],
+            None => {
+                let p = full
+                    .f32s_mut()
+                    .expect("a full copy without masters beside it is fp32");
+                step(&mut p[ur]);
+                continue;
+            }
+        };
+        step(p);
+        if !shard.params_out.is_empty() {
+            shard.params_out[sr].copy_from_slice(p);
+        }
+        if !full.is_empty() {
+            full.set_from_masters(ur, p);
+        }
+    }
 }
 
 /// Writes unit `u`'s mean gradient shard (`g`, the shard's length, before clipping) into the
