@@ -18,7 +18,7 @@ use std::time::Instant;
 use elastic_zero::config::{At, ModelKind, TrainConfig};
 use elastic_zero::runtime::actors::ClusterEvent;
 use elastic_zero::runtime::{ChangeRecord, Cluster, ClusterSpec};
-use serde_json::json;
+use serde_json::{json, Value};
 
 /// The step at whose start a leave or join takes effect, or during which a kill strikes.
 const AT: u64 = 6;
@@ -193,10 +193,20 @@ async fn main() {
     let json_out = flag("--json");
     let cfg = base();
     let mut raw = Vec::new();
+    time_to_next_step(&cfg, rounds, &mut raw).await;
+    bytes_moved(&cfg, &mut raw).await;
+    replication_cost(&cfg, rounds, &mut raw).await;
+    if let Some(path) = json_out {
+        let text = serde_json::to_string_pretty(&raw).expect("serialisable");
+        std::fs::write(&path, text).expect("write --json");
+        println!("\nraw measurements: {path}");
+    }
+}
 
-    // 1. Leave / kill to the next completed step, vs a restart from a checkpoint.
+/// Leave, kill or join to the next completed step, against a restart from a checkpoint.
+async fn time_to_next_step(cfg: &TrainConfig, rounds: usize, raw: &mut Vec<Value>) {
     let ckpt = tempfile::tempdir().expect("temp dir");
-    save_checkpoint(&cfg, ckpt.path());
+    save_checkpoint(cfg, ckpt.path());
     let scenarios: [(&str, TrainConfig); 3] = [
         (
             "leave 1 of 4",
@@ -229,9 +239,9 @@ async fn main() {
             // Alternate which goes first. The restart blocks this thread, not the workers.
             let (t, (first, exit)) = if round % 2 == 0 {
                 let t = trace(scenario.clone()).await;
-                (t, restart(&cfg, ckpt.path(), ranks_after))
+                (t, restart(cfg, ckpt.path(), ranks_after))
             } else {
-                let r = restart(&cfg, ckpt.path(), ranks_after);
+                let r = restart(cfg, ckpt.path(), ranks_after);
                 (trace(scenario.clone()).await, r)
             };
             let (gap, normal) = gap_to_next_step(&t);
@@ -261,13 +271,15 @@ async fn main() {
     for r in &rows {
         println!("{r}");
     }
+}
 
-    // 2. Bytes moved vs the minimum.
+/// Chunk elements and bytes a membership change moves, against the least it could.
+async fn bytes_moved(cfg: &TrainConfig, raw: &mut Vec<Value>) {
     println!("\n### Bytes moved by a membership change\n");
     println!("| change | chunk elements moved | minimum | moved / minimum | payload bytes moved | state bytes total |");
     println!("|---|---:|---:|---:|---:|---:|");
     let total_state: u64 = {
-        let model = elastic_zero::job::build_model(&cfg).expect("model");
+        let model = elastic_zero::job::build_model(cfg).expect("model");
         12 * elastic_zero::model::param_count(&model.units()) as u64
     };
     for (name, c) in [
@@ -322,8 +334,10 @@ async fn main() {
             total_state
         );
     }
+}
 
-    // 3. Buddy replication per step.
+/// The mean step with buddy replication off, every step, and every tenth step.
+async fn replication_cost(cfg: &TrainConfig, rounds: usize, raw: &mut Vec<Value>) {
     let steps = 21;
     let ks = [0u64, 1, 10];
     let mut per_k: Vec<Vec<f64>> = vec![Vec::new(); ks.len()];
@@ -364,10 +378,5 @@ async fn main() {
             cell(&per_k[i]),
             (m / none - 1.0) * 100.0
         );
-    }
-    if let Some(path) = json_out {
-        let text = serde_json::to_string_pretty(&raw).expect("serialisable");
-        std::fs::write(&path, text).expect("write --json");
-        println!("\nraw measurements: {path}");
     }
 }

@@ -78,126 +78,165 @@ fn fixed(
 /// The CI set: every fault kind at least once, over TCP and QUIC, stages 1-3, and one loss the
 /// backups do not cover.
 fn ci_set() -> Vec<Scenario> {
-    use What::*;
     vec![
-        fixed(
-            9001,
-            3,
-            "tcp",
-            "mlp",
-            3,
-            vec![
-                fault(
-                    3,
-                    Kill {
-                        pick: 1,
-                        during: During::Step,
-                    },
-                ),
-                fault(8, Freeze { pick: 0 }),
-            ],
-        ),
-        fixed(
-            9002,
-            3,
-            "quic",
-            "mlp",
-            2,
-            vec![
-                fault(
-                    3,
-                    Kill {
-                        pick: 2,
-                        during: During::Backup,
-                    },
-                ),
-                fault(8, Join { count: 1 }),
-                fault(13, Drain { pick: 0 }),
-            ],
-        ),
-        fixed(
-            9003,
-            3,
-            "tcp",
-            "gpt",
-            1,
-            vec![
-                fault(3, Cut { pick: 1 }),
-                fault(
-                    7,
-                    Partition {
-                        side: 1,
-                        for_ms: 1200,
-                    },
-                ),
-                fault(11, Blackhole { pick: 2 }),
-                fault(
-                    15,
-                    Delay {
-                        pick: 0,
-                        ms: 5,
-                        for_ms: 800,
-                    },
-                ),
-            ],
-        ),
-        fixed(
-            9004,
-            2,
-            "tcp",
-            "mlp",
-            3,
-            vec![
-                fault(3, ControlBlackhole { pick: 1 }),
-                fault(8, Join { count: 2 }),
-                fault(13, KillMidReshard { pick: 0 }),
-            ],
-        ),
-        fixed(
-            9005,
-            3,
-            "quic",
-            "mlp",
-            3,
-            vec![
-                fault(3, Blackhole { pick: 0 }),
-                fault(
-                    8,
-                    Partition {
-                        side: 2,
-                        for_ms: 1000,
-                    },
-                ),
-            ],
-        ),
-        // Two members at once: 0 and 2 of 4 leave every chunk a copy (each one's buddy lives)...
-        fixed(
-            9006,
-            4,
-            "tcp",
-            "mlp",
-            3,
-            vec![
-                fault(3, KillPair { a: 0, b: 1 }),
-                fault(
-                    8,
-                    Partition {
-                        side: 1,
-                        for_ms: 800,
-                    },
-                ),
-            ],
-        ),
-        // ...0 and 1 of 3 do not (1 held 0's backup): the documented stop.
-        fixed(
-            9007,
-            3,
-            "quic",
-            "mlp",
-            1,
-            vec![fault(3, KillPair { a: 0, b: 0 })],
-        ),
+        kill_in_a_step_then_freeze(),
+        kill_in_a_backup_then_join_and_drain(),
+        network_trouble_over_tcp(),
+        lost_control_then_kill_mid_reshard(),
+        network_trouble_over_quic(),
+        two_losses_the_backups_cover(),
+        two_losses_the_backups_miss(),
     ]
+}
+
+/// A kill while a step waits for the victim, then a freeze past the heartbeat timeout.
+fn kill_in_a_step_then_freeze() -> Scenario {
+    use What::*;
+    fixed(
+        9001,
+        3,
+        "tcp",
+        "mlp",
+        3,
+        vec![
+            fault(
+                3,
+                Kill {
+                    pick: 1,
+                    during: During::Step,
+                },
+            ),
+            fault(8, Freeze { pick: 0 }),
+        ],
+    )
+}
+
+/// Over QUIC at stage 2: a kill while a backup waits for the victim, then a join and a drain.
+fn kill_in_a_backup_then_join_and_drain() -> Scenario {
+    use What::*;
+    fixed(
+        9002,
+        3,
+        "quic",
+        "mlp",
+        2,
+        vec![
+            fault(
+                3,
+                Kill {
+                    pick: 2,
+                    during: During::Backup,
+                },
+            ),
+            fault(8, Join { count: 1 }),
+            fault(13, Drain { pick: 0 }),
+        ],
+    )
+}
+
+/// Every network fault over TCP, on the GPT at stage 1.
+fn network_trouble_over_tcp() -> Scenario {
+    use What::*;
+    fixed(
+        9003,
+        3,
+        "tcp",
+        "gpt",
+        1,
+        vec![
+            fault(3, Cut { pick: 1 }),
+            fault(
+                7,
+                Partition {
+                    side: 1,
+                    for_ms: 1200,
+                },
+            ),
+            fault(11, Blackhole { pick: 2 }),
+            fault(
+                15,
+                Delay {
+                    pick: 0,
+                    ms: 5,
+                    for_ms: 800,
+                },
+            ),
+        ],
+    )
+}
+
+/// A control link gone dark, two joins, and a kill while the next joiner is admitted.
+fn lost_control_then_kill_mid_reshard() -> Scenario {
+    use What::*;
+    fixed(
+        9004,
+        2,
+        "tcp",
+        "mlp",
+        3,
+        vec![
+            fault(3, ControlBlackhole { pick: 1 }),
+            fault(8, Join { count: 2 }),
+            fault(13, KillMidReshard { pick: 0 }),
+        ],
+    )
+}
+
+/// A peer off the network and a partition, over QUIC.
+fn network_trouble_over_quic() -> Scenario {
+    use What::*;
+    fixed(
+        9005,
+        3,
+        "quic",
+        "mlp",
+        3,
+        vec![
+            fault(3, Blackhole { pick: 0 }),
+            fault(
+                8,
+                Partition {
+                    side: 2,
+                    for_ms: 1000,
+                },
+            ),
+        ],
+    )
+}
+
+/// Two members at once: 0 and 2 of 4 leave every chunk a copy (each one's buddy lives).
+fn two_losses_the_backups_cover() -> Scenario {
+    use What::*;
+    fixed(
+        9006,
+        4,
+        "tcp",
+        "mlp",
+        3,
+        vec![
+            fault(3, KillPair { a: 0, b: 1 }),
+            fault(
+                8,
+                Partition {
+                    side: 1,
+                    for_ms: 800,
+                },
+            ),
+        ],
+    )
+}
+
+/// Two members at once: 0 and 1 of 3 do not (1 held 0's backup): the documented stop.
+fn two_losses_the_backups_miss() -> Scenario {
+    use What::*;
+    fixed(
+        9007,
+        3,
+        "quic",
+        "mlp",
+        1,
+        vec![fault(3, KillPair { a: 0, b: 0 })],
+    )
 }
 
 /// Runs `sc`, checking this process's threads and descriptors come back to where they were.

@@ -25,8 +25,18 @@ fn damaged_incomplete_or_foreign_checkpoints_are_refused_with_exit_2() {
         "2",
     ]));
     let good = step_dir(&root, 4);
-    type Damage = fn(&Path);
-    let cases: Vec<(&str, Damage, &str, &str)> = vec![
+    each_damage_is_refused_by_verify_resume_and_export(t.path(), &good);
+    a_checkpoint_that_does_not_exist_is_refused(t.path());
+    sound_checkpoints_that_do_not_fit_the_run_are_refused(&good);
+    a_damaged_newest_is_refused_unless_falling_back(&root, &good, &want);
+}
+
+type Damage = fn(&Path);
+
+/// Each damage done to a checkpoint: its name, what it does, the file the refusal names and
+/// what it says.
+fn damages() -> Vec<(&'static str, Damage, &'static str, &'static str)> {
+    vec![
         (
             "truncated",
             |d| edit(&d.join("rank-00001.bin"), |b| b.truncate(b.len() - 4)),
@@ -77,10 +87,14 @@ fn damaged_incomplete_or_foreign_checkpoints_are_refused_with_exit_2() {
             "step-00000004",
             "incomplete checkpoint",
         ),
-    ];
-    for (name, damage, file, what) in cases {
-        let dir = t.path().join(name).join("step-00000004");
-        copy_dir(&good, &dir);
+    ]
+}
+
+/// Every damage, each to its own copy of `good` under `tmp`.
+fn each_damage_is_refused_by_verify_resume_and_export(tmp: &Path, good: &Path) {
+    for (name, damage, file, what) in damages() {
+        let dir = tmp.join(name).join("step-00000004");
+        copy_dir(good, &dir);
         damage(&dir);
         refused(&ezero(&["checkpoint", "verify", s(&dir)]), file, what);
         refused(&ezero(&["train", "--resume", s(&dir)]), file, what);
@@ -90,49 +104,58 @@ fn damaged_incomplete_or_foreign_checkpoints_are_refused_with_exit_2() {
                 "export",
                 s(&dir),
                 "--out",
-                s(&t.path().join("x.safetensors")),
+                s(&tmp.join("x.safetensors")),
             ]),
             file,
             what,
         );
     }
+}
+
+fn a_checkpoint_that_does_not_exist_is_refused(tmp: &Path) {
     refused(
-        &ezero(&["checkpoint", "verify", s(&t.path().join("nope"))]),
+        &ezero(&["checkpoint", "verify", s(&tmp.join("nope"))]),
         "nope",
         "does not exist",
     );
     refused(
-        &ezero(&["train", "--resume", s(&t.path().join("nope"))]),
+        &ezero(&["train", "--resume", s(&tmp.join("nope"))]),
         "nope",
         "does not exist",
     );
-    // Sound checkpoints that do not fit the run.
+}
+
+fn sound_checkpoints_that_do_not_fit_the_run_are_refused(good: &Path) {
     refused(
-        &ezero(&["train", "--resume", s(&good), "--d-model", "32"]),
+        &ezero(&["train", "--resume", s(good), "--d-model", "32"]),
         "manifest.json",
         "another model",
     );
     refused(
-        &ezero(&["train", "--resume", s(&good), "--steps", "8"]),
+        &ezero(&["train", "--resume", s(good), "--steps", "8"]),
         "manifest.json",
         "`steps` is 4",
     );
     refused(
-        &ezero(&["train", "--resume", s(&good), "--seed", "1"]),
+        &ezero(&["train", "--resume", s(good), "--seed", "1"]),
         "manifest.json",
         "`seed`",
     );
-    // The newest checkpoint damaged: refused, unless falling back is asked for.
+}
+
+/// The newest checkpoint (`good`) damaged: refused, unless falling back (to step 2, which ends
+/// with `want`) is asked for.
+fn a_damaged_newest_is_refused_unless_falling_back(root: &Path, good: &Path, want: &str) {
     edit(&good.join("rank-00003.bin"), |b| b[0] ^= 1);
     refused(
-        &ezero(&["train", "--resume", s(&root)]),
+        &ezero(&["train", "--resume", s(root)]),
         "rank-00003.bin",
         "checksum mismatch",
     );
     let r = ezero(&[
         "train",
         "--resume",
-        s(&root),
+        s(root),
         "--latest-valid",
         "--ranks",
         "3",
@@ -143,7 +166,7 @@ fn damaged_incomplete_or_foreign_checkpoints_are_refused_with_exit_2() {
         "{}",
         r.stderr
     );
-    assert_eq!(r.sha(), want);
+    assert_eq!(&r.sha(), want);
 }
 
 /// Seals manifest text the way every build's writer does: `manifest_crc32` is the CRC-32 of the

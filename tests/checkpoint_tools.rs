@@ -3,13 +3,16 @@
 
 use crate::common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::ezero::{ezero, ok, refused, s, train_cli};
+use common::ezero::{ezero, ok, refused, s, train_cli, Run};
 use elastic_zero::checkpoint::interchange::{bf16_to_f32, f32_to_bf16};
-use elastic_zero::checkpoint::{self, store};
+use elastic_zero::checkpoint::{self, store, Loaded};
 use elastic_zero::job::build_model;
+use elastic_zero::model::UnitSpec;
+use elastic_zero::runtime::api::cluster::consolidate;
+use elastic_zero::runtime::step::state::rank_state::ChunkState;
 use elastic_zero::summary::param_sha256;
 
 #[test]
@@ -68,105 +71,146 @@ fn inspect_reports_the_layout_and_retention_keeps_the_newest() {
     );
 }
 
-#[test]
-fn export_round_trips_through_safetensors_and_init_starts_from_it() {
-    let t = tempfile::tempdir().unwrap();
-    let root = t.path().join("ck");
-    let gpt = [
-        "train",
-        "--model",
-        "gpt",
-        "--layers",
-        "1",
-        "--d-model",
-        "16",
-        "--heads",
-        "2",
-        "--seq-len",
-        "8",
-        "--micro-batches",
-        "2",
-        "--micro-batch-size",
-        "2",
-        "--sample-tokens",
-        "0",
-        "--chunk-elems",
-        "500",
-    ];
-    let with = |extra: &[&str]| ezero(&[&gpt[..], extra].concat());
-    ok(&with(&[
-        "--steps",
-        "3",
-        "--ranks",
-        "3",
-        "--save-dir",
-        s(&root),
-        "--save-every",
-        "3",
-    ]));
-    let loaded = checkpoint::load_path(&root).unwrap();
-    let cfg = &loaded.manifest.config;
-    let units = build_model(cfg).unwrap().units();
-    let params = elastic_zero::runtime::api::cluster::consolidate(
-        &loaded.snapshot.map,
-        &loaded.snapshot.chunks,
-    );
-    let fp32 = t.path().join("model.safetensors");
-    let bf16 = t.path().join("half.safetensors");
-    ok(&ezero(&[
-        "checkpoint",
-        "export",
-        s(&root),
-        "--out",
-        s(&fp32),
-    ]));
-    ok(&ezero(&[
-        "checkpoint",
-        "export",
-        s(&root),
-        "--out",
-        s(&bf16),
-        "--bf16",
-        "--with-optimizer",
-    ]));
+/// A tiny GPT that saves at its last step, so the checkpoint is the final model.
+const GPT: [&str; 19] = [
+    "train",
+    "--model",
+    "gpt",
+    "--layers",
+    "1",
+    "--d-model",
+    "16",
+    "--heads",
+    "2",
+    "--seq-len",
+    "8",
+    "--micro-batches",
+    "2",
+    "--micro-batch-size",
+    "2",
+    "--sample-tokens",
+    "0",
+    "--chunk-elems",
+    "500",
+];
 
-    // Read back with the safetensors crate: names, shapes and values.
-    let bytes = std::fs::read(&fp32).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let half_bytes = std::fs::read(&bf16).unwrap();
-    let half = safetensors::SafeTensors::deserialize(&half_bytes).unwrap();
-    let opt_bytes = std::fs::read(t.path().join("half.optimizer.safetensors")).unwrap();
-    let opt = safetensors::SafeTensors::deserialize(&opt_bytes).unwrap();
-    let named: usize = units.iter().map(|u| u.params.len()).sum();
-    assert_eq!((st.len(), half.len(), opt.len()), (named, named, 2 * named));
-    let m = elastic_zero::runtime::api::cluster::consolidate(
-        &loaded.snapshot.map,
-        &loaded
-            .snapshot
+/// A checkpoint of [`GPT`] and its exports: fp32, and bf16 with the optimizer state.
+struct Exported {
+    dir: tempfile::TempDir,
+    root: PathBuf,
+    fp32: PathBuf,
+    bf16: PathBuf,
+    loaded: Loaded,
+    units: Vec<UnitSpec>,
+    /// Each unit's consolidated parameters.
+    params: Vec<Vec<f32>>,
+}
+
+impl Exported {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("ck");
+        ok(&train(&[
+            "--steps",
+            "3",
+            "--ranks",
+            "3",
+            "--save-dir",
+            s(&root),
+            "--save-every",
+            "3",
+        ]));
+        let loaded = checkpoint::load_path(&root).unwrap();
+        let units = build_model(&loaded.manifest.config).unwrap().units();
+        let params = consolidate(&loaded.snapshot.map, &loaded.snapshot.chunks);
+        let fp32 = dir.path().join("model.safetensors");
+        let bf16 = dir.path().join("half.safetensors");
+        ok(&ezero(&[
+            "checkpoint",
+            "export",
+            s(&root),
+            "--out",
+            s(&fp32),
+        ]));
+        ok(&ezero(&[
+            "checkpoint",
+            "export",
+            s(&root),
+            "--out",
+            s(&bf16),
+            "--bf16",
+            "--with-optimizer",
+        ]));
+        Exported {
+            dir,
+            root,
+            fp32,
+            bf16,
+            loaded,
+            units,
+            params,
+        }
+    }
+
+    fn optimizer_file(&self) -> PathBuf {
+        self.dir.path().join("half.optimizer.safetensors")
+    }
+
+    /// Each unit's consolidated Adam `m`.
+    fn exp_avg(&self) -> Vec<Vec<f32>> {
+        let snapshot = &self.loaded.snapshot;
+        let as_params: Vec<ChunkState> = snapshot
             .chunks
             .iter()
-            .map(
-                |c| elastic_zero::runtime::step::state::rank_state::ChunkState {
-                    params: c.m.clone(),
-                    ..c.clone()
-                },
-            )
-            .collect::<Vec<_>>(),
-    );
-    for (u, unit) in units.iter().enumerate() {
+            .map(|c| ChunkState {
+                params: c.m.clone(),
+                ..c.clone()
+            })
+            .collect();
+        consolidate(&snapshot.map, &as_params)
+    }
+}
+
+/// `ezero train` of [`GPT`] with `extra` flags.
+fn train(extra: &[&str]) -> Run {
+    ezero(&[&GPT[..], extra].concat())
+}
+
+fn f32s(data: &[u8]) -> Vec<f32> {
+    data.chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+#[test]
+fn export_round_trips_through_safetensors_and_init_starts_from_it() {
+    let ex = Exported::new();
+    the_exports_read_back_with_the_safetensors_crate(&ex);
+    init_starts_from_the_export_and_refuses_another_model(&ex);
+    python_reads_the_exports_too(&ex);
+}
+
+/// Names, shapes and values: fp32 bit for bit, bf16 rounded from them, and Adam's `m`.
+fn the_exports_read_back_with_the_safetensors_crate(ex: &Exported) {
+    let bytes = std::fs::read(&ex.fp32).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let half_bytes = std::fs::read(&ex.bf16).unwrap();
+    let half = safetensors::SafeTensors::deserialize(&half_bytes).unwrap();
+    let opt_bytes = std::fs::read(ex.optimizer_file()).unwrap();
+    let opt = safetensors::SafeTensors::deserialize(&opt_bytes).unwrap();
+    let named: usize = ex.units.iter().map(|u| u.params.len()).sum();
+    assert_eq!((st.len(), half.len(), opt.len()), (named, named, 2 * named));
+    let m = ex.exp_avg();
+    for (u, unit) in ex.units.iter().enumerate() {
         let mut off = 0;
         for p in &unit.params {
-            let want = &params[u][off..off + p.numel()];
+            let want = &ex.params[u][off..off + p.numel()];
             let t32 = st.tensor(&p.name).unwrap();
             assert_eq!(
                 (t32.dtype(), t32.shape()),
                 (safetensors::Dtype::F32, p.shape.as_slice())
             );
-            let got: Vec<f32> = t32
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect();
+            let got = f32s(t32.data());
             assert_eq!(
                 got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                 want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
@@ -180,40 +224,41 @@ fn export_round_trips_through_safetensors_and_init_starts_from_it() {
                 assert!((bf16_to_f32(f32_to_bf16(*w)) - w).abs() <= w.abs() / 128.0);
             }
             let tm = opt.tensor(&format!("{}.exp_avg", p.name)).unwrap();
-            let got_m: Vec<f32> = tm
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect();
-            assert_eq!(got_m, m[u][off..off + p.numel()].to_vec());
+            assert_eq!(f32s(tm.data()), m[u][off..off + p.numel()].to_vec());
             off += p.numel();
         }
     }
+}
 
-    // --init from the fp32 export reproduces the checkpoint's weights exactly.
-    let r = with(&["--steps", "0", "--init", s(&fp32)]);
-    assert_eq!(ok(&r).sha(), loaded.manifest.param_sha256);
-    assert_eq!(param_sha256(&params), loaded.manifest.param_sha256);
-    ok(&with(&["--steps", "2", "--init", s(&bf16)]));
-    // Weights of another model are refused, naming the tensor.
-    let mut wider = gpt.to_vec();
+/// `--init` from the fp32 export reproduces the checkpoint's weights exactly; weights of
+/// another model are refused, naming the tensor, and so is `--init` with `--resume`.
+fn init_starts_from_the_export_and_refuses_another_model(ex: &Exported) {
+    let sha = &ex.loaded.manifest.param_sha256;
+    let r = train(&["--steps", "0", "--init", s(&ex.fp32)]);
+    assert_eq!(&ok(&r).sha(), sha);
+    assert_eq!(&param_sha256(&ex.params), sha);
+    ok(&train(&["--steps", "2", "--init", s(&ex.bf16)]));
+    let mut wider = GPT.to_vec();
     wider[6] = "32"; // --d-model 32
-    let other = ezero(&[&wider[..], &["--steps", "1", "--init", s(&fp32)]].concat());
+    let other = ezero(&[&wider[..], &["--steps", "1", "--init", s(&ex.fp32)]].concat());
     refused(&other, "model.safetensors", "has shape");
     refused(
-        &with(&["--resume", s(&root), "--init", s(&fp32)]),
+        &train(&["--resume", s(&ex.root), "--init", s(&ex.fp32)]),
         "--init",
         "--resume",
     );
+}
 
-    // An independent reader: the Python safetensors package, when installed.
+/// An independent reader: the Python safetensors package, when installed.
+fn python_reads_the_exports_too(ex: &Exported) {
+    let units = &ex.units;
     let expect = serde_json::json!({
-        "fp32": fp32, "bf16": bf16, "optimizer": t.path().join("half.optimizer.safetensors"),
-        "param_sha256": loaded.manifest.param_sha256,
+        "fp32": ex.fp32, "bf16": ex.bf16, "optimizer": ex.optimizer_file(),
+        "param_sha256": ex.loaded.manifest.param_sha256,
         "params": units.iter().flat_map(|u| u.params.iter().map(|p| (p.name.clone(), p.shape.clone()))).collect::<Vec<_>>(),
-        "state": loaded.manifest.optimizer.state,
+        "state": ex.loaded.manifest.optimizer.state,
     });
-    let expect_path = t.path().join("expect.json");
+    let expect_path = ex.dir.path().join("expect.json");
     std::fs::write(&expect_path, expect.to_string()).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/checkpoint_safetensors.py");
     match Command::new("python3")

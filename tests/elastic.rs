@@ -211,6 +211,85 @@ fn round_kill(s: &str) -> elastic_zero::config::RoundKill {
     s.parse().unwrap()
 }
 
+/// A rank struck in the middle of a round between steps, and what the run must end with.
+struct MidRound {
+    leave: Vec<At>,
+    join: Vec<At>,
+    /// Killed mid-step.
+    kill: Vec<At>,
+    /// Killed mid-round (`RANK@STEP:ROUND`).
+    during: Vec<&'static str>,
+    /// The members after the last change.
+    after: Vec<u32>,
+    lost: Vec<u32>,
+    rolled_back_to: u64,
+}
+
+fn mid_round_cases() -> Vec<MidRound> {
+    vec![
+        // A staying member dies while the leave's chunks move: one reshard does both.
+        MidRound {
+            leave: vec![at(1, 2)],
+            join: vec![],
+            kill: vec![],
+            during: vec!["2@2:reshard"],
+            after: vec![0, 3],
+            lost: vec![2],
+            rolled_back_to: 1,
+        },
+        // The leaver itself dies halfway through handing over its chunks.
+        MidRound {
+            leave: vec![at(1, 2)],
+            join: vec![],
+            kill: vec![],
+            during: vec!["1@2:reshard"],
+            after: vec![0, 2, 3],
+            lost: vec![1],
+            rolled_back_to: 1,
+        },
+        // The joiner dies while receiving: the run goes on without it.
+        MidRound {
+            leave: vec![],
+            join: vec![at(1, 2)],
+            kill: vec![],
+            during: vec!["4@2:reshard"],
+            after: vec![0, 1, 2, 3],
+            lost: vec![4],
+            rolled_back_to: 1,
+        },
+        // A member dies in the backup that commits the join.
+        MidRound {
+            leave: vec![],
+            join: vec![at(1, 2)],
+            kill: vec![],
+            during: vec!["0@2:replicate"],
+            after: vec![1, 2, 3, 4],
+            lost: vec![0],
+            rolled_back_to: 1,
+        },
+        // A member dies in a periodic backup.
+        MidRound {
+            leave: vec![],
+            join: vec![],
+            kill: vec![],
+            during: vec!["3@2:replicate"],
+            after: vec![0, 1, 2],
+            lost: vec![3],
+            rolled_back_to: 1,
+        },
+        // A second rank dies while the survivors restore from the first loss.
+        MidRound {
+            leave: vec![],
+            join: vec![],
+            kill: vec![at(1, 2)],
+            during: vec!["3@2:restore"],
+            after: vec![0, 2],
+            lost: vec![1, 3],
+            rolled_back_to: 2,
+        },
+    ]
+}
+
 /// A rank vanishes in the middle of a round between steps: the reshard of a leave or a join,
 /// the backup that commits a change, a periodic backup, or the restore of an earlier loss. The
 /// round is abandoned, the survivors rebuild from the committed map's backups, and the result
@@ -224,85 +303,15 @@ fn a_loss_mid_reshard_mid_backup_or_mid_restore_loses_nothing() {
         ..small(ModelKind::Mlp)
     };
     let want = param_sha256(&run_cfg(&base).unwrap().params);
-    // (leave, join, kill mid-step, kill mid-round, members after, lost, rolled back to)
-    type Case = (
-        Vec<At>,
-        Vec<At>,
-        Vec<At>,
-        Vec<&'static str>,
-        Vec<u32>,
-        Vec<u32>,
-        u64,
-    );
-    let cases: Vec<Case> = vec![
-        // A staying member dies while the leave's chunks move: one reshard does both.
-        (
-            vec![at(1, 2)],
-            vec![],
-            vec![],
-            vec!["2@2:reshard"],
-            vec![0, 3],
-            vec![2],
-            1,
-        ),
-        // The leaver itself dies halfway through handing over its chunks.
-        (
-            vec![at(1, 2)],
-            vec![],
-            vec![],
-            vec!["1@2:reshard"],
-            vec![0, 2, 3],
-            vec![1],
-            1,
-        ),
-        // The joiner dies while receiving: the run goes on without it.
-        (
-            vec![],
-            vec![at(1, 2)],
-            vec![],
-            vec!["4@2:reshard"],
-            vec![0, 1, 2, 3],
-            vec![4],
-            1,
-        ),
-        // A member dies in the backup that commits the join.
-        (
-            vec![],
-            vec![at(1, 2)],
-            vec![],
-            vec!["0@2:replicate"],
-            vec![1, 2, 3, 4],
-            vec![0],
-            1,
-        ),
-        // A member dies in a periodic backup.
-        (
-            vec![],
-            vec![],
-            vec![],
-            vec!["3@2:replicate"],
-            vec![0, 1, 2],
-            vec![3],
-            1,
-        ),
-        // A second rank dies while the survivors restore from the first loss.
-        (
-            vec![],
-            vec![],
-            vec![at(1, 2)],
-            vec!["3@2:restore"],
-            vec![0, 2],
-            vec![1, 3],
-            2,
-        ),
-    ];
+    let cases = mid_round_cases();
     for stage in [1u8, 2, 3] {
-        for (leave, join, kill, during, after, lost, back) in &cases {
+        for case in &cases {
+            let during = &case.during;
             let cfg = TrainConfig {
                 stage,
-                leave: leave.clone(),
-                join: join.clone(),
-                kill: kill.clone(),
+                leave: case.leave.clone(),
+                join: case.join.clone(),
+                kill: case.kill.clone(),
                 kill_during: during.iter().map(|s| round_kill(s)).collect(),
                 ..base.clone()
             };
@@ -312,7 +321,7 @@ fn a_loss_mid_reshard_mid_backup_or_mid_restore_loses_nothing() {
             let rec = log.last().unwrap_or_else(|| panic!("{what}: no change"));
             assert_eq!(
                 (&rec.after, &rec.lost, rec.rolled_back_to),
-                (after, lost, Some(*back)),
+                (&case.after, &case.lost, Some(case.rolled_back_to)),
                 "{what}: {log:?}"
             );
         }

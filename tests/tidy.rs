@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 
 mod scan;
 
-use scan::{line_of, module_of, named_paths, resolve, strip, Source};
+use scan::{line_of, module_of, named_paths, resolve, strip, Named, Source};
 
 /// The library's parts, bottom first. A module belongs to the longest entry that prefixes its
 /// path; it may import its own part and the parts before it.
@@ -127,87 +127,20 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 fn check(root: &Path) -> Vec<Finding> {
     let src_dir = root.join("src");
     let mut findings = Vec::new();
-    let mut all = Vec::new();
-    for d in SOURCE_DIRS {
-        rust_files(&root.join(d), &mut all);
-    }
-    let mut sources = Vec::new();
-    for path in &all {
-        let rel = path.strip_prefix(root).unwrap_or(path).to_path_buf();
-        let raw = fs::read_to_string(path).unwrap_or_default();
-        let lines = raw.lines().count();
-        // Machine-written files (bindgen output) say so at the top and are not split by hand.
-        let generated = raw.lines().take(3).any(|l| l.contains(GENERATED_MARKER));
-        if lines > FILE_LINES_MAX && !generated {
-            findings.push(Finding {
-                file: rel.clone(),
-                line: FILE_LINES_MAX + 1,
-                what: format!(
-                    "{lines} lines, over {FILE_LINES_MAX}: split it where its concepts separate"
-                ),
-            });
-        }
-        let Ok(in_src) = path.strip_prefix(&src_dir) else {
-            continue;
-        };
-        let in_bin = in_src.starts_with("cli") || in_src == Path::new("main.rs");
-        sources.push(Source {
-            rel,
-            module: module_of(in_src),
-            in_bin,
-            text: strip(&raw),
-        });
-    }
+    let sources = read_sources(root, &src_dir, &mut findings);
     // (folder module, child a, child b) -> where a imports b.
     let mut edges: BTreeMap<(Vec<String>, String, String), (PathBuf, usize)> = BTreeMap::new();
     for s in &sources {
         let mine = if s.in_bin { None } else { part_of(&s.module) };
         let pure = mine.is_some_and(|p| PURE_PARTS.iter().any(|x| LAYERS[p] == *x));
         for named in named_paths(&src_dir, s) {
-            let full = named.segs.join("::");
             if pure {
-                let shown = if named.local {
-                    format!("crate::{full}")
-                } else {
-                    full.clone()
-                };
-                if let Some(bad) = IMPURE
-                    .iter()
-                    .find(|x| shown == **x || shown.starts_with(&format!("{x}::")))
-                {
-                    findings.push(Finding {
-                        file: s.rel.clone(),
-                        line: named.line,
-                        what: format!(
-                            "`{shown}`: {} may not use `{bad}` (plan and engine are pure: \
-                             events and time in, commands out; the runtime does the I/O)",
-                            LAYERS[mine.unwrap_or(0)]
-                        ),
-                    });
-                }
+                findings.extend(impure_use(s, mine, &named));
             }
             if !named.local || s.in_bin {
                 continue;
             }
-            let in_model = MODEL_CODE.iter().any(|m| s.module.join("::") == *m);
-            let kernel = KERNEL_MODULES
-                .iter()
-                .find(|k| full.starts_with(&format!("{k}::")));
-            let helper = named
-                .segs
-                .last()
-                .is_some_and(|l| KERNEL_HELPERS.contains(&l.as_str()));
-            if let (true, false, Some(k), false) = (in_model, named.in_test, kernel, helper) {
-                findings.push(Finding {
-                    file: s.rel.clone(),
-                    line: named.line,
-                    what: format!(
-                        "`{full}`: {} computes through its backend (`model::backend`), not \
-                         `{k}` directly, so a device backend runs all of it",
-                        s.module.join("::")
-                    ),
-                });
-            }
+            findings.extend(kernel_bypass(s, &named));
             let Some((_, target)) = resolve(&src_dir, &named.segs) else {
                 continue;
             };
@@ -215,21 +148,7 @@ fn check(root: &Path) -> Vec<Finding> {
             if target.starts_with(&s.module) {
                 continue;
             }
-            if let (Some(mine), Some(theirs)) = (mine, part_of(&target)) {
-                if theirs > mine {
-                    findings.push(Finding {
-                        file: s.rel.clone(),
-                        line: named.line,
-                        what: format!(
-                            "`{}` imports `{full}`, but {} sits above {} in the declared order \
-                             (LAYERS in tests/tidy.rs; docs/layout.md): move the shared item down",
-                            s.module.join("::"),
-                            LAYERS[theirs],
-                            LAYERS[mine]
-                        ),
-                    });
-                }
-            }
+            findings.extend(layer_inversion(s, mine, &target, &named));
             let common = s
                 .module
                 .iter()
@@ -251,6 +170,116 @@ fn check(root: &Path) -> Vec<Finding> {
     findings.sort();
     findings.dedup();
     findings
+}
+
+/// Every Rust file under the source folders, stripped for scanning (those under `src/` only);
+/// a file over the size limit is a finding.
+fn read_sources(root: &Path, src_dir: &Path, findings: &mut Vec<Finding>) -> Vec<Source> {
+    let mut all = Vec::new();
+    for d in SOURCE_DIRS {
+        rust_files(&root.join(d), &mut all);
+    }
+    let mut sources = Vec::new();
+    for path in &all {
+        let rel = path.strip_prefix(root).unwrap_or(path).to_path_buf();
+        let raw = fs::read_to_string(path).unwrap_or_default();
+        let lines = raw.lines().count();
+        // Machine-written files (bindgen output) say so at the top and are not split by hand.
+        let generated = raw.lines().take(3).any(|l| l.contains(GENERATED_MARKER));
+        if lines > FILE_LINES_MAX && !generated {
+            findings.push(Finding {
+                file: rel.clone(),
+                line: FILE_LINES_MAX + 1,
+                what: format!(
+                    "{lines} lines, over {FILE_LINES_MAX}: split it where its concepts separate"
+                ),
+            });
+        }
+        let Ok(in_src) = path.strip_prefix(src_dir) else {
+            continue;
+        };
+        let in_bin = in_src.starts_with("cli") || in_src == Path::new("main.rs");
+        sources.push(Source {
+            rel,
+            module: module_of(in_src),
+            in_bin,
+            text: strip(&raw),
+        });
+    }
+    sources
+}
+
+/// A path a pure layer (plan, engine; `mine`) names that does I/O or reaches the runtime.
+fn impure_use(s: &Source, mine: Option<usize>, named: &Named) -> Option<Finding> {
+    let full = named.segs.join("::");
+    let shown = if named.local {
+        format!("crate::{full}")
+    } else {
+        full
+    };
+    let bad = IMPURE
+        .iter()
+        .find(|x| shown == **x || shown.starts_with(&format!("{x}::")))?;
+    Some(Finding {
+        file: s.rel.clone(),
+        line: named.line,
+        what: format!(
+            "`{shown}`: {} may not use `{bad}` (plan and engine are pure: \
+             events and time in, commands out; the runtime does the I/O)",
+            LAYERS[mine.unwrap_or(0)]
+        ),
+    })
+}
+
+/// Model code calling a kernel module directly (other than its shared helpers) instead of
+/// through its backend.
+fn kernel_bypass(s: &Source, named: &Named) -> Option<Finding> {
+    let full = named.segs.join("::");
+    let in_model = MODEL_CODE.iter().any(|m| s.module.join("::") == *m);
+    let kernel = KERNEL_MODULES
+        .iter()
+        .find(|k| full.starts_with(&format!("{k}::")));
+    let helper = named
+        .segs
+        .last()
+        .is_some_and(|l| KERNEL_HELPERS.contains(&l.as_str()));
+    let (true, false, Some(k), false) = (in_model, named.in_test, kernel, helper) else {
+        return None;
+    };
+    Some(Finding {
+        file: s.rel.clone(),
+        line: named.line,
+        what: format!(
+            "`{full}`: {} computes through its backend (`model::backend`), not \
+             `{k}` directly, so a device backend runs all of it",
+            s.module.join("::")
+        ),
+    })
+}
+
+/// `s` (in layer `mine`) naming `target` in a layer above it.
+fn layer_inversion(
+    s: &Source,
+    mine: Option<usize>,
+    target: &[String],
+    named: &Named,
+) -> Option<Finding> {
+    let (mine, theirs) = (mine?, part_of(target)?);
+    if theirs <= mine {
+        return None;
+    }
+    Some(Finding {
+        file: s.rel.clone(),
+        line: named.line,
+        what: format!(
+            "`{}` imports `{}`, but {} sits above {} in the declared order \
+             (LAYERS in tests/tidy.rs; docs/layout.md): move the shared item down",
+            s.module.join("::"),
+            named.segs.join("::"),
+            LAYERS[theirs],
+            LAYERS[mine]
+        ),
+    })
 }
 
 /// Circles among the children of each folder, one finding per circle.

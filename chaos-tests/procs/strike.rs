@@ -31,241 +31,284 @@ impl Run<'_> {
     /// window of network trouble over); `false` when it could not be struck (too few members,
     /// a refused request, the job ended).
     pub(crate) fn strike(&mut self, what: &What) -> Result<bool, String> {
-        match *what {
-            What::Kill { pick, during } => {
-                let Some((rank, w)) = self.victim(pick) else {
-                    return Ok(false);
-                };
-                let phase = match during {
-                    During::Anytime => None,
-                    During::Step => Some("running"),
-                    During::Backup => Some("replicating"),
-                };
-                let landed = match phase {
-                    None => {
-                        self.workers[w].proc.signal(libc::SIGKILL);
-                        "anytime".to_string()
-                    }
-                    Some(p) => self.kill_during(rank, w, p),
-                };
-                self.workers[w].end = End::Killed;
-                self.note(format!("kill -9 worker {w} (rank {rank}), {landed}"));
-                if self.gone(rank).is_some() {
-                    self.note(format!("rank {rank} is out of the members"));
-                }
-            }
-            What::KillPair { a, b } => {
-                let Some(s) = self.status() else {
-                    return Ok(false);
-                };
-                let members = Self::members(&s);
-                let Some((x, y)) = pair_positions(members.len(), a, b) else {
-                    return Ok(false);
-                };
-                let ranks = [members[x], members[y]];
-                let mut hit = Vec::new();
-                for r in ranks {
-                    let Some(w) = self.worker_of(r) else {
-                        return Ok(false);
-                    };
-                    hit.push(w);
-                }
-                for &w in &hit {
-                    self.workers[w].proc.signal(libc::SIGKILL);
-                    self.workers[w].end = End::Killed;
-                }
-                self.note(format!("kill -9 workers {hit:?} (ranks {ranks:?}) at once"));
-                let out = self.until(CHANGE_DEADLINE, |s| {
-                    let m = Self::members(s);
-                    !m.contains(&ranks[0]) && !m.contains(&ranks[1])
-                });
-                if out.is_some() {
-                    self.note(format!("ranks {ranks:?} are out of the members"));
-                }
-            }
-            What::Freeze { pick } => {
-                let Some((rank, w)) = self.victim(pick) else {
-                    return Ok(false);
-                };
-                self.workers[w].proc.signal(libc::SIGSTOP);
-                self.workers[w].end = End::Refused;
-                self.note(format!("SIGSTOP worker {w} (rank {rank})"));
-                let out = self.gone(rank);
-                self.note(format!(
-                    "rank {rank} {} the members; SIGCONT",
-                    if out.is_some() { "left" } else { "never left" }
-                ));
-                self.workers[w].proc.signal(libc::SIGCONT);
-            }
-            What::ControlBlackhole { pick } => {
-                let Some((rank, w)) = self.victim(pick) else {
-                    return Ok(false);
-                };
-                self.net.set(None, Link::Control(w), LinkState::Blackhole);
-                self.workers[w].end = End::Refused;
-                self.note(format!(
-                    "control link of worker {w} (rank {rank}) goes dark"
-                ));
-                if self.gone(rank).is_some() {
-                    self.note(format!("rank {rank} is out of the members"));
-                }
-            }
-            What::Join { count } => {
-                let before = match self.status() {
-                    Some(s) => Self::members(&s).len(),
-                    None => return Ok(false),
-                };
-                let Some(spawned) = self.start_standbys(count)? else {
-                    return Ok(false);
-                };
-                if !self.post_join(count) {
-                    return Ok(false);
-                }
-                let want = before + count as usize;
-                if self
-                    .until(CHANGE_DEADLINE, |s| Self::members(s).len() >= want)
-                    .is_some()
-                {
-                    self.note(format!("{count} joined"));
-                    for w in spawned {
-                        self.workers[w].end = End::WithJob;
-                    }
-                }
-            }
-            What::KillMidReshard { pick } => {
-                let Some((rank, w)) = self.victim(pick) else {
-                    return Ok(false);
-                };
-                let Some(spawned) = self.start_standbys(1)? else {
-                    return Ok(false);
-                };
-                let joiner = spawned[0];
-                // What the joiner receives is held (TCP) or slowed (QUIC: held datagrams are
-                // lost, and the joiner could not even connect), so the reshard admitting it
-                // lasts while the victim is struck.
-                let slow = if self.sc.transport == "quic" {
-                    LinkState::Delay(Duration::from_millis(3))
-                } else {
-                    LinkState::Hold
-                };
-                self.net.set(None, Link::Data(joiner), slow);
-                if !self.post_join(1) {
-                    self.net.set(None, Link::Data(joiner), LinkState::Pass);
-                    return Ok(false);
-                }
-                let seen = self.until(Duration::from_secs(10), |s| {
-                    s["activity"]["phase"] == "resharding"
-                });
+        Ok(match *what {
+            What::Kill { pick, during } => self.kill_one(pick, during),
+            What::KillPair { a, b } => self.kill_two_at_once(a, b),
+            What::Freeze { pick } => self.freeze(pick),
+            What::ControlBlackhole { pick } => self.darken_control(pick),
+            What::Join { count } => self.join_standbys(count)?,
+            What::KillMidReshard { pick } => self.kill_mid_reshard(pick)?,
+            What::Drain { pick } => self.drain(pick),
+            What::Delay { pick, ms, for_ms } => self.delay_data(pick, ms, for_ms),
+            What::Cut { pick } => self.cut_data(pick),
+            What::Blackhole { pick } => self.drop_off_network(pick),
+            What::Partition { side, for_ms } => self.partition(side, for_ms),
+        })
+    }
+
+    /// `kill -9` a member, at any moment or while a step or a backup waits for it.
+    fn kill_one(&mut self, pick: u32, during: During) -> bool {
+        let Some((rank, w)) = self.victim(pick) else {
+            return false;
+        };
+        let phase = match during {
+            During::Anytime => None,
+            During::Step => Some("running"),
+            During::Backup => Some("replicating"),
+        };
+        let landed = match phase {
+            None => {
                 self.workers[w].proc.signal(libc::SIGKILL);
-                self.workers[w].end = End::Killed;
-                self.note(format!(
-                    "kill -9 worker {w} (rank {rank}) {}",
-                    if seen.is_some() {
-                        "during the reshard admitting a joiner"
-                    } else {
-                        "(no reshard seen: struck anytime)"
-                    }
-                ));
-                std::thread::sleep(Duration::from_millis(100));
-                self.net.set(None, Link::Data(joiner), LinkState::Pass);
-                if let Some(s) = self.gone(rank) {
-                    self.note(format!("rank {rank} is out of the members"));
-                    // A joiner that survives still joins (README, "Losses between steps").
-                    let members = Self::members(&s);
-                    let joined = members.iter().any(|&r| self.worker_of(r) == Some(joiner));
-                    if joined {
-                        self.workers[joiner].end = End::WithJob;
-                    }
-                }
+                "anytime".to_string()
             }
-            What::Drain { pick } => {
-                let Some((rank, w)) = self.victim(pick) else {
-                    return Ok(false);
-                };
-                let Ok((code, body)) =
-                    try_http(&self.control, "POST", &format!("/ranks/{rank}/drain"))
-                else {
-                    return Ok(false); // the job ended
-                };
-                self.note(format!("POST /ranks/{rank}/drain: {code} {body}"));
-                if code != 202 {
-                    return Ok(false);
-                }
-                self.workers[w].end = End::Left;
-                if self.gone(rank).is_some() {
-                    self.note(format!("rank {rank} left"));
-                }
-            }
-            What::Delay { pick, ms, for_ms } => {
-                let Some((rank, w)) = self.victim(pick) else {
-                    return Ok(false);
-                };
-                let link = Link::Data(w);
-                self.net
-                    .set(None, link, LinkState::Delay(Duration::from_millis(ms)));
-                self.note(format!(
-                    "data into rank {rank} delayed {ms} ms for {for_ms} ms"
-                ));
-                std::thread::sleep(Duration::from_millis(for_ms));
-                self.net.set(None, link, LinkState::Pass);
-            }
-            What::Cut { pick } => {
-                let Some((rank, w)) = self.victim(pick) else {
-                    return Ok(false);
-                };
-                self.net.cut(Link::Data(w));
-                self.note(format!("data connections into rank {rank} cut"));
-            }
-            What::Blackhole { pick } => {
-                let Some((rank, w)) = self.victim(pick) else {
-                    return Ok(false);
-                };
-                self.net.set(None, Link::Data(w), LinkState::Blackhole);
-                self.net.set(None, Link::Control(w), LinkState::Blackhole);
-                for other in (0..self.workers.len()).filter(|&o| o != w) {
-                    self.net
-                        .set(Some(w), Link::Data(other), LinkState::Blackhole);
-                }
-                self.workers[w].end = End::Refused;
-                self.note(format!("worker {w} (rank {rank}) drops off the network"));
-                if self.gone(rank).is_some() {
-                    self.note(format!("rank {rank} is out of the members"));
-                }
-            }
-            What::Partition { side, for_ms } => {
-                let Some(s) = self.status() else {
-                    return Ok(false);
-                };
-                let members = Self::members(&s);
-                let mut a = Vec::new();
-                let mut b = Vec::new();
-                for (i, &r) in members.iter().enumerate() {
-                    let Some(w) = self.worker_of(r) else { continue };
-                    if side >> (i % 32) & 1 == 1 {
-                        a.push(w)
-                    } else {
-                        b.push(w)
-                    }
-                }
-                if a.is_empty() || b.is_empty() {
-                    return Ok(false);
-                }
-                let pairs: Vec<(usize, usize)> = a
-                    .iter()
-                    .flat_map(|&x| b.iter().flat_map(move |&y| [(x, y), (y, x)]))
-                    .collect();
-                for &(from, to) in &pairs {
-                    self.net.set(Some(from), Link::Data(to), LinkState::Hold);
-                }
-                self.note(format!("partition workers {a:?} | {b:?} for {for_ms} ms"));
-                std::thread::sleep(Duration::from_millis(for_ms));
-                for &(from, to) in &pairs {
-                    self.net.set(Some(from), Link::Data(to), LinkState::Pass);
-                }
-                self.note("partition healed".into());
+            Some(p) => self.kill_during(rank, w, p),
+        };
+        self.workers[w].end = End::Killed;
+        self.note(format!("kill -9 worker {w} (rank {rank}), {landed}"));
+        if self.gone(rank).is_some() {
+            self.note(format!("rank {rank} is out of the members"));
+        }
+        true
+    }
+
+    /// `kill -9` two members at once.
+    fn kill_two_at_once(&mut self, a: u32, b: u32) -> bool {
+        let Some(s) = self.status() else {
+            return false;
+        };
+        let members = Self::members(&s);
+        let Some((x, y)) = pair_positions(members.len(), a, b) else {
+            return false;
+        };
+        let ranks = [members[x], members[y]];
+        let mut hit = Vec::new();
+        for r in ranks {
+            let Some(w) = self.worker_of(r) else {
+                return false;
+            };
+            hit.push(w);
+        }
+        for &w in &hit {
+            self.workers[w].proc.signal(libc::SIGKILL);
+            self.workers[w].end = End::Killed;
+        }
+        self.note(format!("kill -9 workers {hit:?} (ranks {ranks:?}) at once"));
+        let out = self.until(CHANGE_DEADLINE, |s| {
+            let m = Self::members(s);
+            !m.contains(&ranks[0]) && !m.contains(&ranks[1])
+        });
+        if out.is_some() {
+            self.note(format!("ranks {ranks:?} are out of the members"));
+        }
+        true
+    }
+
+    /// SIGSTOP a member until it is out of the members (or the deadline passes), then SIGCONT.
+    fn freeze(&mut self, pick: u32) -> bool {
+        let Some((rank, w)) = self.victim(pick) else {
+            return false;
+        };
+        self.workers[w].proc.signal(libc::SIGSTOP);
+        self.workers[w].end = End::Refused;
+        self.note(format!("SIGSTOP worker {w} (rank {rank})"));
+        let out = self.gone(rank);
+        self.note(format!(
+            "rank {rank} {} the members; SIGCONT",
+            if out.is_some() { "left" } else { "never left" }
+        ));
+        self.workers[w].proc.signal(libc::SIGCONT);
+        true
+    }
+
+    /// Drops everything on a member's control link.
+    fn darken_control(&mut self, pick: u32) -> bool {
+        let Some((rank, w)) = self.victim(pick) else {
+            return false;
+        };
+        self.net.set(None, Link::Control(w), LinkState::Blackhole);
+        self.workers[w].end = End::Refused;
+        self.note(format!(
+            "control link of worker {w} (rank {rank}) goes dark"
+        ));
+        if self.gone(rank).is_some() {
+            self.note(format!("rank {rank} is out of the members"));
+        }
+        true
+    }
+
+    /// Starts `count` standbys, asks the job to take them, and waits until it has.
+    fn join_standbys(&mut self, count: u32) -> Result<bool, String> {
+        let before = match self.status() {
+            Some(s) => Self::members(&s).len(),
+            None => return Ok(false),
+        };
+        let Some(spawned) = self.start_standbys(count)? else {
+            return Ok(false);
+        };
+        if !self.post_join(count) {
+            return Ok(false);
+        }
+        let want = before + count as usize;
+        if self
+            .until(CHANGE_DEADLINE, |s| Self::members(s).len() >= want)
+            .is_some()
+        {
+            self.note(format!("{count} joined"));
+            for w in spawned {
+                self.workers[w].end = End::WithJob;
             }
         }
         Ok(true)
+    }
+
+    /// `kill -9` a member while the reshard admitting a slowed joiner runs.
+    fn kill_mid_reshard(&mut self, pick: u32) -> Result<bool, String> {
+        let Some((rank, w)) = self.victim(pick) else {
+            return Ok(false);
+        };
+        let Some(spawned) = self.start_standbys(1)? else {
+            return Ok(false);
+        };
+        let joiner = spawned[0];
+        // What the joiner receives is held (TCP) or slowed (QUIC: held datagrams are
+        // lost, and the joiner could not even connect), so the reshard admitting it
+        // lasts while the victim is struck.
+        let slow = if self.sc.transport == "quic" {
+            LinkState::Delay(Duration::from_millis(3))
+        } else {
+            LinkState::Hold
+        };
+        self.net.set(None, Link::Data(joiner), slow);
+        if !self.post_join(1) {
+            self.net.set(None, Link::Data(joiner), LinkState::Pass);
+            return Ok(false);
+        }
+        let seen = self.until(Duration::from_secs(10), |s| {
+            s["activity"]["phase"] == "resharding"
+        });
+        self.workers[w].proc.signal(libc::SIGKILL);
+        self.workers[w].end = End::Killed;
+        self.note(format!(
+            "kill -9 worker {w} (rank {rank}) {}",
+            if seen.is_some() {
+                "during the reshard admitting a joiner"
+            } else {
+                "(no reshard seen: struck anytime)"
+            }
+        ));
+        std::thread::sleep(Duration::from_millis(100));
+        self.net.set(None, Link::Data(joiner), LinkState::Pass);
+        if let Some(s) = self.gone(rank) {
+            self.note(format!("rank {rank} is out of the members"));
+            // A joiner that survives still joins (README, "Losses between steps").
+            let members = Self::members(&s);
+            let joined = members.iter().any(|&r| self.worker_of(r) == Some(joiner));
+            if joined {
+                self.workers[joiner].end = End::WithJob;
+            }
+        }
+        Ok(true)
+    }
+
+    /// `POST /ranks/{rank}/drain` and waits until the rank has left.
+    fn drain(&mut self, pick: u32) -> bool {
+        let Some((rank, w)) = self.victim(pick) else {
+            return false;
+        };
+        let Ok((code, body)) = try_http(&self.control, "POST", &format!("/ranks/{rank}/drain"))
+        else {
+            return false; // the job ended
+        };
+        self.note(format!("POST /ranks/{rank}/drain: {code} {body}"));
+        if code != 202 {
+            return false;
+        }
+        self.workers[w].end = End::Left;
+        if self.gone(rank).is_some() {
+            self.note(format!("rank {rank} left"));
+        }
+        true
+    }
+
+    /// Delays the data into a member by `ms` for `for_ms`.
+    fn delay_data(&mut self, pick: u32, ms: u64, for_ms: u64) -> bool {
+        let Some((rank, w)) = self.victim(pick) else {
+            return false;
+        };
+        let link = Link::Data(w);
+        self.net
+            .set(None, link, LinkState::Delay(Duration::from_millis(ms)));
+        self.note(format!(
+            "data into rank {rank} delayed {ms} ms for {for_ms} ms"
+        ));
+        std::thread::sleep(Duration::from_millis(for_ms));
+        self.net.set(None, link, LinkState::Pass);
+        true
+    }
+
+    /// Cuts the data connections into a member.
+    fn cut_data(&mut self, pick: u32) -> bool {
+        let Some((rank, w)) = self.victim(pick) else {
+            return false;
+        };
+        self.net.cut(Link::Data(w));
+        self.note(format!("data connections into rank {rank} cut"));
+        true
+    }
+
+    /// Drops everything to and from a member, data and control.
+    fn drop_off_network(&mut self, pick: u32) -> bool {
+        let Some((rank, w)) = self.victim(pick) else {
+            return false;
+        };
+        self.net.set(None, Link::Data(w), LinkState::Blackhole);
+        self.net.set(None, Link::Control(w), LinkState::Blackhole);
+        for other in (0..self.workers.len()).filter(|&o| o != w) {
+            self.net
+                .set(Some(w), Link::Data(other), LinkState::Blackhole);
+        }
+        self.workers[w].end = End::Refused;
+        self.note(format!("worker {w} (rank {rank}) drops off the network"));
+        if self.gone(rank).is_some() {
+            self.note(format!("rank {rank} is out of the members"));
+        }
+        true
+    }
+
+    /// Holds the data between two sides of the members (bit `i % 32` of `side` puts member `i`
+    /// on one side) for `for_ms`.
+    fn partition(&mut self, side: u32, for_ms: u64) -> bool {
+        let Some(s) = self.status() else {
+            return false;
+        };
+        let members = Self::members(&s);
+        let mut a = Vec::new();
+        let mut b = Vec::new();
+        for (i, &r) in members.iter().enumerate() {
+            let Some(w) = self.worker_of(r) else { continue };
+            if side >> (i % 32) & 1 == 1 {
+                a.push(w)
+            } else {
+                b.push(w)
+            }
+        }
+        if a.is_empty() || b.is_empty() {
+            return false;
+        }
+        let pairs: Vec<(usize, usize)> = a
+            .iter()
+            .flat_map(|&x| b.iter().flat_map(move |&y| [(x, y), (y, x)]))
+            .collect();
+        for &(from, to) in &pairs {
+            self.net.set(Some(from), Link::Data(to), LinkState::Hold);
+        }
+        self.note(format!("partition workers {a:?} | {b:?} for {for_ms} ms"));
+        std::thread::sleep(Duration::from_millis(for_ms));
+        for &(from, to) in &pairs {
+            self.net.set(Some(from), Link::Data(to), LinkState::Pass);
+        }
+        self.note("partition healed".into());
+        true
     }
 
     /// Starts `count` standby workers and waits until the coordinator holds them; `None` if it

@@ -234,32 +234,45 @@ impl Manifest {
     /// covered exactly once), each chunk sits in its owner's file, and each file's records are
     /// back to back from offset 0 to its recorded length.
     pub fn check_structure(&self, path: &Path) -> Result<(), CheckpointError> {
-        let bad = |what: String| Err(CheckpointError::corrupt(path, what));
+        self.check_header()
+            .and_then(|()| self.check_units())
+            .and_then(|()| self.check_files())
+            .map_err(|what| CheckpointError::corrupt(path, what))
+    }
+
+    /// The step, the epoch, the world and the unit count agree with the shard map and progress.
+    fn check_header(&self) -> Result<(), String> {
         let map = &self.shard_map;
         if self.step != self.progress.step {
-            return bad(format!(
+            return Err(format!(
                 "step {} disagrees with progress.step {}",
                 self.step, self.progress.step
             ));
         }
         if map.chunk_elems == 0 {
-            return bad("shard_map.chunk_elems is 0".into());
+            return Err("shard_map.chunk_elems is 0".into());
         }
         if self.epoch != map.epoch || self.world_size as usize != map.members.len() {
-            return bad("epoch or world_size disagree with the shard map".into());
+            return Err("epoch or world_size disagree with the shard map".into());
         }
         if self.units.len() != map.units.len() || self.progress.grad_bounds.len() != map.units.len()
         {
-            return bad(format!(
+            return Err(format!(
                 "{} units, {} in the shard map, {} gradient bounds",
                 self.units.len(),
                 map.units.len(),
                 self.progress.grad_bounds.len()
             ));
         }
+        Ok(())
+    }
+
+    /// Each unit's size and chunks match the shard map, and the map covers `param_count`.
+    fn check_units(&self) -> Result<(), String> {
+        let map = &self.shard_map;
         for (u, (spec, unit)) in self.units.iter().zip(&map.units).enumerate() {
             if spec.numel() != unit.numel {
-                return bad(format!(
+                return Err(format!(
                     "unit {u} (`{}`) has {} parameters but the shard map gives it {}",
                     spec.name,
                     spec.numel(),
@@ -267,71 +280,36 @@ impl Manifest {
                 ));
             }
             if unit.owners.len() != unit.numel.div_ceil(map.chunk_elems) {
-                return bad(format!("unit {u} has a wrong number of chunks"));
+                return Err(format!("unit {u} has a wrong number of chunks"));
             }
             if let Some(r) = unit.owners.iter().find(|r| !map.members.contains(r)) {
-                return bad(format!("unit {u} has a chunk owned by non-member rank {r}"));
+                return Err(format!("unit {u} has a chunk owned by non-member rank {r}"));
             }
         }
         let total: usize = map.total_elems();
         if self.param_count != total as u64 {
-            return bad(format!(
+            return Err(format!(
                 "param_count {} but the shard map covers {total}",
                 self.param_count
             ));
         }
+        Ok(())
+    }
+
+    /// Every chunk of the map is in exactly one file, its owner's, with the right lengths.
+    fn check_files(&self) -> Result<(), String> {
+        let map = &self.shard_map;
         let state = optimizer_state_names(&self.config).len();
         let mut seen = BTreeSet::new();
         let mut names = BTreeSet::new();
         for f in &self.files {
             if f.name != rank_file_name(f.rank) || !names.insert(f.name.clone()) {
-                return bad(format!(
+                return Err(format!(
                     "unexpected or repeated chunk file name `{}`",
                     f.name
                 ));
             }
-            let mut offset = 0u64;
-            for c in &f.chunks {
-                let (u, i) = (c.unit as usize, c.index as usize);
-                if u >= map.units.len() || i >= map.units[u].owners.len() {
-                    return bad(format!(
-                        "{} lists chunk {u}/{i}, which the shard map does not have",
-                        f.name
-                    ));
-                }
-                if !seen.insert((u, i)) {
-                    return bad(format!("chunk {u}/{i} appears more than once"));
-                }
-                if map.owner(u, i) != f.rank {
-                    return bad(format!(
-                        "chunk {u}/{i} is in {} but the shard map gives it to rank {}",
-                        f.name,
-                        map.owner(u, i)
-                    ));
-                }
-                let n = map.chunk_range(u, i).len() as u64;
-                let want_m = if state >= 1 { n } else { 0 };
-                let want_v = if state >= 2 { n } else { 0 };
-                if (c.params, c.m, c.v) != (n, want_m, want_v) {
-                    return bad(format!(
-                        "chunk {u}/{i} records {}/{}/{} params/m/v elements, expected {n}/{want_m}/{want_v}",
-                        c.params, c.m, c.v
-                    ));
-                }
-                if c.offset != offset {
-                    return bad(format!(
-                        "chunk {u}/{i} in {} starts at byte {}, expected {offset}",
-                        f.name, c.offset
-                    ));
-                }
-                offset += c.bytes();
-            }
-            if offset != f.bytes {
-                return bad(format!(
-                    "{} records {} bytes but its chunks add up to {offset}",
-                    f.name, f.bytes
-                ));
-            }
+            self.check_records(f, state, &mut seen)?;
         }
         let chunks: usize = map.units.iter().map(|u| u.owners.len()).sum();
         if seen.len() != chunks {
@@ -341,10 +319,64 @@ impl Manifest {
                 .enumerate()
                 .flat_map(|(u, unit)| (0..unit.owners.len()).map(move |i| (u, i)))
                 .find(|k| !seen.contains(k));
-            return bad(format!(
+            return Err(format!(
                 "{} of {chunks} chunks are listed; chunk {:?} (unit, index) is missing",
                 seen.len(),
                 missing.unwrap_or_default()
+            ));
+        }
+        Ok(())
+    }
+
+    /// `f`'s chunks are the map's, each seen once, owned by `f`'s rank, with `state` optimizer
+    /// values each, back to back from offset 0 to the file's recorded length.
+    fn check_records(
+        &self,
+        f: &FileEntry,
+        state: usize,
+        seen: &mut BTreeSet<(usize, usize)>,
+    ) -> Result<(), String> {
+        let map = &self.shard_map;
+        let mut offset = 0u64;
+        for c in &f.chunks {
+            let (u, i) = (c.unit as usize, c.index as usize);
+            if u >= map.units.len() || i >= map.units[u].owners.len() {
+                return Err(format!(
+                    "{} lists chunk {u}/{i}, which the shard map does not have",
+                    f.name
+                ));
+            }
+            if !seen.insert((u, i)) {
+                return Err(format!("chunk {u}/{i} appears more than once"));
+            }
+            if map.owner(u, i) != f.rank {
+                return Err(format!(
+                    "chunk {u}/{i} is in {} but the shard map gives it to rank {}",
+                    f.name,
+                    map.owner(u, i)
+                ));
+            }
+            let n = map.chunk_range(u, i).len() as u64;
+            let want_m = if state >= 1 { n } else { 0 };
+            let want_v = if state >= 2 { n } else { 0 };
+            if (c.params, c.m, c.v) != (n, want_m, want_v) {
+                return Err(format!(
+                    "chunk {u}/{i} records {}/{}/{} params/m/v elements, expected {n}/{want_m}/{want_v}",
+                    c.params, c.m, c.v
+                ));
+            }
+            if c.offset != offset {
+                return Err(format!(
+                    "chunk {u}/{i} in {} starts at byte {}, expected {offset}",
+                    f.name, c.offset
+                ));
+            }
+            offset += c.bytes();
+        }
+        if offset != f.bytes {
+            return Err(format!(
+                "{} records {} bytes but its chunks add up to {offset}",
+                f.name, f.bytes
             ));
         }
         Ok(())

@@ -1,7 +1,9 @@
 //! `ezero bench gemm`: the model's matrix products per kernel path, beside torch.
 
 use clap::Args;
-use elastic_zero::bench::gemm::{model_shapes, peak_gflops, run, GemmBench, GemmResult, Kernel};
+use elastic_zero::bench::gemm::{
+    model_shapes, peak_gflops, run, GemmBench, GemmResult, Kernel, Shape,
+};
 use elastic_zero::config::TrainConfig;
 use elastic_zero::model::gemm::{Bf16Path, GemmPath};
 use elastic_zero::model::Model;
@@ -51,71 +53,11 @@ pub struct BenchGemmArgs {
 }
 
 pub fn run_bench(args: &BenchGemmArgs) -> Result<(), CliError> {
-    let sizes = [
-        args.d_model,
-        args.heads,
-        args.seq_len,
-        args.micro_batch_size,
-        args.vocab,
-    ];
-    if sizes.contains(&0) || args.rounds == 0 || !args.d_model.is_multiple_of(args.heads) {
-        return Err(CliError::Usage(
-            "--d-model, --heads, --seq-len, --micro-batch-size, --vocab and --rounds must be at \
-             least 1, and --heads must divide --d-model"
-                .into(),
-        ));
-    }
-    if !(args.min_time_s > 0.0 && args.min_time_s <= 60.0) {
-        return Err(CliError::Usage("--min-time-s must be in (0, 60]".into()));
-    }
-    let tokens = args.micro_batch_size * args.seq_len;
-    let mut shapes = model_shapes(args.d_model, args.heads, args.seq_len, tokens, args.vocab);
-    if !args.shapes.is_empty() {
-        if let Some(bad) = args
-            .shapes
-            .iter()
-            .find(|n| !shapes.iter().any(|s| &s.name == *n))
-        {
-            let names: Vec<_> = shapes.iter().map(|s| s.name.as_str()).collect();
-            return Err(CliError::Usage(format!(
-                "--shapes: no shape {bad:?}; the shapes are {}",
-                names.join(",")
-            )));
-        }
-        shapes.retain(|s| args.shapes.contains(&s.name));
-    }
-    let paths = if args.paths.is_empty() {
-        let mut v: Vec<GemmPath> = GemmPath::available().into_iter().rev().collect();
-        if v.len() > 1 {
-            v.retain(|p| *p != GemmPath::Portable);
-        }
-        v
-    } else {
-        let parsed: Result<Vec<GemmPath>, String> =
-            args.paths.iter().map(|p| GemmPath::parse(p)).collect();
-        parsed.map_err(|e| CliError::Usage(format!("--paths: {}", e.replace("EZERO_GEMM=", ""))))?
-    };
+    check_sizes(args)?;
+    let shapes = selected_shapes(args)?;
+    let paths = selected_paths(args)?;
     let bf16 = args.precision == "bf16";
-    // The ratio column compares the path training uses, or the first one timed when
-    // --paths leaves it out.
-    let ours = if bf16 {
-        // The bf16 paths follow the f32 one forced: `portable` runs the portable emulation.
-        let forced_portable = paths.contains(&GemmPath::Portable) && !args.paths.is_empty();
-        let path = if forced_portable {
-            Bf16Path::Portable
-        } else {
-            Bf16Path::current()
-        };
-        Kernel::Bf16(path)
-    } else {
-        let path = paths
-            .iter()
-            .copied()
-            .find(|p| *p == GemmPath::current())
-            .or(paths.first().copied())
-            .unwrap_or_else(GemmPath::current);
-        Kernel::F32(path)
-    };
+    let ours = compared_kernel(args, &paths, bf16);
     let mut kernels: Vec<Kernel> = if bf16 {
         vec![ours]
     } else {
@@ -140,9 +82,93 @@ pub fn run_bench(args: &BenchGemmArgs) -> Result<(), CliError> {
         all.push(r);
     })
     .map_err(CliError::Failed)?;
+    print_table(args.rounds, &shapes, &all, &ours.name(), bf16);
+    Ok(())
+}
 
+fn check_sizes(args: &BenchGemmArgs) -> Result<(), CliError> {
+    let sizes = [
+        args.d_model,
+        args.heads,
+        args.seq_len,
+        args.micro_batch_size,
+        args.vocab,
+    ];
+    if sizes.contains(&0) || args.rounds == 0 || !args.d_model.is_multiple_of(args.heads) {
+        return Err(CliError::Usage(
+            "--d-model, --heads, --seq-len, --micro-batch-size, --vocab and --rounds must be at \
+             least 1, and --heads must divide --d-model"
+                .into(),
+        ));
+    }
+    if !(args.min_time_s > 0.0 && args.min_time_s <= 60.0) {
+        return Err(CliError::Usage("--min-time-s must be in (0, 60]".into()));
+    }
+    Ok(())
+}
+
+/// The model's products, narrowed to `--shapes` when given.
+fn selected_shapes(args: &BenchGemmArgs) -> Result<Vec<Shape>, CliError> {
+    let tokens = args.micro_batch_size * args.seq_len;
+    let mut shapes = model_shapes(args.d_model, args.heads, args.seq_len, tokens, args.vocab);
+    if !args.shapes.is_empty() {
+        if let Some(bad) = args
+            .shapes
+            .iter()
+            .find(|n| !shapes.iter().any(|s| &s.name == *n))
+        {
+            let names: Vec<_> = shapes.iter().map(|s| s.name.as_str()).collect();
+            return Err(CliError::Usage(format!(
+                "--shapes: no shape {bad:?}; the shapes are {}",
+                names.join(",")
+            )));
+        }
+        shapes.retain(|s| args.shapes.contains(&s.name));
+    }
+    Ok(shapes)
+}
+
+/// `--paths`, or every vector path this CPU has (the portable one only when there is none).
+fn selected_paths(args: &BenchGemmArgs) -> Result<Vec<GemmPath>, CliError> {
+    if args.paths.is_empty() {
+        let mut v: Vec<GemmPath> = GemmPath::available().into_iter().rev().collect();
+        if v.len() > 1 {
+            v.retain(|p| *p != GemmPath::Portable);
+        }
+        return Ok(v);
+    }
+    let parsed: Result<Vec<GemmPath>, String> =
+        args.paths.iter().map(|p| GemmPath::parse(p)).collect();
+    parsed.map_err(|e| CliError::Usage(format!("--paths: {}", e.replace("EZERO_GEMM=", ""))))
+}
+
+/// The kernel the ratio column compares: the path training uses, or the first one timed when
+/// --paths leaves it out.
+fn compared_kernel(args: &BenchGemmArgs, paths: &[GemmPath], bf16: bool) -> Kernel {
+    if bf16 {
+        // The bf16 paths follow the f32 one forced: `portable` runs the portable emulation.
+        let forced_portable = paths.contains(&GemmPath::Portable) && !args.paths.is_empty();
+        let path = if forced_portable {
+            Bf16Path::Portable
+        } else {
+            Bf16Path::current()
+        };
+        Kernel::Bf16(path)
+    } else {
+        let path = paths
+            .iter()
+            .copied()
+            .find(|p| *p == GemmPath::current())
+            .or(paths.first().copied())
+            .unwrap_or_else(GemmPath::current);
+        Kernel::F32(path)
+    }
+}
+
+/// The medians per shape and kernel, the ours/torch ratio, and the time-weighted total.
+fn print_table(rounds: u32, shapes: &[Shape], all: &[GemmResult], ours_name: &str, bf16: bool) {
     let mut kernels: Vec<String> = Vec::new();
-    for r in &all {
+    for r in all {
         if !kernels.contains(&r.kernel) {
             kernels.push(r.kernel.clone());
         }
@@ -156,10 +182,9 @@ pub fn run_bench(args: &BenchGemmArgs) -> Result<(), CliError> {
         median(xs)
     };
     let torch_name = if bf16 { "torch-bf16" } else { "torch" };
-    let ours_name = ours.name();
     println!(
         "\nGFLOP/s, median of {} rounds, one thread (ezero's path in use: {}; ours/torch: {})",
-        args.rounds,
+        rounds,
         GemmPath::current().name(),
         ours_name
     );
@@ -176,7 +201,7 @@ pub fn run_bench(args: &BenchGemmArgs) -> Result<(), CliError> {
     }
     println!("{head}");
     let (mut flops, mut ours_s, mut torch_s) = (0.0, 0.0, 0.0);
-    for s in &shapes {
+    for s in shapes {
         let form = serde_json::to_string(&s.form)
             .unwrap_or_default()
             .replace('"', "");
@@ -187,7 +212,7 @@ pub fn run_bench(args: &BenchGemmArgs) -> Result<(), CliError> {
         for k in &kernels {
             line += &format!(" {:>15.1}", med(&s.name, k));
         }
-        let (o, t) = (med(&s.name, &ours_name), med(&s.name, torch_name));
+        let (o, t) = (med(&s.name, ours_name), med(&s.name, torch_name));
         if torch {
             line += &format!(" {:>12.2}", o / t);
         }
@@ -209,7 +234,6 @@ pub fn run_bench(args: &BenchGemmArgs) -> Result<(), CliError> {
         );
     }
     println!("{total}");
-    Ok(())
 }
 
 /// Seconds of GEMM timed for the MFU's peak, after training (so training is not disturbed).

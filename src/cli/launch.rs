@@ -69,6 +69,78 @@ struct TrainFlags {
 const LISTEN_TIMEOUT: Duration = Duration::from_secs(30);
 
 pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
+    let args = train_args(a)?;
+    // With --resume the config is the checkpoint's: checked here too, so that a missing or
+    // damaged checkpoint is refused before any process starts.
+    let (cfg, _) = super::checkpoint::resolve_train(&args)?;
+    check_train_args(&args, &cfg)?;
+    let procs = a.procs.resolve()?;
+    let token = new_token();
+    let transport = a.transport.unwrap_or(DataPlane::Tcp);
+    // A malformed argument is reported whether or not libucx is here. The coordinator says
+    // that UCX over a network is not encrypted.
+    super::procs::check_ucx_net(transport, a.ucx_net.as_deref(), false)?;
+    super::procs::check_data_plane(transport)?;
+    let secrets = match &a.secrets {
+        Some(dir) => Secrets {
+            dir: dir.clone(),
+            ours: false,
+        },
+        None => Secrets::fresh(&token)?,
+    };
+    let exe = std::env::current_exe()
+        .map_err(|e| CliError::Failed(format!("cannot find the ezero binary: {e}")))?;
+    let (lines_tx, lines) = mpsc::channel::<Line>();
+    let mut coord = spawn_coordinator(a, &exe, transport, &secrets, &token)?;
+    relay(&mut coord, None, &lines_tx);
+    let addr = match wait_for_address(&mut coord, &lines) {
+        Ok(addr) => addr,
+        Err(why) => {
+            let _ = coord.kill();
+            let status = coord.wait().ok();
+            drain(&lines);
+            return Err(match status.and_then(|s| s.code()) {
+                Some(2) => CliError::Usage(why),
+                _ => CliError::Failed(why),
+            });
+        }
+    };
+    // Scripted joins find their worker processes waiting as standbys.
+    let standbys: u32 = cfg.join.iter().map(|j| j.value).sum();
+    let workers = Workers {
+        exe: &exe,
+        addr: &addr,
+        secrets: &secrets,
+        token: &token,
+    };
+    let mut workers = workers.spawn(a.nprocs, standbys, &lines_tx);
+    drop(lines_tx);
+    // SIGTERM or SIGINT to the launcher is passed on to the coordinator as SIGTERM: with
+    // --save-dir it saves at the next step boundary and stops, as `ezero train` does, and a
+    // second signal stops it at once; without, it stops at once. The workers then see its
+    // connection close and exit, so nothing is left running.
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        let _ = signal_hook::flag::register(sig, Arc::clone(&stop));
+    }
+    let coord_status = wait_printing(&mut coord, &lines, None, Some(&stop));
+    // The coordinator told every worker to stop; a worker that has not stopped within the
+    // heartbeat timeout (plus slack) is killed and reported.
+    let grace = Duration::from_millis(procs.heartbeat_timeout_ms) + Duration::from_secs(5);
+    let stuck = reap_workers(&mut workers, &lines, grace);
+    drain(&lines);
+    if !stuck.is_empty() {
+        eprintln!(
+            "ezero launch: workers {stuck:?} had not exited {} ms after the coordinator; killed",
+            grace.as_millis()
+        );
+    }
+    launch_outcome(coord_status, stuck.is_empty())
+}
+
+/// The train flags after `--`, parsed as `ezero train` would and checked against the launch's
+/// own flags; `--ranks` becomes `--nprocs`.
+fn train_args(a: &LaunchArgs) -> Result<TrainArgs, CliError> {
     if a.nprocs == 0 || a.nprocs > 1024 {
         return Err(CliError::Usage(
             "--nprocs must be between 1 and 1024".into(),
@@ -94,28 +166,18 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
     }
     let mut args = flags.args;
     args.ranks = Some(a.nprocs);
-    // With --resume the config is the checkpoint's: checked here too, so that a missing or
-    // damaged checkpoint is refused before any process starts.
-    let (cfg, _) = super::checkpoint::resolve_train(&args)?;
-    check_train_args(&args, &cfg)?;
-    let procs = a.procs.resolve()?;
-    let token = new_token();
-    let transport = a.transport.unwrap_or(DataPlane::Tcp);
-    // A malformed argument is reported whether or not libucx is here. The coordinator says
-    // that UCX over a network is not encrypted.
-    super::procs::check_ucx_net(transport, a.ucx_net.as_deref(), false)?;
-    super::procs::check_data_plane(transport)?;
-    let secrets = match &a.secrets {
-        Some(dir) => Secrets {
-            dir: dir.clone(),
-            ours: false,
-        },
-        None => Secrets::fresh(&token)?,
-    };
-    let exe = std::env::current_exe()
-        .map_err(|e| CliError::Failed(format!("cannot find the ezero binary: {e}")))?;
-    let (lines_tx, lines) = mpsc::channel::<Line>();
-    let mut coord = Command::new(&exe)
+    Ok(args)
+}
+
+/// Starts `ezero coordinator` with the launch's flags and the train flags, its output piped.
+fn spawn_coordinator(
+    a: &LaunchArgs,
+    exe: &std::path::Path,
+    transport: DataPlane,
+    secrets: &Secrets,
+    token: &str,
+) -> Result<Child, CliError> {
+    Command::new(exe)
         .arg("coordinator")
         .args(["--listen", &a.listen, "--ranks", &a.nprocs.to_string()])
         .args(
@@ -134,86 +196,81 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
         .arg("--secrets")
         .arg(&secrets.dir)
         .args(&a.train)
-        .env("EZERO_CLUSTER_TOKEN", &token)
+        .env("EZERO_CLUSTER_TOKEN", token)
         .env_remove("EZERO_CLUSTER_TOKEN_FILE")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| CliError::Failed(format!("cannot start the coordinator: {e}")))?;
-    relay(&mut coord, None, &lines_tx);
-    let addr = match wait_for_address(&mut coord, &lines) {
-        Ok(addr) => addr,
-        Err(why) => {
-            let _ = coord.kill();
-            let status = coord.wait().ok();
-            drain(&lines);
-            return Err(match status.and_then(|s| s.code()) {
-                Some(2) => CliError::Usage(why),
-                _ => CliError::Failed(why),
-            });
-        }
-    };
-    let mut workers = Vec::new();
-    // Scripted joins find their worker processes waiting as standbys.
-    let standbys: u32 = cfg.join.iter().map(|j| j.value).sum();
-    for i in 0..a.nprocs + standbys {
-        let mut cmd = Command::new(&exe);
-        cmd.args(["worker", "--join", &addr]);
-        if i < a.nprocs {
-            cmd.env("EZERO_RANK_HINT", i.to_string());
-        } else {
-            cmd.arg("--standby");
-        }
-        let child = cmd
-            .arg("--secrets")
-            .arg(&secrets.dir)
-            .env("EZERO_CLUSTER_TOKEN", &token)
-            .env_remove("EZERO_CLUSTER_TOKEN_FILE")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn();
-        match child {
-            Ok(mut c) => {
-                relay(&mut c, Some(i), &lines_tx);
-                workers.push(c);
+        .map_err(|e| CliError::Failed(format!("cannot start the coordinator: {e}")))
+}
+
+/// What every `ezero worker` of the launch is started with.
+struct Workers<'a> {
+    exe: &'a std::path::Path,
+    addr: &'a str,
+    secrets: &'a Secrets,
+    token: &'a str,
+}
+
+impl Workers<'_> {
+    /// Starts `nprocs` workers (each hinted its launch index as its rank) and `standbys` more,
+    /// relaying their output; stops at the first that cannot start.
+    fn spawn(&self, nprocs: u32, standbys: u32, lines_tx: &mpsc::Sender<Line>) -> Vec<Child> {
+        let mut workers = Vec::new();
+        for i in 0..nprocs + standbys {
+            let mut cmd = Command::new(self.exe);
+            cmd.args(["worker", "--join", self.addr]);
+            if i < nprocs {
+                cmd.env("EZERO_RANK_HINT", i.to_string());
+            } else {
+                cmd.arg("--standby");
             }
-            Err(e) => {
-                eprintln!("ezero launch: cannot start worker {i}: {e}");
-                break;
+            let child = cmd
+                .arg("--secrets")
+                .arg(&self.secrets.dir)
+                .env("EZERO_CLUSTER_TOKEN", self.token)
+                .env_remove("EZERO_CLUSTER_TOKEN_FILE")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn();
+            match child {
+                Ok(mut c) => {
+                    relay(&mut c, Some(i), lines_tx);
+                    workers.push(c);
+                }
+                Err(e) => {
+                    eprintln!("ezero launch: cannot start worker {i}: {e}");
+                    break;
+                }
             }
         }
+        workers
     }
-    drop(lines_tx);
-    // SIGTERM or SIGINT to the launcher is passed on to the coordinator as SIGTERM: with
-    // --save-dir it saves at the next step boundary and stops, as `ezero train` does, and a
-    // second signal stops it at once; without, it stops at once. The workers then see its
-    // connection close and exit, so nothing is left running.
-    let stop = Arc::new(AtomicBool::new(false));
-    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-        let _ = signal_hook::flag::register(sig, Arc::clone(&stop));
-    }
-    let coord_status = wait_printing(&mut coord, &lines, None, Some(&stop));
-    // The coordinator told every worker to stop; a worker that has not stopped within the
-    // heartbeat timeout (plus slack) is killed and reported.
-    let grace = Duration::from_millis(procs.heartbeat_timeout_ms) + Duration::from_secs(5);
+}
+
+/// Waits up to `grace` for every worker, printing their output; kills those still running and
+/// returns their launch indices.
+fn reap_workers(
+    workers: &mut [Child],
+    lines: &mpsc::Receiver<Line>,
+    grace: Duration,
+) -> Vec<usize> {
     let deadline = Instant::now() + grace;
     let mut stuck = Vec::new();
     for (i, w) in workers.iter_mut().enumerate() {
-        if wait_printing(w, &lines, Some(deadline), None).is_none() {
+        if wait_printing(w, lines, Some(deadline), None).is_none() {
             let _ = w.kill();
             let _ = w.wait();
             stuck.push(i);
         }
     }
-    drain(&lines);
-    if !stuck.is_empty() {
-        eprintln!(
-            "ezero launch: workers {stuck:?} had not exited {} ms after the coordinator; killed",
-            grace.as_millis()
-        );
-    }
+    stuck
+}
+
+/// The launch's result: the coordinator's exit code, and a failure if a worker had to be killed.
+fn launch_outcome(coord_status: Option<ExitStatus>, none_stuck: bool) -> Result<(), CliError> {
     match coord_status.and_then(|s| s.code()) {
-        Some(0) if stuck.is_empty() => Ok(()),
+        Some(0) if none_stuck => Ok(()),
         Some(2) => Err(CliError::Usage(
             "the coordinator refused the job (see above)".into(),
         )),

@@ -343,7 +343,18 @@ impl TrainArgs {
 
     /// Like [`TrainArgs::resolve`], over `base` (a checkpoint's config) instead of the defaults.
     pub fn resolve_over(&self, base: Option<&TrainConfig>) -> Result<TrainConfig, ConfigError> {
-        let mut c = match &self.config {
+        let mut c = self.file_config(base)?;
+        self.apply_flags(&mut c);
+        self.apply_memory_flags(&mut c);
+        self.apply_model_flags(&mut c);
+        self.apply_run_flags(&mut c);
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// `--config` read over `base` (or the defaults), or `base` itself without one.
+    fn file_config(&self, base: Option<&TrainConfig>) -> Result<TrainConfig, ConfigError> {
+        Ok(match &self.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|e| {
                     ConfigError::new("config", format!("cannot read {}: {e}", path.display()))
@@ -358,7 +369,11 @@ impl TrainArgs {
                 })?
             }
             None => base.cloned().unwrap_or_default(),
-        };
+        })
+    }
+
+    /// The flags that replace a config field of the same name.
+    fn apply_flags(&self, c: &mut TrainConfig) {
         macro_rules! set {
             ($($f:ident),*) => {$( if let Some(v) = &self.$f { c.$f = v.clone(); } )*};
         }
@@ -395,6 +410,10 @@ impl TrainArgs {
             offload_params,
             offload_grads
         );
+    }
+
+    /// Memory: NVMe offload, the budget, and what the backward recomputes.
+    fn apply_memory_flags(&self, c: &mut TrainConfig) {
         if self.nvme_dir.is_some() {
             c.nvme_dir = self.nvme_dir.clone();
         }
@@ -413,6 +432,10 @@ impl TrainArgs {
         if self.keep_activations {
             c.keep_activations = true;
         }
+    }
+
+    /// The model's architecture beyond its sizes, its tokenizer and its precision.
+    fn apply_model_flags(&self, c: &mut TrainConfig) {
         if self.tie_embeddings {
             c.tie_embeddings = true;
         }
@@ -446,6 +469,10 @@ impl TrainArgs {
         if let Some(p) = self.precision {
             c.precision = p;
         }
+    }
+
+    /// Where the run saves and reads, what it prints, and its scripted membership events.
+    fn apply_run_flags(&self, c: &mut TrainConfig) {
         if self.save_dir.is_some() {
             c.save_dir = self.save_dir.clone();
         }
@@ -467,8 +494,6 @@ impl TrainArgs {
         if self.json.is_some() {
             c.json = self.json.clone();
         }
-        c.validate()?;
-        Ok(c)
     }
 }
 

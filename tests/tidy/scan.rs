@@ -21,105 +21,135 @@ pub(super) fn strip(src: &str) -> String {
     let b = src.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
-    let blank = |out: &mut Vec<u8>, c: u8| out.push(if c == b'\n' { b'\n' } else { b' ' });
     while i < b.len() {
         let c = b[i];
         let next = b.get(i + 1).copied();
-        if c == b'/' && next == Some(b'/') {
-            while i < b.len() && b[i] != b'\n' {
-                out.push(b' ');
-                i += 1;
-            }
+        i = if c == b'/' && next == Some(b'/') {
+            line_comment(b, i, &mut out)
         } else if c == b'/' && next == Some(b'*') {
-            let mut depth = 0;
-            while i < b.len() {
-                if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
-                    depth += 1;
-                    out.extend(b"  ");
-                    i += 2;
-                } else if b[i] == b'*' && b.get(i + 1) == Some(&b'/') {
-                    depth -= 1;
-                    out.extend(b"  ");
-                    i += 2;
-                    if depth == 0 {
-                        break;
-                    }
-                } else {
-                    blank(&mut out, b[i]);
-                    i += 1;
-                }
-            }
+            block_comment(b, i, &mut out)
         } else if c == b'r' && matches!(next, Some(b'"') | Some(b'#')) && !ident_before(b, i) {
-            // Raw string: r"..." or r#"..."#.
-            let mut j = i + 1;
-            while b.get(j) == Some(&b'#') {
-                j += 1;
-            }
-            if b.get(j) != Some(&b'"') {
-                out.push(c);
-                i += 1;
-                continue;
-            }
-            let hashes = j - i - 1;
-            let mut k = j + 1;
-            while k < b.len() {
-                if b[k] == b'"'
-                    && b[k + 1..]
-                        .iter()
-                        .take(hashes)
-                        .filter(|&&h| h == b'#')
-                        .count()
-                        == hashes
-                {
-                    k += 1 + hashes;
-                    break;
-                }
-                k += 1;
-            }
-            for &x in &b[i..k.min(b.len())] {
-                blank(&mut out, x);
-            }
-            i = k;
+            raw_string(b, i, &mut out)
         } else if c == b'"' {
-            out.push(b' ');
-            i += 1;
-            while i < b.len() && b[i] != b'"' {
-                if b[i] == b'\\' {
-                    blank(&mut out, b[i]);
-                    i += 1;
-                }
-                if i < b.len() {
-                    blank(&mut out, b[i]);
-                    i += 1;
-                }
-            }
-            out.push(b' ');
-            i += 1;
+            string(b, i, &mut out)
         } else if c == b'\'' {
-            // A char literal ('x', '\n', '\u{..}') or a lifetime ('a).
-            if next == Some(b'\\') {
-                let mut k = i + 2;
-                while k < b.len() && b[k] != b'\'' {
-                    k += 1;
-                }
-                for &x in &b[i..=k.min(b.len() - 1)] {
-                    blank(&mut out, x);
-                }
-                i = k + 1;
-            } else if b.get(i + 2) == Some(&b'\'') || multibyte_char(b, i) {
-                let len = char_len(b, i + 1);
-                out.extend(std::iter::repeat_n(b' ', len + 2));
-                i += len + 2;
-            } else {
-                out.push(c);
-                i += 1;
-            }
+            char_or_lifetime(b, i, &mut out)
         } else {
             out.push(c);
+            i + 1
+        };
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Blanks `c`, keeping a newline.
+fn blank(out: &mut Vec<u8>, c: u8) {
+    out.push(if c == b'\n' { b'\n' } else { b' ' });
+}
+
+/// Blanks the `//` comment at `i` up to its newline; returns where the newline is.
+fn line_comment(b: &[u8], mut i: usize, out: &mut Vec<u8>) -> usize {
+    while i < b.len() && b[i] != b'\n' {
+        out.push(b' ');
+        i += 1;
+    }
+    i
+}
+
+/// Blanks the `/* */` comment at `i`, nested ones included; returns the index past it.
+fn block_comment(b: &[u8], mut i: usize, out: &mut Vec<u8>) -> usize {
+    let mut depth = 0;
+    while i < b.len() {
+        if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
+            depth += 1;
+            out.extend(b"  ");
+            i += 2;
+        } else if b[i] == b'*' && b.get(i + 1) == Some(&b'/') {
+            depth -= 1;
+            out.extend(b"  ");
+            i += 2;
+            if depth == 0 {
+                break;
+            }
+        } else {
+            blank(out, b[i]);
             i += 1;
         }
     }
-    String::from_utf8_lossy(&out).into_owned()
+    i
+}
+
+/// Blanks the raw string (`r"..."` or `r#"..."#`) at `i`; keeps the `r` when no quote follows
+/// its hashes. Returns the index past what it read.
+fn raw_string(b: &[u8], i: usize, out: &mut Vec<u8>) -> usize {
+    let mut j = i + 1;
+    while b.get(j) == Some(&b'#') {
+        j += 1;
+    }
+    if b.get(j) != Some(&b'"') {
+        out.push(b[i]);
+        return i + 1;
+    }
+    let hashes = j - i - 1;
+    let mut k = j + 1;
+    while k < b.len() {
+        if b[k] == b'"'
+            && b[k + 1..]
+                .iter()
+                .take(hashes)
+                .filter(|&&h| h == b'#')
+                .count()
+                == hashes
+        {
+            k += 1 + hashes;
+            break;
+        }
+        k += 1;
+    }
+    for &x in &b[i..k.min(b.len())] {
+        blank(out, x);
+    }
+    k
+}
+
+/// Blanks the string literal at `i`, escapes included; returns the index past its closing quote.
+fn string(b: &[u8], mut i: usize, out: &mut Vec<u8>) -> usize {
+    out.push(b' ');
+    i += 1;
+    while i < b.len() && b[i] != b'"' {
+        if b[i] == b'\\' {
+            blank(out, b[i]);
+            i += 1;
+        }
+        if i < b.len() {
+            blank(out, b[i]);
+            i += 1;
+        }
+    }
+    out.push(b' ');
+    i + 1
+}
+
+/// A char literal ('x', '\n', '\u{..}') at `i` is blanked; a lifetime ('a) is kept. Returns
+/// the index past what it read.
+fn char_or_lifetime(b: &[u8], i: usize, out: &mut Vec<u8>) -> usize {
+    if b.get(i + 1) == Some(&b'\\') {
+        let mut k = i + 2;
+        while k < b.len() && b[k] != b'\'' {
+            k += 1;
+        }
+        for &x in &b[i..=k.min(b.len() - 1)] {
+            blank(out, x);
+        }
+        k + 1
+    } else if b.get(i + 2) == Some(&b'\'') || multibyte_char(b, i) {
+        let len = char_len(b, i + 1);
+        out.extend(std::iter::repeat_n(b' ', len + 2));
+        i + len + 2
+    } else {
+        out.push(b[i]);
+        i + 1
+    }
 }
 
 pub(super) fn ident_before(b: &[u8], i: usize) -> bool {
@@ -253,43 +283,9 @@ pub(super) fn named_paths(src_dir: &Path, source: &Source) -> Vec<Named> {
         m.extend(inline.iter().map(|(n, _)| n.clone()));
         m
     };
-    let absolute = |scope: &[String], segs: Vec<String>| -> Option<(Vec<String>, bool)> {
-        let first = segs.first()?.as_str();
-        match first {
-            "crate" => Some((segs[1..].to_vec(), true)),
-            "super" | "self" => {
-                let mut m = scope.to_vec();
-                let mut rest = &segs[..];
-                while let Some(s) = rest.first() {
-                    match s.as_str() {
-                        "super" => {
-                            m.pop();
-                        }
-                        "self" => {}
-                        _ => break,
-                    }
-                    rest = &rest[1..];
-                }
-                m.extend(rest.iter().cloned());
-                Some((m, true))
-            }
-            _ => {
-                // A child module named without `self::` (2018 paths), else an external crate.
-                let mut child = scope.to_vec();
-                child.push(first.to_string());
-                if !source.in_bin && resolve(src_dir, &child).is_some_and(|(_, m)| m == child) {
-                    let mut m = scope.to_vec();
-                    m.extend(segs.iter().cloned());
-                    Some((m, true))
-                } else {
-                    Some((segs, false))
-                }
-            }
-        }
-    };
     let named = |scope: &[String], segs: Vec<String>, line: usize| {
         let in_test = scope.iter().any(|m| m == "tests");
-        absolute(scope, segs).map(|(segs, local)| Named {
+        absolute(src_dir, source, scope, segs).map(|(segs, local)| Named {
             segs,
             local,
             in_test,
@@ -321,20 +317,8 @@ pub(super) fn named_paths(src_dir: &Path, source: &Source) -> Vec<Named> {
         }
         let word = &text[i..j];
         if word == "mod" {
-            // `mod name {` opens an inline module; `mod name;` declares a file.
-            let rest = &text[j..];
-            let name_len = rest
-                .trim_start()
-                .bytes()
-                .take_while(|&x| is_ident(x))
-                .count();
-            let name_start = j + (rest.len() - rest.trim_start().len());
-            let after = text[name_start + name_len..].trim_start();
-            if name_len > 0 && after.starts_with('{') {
-                inline.push((
-                    text[name_start..name_start + name_len].to_string(),
-                    depth + 1,
-                ));
+            if let Some(name) = inline_module(text, j) {
+                inline.push((name, depth + 1));
             }
             i = j;
             continue;
@@ -349,28 +333,91 @@ pub(super) fn named_paths(src_dir: &Path, source: &Source) -> Vec<Named> {
             i = end;
             continue;
         }
-        // An inline path: word::word::...
-        let mut segs = vec![word.to_string()];
-        let mut k = j;
-        loop {
-            let rest = &text[k..];
-            let trimmed = rest.trim_start();
-            if !trimmed.starts_with("::") {
-                break;
-            }
-            let after = trimmed[2..].trim_start();
-            let start = k + (rest.len() - after.len());
-            let len = after.bytes().take_while(|&x| is_ident(x)).count();
-            if len == 0 {
-                break;
-            }
-            segs.push(text[start..start + len].to_string());
-            k = start + len;
-        }
+        let (segs, k) = inline_path(text, word, j);
         if segs.len() > 1 {
             found.extend(named(&scope(&inline), segs, line_of(text, i)));
         }
         i = k;
     }
     found
+}
+
+/// `segs` named in module `scope`, made absolute when it starts at the crate's own modules;
+/// with whether it does.
+fn absolute(
+    src_dir: &Path,
+    source: &Source,
+    scope: &[String],
+    segs: Vec<String>,
+) -> Option<(Vec<String>, bool)> {
+    let first = segs.first()?.as_str();
+    match first {
+        "crate" => Some((segs[1..].to_vec(), true)),
+        "super" | "self" => {
+            let mut m = scope.to_vec();
+            let mut rest = &segs[..];
+            while let Some(s) = rest.first() {
+                match s.as_str() {
+                    "super" => {
+                        m.pop();
+                    }
+                    "self" => {}
+                    _ => break,
+                }
+                rest = &rest[1..];
+            }
+            m.extend(rest.iter().cloned());
+            Some((m, true))
+        }
+        _ => {
+            // A child module named without `self::` (2018 paths), else an external crate.
+            let mut child = scope.to_vec();
+            child.push(first.to_string());
+            if !source.in_bin && resolve(src_dir, &child).is_some_and(|(_, m)| m == child) {
+                let mut m = scope.to_vec();
+                m.extend(segs.iter().cloned());
+                Some((m, true))
+            } else {
+                Some((segs, false))
+            }
+        }
+    }
+}
+
+/// The name of the inline module whose `mod` keyword ends at `j` (`mod name {`); `None` for
+/// `mod name;`, which declares a file.
+fn inline_module(text: &str, j: usize) -> Option<String> {
+    let rest = &text[j..];
+    let name_len = rest
+        .trim_start()
+        .bytes()
+        .take_while(|&x| is_ident(x))
+        .count();
+    let name_start = j + (rest.len() - rest.trim_start().len());
+    let after = text[name_start + name_len..].trim_start();
+    (name_len > 0 && after.starts_with('{'))
+        .then(|| text[name_start..name_start + name_len].to_string())
+}
+
+/// The inline path `word::word::...` whose first word ends at `j`: its segments and the index
+/// past its last.
+fn inline_path(text: &str, word: &str, j: usize) -> (Vec<String>, usize) {
+    let mut segs = vec![word.to_string()];
+    let mut k = j;
+    loop {
+        let rest = &text[k..];
+        let trimmed = rest.trim_start();
+        if !trimmed.starts_with("::") {
+            break;
+        }
+        let after = trimmed[2..].trim_start();
+        let start = k + (rest.len() - after.len());
+        let len = after.bytes().take_while(|&x| is_ident(x)).count();
+        if len == 0 {
+            break;
+        }
+        segs.push(text[start..start + len].to_string());
+        k = start + len;
+    }
+    (segs, k)
 }

@@ -71,18 +71,7 @@ pub fn tokenizer_json(file: &GgufFile) -> Result<String, CheckpointError> {
     }
     let tokens = string_array(file, "tokenizer.ggml.tokens")?;
     let merges = string_array(file, "tokenizer.ggml.merges")?;
-    let types = match file.metadata("tokenizer.ggml.token_type") {
-        None => vec![0; tokens.len()],
-        Some(v) => match v.as_array().and_then(|a| a.to_i64s()) {
-            Some(t) if t.len() == tokens.len() => t,
-            _ => {
-                return Err(bad(format!(
-                    "tokenizer.ggml.token_type is not an integer array of {} elements",
-                    tokens.len()
-                )))
-            }
-        },
-    };
+    let types = token_types(file, tokens.len())?;
     let chars = byte_chars();
     let alphabet: HashSet<char> = chars.iter().copied().collect();
     let spelled = |t: &str| t.chars().all(|c| alphabet.contains(&c));
@@ -97,6 +86,54 @@ pub fn tokenizer_json(file: &GgufFile) -> Result<String, CheckpointError> {
         };
         vocab.insert(key, json!(id));
     }
+    let pairs = merge_pairs(file, merges, &vocab)?;
+    let added = added_tokens(tokens, &types, &spelled);
+
+    let json = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer(file)?,
+        "post_processor": post_processor(file, tokens)?,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
+            "ignore_merges": false, "vocab": vocab, "merges": pairs,
+        },
+    });
+    let text = serde_json::to_string(&json).map_err(|e| bad(format!("tokenizer.json: {e}")))?;
+    tokenizers::Tokenizer::from_str(&text).map_err(|e| {
+        bad(format!(
+            "the tokenizer built from the metadata does not load: {e}"
+        ))
+    })?;
+    Ok(text)
+}
+
+/// `tokenizer.ggml.token_type`, one per token (all normal when the file has none).
+fn token_types(file: &GgufFile, tokens: usize) -> Result<Vec<i64>, CheckpointError> {
+    match file.metadata("tokenizer.ggml.token_type") {
+        None => Ok(vec![0; tokens]),
+        Some(v) => match v.as_array().and_then(|a| a.to_i64s()) {
+            Some(t) if t.len() == tokens => Ok(t),
+            _ => Err(CheckpointError::incompatible(
+                file.path(),
+                format!("tokenizer.ggml.token_type is not an integer array of {tokens} elements"),
+            )),
+        },
+    }
+}
+
+/// The BPE model's merges as pairs, each of whose halves and result is in `vocab`.
+fn merge_pairs(
+    file: &GgufFile,
+    merges: &[String],
+    vocab: &Map<String, Value>,
+) -> Result<Vec<Value>, CheckpointError> {
+    let bad = |what: String| CheckpointError::incompatible(file.path(), what);
     let mut pairs = Vec::with_capacity(merges.len());
     for (i, m) in merges.iter().enumerate() {
         // llama.cpp splits at the first space after the first character.
@@ -119,56 +156,45 @@ pub fn tokenizer_json(file: &GgufFile) -> Result<String, CheckpointError> {
         }
         pairs.push(json!([a, b]));
     }
+    Ok(pairs)
+}
+
+/// The added tokens: control tokens (special) and user-defined ones, by id.
+fn added_tokens(tokens: &[String], types: &[i64], spelled: &dyn Fn(&str) -> bool) -> Vec<Value> {
     // Control tokens are special and matched whole; one that is not spelled in the byte
     // alphabet is a mislabel transformers skips, and so do we.
-    let added: Vec<Value> = tokens
+    tokens
         .iter()
-        .zip(&types)
+        .zip(types)
         .enumerate()
         .filter(|(_, (t, &ty))| (ty == CONTROL || ty == USER_DEFINED) && spelled(t))
         .map(|(id, (t, &ty))| {
             json!({"id": id, "content": t, "single_word": false, "lstrip": false,
                    "rstrip": false, "normalized": false, "special": ty == CONTROL})
         })
-        .collect();
+        .collect()
+}
 
+/// The pre-tokenizer llama.cpp applies for `tokenizer.ggml.pre`.
+fn pre_tokenizer(file: &GgufFile) -> Result<Value, CheckpointError> {
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
     let pre = file
         .metadata("tokenizer.ggml.pre")
         .map(|v| v.as_str().unwrap_or("(not a string)"));
-    let pre_tokenizer = match pre {
+    Ok(match pre {
         None | Some("gpt-2") => byte_level,
         Some("smollm") => json!({"type": "Sequence", "pretokenizers": [
             {"type": "Digits", "individual_digits": true}, byte_level]}),
         Some(other) => {
-            return Err(bad(format!(
-                "tokenizer.ggml.pre is {other:?}, whose pre-tokenizer is not written \
-                 (supported: {SUPPORTED_PRE})"
-            )))
+            return Err(CheckpointError::incompatible(
+                file.path(),
+                format!(
+                    "tokenizer.ggml.pre is {other:?}, whose pre-tokenizer is not written \
+                     (supported: {SUPPORTED_PRE})"
+                ),
+            ))
         }
-    };
-    let json = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": pre_tokenizer,
-        "post_processor": post_processor(file, tokens)?,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {
-            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-            "ignore_merges": false, "vocab": vocab, "merges": pairs,
-        },
-    });
-    let text = serde_json::to_string(&json).map_err(|e| bad(format!("tokenizer.json: {e}")))?;
-    tokenizers::Tokenizer::from_str(&text).map_err(|e| {
-        bad(format!(
-            "the tokenizer built from the metadata does not load: {e}"
-        ))
-    })?;
-    Ok(text)
+    })
 }
 
 /// BOS/EOS insertion when the file asks for it (`tokenizer.ggml.add_bos_token`, `…_eos_…`);

@@ -533,6 +533,67 @@ pub fn evaluate_with(d: &Demand, p: Placement, tile_elems: u64, reuse: bool) -> 
         d.state_per_param,
         d.param_copy_bytes,
     );
+    let in_backward = updates_in_backward(d.stage, p, d.clipping);
+    // Reused by the update: the shard read for a unit's backward gather stays until its update
+    // is done, two at a time (one unit's update running while the next unit computes, or the
+    // two updates queued behind each other).
+    // fp32 only: under bf16 the gathered unit holds the rounded values, not the masters.
+    let reuse = in_backward && reuse && d.param_copy_bytes == 4;
+    let working = compute_bytes(d) + tier_read_bytes(d, p, reuse);
+    let mut kinds = p.kinds(d.stage, d.state_per_param, d.param_copy_bytes);
+    if in_backward {
+        kinds.grads = 0;
+    }
+    let values = kinds.values() as u64;
+    let staging = if p.any_nvme() {
+        STAGING_BUFFERS * round_up(4 * tile_elems * values, IO_ALIGN_BYTES)
+    } else {
+        0
+    };
+    // Each kind of state is either in RAM or on the tier.
+    let split = |t: Tier, bytes: u64| {
+        if t == Tier::Nvme {
+            (0, bytes)
+        } else {
+            (bytes, 0)
+        }
+    };
+    let (params, tier_params) = split(p.params, held.params);
+    let (grads, tier_grads) = split(p.grads, held.grads);
+    let (optimizer, tier_opt) = split(p.optimizer, held.optimizer);
+    // Updated in the backward: two copies of p, m and v, and the gradients never stored.
+    let tier = match in_backward {
+        true => 2 * (tier_params + tier_opt),
+        false => tier_params + tier_grads + tier_opt,
+    };
+    let (backup, backup_disk) = backup_bytes(d, p);
+    let per_rank = RankBytes {
+        params,
+        grads,
+        optimizer,
+        working,
+        activations: d.activation_bytes,
+        staging,
+        backup,
+        tier,
+        backup_disk,
+    };
+    let snapshot_bytes = snapshot_bytes(d, p);
+    Fit {
+        placement: p,
+        tile_elems,
+        staging_buffers: if p.any_nvme() { STAGING_BUFFERS } else { 0 },
+        per_rank,
+        snapshot_bytes,
+        process_bytes: BASE_BYTES + d.ranks_in_process * per_rank.ram() + snapshot_bytes,
+        update_in_backward: in_backward,
+        update_reuses_params: reuse,
+    }
+}
+
+/// The compute's working set, wherever the state lives: gathered units, gradient accumulators
+/// and tied parameters.
+fn compute_bytes(d: &Demand) -> u64 {
     let unit = d.largest_unit_elems;
     // Stage 3's gathered units; under bf16 at stages 0-2, the unit widened from the bf16 copy
     // for its forward or backward.
@@ -562,7 +623,13 @@ pub fn evaluate_with(d: &Demand, p: Placement, tile_elems: u64, reuse: bool) -> 
         t if matches!(d.stage, Stage::Zero2 | Stage::Zero3) => 8 * t + unit * d.grad_elem_bytes,
         t => 8 * t,
     };
-    let working = working + tied;
+    working + tied
+}
+
+/// What reading and writing the tier keeps in RAM beside compute: shards read ahead, reduced
+/// shards being written, and (with `reuse`) the gathered shards an update in the backward keeps.
+fn tier_read_bytes(d: &Demand, p: Placement, reuse: bool) -> u64 {
+    let unit = d.largest_unit_elems;
     // Parameters on the tier: the shard read for a gather and the next one read ahead.
     // Gradients on the tier: the reduced shard's f32 mean, made from the accumulator, then
     // written beside compute while the next unit's accumulator fills.
@@ -575,44 +642,19 @@ pub fn evaluate_with(d: &Demand, p: Placement, tile_elems: u64, reuse: bool) -> 
         (_, Tier::Nvme) => 4 * shard,
         _ => 0,
     };
-    let in_backward = updates_in_backward(d.stage, p, d.clipping);
-    // Reused by the update: the shard read for a unit's backward gather stays until its update
-    // is done, two at a time (one unit's update running while the next unit computes, or the
-    // two updates queued behind each other).
-    // fp32 only: under bf16 the gathered unit holds the rounded values, not the masters.
-    let reuse = in_backward && reuse && d.param_copy_bytes == 4;
     let kept_params = if reuse { 8 * shard } else { 0 };
-    let working = working + overlap + kept_params;
-    let mut kinds = p.kinds(d.stage, d.state_per_param, d.param_copy_bytes);
-    if in_backward {
-        kinds.grads = 0;
-    }
-    let values = kinds.values() as u64;
-    let staging = if p.any_nvme() {
-        STAGING_BUFFERS * round_up(4 * tile_elems * values, IO_ALIGN_BYTES)
-    } else {
-        0
-    };
-    // Each kind of state is either in RAM or on the tier.
-    let split = |t: Tier, bytes: u64| {
-        if t == Tier::Nvme {
-            (0, bytes)
-        } else {
-            (bytes, 0)
-        }
-    };
-    let (params, tier_params) = split(p.params, held.params);
-    let (grads, tier_grads) = split(p.grads, held.grads);
-    let (optimizer, tier_opt) = split(p.optimizer, held.optimizer);
-    // Updated in the backward: two copies of p, m and v, and the gradients never stored.
-    let tier = match in_backward {
-        true => 2 * (tier_params + tier_opt),
-        false => tier_params + tier_grads + tier_opt,
-    };
-    // With a tier, backups go to files beside it and snapshots stream off it, a piece at a
-    // time; without one, both are whole copies in RAM.
-    let chunk_state_bytes = |elems: u64| 4 * elems * (1 + d.state_per_param);
-    let piece_bytes = chunk_state_bytes(SNAPSHOT_PIECE_ELEMS.max(d.chunk_elems));
+    overlap + kept_params
+}
+
+/// A chunk's fp32 parameters with their optimizer state.
+fn chunk_state_bytes(d: &Demand, elems: u64) -> u64 {
+    4 * elems * (1 + d.state_per_param)
+}
+
+/// Buddy backups' (RAM, disk) bytes per rank. With a tier they go to files beside it, a piece
+/// at a time; without one, they are whole copies in RAM.
+fn backup_bytes(d: &Demand, p: Placement) -> (u64, u64) {
+    let piece_bytes = chunk_state_bytes(d, SNAPSHOT_PIECE_ELEMS.max(d.chunk_elems));
     // The local half holds every parameter this rank keeps as an fp32 chunk state (a bf16 copy
     // widened) and its optimizer state; the other half its predecessor's owned state.
     let held_params = match d.stage {
@@ -624,44 +666,28 @@ pub fn evaluate_with(d: &Demand, p: Placement, tile_elems: u64, reuse: bool) -> 
         _ => d.owned_elems,
     };
     let backup_state =
-        4 * held_params + 4 * d.state_per_param * state_elems + chunk_state_bytes(d.owned_elems);
-    let (backup, backup_disk) = match (d.backups, p.any_nvme()) {
+        4 * held_params + 4 * d.state_per_param * state_elems + chunk_state_bytes(d, d.owned_elems);
+    match (d.backups, p.any_nvme()) {
         (false, _) => (0, 0),
         (true, false) => (backup_state, 0),
         (true, true) => (
             (BACKUP_PIECES * piece_bytes).min(backup_state) + 2 * BACKUP_FILE_BUFFER_BYTES,
             2 * backup_state,
         ),
-    };
-    let per_rank = RankBytes {
-        params,
-        grads,
-        optimizer,
-        working,
-        activations: d.activation_bytes,
-        staging,
-        backup,
-        tier,
-        backup_disk,
-    };
-    let snapshot_bytes = match d.snapshots {
+    }
+}
+
+/// A checkpoint's RAM while it is written: streamed off the tier a piece at a time when there is
+/// one, else a whole copy.
+fn snapshot_bytes(d: &Demand, p: Placement) -> u64 {
+    match d.snapshots {
         Snapshots::None => 0,
         Snapshots::StreamedOffTier if p.any_nvme() => {
             let piece = SNAPSHOT_PIECE_ELEMS.max(d.chunk_elems).min(d.total_elems);
-            (SNAPSHOT_PIECES + d.ranks_in_process) * chunk_state_bytes(piece)
+            (SNAPSHOT_PIECES + d.ranks_in_process) * chunk_state_bytes(d, piece)
                 + d.ranks_in_process * SNAPSHOT_FILE_BUFFER_BYTES
         }
-        Snapshots::Whole | Snapshots::StreamedOffTier => chunk_state_bytes(d.total_elems),
-    };
-    Fit {
-        placement: p,
-        tile_elems,
-        staging_buffers: if p.any_nvme() { STAGING_BUFFERS } else { 0 },
-        per_rank,
-        snapshot_bytes,
-        process_bytes: BASE_BYTES + d.ranks_in_process * per_rank.ram() + snapshot_bytes,
-        update_in_backward: in_backward,
-        update_reuses_params: reuse,
+        Snapshots::Whole | Snapshots::StreamedOffTier => chunk_state_bytes(d, d.total_elems),
     }
 }
 
@@ -708,8 +734,13 @@ fn refusal(
             gib(chosen.snapshot_bytes)
         );
     }
-    // The placement that needs least, whether or not the configuration allows it; and if even
-    // that does not fit with backups, the same without them.
+    msg += &what_would_fit(d, lim, candidates);
+    msg
+}
+
+/// The placement that needs least, whether or not the configuration allows it; if even that does
+/// not fit with backups, the same without them (and `true`).
+fn least_needed(d: &Demand, budget: Budget, candidates: &[Placement]) -> (Fit, bool) {
     let least = |d: &Demand| {
         candidates
             .iter()
@@ -728,6 +759,13 @@ fn refusal(
             (best, no_backups) = (without, true);
         }
     }
+    (best, no_backups)
+}
+
+/// What the refusal suggests: the flags that would fit the run, or the memory it needs at least.
+fn what_would_fit(d: &Demand, lim: &Limits, candidates: &[Placement]) -> String {
+    let budget = lim.budget;
+    let (best, no_backups) = least_needed(d, budget, candidates);
     if best.process_bytes <= budget.bytes() {
         let dir = if lim.has_nvme_dir || !best.placement.any_nvme() {
             ""
@@ -742,14 +780,14 @@ fn refusal(
         .flatten()
         .collect::<Vec<_>>()
         .join(" ");
-        msg += &format!("; {flags}{dir} would fit it in {}", gib(best.process_bytes));
+        format!("; {flags}{dir} would fit it in {}", gib(best.process_bytes))
     } else {
         let how = if best.placement.any_nvme() {
             best.placement.flags()
         } else {
             "all in RAM".into()
         };
-        msg += &match budget {
+        let mut msg = match budget {
             Budget::Configured(_) => format!(
                 "; the least any placement needs is {} ({how}): raise --memory-max to at least {}",
                 gib(best.process_bytes),
@@ -764,8 +802,8 @@ fn refusal(
             msg +=
                 ", or spread the ranks over processes (ezero launch), since stage 0-1 gradients stay in RAM";
         }
+        msg
     }
-    msg
 }
 
 fn round_up(x: u64, to: u64) -> u64 {
