@@ -144,7 +144,8 @@ fn the_layout_table_follows_the_layers_and_the_tree() {
         "{found:?}"
     );
     assert!(
-        found[2].starts_with("docs/layout.md:5: the layout table lists `src/engine/` (engine) before"),
+        found[2]
+            .starts_with("docs/layout.md:5: the layout table lists `src/engine/` (engine) before"),
         "{found:?}"
     );
 }

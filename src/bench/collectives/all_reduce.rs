@@ -3,7 +3,7 @@
 //! in, so the gather overlaps the rest of the reduce-scatter.
 
 use super::all_reduce_pull::all_reduce_pulled;
-use crate::plan::ShardMap;
+use crate::plan::{RankId, ShardMap};
 use crate::reduce::{GradBuf, ReduceMode};
 use crate::runtime::step::comm::collectives::{
     member_runs, others, post_owned_with, post_reduce_scatter, split_runs, wait_owned,
@@ -36,26 +36,11 @@ pub fn all_reduce<T: Transport>(
     acc: &mut GradBuf,
     scratch: &mut Vec<u8>,
 ) -> Result<(), CommError> {
-    let [rs, ag] = tags;
     let me = comm.rank();
     let (mode, eb) = (acc.mode(), acc.elem_bytes());
     let runs = member_runs(map, unit, eb);
     let (Some(runs), Some(bytes)) = (runs, acc.le_bytes_mut()) else {
-        post_reduce_scatter(comm, map, unit, rs, acc, 0)?;
-        wait_reduce_scatter(comm, map, unit, rs, acc, 0)?;
-        let a = &*acc;
-        post_owned_with(
-            comm,
-            map,
-            unit,
-            ag,
-            eb,
-            |r, out| a.encode_into(r, out),
-            false,
-        )?;
-        return wait_owned(comm, map, unit, ag, eb, |r, b| {
-            acc.set_encoded(r.start, b);
-        });
+        return one_after_the_other(comm, map, unit, tags, acc);
     };
     // Disjoint borrows of the accumulator: this rank's sums, and each peer's run to gather.
     let (mine, mut gather) = split_runs(bytes, runs, me);
@@ -77,9 +62,9 @@ pub fn all_reduce<T: Transport>(
     if n > 0 {
         for (k, &p) in peers.iter().enumerate() {
             loans.push(match adding {
-                true => (p, rs, mine_at, n, Some(addition(mode))),
+                true => (p, tags[0], mine_at, n, Some(addition(mode))),
                 // SAFETY: `scratch` holds `n` bytes for each peer.
-                false => (p, rs, unsafe { partials.add(k * n) }, n, None),
+                false => (p, tags[0], unsafe { partials.add(k * n) }, n, None),
             });
         }
     }
@@ -87,65 +72,148 @@ pub fn all_reduce<T: Transport>(
     loans.extend(
         gather
             .iter_mut()
-            .map(|(p, d)| (*p, ag, d.as_mut_ptr(), d.len(), None)),
+            .map(|(p, d)| (*p, tags[1], d.as_mut_ptr(), d.len(), None)),
     );
-    let elems = (n / eb) as u64;
-    let mut later = Vec::new();
+    let pipeline = Pipeline {
+        tags,
+        mode,
+        eb,
+        peers: &peers,
+        mine_at,
+        n,
+        adding,
+        loans: &loans,
+        gather_from,
+    };
     // SAFETY: the lent memory (`scratch`'s and the peers' runs of `acc`, borrowed by `gather`
-    // until the end) outlives the call, and the body reads a piece of `scratch` only once
-    // `recv_piece` said it landed. It also reads each peer's run of `acc` (this rank's partial
-    // sums of it) while that run is lent for the peer's sums: a piece of it is read before its
-    // reduce-scatter frame goes, and the peer sends its sums of that piece only once it has
-    // that frame (and every other member's), so the read is over before anything lands there.
-    unsafe {
-        comm.lent(&loans, |c, any_lent| {
+    // until the end) outlives the call; `Pipeline::run` says how it reads what is lent.
+    unsafe { pipeline.run(comm)? };
+    drop(gather);
+    Ok(())
+}
+
+/// The reduce-scatter, then the gather of the sums: for a unit whose members' chunks are not
+/// one run each (nothing to lend as a whole), or an accumulator with no byte view.
+fn one_after_the_other<T: Transport>(
+    comm: &mut Comm<T>,
+    map: &ShardMap,
+    unit: usize,
+    [rs, ag]: [Tag; 2],
+    acc: &mut GradBuf,
+) -> Result<(), CommError> {
+    let eb = acc.elem_bytes();
+    post_reduce_scatter(comm, map, unit, rs, acc, 0)?;
+    wait_reduce_scatter(comm, map, unit, rs, acc, 0)?;
+    let a = &*acc;
+    post_owned_with(
+        comm,
+        map,
+        unit,
+        ag,
+        eb,
+        |r, out| a.encode_into(r, out),
+        false,
+    )?;
+    wait_owned(comm, map, unit, ag, eb, |r, b| {
+        acc.set_encoded(r.start, b);
+    })
+}
+
+/// One pipelined all-reduce over lent memory: this rank's `n` bytes of sums at `mine_at`,
+/// `loans[..gather_from]` for the peers' partial sums of them, `loans[gather_from..]` for the
+/// peers' sums of their own runs.
+struct Pipeline<'a> {
+    tags: [Tag; 2],
+    mode: ReduceMode,
+    eb: usize,
+    peers: &'a [RankId],
+    mine_at: *mut u8,
+    n: usize,
+    adding: bool,
+    loans: &'a [Lend],
+    gather_from: usize,
+}
+
+impl Pipeline<'_> {
+    /// # Safety
+    /// Every loan's memory stays valid until this returns. The body reads a piece of a
+    /// partial-sums loan only once `recv_piece` said it landed. It also reads each peer's run
+    /// of `acc` (this rank's partial sums of it) while that run is lent for the peer's sums: a
+    /// piece of it is read before its reduce-scatter frame goes, and the peer sends its sums
+    /// of that piece only once it has that frame (and every other member's), so the read is
+    /// over before anything lands there.
+    unsafe fn run<T: Transport>(&self, comm: &mut Comm<T>) -> Result<(), CommError> {
+        let gathers = &self.loans[self.gather_from..];
+        let mut later = Vec::new();
+        comm.lent(self.loans, |c, any_lent| {
             let deadline = c.deadline();
             // This rank's partial sums go out once every loan is open: the peers' arrive
             // meanwhile and land in place (staged payloads do not wait for a late loan).
-            for &(p, _, at, len, _) in loans[gather_from..].iter().filter(|l| l.3 > 0) {
+            for &(p, _, at, len, _) in gathers.iter().filter(|l| l.3 > 0) {
                 let run = std::slice::from_raw_parts(at, len);
+                let rs = self.tags[0];
                 c.send_pieces_encoded(&[p], rs, len, |b, out| out.extend_from_slice(&run[b]))?;
-                c.count_elems(0, (len / eb) as u64);
+                c.count_elems(0, (len / self.eb) as u64);
             }
             // A rank owning nothing of the unit gets no partial sums (`pieces(0)` is one
             // empty piece).
-            let mine_pieces = pieces(n).take(if n > 0 { usize::MAX } else { 0 });
-            for (i, r) in mine_pieces.enumerate() {
-                // This piece of my sums, through the pointer lent: the transport may be adding
-                // into later pieces meanwhile.
-                let piece = || std::slice::from_raw_parts_mut(mine_at.add(r.start), r.len());
-                let mut unlent = Vec::new();
-                for (k, &p) in peers.iter().enumerate() {
-                    match c.recv_piece(p, rs, i, n, deadline)? {
-                        None if adding => {}
-                        None => {
-                            let at = loans[k].2.add(r.start);
-                            let landed = std::slice::from_raw_parts(at, r.len());
-                            mode.add_encoded_into(piece(), landed);
-                        }
-                        Some(b) if adding => unlent.push(b),
-                        Some(b) => mode.add_encoded_into(piece(), &b),
-                    }
-                }
+            let n = self.n;
+            for (i, r) in pieces(n)
+                .take(if n > 0 { usize::MAX } else { 0 })
+                .enumerate()
+            {
+                self.sum_piece(c, i, r.clone(), deadline)?;
                 // Every loan of this piece has landed or was never matched: nothing but this
                 // rank writes it now.
-                for b in unlent {
-                    mode.add_encoded_into(piece(), &b);
-                }
-                let sums: &[u8] = piece();
-                c.send_encoded(&peers, ag.piece(i as u32), r.clone(), |b, out| {
-                    out.extend_from_slice(&sums[b.start - r.start..b.end - r.start])
-                })?;
+                let sums: &[u8] = std::slice::from_raw_parts(self.mine_at.add(r.start), r.len());
+                c.send_encoded(
+                    self.peers,
+                    self.tags[1].piece(i as u32),
+                    r.clone(),
+                    |b, out| out.extend_from_slice(&sums[b.start - r.start..b.end - r.start]),
+                )?;
             }
             if n > 0 {
-                c.count_elems(0, elems * peers.len() as u64);
+                c.count_elems(0, (n / self.eb * self.peers.len()) as u64);
             }
-            c.recv_all_lent(&loans[gather_from..], any_lent, deadline, &mut later)
+            c.recv_all_lent(gathers, any_lent, deadline, &mut later)
         })?;
-        place_later(&loans[gather_from..], later);
+        place_later(gathers, later);
+        Ok(())
     }
-    drop(gather);
-    Ok(())
+
+    /// Adds every peer's partial sums of piece `i` (bytes `r` of this rank's sums) into it, in
+    /// member order: those that landed in `scratch` and those that came with their frame.
+    ///
+    /// # Safety
+    /// As [`Pipeline::run`]; the piece is read and written through the pointer lent, since the
+    /// transport may be adding into later pieces meanwhile.
+    unsafe fn sum_piece<T: Transport>(
+        &self,
+        c: &mut Comm<T>,
+        i: usize,
+        r: std::ops::Range<usize>,
+        deadline: std::time::Instant,
+    ) -> Result<(), CommError> {
+        let piece = || std::slice::from_raw_parts_mut(self.mine_at.add(r.start), r.len());
+        let mut unlent = Vec::new();
+        for (k, &p) in self.peers.iter().enumerate() {
+            match c.recv_piece(p, self.tags[0], i, self.n, deadline)? {
+                None if self.adding => {}
+                None => {
+                    let at = self.loans[k].2.add(r.start);
+                    let landed = std::slice::from_raw_parts(at, r.len());
+                    self.mode.add_encoded_into(piece(), landed);
+                }
+                Some(b) if self.adding => unlent.push(b),
+                Some(b) => self.mode.add_encoded_into(piece(), &b),
+            }
+        }
+        for b in unlent {
+            self.mode.add_encoded_into(piece(), &b);
+        }
+        Ok(())
+    }
 }
 
 /// `mode`'s addition of encoded sums, for a transport to add a payload into lent memory.
