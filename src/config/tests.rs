@@ -167,5 +167,9 @@ fn test_hooks_are_no_config_keys() {
     c.faults.panic_at = Some((1, 2));
     c.faults.raise_sigterm_at = Some(3);
     let back: TrainConfig = serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();
-    assert_eq!(back, TrainConfig::default(), "a hook never leaves the process");
+    assert_eq!(
+        back,
+        TrainConfig::default(),
+        "a hook never leaves the process"
+    );
 }
