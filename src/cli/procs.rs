@@ -112,10 +112,6 @@ pub struct CoordinatorArgs {
     pub token_file: Option<PathBuf>,
     #[command(flatten)]
     pub procs: ProcsArgs,
-    /// Tests: the largest part of chunk states in one control frame, to exercise transfers in
-    /// many parts with a small model.
-    #[arg(long, hide = true)]
-    pub state_part_max_bytes: Option<usize>,
     #[command(flatten)]
     pub train: TrainArgs,
 }
@@ -264,7 +260,11 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     };
     let (cfg, resume) = checkpoint::resolve_train(&args.train)?;
     check_train_args(&args.train, &cfg)?;
-    let part_max_bytes = args.state_part_max_bytes.unwrap_or(STATE_PART_MAX_BYTES);
+    let part_max_bytes = args
+        .train
+        .test_hooks
+        .state_part_max_bytes
+        .unwrap_or(STATE_PART_MAX_BYTES);
     check_parts(&cfg, part_max_bytes).map_err(|e| CliError::Usage(e.to_string()))?;
     let procs = args.procs.resolve()?;
     let data_plane = args.transport.unwrap_or(DataPlane::Tcp);

@@ -14,6 +14,9 @@ pub const PANIC_AT: &str = "EZERO_TEST_HOOK_PANIC_AT";
 pub const SIGTERM_AT: &str = "EZERO_TEST_HOOK_SIGTERM_AT";
 /// `STEP:POINT`: the process aborts at that point of that step's save.
 pub const CHECKPOINT_CRASH: &str = "EZERO_TEST_HOOK_CHECKPOINT_CRASH";
+/// `BYTES`: `ezero coordinator` sends chunk states in parts of at most this many bytes, so a
+/// small model crosses the control connections in many parts.
+pub const STATE_PART_MAX_BYTES: &str = "EZERO_TEST_HOOK_STATE_PART_MAX_BYTES";
 
 /// The hooks a test set for this process.
 #[derive(Clone, Debug, Default)]
@@ -22,6 +25,8 @@ pub struct TestHooks {
     sigterm_at: Option<u64>,
     /// Parsed where the save runs (`checkpoint::saving`).
     pub checkpoint_crash: Option<String>,
+    /// The coordinator's own; it changes no bits, so it is not refused there.
+    pub state_part_max_bytes: Option<usize>,
 }
 
 impl TestHooks {
@@ -37,10 +42,18 @@ impl TestHooks {
             Some(v) => Some(v.parse().map_err(|_| bad(SIGTERM_AT, "expected STEP"))?),
             None => None,
         };
+        let state_part_max_bytes = match var(STATE_PART_MAX_BYTES) {
+            Some(v) => Some(
+                v.parse()
+                    .map_err(|_| bad(STATE_PART_MAX_BYTES, "expected BYTES"))?,
+            ),
+            None => None,
+        };
         Ok(TestHooks {
             panic_at,
             sigterm_at,
             checkpoint_crash: var(CHECKPOINT_CRASH),
+            state_part_max_bytes,
         })
     }
 
@@ -55,7 +68,7 @@ impl TestHooks {
         }
     }
 
-    /// The first hook that is set, by its variable's name.
+    /// The first hook that is set that worker processes cannot honour, by its variable's name.
     pub fn first_set(&self) -> Option<&'static str> {
         [
             (PANIC_AT, self.panic_at.is_some()),
