@@ -336,7 +336,17 @@ impl TrainArgs {
 
     /// Like [`TrainArgs::resolve`], over `base` (a checkpoint's config) instead of the defaults.
     pub fn resolve_over(&self, base: Option<&TrainConfig>) -> Result<TrainConfig, ConfigError> {
-        let mut c = match &self.config {
+        let mut c = self.config_file(base)?;
+        self.apply_run_flags(&mut c);
+        self.apply_model_flags(&mut c);
+        self.test_hooks.apply(&mut c);
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// `--config FILE` over `base` (or the defaults), or `base` alone without one.
+    fn config_file(&self, base: Option<&TrainConfig>) -> Result<TrainConfig, ConfigError> {
+        match &self.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|e| {
                     ConfigError::new("config", format!("cannot read {}: {e}", path.display()))
@@ -348,10 +358,14 @@ impl TrainArgs {
                 // Name the file: the message has the key and the line.
                 parsed.map_err(|e| {
                     ConfigError::new(&e.field, format!("{}: {}", path.display(), e.message))
-                })?
+                })
             }
-            None => base.cloned().unwrap_or_default(),
-        };
+            None => Ok(base.cloned().unwrap_or_default()),
+        }
+    }
+
+    /// The flags of the run: its size, schedule, placement, membership and faults.
+    fn apply_run_flags(&self, c: &mut TrainConfig) {
         macro_rules! set {
             ($($f:ident),*) => {$( if let Some(v) = &self.$f { c.$f = v.clone(); } )*};
         }
@@ -406,6 +420,31 @@ impl TrainArgs {
         if self.keep_activations {
             c.keep_activations = true;
         }
+        if self.save_dir.is_some() {
+            c.save_dir = self.save_dir.clone();
+        }
+        for (flag, list) in [
+            (&self.leave, &mut c.leave),
+            (&self.join, &mut c.join),
+            (&self.faults.kill, &mut c.kill),
+        ] {
+            if !flag.is_empty() {
+                list.clone_from(flag);
+            }
+        }
+        if !self.faults.kill_during.is_empty() {
+            c.faults.kill_during.clone_from(&self.faults.kill_during);
+        }
+        if self.data.is_some() {
+            c.data = self.data.clone();
+        }
+        if self.json.is_some() {
+            c.json = self.json.clone();
+        }
+    }
+
+    /// The flags of the model's shape and arithmetic, and of its data's tokens.
+    fn apply_model_flags(&self, c: &mut TrainConfig) {
         if self.tie_embeddings {
             c.tie_embeddings = true;
         }
@@ -439,30 +478,6 @@ impl TrainArgs {
         if let Some(p) = self.precision {
             c.precision = p;
         }
-        if self.save_dir.is_some() {
-            c.save_dir = self.save_dir.clone();
-        }
-        for (flag, list) in [
-            (&self.leave, &mut c.leave),
-            (&self.join, &mut c.join),
-            (&self.faults.kill, &mut c.kill),
-        ] {
-            if !flag.is_empty() {
-                list.clone_from(flag);
-            }
-        }
-        if !self.faults.kill_during.is_empty() {
-            c.faults.kill_during.clone_from(&self.faults.kill_during);
-        }
-        if self.data.is_some() {
-            c.data = self.data.clone();
-        }
-        if self.json.is_some() {
-            c.json = self.json.clone();
-        }
-        self.test_hooks.apply(&mut c);
-        c.validate()?;
-        Ok(c)
     }
 }
 
