@@ -17,7 +17,7 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 
-use elastic_zero::config::{At, ModelKind, Round, RoundKill, TrainConfig};
+use elastic_zero::config::{At, Faults, ModelKind, Round, RoundKill, TrainConfig};
 use elastic_zero::engine::coordinator::MembershipRecord;
 use elastic_zero::job::build_model;
 use elastic_zero::model::rng::SplitMix64;
@@ -88,8 +88,11 @@ fn scenario(seed: u64) -> (TrainConfig, Expect) {
         chunk_elems: [64, 257, 1000, 4096][pick(&mut rng, 4) as usize],
         max_live_units: 1 + pick(&mut rng, 3) as usize,
         replicate_every: 1 + pick(&mut rng, 3),
-        net_duplicate_per_mille: pick(&mut rng, 100) as u32,
-        net_reorder_per_mille: pick(&mut rng, 200) as u32,
+        faults: Faults {
+            net_duplicate_per_mille: pick(&mut rng, 100) as u32,
+            net_reorder_per_mille: pick(&mut rng, 200) as u32,
+            ..Faults::default()
+        },
         collective_timeout_ms: 10_000,
         max_ranks: 8,
         warmup_steps: 1,
@@ -182,25 +185,25 @@ fn scenario(seed: u64) -> (TrainConfig, Expect) {
             }
         }
     }
-    cfg.kill_during = during;
+    cfg.faults.kill_during = during;
     // A third of the scenarios also get a lossy, damaging, slow network. Latencies stay a few
     // ms so that hundreds of seeds fit in CI; their effect on ordering is what matters.
     if pick(&mut rng, 3) == 0 {
-        cfg.net_drop_per_mille = pick(&mut rng, 50) as u32;
-        cfg.net_corrupt_per_mille = pick(&mut rng, 50) as u32;
-        cfg.net_delay_max_ms = pick(&mut rng, 3);
-        cfg.net_retransmit_ms = 1 + pick(&mut rng, 4);
+        cfg.faults.net_drop_per_mille = pick(&mut rng, 50) as u32;
+        cfg.faults.net_corrupt_per_mille = pick(&mut rng, 50) as u32;
+        cfg.faults.net_delay_max_ms = pick(&mut rng, 3);
+        cfg.faults.net_retransmit_ms = 1 + pick(&mut rng, 4);
         if pick(&mut rng, 2) == 0 {
-            cfg.net_slow_rank = Some(pick(&mut rng, ranks as u64) as u32);
-            cfg.net_slow_ms = 1 + pick(&mut rng, 4);
+            cfg.faults.net_slow_rank = Some(pick(&mut rng, ranks as u64) as u32);
+            cfg.faults.net_slow_ms = 1 + pick(&mut rng, 4);
         }
         // Half of those also cut the network in two for a stretch of every rank's sends.
         if pick(&mut rng, 2) == 0 {
             let side = 1 + pick(&mut rng, (1u64 << ranks) - 2);
-            cfg.net_partition_ranks = (0..ranks).filter(|r| side >> r & 1 == 1).collect();
-            cfg.net_partition_from_frame = pick(&mut rng, 50);
-            cfg.net_partition_frames = 1 + pick(&mut rng, 200);
-            cfg.net_partition_ms = 1 + pick(&mut rng, 4);
+            cfg.faults.net_partition_ranks = (0..ranks).filter(|r| side >> r & 1 == 1).collect();
+            cfg.faults.net_partition_from_frame = pick(&mut rng, 50);
+            cfg.faults.net_partition_frames = 1 + pick(&mut rng, 200);
+            cfg.faults.net_partition_ms = 1 + pick(&mut rng, 4);
         }
     }
     (cfg, expect)
@@ -329,7 +332,7 @@ fn chaos_seeds_end_bit_identical_or_with_the_documented_error() {
     );
     let rounds: Vec<Round> = seeds()
         .into_iter()
-        .flat_map(|s| scenario(s).0.kill_during)
+        .flat_map(|s| scenario(s).0.faults.kill_during)
         .map(|k| k.round)
         .collect();
     let count = |r: Round| rounds.iter().filter(|&&x| x == r).count();
@@ -350,7 +353,7 @@ fn chaos_seeds_end_bit_identical_or_with_the_documented_error() {
         leaves += cfg.leave.len();
         joins += cfg.join.iter().map(|j| j.value as usize).sum::<usize>();
         stops += usize::from(expect.unrecoverable);
-        lossy += usize::from(cfg.net_drop_per_mille > 0);
+        lossy += usize::from(cfg.faults.net_drop_per_mille > 0);
     }
     eprintln!(
         "soak: {} seeds, {} failed; scripted: {kills} kills in a step, {leaves} leaves, {joins} joins; \
@@ -379,8 +382,8 @@ fn a_seed_replays_the_same_event_trace() {
     let faulty = (0..300)
         .find(|&s| {
             let (c, e) = scenario(s);
-            c.net_corrupt_per_mille > 0
-                && c.net_delay_max_ms > 0
+            c.faults.net_corrupt_per_mille > 0
+                && c.faults.net_delay_max_ms > 0
                 && !c.kill.is_empty()
                 && !e.unrecoverable
         })

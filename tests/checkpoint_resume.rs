@@ -5,7 +5,7 @@ use crate::common;
 
 use std::process::Command;
 
-use common::ezero::{ezero, ok, refused, s, step_dir, train_cli};
+use common::ezero::{ezero, ok, refused, s, step_dir, train_cli, train_cli_hooked};
 use common::train_blocking;
 use elastic_zero::checkpoint::{self, CheckpointMeta, SaveOptions};
 use elastic_zero::config::{ModelKind, TrainConfig};
@@ -91,11 +91,11 @@ fn sigterm_saves_at_the_next_step_boundary_and_the_run_resumes() {
         let root = t.path().join("ck");
         let tier_dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
         let mut args = vec!["--steps", "5", "--ranks", "3", "--stage", "2"];
-        args.extend(["--save-dir", s(&root), "--signal-at", "2"]);
+        args.extend(["--save-dir", s(&root)]);
         if tier {
             args.extend(optimizer_on_tier(tier_dir.path()));
         }
-        let r = train_cli(&args);
+        let r = train_cli_hooked(&args, Some(("EZERO_TEST_HOOK_SIGTERM_AT", "2")));
         assert_eq!(r.code, 128 + 15, "{}\n{}", r.stdout, r.stderr);
         assert!(
             r.stdout.contains("stopped by SIGTERM after step 2"),
@@ -153,13 +153,11 @@ fn crash_during_saves(want: &str, tier: bool) {
             "2",
             "--keep-checkpoints",
             "1",
-            "--checkpoint-crash",
-            &crash,
         ];
         if tier {
             args.extend(optimizer_on_tier(tier_dir.path()));
         }
-        let r = train_cli(&args);
+        let r = train_cli_hooked(&args, Some(("EZERO_TEST_HOOK_CHECKPOINT_CRASH", &crash)));
         let point = format!("{point} (tier: {tier})");
         assert!(
             r.code != 0 && !r.stdout.contains("param-sha256"),

@@ -8,11 +8,16 @@ fn ezero() -> Command {
 
 /// Runs `ezero train` with `args`; returns (exit code, stdout, stderr).
 fn train(args: &[&str]) -> (i32, String, String) {
-    let out = ezero()
-        .arg("train")
-        .args(args)
-        .output()
-        .expect("ezero runs");
+    train_hooked(args, None)
+}
+
+/// `train` with a test hook (`EZERO_TEST_HOOK_*`, see `src/cli/test_hooks.rs`) set.
+fn train_hooked(args: &[&str], hook: Option<(&str, &str)>) -> (i32, String, String) {
+    let mut cmd = ezero();
+    if let Some((name, value)) = hook {
+        cmd.env(name, value);
+    }
+    let out = cmd.arg("train").args(args).output().expect("ezero runs");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into(),
@@ -126,14 +131,14 @@ fn a_panicking_rank_is_recovered_from_or_stops_the_run_with_a_clear_error() {
     let (code, want, err) = train(&plain);
     assert_eq!(code, 0, "{err}");
     let mut faulty = plain.to_vec();
-    faulty.extend(["--panic-rank", "1@1"]);
-    let (code, out, err) = train(&faulty);
+    let panic_at = Some(("EZERO_TEST_HOOK_PANIC_AT", "1@1"));
+    let (code, out, err) = train_hooked(&faulty, panic_at);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("lost ranks [1]"), "{out}");
     assert_eq!(out.lines().last(), want.lines().last());
     // Without backups the run stops, names the rank and says what to do.
     faulty.extend(["--replicate-every", "0"]);
-    let (code, _, err) = train(&faulty);
+    let (code, _, err) = train_hooked(&faulty, panic_at);
     assert_eq!(code, 1, "{err}");
     assert!(
         err.contains("rank 1") && err.contains("panicked") && err.contains("checkpoint"),

@@ -4,7 +4,7 @@
 use crate::common;
 
 use common::{run_cfg, small};
-use elastic_zero::config::{At, ModelKind, TrainConfig};
+use elastic_zero::config::{At, Faults, ModelKind, TrainConfig};
 use elastic_zero::summary::param_sha256;
 
 fn at(value: u32, step: u64) -> At {
@@ -312,7 +312,10 @@ fn a_loss_mid_reshard_mid_backup_or_mid_restore_loses_nothing() {
                 leave: case.leave.clone(),
                 join: case.join.clone(),
                 kill: case.kill.clone(),
-                kill_during: during.iter().map(|s| round_kill(s)).collect(),
+                faults: Faults {
+                    kill_during: during.iter().map(|s| round_kill(s)).collect(),
+                    ..Faults::default()
+                },
                 ..base.clone()
             };
             let what = format!("stage {stage} kill during {during:?}");
@@ -336,7 +339,10 @@ fn a_loss_mid_reshard_that_leaves_chunks_without_a_copy_stops_the_run() {
         stage: 3,
         leave: vec![at(0, 2)],
         // Rank 1 and its buddy, rank 2, die while rank 0's chunks move.
-        kill_during: vec![round_kill("1@2:reshard"), round_kill("2@2:reshard")],
+        faults: Faults {
+            kill_during: vec![round_kill("1@2:reshard"), round_kill("2@2:reshard")],
+            ..Faults::default()
+        },
         ..small(ModelKind::Mlp)
     };
     let err = run_cfg(&cfg).err().expect("must stop").to_string();
@@ -363,8 +369,11 @@ fn a_step_longer_than_the_step_timeout_finishes_while_its_ranks_make_progress() 
     };
     let want = run_cfg(&base).unwrap().param_sha256;
     let slow = TrainConfig {
-        net_slow_rank: Some(1),
-        net_slow_ms: 125,
+        faults: Faults {
+            net_slow_rank: Some(1),
+            net_slow_ms: 125,
+            ..Faults::default()
+        },
         ..base.clone()
     };
     let out = run_cfg(&slow).unwrap();

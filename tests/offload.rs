@@ -9,7 +9,7 @@ use crate::common;
 
 use common::ezero::{ezero, ok, refused, s, step_dir, train_cli};
 use common::{run_cfg, small};
-use elastic_zero::config::{At, ModelKind, TrainConfig};
+use elastic_zero::config::{At, Faults, ModelKind, TrainConfig};
 use elastic_zero::engine::coordinator::StepRecord;
 use elastic_zero::plan::tier::Offload;
 use elastic_zero::runtime::api::cluster::Observer;
@@ -427,7 +427,10 @@ pub(crate) fn assert_failing_disks_stop_or_recover(base: &TrainConfig, dir: &Pat
         ("0:enospc@700KiB", "no space left on the device"),
     ] {
         let cfg = TrainConfig {
-            nvme_fault: Some(fault.parse().unwrap()),
+            faults: Faults {
+                nvme_fault: Some(fault.parse().unwrap()),
+                ..Faults::default()
+            },
             ..offloaded(base, dir, true, true)
         };
         let err = run_cfg(&TrainConfig {

@@ -6,7 +6,7 @@
 use crate::common;
 
 use common::small;
-use elastic_zero::config::{ModelKind, TrainConfig};
+use elastic_zero::config::{Faults, ModelKind, TrainConfig};
 use elastic_zero::runtime::actors::ClusterEvent;
 use elastic_zero::runtime::step::state::rank_state::ChunkState;
 use elastic_zero::runtime::{Cluster, ClusterSpec};
@@ -190,7 +190,10 @@ fn a_slow_disk_changes_when_reads_land_and_no_bits() {
     let want = sha(&base);
     for (params, grads) in [(false, false), (false, true), (true, true)] {
         let cfg = TrainConfig {
-            nvme_fault: Some("1:slow@5".parse().unwrap()),
+            faults: Faults {
+                nvme_fault: Some("1:slow@5".parse().unwrap()),
+                ..Faults::default()
+            },
             // One record a unit: a read a unit, not a read every 1024 elements.
             nvme_record_elems: None,
             ..offloaded(&base, dir.path(), params, grads)

@@ -212,7 +212,7 @@ fn a_missing_or_damaged_checkpoint_is_refused_before_any_worker_starts() {
 
 /// `ezero coordinator` (with `coord_flags`) and `nprocs` workers, which must all succeed; the
 /// coordinator's stdout.
-fn coordinated(nprocs: u32, coord_flags: &[&str], flags: &[String]) -> String {
+fn coordinated(nprocs: u32, hooks: &[(&str, &str)], flags: &[String]) -> String {
     let token = "test-token-parts";
     let dir = secrets();
     let Coordinator {
@@ -220,7 +220,7 @@ fn coordinated(nprocs: u32, coord_flags: &[&str], flags: &[String]) -> String {
         addr,
     } = Coordinator::spawn(
         coordinator(nprocs, token, dir.path())
-            .args(coord_flags)
+            .envs(hooks.iter().copied())
             .args(flags),
     );
     let mut workers: Vec<Proc> = (0..nprocs)
@@ -255,7 +255,7 @@ fn coordinated(nprocs: u32, coord_flags: &[&str], flags: &[String]) -> String {
 fn state_sent_in_many_small_parts_arrives_whole() {
     let t = tempfile::tempdir().unwrap();
     let want = reference_digest(2, &flags_with("mlp", 3, 4, &[]));
-    let parts = ["--state-part-max-bytes", "25000"];
+    let parts = [("EZERO_TEST_HOOK_STATE_PART_MAX_BYTES", "25000")];
     let root = t.path().join("ck");
     let saved = coordinated(
         2,
@@ -278,7 +278,7 @@ fn state_sent_in_many_small_parts_arrives_whole() {
     );
 
     let (code, _, err) = run(coordinator(2, "t", t.path())
-        .args(["--state-part-max-bytes", "0"])
+        .env("EZERO_TEST_HOOK_STATE_PART_MAX_BYTES", "0")
         .args(small("mlp", 3)));
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("state_part_max_bytes"), "{err}");

@@ -305,7 +305,6 @@ pub fn bench_slowdown(
             init: None,
             resume: None,
             snapshot_every,
-            panic_at: None,
             boundary_snapshot: None,
             progress: Default::default(),
             snapshot_sink: None,

@@ -186,12 +186,18 @@ mod tests {
         // A run saved with an injected kill may resume with another or none (a resume drops
         // kills of steps already run).
         let killed = TrainConfig {
-            kill_during: vec!["1@2:reshard".parse().unwrap()],
+            faults: crate::config::Faults {
+                kill_during: vec!["1@2:reshard".parse().unwrap()],
+                ..Default::default()
+            },
             ..saved.clone()
         };
         for other in [vec![], vec!["0@9:restore".parse().unwrap()]] {
             let here = TrainConfig {
-                kill_during: other,
+                faults: crate::config::Faults {
+                    kill_during: other,
+                    ..Default::default()
+                },
                 ..saved.clone()
             };
             check_config(p, &killed, &here).unwrap();

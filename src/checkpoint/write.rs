@@ -11,7 +11,7 @@
 //!    interrupted saves.
 //!
 //! [`CrashPoint`] aborts the process at named points of this sequence; the crash tests use it
-//! through `ezero train`'s hidden `--checkpoint-crash` flag.
+//! through `ezero train`'s test hook `EZERO_TEST_HOOK_CHECKPOINT_CRASH`.
 
 use std::collections::BTreeMap;
 use std::fs::File;

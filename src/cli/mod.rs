@@ -10,6 +10,7 @@ mod generate;
 mod init;
 mod launch;
 mod procs;
+mod test_hooks;
 mod ticker;
 mod train;
 
@@ -214,13 +215,6 @@ pub struct TrainArgs {
     /// New ranks join at the start of a step: COUNT@STEP (repeatable; they take the next ids).
     #[arg(long, value_name = "COUNT@STEP")]
     pub join: Vec<At>,
-    /// A rank dies abruptly halfway through a step: RANK@STEP (repeatable).
-    #[arg(long, value_name = "RANK@STEP")]
-    pub kill: Vec<At>,
-    /// A rank dies abruptly halfway through a round between steps: RANK@STEP:ROUND, ROUND one
-    /// of reshard, replicate, restore (repeatable; fault injection).
-    #[arg(long, value_name = "RANK@STEP:ROUND")]
-    pub kill_during: Vec<RoundKill>,
     /// Buddy backups at least every this many steps (0: off; a lost rank then stops the run).
     #[arg(long)]
     pub replicate_every: Option<u64>,
@@ -228,9 +222,6 @@ pub struct TrainArgs {
     pub min_ranks: Option<u32>,
     #[arg(long)]
     pub max_ranks: Option<u32>,
-    /// Fault injection for tests: RANK@STEP makes that rank's compute panic at that step.
-    #[arg(long, hide = true, value_parser = parse_rank_at)]
-    pub panic_rank: Option<(u32, u64)>,
     /// Save checkpoints under this directory (step-N subdirectories).
     #[arg(long)]
     pub save_dir: Option<PathBuf>,
@@ -259,12 +250,6 @@ pub struct TrainArgs {
     /// model's shape.
     #[arg(long)]
     pub init: Option<PathBuf>,
-    /// Crash tests: STEP:POINT aborts the process at that point of that step's save.
-    #[arg(long, hide = true)]
-    pub checkpoint_crash: Option<String>,
-    /// Signal tests: a SIGTERM during this step (1-based), so the run saves and stops after it.
-    #[arg(long, hide = true)]
-    pub signal_at: Option<u64>,
     /// Serve the HTTP control endpoint (GET /status, GET /metrics, POST /ranks/{id}/drain,
     /// POST /join, POST /checkpoint) on this address, e.g. 127.0.0.1:7070 [default: off].
     /// `ezero coordinator` serves it from the coordinator process (a join there takes standby
@@ -298,6 +283,24 @@ pub struct TrainArgs {
     /// The most memory the process may use, e.g. 2GiB [default: 90% of what is available].
     #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
     pub memory_max: Option<u64>,
+    #[command(flatten, next_help_heading = "Fault injection")]
+    pub faults: FaultArgs,
+    /// Test hooks from the environment (`test_hooks.rs`): no flag sets them.
+    #[arg(skip)]
+    pub test_hooks: test_hooks::TestHooks,
+}
+
+/// The faults a fault-injection run asks for (the config's fault section; its network and tier
+/// faults are config keys only).
+#[derive(Args, Default)]
+pub struct FaultArgs {
+    /// A rank dies abruptly halfway through a step: RANK@STEP (repeatable).
+    #[arg(long, value_name = "RANK@STEP")]
+    pub kill: Vec<At>,
+    /// A rank dies abruptly halfway through a round between steps: RANK@STEP:ROUND, ROUND one
+    /// of reshard, replicate, restore (repeatable).
+    #[arg(long, value_name = "RANK@STEP:ROUND")]
+    pub kill_during: Vec<RoundKill>,
 }
 
 fn parse_control_addr(s: &str) -> Result<std::net::SocketAddr, String> {
@@ -327,14 +330,6 @@ fn parse_reduce(s: &str) -> Result<ReduceMode, String> {
     }
 }
 
-fn parse_rank_at(s: &str) -> Result<(u32, u64), String> {
-    let (r, st) = s.split_once('@').ok_or("expected RANK@STEP")?;
-    Ok((
-        r.parse().map_err(|_| "bad RANK")?,
-        st.parse().map_err(|_| "bad STEP")?,
-    ))
-}
-
 impl TrainArgs {
     /// The config file (if any) with every given flag applied on top, validated.
     pub fn resolve(&self) -> Result<TrainConfig, ConfigError> {
@@ -343,18 +338,17 @@ impl TrainArgs {
 
     /// Like [`TrainArgs::resolve`], over `base` (a checkpoint's config) instead of the defaults.
     pub fn resolve_over(&self, base: Option<&TrainConfig>) -> Result<TrainConfig, ConfigError> {
-        let mut c = self.file_config(base)?;
-        self.apply_flags(&mut c);
-        self.apply_memory_flags(&mut c);
-        self.apply_model_flags(&mut c);
+        let mut c = self.config_file(base)?;
         self.apply_run_flags(&mut c);
+        self.apply_model_flags(&mut c);
+        self.test_hooks.apply(&mut c);
         c.validate()?;
         Ok(c)
     }
 
-    /// `--config` read over `base` (or the defaults), or `base` itself without one.
-    fn file_config(&self, base: Option<&TrainConfig>) -> Result<TrainConfig, ConfigError> {
-        Ok(match &self.config {
+    /// `--config FILE` over `base` (or the defaults), or `base` alone without one.
+    fn config_file(&self, base: Option<&TrainConfig>) -> Result<TrainConfig, ConfigError> {
+        match &self.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|e| {
                     ConfigError::new("config", format!("cannot read {}: {e}", path.display()))
@@ -366,14 +360,14 @@ impl TrainArgs {
                 // Name the file: the message has the key and the line.
                 parsed.map_err(|e| {
                     ConfigError::new(&e.field, format!("{}: {}", path.display(), e.message))
-                })?
+                })
             }
-            None => base.cloned().unwrap_or_default(),
-        })
+            None => Ok(base.cloned().unwrap_or_default()),
+        }
     }
 
-    /// The flags that replace a config field of the same name.
-    fn apply_flags(&self, c: &mut TrainConfig) {
+    /// The flags of the run: its size, schedule, placement, membership and faults.
+    fn apply_run_flags(&self, c: &mut TrainConfig) {
         macro_rules! set {
             ($($f:ident),*) => {$( if let Some(v) = &self.$f { c.$f = v.clone(); } )*};
         }
@@ -410,10 +404,6 @@ impl TrainArgs {
             offload_params,
             offload_grads
         );
-    }
-
-    /// Memory: NVMe offload, the budget, and what the backward recomputes.
-    fn apply_memory_flags(&self, c: &mut TrainConfig) {
         if self.nvme_dir.is_some() {
             c.nvme_dir = self.nvme_dir.clone();
         }
@@ -432,9 +422,30 @@ impl TrainArgs {
         if self.keep_activations {
             c.keep_activations = true;
         }
+        if self.save_dir.is_some() {
+            c.save_dir = self.save_dir.clone();
+        }
+        for (flag, list) in [
+            (&self.leave, &mut c.leave),
+            (&self.join, &mut c.join),
+            (&self.faults.kill, &mut c.kill),
+        ] {
+            if !flag.is_empty() {
+                list.clone_from(flag);
+            }
+        }
+        if !self.faults.kill_during.is_empty() {
+            c.faults.kill_during.clone_from(&self.faults.kill_during);
+        }
+        if self.data.is_some() {
+            c.data = self.data.clone();
+        }
+        if self.json.is_some() {
+            c.json = self.json.clone();
+        }
     }
 
-    /// The model's architecture beyond its sizes, its tokenizer and its precision.
+    /// The flags of the model's shape and arithmetic, and of its data's tokens.
     fn apply_model_flags(&self, c: &mut TrainConfig) {
         if self.tie_embeddings {
             c.tie_embeddings = true;
@@ -470,31 +481,6 @@ impl TrainArgs {
             c.precision = p;
         }
     }
-
-    /// Where the run saves and reads, what it prints, and its scripted membership events.
-    fn apply_run_flags(&self, c: &mut TrainConfig) {
-        if self.save_dir.is_some() {
-            c.save_dir = self.save_dir.clone();
-        }
-        for (flag, list) in [
-            (&self.leave, &mut c.leave),
-            (&self.join, &mut c.join),
-            (&self.kill, &mut c.kill),
-        ] {
-            if !flag.is_empty() {
-                list.clone_from(flag);
-            }
-        }
-        if !self.kill_during.is_empty() {
-            c.kill_during.clone_from(&self.kill_during);
-        }
-        if self.data.is_some() {
-            c.data = self.data.clone();
-        }
-        if self.json.is_some() {
-            c.json = self.json.clone();
-        }
-    }
 }
 
 pub enum CliError {
@@ -508,10 +494,16 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
     // Checked before any work: a mistyped path must not silently run another one.
     elastic_zero::model::gemm::GemmPath::from_env().map_err(CliError::Usage)?;
     match cli.command {
-        Command::Train(args) => train::run(&args),
+        Command::Train(mut args) => {
+            args.test_hooks = test_hooks::TestHooks::from_env()?;
+            train::run(&args)
+        }
         Command::Checkpoint(cmd) => checkpoint::run(cmd),
         Command::Generate(args) => generate::run(&args),
-        Command::Coordinator(args) => procs::run_coordinator_cmd(&args),
+        Command::Coordinator(mut args) => {
+            args.train.test_hooks = test_hooks::TestHooks::from_env()?;
+            procs::run_coordinator_cmd(&args)
+        }
         Command::Worker(args) => procs::run_worker_cmd(&args),
         Command::Launch(args) => launch::run(&args),
         Command::Bench(BenchCommand::Checkpoint(args)) => checkpoint::run_bench(&args),

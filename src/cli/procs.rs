@@ -12,11 +12,12 @@ use clap::Args;
 
 use elastic_zero::config::TrainConfig;
 use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
-use elastic_zero::job::{build_dataset, build_model, memory_demand, plan_memory};
-use elastic_zero::model::param_count;
+use elastic_zero::job::run_plan::StoragePlan;
+use elastic_zero::job::{build_dataset, build_model, memory_demand};
+use elastic_zero::model::{param_count, Model};
 use elastic_zero::net::tls::ClusterTls;
 use elastic_zero::net::{init_secrets, Identity};
-use elastic_zero::plan::tier::{evaluate, Placement, MIN_TILE_ELEMS};
+use elastic_zero::plan::tier::{evaluate, Fit, Placement, MIN_TILE_ELEMS};
 use elastic_zero::plan::RankId;
 use elastic_zero::runtime::alloc::available_memory_bytes;
 use elastic_zero::runtime::api::cluster::Observer;
@@ -27,7 +28,8 @@ use elastic_zero::runtime::procs::coord::{
 use elastic_zero::runtime::procs::heartbeat::ProcsConfig;
 use elastic_zero::runtime::procs::state::{check_parts, STATE_PART_MAX_BYTES};
 use elastic_zero::runtime::procs::worker::{run_worker, WorkerOptions};
-use elastic_zero::summary::StepBreakdown;
+use elastic_zero::runtime::TrainOutcome;
+use elastic_zero::summary::{StepBreakdown, TrainSummary};
 
 use super::checkpoint::{self, SaveObserver, SavePlan, Saving};
 use super::{CliError, TrainArgs};
@@ -110,10 +112,6 @@ pub struct CoordinatorArgs {
     pub token_file: Option<PathBuf>,
     #[command(flatten)]
     pub procs: ProcsArgs,
-    /// Tests: the largest part of chunk states in one control frame, to exercise transfers in
-    /// many parts with a small model.
-    #[arg(long, hide = true)]
-    pub state_part_max_bytes: Option<usize>,
     #[command(flatten)]
     pub train: TrainArgs,
 }
@@ -184,14 +182,9 @@ pub fn cluster_tls(dir: Option<&PathBuf>, name: &str) -> Result<ClusterTls, CliE
 
 /// Train flags the process runtime does not support yet, as a usage error naming the flag.
 pub fn check_train_args(args: &TrainArgs, cfg: &TrainConfig) -> Result<(), CliError> {
-    let unsupported = [
-        ("--panic-rank", args.panic_rank.is_some()),
-        ("--checkpoint-crash", args.checkpoint_crash.is_some()),
-        ("--signal-at", args.signal_at.is_some()),
-    ];
-    if let Some((flag, _)) = unsupported.iter().find(|(_, on)| *on) {
+    if let Some(hook) = args.test_hooks.first_set() {
         return Err(CliError::Usage(format!(
-            "{flag} is not supported with worker processes yet (use ezero train)"
+            "the test hook {hook} is not supported with worker processes yet (use ezero train)"
         )));
     }
     check_parts(cfg, STATE_PART_MAX_BYTES).map_err(|e| CliError::Usage(e.to_string()))
@@ -267,7 +260,11 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     };
     let (cfg, resume) = checkpoint::resolve_train(&args.train)?;
     check_train_args(&args.train, &cfg)?;
-    let part_max_bytes = args.state_part_max_bytes.unwrap_or(STATE_PART_MAX_BYTES);
+    let part_max_bytes = args
+        .train
+        .test_hooks
+        .state_part_max_bytes
+        .unwrap_or(STATE_PART_MAX_BYTES);
     check_parts(&cfg, part_max_bytes).map_err(|e| CliError::Usage(e.to_string()))?;
     let procs = args.procs.resolve()?;
     let data_plane = args.transport.unwrap_or(DataPlane::Tcp);
@@ -286,7 +283,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     // Read before the save directory is made: damaged saved state changes nothing.
     let start = checkpoint::start_state(&cfg, model.as_ref(), resume.as_ref(), init)?;
     let resumed_from = resume.as_ref().map(|l| l.dir.clone());
-    let boundary = Saving::boundary_snapshot(&args.train);
+    let boundary = Saving::boundary_snapshot();
     let save_plan = SavePlan::new(&cfg, model.as_ref(), &data, &args.train)?;
     let snapshot_sink = save_plan.as_ref().map(SavePlan::sink);
     let saving = save_plan
@@ -295,17 +292,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         .map(|s| s.resume_with(format!("ezero launch --nprocs {} -- --resume", cfg.ranks)));
     let psi = param_count(&model.units());
     let floor = data.entropy_floor_nats();
-    // Each worker plans its own placement; this is one rank's plan on this machine.
-    let available = available_memory_bytes().unwrap_or(u64::MAX / 2);
-    let fit = plan_memory(&cfg, model.as_ref(), 1, false, available)
-        .map(|(fit, _)| fit)
-        .unwrap_or_else(|_| {
-            evaluate(
-                &memory_demand(&cfg, model.as_ref(), 1, false),
-                Placement::RAM,
-                MIN_TILE_ELEMS,
-            )
-        });
+    let fit = one_rank_fit(&cfg, model.as_ref());
     let opts = CoordinatorOptions {
         listen: listen.clone(),
         token,
@@ -332,32 +319,18 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         last_step: None,
     };
     let save_dir = cfg.save_dir.clone().filter(|_| saving.is_some());
-    let allow_kill = args.train.control_allow_kill;
-    let on_listen = |at: Listening| {
-        // `ezero launch` reads this line to learn the address; keep its shape.
-        println!("ezero coordinator: listening on {}", at.workers);
-        if let Some(addr) = at.control {
-            // The same line as `ezero train --control`: scripts read it to find a :0 port.
-            println!(
-                "control endpoint: http://{addr} (GET /status, GET /metrics, POST /ranks/{{id}}/drain{}, POST /join?count=N with standby workers; 503 until every worker has joined)",
-                if allow_kill { ", POST /ranks/{id}/kill" } else { "" }
-            );
-        }
-        println!(
-            "ezero coordinator: ZeRO-{} with {} worker processes, {} parameters, data: {}",
-            cfg.stage,
-            cfg.ranks,
-            psi,
-            data.describe()
-        );
-        if let Some(l) = &resume {
-            checkpoint::print_resumed(l);
-        }
+    let banner = Banner {
+        cfg: &cfg,
+        psi,
+        data: data.describe(),
+        allow_kill: args.train.control_allow_kill,
+        resume: resume.as_ref(),
     };
     let mut observer = SaveObserver {
         inner: &mut lines,
         saving,
     };
+    let on_listen = |at: Listening| banner.print(at);
     let outcome = runtime()?.block_on(run_coordinator(cfg.clone(), opts, on_listen, &mut observer));
     let saved = observer.saving.take().map_or(Ok(()), Saving::finish);
     let outcome = match outcome {
@@ -373,10 +346,21 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         &outcome.param_sha256,
         &fit,
     );
+    report(&cfg, &outcome, &summary, started.elapsed().as_secs_f64())
+}
+
+/// The end of a coordinated run: the summary line, what a resume read, the JSON summary and
+/// the digest.
+fn report(
+    cfg: &TrainConfig,
+    outcome: &TrainOutcome,
+    summary: &TrainSummary,
+    wall_s: f64,
+) -> Result<(), CliError> {
     println!(
         "done: {} steps in {:.1} s, loss {:.4} -> {:.4}, median step {:.3} s, {:.0} tokens/s",
         cfg.steps,
-        started.elapsed().as_secs_f64(),
+        wall_s,
         summary.first_loss,
         summary.final_loss,
         summary.step_time_median_s,
@@ -388,10 +372,56 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         );
     }
     if let Some(path) = &cfg.json {
-        super::train::write_json_atomically(path, &summary)?;
+        super::train::write_json_atomically(path, summary)?;
     }
     println!("param-sha256: {}", summary.param_sha256);
     Ok(())
+}
+
+/// One rank's memory plan on this machine, for the summary and to know whether the workers
+/// keep state on their tiers: each worker plans its own placement, and where one rank does not
+/// fit here, the workers' hosts may still have room (they refuse the run if not).
+fn one_rank_fit(cfg: &TrainConfig, model: &dyn Model) -> Fit {
+    let available = available_memory_bytes().unwrap_or(u64::MAX / 2);
+    StoragePlan::new(cfg, model, 1, false, available)
+        .map(|p| p.fit)
+        .unwrap_or_else(|_| {
+            evaluate(
+                &memory_demand(cfg, model, 1, false),
+                Placement::RAM,
+                MIN_TILE_ELEMS,
+            )
+        })
+}
+
+/// What the coordinator prints once it listens: where, and the job.
+struct Banner<'a> {
+    cfg: &'a TrainConfig,
+    psi: usize,
+    data: String,
+    allow_kill: bool,
+    resume: Option<&'a elastic_zero::checkpoint::CheckpointSource>,
+}
+
+impl Banner<'_> {
+    fn print(&self, at: Listening) {
+        // `ezero launch` reads this line to learn the address; keep its shape.
+        println!("ezero coordinator: listening on {}", at.workers);
+        if let Some(addr) = at.control {
+            // The same line as `ezero train --control`: scripts read it to find a :0 port.
+            println!(
+                "control endpoint: http://{addr} (GET /status, GET /metrics, POST /ranks/{{id}}/drain{}, POST /join?count=N with standby workers; 503 until every worker has joined)",
+                if self.allow_kill { ", POST /ranks/{id}/kill" } else { "" }
+            );
+        }
+        println!(
+            "ezero coordinator: ZeRO-{} with {} worker processes, {} parameters, data: {}",
+            self.cfg.stage, self.cfg.ranks, self.psi, self.data
+        );
+        if let Some(l) = self.resume {
+            checkpoint::print_resumed(l);
+        }
+    }
 }
 
 /// The run's failure, naming what was lost with it.

@@ -27,42 +27,18 @@ use super::ticker::Ticker;
 use super::{CliError, TrainArgs};
 
 pub fn run(args: &TrainArgs) -> Result<(), CliError> {
-    let (cfg, resume) = checkpoint::resolve_train(args)?;
-    let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
-    let data = build_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
-    if let Some(source) = &resume {
-        checkpoint::check_compatible(source, &cfg, model.as_ref())?;
-    }
-    let init_params = checkpoint::init_weights(args, model.as_ref())?;
-    let psi = param_count(&model.units());
-    println!(
-        "ezero train: ZeRO-{} on {} rank actors, {} model, {} parameters, {} reduction, data: {}",
-        cfg.stage,
-        cfg.ranks,
-        cfg.model.name(),
-        psi,
-        if cfg.reduce == elastic_zero::reduce::ReduceMode::Exact {
-            "exact"
-        } else {
-            "fast"
-        },
-        data.describe()
-    );
-    if let Some(l) = &resume {
-        checkpoint::print_resumed(l);
-    }
+    let mut job = Job::resolve(args)?;
+    let resume = job.resume.take();
     let resumed_from = resume.as_ref().map(|l| l.dir.clone());
-    let floor = data.entropy_floor_nats();
+    let cfg = &job.cfg;
     let bar = progress_bar(cfg.steps);
-    let log_every = (cfg.steps / 10).max(1);
-    let tokens = cfg.tokens_per_step() as f64;
-    let boundary = Saving::boundary_snapshot(args);
-    let save_plan = SavePlan::new(&cfg, model.as_ref(), &data, args)?;
+    let boundary = Saving::boundary_snapshot();
+    let save_plan = SavePlan::new(cfg, job.model.as_ref(), &job.data, args)?;
     let spec = ClusterSpec {
         config: cfg.clone(),
-        model: model.clone(),
-        data: data.clone(),
-        init: init_params,
+        model: job.model.clone(),
+        data: job.data.clone(),
+        init: checkpoint::init_weights(args, job.model.as_ref())?,
         resume: resume.map(|s| Arc::new(s) as Arc<dyn ResumeSource>),
         // Only when a save is due: a signal asks for its own snapshot through `boundary`.
         snapshot_every: if cfg.save_dir.is_some() {
@@ -70,13 +46,12 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         } else {
             0
         },
-        panic_at: args.panic_rank,
         boundary_snapshot: cfg.save_dir.is_some().then(|| boundary.clone()),
         progress: Arc::default(),
         snapshot_sink: save_plan.as_ref().map(SavePlan::sink),
     };
-    let spec_backend = model.backend().name().to_string();
-    let passes_per_step = 2 * model.units().len() as u64 * u64::from(cfg.ranks);
+    let backend = job.model.backend().name().to_string();
+    let passes_per_step = 2 * job.model.units().len() as u64 * u64::from(cfg.ranks);
     let ticker = Ticker::start(
         bar.clone(),
         spec.progress.clone(),
@@ -92,13 +67,12 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     // refused without creating a save directory.
     let cluster = rt.block_on(Cluster::start(spec)).map_err(cluster_error)?;
     ticker.step_boundary(0);
-    let fit = *cluster.memory_plan();
-    let activations = *cluster.activation_plan();
-    println!("{}", describe_fit(&fit, &cfg));
+    let (fit, activations) = (*cluster.memory_plan(), *cluster.activation_plan());
+    println!("{}", describe_fit(&fit, cfg));
     println!("{}", activations.describe());
-    println!("{}", describe_precision(&cfg, spec_backend.as_str()));
+    println!("{}", describe_precision(cfg, backend.as_str()));
     let saving = match save_plan
-        .map(|p| p.start(&cfg, resumed_from.as_deref(), &boundary))
+        .map(|p| p.start(cfg, resumed_from.as_deref(), &boundary))
         .transpose()
     {
         Ok(saving) => saving,
@@ -108,96 +82,199 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         }
     };
     let started = Instant::now();
-    let training_peak = std::cell::Cell::new(0u64);
+    let lines = StepLines::new(&job, &bar, &ticker);
     let mut observer = SaveObserver {
         saving,
         inner: Progress {
             bar: &bar,
-            on_step: |rec: &StepRecord| {
-                // The process's peak while training, before the parameters are consolidated.
-                training_peak.set(peak_rss_bytes().unwrap_or(0));
-                ticker.step_boundary(rec.step + 1);
-                let tps = tokens / (rec.duration_ms.max(1) as f64 / 1e3);
-                let mem: Vec<String> = rec
-                    .reports
-                    .iter()
-                    .map(|r| format!("{:.1}", r.resident.total() as f64 / 1048576.0))
-                    .collect();
-                bar.set_position(rec.step + 1);
-                bar.set_message(format!(
-                    "loss {:.4}  {:.0} tok/s  MiB/rank [{}]",
-                    rec.loss,
-                    tps,
-                    mem.join(" ")
-                ));
-                if rec.step.is_multiple_of(log_every) || rec.step + 1 == cfg.steps {
-                    let line = format!(
-                        "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s  [{}]{}",
-                        rec.step + 1,
-                        cfg.steps,
-                        rec.loss,
-                        floor
-                            .map(|f| format!(" (floor {f:.4})"))
-                            .unwrap_or_default(),
-                        rec.grad_norm,
-                        tps,
-                        StepBreakdown::of(rec).describe(),
-                        if rec.skipped {
-                            "  [skipped: non-finite gradient]"
-                        } else {
-                            ""
-                        },
-                    );
-                    print_line(&bar, line);
-                }
-            },
+            on_step: |rec: &StepRecord| lines.step(rec),
         },
     };
-    let outcome = rt.block_on(async {
-        let mut builder = ClusterBuilder::for_started(cluster, &cfg)
-            .allow_kill(args.control_allow_kill)
-            .on_demand_snapshots(observer.saving.is_some());
-        if let Some(addr) = args.control {
-            builder = builder.control_addr(addr);
-        }
-        let job = builder.start().await?;
-        if let Some(addr) = job.control_addr() {
-            print_line(
-                &bar,
-                format!(
-                    "control endpoint: http://{addr} (GET /status, GET /metrics, POST /ranks/{{id}}/drain{}, POST /join?count=N, POST /checkpoint)",
-                    if args.control_allow_kill { ", POST /ranks/{id}/kill" } else { "" }
-                ),
-            );
-            // Tests and scripts read this line to find a port chosen with :0.
-            let _ = std::io::Write::flush(&mut std::io::stdout());
-        }
-        job.drive(&mut observer).await
-    });
+    let on_demand = observer.saving.is_some();
+    let outcome = rt.block_on(drive(cluster, cfg, args, &bar, on_demand, &mut observer));
     ticker.stop();
     let saved = observer.saving.take().map_or(Ok(()), Saving::finish);
     let outcome = outcome.map_err(cluster_error)?;
     saved?;
     bar.finish_and_clear();
-    let wall_s = started.elapsed().as_secs_f64();
     let mut summary = summarize(
-        &cfg,
-        psi,
-        floor,
+        cfg,
+        job.psi,
+        job.floor,
         &outcome.records,
         &outcome.param_sha256,
         &fit,
     );
-    summary.peak_rss_training_bytes = training_peak.get();
+    summary.peak_rss_training_bytes = lines.training_peak.get();
     summary.activations = activations.outcome().into();
-    summary.backend = spec_backend.clone();
+    summary.backend = backend;
+    report(
+        &job,
+        &outcome,
+        &mut summary,
+        started.elapsed().as_secs_f64(),
+    )
+}
+
+/// What `ezero train` runs: the config with its flags and any checkpoint it resumes, the model,
+/// the data, and what the banner says about them.
+struct Job {
+    cfg: TrainConfig,
+    resume: Option<elastic_zero::checkpoint::CheckpointSource>,
+    model: Arc<dyn Model>,
+    data: Arc<elastic_zero::data::Dataset>,
+    psi: usize,
+    floor: Option<f64>,
+}
+
+impl Job {
+    /// Resolves the job and prints its banner; a resumed checkpoint must fit it.
+    fn resolve(args: &TrainArgs) -> Result<Job, CliError> {
+        let (cfg, resume) = checkpoint::resolve_train(args)?;
+        let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
+        let data = build_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
+        if let Some(source) = &resume {
+            checkpoint::check_compatible(source, &cfg, model.as_ref())?;
+        }
+        let psi = param_count(&model.units());
+        println!(
+            "ezero train: ZeRO-{} on {} rank actors, {} model, {} parameters, {} reduction, data: {}",
+            cfg.stage,
+            cfg.ranks,
+            cfg.model.name(),
+            psi,
+            if cfg.reduce == elastic_zero::reduce::ReduceMode::Exact {
+                "exact"
+            } else {
+                "fast"
+            },
+            data.describe()
+        );
+        if let Some(l) = &resume {
+            checkpoint::print_resumed(l);
+        }
+        let floor = data.entropy_floor_nats();
+        Ok(Job {
+            cfg,
+            resume,
+            model,
+            data,
+            psi,
+            floor,
+        })
+    }
+}
+
+/// Runs the started cluster to its end, with the control endpoint if asked for.
+async fn drive(
+    cluster: Cluster,
+    cfg: &TrainConfig,
+    args: &TrainArgs,
+    bar: &ProgressBar,
+    on_demand_snapshots: bool,
+    observer: impl Observer,
+) -> Result<elastic_zero::runtime::TrainOutcome, ClusterError> {
+    let mut builder = ClusterBuilder::for_started(cluster, cfg)
+        .allow_kill(args.control_allow_kill)
+        .on_demand_snapshots(on_demand_snapshots);
+    if let Some(addr) = args.control {
+        builder = builder.control_addr(addr);
+    }
+    let job = builder.start().await?;
+    if let Some(addr) = job.control_addr() {
+        print_line(
+            bar,
+            format!(
+                "control endpoint: http://{addr} (GET /status, GET /metrics, POST /ranks/{{id}}/drain{}, POST /join?count=N, POST /checkpoint)",
+                if args.control_allow_kill { ", POST /ranks/{id}/kill" } else { "" }
+            ),
+        );
+        // Tests and scripts read this line to find a port chosen with :0.
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+    }
+    job.drive(observer).await
+}
+
+/// The progress bar's message and the periodic step lines.
+struct StepLines<'a> {
+    cfg: &'a TrainConfig,
+    floor: Option<f64>,
+    bar: &'a ProgressBar,
+    ticker: &'a Ticker,
+    log_every: u64,
+    tokens: f64,
+    /// The process's peak while training, before the parameters are consolidated.
+    training_peak: std::cell::Cell<u64>,
+}
+
+impl<'a> StepLines<'a> {
+    fn new(job: &'a Job, bar: &'a ProgressBar, ticker: &'a Ticker) -> Self {
+        Self {
+            cfg: &job.cfg,
+            floor: job.floor,
+            bar,
+            ticker,
+            log_every: (job.cfg.steps / 10).max(1),
+            tokens: job.cfg.tokens_per_step() as f64,
+            training_peak: std::cell::Cell::new(0),
+        }
+    }
+
+    fn step(&self, rec: &StepRecord) {
+        let cfg = self.cfg;
+        self.training_peak.set(peak_rss_bytes().unwrap_or(0));
+        self.ticker.step_boundary(rec.step + 1);
+        let tps = self.tokens / (rec.duration_ms.max(1) as f64 / 1e3);
+        let mem: Vec<String> = rec
+            .reports
+            .iter()
+            .map(|r| format!("{:.1}", r.resident.total() as f64 / 1048576.0))
+            .collect();
+        self.bar.set_position(rec.step + 1);
+        self.bar.set_message(format!(
+            "loss {:.4}  {:.0} tok/s  MiB/rank [{}]",
+            rec.loss,
+            tps,
+            mem.join(" ")
+        ));
+        if rec.step.is_multiple_of(self.log_every) || rec.step + 1 == cfg.steps {
+            let line = format!(
+                "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s  [{}]{}",
+                rec.step + 1,
+                cfg.steps,
+                rec.loss,
+                self.floor
+                    .map(|f| format!(" (floor {f:.4})"))
+                    .unwrap_or_default(),
+                rec.grad_norm,
+                tps,
+                StepBreakdown::of(rec).describe(),
+                if rec.skipped {
+                    "  [skipped: non-finite gradient]"
+                } else {
+                    ""
+                },
+            );
+            print_line(self.bar, line);
+        }
+    }
+}
+
+/// The end of the run: the summary lines, a sample, the JSON summary and the digest.
+fn report(
+    job: &Job,
+    outcome: &elastic_zero::runtime::TrainOutcome,
+    summary: &mut TrainSummary,
+    wall_s: f64,
+) -> Result<(), CliError> {
+    let cfg = &job.cfg;
     println!(
         "done: {} steps in {:.1} s, loss {:.4} -> {:.4}{}, median step {:.3} s, {:.0} tokens/s",
         cfg.steps,
         wall_s,
         summary.first_loss,
         summary.final_loss,
-        floor
+        job.floor
             .map(|f| format!(" (entropy floor {f:.4} nats)"))
             .unwrap_or_default(),
         summary.step_time_median_s,
@@ -218,14 +295,14 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
                 "sample: skipped (the parameters are on the tier and are not gathered into memory)"
             );
         } else {
-            print_sample(model.as_ref(), &outcome.params, &cfg);
+            print_sample(job.model.as_ref(), &outcome.params, cfg);
         }
     }
     if let Some(path) = &cfg.json {
-        if let Some(line) = super::gemm::add_mfu(&mut summary, model.as_ref(), &cfg) {
+        if let Some(line) = super::gemm::add_mfu(summary, job.model.as_ref(), cfg) {
             println!("{line}");
         }
-        write_json_atomically(path, &summary)?;
+        write_json_atomically(path, summary)?;
     }
     println!("param-sha256: {}", summary.param_sha256);
     Ok(())

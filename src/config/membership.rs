@@ -210,12 +210,6 @@ impl TrainConfig {
                 ));
             }
         }
-        if let Some(k) = self.kill_during.iter().find(|k| k.step >= self.steps) {
-            return Err(ConfigError::new(
-                "kill_during",
-                format!("{k}: the run has only {} steps", self.steps),
-            ));
-        }
         Ok(())
     }
 }

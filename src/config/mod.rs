@@ -6,8 +6,9 @@
 //!
 //! The keys are one flat table, so `TrainConfig` is one struct; the concepts it covers each
 //! have a file with their types and checks: the model's shape (`shape`), the optimizer and its
-//! schedule (`optim`), the membership script and injected kills (`membership`), injected
-//! network faults (`faults`), and what a bad value gets (`error`).
+//! schedule (`optim`), the membership script (`membership`), where state lives (`offload`),
+//! fault injection (`faults`, the one field that groups its keys), and what a bad value gets
+//! (`error`).
 //!
 //! Usage: README.md (Flags).
 
@@ -26,6 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use self::error::toml_error;
 pub use self::error::ConfigError;
+pub use self::faults::Faults;
 pub use self::membership::{At, Round, RoundKill};
 pub use self::offload::{parse_bytes, NvmeFault, NvmeFaultKind};
 pub use self::optim::OptimizerChoice;
@@ -186,10 +188,6 @@ pub struct TrainConfig {
     pub join: Vec<At>,
     /// Ranks that die abruptly during a step (`RANK@STEP`).
     pub kill: Vec<At>,
-    /// Fault injection: ranks that die abruptly halfway through a round between steps
-    /// (`RANK@STEP:ROUND`, ROUND one of reshard, replicate, restore).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub kill_during: Vec<RoundKill>,
     /// The world never shrinks below this many ranks (default 1).
     pub min_ranks: u32,
     /// Nor grows beyond this many (default 64).
@@ -204,35 +202,6 @@ pub struct TrainConfig {
     pub save_every: u64,
     /// Complete checkpoints kept in `save_dir`, newest first; 0 keeps all (default 3).
     pub keep_checkpoints: usize,
-    /// Fault injection: thousandths of frames the in-process network delivers twice (default 0).
-    pub net_duplicate_per_mille: u32,
-    /// Fault injection: thousandths of frames it holds back behind the next one (default 0).
-    pub net_reorder_per_mille: u32,
-    /// Fault injection: thousandths of frames whose first transmission is lost, so they arrive
-    /// `net_retransmit_ms` late, as over a reliable transport (default 0).
-    pub net_drop_per_mille: u32,
-    /// Fault injection: thousandths of frames delivered with a flipped bit; the receiver's
-    /// checksum rejects and counts them, and the retransmission follows (default 0).
-    pub net_corrupt_per_mille: u32,
-    /// Fault injection: every frame is delayed by a uniform 0..=this many ms (default 0).
-    pub net_delay_max_ms: u64,
-    /// Fault injection: how late a retransmitted frame arrives (default 5).
-    pub net_retransmit_ms: u64,
-    /// Fault injection: a rank whose every frame is `net_slow_ms` late (default none).
-    pub net_slow_rank: Option<u32>,
-    /// Fault injection: the extra latency of `net_slow_rank`'s frames (default 0).
-    pub net_slow_ms: u64,
-    /// Fault injection: the ranks on one side of a network partition (default none). While it
-    /// lasts, frames between the two sides wait `net_partition_ms` for the link to heal.
-    pub net_partition_ranks: Vec<u32>,
-    /// Fault injection: the partition covers each rank's sends numbered
-    /// `net_partition_from_frame ..` (counted per sender, so a seed replays it exactly)
-    /// (default 0).
-    pub net_partition_from_frame: u64,
-    /// Fault injection: how many of each rank's sends the partition covers (default 0).
-    pub net_partition_frames: u64,
-    /// Fault injection: how long a frame across the partition waits (default 0).
-    pub net_partition_ms: u64,
     /// Where Adam m and v (SGD momentum) live: `none` (RAM), `nvme` (the tier under `nvme_dir`)
     /// or `auto`: RAM unless the run does not fit `memory_max_bytes`, then the tier if
     /// `nvme_dir` is set (default auto).
@@ -258,10 +227,9 @@ pub struct TrainConfig {
     /// The most memory the process may use; the planner picks the least offload that fits or
     /// refuses before training (default: 90% of the memory available at start).
     pub memory_max_bytes: Option<u64>,
-    /// Fault injection: `RANK:enospc@BYTES` or `RANK:eio@BYTES` fails that rank's tier writes
-    /// past BYTES; `RANK:slow@MS` holds each of its tier reads MS milliseconds (default none).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub nvme_fault: Option<NvmeFault>,
+    /// Fault injection (`faults.rs`): its keys sit at the top level of the file, beside these.
+    #[serde(flatten)]
+    pub faults: Faults,
 }
 
 impl Default for TrainConfig {
@@ -318,25 +286,12 @@ impl Default for TrainConfig {
             leave: Vec::new(),
             join: Vec::new(),
             kill: Vec::new(),
-            kill_during: Vec::new(),
             min_ranks: 1,
             max_ranks: 64,
             replicate_every: 1,
             save_dir: None,
             save_every: 0,
             keep_checkpoints: 3,
-            net_duplicate_per_mille: 0,
-            net_reorder_per_mille: 0,
-            net_drop_per_mille: 0,
-            net_corrupt_per_mille: 0,
-            net_delay_max_ms: 0,
-            net_retransmit_ms: 5,
-            net_slow_rank: None,
-            net_slow_ms: 0,
-            net_partition_ranks: Vec::new(),
-            net_partition_from_frame: 0,
-            net_partition_frames: 0,
-            net_partition_ms: 0,
             offload_optimizer: Offload::Auto,
             offload_params: Offload::Auto,
             offload_grads: Offload::Auto,
@@ -346,7 +301,7 @@ impl Default for TrainConfig {
             nvme_block_bytes: 1 << 20,
             memory_max_bytes: None,
             nvme_record_elems: None,
-            nvme_fault: None,
+            faults: Faults::default(),
         }
     }
 }
@@ -380,7 +335,7 @@ impl TrainConfig {
 
     /// Checks every field once; the runtime trusts a validated config. The checks of each
     /// concept live with it: the model's shape (`shape.rs`), the optimizer and its
-    /// schedule (`optim.rs`), injected network faults (`faults.rs`), the membership script
+    /// schedule (`optim.rs`), fault injection (`faults.rs`), the membership script
     /// (`membership.rs`).
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.ranks == 0 {

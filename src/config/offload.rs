@@ -23,7 +23,7 @@ impl TrainConfig {
         self.nvme_block_bytes = d.nvme_block_bytes;
         self.nvme_record_elems = d.nvme_record_elems;
         self.memory_max_bytes = d.memory_max_bytes;
-        self.nvme_fault = d.nvme_fault;
+        self.faults.nvme_fault = d.faults.nvme_fault;
     }
 
     pub(super) fn validate_offload(&self) -> Result<(), ConfigError> {

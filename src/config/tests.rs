@@ -53,22 +53,22 @@ fn bad_values_name_the_field() {
         "leave"
     );
     assert_eq!(
-        bad(|c| c.net_partition_ranks = vec![1]),
+        bad(|c| c.faults.net_partition_ranks = vec![1]),
         "net_partition_ranks"
     );
     assert_eq!(
         bad(|c| {
-            c.net_partition_ranks = vec![64];
-            c.net_partition_frames = 10;
-            c.net_partition_ms = 2;
+            c.faults.net_partition_ranks = vec![64];
+            c.faults.net_partition_frames = 10;
+            c.faults.net_partition_ms = 2;
         }),
         "net_partition_ranks"
     );
     assert_eq!(
         bad(|c| {
-            c.net_partition_ranks = vec![1];
-            c.net_partition_frames = 10;
-            c.net_partition_ms = 60_000;
+            c.faults.net_partition_ranks = vec![1];
+            c.faults.net_partition_frames = 10;
+            c.faults.net_partition_ms = 60_000;
         }),
         "net_partition_ms"
     );
@@ -134,4 +134,42 @@ fn membership_script_parses_from_toml() {
         ..c
     };
     c.validate().unwrap();
+}
+
+#[test]
+fn fault_keys_sit_at_the_top_level_and_load_into_the_faults_section() {
+    let text = "net_drop_per_mille = 10\nnet_slow_rank = 1\nnet_slow_ms = 3\n\
+                kill_during = [\"1@2:reshard\"]\nnvme_fault = \"0:slow@5\"\n";
+    let c = TrainConfig::from_toml(text).unwrap();
+    assert_eq!(c.faults.net_drop_per_mille, 10);
+    assert_eq!((c.faults.net_slow_rank, c.faults.net_slow_ms), (Some(1), 3));
+    assert_eq!(c.faults.kill_during.len(), 1);
+    assert!(c.faults.nvme_fault.is_some());
+    c.validate().unwrap();
+    // Over a base (a checkpoint's config), and through JSON (manifests, the worker's welcome):
+    // the same flat keys, and no `faults` key.
+    let over = TrainConfig::from_toml_over(&c, "ranks = 2\n").unwrap();
+    assert_eq!(over.faults, c.faults);
+    let json = serde_json::to_value(&c).unwrap();
+    assert_eq!(json["net_drop_per_mille"], 10);
+    assert!(json.get("faults").is_none(), "{json}");
+    let back: TrainConfig = serde_json::from_value(json).unwrap();
+    assert_eq!(back, c);
+}
+
+#[test]
+fn test_hooks_are_no_config_keys() {
+    for key in ["panic_at = [1, 2]", "raise_sigterm_at = 2"] {
+        let err = TrainConfig::from_toml(key).unwrap_err();
+        assert_eq!(err.field, key.split(' ').next().unwrap(), "{err}");
+    }
+    let mut c = TrainConfig::default();
+    c.faults.panic_at = Some((1, 2));
+    c.faults.raise_sigterm_at = Some(3);
+    let back: TrainConfig = serde_json::from_value(serde_json::to_value(&c).unwrap()).unwrap();
+    assert_eq!(
+        back,
+        TrainConfig::default(),
+        "a hook never leaves the process"
+    );
 }

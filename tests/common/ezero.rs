@@ -27,10 +27,16 @@ impl Run {
 }
 
 pub fn ezero<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Run {
-    let out = Command::new(env!("CARGO_BIN_EXE_ezero"))
-        .args(args)
-        .output()
-        .expect("ezero runs");
+    ezero_hooked(args, None)
+}
+
+/// `ezero` with a test hook (`EZERO_TEST_HOOK_*`, see `src/cli/test_hooks.rs`) set to a value.
+pub fn ezero_hooked<S: AsRef<std::ffi::OsStr>>(args: &[S], hook: Option<(&str, &str)>) -> Run {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ezero"));
+    if let Some((name, value)) = hook {
+        cmd.env(name, value);
+    }
+    let out = cmd.args(args).output().expect("ezero runs");
     Run {
         code: out.status.code().unwrap_or(-1),
         stdout: String::from_utf8_lossy(&out.stdout).into(),
@@ -40,6 +46,11 @@ pub fn ezero<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Run {
 
 /// `ezero train` with the tiny MLP and `extra` flags.
 pub fn train_cli(extra: &[&str]) -> Run {
+    train_cli_hooked(extra, None)
+}
+
+/// `ezero train` with the tiny MLP, `extra` flags and a test hook.
+pub fn train_cli_hooked(extra: &[&str], hook: Option<(&str, &str)>) -> Run {
     let mut args = vec![
         "train",
         "--model",
@@ -60,7 +71,7 @@ pub fn train_cli(extra: &[&str]) -> Run {
         "1000",
     ];
     args.extend_from_slice(extra);
-    ezero(&args)
+    ezero_hooked(&args, hook)
 }
 
 pub fn ok(r: &Run) -> &Run {

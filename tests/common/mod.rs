@@ -41,10 +41,9 @@ pub fn run_with(
     cfg: &TrainConfig,
     panic_at: Option<(u32, u64)>,
 ) -> Result<TrainOutcome, ClusterError> {
-    let spec = ClusterSpec {
-        panic_at,
-        ..ClusterSpec::from_config(cfg.clone()).expect("valid config")
-    };
+    let mut cfg = cfg.clone();
+    cfg.faults.panic_at = panic_at;
+    let spec = ClusterSpec::from_config(cfg).expect("valid config");
     train_blocking(spec, ())
 }
 

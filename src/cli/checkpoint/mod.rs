@@ -443,7 +443,7 @@ pub fn resolve_train(
     for list in [&mut base.leave, &mut base.join, &mut base.kill] {
         list.retain(|a| a.step >= step);
     }
-    base.kill_during.retain(|k| k.step >= step);
+    base.faults.kill_during.retain(|k| k.step >= step);
     // Where state lives belongs to the machine that resumes, not to the one that saved.
     base.clear_placement();
     let cfg = args

@@ -66,6 +66,7 @@ impl SavePlan {
         };
         let meta = CheckpointMeta::new(cfg, model, data).map_err(usage)?;
         let crash = args
+            .test_hooks
             .checkpoint_crash
             .as_deref()
             .map(parse_crash)
@@ -142,11 +143,11 @@ impl Saving {
     /// What the cluster needs to answer a signal with a snapshot at the next step boundary
     /// (`SavePlan::start` makes SIGTERM and SIGINT set its flag): snapshots are taken only when
     /// a save is due or asked for, not at every boundary in case a signal comes.
-    pub fn boundary_snapshot(args: &TrainArgs) -> BoundarySnapshot {
+    pub fn boundary_snapshot() -> BoundarySnapshot {
         BoundarySnapshot {
             flag: Arc::default(),
-            // `--signal-at N`: stopped after N steps, so raised during step N - 1 (0-based).
-            raise_sigterm_at: args.signal_at.and_then(|n| n.checked_sub(1)),
+            // The test hook, if any, comes from the run plan's faults (the cluster sets it).
+            raise_sigterm_at: None,
         }
     }
 
@@ -309,9 +310,10 @@ fn check_save_dir(root: &Path, resumed_from: Option<&Path>) -> Result<(), CliErr
 fn parse_crash(s: &str) -> Result<(u64, CrashPoint), String> {
     let (step, point) = s
         .split_once(':')
-        .ok_or("--checkpoint-crash expects STEP:POINT")?;
+        .ok_or("EZERO_TEST_HOOK_CHECKPOINT_CRASH expects STEP:POINT")?;
     Ok((
-        step.parse().map_err(|_| "--checkpoint-crash: bad STEP")?,
+        step.parse()
+            .map_err(|_| "EZERO_TEST_HOOK_CHECKPOINT_CRASH: bad STEP")?,
         point.parse()?,
     ))
 }

@@ -8,19 +8,18 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use ractor::{Actor, ActorRef};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use crate::config::{ConfigError, NvmeFaultKind, TrainConfig};
+use crate::config::{ConfigError, Faults, TrainConfig};
 use crate::data::Dataset;
-use crate::engine::coordinator::{
-    Change, Coordinator, JobSpec, MembershipRecord, Refusal, ScriptedChange, StepRecord,
-};
-use crate::job::{build_dataset, build_model, lr_schedule, optim_settings, plan_memory};
+use crate::engine::coordinator::{Change, Coordinator, MembershipRecord, Refusal, StepRecord};
+use crate::job::run_plan::{RunPlan, StoragePlan};
+use crate::job::{build_dataset, build_model};
 use crate::model::weights::{ModelInit, WeightSource};
 use crate::model::Model;
 use crate::plan::activations::ActivationChoice;
 use crate::plan::tier::Fit;
-use crate::plan::{ChunkId, RankId, ShardMap, Stage};
+use crate::plan::{ChunkId, RankId, ShardMap};
 use crate::runtime::actors::RankMsg;
 use crate::runtime::actors::{
     BoundarySnapshot, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank, RankActor,
@@ -29,12 +28,12 @@ use crate::runtime::actors::{
 use crate::runtime::alloc::available_memory_bytes;
 use crate::runtime::clock::SystemClock;
 use crate::runtime::step::comm::Comm;
-use crate::runtime::step::elastic::resume::{read_owned_chunks, ResumeSource};
+use crate::runtime::step::elastic::resume::{read_owned_chunks, Restored, ResumeSource};
 use crate::runtime::step::elastic::snapshot::SnapshotSink;
 use crate::runtime::step::exec::ExecConfig;
 use crate::runtime::step::progress::RunProgress;
-use crate::runtime::step::state::rank_state::{ChunkState, RankState};
-use crate::runtime::storage::{DirLock, Faults, TierSpec, UringConfig};
+use crate::runtime::step::state::rank_state::{ChunkState, RankState, StartFrom};
+use crate::runtime::storage::{DirLock, TierSpec};
 use crate::runtime::transport::local::{
     LocalEndpoint, LocalNetwork, NetCounts, NetFaults, Partition,
 };
@@ -78,8 +77,6 @@ pub struct ClusterSpec {
     /// Emit a snapshot after every this many steps and after the last one (0: never unless
     /// asked).
     pub snapshot_every: u64,
-    /// Fault injection for tests: (rank, step) whose compute panics.
-    pub panic_at: Option<(RankId, u64)>,
     /// A snapshot at the next step boundary when its flag is set (a signal handler).
     pub boundary_snapshot: Option<BoundarySnapshot>,
     /// Counters a caller may poll for a progress line while the ranks build their state or a
@@ -94,7 +91,7 @@ pub struct ClusterSpec {
 }
 
 impl ClusterSpec {
-    /// The built-in model and dataset the config names, from scratch, with no fault injection.
+    /// The built-in model and dataset the config names, from scratch.
     pub fn from_config(config: TrainConfig) -> Result<Self, ConfigError> {
         Ok(Self::new(
             build_model(&config)?,
@@ -103,8 +100,8 @@ impl ClusterSpec {
         ))
     }
 
-    /// Your own model and data, from the model's initialisation, no snapshots, no fault
-    /// injection; set the other fields to change that.
+    /// Your own model and data, from the model's initialisation, no snapshots; set the other
+    /// fields to change that (faults are the config's).
     pub fn new(model: Arc<dyn Model>, data: Arc<Dataset>, config: TrainConfig) -> Self {
         Self {
             config,
@@ -113,7 +110,6 @@ impl ClusterSpec {
             init: None,
             resume: None,
             snapshot_every: 0,
-            panic_at: None,
             boundary_snapshot: None,
             progress: Arc::default(),
             snapshot_sink: None,
@@ -149,322 +145,65 @@ pub struct Cluster {
     _tier_lock: Option<DirLock>,
 }
 
-/// The memory plan of a run and, when state goes to the tier, its checked and locked directory.
-pub struct PreparedStorage {
-    pub fit: Fit,
-    pub activations: ActivationChoice,
-    pub tier: Option<(TierSpec, DirLock)>,
-}
-
-/// Plans where the state of `ranks_in_process` ranks goes and, if anything goes to the tier,
-/// checks and locks its directory. Runs before anything is allocated.
-pub fn prepare_storage(
-    cfg: &TrainConfig,
-    model: &dyn Model,
-    ranks_in_process: u64,
-    streamed_snapshots: bool,
-) -> Result<PreparedStorage, ClusterError> {
-    let available = available_memory_bytes().unwrap_or(u64::MAX / 2);
-    let (fit, activations) =
-        plan_memory(cfg, model, ranks_in_process, streamed_snapshots, available)
-            .map_err(|e| ClusterError::Memory(e.to_string()))?;
-    if !fit.placement.any_nvme() {
-        return Ok(PreparedStorage {
-            fit,
-            activations,
-            tier: None,
-        });
-    }
-    let dir = cfg
-        .nvme_dir
-        .as_deref()
-        .expect("the planner offloads only with nvme_dir");
-    // During a reshard a rank's old and new tier files coexist; backups have files beside them.
-    let need = ranks_in_process * (2 * fit.per_rank.tier + fit.per_rank.backup_disk);
-    let uring = UringConfig {
-        queue_depth: cfg.nvme_queue_depth,
-        block_bytes: cfg.nvme_block_bytes as usize,
-        direct: !cfg.nvme_buffered,
-    };
-    let (spec, lock) = TierSpec::for_run(
-        dir,
-        fit.placement,
-        fit.tile_elems as usize,
-        fit.staging_buffers as usize,
-        uring,
-        need,
-    )
-    .map_err(|e| ClusterError::Memory(e.to_string()))?;
-    let spec = TierSpec {
-        update_in_backward: fit.update_in_backward,
-        update_reuses_params: fit.update_reuses_params,
-        faults: cfg.nvme_fault.map(|f| {
-            let faults = match f.kind {
-                NvmeFaultKind::FailWrites { errno, after_bytes } => Faults {
-                    fail_after_write_bytes: Some(after_bytes),
-                    errno,
-                    ..Faults::default()
-                },
-                NvmeFaultKind::SlowReads { ms } => Faults {
-                    read_delay_ms: ms,
-                    ..Faults::default()
-                },
-            };
-            (f.rank, faults)
-        }),
-        ..spec
-    };
-    Ok(PreparedStorage {
-        fit,
-        activations,
-        tier: Some((spec, lock)),
-    })
-}
-
-/// The config's fault-injection keys as the in-process network's faults.
-pub fn net_faults(cfg: &TrainConfig) -> NetFaults {
-    NetFaults {
-        seed: cfg.seed,
-        duplicate_per_mille: cfg.net_duplicate_per_mille,
-        reorder_per_mille: cfg.net_reorder_per_mille,
-        drop_per_mille: cfg.net_drop_per_mille,
-        corrupt_per_mille: cfg.net_corrupt_per_mille,
-        delay_max_ms: cfg.net_delay_max_ms,
-        retransmit_ms: cfg.net_retransmit_ms,
-        slow_rank: cfg.net_slow_rank,
-        slow_ms: cfg.net_slow_ms,
-        partition: Partition::new(
-            &cfg.net_partition_ranks,
-            cfg.net_partition_from_frame,
-            cfg.net_partition_frames,
-            cfg.net_partition_ms,
-        ),
-    }
-}
-
-/// The coordinator engine's job description for a config.
-pub fn job_spec(cfg: &TrainConfig, snapshot_every: u64) -> JobSpec {
-    JobSpec {
-        steps: cfg.steps,
-        micro_batches: cfg.micro_batches,
-        lr: lr_schedule(cfg),
-        step_timeout_ms: cfg.collective_timeout_ms.saturating_mul(4),
-        initial_grad_bound: cfg.initial_grad_bound,
-        snapshot_every,
-        script: membership_script(cfg),
-        min_ranks: cfg.min_ranks,
-        max_ranks: cfg.max_ranks,
-        replicate_every: cfg.replicate_every,
-    }
-}
-
-/// Per-step execution settings of a config, with the memory planner's activation choice.
-pub fn exec_config(cfg: &TrainConfig, activations: &ActivationChoice) -> ExecConfig {
-    ExecConfig {
-        micro_batch_size: cfg.micro_batch_size,
-        seq_len: cfg.seq_len,
-        seed: cfg.seed,
-        max_live_units: cfg.max_live_units,
-        keep_activations: activations.keep,
-        grad_clip: cfg.grad_clip as f64,
-        round_kills: cfg.kill_during.clone(),
-        progress: Arc::default(),
-        precision: cfg.precision,
-    }
-}
-
 impl Cluster {
     /// Plans the shard map, builds every rank's state and starts the actors (not the run).
     pub async fn start(spec: ClusterSpec) -> Result<Cluster, ClusterError> {
         let cfg = &spec.config;
         cfg.validate()?;
-        let stage = Stage::from_u8(cfg.stage).expect("validated stage");
-        let units = spec.model.units();
-        let numels: Vec<usize> = units.iter().map(|u| u.numel()).collect();
+        let plan = RunPlan::new(cfg, spec.snapshot_every)?;
+        // The memory check first: a model that cannot fit is refused before its chunks are
+        // planned (billions of them for tens of trillions of parameters).
+        let available = available_memory_bytes().unwrap_or(u64::MAX / 2);
+        let streamed = spec.snapshot_sink.is_some();
+        let ranks = u64::from(cfg.ranks);
+        let storage = StoragePlan::new(cfg, spec.model.as_ref(), ranks, streamed, available)
+            .map_err(|e| ClusterError::Memory(e.to_string()))?;
+        let (tier, tier_lock) = match &storage.tier {
+            Some(t) => {
+                let (tier, lock) =
+                    TierSpec::for_plan(t).map_err(|e| ClusterError::Memory(e.to_string()))?;
+                (Some(Arc::new(tier)), Some(lock))
+            }
+            None => (None, None),
+        };
+        let numels: Vec<usize> = spec.model.units().iter().map(|u| u.numel()).collect();
         let members: Vec<RankId> = (0..cfg.ranks).collect();
         let epoch = spec
             .resume
             .as_ref()
             .map_or(1, |src| src.saved_map().epoch + 1);
-        // The memory check first: a model that cannot fit is refused before its chunks are
-        // planned (billions of them for tens of trillions of parameters).
-        let streamed = spec.snapshot_sink.is_some();
-        let PreparedStorage {
-            fit,
-            activations,
-            tier,
-        } = prepare_storage(cfg, spec.model.as_ref(), u64::from(cfg.ranks), streamed)?;
         let map = ShardMap::plan(&numels, &members, cfg.chunk_elems, epoch)
             .map_err(|e| ClusterError::Spawn(e.to_string()))?;
-        let (storage, tier_lock) = match tier {
-            Some((spec, lock)) => (Some(Arc::new(spec)), Some(lock)),
-            None => (None, None),
-        };
-        let restored = match &spec.resume {
-            Some(src) => {
-                let old: Vec<usize> = src.saved_map().units.iter().map(|u| u.numel).collect();
-                if old != numels {
-                    return Err(ClusterError::Resume(format!(
-                        "{}: its units have sizes {old:?}, this model's are {numels:?}: it belongs to another model",
-                        src.describe()
-                    )));
-                }
-                let (src, map) = (Arc::clone(src), map.clone());
-                let read = tokio::task::spawn_blocking(move || read_owned_chunks(&*src, &map));
-                let read = read.await.map_err(|e| {
-                    ClusterError::Resume(format!("a resume reader thread failed: {e}"))
-                })?;
-                Some(read.map_err(ClusterError::Resume)?)
-            }
-            None => None,
-        };
-        // Given weights, or the model's initialisation made unit by unit as each rank builds
-        // its state (so the whole model is never in RAM at once).
-        let progress = Arc::clone(&spec.progress);
-        progress.init_started(u64::from(cfg.ranks) * numels.len() as u64);
-        let weights = CountedWeights {
-            inner: spec.init.clone().unwrap_or_else(|| {
-                Arc::new(ModelInit {
-                    model: Arc::clone(&spec.model),
-                    seed: cfg.seed,
-                })
-            }),
-            progress,
-        };
-        let faults = net_faults(cfg);
+        let restored = read_resume(spec.resume.as_ref(), &map, &numels).await?;
+        spec.progress.init_started(ranks * numels.len() as u64);
+        let faults = net_faults(&plan.faults, plan.seed);
         let net = if faults.any() {
             LocalNetwork::with_faults(faults)
         } else {
             LocalNetwork::new()
         };
+        let setup = rank_setup(&spec, &plan, &storage, tier.clone(), &net);
         let (tx, events) = unbounded_channel();
-        let job = job_spec(cfg, spec.snapshot_every);
-        let optim = optim_settings(cfg);
-        let setup = Arc::new(RankSetup {
-            stage,
-            mode: cfg.reduce,
-            model: Arc::clone(&spec.model),
-            optim,
-            data: Arc::clone(&spec.data),
-            exec: ExecConfig {
-                progress: Arc::clone(&spec.progress),
-                ..exec_config(cfg, &activations)
-            },
-            storage: storage.clone(),
-            disconnect: {
-                let net = Arc::clone(&net);
-                Box::new(move |r| net.kill(r))
-            },
-        });
-        let (abort_net, retire_net, join_net) =
-            (Arc::clone(&net), Arc::clone(&net), Arc::clone(&net));
-        let (join_setup, timeout_ms, kills) = (
-            Arc::clone(&setup),
-            cfg.collective_timeout_ms,
-            cfg.kill.clone(),
-        );
-        let factory: RankFactory<LocalEndpoint> = Box::new(move |rank, coordinator| {
-            Ok(NewRank::Args(Box::new(RankArgs {
-                rank,
-                work: Work::new(None, Comm::new(join_net.endpoint(rank), timeout_ms)),
-                coordinator,
-                setup: Arc::clone(&join_setup),
-                panic_at_step: None,
-                kill_at_step: kills.iter().find(|k| k.value == rank).map(|k| k.step),
-            })))
-        });
-        let args = CoordArgs {
-            engine: match &spec.resume {
-                Some(src) => Coordinator::resume(job, map.clone(), src.progress().clone()),
-                None => Coordinator::new(job, map.clone()),
-            },
-            events: tx,
-            clock: Arc::new(SystemClock::default()),
-            tick_ms: 200,
-            on_abort: Box::new(move || abort_net.close()),
-            on_retire: {
-                let progress = Arc::clone(&spec.progress);
-                Box::new(move |r| {
-                    retire_net.kill(r);
-                    progress.forget(r);
-                })
-            },
-            on_interrupt: {
-                let net = Arc::clone(&net);
-                Box::new(move |r, epoch, step| net.interrupt(r, epoch, step))
-            },
-            factory,
-            boundary_snapshot: spec.boundary_snapshot.clone(),
-            progress: Some(Arc::clone(&spec.progress)),
-        };
+        let args = coord_args(&spec, &plan, map.clone(), &setup, &net, tx);
         let (coordinator, _) =
             Actor::spawn(None, CoordinatorActor::<LocalEndpoint>::default(), args)
                 .await
                 .map_err(|e| ClusterError::Spawn(e.to_string()))?;
-        if let Some(sink) = spec
-            .snapshot_sink
-            .as_ref()
-            .filter(|_| fit.placement.any_nvme())
-        {
+        if let Some(sink) = spec.snapshot_sink.as_ref().filter(|_| tier.is_some()) {
             let _ = coordinator.cast(CoordMsg::StreamSnapshots(Arc::clone(sink)));
         }
+        let start = RankStart {
+            spec: &spec,
+            plan: &plan,
+            map: &map,
+            setup: &setup,
+            net: &net,
+            coordinator: &coordinator,
+            tier: tier.as_deref(),
+        };
         let mut ranks = Vec::new();
         for &rank in &members {
-            let state = match &restored {
-                Some(restored) => {
-                    let source = |u: usize, i: usize| {
-                        let id = ChunkId {
-                            unit: u as u32,
-                            index: i as u32,
-                        };
-                        restored.chunks.get(&id).cloned()
-                    };
-                    RankState::from_chunks(
-                        rank,
-                        stage,
-                        cfg.reduce,
-                        Arc::clone(&spec.model),
-                        map.clone(),
-                        optim,
-                        cfg.precision,
-                        &source,
-                        storage.as_deref(),
-                    )
-                    .map_err(|e| ClusterError::Spawn(format!("restoring rank {rank}: {e}")))?
-                }
-                None => RankState::from_full_params(
-                    rank,
-                    stage,
-                    cfg.reduce,
-                    Arc::clone(&spec.model),
-                    map.clone(),
-                    optim,
-                    cfg.precision,
-                    &weights,
-                    storage.as_deref(),
-                )
-                .map_err(|e| ClusterError::Spawn(format!("building rank {rank}: {e}")))?,
-            };
-            let args = RankArgs {
-                rank,
-                work: Work::new(
-                    Some(state),
-                    Comm::new(net.endpoint(rank), cfg.collective_timeout_ms),
-                ),
-                coordinator: coordinator.clone(),
-                setup: Arc::clone(&setup),
-                panic_at_step: spec.panic_at.filter(|(r, _)| *r == rank).map(|(_, s)| s),
-                kill_at_step: cfg.kill.iter().find(|k| k.value == rank).map(|k| k.step),
-            };
-            let (actor, _) = Actor::spawn_linked(
-                None,
-                RankActor::<LocalEndpoint>::default(),
-                args,
-                coordinator.get_cell(),
-            )
-            .await
-            .map_err(|e| ClusterError::Spawn(e.to_string()))?;
-            ranks.push((rank, actor));
+            ranks.push((rank, start.spawn(rank, restored.as_ref()).await?));
         }
         Ok(Cluster {
             coordinator,
@@ -473,8 +212,8 @@ impl Cluster {
             net,
             map,
             resume_reads: restored.map(|r| r.per_rank).unwrap_or_default(),
-            fit,
-            activations,
+            fit: storage.fit,
+            activations: storage.activations,
             _tier_lock: tier_lock,
         })
     }
@@ -613,23 +352,194 @@ impl Cluster {
     }
 }
 
-/// The config's `leave` and `join` entries as the coordinator's script (kills are faults the
-/// runtime injects, not membership requests).
-pub fn membership_script(cfg: &TrainConfig) -> Vec<ScriptedChange> {
-    let mut script: Vec<ScriptedChange> = cfg
-        .leave
-        .iter()
-        .map(|a| ScriptedChange {
-            step: a.step,
-            change: Change::Leave(a.value),
-        })
-        .chain(cfg.join.iter().map(|a| ScriptedChange {
-            step: a.step,
-            change: Change::Join(a.value),
-        }))
-        .collect();
-    script.sort_by_key(|c| c.step);
-    script
+/// On a resume: the chunks every rank owns under `map`, read from the saved state on a blocking
+/// thread; refused if the state belongs to another model.
+async fn read_resume(
+    resume: Option<&Arc<dyn ResumeSource>>,
+    map: &ShardMap,
+    numels: &[usize],
+) -> Result<Option<Restored>, ClusterError> {
+    let Some(src) = resume else {
+        return Ok(None);
+    };
+    let old: Vec<usize> = src.saved_map().units.iter().map(|u| u.numel).collect();
+    if old != numels {
+        return Err(ClusterError::Resume(format!(
+            "{}: its units have sizes {old:?}, this model's are {numels:?}: it belongs to another model",
+            src.describe()
+        )));
+    }
+    let (src, map) = (Arc::clone(src), map.clone());
+    let read = tokio::task::spawn_blocking(move || read_owned_chunks(&*src, &map));
+    let read = read
+        .await
+        .map_err(|e| ClusterError::Resume(format!("a resume reader thread failed: {e}")))?;
+    read.map(Some).map_err(ClusterError::Resume)
+}
+
+/// The fault keys of the plan as the in-process network's faults.
+fn net_faults(f: &Faults, seed: u64) -> NetFaults {
+    NetFaults {
+        seed,
+        duplicate_per_mille: f.net_duplicate_per_mille,
+        reorder_per_mille: f.net_reorder_per_mille,
+        drop_per_mille: f.net_drop_per_mille,
+        corrupt_per_mille: f.net_corrupt_per_mille,
+        delay_max_ms: f.net_delay_max_ms,
+        retransmit_ms: f.net_retransmit_ms,
+        slow_rank: f.net_slow_rank,
+        slow_ms: f.net_slow_ms,
+        partition: Partition::new(
+            &f.net_partition_ranks,
+            f.net_partition_from_frame,
+            f.net_partition_frames,
+            f.net_partition_ms,
+        ),
+    }
+}
+
+/// What every rank actor of the run shares.
+fn rank_setup(
+    spec: &ClusterSpec,
+    plan: &RunPlan,
+    storage: &StoragePlan,
+    tier: Option<Arc<TierSpec>>,
+    net: &Arc<LocalNetwork>,
+) -> Arc<RankSetup> {
+    let net = Arc::clone(net);
+    Arc::new(RankSetup {
+        stage: plan.stage,
+        mode: plan.reduce,
+        model: Arc::clone(&spec.model),
+        optim: plan.optim,
+        data: Arc::clone(&spec.data),
+        exec: ExecConfig::new(
+            &plan.exec,
+            storage.activations.keep,
+            Arc::clone(&spec.progress),
+        ),
+        storage: tier,
+        disconnect: Box::new(move |r| net.kill(r)),
+    })
+}
+
+/// The coordinator actor's arguments: the engine (fresh or resumed), the network's hooks and
+/// the factory that brings joiners up on it.
+fn coord_args(
+    spec: &ClusterSpec,
+    plan: &RunPlan,
+    map: ShardMap,
+    setup: &Arc<RankSetup>,
+    net: &Arc<LocalNetwork>,
+    events: UnboundedSender<ClusterEvent>,
+) -> CoordArgs<LocalEndpoint> {
+    let (abort_net, retire_net, join_net, interrupt_net) = (
+        Arc::clone(net),
+        Arc::clone(net),
+        Arc::clone(net),
+        Arc::clone(net),
+    );
+    let (join_setup, timeout_ms, joiners) =
+        (Arc::clone(setup), plan.collective_timeout_ms, plan.clone());
+    let factory: RankFactory<LocalEndpoint> = Box::new(move |rank, coordinator| {
+        Ok(NewRank::Args(Box::new(RankArgs {
+            rank,
+            work: Work::new(None, Comm::new(join_net.endpoint(rank), timeout_ms)),
+            coordinator,
+            setup: Arc::clone(&join_setup),
+            panic_at_step: None,
+            kill_at_step: joiners.kill_step(rank),
+        })))
+    });
+    let job = plan.job.clone();
+    let progress = Arc::clone(&spec.progress);
+    CoordArgs {
+        engine: match &spec.resume {
+            Some(src) => Coordinator::resume(job, map, src.progress().clone()),
+            None => Coordinator::new(job, map),
+        },
+        events,
+        clock: Arc::new(SystemClock::default()),
+        tick_ms: 200,
+        on_abort: Box::new(move || abort_net.close()),
+        on_retire: Box::new(move |r| {
+            retire_net.kill(r);
+            progress.forget(r);
+        }),
+        on_interrupt: Box::new(move |r, epoch, step| interrupt_net.interrupt(r, epoch, step)),
+        factory,
+        // The test hook rides on the boundary snapshot the signal asks for.
+        boundary_snapshot: spec.boundary_snapshot.clone().map(|b| BoundarySnapshot {
+            raise_sigterm_at: plan.faults.raise_sigterm_at,
+            ..b
+        }),
+        progress: Some(Arc::clone(&spec.progress)),
+    }
+}
+
+/// What starting each of the run's first ranks needs.
+struct RankStart<'a> {
+    spec: &'a ClusterSpec,
+    plan: &'a RunPlan,
+    map: &'a ShardMap,
+    setup: &'a Arc<RankSetup>,
+    net: &'a Arc<LocalNetwork>,
+    coordinator: &'a ActorRef<CoordMsg<LocalEndpoint>>,
+    tier: Option<&'a TierSpec>,
+}
+
+impl RankStart<'_> {
+    /// Builds `rank`'s state (restored, given weights, or the model's initialisation made unit
+    /// by unit, so the whole model is never in RAM at once) and spawns its actor.
+    async fn spawn(
+        &self,
+        rank: RankId,
+        restored: Option<&Restored>,
+    ) -> Result<ActorRef<RankMsg<LocalEndpoint>>, ClusterError> {
+        let spec = self.spec;
+        let weights = CountedWeights {
+            inner: spec.init.clone().unwrap_or_else(|| {
+                Arc::new(ModelInit {
+                    model: Arc::clone(&spec.model),
+                    seed: self.plan.seed,
+                })
+            }),
+            progress: Arc::clone(&spec.progress),
+        };
+        let source = |u: usize, i: usize| {
+            let id = ChunkId {
+                unit: u as u32,
+                index: i as u32,
+            };
+            restored.and_then(|r| r.chunks.get(&id).cloned())
+        };
+        let from = match restored {
+            Some(_) => StartFrom::Chunks(&source),
+            None => StartFrom::Weights(&weights),
+        };
+        let state = RankState::start(rank, self.plan, &spec.model, self.map, self.tier, from)
+            .map_err(|e| ClusterError::Spawn(format!("rank {rank}: {e}")))?;
+        let args = RankArgs {
+            rank,
+            work: Work::new(
+                Some(state),
+                Comm::new(self.net.endpoint(rank), self.plan.collective_timeout_ms),
+            ),
+            coordinator: self.coordinator.clone(),
+            setup: Arc::clone(self.setup),
+            panic_at_step: self.plan.panic_step(rank),
+            kill_at_step: self.plan.kill_step(rank),
+        };
+        let (actor, _) = Actor::spawn_linked(
+            None,
+            RankActor::<LocalEndpoint>::default(),
+            args,
+            self.coordinator.get_cell(),
+        )
+        .await
+        .map_err(|e| ClusterError::Spawn(e.to_string()))?;
+        Ok(actor)
+    }
 }
 
 /// Receives a run's events as `train` drives it.

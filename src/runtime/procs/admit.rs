@@ -19,7 +19,7 @@ use super::error::ProcError;
 use super::link::{ControlReader, ControlWriter};
 use super::standby::Lobby;
 use crate::config::TrainConfig;
-use crate::job::plan_memory;
+use crate::job::run_plan::StoragePlan;
 use crate::model::Model;
 use crate::net::tls::{check_alpn, Protocol};
 use crate::plan::tier::gib;
@@ -258,7 +258,7 @@ pub(super) async fn refuse_unfit(
     let Some((available, rank, peer)) = tightest else {
         return Ok(());
     };
-    let Err(e) = plan_memory(cfg, model, 1, false, available) else {
+    let Err(e) = StoragePlan::new(cfg, model, 1, false, available) else {
         return Ok(());
     };
     let reason = format!(

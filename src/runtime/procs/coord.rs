@@ -44,12 +44,13 @@ use super::state::{check_parts, parts, StartState};
 use crate::config::{ConfigError, TrainConfig};
 use crate::engine::coordinator::Coordinator;
 use crate::job::build_model;
+use crate::job::run_plan::RunPlan;
 use crate::net::tls::{ClusterTls, Protocol};
-use crate::plan::{RankId, ShardMap};
+use crate::plan::{RankId, ShardMap, Stage};
 use crate::runtime::actors::{
     BoundarySnapshot, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank,
 };
-use crate::runtime::api::cluster::{consolidate, job_spec, Observer, TrainOutcome};
+use crate::runtime::api::cluster::{consolidate, Observer, TrainOutcome};
 use crate::runtime::api::control::{ControlHandle, DataPlanes, Monitor, Workers};
 use crate::runtime::api::http::{self, HttpLimits};
 use crate::runtime::clock::{Clock, SystemClock};
@@ -111,45 +112,9 @@ pub async fn run_coordinator(
     on_listen: impl FnOnce(Listening),
     mut observer: impl Observer,
 ) -> Result<TrainOutcome, ProcError> {
-    cfg.validate()?;
-    check_parts(&cfg, opts.part_max_bytes)?;
-    if let Some(start) = opts
-        .start
-        .as_ref()
-        .filter(|s| s.map.world_size() != cfg.ranks as usize)
-    {
-        return Err(ProcError::Setup(format!(
-            "the start state is planned for {} ranks, the job has {}",
-            start.map.world_size(),
-            cfg.ranks
-        )));
-    }
-    opts.procs
-        .validate()
-        .map_err(|e| ConfigError::new(e.field, e.message))?;
-    let listener = TcpListener::bind(&opts.listen)
-        .await
-        .map_err(|e| ProcError::Setup(format!("cannot listen on {}: {e}", opts.listen)))?;
-    let addr = listener
-        .local_addr()
-        .map_err(|e| ProcError::Setup(format!("cannot read the bound address: {e}")))?;
-    let control = match opts.control {
-        Some(at) => Some(TcpListener::bind(at).await.map_err(|e| {
-            ProcError::Setup(format!("cannot serve the control endpoint on {at}: {e}"))
-        })?),
-        None => None,
-    };
-    let control_addr = match &control {
-        Some(l) => Some(
-            l.local_addr()
-                .map_err(|e| ProcError::Setup(format!("cannot read the bound address: {e}")))?,
-        ),
-        None => None,
-    };
-    on_listen(Listening {
-        workers: addr,
-        control: control_addr,
-    });
+    let plan = check_job(&cfg, &opts)?;
+    let (listener, control, at) = listen(&opts).await?;
+    on_listen(at);
     let count = Arc::new(AtomicU32::new(0));
     let (ready, ready_rx) = tokio::sync::oneshot::channel();
     let held = control.map(|l| {
@@ -162,7 +127,7 @@ pub async fn run_coordinator(
     });
     let deadline = Instant::now() + Duration::from_millis(opts.procs.join_timeout_ms);
     let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
-    let lobby = Arc::new(Lobby::new(Arc::clone(&clock), opts.procs, addr));
+    let lobby = Arc::new(Lobby::new(Arc::clone(&clock), opts.procs, at.workers));
     let acceptor = TlsAcceptor::from(opts.tls.server(Protocol::Control));
     let (mut joined, greeting) = admit(
         &listener,
@@ -191,32 +156,16 @@ pub async fn run_coordinator(
         )),
         tokio::spawn(Arc::clone(&lobby).keep_alive()),
     ];
-    let mut map = match &opts.start {
-        Some(start) => start.map.clone(),
-        None => {
-            let numels: Vec<usize> = model.units().iter().map(|u| u.numel()).collect();
-            let members: Vec<RankId> = (0..cfg.ranks).collect();
-            ShardMap::plan(&numels, &members, cfg.chunk_elems, 1)
-                .map_err(|e| ProcError::Setup(e.to_string()))?
-        }
-    };
-    // Workers' addresses tell their hosts: buddy backups then go to another host where possible.
-    map.hosts = joined
-        .iter()
-        .map(|j| (j.rank, j.peer.ip().to_string()))
-        .collect();
+    let map = initial_map(&cfg, model.as_ref(), opts.start.as_ref(), &joined)?;
     let initial = map.clone();
-    let started = Run::start(
-        cfg.clone(),
-        &opts,
+    let welcomed = Welcomed {
         map,
         joined,
         deadline,
         clock,
-        Arc::clone(&lobby),
-    )
-    .await;
-    let mut run = match started {
+        lobby: Arc::clone(&lobby),
+    };
+    let mut run = match Run::start(&cfg, &plan, &opts, welcomed).await {
         Ok(run) => run,
         Err(e) => {
             for t in &lobby_tasks {
@@ -240,17 +189,7 @@ pub async fn run_coordinator(
         },
     );
     let _ = ready.send(());
-    let server = match held {
-        Some(task) => match task.await {
-            Ok(listener) => Some(http::serve_on(listener, handle, HttpLimits::default())),
-            // The job runs on without its endpoint rather than leave the workers hanging.
-            Err(e) => {
-                tracing::error!("the control endpoint stopped: {e}");
-                None
-            }
-        },
-        None => None,
-    };
+    let server = serve_control(held, handle).await;
     let mut result = run.drive(&mut observer, &mut monitor).await;
     if let Ok(outcome) = &mut result {
         outcome.resume_reads = reads;
@@ -263,6 +202,99 @@ pub async fn run_coordinator(
         s.abort();
     }
     result
+}
+
+/// The job's plan, once its config, its start state and the process settings are checked.
+fn check_job(cfg: &TrainConfig, opts: &CoordinatorOptions) -> Result<RunPlan, ProcError> {
+    cfg.validate()?;
+    check_parts(cfg, opts.part_max_bytes)?;
+    if let Some(start) = opts
+        .start
+        .as_ref()
+        .filter(|s| s.map.world_size() != cfg.ranks as usize)
+    {
+        return Err(ProcError::Setup(format!(
+            "the start state is planned for {} ranks, the job has {}",
+            start.map.world_size(),
+            cfg.ranks
+        )));
+    }
+    opts.procs
+        .validate()
+        .map_err(|e| ConfigError::new(e.field, e.message))?;
+    Ok(RunPlan::new(cfg, opts.snapshot_every)?)
+}
+
+/// Binds the workers' port and, if asked for, the control endpoint's.
+async fn listen(
+    opts: &CoordinatorOptions,
+) -> Result<(TcpListener, Option<TcpListener>, Listening), ProcError> {
+    let bound = |l: &TcpListener| {
+        l.local_addr()
+            .map_err(|e| ProcError::Setup(format!("cannot read the bound address: {e}")))
+    };
+    let listener = TcpListener::bind(&opts.listen)
+        .await
+        .map_err(|e| ProcError::Setup(format!("cannot listen on {}: {e}", opts.listen)))?;
+    let control = match opts.control {
+        Some(at) => Some(TcpListener::bind(at).await.map_err(|e| {
+            ProcError::Setup(format!("cannot serve the control endpoint on {at}: {e}"))
+        })?),
+        None => None,
+    };
+    let at = Listening {
+        workers: bound(&listener)?,
+        control: control.as_ref().map(bound).transpose()?,
+    };
+    Ok((listener, control, at))
+}
+
+/// The shard map the job starts with: the start state's, or a fresh plan over the workers, with
+/// the workers' hosts (buddy backups then go to another host where possible).
+fn initial_map(
+    cfg: &TrainConfig,
+    model: &dyn crate::model::Model,
+    start: Option<&StartState>,
+    joined: &[Joined],
+) -> Result<ShardMap, ProcError> {
+    let mut map = match start {
+        Some(start) => start.map.clone(),
+        None => {
+            let numels: Vec<usize> = model.units().iter().map(|u| u.numel()).collect();
+            let members: Vec<RankId> = (0..cfg.ranks).collect();
+            ShardMap::plan(&numels, &members, cfg.chunk_elems, 1)
+                .map_err(|e| ProcError::Setup(e.to_string()))?
+        }
+    };
+    map.hosts = joined
+        .iter()
+        .map(|j| (j.rank, j.peer.ip().to_string()))
+        .collect();
+    Ok(map)
+}
+
+/// The control endpoint, served once the job has started (it answered 503 until then).
+async fn serve_control(
+    held: Option<tokio::task::JoinHandle<TcpListener>>,
+    handle: ControlHandle,
+) -> Option<tokio::task::JoinHandle<()>> {
+    match held?.await {
+        Ok(listener) => Some(http::serve_on(listener, handle, HttpLimits::default())),
+        // The job runs on without its endpoint rather than leave the workers hanging.
+        Err(e) => {
+            tracing::error!("the control endpoint stopped: {e}");
+            None
+        }
+    }
+}
+
+/// The admitted workers, about to be welcomed into the job.
+struct Welcomed {
+    map: ShardMap,
+    joined: Vec<Joined>,
+    deadline: Instant,
+    clock: Arc<dyn Clock>,
+    lobby: Arc<Lobby>,
 }
 
 /// A started job: the coordinator actor, its proxies and the connection tasks.
@@ -278,151 +310,48 @@ struct Run {
     state_on_tier: bool,
 }
 
+/// The workers once each has its welcome and its starting state: their links, writer tasks
+/// and readers, and the addresses their control connections came from.
+struct Sent {
+    links: Links,
+    writers: Vec<tokio::task::JoinHandle<()>>,
+    readers: Vec<(RankId, ControlReader)>,
+    control_ips: BTreeMap<RankId, IpAddr>,
+}
+
 impl Run {
-    #[allow(clippy::too_many_arguments)]
     async fn start(
-        cfg: TrainConfig,
+        cfg: &TrainConfig,
+        plan: &RunPlan,
         opts: &CoordinatorOptions,
-        map: ShardMap,
-        joined: Vec<Joined>,
-        deadline: Instant,
-        clock: Arc<dyn Clock>,
-        lobby: Arc<Lobby>,
+        w: Welcomed,
     ) -> Result<Run, ProcError> {
         let (procs, data_plane) = (opts.procs, opts.data_plane);
         let config_json =
-            serde_json::to_string(&cfg).map_err(|e| ProcError::Setup(e.to_string()))?;
-        let links: Links = Arc::default();
-        let mut writers = Vec::new();
-        let mut readers = Vec::new();
-        let control_ips: BTreeMap<RankId, IpAddr> =
-            joined.iter().map(|j| (j.rank, j.peer.ip())).collect();
-        let wait = deadline.max(Instant::now() + Duration::from_millis(procs.join_timeout_ms));
-        for mut j in joined {
-            let welcome = Welcome {
-                rank: j.rank,
-                config_json: config_json.clone(),
-                map: map.clone(),
-                world: cfg.ranks,
-                data_plane,
-                ucx_net: opts.ucx_net.clone(),
-                procs,
-                restore: opts.start.is_some(),
-                part_max_bytes: opts.part_max_bytes as u64,
-                ranks_on_host: control_ips
-                    .values()
-                    .filter(|&&ip| ip == j.peer.ip())
-                    .count() as u32,
-            };
-            let welcome = ToWorker::Welcome(Box::new(welcome));
-            tokio::time::timeout_at(wait, send_start(&mut j, welcome, opts, &cfg))
-                .await
-                .map_err(|_| {
-                    ProcError::Setup(format!(
-                        "rank {} did not take its starting state within join_timeout_ms",
-                        j.rank
-                    ))
-                })??;
-            let (tx, rx) = mpsc::channel(LINK_QUEUE_MAX);
-            writers.push(tokio::spawn(write_loop(j.writer, rx)));
-            lock(&links).insert(j.rank, tx);
-            readers.push((j.rank, j.reader));
-        }
+            serde_json::to_string(cfg).map_err(|e| ProcError::Setup(e.to_string()))?;
+        let wait = w
+            .deadline
+            .max(Instant::now() + Duration::from_millis(procs.join_timeout_ms));
+        let mut sent = welcome_all(cfg, plan, opts, &w.map, w.joined, &config_json, wait).await?;
         let endpoints = Arc::new(Endpoints::new(data_plane));
-        for (rank, reader) in &mut readers {
-            match expect(*rank, reader, wait, "bound").await? {
-                ToCoord::Bound { data_addr, ucx } if data_addr.parse::<SocketAddr>().is_ok() => {
-                    endpoints.record(*rank, data_addr, ucx, control_ips[rank]);
-                }
-                other => {
-                    return Err(ProcError::Setup(format!(
-                        "rank {rank} sent {} instead of its data address",
-                        other.kind()
-                    )))
-                }
-            }
-        }
-        let ranks: Vec<RankId> = readers.iter().map(|(r, _)| *r).collect();
-        for (&r, l) in lock(&links).iter() {
-            let _ = l.try_send(Some(ToWorker::Peers {
-                peers: endpoints.peers_for(r, ranks.iter().copied()),
-            }));
-        }
-        for (rank, reader) in &mut readers {
-            match expect(*rank, reader, wait, "ready").await? {
-                ToCoord::Ready => {}
-                other => {
-                    return Err(ProcError::Setup(format!(
-                        "rank {rank} sent {} instead of ready",
-                        other.kind()
-                    )))
-                }
-            }
-        }
+        meet_peers(&mut sent, &endpoints, wait).await?;
         let (tx, events) = mpsc::unbounded_channel();
-        let link_to = |links: &Links| {
-            let links = Arc::clone(links);
-            move |r: RankId, msg: ToWorker| {
-                if let Some(l) = lock(&links).get(&r) {
-                    let _ = l.try_send(Some(msg));
-                }
-            }
-        };
-        let interrupt = link_to(&links);
-        let retired = Arc::clone(&links);
         let (join_tx, join_rx) = mpsc::unbounded_channel();
-        let job = job_spec(&cfg, opts.snapshot_every);
-        let engine = match opts.start.as_ref().and_then(|s| s.progress.clone()) {
-            Some(progress) => Coordinator::resume(job, map, progress),
-            None => Coordinator::new(job, map),
-        };
-        let args = CoordArgs::<Detached> {
-            engine,
-            events: tx,
-            clock: Arc::clone(&clock),
-            tick_ms: 200,
-            // The driver tells every worker why when it sees the abort event.
-            on_abort: Box::new(|| {}),
-            // The worker's link goes with its stop, so that a later joiner is not told to
-            // expect it as a peer.
-            on_retire: Box::new(move |r| {
-                if let Some(l) = lock(&retired).remove(&r) {
-                    let _ = l.try_send(Some(ToWorker::Stop {
-                        ok: true,
-                        reason: "left the job".into(),
-                    }));
-                    let _ = l.try_send(None);
-                }
-            }),
-            on_interrupt: Box::new(move |r, epoch, step| {
-                interrupt(r, ToWorker::Interrupt { epoch, step })
-            }),
-            // A joiner is a standby worker process: the join task brings it up and answers
-            // with `CoordMsg::Joined`, so the coordinator actor never waits on a process.
-            factory: Box::new(move |rank, _| {
-                join_tx
-                    .send(rank)
-                    .map(|_| NewRank::Later)
-                    .map_err(|_| "the join task has stopped".to_string())
-            }),
-            boundary_snapshot: opts.boundary_snapshot.clone(),
-            // Workers report their progress over their control connections.
-            progress: None,
-        };
+        let args = coord_args(plan, opts, w.map, &sent.links, &w.clock, tx, join_tx);
         let (coordinator, _) = Actor::spawn(None, CoordinatorActor::<Detached>::default(), args)
             .await
             .map_err(|e| ProcError::Setup(e.to_string()))?;
         let tasks: Tasks = Arc::default();
         let mut ranks = Vec::new();
-        for (rank, reader) in readers {
-            let link = lock(&links).get(&rank).cloned();
+        for (rank, reader) in sent.readers {
+            let link = lock(&sent.links).get(&rank).cloned();
             let Some(link) = link else { continue };
             let proxy = start_proxy(
                 rank,
                 link,
                 Inbox::Stream(reader),
                 &coordinator,
-                &clock,
+                &w.clock,
                 procs,
                 &tasks,
             )
@@ -430,18 +359,18 @@ impl Run {
             .map_err(ProcError::Setup)?;
             ranks.push((rank, proxy));
         }
-        let writers: Tasks = Arc::new(Mutex::new(writers));
+        let writers: Tasks = Arc::new(Mutex::new(sent.writers));
         let joining = Joining {
             config_json,
             data_plane,
             ucx_net: opts.ucx_net.clone(),
             procs,
             part_max_bytes: opts.part_max_bytes as u64,
-            lobby: Arc::clone(&lobby),
-            links: Arc::clone(&links),
+            lobby: Arc::clone(&w.lobby),
+            links: Arc::clone(&sent.links),
             endpoints: Arc::clone(&endpoints),
             coordinator: coordinator.clone(),
-            clock,
+            clock: w.clock,
             tasks: Arc::clone(&tasks),
             writers: Arc::clone(&writers),
             joined: Default::default(),
@@ -454,10 +383,10 @@ impl Run {
         Ok(Run {
             coordinator,
             events,
-            links,
+            links: sent.links,
             writers,
             tasks,
-            lobby,
+            lobby: w.lobby,
             endpoints,
             state_on_tier: opts.state_on_tier,
         })
@@ -585,13 +514,158 @@ impl Run {
     }
 }
 
+/// Welcomes every admitted worker and sends each its starting state, by `wait`; then each
+/// connection's writer task takes over.
+async fn welcome_all(
+    cfg: &TrainConfig,
+    plan: &RunPlan,
+    opts: &CoordinatorOptions,
+    map: &ShardMap,
+    joined: Vec<Joined>,
+    config_json: &str,
+    wait: Instant,
+) -> Result<Sent, ProcError> {
+    let mut sent = Sent {
+        links: Arc::default(),
+        writers: Vec::new(),
+        readers: Vec::new(),
+        control_ips: joined.iter().map(|j| (j.rank, j.peer.ip())).collect(),
+    };
+    for mut j in joined {
+        let welcome = Welcome {
+            rank: j.rank,
+            config_json: config_json.to_string(),
+            map: map.clone(),
+            world: cfg.ranks,
+            data_plane: opts.data_plane,
+            ucx_net: opts.ucx_net.clone(),
+            procs: opts.procs,
+            restore: opts.start.is_some(),
+            part_max_bytes: opts.part_max_bytes as u64,
+            ranks_on_host: sent
+                .control_ips
+                .values()
+                .filter(|&&ip| ip == j.peer.ip())
+                .count() as u32,
+        };
+        let welcome = ToWorker::Welcome(Box::new(welcome));
+        tokio::time::timeout_at(wait, send_start(&mut j, welcome, opts, plan.stage))
+            .await
+            .map_err(|_| {
+                ProcError::Setup(format!(
+                    "rank {} did not take its starting state within join_timeout_ms",
+                    j.rank
+                ))
+            })??;
+        let (tx, rx) = mpsc::channel(LINK_QUEUE_MAX);
+        sent.writers.push(tokio::spawn(write_loop(j.writer, rx)));
+        lock(&sent.links).insert(j.rank, tx);
+        sent.readers.push((j.rank, j.reader));
+    }
+    Ok(sent)
+}
+
+/// Hears every worker's data address, tells each its peers', and waits for all to be ready.
+async fn meet_peers(
+    sent: &mut Sent,
+    endpoints: &Endpoints,
+    wait: Instant,
+) -> Result<(), ProcError> {
+    for (rank, reader) in &mut sent.readers {
+        match expect(*rank, reader, wait, "bound").await? {
+            ToCoord::Bound { data_addr, ucx } if data_addr.parse::<SocketAddr>().is_ok() => {
+                endpoints.record(*rank, data_addr, ucx, sent.control_ips[rank]);
+            }
+            other => {
+                return Err(ProcError::Setup(format!(
+                    "rank {rank} sent {} instead of its data address",
+                    other.kind()
+                )))
+            }
+        }
+    }
+    let ranks: Vec<RankId> = sent.readers.iter().map(|(r, _)| *r).collect();
+    for (&r, l) in lock(&sent.links).iter() {
+        let _ = l.try_send(Some(ToWorker::Peers {
+            peers: endpoints.peers_for(r, ranks.iter().copied()),
+        }));
+    }
+    for (rank, reader) in &mut sent.readers {
+        match expect(*rank, reader, wait, "ready").await? {
+            ToCoord::Ready => {}
+            other => {
+                return Err(ProcError::Setup(format!(
+                    "rank {rank} sent {} instead of ready",
+                    other.kind()
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The coordinator actor's arguments over the workers' links: the engine (fresh or resumed)
+/// and the hooks that reach a worker, or, for a joiner, the join task.
+fn coord_args(
+    plan: &RunPlan,
+    opts: &CoordinatorOptions,
+    map: ShardMap,
+    links: &Links,
+    clock: &Arc<dyn Clock>,
+    events: mpsc::UnboundedSender<ClusterEvent>,
+    join_tx: mpsc::UnboundedSender<RankId>,
+) -> CoordArgs<Detached> {
+    let interrupt = Arc::clone(links);
+    let retired = Arc::clone(links);
+    let job = plan.job.clone();
+    let engine = match opts.start.as_ref().and_then(|s| s.progress.clone()) {
+        Some(progress) => Coordinator::resume(job, map, progress),
+        None => Coordinator::new(job, map),
+    };
+    CoordArgs::<Detached> {
+        engine,
+        events,
+        clock: Arc::clone(clock),
+        tick_ms: 200,
+        // The driver tells every worker why when it sees the abort event.
+        on_abort: Box::new(|| {}),
+        // The worker's link goes with its stop, so that a later joiner is not told to
+        // expect it as a peer.
+        on_retire: Box::new(move |r| {
+            if let Some(l) = lock(&retired).remove(&r) {
+                let _ = l.try_send(Some(ToWorker::Stop {
+                    ok: true,
+                    reason: "left the job".into(),
+                }));
+                let _ = l.try_send(None);
+            }
+        }),
+        on_interrupt: Box::new(move |r, epoch, step| {
+            if let Some(l) = lock(&interrupt).get(&r) {
+                let _ = l.try_send(Some(ToWorker::Interrupt { epoch, step }));
+            }
+        }),
+        // A joiner is a standby worker process: the join task brings it up and answers
+        // with `CoordMsg::Joined`, so the coordinator actor never waits on a process.
+        factory: Box::new(move |rank, _| {
+            join_tx
+                .send(rank)
+                .map(|_| NewRank::Later)
+                .map_err(|_| "the join task has stopped".to_string())
+        }),
+        boundary_snapshot: opts.boundary_snapshot.clone(),
+        // Workers report their progress over their control connections.
+        progress: None,
+    }
+}
+
 /// Writes the welcome and, with a start state, the chunks `j`'s rank is built from, in parts
 /// (one part in memory at a time), before the connection's writer task takes over.
 async fn send_start(
     j: &mut Joined,
     welcome: ToWorker,
     opts: &CoordinatorOptions,
-    cfg: &TrainConfig,
+    stage: Stage,
 ) -> Result<(), ProcError> {
     let rank = j.rank;
     let failed = |e: super::control_plane::WireError| {
@@ -601,8 +675,6 @@ async fn send_start(
     let Some(start) = &opts.start else {
         return Ok(());
     };
-    let stage = crate::plan::Stage::from_u8(cfg.stage)
-        .ok_or_else(|| ProcError::Setup(format!("stage {}", cfg.stage)))?;
     // New weights are read here, a unit at a time; a failed read stops the parts and the job.
     let unreadable = std::cell::RefCell::new(None);
     let chunks = start

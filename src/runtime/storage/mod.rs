@@ -6,7 +6,8 @@
 //! [`device::MemDevice`], the reference device tests inject faults into. Buddy backups of
 //! offloaded state go to [`ChunkFile`]s beside the tier file.
 //!
-//! Imports: `plan`, `crate::runtime::alloc` and below; nothing above (the step uses this).
+//! Imports: `plan`, the run plan's tier (`job::run_plan::TierPlan`), `crate::runtime::alloc` and
+//! below; nothing above (the step uses this).
 //!
 //! Design: docs/memory-and-tier.md.
 
@@ -27,6 +28,8 @@ pub use self::preflight::{check_dir, lock_dir, DirLock, PreflightError};
 pub use self::tier_file::{RecordKinds, TierError, TierFile, TierLayout, TierStats};
 pub use self::uring::UringConfig;
 use self::uring::UringDevice;
+use crate::config::NvmeFaultKind;
+use crate::job::run_plan::TierPlan;
 use crate::plan::tier::Placement;
 
 /// Everything a rank needs to put its state on the tier.
@@ -85,6 +88,45 @@ impl TierSpec {
             },
             lock,
         ))
+    }
+
+    /// The tier a run plan asks for, its directory checked and locked (see [`TierSpec::for_run`]),
+    /// with the plan's fault in front of its rank's device.
+    pub fn for_plan(plan: &TierPlan) -> Result<(TierSpec, DirLock), PreflightError> {
+        let uring = UringConfig {
+            queue_depth: plan.queue_depth,
+            block_bytes: plan.block_bytes,
+            direct: plan.direct,
+        };
+        let (spec, lock) = TierSpec::for_run(
+            &plan.dir,
+            plan.placement,
+            plan.tile_elems,
+            plan.staging_buffers,
+            uring,
+            plan.need_bytes,
+        )?;
+        let faults = plan.fault.map(|f| {
+            let faults = match f.kind {
+                NvmeFaultKind::FailWrites { errno, after_bytes } => Faults {
+                    fail_after_write_bytes: Some(after_bytes),
+                    errno,
+                    ..Faults::default()
+                },
+                NvmeFaultKind::SlowReads { ms } => Faults {
+                    read_delay_ms: ms,
+                    ..Faults::default()
+                },
+            };
+            (f.rank, faults)
+        });
+        let spec = TierSpec {
+            update_in_backward: plan.update_in_backward,
+            update_reuses_params: plan.update_reuses_params,
+            faults,
+            ..spec
+        };
+        Ok((spec, lock))
     }
 
     /// This rank's folder under the tier directory.

@@ -45,19 +45,18 @@ use super::planes::{host_identity, user_id};
 use super::proxy::{CoordProxy, CoordProxyArgs, WorkerEnd};
 use super::state::{parts, STATE_PART_LIMIT_BYTES};
 use crate::config::TrainConfig;
-use crate::job::optim_settings;
+use crate::job::run_plan::{RunPlan, StoragePlan};
 use crate::job::{build_dataset, build_model, compute_threads_for};
 use crate::model::weights::ModelInit;
 use crate::net::tls::{check_alpn, peer_server_name, ClusterTls, Protocol};
 use crate::plan::activations::ActivationChoice;
-use crate::plan::{RankId, Stage};
+use crate::plan::RankId;
 use crate::runtime::actors::{RankActor, RankArgs, RankMsg, RankSetup, Work};
-use crate::runtime::api::cluster::{exec_config, job_spec, prepare_storage};
 use crate::runtime::clock::{Clock, SystemClock};
 use crate::runtime::step::comm::Comm;
 use crate::runtime::step::exec::ExecConfig;
 use crate::runtime::step::progress::RunProgress;
-use crate::runtime::step::state::rank_state::{ChunkState, RankState};
+use crate::runtime::step::state::rank_state::{ChunkState, RankState, StartFrom};
 use crate::runtime::storage::TierSpec;
 #[cfg(feature = "ucx")]
 use crate::runtime::transport::tcp::DATA_FRAME_MAX_BYTES;
@@ -207,6 +206,15 @@ async fn await_welcome(
     got
 }
 
+/// What a worker runs its rank with once welcomed: the job's config (checked), its plan, and the
+/// starting state the coordinator sent (on a restore).
+struct Job {
+    welcome: Welcome,
+    cfg: TrainConfig,
+    plan: RunPlan,
+    start: Option<Vec<ChunkState>>,
+}
+
 /// Binds the data plane the welcome names, meets the peers and runs the rank of `cfg` (the
 /// welcome's config, checked).
 async fn run_rank(
@@ -216,109 +224,148 @@ async fn run_rank(
     mut reader: ControlReader,
     opts: &WorkerOptions,
 ) -> Result<WorkerOutcome, ProcError> {
-    let join_ms = opts.procs.join_timeout_ms;
     let start = if welcome.restore {
+        let join_ms = opts.procs.join_timeout_ms;
         Some(receive_start(&mut reader, join_ms, &opts.join).await?)
     } else {
         None
     };
-    match welcome.data_plane {
-        DataPlane::Tcp => {
-            let data = bind_tcp(opts)?;
-            let peers = exchange(data.local_addr(), None, link, &mut reader, join_ms, opts).await?;
-            let transport = tcp_transport(data, &welcome, &cfg, &peers);
-            let interrupter = transport.interrupter();
-            let book = transport.peer_book();
-            let hooks = Hooks {
-                interrupt: Box::new(move |e, s| interrupter.interrupt(e, s)),
-                add_peer: Box::new(move |p| book.add(p.rank, p.addr)),
-            };
-            serve(welcome, cfg, start, transport, hooks, link, reader).await
-        }
+    // The worker's share of the job; the coordinator asks for snapshots itself.
+    let plan = RunPlan::new(&cfg, 0)?;
+    let job = Job {
+        welcome,
+        cfg,
+        plan,
+        start,
+    };
+    match job.welcome.data_plane {
+        DataPlane::Tcp => over_tcp(job, link, reader, opts).await,
         #[cfg(feature = "ucx")]
-        DataPlane::Ucx => {
-            let data = bind_tcp(opts)?;
-            let engine = start_ucx(welcome.rank, welcome.ucx_net.as_deref())?;
-            let ucx = UcxBound {
-                address: engine.address().to_vec(),
-                host: host_identity(),
-                uid: user_id(),
-                net: welcome.ucx_net.is_some(),
-            };
-            let bound = data.local_addr();
-            let peers = exchange(bound, Some(ucx), link, &mut reader, join_ms, opts).await?;
-            let tcp = tcp_transport(data, &welcome, &cfg, &peers);
-            let (interrupter, book) = (tcp.interrupter(), tcp.peer_book());
-            let transport = MixedTransport::new(tcp, engine, DATA_FRAME_MAX_BYTES)
-                .map_err(|e| ProcError::Setup(format!("rank {}: {e}", welcome.rank)))?;
-            let routes = transport.routes();
-            for p in peers.into_iter().filter(|p| p.rank != welcome.rank) {
-                if let Some(address) = p.ucx {
-                    routes.add(p.rank, address).map_err(|e| {
-                        ProcError::Setup(format!(
-                            "rank {}: UCX to rank {}: {e}",
-                            welcome.rank, p.rank
-                        ))
-                    })?;
-                }
-            }
-            let report = routes.clone();
-            let hooks = Hooks {
-                interrupt: Box::new(move |e, s| interrupter.interrupt(e, s)),
-                add_peer: Box::new(move |p| {
-                    book.add(p.rank, p.addr);
-                    if let Some(address) = p.ucx {
-                        // The pair falls back to nothing: the joiner's collectives time out
-                        // and the coordinator drops it from its change.
-                        if let Err(e) = routes.add(p.rank, address) {
-                            tracing::warn!("UCX to joining rank {}: {e}", p.rank);
-                        }
-                    }
-                }),
-            };
-            let mut outcome = serve(welcome, cfg, start, transport, hooks, link, reader).await?;
-            outcome.data_plane = Some(report.describe());
-            Ok(outcome)
-        }
+        DataPlane::Ucx => over_ucx(job, link, reader, opts).await,
         #[cfg(not(feature = "ucx"))]
         DataPlane::Ucx => Err(ProcError::Setup(NO_UCX_BUILD.into())),
-        DataPlane::Quic => {
-            let q = bind_quic(&welcome, opts)?;
-            let peers = exchange(q.local_addr(), None, link, &mut reader, join_ms, opts).await?;
-            let peers: Vec<(RankId, SocketAddr)> = peers.iter().map(|p| (p.rank, p.addr)).collect();
-            q.add_peers(&peers);
-            let ranks: Vec<RankId> = peers.iter().map(|(r, _)| *r).collect();
-            // A dialled peer learns who we are from our first stream: open it now, so that
-            // both sides see the connection before the first step.
-            let control = q.control();
-            for &r in ranks.iter().filter(|r| **r > welcome.rank) {
-                let _ = control.send_control(r, bytes::Bytes::from_static(b"hello"));
-            }
-            // A joiner not up within step_timeout_ms is dropped from its change by the
-            // coordinator: waiting longer for its peers would only keep a dead process around.
-            let wait_ms = if welcome.map.is_member(welcome.rank) {
-                join_ms
-            } else {
-                join_ms.min(job_spec(&cfg, 0).step_timeout_ms)
-            };
-            tokio::task::block_in_place(|| q.wait_connected(&ranks, wait_ms))
-                .map_err(|e| ProcError::Setup(format!("rank {}: {e}", welcome.rank)))?;
-            let (control, joins) = (q.control(), q.control());
-            let me = welcome.rank;
-            let hooks = Hooks {
-                interrupt: Box::new(move |e, s| control.interrupt(e, s)),
-                // The lower rank dials; the joiner learns who we are from our first stream.
-                add_peer: Box::new(move |p| {
-                    let r = p.rank;
-                    joins.add_peers(&[(r, p.addr)]);
-                    if r > me {
-                        let _ = joins.send_control(r, bytes::Bytes::from_static(b"hello"));
-                    }
-                }),
-            };
-            serve(welcome, cfg, start, q, hooks, link, reader).await
+        DataPlane::Quic => over_quic(job, link, reader, opts).await,
+    }
+}
+
+/// The rank over mutual-TLS TCP to every peer.
+async fn over_tcp(
+    job: Job,
+    link: &mpsc::Sender<Option<ToCoord>>,
+    mut reader: ControlReader,
+    opts: &WorkerOptions,
+) -> Result<WorkerOutcome, ProcError> {
+    let join_ms = opts.procs.join_timeout_ms;
+    let data = bind_tcp(opts)?;
+    let peers = exchange(data.local_addr(), None, link, &mut reader, join_ms, opts).await?;
+    let transport = tcp_transport(data, &job.welcome, &job.cfg, &peers);
+    let interrupter = transport.interrupter();
+    let book = transport.peer_book();
+    let hooks = Hooks {
+        interrupt: Box::new(move |e, s| interrupter.interrupt(e, s)),
+        add_peer: Box::new(move |p| book.add(p.rank, p.addr)),
+    };
+    serve(job, transport, hooks, link, reader).await
+}
+
+/// The rank over UCX to the peers it can reach that way (shared memory on this host, or the
+/// `--ucx-net` devices), TLS TCP to the others.
+#[cfg(feature = "ucx")]
+async fn over_ucx(
+    job: Job,
+    link: &mpsc::Sender<Option<ToCoord>>,
+    mut reader: ControlReader,
+    opts: &WorkerOptions,
+) -> Result<WorkerOutcome, ProcError> {
+    let join_ms = opts.procs.join_timeout_ms;
+    let welcome = &job.welcome;
+    let data = bind_tcp(opts)?;
+    let engine = start_ucx(welcome.rank, welcome.ucx_net.as_deref())?;
+    let ucx = UcxBound {
+        address: engine.address().to_vec(),
+        host: host_identity(),
+        uid: user_id(),
+        net: welcome.ucx_net.is_some(),
+    };
+    let bound = data.local_addr();
+    let peers = exchange(bound, Some(ucx), link, &mut reader, join_ms, opts).await?;
+    let tcp = tcp_transport(data, welcome, &job.cfg, &peers);
+    let (interrupter, book) = (tcp.interrupter(), tcp.peer_book());
+    let transport = MixedTransport::new(tcp, engine, DATA_FRAME_MAX_BYTES)
+        .map_err(|e| ProcError::Setup(format!("rank {}: {e}", welcome.rank)))?;
+    let routes = transport.routes();
+    for p in peers.into_iter().filter(|p| p.rank != welcome.rank) {
+        if let Some(address) = p.ucx {
+            routes.add(p.rank, address).map_err(|e| {
+                ProcError::Setup(format!(
+                    "rank {}: UCX to rank {}: {e}",
+                    welcome.rank, p.rank
+                ))
+            })?;
         }
     }
+    let report = routes.clone();
+    let hooks = Hooks {
+        interrupt: Box::new(move |e, s| interrupter.interrupt(e, s)),
+        add_peer: Box::new(move |p| {
+            book.add(p.rank, p.addr);
+            if let Some(address) = p.ucx {
+                // The pair falls back to nothing: the joiner's collectives time out
+                // and the coordinator drops it from its change.
+                if let Err(e) = routes.add(p.rank, address) {
+                    tracing::warn!("UCX to joining rank {}: {e}", p.rank);
+                }
+            }
+        }),
+    };
+    let mut outcome = serve(job, transport, hooks, link, reader).await?;
+    outcome.data_plane = Some(report.describe());
+    Ok(outcome)
+}
+
+/// The rank over QUIC, every peer connected before the first step.
+async fn over_quic(
+    job: Job,
+    link: &mpsc::Sender<Option<ToCoord>>,
+    mut reader: ControlReader,
+    opts: &WorkerOptions,
+) -> Result<WorkerOutcome, ProcError> {
+    let join_ms = opts.procs.join_timeout_ms;
+    let welcome = &job.welcome;
+    let q = bind_quic(welcome, opts)?;
+    let peers = exchange(q.local_addr(), None, link, &mut reader, join_ms, opts).await?;
+    let peers: Vec<(RankId, SocketAddr)> = peers.iter().map(|p| (p.rank, p.addr)).collect();
+    q.add_peers(&peers);
+    let ranks: Vec<RankId> = peers.iter().map(|(r, _)| *r).collect();
+    // A dialled peer learns who we are from our first stream: open it now, so that
+    // both sides see the connection before the first step.
+    let control = q.control();
+    for &r in ranks.iter().filter(|r| **r > welcome.rank) {
+        let _ = control.send_control(r, bytes::Bytes::from_static(b"hello"));
+    }
+    // A joiner not up within step_timeout_ms is dropped from its change by the
+    // coordinator: waiting longer for its peers would only keep a dead process around.
+    let wait_ms = if welcome.map.is_member(welcome.rank) {
+        join_ms
+    } else {
+        join_ms.min(job.plan.job.step_timeout_ms)
+    };
+    tokio::task::block_in_place(|| q.wait_connected(&ranks, wait_ms))
+        .map_err(|e| ProcError::Setup(format!("rank {}: {e}", welcome.rank)))?;
+    let (control, joins) = (q.control(), q.control());
+    let me = welcome.rank;
+    let hooks = Hooks {
+        interrupt: Box::new(move |e, s| control.interrupt(e, s)),
+        // The lower rank dials; the joiner learns who we are from our first stream.
+        add_peer: Box::new(move |p| {
+            let r = p.rank;
+            joins.add_peers(&[(r, p.addr)]);
+            if r > me {
+                let _ = joins.send_control(r, bytes::Bytes::from_static(b"hello"));
+            }
+        }),
+    };
+    serve(job, q, hooks, link, reader).await
 }
 
 /// The next message from the coordinator within `timeout_ms`.
@@ -446,19 +493,16 @@ async fn send_parts(
 
 /// Builds the rank from the welcome and runs it until the job ends for this worker.
 async fn serve<T: Transport>(
-    welcome: Welcome,
-    cfg: TrainConfig,
-    start: Option<Vec<ChunkState>>,
+    job: Job,
     transport: T,
     hooks: Hooks,
     link: &mpsc::Sender<Option<ToCoord>>,
     mut reader: ControlReader,
 ) -> Result<WorkerOutcome, ProcError> {
-    let rank = welcome.rank;
-    let procs = welcome.procs;
-    let part_max_bytes = (welcome.part_max_bytes as usize).clamp(1, STATE_PART_LIMIT_BYTES);
-    let (rank_actor, mut ended, progress) =
-        start_rank(welcome, cfg, start, transport, link).await?;
+    let rank = job.welcome.rank;
+    let procs = job.welcome.procs;
+    let part_max_bytes = (job.welcome.part_max_bytes as usize).clamp(1, STATE_PART_LIMIT_BYTES);
+    let (rank_actor, mut ended, progress) = start_rank(job, transport, link).await?;
     let mut beat_sent = None;
     let _ = link.try_send(Some(ToCoord::Ready));
     let clock = SystemClock::default();
@@ -615,23 +659,22 @@ fn worker_storage(
     model: &dyn crate::model::Model,
     rank: RankId,
 ) -> Result<(Option<Arc<TierSpec>>, ActivationChoice), ProcError> {
-    let mut cfg = cfg.clone();
-    if let Some(dir) = &cfg.nvme_dir {
-        let own = dir.join(format!("worker-{rank}"));
-        if dir.is_dir() {
-            std::fs::create_dir_all(&own).map_err(|e| {
-                ProcError::Setup(format!("creating the tier folder {}: {e}", own.display()))
-            })?;
-        }
-        cfg.nvme_dir = Some(own);
+    let available = crate::runtime::alloc::available_memory_bytes().unwrap_or(u64::MAX / 2);
+    let plan = StoragePlan::new(cfg, model, 1, false, available)
+        .map_err(|e| ProcError::Setup(e.to_string()))?;
+    let Some(mut tier) = plan.tier else {
+        return Ok((None, plan.activations));
+    };
+    let own = tier.dir.join(format!("worker-{rank}"));
+    if tier.dir.is_dir() {
+        std::fs::create_dir_all(&own).map_err(|e| {
+            ProcError::Setup(format!("creating the tier folder {}: {e}", own.display()))
+        })?;
     }
-    let prepared =
-        prepare_storage(&cfg, model, 1, false).map_err(|e| ProcError::Setup(e.to_string()))?;
-    let tier = prepared.tier.map(|(spec, lock)| {
-        std::mem::forget(lock);
-        Arc::new(spec)
-    });
-    Ok((tier, prepared.activations))
+    tier.dir = own;
+    let (spec, lock) = TierSpec::for_plan(&tier).map_err(|e| ProcError::Setup(e.to_string()))?;
+    std::mem::forget(lock);
+    Ok((Some(Arc::new(spec)), plan.activations))
 }
 
 /// The job's config as the coordinator sent it, checked.
@@ -652,74 +695,50 @@ type Started<T> = (
 );
 
 async fn start_rank<T: Transport>(
-    welcome: Welcome,
-    cfg: TrainConfig,
-    start: Option<Vec<ChunkState>>,
+    job: Job,
     transport: T,
     link: &mpsc::Sender<Option<ToCoord>>,
 ) -> Result<Started<T>, ProcError> {
+    let Job {
+        welcome,
+        cfg,
+        plan,
+        start,
+    } = job;
     let rank = welcome.rank;
     let model = build_model(&cfg)?;
     let dataset = build_dataset(&cfg)?;
-    let stage = Stage::from_u8(cfg.stage)
-        .ok_or_else(|| ProcError::Setup(format!("stage {} from the coordinator", cfg.stage)))?;
-    let optim = optim_settings(&cfg);
     let (storage, activations) = worker_storage(&cfg, model.as_ref(), rank)?;
     // A joiner (not in the committed map) holds nothing until its reshard.
     let state = if welcome.map.is_member(rank) {
-        Some(match start {
-            Some(chunks) => {
-                let by_id: BTreeMap<(u32, u32), ChunkState> =
-                    chunks.into_iter().map(|c| ((c.unit, c.index), c)).collect();
-                let source = |u: usize, i: usize| by_id.get(&(u as u32, i as u32)).cloned();
-                RankState::from_chunks(
-                    rank,
-                    stage,
-                    cfg.reduce,
-                    Arc::clone(&model),
-                    welcome.map.clone(),
-                    optim,
-                    cfg.precision,
-                    &source,
-                    storage.as_deref(),
-                )
-                .map_err(|e| {
-                    ProcError::Setup(format!("rank {rank}: the starting state does not fit: {e}"))
-                })?
-            }
-            None => {
-                let weights = ModelInit {
-                    model: Arc::clone(&model),
-                    seed: cfg.seed,
-                };
-                RankState::from_full_params(
-                    rank,
-                    stage,
-                    cfg.reduce,
-                    Arc::clone(&model),
-                    welcome.map.clone(),
-                    optim,
-                    cfg.precision,
-                    &weights,
-                    storage.as_deref(),
-                )
-                .map_err(|e| ProcError::Setup(format!("rank {rank}: building its state: {e}")))?
-            }
-        })
+        let restored: Option<BTreeMap<(u32, u32), ChunkState>> =
+            start.map(|chunks| chunks.into_iter().map(|c| ((c.unit, c.index), c)).collect());
+        let source = |u: usize, i: usize| {
+            let chunks = restored.as_ref()?;
+            chunks.get(&(u as u32, i as u32)).cloned()
+        };
+        let weights = ModelInit {
+            model: Arc::clone(&model),
+            seed: plan.seed,
+        };
+        let from = match &restored {
+            Some(_) => StartFrom::Chunks(&source),
+            None => StartFrom::Weights(&weights),
+        };
+        let state = RankState::start(rank, &plan, &model, &welcome.map, storage.as_deref(), from)
+            .map_err(|e| ProcError::Setup(format!("rank {rank}: {e}")))?;
+        Some(state)
     } else {
         None
     };
     let progress = Arc::new(RunProgress::default());
     let setup = Arc::new(RankSetup {
-        stage,
-        mode: cfg.reduce,
+        stage: plan.stage,
+        mode: plan.reduce,
         model,
-        optim,
+        optim: plan.optim,
         data: dataset,
-        exec: ExecConfig {
-            progress: Arc::clone(&progress),
-            ..exec_config(&cfg, &activations)
-        },
+        exec: ExecConfig::new(&plan.exec, activations.keep, Arc::clone(&progress)),
         storage,
         // An injected kill (`--kill`, or an operator's `POST /ranks/{id}/kill`) ends this
         // process with SIGKILL, as `kill -9` would: no goodbye, the kernel closes its sockets.
@@ -740,11 +759,11 @@ async fn start_rank<T: Transport>(
         .map_err(|e| ProcError::Setup(e.to_string()))?;
     let args = RankArgs {
         rank,
-        work: Work::new(state, Comm::new(transport, cfg.collective_timeout_ms)),
+        work: Work::new(state, Comm::new(transport, plan.collective_timeout_ms)),
         coordinator: proxy.clone(),
         setup,
         panic_at_step: None,
-        kill_at_step: cfg.kill.iter().find(|k| k.value == rank).map(|k| k.step),
+        kill_at_step: plan.kill_step(rank),
     };
     let (actor, _) = Actor::spawn_linked(None, RankActor::<T>::default(), args, proxy.get_cell())
         .await

@@ -55,6 +55,28 @@ pub struct ExecConfig {
     pub precision: Precision,
 }
 
+impl ExecConfig {
+    /// The run plan's executor settings with the memory plan's activation choice and the
+    /// runtime's progress counters.
+    pub fn new(
+        settings: &crate::job::run_plan::ExecSettings,
+        keep_activations: bool,
+        progress: std::sync::Arc<crate::runtime::step::progress::RunProgress>,
+    ) -> Self {
+        Self {
+            micro_batch_size: settings.micro_batch_size,
+            seq_len: settings.seq_len,
+            seed: settings.seed,
+            max_live_units: settings.max_live_units,
+            keep_activations,
+            grad_clip: settings.grad_clip,
+            round_kills: settings.round_kills.clone(),
+            progress,
+            precision: settings.precision,
+        }
+    }
+}
+
 /// The most passes a step takes (the first may overflow the fixed-point range).
 const MAX_ATTEMPTS: u8 = 2;
 

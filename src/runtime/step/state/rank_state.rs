@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::ledger::{Category, Ledger};
+use crate::job::run_plan::RunPlan;
 use crate::model::backend::Precision;
 use crate::model::weights::WeightSource;
 use crate::model::{Model, UnitSpec};
@@ -118,7 +119,64 @@ pub struct ChunkState {
 /// Where a rank being built gets chunk states from: `None` means the chunk is unavailable.
 pub type ChunkSource<'a> = dyn Fn(usize, usize) -> Option<ChunkState> + 'a;
 
+/// What a rank's state starts from.
+pub enum StartFrom<'a> {
+    /// Starting weights (given ones, or the model's initialisation) with fresh optimizer state.
+    Weights(&'a dyn WeightSource),
+    /// Saved chunk states: a checkpoint read for a resume, or the parts a coordinator sent.
+    Chunks(&'a ChunkSource<'a>),
+}
+
+/// Why a rank's starting state could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("restoring its state: {0}")]
+    Restore(String),
+    #[error("building its state: {0}")]
+    Build(String),
+}
+
 impl RankState {
+    /// How every rank of a run starts, in-process or in a worker process: its state for `map`,
+    /// fresh or restored, under the run plan's stage, reduction, optimizer and precision.
+    pub fn start(
+        rank: RankId,
+        plan: &RunPlan,
+        model: &Arc<dyn Model>,
+        map: &ShardMap,
+        storage: Option<&TierSpec>,
+        from: StartFrom<'_>,
+    ) -> Result<Self, StartError> {
+        let (stage, mode, optim, precision) = (plan.stage, plan.reduce, plan.optim, plan.precision);
+        let model = Arc::clone(model);
+        match from {
+            StartFrom::Weights(weights) => Self::from_full_params(
+                rank,
+                stage,
+                mode,
+                model,
+                map.clone(),
+                optim,
+                precision,
+                weights,
+                storage,
+            )
+            .map_err(StartError::Build),
+            StartFrom::Chunks(source) => Self::from_chunks(
+                rank,
+                stage,
+                mode,
+                model,
+                map.clone(),
+                optim,
+                precision,
+                source,
+                storage,
+            )
+            .map_err(StartError::Restore),
+        }
+    }
+
     /// Builds the rank's state from starting weights with fresh optimizer state. The chunks
     /// the rank keeps are read unit by unit, each unit's in one request of coalesced ranges:
     /// under stage 3 only the rank's own chunks are read, and no more than one unit's worth is
@@ -218,100 +276,25 @@ impl RankState {
         }
         let mut tier =
             open_tier(rank, stage, &map, optim, precision, storage).map_err(|e| e.to_string())?;
-        let masters_in_shard = masters_in_shard(stage, precision.param_bytes());
-        // Updated in the backward, a unit's gradient shard lives only until its update.
-        let grads_leave_ram = tier
-            .as_ref()
-            .is_some_and(|t| t.layout.kinds.grads > 0 || t.two_copies());
-        let shard_count = map.units.len();
+        let build = UnitBuild {
+            rank,
+            stage,
+            map: &map,
+            optim,
+            precision,
+            masters_in_shard: masters_in_shard(stage, precision.param_bytes()),
+            // Updated in the backward, a unit's gradient shard lives only until its update.
+            grads_leave_ram: tier
+                .as_ref()
+                .is_some_and(|t| t.layout.kinds.grads > 0 || t.two_copies()),
+        };
         let mut ledger = Ledger::default();
         let mut shards = Vec::with_capacity(specs.len());
-        let mut full = vec![FullCopy::default(); specs.len()];
-        for (u, unit) in map.units.iter().enumerate() {
-            let all: Vec<usize> = (0..unit.owners.len()).collect();
-            let chunks: Vec<usize> = if stage == Stage::Zero0 {
-                all.clone()
-            } else {
-                map.owned_in_unit(u, rank).collect()
-            };
-            let fetch =
-                |i: usize| source(u, i).ok_or_else(|| format!("chunk {u}/{i} is not available"));
-            let mut by_index = BTreeMap::new();
-            for i in kept_chunks(&map, u, rank, stage) {
-                let c = fetch(i)?;
-                if c.params.len() != map.chunk_range(u, i).len() {
-                    return Err(format!(
-                        "chunk {u}/{i} has {} parameters, expected {}",
-                        c.params.len(),
-                        map.chunk_range(u, i).len()
-                    ));
-                }
-                by_index.insert(i, c);
-            }
-            let ranges: Vec<Range<usize>> = chunks.iter().map(|&i| map.chunk_range(u, i)).collect();
-            let len: usize = ranges.iter().map(Range::len).sum();
-            let mut opt = OptimState::new(optim.kind, len);
-            let mut off = 0;
-            for (&i, r) in chunks.iter().zip(&ranges) {
-                let c = &by_index[&i];
-                copy_state(&mut opt.m, off, &c.m, r.len())
-                    .map_err(|e| format!("chunk {u}/{i} m: {e}"))?;
-                copy_state(&mut opt.v, off, &c.v, r.len())
-                    .map_err(|e| format!("chunk {u}/{i} v: {e}"))?;
-                off += r.len();
-            }
-            // Concatenated into buffers of the exact size: collecting a flat map grows by
-            // doubling and would keep up to twice the unit's bytes.
-            let concat = |ids: &[usize], n: usize| {
-                let mut out = Vec::with_capacity(n);
-                ids.iter()
-                    .for_each(|i| out.extend_from_slice(&by_index[i].params));
-                out
-            };
-            if stage != Stage::Zero3 {
-                let values = concat(&all, map.units[u].numel);
-                full[u] = FullCopy::from_values(values, precision == Precision::Bf16);
-            }
-            let mut shard_params = if masters_in_shard {
-                concat(&chunks, len)
-            } else {
-                Vec::new()
-            };
-            if let Some(t) = tier.as_mut() {
-                offload::spill_unit(t, u, &shard_params, &opt.m, &opt.v)
-                    .map_err(|e| e.to_string())?;
-                if t.layout.kinds.params {
-                    shard_params = Vec::new();
-                }
-                if t.layout.kinds.state > 0 {
-                    opt = OptimState {
-                        m: Vec::new(),
-                        v: Vec::new(),
-                    };
-                }
-            }
-            let grads = (matches!(stage, Stage::Zero2 | Stage::Zero3) && !grads_leave_ram)
-                .then(|| vec![0f32; len]);
-            // Stage 3's shard is its parameters; the owned masters beside a full copy count
-            // with the optimizer state they are updated with (the paper's 12 bytes for Adam).
-            let masters = 4 * shard_params.len() as u64;
-            let (params_bytes, masters_as_opt) = match stage {
-                Stage::Zero3 => (masters, 0),
-                _ => (0, masters),
-            };
-            ledger.alloc(Category::Params, params_bytes + full[u].bytes());
-            ledger.alloc(Category::Optimizer, opt.bytes() as u64 + masters_as_opt);
-            ledger.alloc(
-                Category::Grads,
-                grads.as_ref().map_or(0, |g| 4 * g.len() as u64),
-            );
-            shards.push(UnitShard {
-                chunks,
-                ranges,
-                params: shard_params,
-                opt,
-                grads,
-            });
+        let mut full = Vec::with_capacity(specs.len());
+        for u in 0..map.units.len() {
+            let (shard, copy) = build.unit(u, source, tier.as_mut(), &mut ledger)?;
+            shards.push(shard);
+            full.push(copy);
         }
         let whole_grads = matches!(stage, Stage::Zero0 | Stage::Zero1).then(|| {
             map.units
@@ -325,27 +308,22 @@ impl RankState {
         // The chunk states taken apart above were small heap blocks; without this the heap
         // keeps their pages for the whole run (0.36 GB at d_model 2048, two layers, one rank).
         crate::runtime::alloc::release_free_memory();
-        let updater = || {
-            let ranges = shards.iter().map(|s| s.ranges.clone()).collect();
-            offload::TierUpdater::new(Arc::clone(&model), optim, ranges)
-        };
-        let owed = tier
-            .as_ref()
-            .filter(|t| defers_update(stage, t.layout.kinds, optim))
-            .map(|_| Arc::new(Owed::new(Arc::new(updater()))));
-        // Under bf16 the gathered unit holds rounded values, not the masters the update needs.
-        let reuses_params =
-            storage.is_some_and(|s| s.update_reuses_params) && precision == Precision::Fp32;
-        let in_backward = tier
-            .as_ref()
-            .filter(|t| t.two_copies())
-            .map(|_| Arc::new(updater().reusing_params(reuses_params)));
+        let (owed, in_backward) = tier_updates(
+            &model,
+            &shards,
+            stage,
+            optim,
+            precision,
+            tier.as_ref(),
+            storage,
+        );
         Ok(Self {
             rank,
             stage,
             mode,
             model,
             specs,
+            grad_ss: vec![crate::reduce::SumSquares::zero(mode); map.units.len()],
             map,
             optim,
             precision,
@@ -357,7 +335,6 @@ impl RankState {
                 .as_ref()
                 .map_or(RecordKinds::default(), |t| t.layout.kinds),
             tier: tier.map(|t| Arc::new(Mutex::new(t))),
-            grad_ss: vec![crate::reduce::SumSquares::zero(mode); shard_count],
             owed,
             in_backward,
         })
@@ -653,6 +630,164 @@ impl RankState {
 /// Whether the optimizer updates are owed to the next forward (`owed.rs`): at stage 3 with the
 /// parameters, all the optimizer's state and the gradients on the tier, so that an update
 /// touches nothing in RAM and the forward's read of the parameters can be the update's.
+/// What building each unit's shard of a rank's state needs.
+struct UnitBuild<'a> {
+    rank: RankId,
+    stage: Stage,
+    map: &'a ShardMap,
+    optim: OptimSettings,
+    precision: Precision,
+    masters_in_shard: bool,
+    grads_leave_ram: bool,
+}
+
+impl UnitBuild<'_> {
+    /// Unit `u`'s shard and full copy from its chunk states, spilled to the tier where the
+    /// placement says, and counted in `ledger`.
+    fn unit(
+        &self,
+        u: usize,
+        source: &ChunkSource<'_>,
+        tier: Option<&mut TierFile>,
+        ledger: &mut Ledger,
+    ) -> Result<(UnitShard, FullCopy), String> {
+        let (map, stage) = (self.map, self.stage);
+        let all: Vec<usize> = (0..map.units[u].owners.len()).collect();
+        let chunks: Vec<usize> = if stage == Stage::Zero0 {
+            all.clone()
+        } else {
+            map.owned_in_unit(u, self.rank).collect()
+        };
+        let by_index = self.kept_states(u, source)?;
+        let ranges: Vec<Range<usize>> = chunks.iter().map(|&i| map.chunk_range(u, i)).collect();
+        let len: usize = ranges.iter().map(Range::len).sum();
+        let mut opt = owned_optimizer_state(self.optim, u, &chunks, &ranges, &by_index)?;
+        // Concatenated into buffers of the exact size: collecting a flat map grows by
+        // doubling and would keep up to twice the unit's bytes.
+        let concat = |ids: &[usize], n: usize| {
+            let mut out = Vec::with_capacity(n);
+            ids.iter()
+                .for_each(|i| out.extend_from_slice(&by_index[i].params));
+            out
+        };
+        let full = if stage != Stage::Zero3 {
+            let values = concat(&all, map.units[u].numel);
+            FullCopy::from_values(values, self.precision == Precision::Bf16)
+        } else {
+            FullCopy::default()
+        };
+        let mut shard_params = if self.masters_in_shard {
+            concat(&chunks, len)
+        } else {
+            Vec::new()
+        };
+        if let Some(t) = tier {
+            offload::spill_unit(t, u, &shard_params, &opt.m, &opt.v).map_err(|e| e.to_string())?;
+            if t.layout.kinds.params {
+                shard_params = Vec::new();
+            }
+            if t.layout.kinds.state > 0 {
+                opt = OptimState {
+                    m: Vec::new(),
+                    v: Vec::new(),
+                };
+            }
+        }
+        let grads = (matches!(stage, Stage::Zero2 | Stage::Zero3) && !self.grads_leave_ram)
+            .then(|| vec![0f32; len]);
+        // Stage 3's shard is its parameters; the owned masters beside a full copy count
+        // with the optimizer state they are updated with (the paper's 12 bytes for Adam).
+        let masters = 4 * shard_params.len() as u64;
+        let (params_bytes, masters_as_opt) = match stage {
+            Stage::Zero3 => (masters, 0),
+            _ => (0, masters),
+        };
+        ledger.alloc(Category::Params, params_bytes + full.bytes());
+        ledger.alloc(Category::Optimizer, opt.bytes() as u64 + masters_as_opt);
+        ledger.alloc(
+            Category::Grads,
+            grads.as_ref().map_or(0, |g| 4 * g.len() as u64),
+        );
+        let shard = UnitShard {
+            chunks,
+            ranges,
+            params: shard_params,
+            opt,
+            grads,
+        };
+        Ok((shard, full))
+    }
+
+    /// The states of the chunks of unit `u` this rank keeps, by index, each of its map's size.
+    fn kept_states(
+        &self,
+        u: usize,
+        source: &ChunkSource<'_>,
+    ) -> Result<BTreeMap<usize, ChunkState>, String> {
+        let map = self.map;
+        let mut by_index = BTreeMap::new();
+        for i in kept_chunks(map, u, self.rank, self.stage) {
+            let c = source(u, i).ok_or_else(|| format!("chunk {u}/{i} is not available"))?;
+            if c.params.len() != map.chunk_range(u, i).len() {
+                return Err(format!(
+                    "chunk {u}/{i} has {} parameters, expected {}",
+                    c.params.len(),
+                    map.chunk_range(u, i).len()
+                ));
+            }
+            by_index.insert(i, c);
+        }
+        Ok(by_index)
+    }
+}
+
+/// The optimizer state of unit `u`'s owned `chunks` (at `ranges`), concatenated in order.
+fn owned_optimizer_state(
+    optim: OptimSettings,
+    u: usize,
+    chunks: &[usize],
+    ranges: &[Range<usize>],
+    by_index: &BTreeMap<usize, ChunkState>,
+) -> Result<OptimState, String> {
+    let len: usize = ranges.iter().map(Range::len).sum();
+    let mut opt = OptimState::new(optim.kind, len);
+    let mut off = 0;
+    for (&i, r) in chunks.iter().zip(ranges) {
+        let c = &by_index[&i];
+        copy_state(&mut opt.m, off, &c.m, r.len()).map_err(|e| format!("chunk {u}/{i} m: {e}"))?;
+        copy_state(&mut opt.v, off, &c.v, r.len()).map_err(|e| format!("chunk {u}/{i} v: {e}"))?;
+        off += r.len();
+    }
+    Ok(opt)
+}
+
+/// Where the tier's placement runs updates outside the optimizer phase: the updates owed to
+/// the next forward, and the updater that runs each unit's in the backward.
+fn tier_updates(
+    model: &Arc<dyn Model>,
+    shards: &[UnitShard],
+    stage: Stage,
+    optim: OptimSettings,
+    precision: Precision,
+    tier: Option<&TierFile>,
+    storage: Option<&TierSpec>,
+) -> (Option<Arc<Owed>>, Option<Arc<offload::TierUpdater>>) {
+    let updater = || {
+        let ranges = shards.iter().map(|s| s.ranges.clone()).collect();
+        offload::TierUpdater::new(Arc::clone(model), optim, ranges)
+    };
+    let owed = tier
+        .filter(|t| defers_update(stage, t.layout.kinds, optim))
+        .map(|_| Arc::new(Owed::new(Arc::new(updater()))));
+    // Under bf16 the gathered unit holds rounded values, not the masters the update needs.
+    let reuses_params =
+        storage.is_some_and(|s| s.update_reuses_params) && precision == Precision::Fp32;
+    let in_backward = tier
+        .filter(|t| t.two_copies())
+        .map(|_| Arc::new(updater().reusing_params(reuses_params)));
+    (owed, in_backward)
+}
+
 fn defers_update(stage: Stage, kinds: RecordKinds, optim: OptimSettings) -> bool {
     stage == Stage::Zero3
         && kinds.params

@@ -1,5 +1,8 @@
 //! Turning a validated config into what a run trains: the model, the dataset, the optimizer and
-//! its learning-rate schedule.
+//! its learning-rate schedule, the memory plan, and the run's plan (`run_plan`) that every
+//! process of the run starts from.
+
+pub mod run_plan;
 
 use std::sync::Arc;
 
