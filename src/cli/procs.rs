@@ -245,15 +245,30 @@ pub fn check_data_plane(plane: DataPlane) -> Result<(), CliError> {
     Ok(())
 }
 
+/// `--init-secrets DIR`: a new cluster CA, and what to do with it.
+fn write_secrets(dir: &Path) -> Result<(), CliError> {
+    init_secrets(dir).map_err(|e| CliError::Failed(format!("--init-secrets: {e}")))?;
+    println!(
+        "cluster CA written to {}; give the coordinator and every worker --secrets {}",
+        dir.display(),
+        dir.display()
+    );
+    Ok(())
+}
+
+/// The data plane `--transport` names, with `--ucx-net` checked: the arguments first, so a
+/// malformed one is reported whether or not libucx is here.
+fn checked_data_plane(args: &CoordinatorArgs) -> Result<DataPlane, CliError> {
+    let plane = args.transport.unwrap_or(DataPlane::Tcp);
+    check_ucx_net(plane, args.ucx_net.as_deref(), false)?;
+    check_data_plane(plane)?;
+    check_ucx_net(plane, args.ucx_net.as_deref(), true)?;
+    Ok(plane)
+}
+
 pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     if let Some(dir) = &args.init_secrets {
-        init_secrets(dir).map_err(|e| CliError::Failed(format!("--init-secrets: {e}")))?;
-        println!(
-            "cluster CA written to {}; give the coordinator and every worker --secrets {}",
-            dir.display(),
-            dir.display()
-        );
-        return Ok(());
+        return write_secrets(dir);
     }
     let Some(listen) = &args.listen else {
         return Err(CliError::Usage("--listen is required".into()));
@@ -267,11 +282,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         .unwrap_or(STATE_PART_MAX_BYTES);
     check_parts(&cfg, part_max_bytes).map_err(|e| CliError::Usage(e.to_string()))?;
     let procs = args.procs.resolve()?;
-    let data_plane = args.transport.unwrap_or(DataPlane::Tcp);
-    // The arguments first: a malformed one is reported whether or not libucx is here.
-    check_ucx_net(data_plane, args.ucx_net.as_deref(), false)?;
-    check_data_plane(data_plane)?;
-    check_ucx_net(data_plane, args.ucx_net.as_deref(), true)?;
+    let data_plane = checked_data_plane(args)?;
     let token = token(args.token_file.as_ref())?;
     let tls = cluster_tls(args.secrets.as_ref(), "coordinator")?;
     let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
