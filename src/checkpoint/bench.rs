@@ -309,6 +309,8 @@ pub fn bench_slowdown(
             boundary_snapshot: None,
             progress: Default::default(),
             snapshot_sink: None,
+            clock: crate::runtime::clock::SystemClock::shared(),
+            net_trace: None,
         };
         rt.block_on(train(spec, timed))
             .map(|_| ())

@@ -74,6 +74,8 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         boundary_snapshot: cfg.save_dir.is_some().then(|| boundary.clone()),
         progress: Arc::default(),
         snapshot_sink: save_plan.as_ref().map(SavePlan::sink),
+        clock: elastic_zero::runtime::clock::SystemClock::shared(),
+        net_trace: None,
     };
     let spec_backend = model.backend().name().to_string();
     let passes_per_step = 2 * model.units().len() as u64 * u64::from(cfg.ranks);

@@ -27,7 +27,7 @@ use crate::runtime::actors::{
     RankArgs, RankFactory, RankSetup, Snapshot, Work,
 };
 use crate::runtime::alloc::available_memory_bytes;
-use crate::runtime::clock::SystemClock;
+use crate::runtime::clock::{Clock, SystemClock};
 use crate::runtime::step::comm::Comm;
 use crate::runtime::step::elastic::resume::{read_owned_chunks, ResumeSource};
 use crate::runtime::step::elastic::snapshot::SnapshotSink;
@@ -36,7 +36,7 @@ use crate::runtime::step::progress::RunProgress;
 use crate::runtime::step::state::rank_state::{ChunkState, RankState};
 use crate::runtime::storage::{DirLock, Faults, TierSpec, UringConfig};
 use crate::runtime::transport::local::{
-    LocalEndpoint, LocalNetwork, NetCounts, NetFaults, Partition,
+    LocalEndpoint, LocalNetwork, NetCounts, NetFaults, NetTrace, Partition,
 };
 
 /// Why a run did not finish.
@@ -91,6 +91,11 @@ pub struct ClusterSpec {
     /// no copy of it in RAM. Without a sink (or with state in RAM) snapshots are gathered
     /// whole ([`Observer::on_snapshot`]), and the planner counts that.
     pub snapshot_sink: Option<Arc<dyn SnapshotSink>>,
+    /// What the ranks' deadlines, the in-process network's delays and the coordinator read:
+    /// the wall, or a [`crate::runtime::clock::ManualClock`] that replays a seeded run.
+    pub clock: Arc<dyn Clock>,
+    /// Where the in-process network records what it does (chaos replays), if anywhere.
+    pub net_trace: Option<Arc<NetTrace>>,
 }
 
 impl ClusterSpec {
@@ -117,6 +122,8 @@ impl ClusterSpec {
             boundary_snapshot: None,
             progress: Arc::default(),
             snapshot_sink: None,
+            clock: SystemClock::shared(),
+            net_trace: None,
         }
     }
 }
@@ -331,12 +338,11 @@ impl Cluster {
             }),
             progress,
         };
-        let faults = net_faults(cfg);
-        let net = if faults.any() {
-            LocalNetwork::with_faults(faults)
-        } else {
-            LocalNetwork::new()
-        };
+        let net = LocalNetwork::on_clock(
+            Some(net_faults(cfg)),
+            Arc::clone(&spec.clock),
+            spec.net_trace.clone(),
+        );
         let (tx, events) = unbounded_channel();
         let job = job_spec(cfg, spec.snapshot_every);
         let optim = optim_settings(cfg);
@@ -366,7 +372,10 @@ impl Cluster {
         let factory: RankFactory<LocalEndpoint> = Box::new(move |rank, coordinator| {
             Ok(NewRank::Args(Box::new(RankArgs {
                 rank,
-                work: Work::new(None, Comm::new(join_net.endpoint(rank), timeout_ms)),
+                work: Work::new(
+                    None,
+                    Comm::on_clock(join_net.endpoint(rank), timeout_ms, join_net.clock()),
+                ),
                 coordinator,
                 setup: Arc::clone(&join_setup),
                 panic_at_step: None,
@@ -379,7 +388,7 @@ impl Cluster {
                 None => Coordinator::new(job, map.clone()),
             },
             events: tx,
-            clock: Arc::new(SystemClock::default()),
+            clock: Arc::clone(&spec.clock),
             tick_ms: 200,
             on_abort: Box::new(move || abort_net.close()),
             on_retire: {
@@ -449,7 +458,7 @@ impl Cluster {
                 rank,
                 work: Work::new(
                     Some(state),
-                    Comm::new(net.endpoint(rank), cfg.collective_timeout_ms),
+                    Comm::on_clock(net.endpoint(rank), cfg.collective_timeout_ms, net.clock()),
                 ),
                 coordinator: coordinator.clone(),
                 setup: Arc::clone(&setup),
