@@ -1,8 +1,8 @@
 //! `ezero train`: run a job on in-process rank actors, show progress, print the digest.
 
+use elastic_zero::runtime::clock::Stopwatch;
 use std::io::IsTerminal;
 use std::sync::Arc;
-use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -109,7 +109,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
             return Err(e);
         }
     };
-    let started = Instant::now();
+    let started = Stopwatch::start();
     let training_peak = std::cell::Cell::new(0u64);
     let mut observer = SaveObserver {
         saving,

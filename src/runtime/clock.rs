@@ -20,6 +20,36 @@ pub trait Clock: Send + Sync + 'static {
     /// looked for what it waits for) or the clock reaches `deadline_ms` (never, for `None`).
     /// May return early; callers look again and sleep again.
     fn sleep(&self, bell: &Arc<Bell>, seen: u64, deadline_ms: Option<u64>);
+
+    /// Whether time moves only as the threads sleeping on this clock let it (a simulation):
+    /// then periodic work (the coordinator's tick) must sleep on it too, not on the wall.
+    fn simulated(&self) -> bool {
+        false
+    }
+}
+
+/// Calls `tick` every `every_ms` on `clock`, on a thread of its own, until it returns false.
+pub fn every(
+    clock: Arc<dyn Clock>,
+    every_ms: u64,
+    mut tick: impl FnMut() -> bool + Send + 'static,
+) {
+    let run = move || {
+        let bell = Bell::new();
+        loop {
+            let at = clock.now_ms() + every_ms;
+            while clock.now_ms() < at {
+                clock.sleep(&bell, bell.ticket(), Some(at));
+            }
+            if !tick() {
+                return;
+            }
+        }
+    };
+    std::thread::Builder::new()
+        .name("ezero-clock-tick".into())
+        .spawn(run)
+        .expect("spawn a clock's ticker");
 }
 
 /// A moment on a [`Clock`] (milliseconds since its origin) by which a wait gives up.
@@ -44,11 +74,22 @@ impl Deadline {
 pub struct Bell {
     rung: Mutex<u64>,
     cv: Condvar,
+    /// Rung for a courier: a thread that only serves others' waits (the in-process network's
+    /// postman), whose own deadline alone never moves a simulated clock.
+    courier: bool,
 }
 
 impl Bell {
     pub fn new() -> Arc<Self> {
         Arc::default()
+    }
+
+    /// The bell of a courier thread (see the field).
+    pub fn courier() -> Arc<Self> {
+        Arc::new(Self {
+            courier: true,
+            ..Self::default()
+        })
     }
 
     /// How often the bell has rung; take it before looking, sleep with it after.
@@ -135,11 +176,27 @@ impl Stopwatch {
     }
 }
 
+/// The wall date (since the Unix epoch; zero before it), for what records when it was made (a
+/// checkpoint's creation, a unique name). Never for deciding: that reads a [`Clock`].
+pub fn unix_time() -> Duration {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+}
+
 /// A clock that moves only when told ([`ManualClock::advance`]), or, made with
-/// [`ManualClock::simulated`], by itself to the earliest sleeper's deadline once every thread
-/// that sleeps on it has been still for a quiet spell (as a discrete-event simulation moves
-/// to its next event). Deadlines and delays then cost no wall time, and a run whose threads
-/// only wait on this clock sees the same times on every replay.
+/// [`ManualClock::simulated`], by itself to the earliest sleeper's deadline once the threads
+/// that sleep on it have been still for a while (as a discrete-event simulation moves to its
+/// next event). Deadlines and delays then cost no wall time, and a run whose threads only wait
+/// on this clock sees the same times on every replay.
+///
+/// Time moves only while some thread other than a courier sleeps (someone waits for
+/// something): to a courier's deadline (a late frame falls due) after `quiet`, to another
+/// sleeper's (a wait gives up) only after [`PATIENCE`] quiet spells, so that a thread the OS
+/// set aside briefly does not see its peers time out.
+/// How many quiet spells a simulated clock waits before it lets a wait give up.
+pub const PATIENCE: u32 = 25;
+
 pub struct ManualClock {
     state: Mutex<Manual>,
     /// Wakes the simulation's driver when a thread falls asleep.
@@ -190,18 +247,21 @@ impl ManualClock {
         self.advance_to(at);
     }
 
-    /// Moves time to `at_ms` (never backwards).
+    /// Moves time to `at_ms` (never backwards) and wakes the sleepers whose deadline it
+    /// reached: the couriers first, alone, so that what falls due at a moment is delivered
+    /// before any wait gives up at that moment; the others on a later call.
     pub fn advance_to(&self, at_ms: u64) {
         let due: Vec<Arc<Bell>> = {
             let mut st = lock(&self.state);
-            if at_ms <= st.now_ms {
-                return;
-            }
-            st.now_ms = at_ms;
+            st.now_ms = st.now_ms.max(at_ms);
             st.activity += 1;
+            let now = st.now_ms;
+            let overdue = |s: &&Sleeper| s.deadline_ms.is_some_and(|d| d <= now);
+            let couriers = st.sleepers.values().any(|s| s.bell.courier && overdue(&s));
             st.sleepers
                 .values()
-                .filter(|s| s.deadline_ms.is_some_and(|d| d <= at_ms))
+                .filter(overdue)
+                .filter(|s| s.bell.courier == couriers)
                 .map(|s| Arc::clone(&s.bell))
                 .collect()
         };
@@ -245,42 +305,67 @@ impl Clock for ManualClock {
         lock(&self.state).now_ms
     }
 
+    fn simulated(&self) -> bool {
+        true
+    }
+
     fn sleep(&self, bell: &Arc<Bell>, seen: u64, deadline_ms: Option<u64>) {
+        if deadline_ms.is_some_and(|d| self.now_ms() >= d) {
+            return;
+        }
         let id = self.fall_asleep(bell, deadline_ms);
         let mut rung = lock(&bell.rung);
-        while *rung == seen && deadline_ms.is_none_or(|d| self.now_ms() < d) {
+        // Once asleep, only a ring or the clock's wake-up ends the sleep: a deadline reached
+        // while a courier still delivers what fell due with it waits for the clock's word.
+        while *rung == seen {
             rung = bell.cv.wait(rung).unwrap_or_else(|e| e.into_inner());
+            if deadline_ms.is_some_and(|d| self.now_ms() >= d) {
+                break;
+            }
         }
         drop(rung);
         self.wake(id);
     }
 }
 
-/// The simulated clock's driver: after each quiet spell with sleepers, time jumps to the
-/// earliest deadline among them. Ends when the clock is dropped.
+/// The simulated clock's driver: once the sleepers have been still long enough for the
+/// earliest deadline among them (see [`ManualClock`]), time jumps to it. Ends when the clock is
+/// dropped.
 fn drive(clock: Weak<ManualClock>, quiet: Duration) {
+    let mut still = (u64::MAX, 0u32);
     loop {
         let Some(c) = clock.upgrade() else { return };
         let st = lock(&c.state);
-        if st.sleepers.is_empty() {
-            // Looks again now and then, to notice the clock being dropped.
+        if !st.sleepers.values().any(|s| !s.bell.courier) {
+            // Nobody waits; looks again now and then, to notice the clock being dropped.
             let idle = c.stirred.wait_timeout(st, Duration::from_millis(100));
             drop(idle);
             continue;
         }
-        let before = st.activity;
+        let (activity, next) = (st.activity, earliest(&st));
         drop(st);
-        std::thread::sleep(quiet);
-        let next = {
-            let st = lock(&c.state);
-            (st.activity == before)
-                .then(|| st.sleepers.values().filter_map(|s| s.deadline_ms).min())
-                .flatten()
+        still = if still.0 == activity {
+            (activity, still.1 + 1)
+        } else {
+            (activity, 0)
         };
-        if let Some(at) = next {
+        let due = next.filter(|&(_, courier)| still.1 >= if courier { 1 } else { PATIENCE });
+        if let Some((at, _)) = due {
             c.advance_to(at);
+            continue;
         }
+        drop(c);
+        std::thread::sleep(quiet);
     }
+}
+
+/// The earliest deadline of any sleeper, and whether a courier's (the earliest kind wins ties).
+fn earliest(st: &Manual) -> Option<(u64, bool)> {
+    st.sleepers
+        .values()
+        .filter_map(|s| s.deadline_ms.map(|d| (d, !s.bell.courier)))
+        .min()
+        .map(|(d, waiter)| (d, !waiter))
 }
 
 #[cfg(test)]

@@ -27,7 +27,12 @@ use crate::runtime::actors::{
     RankArgs, RankFactory, RankSetup, Snapshot, Work,
 };
 use crate::runtime::alloc::available_memory_bytes;
-use crate::runtime::clock::{Clock, SystemClock};
+use crate::runtime::clock::{every, Clock, SystemClock};
+
+/// How often the coordinator looks at its deadlines, in the clock's milliseconds.
+const TICK_MS: u64 = 200;
+/// On a simulated clock the wall tick only backs up the clock's own (a day).
+const SIMULATED_WALL_TICK_MS: u64 = 86_400_000;
 use crate::runtime::step::comm::Comm;
 use crate::runtime::step::elastic::resume::{read_owned_chunks, ResumeSource};
 use crate::runtime::step::elastic::snapshot::SnapshotSink;
@@ -389,7 +394,12 @@ impl Cluster {
             },
             events: tx,
             clock: Arc::clone(&spec.clock),
-            tick_ms: 200,
+            // A simulated clock ticks the coordinator itself (below), at times that replay.
+            tick_ms: if spec.clock.simulated() {
+                SIMULATED_WALL_TICK_MS
+            } else {
+                TICK_MS
+            },
             on_abort: Box::new(move || abort_net.close()),
             on_retire: {
                 let progress = Arc::clone(&spec.progress);
@@ -410,6 +420,12 @@ impl Cluster {
             Actor::spawn(None, CoordinatorActor::<LocalEndpoint>::default(), args)
                 .await
                 .map_err(|e| ClusterError::Spawn(e.to_string()))?;
+        if spec.clock.simulated() {
+            let c = coordinator.clone();
+            every(Arc::clone(&spec.clock), TICK_MS, move || {
+                c.cast(CoordMsg::Tick).is_ok()
+            });
+        }
         if let Some(sink) = spec
             .snapshot_sink
             .as_ref()

@@ -121,7 +121,7 @@ impl LocalNetwork {
     ) -> Arc<Self> {
         let faults = faults.filter(NetFaults::any);
         Arc::new_cyclic(|me: &Weak<Self>| {
-            let mail_bell = Bell::new();
+            let mail_bell = Bell::courier();
             if faults.is_some() {
                 let (me, bell, clock) = (me.clone(), Arc::clone(&mail_bell), Arc::clone(&clock));
                 std::thread::Builder::new()

@@ -45,7 +45,7 @@ impl Pass<'_> {
         // gradient shards in RAM besides this unit's accumulator stay bounded (`TierIo`).
         let in_backward = self.st.in_backward.is_some();
         let on_tier = self.st.grads_on_tier() || in_backward;
-        let t0 = std::time::Instant::now();
+        let t0 = crate::runtime::clock::Stopwatch::start();
         if on_tier {
             if let Some(io) = self.tier_io.as_mut() {
                 io.make_room()
