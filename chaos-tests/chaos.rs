@@ -13,6 +13,14 @@
 //!
 //! `CHAOS_SEEDS=N` runs seeds 0..N (default 300); `CHAOS_SEED=S` runs one. A failing seed prints
 //! the command that replays it.
+//!
+//! On the wall clock the outcome replays but the schedule does not. On a simulated clock
+//! (`ManualClock::simulated`) it does: `a_seed_on_the_simulated_clock_replays_its_schedule_with_its_timeouts`
+//! runs one seed twice and compares the coordinator's events and the network's (faulted frames
+//! with when they were sent and due, rejections, timeouts with when they fired, losses), in
+//! time order. Within one millisecond of simulated time the threads' order is not compared, and
+//! the replay holds while no thread works longer than the clock's quiet spell between two waits
+//! (`QUIET`); wall durations (stopwatches) are not part of it.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -421,7 +429,7 @@ fn the_harness_catches_disabled_replication() {
 /// How long a simulated run's threads must be still before its clock moves to the next due
 /// frame (a wait gives up only after `PATIENCE` such spells): longer than any stretch of work
 /// between two waits of these small models.
-const QUIET: std::time::Duration = std::time::Duration::from_millis(5);
+const QUIET: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// The coordinator's events as the observer hears them, each with the simulated time.
 struct Timed {
@@ -481,31 +489,10 @@ fn tight_deadline(seed: u64) -> TrainConfig {
     cfg
 }
 
-/// The seed whose tightened scenario the replay test runs: a faulty network, a kill in a
-/// step, and (under the simulated clock) waits that time out.
-const REPLAY_SEED: u64 = 0;
-
-#[test]
-#[ignore = "exploration"]
-fn find_a_replay_seed() {
-    for seed in 0..40 {
-        let (cfg, e) = scenario(seed);
-        if e.unrecoverable {
-            continue;
-        }
-        let (coord, net, out) = simulated_trace(tight_deadline(seed));
-        let timeouts = net
-            .iter()
-            .filter(|e| e.what == NetHappening::TimedOut)
-            .count();
-        eprintln!(
-            "seed {seed}: kills {} coord {} net {} timeouts {timeouts} out {out:?}",
-            cfg.kill.len(),
-            coord.len(),
-            net.len()
-        );
-    }
-}
+/// The seed whose tightened scenario the replay test runs: 3 ranks on a lossy, damaging,
+/// duplicating network; step 0 passes, then in step 1 a wait times out and the silent rank
+/// stops the run at the step deadline (`step_timeout_ms`), all on the simulated clock.
+const REPLAY_SEED: u64 = 22;
 
 #[test]
 fn a_seed_on_the_simulated_clock_replays_its_schedule_with_its_timeouts() {

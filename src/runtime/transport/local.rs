@@ -120,25 +120,24 @@ impl LocalNetwork {
         trace: Option<Arc<NetTrace>>,
     ) -> Arc<Self> {
         let faults = faults.filter(NetFaults::any);
-        Arc::new_cyclic(|me: &Weak<Self>| {
-            let mail_bell = Bell::courier();
-            if faults.is_some() {
-                let (me, bell, clock) = (me.clone(), Arc::clone(&mail_bell), Arc::clone(&clock));
-                std::thread::Builder::new()
-                    .name("ezero-postman".into())
-                    .spawn(move || postman(me, bell, clock))
-                    .expect("spawn the postman thread");
-            }
-            Self {
-                inboxes: Mutex::default(),
-                faults,
-                stats: NetStats::default(),
-                clock,
-                mail: Mutex::default(),
-                mail_bell,
-                trace,
-            }
-        })
+        let net = Arc::new(Self {
+            inboxes: Mutex::default(),
+            faults,
+            stats: NetStats::default(),
+            clock: Arc::clone(&clock),
+            mail: Mutex::default(),
+            mail_bell: Bell::courier(),
+            trace,
+        });
+        // Spawned once the network exists: the postman's first look must find it.
+        if faults.is_some() {
+            let (me, bell) = (Arc::downgrade(&net), Arc::clone(&net.mail_bell));
+            std::thread::Builder::new()
+                .name("ezero-postman".into())
+                .spawn(move || postman(me, bell, clock))
+                .expect("spawn the postman thread");
+        }
+        net
     }
 
     /// The clock this network keeps time by.
