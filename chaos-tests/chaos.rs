@@ -13,6 +13,14 @@
 //!
 //! `CHAOS_SEEDS=N` runs seeds 0..N (default 300); `CHAOS_SEED=S` runs one. A failing seed prints
 //! the command that replays it.
+//!
+//! On the wall clock the outcome replays but the schedule does not. On a simulated clock
+//! (`ManualClock::simulated`) it does: `a_seed_on_the_simulated_clock_replays_its_schedule_with_its_timeouts`
+//! runs one seed twice and compares the coordinator's events and the network's (faulted frames
+//! with when they were sent and due, rejections, timeouts with when they fired, losses), in
+//! time order. Within one millisecond of simulated time the threads' order is not compared, and
+//! the replay holds while no thread works longer than the clock's quiet spell between two waits
+//! (`QUIET`); wall durations (stopwatches) are not part of it.
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -26,7 +34,8 @@ use elastic_zero::plan::replica::holders;
 use elastic_zero::plan::ShardMap;
 use elastic_zero::reference::train_reference;
 use elastic_zero::runtime::api::cluster::Observer;
-use elastic_zero::runtime::transport::local::NetCounts;
+use elastic_zero::runtime::clock::{Clock, ManualClock};
+use elastic_zero::runtime::transport::local::{NetCounts, NetEvent, NetHappening, NetTrace};
 use elastic_zero::runtime::ClusterSpec;
 use elastic_zero::summary::param_sha256;
 
@@ -418,4 +427,111 @@ fn the_harness_catches_disabled_replication() {
         check(seed).is_ok(),
         "seed {seed}: with backups the same scenario passes"
     );
+}
+
+/// How long a simulated run's threads must be still before its clock moves to the next due
+/// frame (a wait gives up only after `PATIENCE` such spells): longer than any stretch of work
+/// between two waits of these small models.
+const QUIET: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// The coordinator's events as the observer hears them, each with the simulated time.
+struct Timed {
+    clock: std::sync::Arc<ManualClock>,
+    events: Vec<String>,
+}
+
+impl Observer for &mut Timed {
+    fn on_step(&mut self, r: &elastic_zero::engine::coordinator::StepRecord) {
+        let at = self.clock.now_ms();
+        self.events.push(format!(
+            "{at} ms: step {} loss {:#x}",
+            r.step,
+            r.loss.to_bits()
+        ));
+    }
+    fn on_membership(&mut self, r: &MembershipRecord) {
+        let at = self.clock.now_ms();
+        self.events.push(format!(
+            "{at} ms: epoch {} {:?} -> {:?} rolled back to {:?}",
+            r.epoch, r.before, r.after, r.rolled_back_to
+        ));
+    }
+}
+
+/// Runs `cfg` on a simulated clock: the coordinator's events in the order it made them, then
+/// the network's (frames that met a fault, rejections, timeouts, losses), sorted by the time
+/// they happened, and how the run ended.
+fn simulated_trace(cfg: TrainConfig) -> (Vec<String>, Vec<NetEvent>, Result<String, String>) {
+    let clock = ManualClock::simulated(QUIET);
+    let trace = std::sync::Arc::new(NetTrace::default());
+    let spec = ClusterSpec {
+        clock: clock.clone(),
+        net_trace: Some(std::sync::Arc::clone(&trace)),
+        ..ClusterSpec::from_config(cfg).expect("valid scenario")
+    };
+    let mut timed = Timed {
+        clock,
+        events: Vec::new(),
+    };
+    let out = common::train_blocking(spec, &mut timed)
+        .map(|o| param_sha256(&o.params))
+        .map_err(|e| e.to_string());
+    (timed.events, trace.sorted(), out)
+}
+
+/// Seed `seed`'s scenario with the shortest collective deadline the config allows against its
+/// network's latency: chained delays outlast it, so waits give up and the step is redone.
+fn tight_deadline(seed: u64) -> TrainConfig {
+    let (mut cfg, _) = scenario(seed);
+    cfg.faults.net_drop_per_mille = cfg.faults.net_drop_per_mille.max(20);
+    cfg.faults.net_delay_max_ms = 2;
+    cfg.faults.net_retransmit_ms = 2;
+    cfg.faults.net_slow_ms = cfg.faults.net_slow_ms.min(2);
+    cfg.faults.net_partition_ms = cfg.faults.net_partition_ms.min(2);
+    cfg.collective_timeout_ms = 8;
+    cfg
+}
+
+/// The seed whose tightened scenario the replay test runs: 3 ranks on a lossy, damaging,
+/// duplicating network; step 0 passes, then in step 1 a wait times out and the silent rank
+/// stops the run at the step deadline (`step_timeout_ms`), all on the simulated clock.
+const REPLAY_SEED: u64 = 22;
+
+#[test]
+fn a_seed_on_the_simulated_clock_replays_its_schedule_with_its_timeouts() {
+    let seed = std::env::var("CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(REPLAY_SEED);
+    let first = simulated_trace(tight_deadline(seed));
+    let timeouts: Vec<&NetEvent> = first
+        .1
+        .iter()
+        .filter(|e| e.what == NetHappening::TimedOut)
+        .collect();
+    // Another seed (`CHAOS_SEED`) need not time out; the chosen one must.
+    assert!(
+        seed != REPLAY_SEED || !timeouts.is_empty(),
+        "seed {seed}: no wait timed out"
+    );
+    eprintln!(
+        "seed {seed}: {} coordinator events, {} network events, timeouts at {:?} ms, ended {:?}",
+        first.0.len(),
+        first.1.len(),
+        timeouts.iter().map(|e| e.at_ms).collect::<Vec<_>>(),
+        first.2
+    );
+    let second = simulated_trace(tight_deadline(seed));
+    assert_eq!(first.0, second.0, "seed {seed}: the coordinator's events");
+    assert_eq!(first.2, second.2, "seed {seed}: the outcome");
+    if first.1 != second.1 {
+        let diff = first.1.iter().zip(&second.1).position(|(a, b)| a != b);
+        panic!(
+            "seed {seed}: network traces differ ({} and {} events), first at {diff:?}: {:?} vs {:?}",
+            first.1.len(),
+            second.1.len(),
+            diff.map(|i| &first.1[i]),
+            diff.map(|i| &second.1[i])
+        );
+    }
 }

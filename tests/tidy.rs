@@ -488,3 +488,19 @@ fn functions_are_short() {
         fn_length::FN_LINES_MAX
     );
 }
+
+mod clock;
+
+#[test]
+fn time_is_read_on_the_injected_clock() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let findings = clock::clock_findings(root);
+    for f in &findings {
+        eprintln!("{f}");
+    }
+    assert!(
+        findings.is_empty(),
+        "{} clock findings (above)",
+        findings.len()
+    );
+}

@@ -7,9 +7,9 @@
 //! every checksum and the parameter SHA-256. A cold load (page cache dropped first) needs root;
 //! it is reported only when asked for and possible.
 
+use crate::runtime::clock::Stopwatch;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
 
 use serde::Serialize;
 
@@ -136,7 +136,7 @@ fn dd_direct(file: &Path, bytes: u64, write: bool) -> Result<f64, String> {
             "iflag=direct".into(),
         ]
     };
-    let t = Instant::now();
+    let t = Stopwatch::start();
     let out = Command::new("dd")
         .args(&args)
         .output()
@@ -184,10 +184,10 @@ pub fn bench_throughput(
         let _ = std::fs::remove_dir_all(&root);
         let r = save(&root, &meta, &snap, &opts).map_err(|e| e.to_string())?;
         save_best = save_best.max(r.mb_per_s());
-        let t = Instant::now();
+        let t = Stopwatch::start();
         load(&r.dir).map_err(|e| e.to_string())?;
         load_best = load_best.max(r.bytes as f64 / 1e6 / t.elapsed().as_secs_f64());
-        let t = Instant::now();
+        let t = Stopwatch::start();
         let source = CheckpointSource::open(&r.dir).map_err(|e| e.to_string())?;
         let map = ShardMap::plan(
             &source
@@ -205,7 +205,7 @@ pub fn bench_throughput(
         read_owned_chunks(&source, &map)?;
         resume_best = resume_best.max(r.bytes as f64 / 1e6 / t.elapsed().as_secs_f64());
         if cold && drop_caches() {
-            let t = Instant::now();
+            let t = Stopwatch::start();
             load(&r.dir).map_err(|e| e.to_string())?;
             let mbs = r.bytes as f64 / 1e6 / t.elapsed().as_secs_f64();
             cold_best = Some(cold_best.map_or(mbs, |b: f64| b.max(mbs)));
@@ -308,6 +308,8 @@ pub fn bench_slowdown(
             boundary_snapshot: None,
             progress: Default::default(),
             snapshot_sink: None,
+            clock: crate::runtime::clock::SystemClock::shared(),
+            net_trace: None,
         };
         rt.block_on(train(spec, timed))
             .map(|_| ())

@@ -59,9 +59,7 @@ impl CheckpointMeta {
             epoch: map.epoch,
             world_size: map.members.len() as u32,
             stage: c.stage,
-            created_unix_ms: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64),
+            created_unix_ms: crate::runtime::clock::unix_time().as_millis() as u64,
             config: c.clone(),
             optimizer: OptimizerRecord {
                 kind: c.optimizer,

@@ -9,12 +9,12 @@
 //! (unit, index) order. A save that fails or is abandoned removes its directory (it has no
 //! manifest, so it never looked complete) and every earlier checkpoint stays as it was.
 
+use crate::runtime::clock::Stopwatch;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicUsize;
 use std::sync::mpsc::Sender;
 use std::sync::Arc;
-use std::time::Instant;
 
 use super::error::CheckpointError;
 use super::manifest::MANIFEST_FILE;
@@ -59,7 +59,7 @@ impl SnapshotSink for CheckpointSink {
         progress: &Progress,
         map: &ShardMap,
     ) -> Result<Box<dyn SnapshotStream>, String> {
-        let started = Instant::now();
+        let started = Stopwatch::start();
         let dir = match create_dir(&self.root, progress.step) {
             Ok(d) => d,
             Err(e) => {
@@ -110,7 +110,7 @@ struct OpenSave {
     digest: Option<ParamDigest>,
     /// The (unit, index) the next chunk must have.
     next: (usize, usize),
-    started: Instant,
+    started: Stopwatch,
     mid_file: Option<(RankId, usize)>,
     /// Committed or failed (and reported).
     ended: bool,

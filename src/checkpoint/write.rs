@@ -13,13 +13,13 @@
 //! [`CrashPoint`] aborts the process at named points of this sequence; the crash tests use it
 //! through `ezero train`'s test hook `EZERO_TEST_HOOK_CHECKPOINT_CRASH`.
 
+use crate::runtime::clock::Stopwatch;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Instant;
 
 use super::codec::encode_chunk;
 use super::error::{CheckpointError, IoContext};
@@ -112,7 +112,7 @@ pub fn save(
     snap: &Snapshot,
     opts: &SaveOptions,
 ) -> Result<SaveReport, CheckpointError> {
-    let started = Instant::now();
+    let started = Stopwatch::start();
     let groups = group_by_owner(snap)?;
     let crash = opts.crash_at(snap.progress.step);
     let dir = create_dir(root, snap.progress.step)?;
@@ -194,7 +194,7 @@ pub(super) fn commit(
     meta: &CheckpointMeta,
     saved: Saved,
     opts: &SaveOptions,
-    started: Instant,
+    started: Stopwatch,
 ) -> Result<SaveReport, CheckpointError> {
     let step = saved.progress.step;
     let crash = opts.crash_at(step);

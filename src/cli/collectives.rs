@@ -282,9 +282,7 @@ pub fn run(a: &CollectivesArgs) -> Result<(), CliError> {
     }
 
     let cfg = quic_config(a)?;
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
+    let nanos = elastic_zero::runtime::clock::unix_time().subsec_nanos();
     let dir = std::env::temp_dir().join(format!("ezero-bench-{}-{nanos}", std::process::id()));
     let ca = init_secrets(&dir).map_err(|e| CliError::Failed(e.to_string()))?;
     let res = run_quic(a, &members, &cfg, &ca, &dir);

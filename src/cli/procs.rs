@@ -5,8 +5,8 @@
 //! line; workers only need the coordinator's address, the cluster token and the cluster's
 //! secrets directory. Every connection between them is mutual TLS against the cluster CA.
 
+use elastic_zero::runtime::clock::Stopwatch;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use clap::Args;
 
@@ -323,7 +323,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         state_on_tier: fit.placement.any_nvme(),
         snapshot_sink,
     };
-    let started = Instant::now();
+    let started = Stopwatch::start();
     let mut lines = StepLines {
         cfg: &cfg,
         floor,

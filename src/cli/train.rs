@@ -1,8 +1,8 @@
 //! `ezero train`: run a job on in-process rank actors, show progress, print the digest.
 
+use elastic_zero::runtime::clock::Stopwatch;
 use std::io::IsTerminal;
 use std::sync::Arc;
-use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -49,6 +49,8 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         boundary_snapshot: cfg.save_dir.is_some().then(|| boundary.clone()),
         progress: Arc::default(),
         snapshot_sink: save_plan.as_ref().map(SavePlan::sink),
+        clock: elastic_zero::runtime::clock::SystemClock::shared(),
+        net_trace: None,
     };
     let backend = job.model.backend().name().to_string();
     let passes_per_step = 2 * job.model.units().len() as u64 * u64::from(cfg.ranks);
@@ -81,7 +83,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
             return Err(e);
         }
     };
-    let started = Instant::now();
+    let started = Stopwatch::start();
     let lines = StepLines::new(&job, &bar, &ticker);
     let mut observer = SaveObserver {
         saving,

@@ -193,7 +193,7 @@ impl Pipeline<'_> {
         c: &mut Comm<T>,
         i: usize,
         r: std::ops::Range<usize>,
-        deadline: std::time::Instant,
+        deadline: crate::runtime::clock::Deadline,
     ) -> Result<(), CommError> {
         let piece = || std::slice::from_raw_parts_mut(self.mine_at.add(r.start), r.len());
         let mut unlent = Vec::new();

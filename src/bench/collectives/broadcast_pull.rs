@@ -293,11 +293,7 @@ mod tests {
             )
             .unwrap_err();
             assert!(matches!(e, CommError::Protocol { from: 0, .. }), "{e:?}");
-            let none = root.recv_until(
-                1,
-                done_tag(tag()),
-                std::time::Instant::now() + std::time::Duration::from_millis(50),
-            );
+            let none = root.recv_until(1, done_tag(tag()), root.deadline_in(50));
             assert!(none.is_err(), "no done after a refused broadcast");
         }
     }

@@ -26,7 +26,12 @@ use crate::runtime::actors::{
     RankArgs, RankFactory, RankSetup, Snapshot, Work,
 };
 use crate::runtime::alloc::available_memory_bytes;
-use crate::runtime::clock::SystemClock;
+use crate::runtime::clock::{every, Clock, SystemClock};
+
+/// How often the coordinator looks at its deadlines, in the clock's milliseconds.
+const TICK_MS: u64 = 200;
+/// On a simulated clock the wall tick only backs up the clock's own (a day).
+const SIMULATED_WALL_TICK_MS: u64 = 86_400_000;
 use crate::runtime::step::comm::Comm;
 use crate::runtime::step::elastic::resume::{read_owned_chunks, Restored, ResumeSource};
 use crate::runtime::step::elastic::snapshot::SnapshotSink;
@@ -35,7 +40,7 @@ use crate::runtime::step::progress::RunProgress;
 use crate::runtime::step::state::rank_state::{ChunkState, RankState, StartFrom};
 use crate::runtime::storage::{DirLock, TierSpec};
 use crate::runtime::transport::local::{
-    LocalEndpoint, LocalNetwork, NetCounts, NetFaults, Partition,
+    LocalEndpoint, LocalNetwork, NetCounts, NetFaults, NetTrace, Partition,
 };
 
 /// Why a run did not finish.
@@ -88,6 +93,11 @@ pub struct ClusterSpec {
     /// no copy of it in RAM. Without a sink (or with state in RAM) snapshots are gathered
     /// whole ([`Observer::on_snapshot`]), and the planner counts that.
     pub snapshot_sink: Option<Arc<dyn SnapshotSink>>,
+    /// What the ranks' deadlines, the in-process network's delays and the coordinator read:
+    /// the wall, or a [`crate::runtime::clock::ManualClock`] that replays a seeded run.
+    pub clock: Arc<dyn Clock>,
+    /// Where the in-process network records what it does (chaos replays), if anywhere.
+    pub net_trace: Option<Arc<NetTrace>>,
 }
 
 impl ClusterSpec {
@@ -113,6 +123,8 @@ impl ClusterSpec {
             boundary_snapshot: None,
             progress: Arc::default(),
             snapshot_sink: None,
+            clock: SystemClock::shared(),
+            net_trace: None,
         }
     }
 }
@@ -176,12 +188,11 @@ impl Cluster {
             .map_err(|e| ClusterError::Spawn(e.to_string()))?;
         let restored = read_resume(spec.resume.as_ref(), &map, &numels).await?;
         spec.progress.init_started(ranks * numels.len() as u64);
-        let faults = net_faults(&plan.faults, plan.seed);
-        let net = if faults.any() {
-            LocalNetwork::with_faults(faults)
-        } else {
-            LocalNetwork::new()
-        };
+        let net = LocalNetwork::on_clock(
+            Some(net_faults(&plan.faults, plan.seed)),
+            Arc::clone(&spec.clock),
+            spec.net_trace.clone(),
+        );
         let setup = rank_setup(&spec, &plan, &storage, tier.clone(), &net);
         let (tx, events) = unbounded_channel();
         let args = coord_args(&spec, &plan, map.clone(), &setup, &net, tx);
@@ -189,6 +200,12 @@ impl Cluster {
             Actor::spawn(None, CoordinatorActor::<LocalEndpoint>::default(), args)
                 .await
                 .map_err(|e| ClusterError::Spawn(e.to_string()))?;
+        if spec.clock.simulated() {
+            let c = coordinator.clone();
+            every(Arc::clone(&spec.clock), TICK_MS, move || {
+                c.cast(CoordMsg::Tick).is_ok()
+            });
+        }
         if let Some(sink) = spec.snapshot_sink.as_ref().filter(|_| tier.is_some()) {
             let _ = coordinator.cast(CoordMsg::StreamSnapshots(Arc::clone(sink)));
         }
@@ -444,7 +461,10 @@ fn coord_args(
     let factory: RankFactory<LocalEndpoint> = Box::new(move |rank, coordinator| {
         Ok(NewRank::Args(Box::new(RankArgs {
             rank,
-            work: Work::new(None, Comm::new(join_net.endpoint(rank), timeout_ms)),
+            work: Work::new(
+                None,
+                Comm::on_clock(join_net.endpoint(rank), timeout_ms, join_net.clock()),
+            ),
             coordinator,
             setup: Arc::clone(&join_setup),
             panic_at_step: None,
@@ -459,8 +479,14 @@ fn coord_args(
             None => Coordinator::new(job, map),
         },
         events,
-        clock: Arc::new(SystemClock::default()),
-        tick_ms: 200,
+        clock: Arc::clone(&spec.clock),
+        // A simulated clock ticks the coordinator itself (`Cluster::start`), at times that
+        // replay.
+        tick_ms: if spec.clock.simulated() {
+            SIMULATED_WALL_TICK_MS
+        } else {
+            TICK_MS
+        },
         on_abort: Box::new(move || abort_net.close()),
         on_retire: Box::new(move |r| {
             retire_net.kill(r);
@@ -523,7 +549,11 @@ impl RankStart<'_> {
             rank,
             work: Work::new(
                 Some(state),
-                Comm::new(self.net.endpoint(rank), self.plan.collective_timeout_ms),
+                Comm::on_clock(
+                    self.net.endpoint(rank),
+                    self.plan.collective_timeout_ms,
+                    self.net.clock(),
+                ),
             ),
             coordinator: self.coordinator.clone(),
             setup: Arc::clone(self.setup),

@@ -3,15 +3,22 @@
 //!
 //! For chaos runs the network misbehaves as [`NetFaults`] says. Late frames (delays,
 //! retransmissions) are handed to one postman thread that delivers each when it is due.
+//!
+//! Time is the network's [`Clock`]: when a late frame is due, and when a receive gives up. Under
+//! a manual clock a run's delays and deadlines cost no wall time and replay; what the network
+//! did can be kept as a trace of [`NetEvent`]s.
 
 use std::collections::{BinaryHeap, HashMap};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
 
-pub use super::net_faults::{NetCounts, NetFaults, NetStats, Partition};
+use super::net_faults::FaultSet;
+pub use super::net_faults::{
+    NetCounts, NetEvent, NetFaults, NetHappening, NetStats, NetTrace, Partition,
+};
 use crate::model::rng::{mix, SplitMix64};
 use crate::plan::RankId;
+use crate::runtime::clock::{Bell, Clock, SystemClock};
 use crate::runtime::transport::{Frame, Tag, TagKind, Transport, TransportError};
 
 /// A frame in an inbox, with the checksum the sender computed when damage is simulated (the
@@ -44,17 +51,33 @@ fn frame_crc(f: &Frame) -> u32 {
 }
 
 /// The switchboard every local endpoint sends through.
-#[derive(Default)]
 pub struct LocalNetwork {
-    inboxes: Mutex<HashMap<RankId, Sender<Parcel>>>,
+    inboxes: Mutex<HashMap<RankId, Inbox>>,
     faults: Option<NetFaults>,
     stats: NetStats,
-    postman: Mutex<Option<Sender<Due>>>,
+    clock: Arc<dyn Clock>,
+    /// Late parcels, and whether the postman still works; its bell rings on each change.
+    mail: Mutex<Mail>,
+    mail_bell: Arc<Bell>,
+    trace: Option<Arc<NetTrace>>,
 }
 
-/// A parcel the postman delivers at `at`; `seq` keeps equal times in sending order.
+/// Where a rank's frames go, and the bell its receive sleeps on.
+struct Inbox {
+    tx: Sender<Parcel>,
+    bell: Arc<Bell>,
+}
+
+#[derive(Default)]
+struct Mail {
+    due: BinaryHeap<Due>,
+    closed: bool,
+}
+
+/// A parcel the postman delivers at `at_ms` on the network's clock; `seq` keeps equal times in
+/// sending order.
 struct Due {
-    at: Instant,
+    at_ms: u64,
     seq: u64,
     to: RankId,
     parcel: Parcel,
@@ -62,7 +85,7 @@ struct Due {
 
 impl PartialEq for Due {
     fn eq(&self, o: &Self) -> bool {
-        (self.at, self.seq) == (o.at, o.seq)
+        (self.at_ms, self.seq) == (o.at_ms, o.seq)
     }
 }
 impl Eq for Due {}
@@ -74,30 +97,52 @@ impl PartialOrd for Due {
 impl Ord for Due {
     // Reversed: the heap pops the earliest.
     fn cmp(&self, o: &Self) -> std::cmp::Ordering {
-        (o.at, o.seq).cmp(&(self.at, self.seq))
+        (o.at_ms, o.seq).cmp(&(self.at_ms, self.seq))
     }
 }
 
 impl LocalNetwork {
+    /// A perfect network on the wall clock.
     pub fn new() -> Arc<Self> {
-        Arc::new(Self::default())
+        Self::on_clock(None, SystemClock::shared(), None)
     }
 
-    /// A network whose endpoints misbehave as `faults` says.
+    /// A network on the wall clock whose endpoints misbehave as `faults` says.
     pub fn with_faults(faults: NetFaults) -> Arc<Self> {
-        Arc::new_cyclic(|me: &Weak<Self>| {
-            let (tx, rx) = mpsc::channel();
-            let me = me.clone();
+        Self::on_clock(Some(faults), SystemClock::shared(), None)
+    }
+
+    /// A network that keeps time by `clock`, misbehaves as `faults` says (perfect for `None`
+    /// or faults all off) and, given a `trace`, records there what it does.
+    pub fn on_clock(
+        faults: Option<NetFaults>,
+        clock: Arc<dyn Clock>,
+        trace: Option<Arc<NetTrace>>,
+    ) -> Arc<Self> {
+        let faults = faults.filter(NetFaults::any);
+        let net = Arc::new(Self {
+            inboxes: Mutex::default(),
+            faults,
+            stats: NetStats::default(),
+            clock: Arc::clone(&clock),
+            mail: Mutex::default(),
+            mail_bell: Bell::courier(),
+            trace,
+        });
+        // Spawned once the network exists: the postman's first look must find it.
+        if faults.is_some() {
+            let (me, bell) = (Arc::downgrade(&net), Arc::clone(&net.mail_bell));
             std::thread::Builder::new()
                 .name("ezero-postman".into())
-                .spawn(move || postman(me, rx))
+                .spawn(move || postman(me, bell, clock))
                 .expect("spawn the postman thread");
-            Self {
-                faults: Some(faults),
-                postman: Mutex::new(Some(tx)),
-                ..Self::default()
-            }
-        })
+        }
+        net
+    }
+
+    /// The clock this network keeps time by.
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        Arc::clone(&self.clock)
     }
 
     /// What the network has done so far.
@@ -108,7 +153,14 @@ impl LocalNetwork {
     /// Creates the endpoint of `rank` (replacing any previous one).
     pub fn endpoint(self: &Arc<Self>, rank: RankId) -> LocalEndpoint {
         let (tx, rx) = mpsc::channel();
-        self.lock().insert(rank, tx);
+        let bell = Bell::new();
+        let inbox = Inbox {
+            tx,
+            bell: Arc::clone(&bell),
+        };
+        if let Some(old) = self.lock().insert(rank, inbox) {
+            old.bell.ring();
+        }
         let chaos = self.faults.map(|f| {
             Mutex::new(Chaos {
                 faults: f,
@@ -122,13 +174,25 @@ impl LocalNetwork {
             rank,
             net: Arc::clone(self),
             rx,
+            bell,
             chaos,
         }
     }
 
     /// Disconnects `rank`: its pending receive fails with `Closed`, sends to it fail.
     pub fn kill(&self, rank: RankId) {
-        self.lock().remove(&rank);
+        let gone = self.lock().remove(&rank);
+        if let Some(inbox) = gone {
+            self.note(rank, NetHappening::Lost);
+            inbox.bell.ring();
+        }
+    }
+
+    fn note(&self, rank: RankId, what: NetHappening) {
+        if let Some(t) = &self.trace {
+            let at_ms = self.clock.now_ms();
+            t.push(NetEvent { at_ms, rank, what });
+        }
     }
 
     /// Wakes `rank` from any receive in (epoch, step) with `CommError::Interrupted`: that step is
@@ -154,63 +218,93 @@ impl LocalNetwork {
     /// Disconnects everyone (used when a run aborts, so that no rank stays blocked), and stops
     /// the postman with whatever it still holds.
     pub fn close(&self) {
-        self.lock().clear();
-        self.postman
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let gone: Vec<Inbox> = self.lock().drain().map(|(_, inbox)| inbox).collect();
+        for inbox in gone {
+            inbox.bell.ring();
+        }
+        self.close_mail();
+    }
+
+    fn close_mail(&self) {
+        let mut mail = self.mail.lock().unwrap_or_else(|e| e.into_inner());
+        mail.closed = true;
+        mail.due.clear();
+        drop(mail);
+        self.mail_bell.ring();
     }
 
     fn deliver(&self, to: RankId, parcel: Parcel) -> Result<(), TransportError> {
-        let tx = self
+        let (tx, bell) = self
             .lock()
             .get(&to)
-            .cloned()
+            .map(|i| (i.tx.clone(), Arc::clone(&i.bell)))
             .ok_or(TransportError::UnknownPeer(to))?;
-        tx.send(parcel).map_err(|_| TransportError::UnknownPeer(to))
+        tx.send(parcel)
+            .map_err(|_| TransportError::UnknownPeer(to))?;
+        bell.ring();
+        Ok(())
     }
 
     fn is_up(&self, rank: RankId) -> bool {
         self.lock().contains_key(&rank)
     }
 
-    /// Hands `parcel` to the postman for delivery at `at`.
+    /// Hands `parcel` to the postman for delivery at its due time.
     fn post(&self, due: Due) {
-        if let Some(tx) = &*self.postman.lock().unwrap_or_else(|e| e.into_inner()) {
-            let _ = tx.send(due);
+        let mut mail = self.mail.lock().unwrap_or_else(|e| e.into_inner());
+        if !mail.closed {
+            mail.due.push(due);
+            drop(mail);
+            self.mail_bell.ring();
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RankId, Sender<Parcel>>> {
+    /// Takes the parcels due by now; `Err` once the network closed. Also says when the next
+    /// one is due.
+    fn take_due(&self) -> Result<(Vec<Due>, Option<u64>), ()> {
+        let now = self.clock.now_ms();
+        let mut mail = self.mail.lock().unwrap_or_else(|e| e.into_inner());
+        if mail.closed {
+            return Err(());
+        }
+        let mut ready = Vec::new();
+        while mail.due.peek().is_some_and(|d| d.at_ms <= now) {
+            ready.extend(mail.due.pop());
+        }
+        Ok((ready, mail.due.peek().map(|d| d.at_ms)))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<RankId, Inbox>> {
         // A poisoned lock only means another thread panicked while inserting or removing a
         // sender; the map itself is always consistent.
         self.inboxes.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
-/// Delivers late parcels when they are due. Ends when the network closes or is dropped.
-fn postman(net: Weak<LocalNetwork>, rx: Receiver<Due>) {
-    let mut heap: BinaryHeap<Due> = BinaryHeap::new();
+impl Drop for LocalNetwork {
+    fn drop(&mut self) {
+        // Lets the postman, asleep on the clock, see that it is done.
+        self.close_mail();
+    }
+}
+
+/// Delivers late parcels when they are due, sleeping on the network's clock between. Ends
+/// when the network closes or is dropped.
+fn postman(net: Weak<LocalNetwork>, bell: Arc<Bell>, clock: Arc<dyn Clock>) {
     loop {
-        let wait = heap
-            .peek()
-            .map(|d| d.at.saturating_duration_since(Instant::now()));
-        let got = match wait {
-            Some(w) => rx.recv_timeout(w),
-            None => rx.recv().map_err(|_| RecvTimeoutError::Disconnected),
-        };
-        match got {
-            Ok(due) => heap.push(due),
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => return,
-        }
-        let now = Instant::now();
-        while heap.peek().is_some_and(|d| d.at <= now) {
-            let Some(due) = heap.pop() else { break };
+        let seen = bell.ticket();
+        let next = {
             let Some(net) = net.upgrade() else { return };
-            // The peer may have gone meanwhile; a late frame to a dead rank is lost with it.
-            let _ = net.deliver(due.to, due.parcel);
-        }
+            let Ok((ready, next)) = net.take_due() else {
+                return;
+            };
+            for due in ready {
+                // The peer may have gone meanwhile; a late frame to a dead rank is lost with it.
+                let _ = net.deliver(due.to, due.parcel);
+            }
+            next
+        };
+        clock.sleep(&bell, seen, next);
     }
 }
 
@@ -219,6 +313,7 @@ pub struct LocalEndpoint {
     rank: RankId,
     net: Arc<LocalNetwork>,
     rx: Receiver<Parcel>,
+    bell: Arc<Bell>,
     chaos: Option<Mutex<Chaos>>,
 }
 
@@ -244,18 +339,19 @@ impl LocalEndpoint {
         if !self.net.is_up(to) {
             return Err(TransportError::UnknownPeer(to));
         }
-        let fate = c.faults.draw(&mut c.rng, self.rank, to, c.sent);
+        let index = c.sent;
+        let fate = c.faults.draw(&mut c.rng, self.rank, to, index);
         c.sent += 1;
         let stats = &self.net.stats;
         if fate.partitioned {
             NetStats::bump(&stats.partitioned);
         }
         let crc = c.faults.checksums().then(|| frame_crc(&frame));
-        let now = Instant::now();
+        let now = self.net.clock.now_ms();
         let later = |c: &mut Chaos, ms: u64, parcel: Parcel| {
             c.seq += 1;
             self.net.post(Due {
-                at: now + Duration::from_millis(ms),
+                at_ms: now + ms,
                 seq: c.seq,
                 to,
                 parcel,
@@ -282,6 +378,27 @@ impl LocalEndpoint {
         if fate.duplicate {
             NetStats::bump(&stats.duplicated);
         }
+        let held = first_ms == 0 && fate.hold && c.held.is_empty();
+        let faults = FaultSet {
+            delayed: first_ms > 0,
+            retransmitted: fate.corrupt.is_some() || fate.lost_first,
+            corrupted: fate.corrupt.is_some(),
+            duplicated: fate.duplicate,
+            reordered: held,
+            partitioned: fate.partitioned,
+        };
+        if faults != FaultSet::default() {
+            let what = NetHappening::Faulted {
+                to,
+                index,
+                epoch: frame.epoch,
+                step: frame.step,
+                tag: frame.tag,
+                due_ms: now + first_ms,
+                faults,
+            };
+            self.net.note(self.rank, what);
+        }
         let copies = if fate.duplicate { 2 } else { 1 };
         if first_ms > 0 {
             NetStats::bump(&stats.delayed);
@@ -297,7 +414,7 @@ impl LocalEndpoint {
             }
             return Ok(());
         }
-        if fate.hold && c.held.is_empty() {
+        if held {
             NetStats::bump(&stats.reordered);
             c.held.push((to, Parcel { frame, crc }));
             return Ok(());
@@ -353,25 +470,33 @@ impl Transport for LocalEndpoint {
 
     fn recv_timeout(&mut self, timeout_ms: u64) -> Result<Frame, TransportError> {
         self.flush();
-        let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+        let clock = &self.net.clock;
+        let deadline = clock.now_ms() + timeout_ms;
         // Bounded by the deadline: each rejected frame only shortens the wait that is left.
         loop {
             if !self.net.is_up(self.rank) {
                 return Err(TransportError::Closed);
             }
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.rx.recv_timeout(left) {
+            let seen = self.bell.ticket();
+            match self.rx.try_recv() {
                 Ok(p) if p.intact() => return Ok(p.frame),
-                Ok(_) => NetStats::bump(&self.net.stats.rejected),
-                Err(RecvTimeoutError::Timeout) => {
-                    return if self.net.is_up(self.rank) {
-                        Err(TransportError::Timeout(timeout_ms))
-                    } else {
-                        Err(TransportError::Closed)
-                    }
+                Ok(_) => {
+                    NetStats::bump(&self.net.stats.rejected);
+                    self.net.note(self.rank, NetHappening::Rejected);
+                    continue;
                 }
-                Err(RecvTimeoutError::Disconnected) => return Err(TransportError::Closed),
+                Err(TryRecvError::Disconnected) => return Err(TransportError::Closed),
+                Err(TryRecvError::Empty) => {}
             }
+            if clock.now_ms() >= deadline {
+                return if self.net.is_up(self.rank) {
+                    self.net.note(self.rank, NetHappening::TimedOut);
+                    Err(TransportError::Timeout(timeout_ms))
+                } else {
+                    Err(TransportError::Closed)
+                };
+            }
+            clock.sleep(&self.bell, seen, Some(deadline));
         }
     }
 }

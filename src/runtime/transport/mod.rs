@@ -23,8 +23,8 @@
 //! `step::comm`, so every transport gets the same rules. The frame itself (`Frame`, `Tag`) is
 //! defined with its wire format in `crate::wire::frame` and re-exported here.
 //!
-//! The bottom of the runtime's parts: it imports nothing else of the runtime. Imports: `wire`,
-//! `net`, `plan` and the seeded RNG of `model::rng`.
+//! The bottom of the runtime's parts: of the runtime it imports only the clock (the in-process
+//! network keeps time by it). Imports: `wire`, `net`, `plan` and the seeded RNG of `model::rng`.
 //!
 //! Design: docs/transports.md.
 

@@ -13,9 +13,11 @@
 //! of a rank (`kill`), which the coordinator recovers from.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 
 use crate::model::rng::SplitMix64;
 use crate::plan::RankId;
+use crate::wire::frame::Tag;
 
 /// What a chaos run does to frames. All rates are thousandths of frames; all zero (the default)
 /// is a perfect network.
@@ -132,6 +134,65 @@ pub(crate) struct Fate {
     /// Which bit to flip (modulo the frame's size), if the first copy is damaged.
     pub corrupt: Option<u64>,
     pub delay_ms: u64,
+}
+
+/// One thing the network did, at a time on its clock: what a replay compares. Ordered by time,
+/// then rank, so a trace sorted after the run reads the same however the threads interleaved.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct NetEvent {
+    pub at_ms: u64,
+    /// The sender of a frame; the receiver of a rejection or a timeout; the rank lost.
+    pub rank: RankId,
+    pub what: NetHappening,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum NetHappening {
+    /// The sender's `index`-th frame, to `to` in (`epoch`, `step`), met a fault: its first
+    /// intact copy is due at `due_ms`.
+    Faulted {
+        to: RankId,
+        index: u64,
+        epoch: u64,
+        step: u64,
+        tag: Tag,
+        due_ms: u64,
+        faults: FaultSet,
+    },
+    /// A damaged copy failed its checksum at the receiver.
+    Rejected,
+    /// A receive's deadline passed with nothing for it.
+    TimedOut,
+    /// The rank was disconnected (lost, retired, or the run closed).
+    Lost,
+}
+
+/// Which faults struck one frame.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct FaultSet {
+    pub delayed: bool,
+    pub retransmitted: bool,
+    pub corrupted: bool,
+    pub duplicated: bool,
+    pub reordered: bool,
+    pub partitioned: bool,
+}
+
+/// Where a network keeps its [`NetEvent`]s when asked to (chaos replays).
+#[derive(Debug, Default)]
+pub struct NetTrace(Mutex<Vec<NetEvent>>);
+
+impl NetTrace {
+    pub fn push(&self, e: NetEvent) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(e);
+    }
+
+    /// The events so far, in time order (then by rank and what happened).
+    pub fn sorted(&self) -> Vec<NetEvent> {
+        let mut v = self.0.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        v.sort();
+        v
+    }
 }
 
 /// Counts of what the network did, for reports and for tests that must see a fault happen.

@@ -15,11 +15,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Instant;
 
 use bytes::Bytes;
 
 use crate::plan::RankId;
+use crate::runtime::clock::{Clock, Deadline, SystemClock};
 use crate::runtime::transport::{
     AddFn, Frame, PeerMemory, SharedMemory, Tag, TagKind, Transport, TransportError,
     FRAME_HEADER_BYTES,
@@ -112,6 +112,8 @@ pub struct Comm<T: Transport> {
     epoch: u64,
     step: u64,
     timeout_ms: u64,
+    /// What the deadlines are read on.
+    clock: Arc<dyn Clock>,
     /// Early frames by (epoch, step, sender, tag): a fast peer may already be one step ahead.
     pending: BTreeMap<(u64, u64, RankId, Tag), Bytes>,
     /// Frames whose payload the transport placed in lent memory (`recv_pieces_into`), by the
@@ -124,12 +126,19 @@ pub struct Comm<T: Transport> {
 }
 
 impl<T: Transport> Comm<T> {
+    /// A communicator whose deadlines are wall time.
     pub fn new(transport: T, timeout_ms: u64) -> Self {
+        Self::on_clock(transport, timeout_ms, SystemClock::shared())
+    }
+
+    /// A communicator whose deadlines are read on `clock`: the clock its transport waits on.
+    pub fn on_clock(transport: T, timeout_ms: u64, clock: Arc<dyn Clock>) -> Self {
         Self {
             transport,
             epoch: 0,
             step: 0,
             timeout_ms,
+            clock,
             pending: BTreeMap::new(),
             placed: BTreeSet::new(),
             lent: None,
@@ -390,7 +399,7 @@ impl<T: Transport> Comm<T> {
         &mut self,
         loans: &[Lend],
         any_lent: bool,
-        deadline: Instant,
+        deadline: Deadline,
         later: &mut Vec<(usize, usize, Bytes)>,
     ) -> Result<(), CommError> {
         for (k, &(from, tag, base, len, add)) in loans.iter().enumerate() {
@@ -475,7 +484,7 @@ impl<T: Transport> Comm<T> {
         tag: Tag,
         i: usize,
         len: usize,
-        deadline: Instant,
+        deadline: Deadline,
     ) -> Result<Option<Bytes>, CommError> {
         let t = tag.piece(i as u32);
         let got = self.recv_until(from, t, deadline)?;
@@ -487,8 +496,14 @@ impl<T: Transport> Comm<T> {
         Ok(Some(got))
     }
 
-    pub fn deadline(&self) -> Instant {
-        Instant::now() + std::time::Duration::from_millis(self.timeout_ms)
+    /// One collective timeout from now.
+    pub fn deadline(&self) -> Deadline {
+        self.deadline_in(self.timeout_ms)
+    }
+
+    /// `ms` from now on this communicator's clock.
+    pub fn deadline_in(&self, ms: u64) -> Deadline {
+        Deadline::after(&*self.clock, ms)
     }
 
     /// Waits for the frame `tag` from `from` in the current (epoch, step).
@@ -522,7 +537,7 @@ impl<T: Transport> Comm<T> {
         &mut self,
         from: RankId,
         tag: Tag,
-        deadline: Instant,
+        deadline: Deadline,
     ) -> Result<Bytes, CommError> {
         if let Some(p) = self.pending.remove(&(self.epoch, self.step, from, tag)) {
             return Ok(p);
@@ -538,9 +553,7 @@ impl<T: Transport> Comm<T> {
             }
         }
         loop {
-            let left_ms = deadline
-                .saturating_duration_since(Instant::now())
-                .as_millis() as u64;
+            let left_ms = deadline.left_ms(&*self.clock);
             if left_ms == 0 {
                 return Err(CommError::Timeout {
                     from,

@@ -12,8 +12,8 @@ mod program;
 mod reduce;
 pub mod work;
 
+use crate::runtime::clock::Stopwatch;
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
@@ -107,7 +107,7 @@ pub fn run_step<T: Transport>(
     cfg: &ExecConfig,
     vanish_at: Option<usize>,
 ) -> Result<StepReport, CommError> {
-    let started = Instant::now();
+    let started = Stopwatch::start();
     comm.begin_step(plan.epoch, plan.step);
     let io_before = st.tier_counters();
     let mbs = local_micro_batches(st, plan, data, cfg);
@@ -432,7 +432,7 @@ impl<'a> Pass<'a> {
         let (exps, m) = (self.exps.clone(), self.plan.micro_batches);
         let (progress, rank) = (&self.cfg.progress, self.st.rank);
         let (epoch, step) = (self.plan.epoch, self.plan.step);
-        let t0 = Instant::now();
+        let t0 = Stopwatch::start();
         let done = self
             .st
             .apply_optimizer(
@@ -455,7 +455,7 @@ impl<'a> Pass<'a> {
     }
 
     fn timed(&mut self, f: impl FnOnce(&mut Self)) {
-        let t0 = Instant::now();
+        let t0 = Stopwatch::start();
         f(self);
         self.compute_s += t0.elapsed().as_secs_f64();
     }

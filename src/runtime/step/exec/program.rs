@@ -1,7 +1,7 @@
 //! Running a step's phase program in order, with one liberty: a gather whose shard is still
 //! coming off the tier is posted after the next compute instead of holding the compute up.
 
-use std::time::Instant;
+use crate::runtime::clock::Stopwatch;
 
 use super::{Agreed, Pass};
 use crate::plan::schedule::Phase;
@@ -73,7 +73,7 @@ impl Pass<'_> {
         i: usize,
     ) -> Result<(), CommError> {
         let phase = program[i];
-        let t0 = Instant::now();
+        let t0 = Stopwatch::start();
         self.exec(comm, phase)?;
         // Where a step's time goes, phase by phase (`EZERO_LOG=elastic_zero=trace`).
         let ms = t0.elapsed().as_secs_f64() * 1e3;

@@ -62,7 +62,7 @@ impl Pass<'_> {
         // The owned ranges, in the shard's layout: into the shard's buffer, or into one that
         // goes to the tier.
         let on_tier = self.st.grads_on_tier() || self.st.in_backward.is_some();
-        let t0 = std::time::Instant::now();
+        let t0 = crate::runtime::clock::Stopwatch::start();
         if on_tier {
             self.make_tier_room()?;
         }

@@ -13,11 +13,11 @@
 //! Helpers take the file through [`SharedTier`], which lets a parameter read go before updates
 //! and gradient writes that have not started yet.
 
+use crate::runtime::clock::Stopwatch;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Instant;
 
 use crate::runtime::step::state::offload::{self, TierUpdater};
 use crate::runtime::step::state::owed::{Owed, OwedStep};
@@ -112,7 +112,7 @@ fn load(
 /// Waits for a helper, adding the wait to `waited_s`. A helper thread that died is an I/O
 /// failure of this rank, not a panic of the step.
 fn join<T>(waited_s: &mut f64, h: JoinHandle<Result<T, TierError>>) -> Result<T, TierError> {
-    let t0 = Instant::now();
+    let t0 = Stopwatch::start();
     let out = h
         .join()
         .unwrap_or_else(|_| Err(TierError::Helper("a tier I/O thread panicked".into())));
@@ -160,7 +160,7 @@ impl TierIo {
             .name("ezero-tier-read".into())
             .spawn(move || {
                 beside_compute(|| {
-                    let t0 = Instant::now();
+                    let t0 = Stopwatch::start();
                     let res = load(&tier, owed.as_deref().zip(step), u, len);
                     let ms = t0.elapsed().as_secs_f64() * 1e3;
                     tracing::trace!(unit = u, ms, "read ahead");
@@ -288,7 +288,7 @@ impl TierIo {
             .name("ezero-tier-update".into())
             .spawn(move || {
                 beside_compute(|| {
-                    let t0 = Instant::now();
+                    let t0 = Stopwatch::start();
                     let mut tier = tier.after_reads();
                     let locked_ms = t0.elapsed().as_secs_f64() * 1e3;
                     let params = params.as_deref().unwrap_or(&[]);

@@ -14,11 +14,11 @@
 //!
 //! Design: docs/memory-and-tier.md (the tier file).
 
+use crate::runtime::clock::Stopwatch;
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
 
 use super::aligned::AlignedBuf;
 use super::device::{submit, Device, IoError, Op, Ticket};
@@ -530,7 +530,7 @@ impl TierFile {
     /// Waits for `p`, checks what was read against the CRCs, and returns the buffer. On error
     /// the buffer still goes back to the pool.
     pub fn finish(&mut self, p: Pending) -> Result<AlignedBuf, TierError> {
-        let t0 = Instant::now();
+        let t0 = Stopwatch::start();
         let done = p.ticket.wait();
         if !BESIDE_COMPUTE.with(|b| b.get()) {
             self.stats.wait_s += t0.elapsed().as_secs_f64();
