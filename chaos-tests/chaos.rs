@@ -79,27 +79,53 @@ fn lose_mid_change(
 /// A random but valid scenario for `seed`, with what it should do.
 fn scenario(seed: u64) -> (TrainConfig, Expect) {
     let mut rng = SplitMix64::new(seed ^ 0xC4A0_5EED);
-    let ranks = 2 + pick(&mut rng, 4) as u32;
-    let steps = 4 + pick(&mut rng, 3);
-    let gpt = pick(&mut rng, 4) == 0;
-    let mut cfg = TrainConfig {
+    let mut cfg = base_config(&mut rng, seed);
+    let ranks = cfg.ranks;
+    let mut script = Script::new(&cfg);
+    let every_step = cfg.replicate_every == 1;
+    for step in 1..cfg.steps {
+        if script.expect.unrecoverable {
+            break;
+        }
+        let roll = pick(&mut rng, 10);
+        let n = script.members.len();
+        if roll < 2 && n > 1 {
+            script.leave(&mut rng, &mut cfg, step);
+        } else if roll < 4 && n < 6 && script.scripted < cfg.max_ranks as usize {
+            script.join(&mut rng, &mut cfg, step);
+        } else if roll < 7 && n > 1 {
+            script.lose(&mut rng, &mut cfg, step, every_step);
+        }
+    }
+    cfg.faults.kill_during = script.during;
+    misbehaving_network(&mut rng, &mut cfg, ranks);
+    (cfg, script.expect)
+}
+
+/// The scenario's world, shape, stage, chunking and backups, and a network that duplicates and
+/// reorders.
+fn base_config(rng: &mut SplitMix64, seed: u64) -> TrainConfig {
+    let ranks = 2 + pick(rng, 4) as u32;
+    let steps = 4 + pick(rng, 3);
+    let gpt = pick(rng, 4) == 0;
+    TrainConfig {
         model: if gpt { ModelKind::Gpt } else { ModelKind::Mlp },
-        layers: 1 + pick(&mut rng, 2) as usize,
+        layers: 1 + pick(rng, 2) as usize,
         d_model: 16,
         heads: 2,
         seq_len: 8,
-        micro_batches: 1 + pick(&mut rng, 6) as u32,
+        micro_batches: 1 + pick(rng, 6) as u32,
         micro_batch_size: 2,
         steps,
         seed,
         ranks,
-        stage: pick(&mut rng, 4) as u8,
-        chunk_elems: [64, 257, 1000, 4096][pick(&mut rng, 4) as usize],
-        max_live_units: 1 + pick(&mut rng, 3) as usize,
-        replicate_every: 1 + pick(&mut rng, 3),
+        stage: pick(rng, 4) as u8,
+        chunk_elems: [64, 257, 1000, 4096][pick(rng, 4) as usize],
+        max_live_units: 1 + pick(rng, 3) as usize,
+        replicate_every: 1 + pick(rng, 3),
         faults: Faults {
-            net_duplicate_per_mille: pick(&mut rng, 100) as u32,
-            net_reorder_per_mille: pick(&mut rng, 200) as u32,
+            net_duplicate_per_mille: pick(rng, 100) as u32,
+            net_reorder_per_mille: pick(rng, 200) as u32,
             ..Faults::default()
         },
         collective_timeout_ms: 10_000,
@@ -107,115 +133,158 @@ fn scenario(seed: u64) -> (TrainConfig, Expect) {
         warmup_steps: 1,
         sample_tokens: 0,
         ..TrainConfig::default()
-    };
-    let mut members: Vec<u32> = (0..ranks).collect();
-    let mut next = ranks;
-    // The world size as config validation counts it: scripted leaves, joins and kills, but not
-    // the ranks lost mid-round (`kill_during`), which `members` also drops. A join must keep
-    // this count within max_ranks, or the scenario is one the config refuses (seeds 1119, 1448,
-    // 2381 and 2623 of the 3000-seed soak were).
-    let mut scripted = ranks as usize;
-    // Track the shard map with the planner's own pure functions, to know which losses the
-    // backups cover.
-    let numels: Vec<usize> = build_model(&cfg)
-        .expect("valid shape")
-        .units()
-        .iter()
-        .map(|u| u.numel())
-        .collect();
-    let mut map = ShardMap::plan(&numels, &members, cfg.chunk_elems, 1).expect("valid map");
-    let mut expect = Expect {
-        memberships: Vec::new(),
-        unrecoverable: false,
-    };
-    let mut during: Vec<RoundKill> = Vec::new();
-    let mut kill_during = |rank: u32, step: u64, round: Round| {
-        during.push(RoundKill { rank, step, round });
-    };
-    let every_step = cfg.replicate_every == 1;
-    for step in 1..steps {
-        if expect.unrecoverable {
-            break;
+    }
+}
+
+/// The membership script a scenario draws step by step, with the shard map it implies
+/// (tracked with the planner's own pure functions, to know which losses the backups cover).
+struct Script {
+    members: Vec<u32>,
+    /// The next id a joiner takes.
+    next: u32,
+    /// The world size as config validation counts it: scripted leaves, joins and kills, but
+    /// not the ranks lost mid-round (`kill_during`), which `members` also drops. A join must
+    /// keep this count within max_ranks, or the scenario is one the config refuses (seeds
+    /// 1119, 1448, 2381 and 2623 of the 3000-seed soak were).
+    scripted: usize,
+    map: ShardMap,
+    expect: Expect,
+    during: Vec<RoundKill>,
+}
+
+impl Script {
+    fn new(cfg: &TrainConfig) -> Self {
+        let members: Vec<u32> = (0..cfg.ranks).collect();
+        let numels: Vec<usize> = build_model(cfg)
+            .expect("valid shape")
+            .units()
+            .iter()
+            .map(|u| u.numel())
+            .collect();
+        let map = ShardMap::plan(&numels, &members, cfg.chunk_elems, 1).expect("valid map");
+        Script {
+            members,
+            next: cfg.ranks,
+            scripted: cfg.ranks as usize,
+            map,
+            expect: Expect {
+                memberships: Vec::new(),
+                unrecoverable: false,
+            },
+            during: Vec::new(),
         }
-        let roll = pick(&mut rng, 10);
-        if roll < 2 && members.len() > 1 {
-            let r = members[pick(&mut rng, members.len() as u64) as usize];
-            cfg.leave.push(At { value: r, step });
-            scripted -= 1;
-            let before = members.clone();
-            members.retain(|&m| m != r);
-            lose_mid_change(&mut rng, &mut kill_during, step, &before, &mut members);
-            map = rebalance(&map, &members).expect("valid").0;
-            expect.memberships.push(members.clone());
-        } else if roll < 4 && members.len() < 6 && scripted < cfg.max_ranks as usize {
-            let n = (1 + pick(&mut rng, 2) as u32).min(cfg.max_ranks - scripted as u32);
-            cfg.join.push(At { value: n, step });
-            scripted += n as usize;
-            let before = members.clone();
-            members.extend(next..next + n);
-            next += n;
-            lose_mid_change(&mut rng, &mut kill_during, step, &before, &mut members);
-            map = rebalance(&map, &members).expect("valid").0;
-            expect.memberships.push(members.clone());
-        } else if roll < 7 && members.len() > 1 {
-            // One loss, or (rarely) a rank and its buddy together, which nothing can cover.
-            let at = pick(&mut rng, members.len() as u64) as usize;
-            let mut lost = vec![members[at]];
-            if members.len() >= 3 && pick(&mut rng, 8) == 0 {
-                lost.push(members[(at + 1) % members.len()]);
-            }
-            lost.sort_unstable();
-            lost.dedup();
-            // With a backup before every step, the loss can also strike mid-backup, or a
-            // second rank can vanish while the survivors restore from the first loss.
-            let how = if every_step { pick(&mut rng, 4) } else { 3 };
-            for &r in &lost {
-                if how == 0 {
-                    kill_during(r, step, Round::Replicate);
-                } else {
-                    cfg.kill.push(At { value: r, step });
-                    scripted -= 1;
-                }
-            }
-            if how == 1 && lost.len() == 1 && members.len() >= 3 {
-                let rest: Vec<u32> = members.iter().copied().filter(|m| *m != lost[0]).collect();
-                let r = rest[pick(&mut rng, rest.len() as u64) as usize];
-                // The restore rolls back to the backup before this very step.
-                kill_during(r, step, Round::Restore);
-                lost.push(r);
-                lost.sort_unstable();
-            }
-            if holders(&map, &lost).is_err() {
-                expect.unrecoverable = true;
+    }
+
+    /// The members changed: the map follows them and the run must show them.
+    fn changed(&mut self) {
+        self.map = rebalance(&self.map, &self.members).expect("valid").0;
+        self.expect.memberships.push(self.members.clone());
+    }
+
+    /// Sometimes a rank is lost while the change from `before` moves its chunks.
+    fn maybe_lose_mid_change(&mut self, rng: &mut SplitMix64, step: u64, before: &[u32]) {
+        let during = &mut self.during;
+        let mut kill_during = |rank: u32, step: u64, round: Round| {
+            during.push(RoundKill { rank, step, round });
+        };
+        lose_mid_change(rng, &mut kill_during, step, before, &mut self.members);
+    }
+
+    fn leave(&mut self, rng: &mut SplitMix64, cfg: &mut TrainConfig, step: u64) {
+        let r = self.members[pick(rng, self.members.len() as u64) as usize];
+        cfg.leave.push(At { value: r, step });
+        self.scripted -= 1;
+        let before = self.members.clone();
+        self.members.retain(|&m| m != r);
+        self.maybe_lose_mid_change(rng, step, &before);
+        self.changed();
+    }
+
+    fn join(&mut self, rng: &mut SplitMix64, cfg: &mut TrainConfig, step: u64) {
+        let n = (1 + pick(rng, 2) as u32).min(cfg.max_ranks - self.scripted as u32);
+        cfg.join.push(At { value: n, step });
+        self.scripted += n as usize;
+        let before = self.members.clone();
+        self.members.extend(self.next..self.next + n);
+        self.next += n;
+        self.maybe_lose_mid_change(rng, step, &before);
+        self.changed();
+    }
+
+    /// One loss, or (rarely) a rank and its buddy together, which nothing can cover. With a
+    /// backup before every step, the loss can also strike mid-backup, or a second rank can
+    /// vanish while the survivors restore from the first loss.
+    fn lose(&mut self, rng: &mut SplitMix64, cfg: &mut TrainConfig, step: u64, every_step: bool) {
+        let members = &self.members;
+        let at = pick(rng, members.len() as u64) as usize;
+        let mut lost = vec![members[at]];
+        if members.len() >= 3 && pick(rng, 8) == 0 {
+            lost.push(members[(at + 1) % members.len()]);
+        }
+        lost.sort_unstable();
+        lost.dedup();
+        let how = if every_step { pick(rng, 4) } else { 3 };
+        for &r in &lost {
+            if how == 0 {
+                self.during.push(RoundKill {
+                    rank: r,
+                    step,
+                    round: Round::Replicate,
+                });
             } else {
-                members.retain(|m| !lost.contains(m));
-                map = rebalance(&map, &members).expect("valid").0;
-                expect.memberships.push(members.clone());
+                cfg.kill.push(At { value: r, step });
+                self.scripted -= 1;
             }
         }
-    }
-    cfg.faults.kill_during = during;
-    // A third of the scenarios also get a lossy, damaging, slow network. Latencies stay a few
-    // ms so that hundreds of seeds fit in CI; their effect on ordering is what matters.
-    if pick(&mut rng, 3) == 0 {
-        cfg.faults.net_drop_per_mille = pick(&mut rng, 50) as u32;
-        cfg.faults.net_corrupt_per_mille = pick(&mut rng, 50) as u32;
-        cfg.faults.net_delay_max_ms = pick(&mut rng, 3);
-        cfg.faults.net_retransmit_ms = 1 + pick(&mut rng, 4);
-        if pick(&mut rng, 2) == 0 {
-            cfg.faults.net_slow_rank = Some(pick(&mut rng, ranks as u64) as u32);
-            cfg.faults.net_slow_ms = 1 + pick(&mut rng, 4);
+        if how == 1 && lost.len() == 1 && self.members.len() >= 3 {
+            let rest: Vec<u32> = self
+                .members
+                .iter()
+                .copied()
+                .filter(|m| *m != lost[0])
+                .collect();
+            let r = rest[pick(rng, rest.len() as u64) as usize];
+            // The restore rolls back to the backup before this very step.
+            self.during.push(RoundKill {
+                rank: r,
+                step,
+                round: Round::Restore,
+            });
+            lost.push(r);
+            lost.sort_unstable();
         }
-        // Half of those also cut the network in two for a stretch of every rank's sends.
-        if pick(&mut rng, 2) == 0 {
-            let side = 1 + pick(&mut rng, (1u64 << ranks) - 2);
-            cfg.faults.net_partition_ranks = (0..ranks).filter(|r| side >> r & 1 == 1).collect();
-            cfg.faults.net_partition_from_frame = pick(&mut rng, 50);
-            cfg.faults.net_partition_frames = 1 + pick(&mut rng, 200);
-            cfg.faults.net_partition_ms = 1 + pick(&mut rng, 4);
+        if holders(&self.map, &lost).is_err() {
+            self.expect.unrecoverable = true;
+        } else {
+            self.members.retain(|m| !lost.contains(m));
+            self.changed();
         }
     }
-    (cfg, expect)
+}
+
+/// A third of the scenarios also get a lossy, damaging, slow network. Latencies stay a few ms
+/// so that hundreds of seeds fit in CI; their effect on ordering is what matters.
+fn misbehaving_network(rng: &mut SplitMix64, cfg: &mut TrainConfig, ranks: u32) {
+    if pick(rng, 3) != 0 {
+        return;
+    }
+    let f = &mut cfg.faults;
+    f.net_drop_per_mille = pick(rng, 50) as u32;
+    f.net_corrupt_per_mille = pick(rng, 50) as u32;
+    f.net_delay_max_ms = pick(rng, 3);
+    f.net_retransmit_ms = 1 + pick(rng, 4);
+    if pick(rng, 2) == 0 {
+        f.net_slow_rank = Some(pick(rng, ranks as u64) as u32);
+        f.net_slow_ms = 1 + pick(rng, 4);
+    }
+    // Half of those also cut the network in two for a stretch of every rank's sends.
+    if pick(rng, 2) == 0 {
+        let side = 1 + pick(rng, (1u64 << ranks) - 2);
+        f.net_partition_ranks = (0..ranks).filter(|r| side >> r & 1 == 1).collect();
+        f.net_partition_from_frame = pick(rng, 50);
+        f.net_partition_frames = 1 + pick(rng, 200);
+        f.net_partition_ms = 1 + pick(rng, 4);
+    }
 }
 
 #[derive(Default)]
