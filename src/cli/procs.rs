@@ -29,7 +29,7 @@ use elastic_zero::runtime::procs::heartbeat::ProcsConfig;
 use elastic_zero::runtime::procs::state::{check_parts, STATE_PART_MAX_BYTES};
 use elastic_zero::runtime::procs::worker::{run_worker, WorkerOptions};
 use elastic_zero::runtime::TrainOutcome;
-use elastic_zero::summary::{StepBreakdown, TrainSummary};
+use elastic_zero::summary::TrainSummary;
 
 use super::checkpoint::{self, SaveObserver, SavePlan, Saving};
 use super::{CliError, TrainArgs};
@@ -472,23 +472,7 @@ impl Observer for &mut StepLines<'_> {
         let log_every = (cfg.steps / 10).max(1);
         if rec.step.is_multiple_of(log_every) || rec.step + 1 == cfg.steps {
             let tps = cfg.tokens_per_step() as f64 / (rec.duration_ms.max(1) as f64 / 1e3);
-            println!(
-                "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s  [{}]{}",
-                rec.step + 1,
-                cfg.steps,
-                rec.loss,
-                self.floor
-                    .map(|f| format!(" (floor {f:.4})"))
-                    .unwrap_or_default(),
-                rec.grad_norm,
-                tps,
-                StepBreakdown::of(rec).describe(),
-                if rec.skipped {
-                    "  [skipped: non-finite gradient]"
-                } else {
-                    ""
-                },
-            );
+            println!("{}", super::train::step_line(cfg, rec, self.floor, tps));
         }
     }
 

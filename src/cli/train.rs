@@ -240,26 +240,36 @@ impl<'a> StepLines<'a> {
             mem.join(" ")
         ));
         if rec.step.is_multiple_of(self.log_every) || rec.step + 1 == cfg.steps {
-            let line = format!(
-                "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s  [{}]{}",
-                rec.step + 1,
-                cfg.steps,
-                rec.loss,
-                self.floor
-                    .map(|f| format!(" (floor {f:.4})"))
-                    .unwrap_or_default(),
-                rec.grad_norm,
-                tps,
-                StepBreakdown::of(rec).describe(),
-                if rec.skipped {
-                    "  [skipped: non-finite gradient]"
-                } else {
-                    ""
-                },
-            );
+            let line = step_line(cfg, rec, self.floor, tps);
             print_line(self.bar, line);
         }
     }
+}
+
+/// The progress line of step `rec` (`tps`: its tokens per second), in process mode too.
+pub(super) fn step_line(
+    cfg: &TrainConfig,
+    rec: &StepRecord,
+    floor: Option<f64>,
+    tps: f64,
+) -> String {
+    format!(
+        "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s  [{}]{}",
+        rec.step + 1,
+        cfg.steps,
+        rec.loss,
+        floor
+            .map(|f| format!(" (floor {f:.4})"))
+            .unwrap_or_default(),
+        rec.grad_norm,
+        tps,
+        StepBreakdown::of(rec).describe(),
+        if rec.skipped {
+            "  [skipped: non-finite gradient]"
+        } else {
+            ""
+        },
+    )
 }
 
 /// The end of the run: the summary lines, a sample, the JSON summary and the digest.
