@@ -73,6 +73,42 @@ fn an_import_from_a_higher_part_is_refused() {
     );
 }
 
+/// The step's parts under the real `LAYERS`: `state` reaching up into `elastic`, which already
+/// imports it, is both a layer inversion and a circle between the folders.
+#[test]
+fn step_folders_importing_each_other_are_refused() {
+    let found = findings(&[
+        ("src/runtime/mod.rs", "pub mod step;\n"),
+        ("src/runtime/step/mod.rs", "pub mod elastic;\npub mod state;\n"),
+        ("src/runtime/step/state/mod.rs", "pub mod rank_state;\n"),
+        (
+            "src/runtime/step/state/rank_state.rs",
+            "pub struct RankState;\nfn f() { let _ = crate::runtime::step::elastic::replica::Backup; }\n",
+        ),
+        ("src/runtime/step/elastic/mod.rs", "pub mod replica;\n"),
+        (
+            "src/runtime/step/elastic/replica.rs",
+            "use crate::runtime::step::state::rank_state::RankState;\npub struct Backup;\n",
+        ),
+    ]);
+    for f in &found {
+        eprintln!("{f}");
+    }
+    assert!(
+        found
+            .iter()
+            .any(|f| f.starts_with("src/runtime/step/state/rank_state.rs:2:")
+                && f.contains("runtime::step::elastic sits above runtime::step::state")),
+        "{found:?}"
+    );
+    assert!(
+        found
+            .iter()
+            .any(|f| f.contains("import circle in `runtime::step`: elastic -> state")),
+        "{found:?}"
+    );
+}
+
 #[test]
 fn siblings_importing_each_other_are_a_circle() {
     let found = findings(&[
