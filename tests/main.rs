@@ -25,6 +25,7 @@ mod offload;
 mod offload_owed;
 mod procs;
 mod procs_checkpoint;
+mod procs_cluster;
 mod procs_elastic;
 #[cfg(feature = "ucx")]
 mod procs_ucx;

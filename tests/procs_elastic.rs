@@ -15,7 +15,7 @@ use common::procs::{
 };
 
 /// `GET /status`, once every worker has joined (503 `not_started` before).
-fn status(addr: &str) -> serde_json::Value {
+pub fn status(addr: &str) -> serde_json::Value {
     let deadline = Instant::now() + DEADLINE;
     loop {
         let (code, body) = http(addr, "GET", "/status");
@@ -29,7 +29,7 @@ fn status(addr: &str) -> serde_json::Value {
 }
 
 /// Polls `/status` until `done` holds for it, within the deadline.
-fn poll(addr: &str, what: &str, done: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+pub fn poll(addr: &str, what: &str, done: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
     let deadline = Instant::now() + DEADLINE;
     loop {
         let s = status(addr);
@@ -41,7 +41,7 @@ fn poll(addr: &str, what: &str, done: impl Fn(&serde_json::Value) -> bool) -> se
     }
 }
 
-fn signal(pid: u32, sig: &str) {
+pub fn signal(pid: u32, sig: &str) {
     let ok = Command::new("kill").args([sig, &pid.to_string()]).status();
     assert!(ok.is_ok_and(|s| s.success()), "kill {sig} {pid}");
 }

@@ -5,11 +5,13 @@
 
 mod checkpoint;
 mod collectives;
+mod control_access;
 mod gemm;
 mod generate;
 mod init;
 mod launch;
 mod procs;
+mod scheduler;
 mod test_hooks;
 mod ticker;
 mod train;
@@ -259,6 +261,16 @@ pub struct TrainArgs {
     /// With --control: allow POST /ranks/{id}/kill (abrupt loss, for tests and demos).
     #[arg(long, requires = "control")]
     pub control_allow_kill: bool,
+    /// With --control: a file holding the operator token that drain, kill, join and checkpoint
+    /// requests must carry (`Authorization: Bearer TOKEN`); without one, an endpoint beyond
+    /// loopback refuses every change. EZERO_CONTROL_TOKEN may hold the token itself
+    /// [default: none].
+    #[arg(long, env = "EZERO_CONTROL_TOKEN_FILE", value_name = "FILE")]
+    pub control_token_file: Option<PathBuf>,
+    /// With --control: which requests need the operator token: writes (drain, kill, join,
+    /// checkpoint) or all (GET /status and /metrics too) [default: writes].
+    #[arg(long, value_name = "SCOPE", value_parser = control_access::parse_auth_scope)]
+    pub control_auth: Option<elastic_zero::runtime::api::http::AuthScope>,
     /// Where optimizer state lives: none|nvme|auto [default: auto: RAM unless the run does not
     /// fit --memory-max, then the tier if --nvme-dir is set].
     #[arg(long, value_name = "TIER")]

@@ -21,6 +21,7 @@ use elastic_zero::plan::tier::{evaluate, Fit, Placement, MIN_TILE_ELEMS};
 use elastic_zero::plan::RankId;
 use elastic_zero::runtime::alloc::available_memory_bytes;
 use elastic_zero::runtime::api::cluster::Observer;
+use elastic_zero::runtime::api::notice::Notice;
 use elastic_zero::runtime::procs::control_plane::DataPlane;
 use elastic_zero::runtime::procs::coord::{
     run_coordinator, CoordinatorOptions, Listening, ProcError,
@@ -32,6 +33,7 @@ use elastic_zero::runtime::TrainOutcome;
 use elastic_zero::summary::TrainSummary;
 
 use super::checkpoint::{self, SaveObserver, SavePlan, Saving};
+use super::scheduler;
 use super::{CliError, TrainArgs};
 
 /// Heartbeat and join timing, shared by `coordinator` and `launch`.
@@ -119,12 +121,21 @@ pub struct CoordinatorArgs {
 /// `ezero worker` flags.
 #[derive(Args)]
 pub struct WorkerArgs {
-    /// The coordinator's address (host:port).
+    /// The coordinator's address (host:port) [default: from the scheduler: MASTER_ADDR and
+    /// MASTER_PORT (torchrun, PyTorchJob), or the first host of SLURM_JOB_NODELIST with
+    /// MASTER_PORT or 29500].
     #[arg(long, env = "EZERO_COORDINATOR")]
-    pub join: String,
-    /// The rank this worker would like; the coordinator gives the lowest free one otherwise.
+    pub join: Option<String>,
+    /// The rank this worker would like; the coordinator gives the lowest free one otherwise
+    /// [default: from the scheduler: SLURM_PROCID, RANK, or JOB_COMPLETION_INDEX].
     #[arg(long, env = "EZERO_RANK_HINT")]
     pub rank_hint: Option<u32>,
+    /// After a SIGTERM (a pod eviction, a spot preemption notice), how long to wait for the
+    /// graceful leave at the next step boundary before leaving at once (the job then recovers
+    /// this rank from buddy backups); keep it under the scheduler's grace (Kubernetes: 30 s)
+    /// [default: 25].
+    #[arg(long, env = "EZERO_DRAIN_GRACE_S", value_parser = parse_grace_s)]
+    pub drain_grace_s: Option<f64>,
     /// Where to accept peers' data connections (ip:port; port 0 picks one).
     #[arg(long, env = "EZERO_DATA_ADDR", default_value = "127.0.0.1:0")]
     pub data_listen: String,
@@ -300,7 +311,10 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let saving = save_plan
         .map(|p| p.start(&cfg, resumed_from.as_deref(), &boundary))
         .transpose()?
-        .map(|s| s.resume_with(format!("ezero launch --nprocs {} -- --resume", cfg.ranks)));
+        .map(|s| {
+            s.resume_with(format!("ezero launch --nprocs {} -- --resume", cfg.ranks))
+                .stop_through_driver()
+        });
     let psi = param_count(&model.units());
     let floor = data.entropy_floor_nats();
     let fit = one_rank_fit(&cfg, model.as_ref());
@@ -313,6 +327,11 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         ucx_net: args.ucx_net.clone(),
         control: args.train.control,
         allow_kill: args.train.control_allow_kill,
+        control_access: args
+            .train
+            .control
+            .map(|addr| super::control_access::control_access(&args.train, addr))
+            .transpose()?,
         start,
         // Only when a save is due: each snapshot carries the whole state over the control
         // connections; a signal asks for its own through `boundary_snapshot`.
@@ -337,16 +356,26 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         allow_kill: args.train.control_allow_kill,
         resume: resume.as_ref(),
     };
-    let mut observer = SaveObserver {
-        inner: &mut lines,
-        saving,
+    // Without a save directory a signal still stops the job in order: the workers are told.
+    let signal = match saving {
+        Some(_) => None,
+        None => Some(checkpoint::stop_signal()?),
     };
+    let mut observer = SaveObserver::new(&mut lines, saving);
+    observer.signal = signal;
     let on_listen = |at: Listening| banner.print(at);
     let outcome = runtime()?.block_on(run_coordinator(cfg.clone(), opts, on_listen, &mut observer));
+    let stopped = observer.stopped().cloned();
     let saved = observer.saving.take().map_or(Ok(()), Saving::finish);
-    let outcome = match outcome {
-        Ok(o) => o,
-        Err(e) => return Err(failure(e, lines.last_step, save_dir.as_deref())),
+    let outcome = match (outcome, stopped) {
+        (Ok(o), _) => o,
+        (Err(_), Some(stopped)) => {
+            if let Err(CliError::Failed(e) | CliError::Usage(e)) = saved {
+                eprintln!("error: {e}");
+            }
+            stopped.exit()
+        }
+        (Err(e), None) => return Err(failure(e, lines.last_step, save_dir.as_deref())),
     };
     saved?;
     let summary = super::train::summarize(
@@ -491,6 +520,21 @@ impl Observer for &mut StepLines<'_> {
     fn on_join_failed(&mut self, rank: RankId, reason: &str) {
         println!("{}", super::train::join_failed_line(rank, reason));
     }
+
+    fn on_notice(&mut self, n: &Notice, granted: &Result<(), String>) {
+        match granted {
+            Ok(()) => println!(
+                "rank {}: notice ({}, grace {:.0} s): it leaves at the next step boundary",
+                n.rank,
+                n.cause,
+                n.grace_ms as f64 / 1e3
+            ),
+            Err(why) => println!(
+                "rank {}: notice ({}) refused: {why}",
+                n.rank, n.cause
+            ),
+        }
+    }
 }
 
 pub fn run_worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
@@ -510,9 +554,40 @@ pub fn run_worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
     std::process::exit(code)
 }
 
+/// `--drain-grace-s`: seconds, positive and at most an hour.
+fn parse_grace_s(s: &str) -> Result<f64, String> {
+    s.parse::<f64>()
+        .ok()
+        .filter(|g| g.is_finite() && *g > 0.0 && *g <= 3600.0)
+        .ok_or_else(|| format!("`{s}` is not a grace in seconds (more than 0, at most 3600)"))
+}
+
+/// Default `--drain-grace-s`: under Kubernetes' 30 s `terminationGracePeriodSeconds`.
+const DRAIN_GRACE_S_DEFAULT: f64 = 25.0;
+
+/// The coordinator and rank hint from the flags, else from the scheduler's variables; says
+/// which it used.
+fn where_to_join(args: &WorkerArgs) -> Result<scheduler::Resolved, CliError> {
+    let explicit = scheduler::Explicit {
+        join: args.join.clone(),
+        rank_hint: args.rank_hint,
+    };
+    let env = |k: &str| std::env::var(k).ok();
+    let r = scheduler::resolve(&explicit, &env).map_err(CliError::Usage)?;
+    println!(
+        "ezero worker: coordinator {}, rank hint {}, from {}",
+        r.join,
+        r.rank_hint
+            .map_or_else(|| "none".to_string(), |h| h.to_string()),
+        r.source
+    );
+    Ok(r)
+}
+
 fn worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
     let token = token(args.token_file.as_ref())?;
-    let name = args
+    let place = where_to_join(args)?;
+    let name = place
         .rank_hint
         .map_or_else(|| "worker".to_string(), |r| format!("rank-{r}"));
     let tls = cluster_tls(args.secrets.as_ref(), &name)?;
@@ -535,18 +610,27 @@ fn worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
             })
         })
         .transpose()?;
+    let grace_s = args.drain_grace_s.unwrap_or(DRAIN_GRACE_S_DEFAULT);
     let opts = WorkerOptions {
-        join: args.join.clone(),
+        join: place.join.clone(),
         token,
-        rank_hint: args.rank_hint,
+        rank_hint: place.rank_hint,
         standby: args.standby,
         data_listen: args.data_listen.clone(),
         data_advertise,
         tls,
         procs,
+        drain_grace: std::time::Duration::from_secs_f64(grace_s),
     };
-    let on_welcome = |rank, world, threads| {
-        println!("ezero worker: rank {rank} of {world}, {threads} compute threads")
+    let scheduler_world = place.world;
+    let on_welcome = move |rank, world, threads| {
+        println!("ezero worker: rank {rank} of {world}, {threads} compute threads");
+        if scheduler_world.is_some_and(|w| w != world) {
+            println!(
+                "ezero worker: note: the scheduler started {} workers; the job has {world} ranks (the coordinator's --ranks decides; the others wait as standbys)",
+                scheduler_world.unwrap_or(0)
+            );
+        }
     };
     // A standby never taken by a join has no rank.
     let who =
@@ -556,6 +640,16 @@ fn worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
         println!("ezero worker: data plane: {plane}");
     }
     match outcome {
+        // Given notice, the worker's work is done however the job went on.
+        Ok(out) if out.noticed.is_some() => {
+            let after = out.noticed.unwrap_or_default().as_secs_f64();
+            println!(
+                "ezero worker: {}: {} ({after:.1} s after SIGTERM)",
+                who(out.rank),
+                out.reason
+            );
+            Ok(())
+        }
         Ok(out) if out.ok => {
             println!("ezero worker: {}: {}", who(out.rank), out.reason);
             Ok(())

@@ -85,13 +85,11 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     };
     let started = Stopwatch::start();
     let lines = StepLines::new(&job, &bar, &ticker);
-    let mut observer = SaveObserver {
-        saving,
-        inner: Progress {
-            bar: &bar,
-            on_step: |rec: &StepRecord| lines.step(rec),
-        },
+    let progress = Progress {
+        bar: &bar,
+        on_step: |rec: &StepRecord| lines.step(rec),
     };
+    let mut observer = SaveObserver::new(progress, saving);
     let on_demand = observer.saving.is_some();
     let outcome = rt.block_on(drive(cluster, cfg, args, &bar, on_demand, &mut observer));
     ticker.stop();
@@ -180,7 +178,12 @@ async fn drive(
         .allow_kill(args.control_allow_kill)
         .on_demand_snapshots(on_demand_snapshots);
     if let Some(addr) = args.control {
-        builder = builder.control_addr(addr);
+        let access = super::control_access::control_access(args, addr).map_err(|e| {
+            ClusterError::Spawn(match e {
+                CliError::Usage(m) | CliError::Failed(m) => m,
+            })
+        })?;
+        builder = builder.control_addr(addr).control_access(access);
     }
     let job = builder.start().await?;
     if let Some(addr) = job.control_addr() {

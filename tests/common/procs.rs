@@ -82,8 +82,26 @@ pub fn ezero(token: &str, secrets: &Path) -> Command {
     let mut cmd = Command::new(EZERO);
     cmd.env("EZERO_CLUSTER_TOKEN", token)
         .env("EZERO_SECRETS_DIR", secrets);
+    // A test run inside a scheduler's job must not hand its variables to the workers.
+    for var in SCHEDULER_VARS {
+        cmd.env_remove(var);
+    }
     cmd
 }
+
+/// The variables `ezero worker` reads from Slurm, torchrun and Kubernetes.
+pub const SCHEDULER_VARS: [&str; 10] = [
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "JOB_COMPLETION_INDEX",
+    "EZERO_RANK_HINT",
+];
 
 /// `ezero coordinator` for `ranks` workers, listening on an ephemeral loopback port.
 pub fn coordinator(ranks: u32, token: &str, secrets: &Path) -> Command {
@@ -282,10 +300,22 @@ impl Coordinator {
 
 /// One HTTP/1.1 request to a control endpoint; (status, body), or why there was no answer.
 pub fn try_http(addr: &str, method: &str, target: &str) -> Result<(u16, String), String> {
+    try_http_with(addr, method, target, "")
+}
+
+/// [`try_http`] with extra header lines (each ending in `\r\n`).
+pub fn try_http_with(
+    addr: &str,
+    method: &str,
+    target: &str,
+    headers: &str,
+) -> Result<(u16, String), String> {
     let mut sock = std::net::TcpStream::connect(addr).map_err(|e| format!("{addr}: {e}"))?;
     sock.set_read_timeout(Some(DEADLINE))
         .map_err(|e| e.to_string())?;
-    let req = format!("{method} {target} HTTP/1.1\r\nHost: test\r\nContent-Length: 0\r\n\r\n");
+    let req = format!(
+        "{method} {target} HTTP/1.1\r\nHost: test\r\n{headers}Content-Length: 0\r\n\r\n"
+    );
     std::io::Write::write_all(&mut sock, req.as_bytes()).map_err(|e| e.to_string())?;
     let mut text = String::new();
     sock.read_to_string(&mut text).map_err(|e| e.to_string())?;

@@ -19,6 +19,7 @@ use elastic_zero::model::Model;
 use elastic_zero::plan::RankId;
 use elastic_zero::runtime::actors::{BoundarySnapshot, Snapshot};
 use elastic_zero::runtime::api::cluster::Observer;
+use elastic_zero::runtime::api::notice::Notice;
 use elastic_zero::runtime::step::elastic::snapshot::SnapshotSink;
 use elastic_zero::runtime::ChangeRecord;
 
@@ -38,6 +39,22 @@ pub struct Saving {
     failures: usize,
     /// How to resume, for the line printed on a signal (`resume_with`).
     resume_hint: String,
+    /// The cluster's boundary-snapshot flag, which a signal sets (and `stop_at_boundary`).
+    boundary: Arc<AtomicBool>,
+    /// Why the run stops at the next boundary when a signal did not ask (a notice the job
+    /// cannot grant).
+    stop_why: Option<String>,
+    /// End the process once the last checkpoint is saved (`ezero train`); otherwise keep the
+    /// line and exit code in `stopped` for the driver, which tells the workers first.
+    exit_on_stop: bool,
+    stopped: Option<Stopped>,
+}
+
+/// How a run that stopped early (a signal, a notice) ends the process.
+#[derive(Clone, Debug)]
+pub struct Stopped {
+    pub code: i32,
+    pub line: String,
 }
 
 const SIGNALS: [i32; 2] = [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT];
@@ -135,6 +152,10 @@ impl SavePlan {
             signal,
             resume_hint: "ezero train --resume".into(),
             failures: 0,
+            boundary: Arc::clone(&boundary.flag),
+            stop_why: None,
+            exit_on_stop: true,
+            stopped: None,
         })
     }
 }
@@ -195,33 +216,55 @@ impl Saving {
         }
     }
 
-    /// Answers a signal: waits for the checkpoint of this boundary, then ends the process.
-    fn stop(&mut self, signal: i32, step: u64) -> ! {
+    /// Answers a signal: waits for the checkpoint of this boundary, then ends the process (or
+    /// leaves that to the driver, see `exit_on_stop`).
+    fn stop(&mut self, signal: i32, step: u64) {
         if let Err(e) = self.writer.flush() {
             self.report(vec![Err(e)]);
         }
         self.poll();
-        let name = if signal == signal_hook::consts::SIGINT {
-            "SIGINT"
+        let why = self.stop_why.clone().unwrap_or_else(|| {
+            let name = if signal == signal_hook::consts::SIGINT {
+                "SIGINT"
+            } else {
+                "SIGTERM"
+            };
+            format!("stopped by {name}")
+        });
+        let stopped = if self.failures > 0 {
+            Stopped {
+                code: 1,
+                line: format!("error: {why} at step {step}, but the checkpoint could not be saved"),
+            }
         } else {
-            "SIGTERM"
+            Stopped {
+                code: 128 + signal,
+                line: format!(
+                    "{why} after step {step}; resume with: {} {}",
+                    self.resume_hint,
+                    self.root.display()
+                ),
+            }
         };
-        let code = if self.failures > 0 {
-            eprintln!(
-                "error: stopped by {name} at step {step}, but the checkpoint could not be saved"
-            );
-            1
-        } else {
-            println!(
-                "stopped by {name} after step {step}; resume with: {} {}",
-                self.resume_hint,
-                self.root.display()
-            );
-            128 + signal
-        };
-        let _ = std::io::stdout().flush();
-        // Ranks and the writer hold nothing that needs unwinding: the checkpoint is synced.
-        std::process::exit(code)
+        if self.exit_on_stop {
+            stopped.exit();
+        }
+        self.stopped = Some(stopped);
+    }
+
+    /// The run stops at the next step boundary, after its checkpoint, for `why`.
+    pub fn stop_at_boundary(&mut self, why: &str) {
+        self.stop_why = Some(why.to_string());
+        self.signal
+            .store(signal_hook::consts::SIGTERM as usize, Ordering::SeqCst);
+        self.boundary.store(true, Ordering::SeqCst);
+    }
+
+    /// Leaves the process's end to the driver (a coordinator tells its workers first): a stop
+    /// is reported through `SaveObserver::stop_requested`.
+    pub fn stop_through_driver(mut self) -> Self {
+        self.exit_on_stop = false;
+        self
     }
 
     /// Names the command that resumes this run in the line printed on a signal (the checkpoint
@@ -318,14 +361,68 @@ fn parse_crash(s: &str) -> Result<(u64, CrashPoint), String> {
     ))
 }
 
+impl Stopped {
+    /// Prints the line (errors to stderr) and ends the process with the code.
+    pub fn exit(&self) -> ! {
+        if self.code == 1 {
+            eprintln!("{}", self.line);
+        } else {
+            println!("{}", self.line);
+        }
+        let _ = std::io::stdout().flush();
+        // Ranks and the writer hold nothing that needs unwinding: the checkpoint is synced.
+        std::process::exit(self.code)
+    }
+}
+
+/// SIGTERM and SIGINT for a run without a save directory: the flag says which came (0: none);
+/// a second one ends the process at once.
+pub fn stop_signal() -> Result<Arc<AtomicUsize>, CliError> {
+    let signal = Arc::new(AtomicUsize::new(0));
+    let again = Arc::new(AtomicBool::new(false));
+    for sig in SIGNALS {
+        signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, Arc::clone(&again))
+            .and_then(|_| signal_hook::flag::register(sig, Arc::clone(&again)))
+            .and_then(|_| signal_hook::flag::register_usize(sig, Arc::clone(&signal), sig as usize))
+            .map_err(|e| CliError::Failed(format!("cannot install a signal handler: {e}")))?;
+    }
+    Ok(signal)
+}
+
 /// The train loop's observer: `inner` (the progress display), plus saving when configured.
 pub struct SaveObserver<O> {
     pub inner: O,
     pub saving: Option<Saving>,
+    /// Without saving, a coordinator's SIGTERM/SIGINT (`stop_signal`): the job stops at the
+    /// next event, its workers told.
+    pub signal: Option<Arc<AtomicUsize>>,
+    /// Steps completed, for the line a stop prints.
+    pub steps_done: u64,
+    pub stopped: Option<Stopped>,
+}
+
+impl<O> SaveObserver<O> {
+    pub fn new(inner: O, saving: Option<Saving>) -> Self {
+        Self {
+            inner,
+            saving,
+            signal: None,
+            steps_done: 0,
+            stopped: None,
+        }
+    }
+
+    /// How the run stopped early, if it did (a signal, a notice).
+    pub fn stopped(&self) -> Option<&Stopped> {
+        self.stopped
+            .as_ref()
+            .or_else(|| self.saving.as_ref()?.stopped.as_ref())
+    }
 }
 
 impl<O: Observer> Observer for &mut SaveObserver<O> {
     fn on_step(&mut self, rec: &StepRecord) {
+        self.steps_done = rec.step + 1;
         self.inner.on_step(rec);
         if let Some(s) = &mut self.saving {
             s.poll();
@@ -360,5 +457,53 @@ impl<O: Observer> Observer for &mut SaveObserver<O> {
         if let Some(s) = &mut self.saving {
             s.on_streamed(step);
         }
+    }
+
+    fn on_notice(&mut self, notice: &Notice, granted: &Result<(), String>) {
+        self.inner.on_notice(notice, granted);
+    }
+
+    fn stop_at_boundary(&mut self, why: &str) -> bool {
+        match &mut self.saving {
+            Some(s) => {
+                s.stop_at_boundary(why);
+                true
+            }
+            None => {
+                self.stopped = Some(Stopped {
+                    code: 128 + signal_hook::consts::SIGTERM,
+                    line: format!(
+                        "{why}, after step {}; not saved (no --save-dir)",
+                        self.steps_done
+                    ),
+                });
+                false
+            }
+        }
+    }
+
+    fn stop_requested(&mut self) -> Option<String> {
+        if let Some(s) = self.saving.as_ref().and_then(|s| s.stopped.as_ref()) {
+            return Some(s.line.clone());
+        }
+        let signal = self.signal.as_ref()?.load(Ordering::SeqCst);
+        if signal == 0 {
+            return None;
+        }
+        let name = if signal == signal_hook::consts::SIGINT as usize {
+            "SIGINT"
+        } else {
+            "SIGTERM"
+        };
+        let stopped = Stopped {
+            code: 128 + signal as i32,
+            line: format!(
+                "stopped by {name} after step {}; not saved (no --save-dir)",
+                self.steps_done
+            ),
+        };
+        let line = stopped.line.clone();
+        self.stopped = Some(stopped);
+        Some(line)
     }
 }

@@ -56,8 +56,9 @@ pub struct CoordArgs<T: Transport> {
     pub tick_ms: u64,
     /// Called when the run aborts, to unblock ranks waiting on peers (closes the network).
     pub on_abort: Box<dyn Fn() + Send + Sync>,
-    /// Called when a rank is retired (disconnects it from the network).
-    pub on_retire: Box<dyn Fn(RankId) + Send + Sync>,
+    /// Called when a rank is retired (disconnects it from the network), with the steps
+    /// completed when it left.
+    pub on_retire: Box<dyn Fn(RankId, u64) + Send + Sync>,
     /// Wakes a rank from the abandoned (epoch, step).
     pub on_interrupt: Box<dyn Fn(RankId, u64, u64) + Send + Sync>,
     pub factory: RankFactory<T>,
@@ -74,7 +75,7 @@ pub struct CoordState<T: Transport> {
     clock: Arc<dyn Clock>,
     tick_ms: u64,
     on_abort: Box<dyn Fn() + Send + Sync>,
-    on_retire: Box<dyn Fn(RankId) + Send + Sync>,
+    on_retire: Box<dyn Fn(RankId, u64) + Send + Sync>,
     on_interrupt: Box<dyn Fn(RankId, u64, u64) + Send + Sync>,
     factory: RankFactory<T>,
     boundary_snapshot: Option<BoundarySnapshot>,
@@ -174,7 +175,7 @@ impl<T: Transport> CoordState<T> {
                     if let Some(a) = self.ranks.remove(&r) {
                         a.stop(Some("left the job".into()));
                     }
-                    (self.on_retire)(r);
+                    (self.on_retire)(r, self.engine.step());
                 }
             }
             Command::Replicate { step, ranks } => {

@@ -20,6 +20,7 @@ use crate::model::Model;
 use crate::plan::activations::ActivationChoice;
 use crate::plan::tier::Fit;
 use crate::plan::{ChunkId, RankId, ShardMap};
+use super::notice::Notice;
 use crate::runtime::actors::RankMsg;
 use crate::runtime::actors::{
     BoundarySnapshot, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank, RankActor,
@@ -488,7 +489,7 @@ fn coord_args(
             TICK_MS
         },
         on_abort: Box::new(move || abort_net.close()),
-        on_retire: Box::new(move |r| {
+        on_retire: Box::new(move |r, _| {
             retire_net.kill(r);
             progress.forget(r);
         }),
@@ -593,6 +594,20 @@ pub trait Observer {
     /// A joiner did not come up (no standby worker, or it failed while starting); the change
     /// went on without it.
     fn on_join_failed(&mut self, _rank: RankId, _reason: &str) {}
+    /// A worker process was given notice (SIGTERM) and asked to leave: `granted` is the drain
+    /// at the next step boundary, or why it was refused.
+    fn on_notice(&mut self, _notice: &Notice, _granted: &Result<(), String>) {}
+    /// The job should stop (a notice the job cannot grant without falling below `min_ranks`):
+    /// answer true to stop at the next step boundary yourself (after saving a checkpoint), or
+    /// false to have the runtime stop it now.
+    fn stop_at_boundary(&mut self, _why: &str) -> bool {
+        false
+    }
+    /// Polled after every event: `Some(why)` stops the job there (a signal, a stop after the
+    /// checkpoint `stop_at_boundary` promised).
+    fn stop_requested(&mut self) -> Option<String> {
+        None
+    }
 }
 
 /// Ignores every event.

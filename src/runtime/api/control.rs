@@ -16,7 +16,7 @@ use ractor::{ActorRef, RpcReplyPort};
 use tokio::sync::broadcast;
 
 use super::status::{
-    ChangeRecord, MapTracker, PlanePair, RunState, StateLayout, Status, Telemetry,
+    ChangeRecord, DrainCause, MapTracker, PlanePair, RunState, StateLayout, Status, Telemetry,
 };
 use crate::config::TrainConfig;
 use crate::engine::coordinator::{Change, Refusal};
@@ -199,6 +199,11 @@ impl Monitor {
         }
     }
 
+    /// A worker given notice left `seconds` after its notice arrived.
+    pub fn drained(&self, seconds: f64) {
+        self.shared.telemetry().drains.seconds_last = Some(seconds);
+    }
+
     /// The run ended: keep the coordinator's last view for `status()` (the actors go next).
     pub fn ended(&self, view: Option<CoordView>, result: Result<(), String>) {
         if view.is_some() {
@@ -225,7 +230,14 @@ impl ControlHandle {
     /// A spot notice: `rank` leaves gracefully at the next step boundary, its chunks moved to
     /// the others. Refused (nothing changes) for a non-member or below `min_ranks`.
     pub async fn drain(&self, rank: RankId) -> Result<(), ControlError> {
-        self.request(Change::Leave(rank)).await
+        self.drain_for(rank, DrainCause::Operator).await
+    }
+
+    /// [`ControlHandle::drain`], counted under `cause` (`/metrics`: `ezero_drains_total`).
+    pub async fn drain_for(&self, rank: RankId, cause: DrainCause) -> Result<(), ControlError> {
+        self.request(Change::Leave(rank)).await?;
+        self.shared.telemetry().drains.granted(cause);
+        Ok(())
     }
 
     /// A handle on a process coordinator's actor (see `procs::coord`), and the monitor that

@@ -10,6 +10,11 @@
 //! | `POST /checkpoint` | 202: a checkpoint at the next step boundary (409 without a save dir) |
 //!
 //! Errors are JSON `{"error": CODE, "message": TEXT}` with a 4xx/5xx status, and change nothing.
+//!
+//! Mutating requests (drain, kill, join, checkpoint) need the operator token
+//! (`Authorization: Bearer TOKEN`, see [`Access`]) whenever one is set, and always when the
+//! endpoint listens beyond loopback: there, without a token, they are refused (401). Reads
+//! stay open unless [`AuthScope::All`]. A refused attempt is logged with its address.
 //! One request per connection (`Connection: close`). Everything is bounded: the head and body
 //! sizes, the time to read a request, and the number of open connections (more are closed at
 //! once). Parsing and routing are pure functions, tested without sockets.
@@ -56,6 +61,88 @@ pub struct Request {
     pub path: String,
     pub query: String,
     pub content_length: usize,
+    /// The `Authorization` header's value, if sent.
+    pub authorization: Option<String>,
+}
+
+/// Which requests need the operator token.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AuthScope {
+    /// Drain, kill, join and checkpoint; `GET /status` and `/metrics` stay open (scrapers).
+    #[default]
+    Writes,
+    /// Every request.
+    All,
+}
+
+/// Who may do what on the endpoint.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Access {
+    /// The operator token requests in `scope` must carry as `Authorization: Bearer TOKEN`.
+    pub token: Option<String>,
+    pub scope: AuthScope,
+    /// The endpoint listens beyond loopback: without a token, requests in `scope` are refused.
+    pub beyond_loopback: bool,
+}
+
+impl std::fmt::Debug for Access {
+    // Never print the token.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Access")
+            .field("token", &self.token.as_ref().map(|_| "<set>"))
+            .field("scope", &self.scope)
+            .field("beyond_loopback", &self.beyond_loopback)
+            .finish()
+    }
+}
+
+impl Access {
+    /// The access rules of an endpoint listening on `addr`.
+    pub fn new(addr: SocketAddr, token: Option<String>, scope: AuthScope) -> Self {
+        Self {
+            token,
+            scope,
+            beyond_loopback: !addr.ip().is_loopback(),
+        }
+    }
+
+    /// Whether `route` may go ahead with this request's `Authorization` header; the refusal
+    /// (401) otherwise.
+    pub fn check(&self, route: Route, authorization: Option<&str>) -> Result<(), Response> {
+        let in_scope = self.scope == AuthScope::All || route.mutates();
+        if !in_scope || (self.token.is_none() && !self.beyond_loopback) {
+            return Ok(());
+        }
+        let unauthorized = |message: &str| {
+            let mut r = Response::error(401, "unauthorized", message);
+            r.challenge = true;
+            Err(r)
+        };
+        let Some(token) = &self.token else {
+            return unauthorized("this endpoint listens beyond loopback and was started without an operator token, so it refuses changes: restart it with EZERO_CONTROL_TOKEN_FILE (or --control-token-file)");
+        };
+        let Some(header) = authorization else {
+            return unauthorized("missing operator token: send `Authorization: Bearer TOKEN`");
+        };
+        let Some(given) = header.strip_prefix("Bearer ").map(str::trim).filter(|t| !t.is_empty())
+        else {
+            return unauthorized("malformed Authorization header: expected `Bearer TOKEN`");
+        };
+        if !same_secret(given.as_bytes(), token.as_bytes()) {
+            return unauthorized("wrong operator token");
+        }
+        Ok(())
+    }
+}
+
+/// Compares without an early exit on the first differing byte, so timing tells an attacker
+/// nothing about how much of a guess was right.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = (a.len() ^ b.len()) as u8 | u8::from(a.len() != b.len());
+    for (x, y) in a.iter().zip(b.iter()) {
+        diff |= x ^ y;
+    }
+    diff == 0
 }
 
 /// What `parse_head` made of the bytes so far.
@@ -75,6 +162,8 @@ pub struct Response {
     pub body: String,
     /// For 405: the methods the path accepts.
     pub allow: Option<&'static str>,
+    /// For 401: ask for a bearer token (`WWW-Authenticate`).
+    pub challenge: bool,
 }
 
 impl Response {
@@ -84,6 +173,7 @@ impl Response {
             content_type: "application/json",
             body: format!("{value}\n"),
             allow: None,
+            challenge: false,
         }
     }
 
@@ -106,6 +196,9 @@ impl Response {
         if let Some(allow) = self.allow {
             head.push_str(&format!("Allow: {allow}\r\n"));
         }
+        if self.challenge {
+            head.push_str("WWW-Authenticate: Bearer realm=\"ezero\"\r\n");
+        }
         head.push_str("\r\n");
         let mut out = head.into_bytes();
         out.extend_from_slice(self.body.as_bytes());
@@ -118,6 +211,7 @@ fn reason(status: u16) -> &'static str {
         200 => "OK",
         202 => "Accepted",
         400 => "Bad Request",
+        401 => "Unauthorized",
         403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
@@ -165,6 +259,7 @@ pub fn parse_head(buf: &[u8], limits: &HttpLimits) -> Result<Parse, Response> {
         ));
     }
     let mut content_length = 0usize;
+    let mut authorization = None;
     for h in lines {
         let (name, value) = h.split_once(':').ok_or_else(|| {
             Response::error(400, "bad_request", format!("malformed header `{h}`"))
@@ -174,6 +269,8 @@ pub fn parse_head(buf: &[u8], limits: &HttpLimits) -> Result<Parse, Response> {
             content_length = value.parse().map_err(|_| {
                 Response::error(400, "bad_request", format!("bad Content-Length `{value}`"))
             })?;
+        } else if name.eq_ignore_ascii_case("authorization") {
+            authorization = Some(value.to_string());
         } else if name.eq_ignore_ascii_case("transfer-encoding") {
             return Err(Response::error(
                 501,
@@ -199,6 +296,7 @@ pub fn parse_head(buf: &[u8], limits: &HttpLimits) -> Result<Parse, Response> {
             path: path.to_string(),
             query: query.to_string(),
             content_length,
+            authorization,
         },
         end + 4,
     ))
@@ -224,6 +322,13 @@ pub enum Route {
     Kill(RankId),
     Join(u32),
     Checkpoint,
+}
+
+impl Route {
+    /// Whether the request changes the job (and so needs the operator token, see [`Access`]).
+    pub fn mutates(self) -> bool {
+        !matches!(self, Route::Status | Route::Metrics)
+    }
 }
 
 /// Maps a request to a route, or to the error answer (404, 405, 400).
@@ -297,6 +402,7 @@ pub async fn dispatch(route: Route, handle: &ControlHandle) -> Response {
             content_type: "text/plain; version=0.0.4",
             body: text,
             allow: None,
+            challenge: false,
         }),
         Route::Drain(rank) => handle.drain(rank).await.map(|_| {
             accepted(json!({"accepted": "drain", "rank": rank, "when": "next step boundary"}))
@@ -320,10 +426,11 @@ pub async fn serve(
     addr: SocketAddr,
     handle: ControlHandle,
     limits: HttpLimits,
+    access: Access,
 ) -> std::io::Result<(SocketAddr, JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
-    Ok((local, serve_on(listener, handle, limits)))
+    Ok((local, serve_on(listener, handle, limits, access)))
 }
 
 /// Serves on a bound listener until the returned task is aborted (a caller that must print
@@ -332,12 +439,14 @@ pub fn serve_on(
     listener: TcpListener,
     handle: ControlHandle,
     limits: HttpLimits,
+    access: Access,
 ) -> JoinHandle<()> {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let access = Arc::new(access);
     tokio::spawn(async move {
         loop {
-            let sock = match listener.accept().await {
-                Ok((sock, _)) => sock,
+            let (sock, peer) = match listener.accept().await {
+                Ok(accepted) => accepted,
                 // Out of descriptors or a connection reset before accept: back off, go on.
                 Err(_) => {
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -350,9 +459,9 @@ pub fn serve_on(
                 let _ = sock.try_write(&busy.to_bytes());
                 continue;
             };
-            let handle = handle.clone();
+            let (handle, access) = (handle.clone(), Arc::clone(&access));
             tokio::spawn(async move {
-                connection(sock, &handle, &limits).await;
+                connection(sock, peer, &handle, &limits, &access).await;
                 drop(permit);
             });
         }
@@ -391,12 +500,28 @@ pub async fn hold(
     }
 }
 
-async fn connection(sock: TcpStream, handle: &ControlHandle, limits: &HttpLimits) {
+async fn connection(
+    sock: TcpStream,
+    peer: SocketAddr,
+    handle: &ControlHandle,
+    limits: &HttpLimits,
+    access: &Access,
+) {
     respond(sock, limits, |req: Request| async move {
-        match route(&req) {
-            Ok(r) => dispatch(r, handle).await,
-            Err(resp) => resp,
+        let route = match route(&req) {
+            Ok(r) => r,
+            Err(resp) => return resp,
+        };
+        if let Err(refused) = access.check(route, req.authorization.as_deref()) {
+            tracing::warn!(
+                "control endpoint: refused {} {} from {peer}: {}",
+                req.method,
+                req.path,
+                refused.body.trim()
+            );
+            return refused;
         }
+        dispatch(route, handle).await
     })
     .await
 }
@@ -505,7 +630,8 @@ mod tests {
                 method: "POST".into(),
                 path: "/join".into(),
                 query: "count=2".into(),
-                content_length: 3
+                content_length: 3,
+                authorization: None,
             }
         );
     }
@@ -555,6 +681,50 @@ mod tests {
         let wrong = err("GET", "/ranks/1/drain");
         assert_eq!((wrong.status, wrong.allow), (405, Some("POST")));
         assert_eq!(err("POST", "/status").status, 405);
+    }
+
+    #[test]
+    fn beyond_loopback_changes_need_the_operator_token() {
+        let wide: SocketAddr = "0.0.0.0:8080".parse().unwrap();
+        let local: SocketAddr = "127.0.0.1:8080".parse().unwrap();
+        let token = Some("s3cret".to_string());
+        let guarded = Access::new(wide, token.clone(), AuthScope::Writes);
+        let drain = Route::Drain(1);
+        for header in [None, Some("Bearer nope"), Some("s3cret"), Some("Bearer "), Some("Basic s3cret")] {
+            let refused = guarded.check(drain, header).unwrap_err();
+            assert_eq!((refused.status, refused.challenge), (401, true), "{header:?}");
+            let text = String::from_utf8(refused.to_bytes()).unwrap();
+            assert!(text.contains("WWW-Authenticate: Bearer"), "{text}");
+        }
+        assert!(guarded.check(drain, Some("Bearer s3cret")).is_ok());
+        assert!(guarded.check(Route::Status, None).is_ok());
+        assert!(guarded.check(Route::Metrics, None).is_ok());
+        // Beyond loopback without a token: changes are refused, reads are not.
+        let open_wide = Access::new(wide, None, AuthScope::Writes);
+        assert_eq!(open_wide.check(Route::Checkpoint, Some("Bearer x")).unwrap_err().status, 401);
+        assert!(open_wide.check(Route::Status, None).is_ok());
+        // Loopback: open without a token, guarded with one.
+        assert!(Access::new(local, None, AuthScope::Writes).check(drain, None).is_ok());
+        let local_token = Access::new(local, token.clone(), AuthScope::Writes);
+        assert_eq!(local_token.check(Route::Kill(0), None).unwrap_err().status, 401);
+        // `all`: reads too.
+        let all = Access::new(wide, token, AuthScope::All);
+        assert_eq!(all.check(Route::Status, None).unwrap_err().status, 401);
+        assert!(all.check(Route::Metrics, Some("Bearer s3cret")).is_ok());
+        assert!(!format!("{all:?}").contains("s3cret"));
+    }
+
+    #[test]
+    fn the_authorization_header_is_read_and_secrets_compare_whole() {
+        let text = "POST /checkpoint HTTP/1.1\r\nauthorization:  Bearer abc \r\n\r\n";
+        let Ok(Parse::Done(r, _)) = parse(text) else {
+            panic!()
+        };
+        assert_eq!(r.authorization.as_deref(), Some("Bearer abc"));
+        assert!(same_secret(b"abc", b"abc"));
+        assert!(!same_secret(b"abc", b"abd"));
+        assert!(!same_secret(b"abc", b"abcd"));
+        assert!(!same_secret(b"", b"a"));
     }
 
     #[test]

@@ -16,7 +16,7 @@ use tokio::task::JoinHandle;
 
 use super::cluster::{Cluster, ClusterError, ClusterSpec, Observer, TrainOutcome};
 use super::control::{layout_of, ControlHandle, Monitor, CONTROL_DEADLINE_MS};
-use super::http::{self, HttpLimits};
+use super::http::{self, Access, AuthScope, HttpLimits};
 use super::status::{ChangeRecord, StateLayout};
 use crate::config::TrainConfig;
 use crate::runtime::actors::{ClusterEvent, CoordMsg};
@@ -33,6 +33,7 @@ pub struct ClusterBuilder {
     source: Source,
     control_addr: Option<SocketAddr>,
     http_limits: HttpLimits,
+    access: Option<Access>,
     allow_kill: bool,
     snapshots: bool,
     paused: bool,
@@ -69,6 +70,7 @@ impl ClusterBuilder {
             source,
             control_addr: None,
             http_limits: HttpLimits::default(),
+            access: None,
             allow_kill: false,
             snapshots: false,
             paused: false,
@@ -79,6 +81,13 @@ impl ClusterBuilder {
     /// `ElasticJob::control_addr`).
     pub fn control_addr(mut self, addr: SocketAddr) -> Self {
         self.control_addr = Some(addr);
+        self
+    }
+
+    /// Who may change the job through the endpoint [default: anyone on loopback; beyond
+    /// loopback, no one: `Access::new(addr, None, AuthScope::Writes)`].
+    pub fn control_access(mut self, access: Access) -> Self {
+        self.access = Some(access);
         self
     }
 
@@ -125,7 +134,11 @@ impl ClusterBuilder {
         );
         let server = match self.control_addr {
             Some(addr) => {
-                let served = http::serve(addr, handle.clone(), self.http_limits).await;
+                let access = self
+                    .access
+                    .clone()
+                    .unwrap_or_else(|| Access::new(addr, None, AuthScope::Writes));
+                let served = http::serve(addr, handle.clone(), self.http_limits, access).await;
                 match served {
                     Ok(s) => Some(s),
                     Err(e) => {

@@ -1,6 +1,6 @@
 //! The operator's and embedder's surface: starting a cluster from Rust code (`cluster`), the
 //! control handle (`control`), the in-process elastic job (`job`), what `GET /status` reports (`status`) and
-//! the HTTP endpoint over the handle (`http`).
+//! the HTTP endpoint over the handle (`http`), a worker's notice (`notice`).
 //!
 //! Imports: the actors and what they run (`actors`, `step`, `transport`, `clock`). Never
 //! `procs`: the worker-process mode builds on this surface, not the other way round.
@@ -11,4 +11,5 @@ pub mod cluster;
 pub mod control;
 pub mod http;
 pub mod job;
+pub mod notice;
 pub mod status;

@@ -145,10 +145,40 @@ pub struct Telemetry {
     pub snapshots: u64,
     /// Joiners that did not come up (the change went on without them).
     pub failed_joins: u64,
+    /// Drains granted, by who asked.
+    pub drains: Drains,
     /// The newest `HISTORY_MAX` changes, oldest first.
     pub history: VecDeque<ChangeRecord>,
     /// Each rank's NVMe tier in the newest completed step.
     pub tiers: BTreeMap<RankId, TierLast>,
+}
+
+/// Who asked a rank to drain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrainCause {
+    /// An operator or orchestrator: `POST /ranks/{id}/drain`, `ControlHandle::drain`.
+    Operator,
+    /// The worker itself, given notice by a signal (SIGTERM: a pod eviction, a spot
+    /// preemption).
+    Signal,
+}
+
+/// Drains granted, by cause, and how long the newest notice took to become a departure.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Drains {
+    pub operator: u64,
+    pub signal: u64,
+    /// Seconds from a worker's notice to the membership change that let it go.
+    pub seconds_last: Option<f64>,
+}
+
+impl Drains {
+    pub fn granted(&mut self, cause: DrainCause) {
+        match cause {
+            DrainCause::Operator => self.operator += 1,
+            DrainCause::Signal => self.signal += 1,
+        }
+    }
 }
 
 /// One rank's NVMe tier in the newest completed step.
@@ -290,6 +320,7 @@ pub struct TelemetrySummary {
     pub min_elems_total: u64,
     pub snapshots: u64,
     pub failed_joins: u64,
+    pub drains: Drains,
 }
 
 impl Status {
@@ -339,6 +370,7 @@ impl Status {
                 min_elems_total: t.min_elems_total,
                 snapshots: t.snapshots,
                 failed_joins: t.failed_joins,
+                drains: t.drains,
             },
             membership: t.history.iter().cloned().collect(),
             standbys: None,
@@ -476,6 +508,7 @@ impl Status {
             "Lower bound on elements that had to change owner.",
             t.min_elems_total.to_string(),
         );
+        self.drain_metrics(out);
         if let Some(lag) = self.replica_lag_steps {
             metric(
                 out,
@@ -483,6 +516,25 @@ impl Status {
                 "gauge",
                 "Steps since the newest complete buddy backup.",
                 lag.to_string(),
+            );
+        }
+    }
+
+    /// Drains by cause, and the newest notice's time to leave.
+    fn drain_metrics(&self, out: &mut String) {
+        let d = &self.telemetry.drains;
+        let _ = write!(
+            out,
+            "# HELP ezero_drains_total Ranks drained gracefully, by who asked (operator: the control API; signal: the worker's own SIGTERM).\n# TYPE ezero_drains_total counter\nezero_drains_total{{cause=\"operator\"}} {}\nezero_drains_total{{cause=\"signal\"}} {}\n",
+            d.operator, d.signal
+        );
+        if let Some(s) = d.seconds_last {
+            metric(
+                out,
+                "ezero_drain_seconds_last",
+                "gauge",
+                "Seconds from the newest worker notice (SIGTERM) to the change that let it leave.",
+                format!("{s:.3}"),
             );
         }
     }

@@ -13,6 +13,7 @@ use tokio::sync::mpsc;
 use super::control_plane::{read_msg, ToCoord, ToWorker, WireError, CONTROL_FRAME_MAX_BYTES};
 use super::heartbeat::{Liveness, ProcsConfig};
 use super::link::{ControlReader, Tasks};
+use super::notice::{Notice, NoticeTx};
 use super::proxy::{lock, PendingCollects, RankProxy, RankProxyArgs};
 use super::standby;
 use crate::plan::RankId;
@@ -22,16 +23,30 @@ use crate::runtime::clock::Clock;
 use crate::runtime::step::state::rank_state::ChunkState;
 use crate::runtime::transport::detached::Detached;
 
+/// What every worker connection in the coordinator process shares.
+pub(super) struct ConnEnv<'a> {
+    pub coordinator: &'a ActorRef<CoordMsg<Detached>>,
+    pub clock: &'a Arc<dyn Clock>,
+    pub procs: ProcsConfig,
+    pub tasks: &'a Tasks,
+    /// Where the workers' notices (`ToCoord::Leave`) go.
+    pub notices: &'a NoticeTx,
+}
+
 /// Starts the proxy of a worker that is ready, with its reader and heartbeat tasks.
 pub(super) async fn start_proxy(
     rank: RankId,
     link: mpsc::Sender<Option<ToWorker>>,
     inbox: Inbox,
-    coordinator: &ActorRef<CoordMsg<Detached>>,
-    clock: &Arc<dyn Clock>,
-    procs: ProcsConfig,
-    tasks: &Tasks,
+    env: ConnEnv<'_>,
 ) -> Result<ActorRef<RankMsg<Detached>>, String> {
+    let ConnEnv {
+        coordinator,
+        clock,
+        procs,
+        tasks,
+        notices,
+    } = env;
     let pending = PendingCollects::default();
     let args = RankProxyArgs {
         rank,
@@ -51,6 +66,7 @@ pub(super) async fn start_proxy(
         coordinator: coordinator.clone(),
         live,
         clock: Arc::clone(clock),
+        notices: notices.clone(),
     };
     let mut tasks = lock(tasks);
     tasks.push(tokio::spawn(conn.clone().read_loop(inbox, pending)));
@@ -82,6 +98,7 @@ struct Conn {
     coordinator: ActorRef<CoordMsg<Detached>>,
     live: Arc<Mutex<Liveness>>,
     clock: Arc<dyn Clock>,
+    notices: NoticeTx,
 }
 
 impl Conn {
@@ -127,6 +144,17 @@ impl Conn {
                     let _ = self
                         .coordinator
                         .cast(CoordMsg::Progress { rank, epoch, step });
+                }
+                ToCoord::Leave { cause, grace_ms } => {
+                    let at_ms = self.clock.now_ms();
+                    let notice = Notice {
+                        rank,
+                        cause,
+                        grace_ms,
+                        at_ms,
+                    };
+                    // The driver is gone only when the job is over: nothing to drain then.
+                    let _ = self.notices.send(notice);
                 }
                 ToCoord::Heartbeat | ToCoord::Ready | ToCoord::Bound { .. } => {}
                 ToCoord::Hello { .. } => {

@@ -18,7 +18,7 @@ use crate::runtime::step::state::rank_state::ChunkState;
 use crate::runtime::transport::Transport;
 
 /// Version of the control protocol; a peer speaking another is refused.
-pub const CONTROL_VERSION: u8 = 4;
+pub const CONTROL_VERSION: u8 = 5;
 /// Largest control frame after the handshake (chunk states for consolidation travel here).
 pub const CONTROL_FRAME_MAX_BYTES: u32 = 1 << 30;
 /// Largest frame accepted before a peer has authenticated.
@@ -187,6 +187,13 @@ pub enum ToCoord {
         epoch: u64,
         step: u64,
     },
+    /// The worker was given notice (a SIGTERM: a pod eviction, a spot preemption) and asks to
+    /// be drained at the next step boundary; it takes the abrupt path itself after `grace_ms`.
+    Leave {
+        /// What gave notice, for the coordinator's log (`SIGTERM`).
+        cause: String,
+        grace_ms: u64,
+    },
 }
 
 impl ToCoord {
@@ -203,6 +210,7 @@ impl ToCoord {
             ToCoord::CollectFailed { .. } => "a failed collect",
             ToCoord::Heartbeat => "a heartbeat",
             ToCoord::Progress { .. } => "progress",
+            ToCoord::Leave { .. } => "a notice",
         }
     }
 }

@@ -29,7 +29,7 @@ use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
 use super::admit::{accept_standbys, admit, refuse_unfit, Joined};
-use super::conn::{start_proxy, Inbox};
+use super::conn::{start_proxy, ConnEnv, Inbox};
 use super::control_plane::{
     read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, HELLO_FRAME_MAX_BYTES,
 };
@@ -37,6 +37,7 @@ pub use super::error::ProcError;
 use super::heartbeat::ProcsConfig;
 use super::join::Joining;
 use super::link::{write_loop, ControlReader, Links, Tasks, LINK_QUEUE_MAX};
+use super::notice::{Notice, PendingDrains};
 use super::planes::Endpoints;
 use super::proxy::lock;
 use super::standby::Lobby;
@@ -52,6 +53,9 @@ use crate::runtime::actors::{
 };
 use crate::runtime::api::cluster::{consolidate, Observer, TrainOutcome};
 use crate::runtime::api::control::{ControlHandle, DataPlanes, Monitor, Workers};
+use crate::runtime::api::status::DrainCause;
+use crate::engine::coordinator::Refusal;
+use crate::runtime::api::control::ControlError;
 use crate::runtime::api::http::{self, HttpLimits};
 use crate::runtime::clock::{Clock, SystemClock};
 use crate::runtime::step::elastic::snapshot::SnapshotSink;
@@ -77,6 +81,9 @@ pub struct CoordinatorOptions {
     pub control: Option<SocketAddr>,
     /// Let `POST /ranks/{id}/kill` through.
     pub allow_kill: bool,
+    /// Who may change the job through the control endpoint (`None`: anyone on loopback, no
+    /// one beyond it).
+    pub control_access: Option<http::Access>,
     /// Start from this state (`--resume`, `--init`) instead of the model's initialisation.
     pub start: Option<StartState>,
     /// Emit a snapshot after every this many steps and after the last one (0: never unless
@@ -189,8 +196,12 @@ pub async fn run_coordinator(
         },
     );
     let _ = ready.send(());
-    let server = serve_control(held, handle).await;
-    let mut result = run.drive(&mut observer, &mut monitor).await;
+    let access = opts.control_access.clone().unwrap_or_else(|| {
+        let addr = at.control.unwrap_or_else(|| ([127, 0, 0, 1], 0).into());
+        http::Access::new(addr, None, http::AuthScope::Writes)
+    });
+    let server = serve_control(held, handle.clone(), access).await;
+    let mut result = run.drive(&handle, &mut observer, &mut monitor).await;
     if let Ok(outcome) = &mut result {
         outcome.resume_reads = reads;
     }
@@ -277,9 +288,10 @@ fn initial_map(
 async fn serve_control(
     held: Option<tokio::task::JoinHandle<TcpListener>>,
     handle: ControlHandle,
+    access: http::Access,
 ) -> Option<tokio::task::JoinHandle<()>> {
     match held?.await {
-        Ok(listener) => Some(http::serve_on(listener, handle, HttpLimits::default())),
+        Ok(listener) => Some(http::serve_on(listener, handle, HttpLimits::default(), access)),
         // The job runs on without its endpoint rather than leave the workers hanging.
         Err(e) => {
             tracing::error!("the control endpoint stopped: {e}");
@@ -308,6 +320,10 @@ struct Run {
     endpoints: Arc<Endpoints>,
     /// `CoordinatorOptions::state_on_tier`.
     state_on_tier: bool,
+    /// Workers' notices (`ToCoord::Leave`), from their connection tasks.
+    notices: mpsc::UnboundedReceiver<Notice>,
+    drains: PendingDrains,
+    clock: Arc<dyn Clock>,
 }
 
 /// The workers once each has its welcome and its starting state: their links, writer tasks
@@ -342,21 +358,21 @@ impl Run {
             .await
             .map_err(|e| ProcError::Setup(e.to_string()))?;
         let tasks: Tasks = Arc::default();
+        let (notice_tx, notices) = mpsc::unbounded_channel();
         let mut ranks = Vec::new();
         for (rank, reader) in sent.readers {
             let link = lock(&sent.links).get(&rank).cloned();
             let Some(link) = link else { continue };
-            let proxy = start_proxy(
-                rank,
-                link,
-                Inbox::Stream(reader),
-                &coordinator,
-                &w.clock,
+            let env = ConnEnv {
+                coordinator: &coordinator,
+                clock: &w.clock,
                 procs,
-                &tasks,
-            )
-            .await
-            .map_err(ProcError::Setup)?;
+                tasks: &tasks,
+                notices: &notice_tx,
+            };
+            let proxy = start_proxy(rank, link, Inbox::Stream(reader), env)
+                .await
+                .map_err(ProcError::Setup)?;
             ranks.push((rank, proxy));
         }
         let writers: Tasks = Arc::new(Mutex::new(sent.writers));
@@ -370,9 +386,10 @@ impl Run {
             links: Arc::clone(&sent.links),
             endpoints: Arc::clone(&endpoints),
             coordinator: coordinator.clone(),
-            clock: w.clock,
+            clock: Arc::clone(&w.clock),
             tasks: Arc::clone(&tasks),
             writers: Arc::clone(&writers),
+            notices: notice_tx,
             joined: Default::default(),
         };
         lock(&tasks).push(tokio::spawn(joining.serve(join_rx)));
@@ -389,38 +406,20 @@ impl Run {
             lobby: w.lobby,
             endpoints,
             state_on_tier: opts.state_on_tier,
+            notices,
+            drains: PendingDrains::default(),
+            clock: w.clock,
         })
     }
 
     async fn drive(
         &mut self,
+        handle: &ControlHandle,
         observer: &mut impl Observer,
         monitor: &mut Monitor,
     ) -> Result<TrainOutcome, ProcError> {
         let mut records = Vec::new();
-        let end = loop {
-            let Some(event) = self.events.recv().await else {
-                break Err("the coordinator stopped".to_string());
-            };
-            monitor.observe(&event);
-            match event {
-                ClusterEvent::Step(rec) => {
-                    observer.on_step(&rec);
-                    records.push(*rec);
-                }
-                ClusterEvent::Snapshot(snap) if monitor.requested_snapshot() => {
-                    observer.on_requested_snapshot(*snap)
-                }
-                ClusterEvent::Snapshot(snap) => observer.on_snapshot(*snap),
-                ClusterEvent::SnapshotStreamed { step, saved } => {
-                    observer.on_snapshot_streamed(step, &saved)
-                }
-                ClusterEvent::Membership(rec) => observer.on_membership(&rec),
-                ClusterEvent::JoinFailed { rank, reason } => observer.on_join_failed(rank, &reason),
-                ClusterEvent::Finished => break Ok(()),
-                ClusterEvent::Aborted(reason) => break Err(reason),
-            }
-        };
+        let end = self.events(handle, observer, monitor, &mut records).await;
         // Keep the coordinator's last word for `GET /status` before the actors go.
         let view = self
             .coordinator
@@ -470,6 +469,81 @@ impl Run {
             resume_reads: Vec::new(),
             net: Default::default(),
         })
+    }
+
+    /// Feeds the run's events to `observer` and `monitor`, and answers workers' notices, until
+    /// the job finishes (`Ok`) or stops (`Err`, why).
+    async fn events(
+        &mut self,
+        handle: &ControlHandle,
+        observer: &mut impl Observer,
+        monitor: &mut Monitor,
+        records: &mut Vec<crate::engine::coordinator::StepRecord>,
+    ) -> Result<(), String> {
+        loop {
+            let event = tokio::select! {
+                event = self.events.recv() => event,
+                Some(notice) = self.notices.recv() => {
+                    self.on_notice(notice, handle, observer).await?;
+                    continue;
+                }
+            };
+            let Some(event) = event else {
+                return Err("the coordinator stopped".to_string());
+            };
+            monitor.observe(&event);
+            match event {
+                ClusterEvent::Step(rec) => {
+                    observer.on_step(&rec);
+                    records.push(*rec);
+                }
+                ClusterEvent::Snapshot(snap) if monitor.requested_snapshot() => {
+                    observer.on_requested_snapshot(*snap)
+                }
+                ClusterEvent::Snapshot(snap) => observer.on_snapshot(*snap),
+                ClusterEvent::SnapshotStreamed { step, saved } => {
+                    observer.on_snapshot_streamed(step, &saved)
+                }
+                ClusterEvent::Membership(rec) => {
+                    for (_, seconds) in self.drains.on_change(&rec, self.clock.now_ms()) {
+                        monitor.drained(seconds);
+                    }
+                    observer.on_membership(&rec)
+                }
+                ClusterEvent::JoinFailed { rank, reason } => observer.on_join_failed(rank, &reason),
+                ClusterEvent::Finished => return Ok(()),
+                ClusterEvent::Aborted(reason) => return Err(reason),
+            }
+            if let Some(why) = observer.stop_requested() {
+                return Err(why);
+            }
+        }
+    }
+
+    /// A worker's notice: the drain it asks for, or, where the job cannot lose it (below
+    /// `min_ranks`), the job's stop (`Err`, now, or at the next boundary if the observer saves
+    /// first).
+    async fn on_notice(
+        &mut self,
+        notice: Notice,
+        handle: &ControlHandle,
+        observer: &mut impl Observer,
+    ) -> Result<(), String> {
+        let granted = handle.drain_for(notice.rank, DrainCause::Signal).await;
+        if granted.is_ok() {
+            self.drains.granted(&notice);
+        }
+        observer.on_notice(&notice, &granted.as_ref().map(|_| ()).map_err(|e| e.to_string()));
+        if let Err(ControlError::Refused(Refusal::BelowMin { min, .. })) = granted {
+            let why = format!(
+                "rank {} was given notice ({}) and the job cannot go on without it (min_ranks is {min}): stopped at a step boundary",
+                notice.rank, notice.cause
+            );
+            if !observer.stop_at_boundary(&why) {
+                return Err(why);
+            }
+        }
+        Ok(())
     }
 
     /// Tells every worker the outcome, lets the messages leave, and stops the actors.
@@ -631,11 +705,11 @@ fn coord_args(
         on_abort: Box::new(|| {}),
         // The worker's link goes with its stop, so that a later joiner is not told to
         // expect it as a peer.
-        on_retire: Box::new(move |r| {
+        on_retire: Box::new(move |r, steps| {
             if let Some(l) = lock(&retired).remove(&r) {
                 let _ = l.try_send(Some(ToWorker::Stop {
                     ok: true,
-                    reason: "left the job".into(),
+                    reason: format!("left the job after step {steps}"),
                 }));
                 let _ = l.try_send(None);
             }

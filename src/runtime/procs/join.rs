@@ -12,10 +12,11 @@ use ractor::ActorRef;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use super::conn::{start_proxy, Inbox};
+use super::conn::{start_proxy, ConnEnv, Inbox};
 use super::control_plane::{DataPlane, ToCoord, ToWorker, Welcome};
 use super::heartbeat::ProcsConfig;
 use super::link::{Links, Tasks};
+use super::notice::NoticeTx;
 use super::planes::Endpoints;
 use super::proxy::lock;
 use super::standby::{self, Lobby, Standby};
@@ -42,6 +43,7 @@ pub(super) struct Joining {
     pub clock: Arc<dyn Clock>,
     pub tasks: Tasks,
     pub writers: Tasks,
+    pub notices: NoticeTx,
     /// Ranks this task brought up, in order.
     pub joined: std::sync::Mutex<Vec<RankId>>,
 }
@@ -93,16 +95,15 @@ impl Joining {
                 lock(&self.writers).push(writer);
                 lock(&self.links).insert(rank, link.clone());
                 lock(&self.joined).push(rank);
-                start_proxy(
-                    rank,
-                    link,
-                    Inbox::Pumped(inbox),
-                    &self.coordinator,
-                    &self.clock,
-                    self.procs,
-                    &self.tasks,
-                )
-                .await
+                let env = ConnEnv {
+                    coordinator: &self.coordinator,
+                    clock: &self.clock,
+                    procs: self.procs,
+                    tasks: &self.tasks,
+                    notices: &self.notices,
+                };
+                start_proxy(rank, link, Inbox::Pumped(inbox), env)
+                    .await
                 .map(|actor| (actor, peer.ip().to_string()))
             }
             Err(why) => {

@@ -15,6 +15,7 @@ pub mod error;
 pub mod heartbeat;
 mod join;
 mod link;
+pub mod notice;
 pub mod planes;
 pub mod proxy;
 mod standby;

@@ -15,6 +15,7 @@
 //! Design: docs/processes.md.
 
 mod data_plane;
+mod leave;
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -36,6 +37,7 @@ use super::control_plane::{
 #[cfg(feature = "ucx")]
 use data_plane::start_ucx;
 use data_plane::{bind_quic, bind_tcp, exchange, peer, tcp_transport, Peer};
+use leave::{LeaveEvent, Leaving};
 
 use super::error::ProcError;
 use super::heartbeat::{Liveness, ProcsConfig};
@@ -86,6 +88,9 @@ pub struct WorkerOptions {
     /// Only `connect_timeout_ms` and `join_timeout_ms` are used before the welcome; the
     /// coordinator's heartbeat settings apply after it.
     pub procs: ProcsConfig,
+    /// After a SIGTERM, how long to wait for the drain at the next step boundary before
+    /// leaving abruptly (Kubernetes gives 30 s by default, GKE and Azure spot notices ~30 s).
+    pub drain_grace: Duration,
 }
 
 /// How a worker's job ended.
@@ -98,6 +103,8 @@ pub struct WorkerOutcome {
     pub reason: String,
     /// Under `--transport ucx`: which peers went over UCX and what arrived that way.
     pub data_plane: Option<String>,
+    /// Given notice (SIGTERM): how long after it the job let this worker go.
+    pub noticed: Option<Duration>,
 }
 
 /// Joins, runs the rank, returns when the job ends for this worker. `on_welcome` hears the rank,
@@ -184,6 +191,7 @@ async fn await_welcome(
                     ok,
                     reason,
                     data_plane: None,
+                    noticed: None,
                 }))
             }
             Ok(ToWorker::Refused { reason }) => {
@@ -265,7 +273,7 @@ async fn over_tcp(
         interrupt: Box::new(move |e, s| interrupter.interrupt(e, s)),
         add_peer: Box::new(move |p| book.add(p.rank, p.addr)),
     };
-    serve(job, transport, hooks, link, reader).await
+    serve(job, transport, hooks, link, reader, opts.drain_grace).await
 }
 
 /// The rank over UCX to the peers it can reach that way (shared memory on this host, or the
@@ -318,7 +326,7 @@ async fn over_ucx(
             }
         }),
     };
-    let mut outcome = serve(job, transport, hooks, link, reader).await?;
+    let mut outcome = serve(job, transport, hooks, link, reader, opts.drain_grace).await?;
     outcome.data_plane = Some(report.describe());
     Ok(outcome)
 }
@@ -365,7 +373,7 @@ async fn over_quic(
             }
         }),
     };
-    serve(job, q, hooks, link, reader).await
+    serve(job, q, hooks, link, reader, opts.drain_grace).await
 }
 
 /// The next message from the coordinator within `timeout_ms`.
@@ -498,11 +506,13 @@ async fn serve<T: Transport>(
     hooks: Hooks,
     link: &mpsc::Sender<Option<ToCoord>>,
     mut reader: ControlReader,
+    grace: Duration,
 ) -> Result<WorkerOutcome, ProcError> {
     let rank = job.welcome.rank;
     let procs = job.welcome.procs;
     let part_max_bytes = (job.welcome.part_max_bytes as usize).clamp(1, STATE_PART_LIMIT_BYTES);
     let (rank_actor, mut ended, progress) = start_rank(job, transport, link).await?;
+    let mut leaving = Leaving::install(grace)?;
     let mut beat_sent = None;
     let _ = link.try_send(Some(ToCoord::Ready));
     let clock = SystemClock::default();
@@ -539,6 +549,7 @@ async fn serve<T: Transport>(
             Some(WorkerEnd::RankFailed(reason)) = ended.recv() => {
                 break Err(ProcError::Aborted(format!("rank {rank} failed: {reason}")));
             }
+            event = leaving.next() => on_signal(event, rank, &leaving, link),
             _ = every.tick() => {
                 let _ = link.try_send(Some(ToCoord::Heartbeat));
                 // The coordinator's step timeout measures silence: tell it the step moves.
@@ -561,7 +572,40 @@ async fn serve<T: Transport>(
     // The rank actor is left running: the process ends next, and stopping it here could block
     // on a step that waits for a peer.
     read_task.abort();
-    outcome
+    outcome.map(|o| WorkerOutcome {
+        noticed: leaving.since_notice(),
+        ..o
+    })
+}
+
+/// The first SIGTERM asks the coordinator for a drain; a second one, or the grace running out,
+/// ends the process now (exit status 143, as the signal's default action gives).
+fn on_signal(
+    event: LeaveEvent,
+    rank: RankId,
+    leaving: &Leaving,
+    link: &mpsc::Sender<Option<ToCoord>>,
+) {
+    match event {
+        LeaveEvent::Notice => {
+            let grace_ms = leaving.grace().as_millis() as u64;
+            let notice = ToCoord::Leave {
+                cause: "SIGTERM".into(),
+                grace_ms,
+            };
+            let _ = link.try_send(Some(notice));
+            println!(
+                "ezero worker: rank {rank}: SIGTERM: leaving at the next step boundary (grace {:.0} s; a second SIGTERM leaves at once)",
+                leaving.grace().as_secs_f64()
+            );
+        }
+        LeaveEvent::Abrupt(why) => {
+            eprintln!(
+                "ezero worker: rank {rank}: {why}: leaving now; the job recovers this rank's shards from its buddy backups"
+            );
+            std::process::exit(143);
+        }
+    }
 }
 
 /// Carries out one coordinator message; `Some` when it ends the job for this worker.
@@ -637,6 +681,7 @@ fn execute<T: Transport>(
                 ok,
                 reason,
                 data_plane: None,
+                noticed: None,
             })
         }
     }
