@@ -15,6 +15,7 @@ mod checkpoint_integrity;
 mod checkpoint_resume;
 mod checkpoint_tools;
 mod cli;
+mod cluster_examples;
 mod control;
 mod elastic;
 mod gguf;

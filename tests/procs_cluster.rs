@@ -294,3 +294,66 @@ fn the_control_endpoint_beyond_loopback_needs_the_operator_token() {
         "{err}"
     );
 }
+
+/// A notice the job cannot grant (the drain would leave fewer than `--min-ranks`): the job
+/// stops at the next step boundary with a checkpoint, as on the coordinator's own SIGTERM; the
+/// worker given notice exits 0, and the checkpoint resumes.
+#[test]
+fn a_notice_below_min_ranks_stops_the_job_with_a_checkpoint() {
+    let save = tempfile::tempdir().unwrap();
+    let dir = save.path().join("ckpt");
+    let flags = flags_with(
+        "mlp",
+        3,
+        300,
+        &["--min-ranks", "3", "--save-dir", dir.to_str().unwrap()],
+    );
+    let mut job = start(&flags, &[]);
+    poll(&job.addr, "two steps", |s| {
+        s["telemetry"]["steps_completed"].as_u64() >= Some(2)
+    });
+    signal(job.workers[1].id(), "-TERM");
+    let deadline = Instant::now() + DEADLINE;
+    let code = job.coord.wait_until(deadline).and_then(|s| s.code());
+    let out: Vec<String> = job.coord.lines.try_iter().collect();
+    let out = out.join("\n");
+    assert_eq!(code, Some(143), "{out}\n{}", job.coord.stderr());
+    assert!(out.contains("rank 1: notice (SIGTERM) refused"), "{out}");
+    assert!(out.contains("min_ranks is 3"), "{out}");
+    assert!(out.contains("checkpoint: saved"), "{out}");
+    assert!(out.contains("resume with: ezero launch"), "{out}");
+    let code = job.workers[1].wait_until(deadline).and_then(|s| s.code());
+    assert_eq!(code, Some(0), "worker 1: {}", job.workers[1].stderr());
+    let has_checkpoint = std::fs::read_dir(&dir)
+        .unwrap()
+        .any(|e| e.unwrap().file_name().to_string_lossy().starts_with("step-"));
+    assert!(has_checkpoint, "{out}");
+}
+
+/// The coordinator given SIGTERM without a save directory stops the job in order: every
+/// worker is told why and exits, and the coordinator exits 143 saying nothing was saved.
+#[test]
+fn sigterm_to_a_coordinator_without_a_save_dir_stops_the_workers_in_order() {
+    let flags = flags_with("mlp", 3, 300, &[]);
+    let mut job = start(&flags, &[]);
+    poll(&job.addr, "two steps", |s| {
+        s["telemetry"]["steps_completed"].as_u64() >= Some(2)
+    });
+    signal(job.coord.id(), "-TERM");
+    let deadline = Instant::now() + DEADLINE;
+    let code = job.coord.wait_until(deadline).and_then(|s| s.code());
+    let out: Vec<String> = job.coord.lines.try_iter().collect();
+    assert_eq!(code, Some(143), "{out:?}\n{}", job.coord.stderr());
+    assert!(
+        out.iter().any(|l| l.starts_with("stopped by SIGTERM after step")
+            && l.contains("not saved (no --save-dir)")),
+        "{out:?}"
+    );
+    for (i, w) in job.workers.iter_mut().enumerate() {
+        let code = w.wait_until(deadline).and_then(|s| s.code());
+        let err = w.stderr();
+        assert_eq!(code, Some(1), "worker {i}: {err}");
+        assert!(err.contains("stopped by SIGTERM"), "worker {i}: {err}");
+        assert!(!err.contains("lost the coordinator"), "worker {i}: {err}");
+    }
+}
