@@ -9,7 +9,9 @@ use std::process::Command;
 use crate::common::procs::{digest, flags_with, reference_digest, run, secrets, EZERO};
 
 fn example(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("examples").join(path)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("examples")
+        .join(path)
 }
 
 /// `srun`: runs the command once per task (`--ntasks=N`, else SLURM_NTASKS) with SLURM_PROCID
@@ -51,7 +53,11 @@ fn the_slurm_example_trains_under_slurms_variables() {
     let dir = secrets();
     let token = dir.path().join("cluster-token");
     std::fs::write(&token, "test-token-slurm\n").unwrap();
-    let path = format!("{}:{}", bin.path().display(), std::env::var("PATH").unwrap());
+    let path = format!(
+        "{}:{}",
+        bin.path().display(),
+        std::env::var("PATH").unwrap()
+    );
     let mut cmd = Command::new("bash");
     cmd.arg(example("slurm/ezero.sbatch"))
         .env("PATH", path)
@@ -63,7 +69,12 @@ fn the_slurm_example_trains_under_slurms_variables() {
         .env("SLURM_JOB_NODELIST", "127.0.0.1")
         .env("SLURM_NTASKS", "2")
         .env("SLURM_JOB_ID", "1");
-    for var in ["RANK", "MASTER_ADDR", "JOB_COMPLETION_INDEX", "EZERO_RANK_HINT"] {
+    for var in [
+        "RANK",
+        "MASTER_ADDR",
+        "JOB_COMPLETION_INDEX",
+        "EZERO_RANK_HINT",
+    ] {
         cmd.env_remove(var);
     }
     let (code, out, err) = run(&mut cmd);
@@ -124,7 +135,10 @@ fn secret_file(pod: &serde_yaml::Value, container: &serde_yaml::Value, var: &str
         .iter()
         .find(|v| v["name"] == mount["name"])
         .expect("the mount's volume");
-    assert!(volume["secret"]["secretName"].is_string(), "{var}: {volume:?}");
+    assert!(
+        volume["secret"]["secretName"].is_string(),
+        "{var}: {volume:?}"
+    );
     value
 }
 
@@ -148,7 +162,10 @@ fn the_kubernetes_example_gives_the_workers_what_they_read() {
         .parse()
         .unwrap();
     let pod_grace = pod["terminationGracePeriodSeconds"].as_f64().unwrap();
-    assert!(grace_s < pod_grace, "drain grace {grace_s} >= pod grace {pod_grace}");
+    assert!(
+        grace_s < pod_grace,
+        "drain grace {grace_s} >= pod grace {pod_grace}"
+    );
     secret_file(pod, worker, "EZERO_SECRETS_DIR");
     secret_file(pod, worker, "EZERO_CLUSTER_TOKEN_FILE");
     let headless = docs
@@ -167,7 +184,10 @@ fn the_kubernetes_example_gives_the_workers_what_they_read() {
     let args = strings(&c["args"]);
     assert_eq!(args[0], "coordinator");
     assert_args_parse(&args);
-    assert!(args.iter().any(|a| a.starts_with("--control=0.0.0.0:")), "{args:?}");
+    assert!(
+        args.iter().any(|a| a.starts_with("--control=0.0.0.0:")),
+        "{args:?}"
+    );
     secret_file(pod, c, "EZERO_CONTROL_TOKEN_FILE");
     secret_file(pod, c, "EZERO_CLUSTER_TOKEN_FILE");
 }

@@ -25,7 +25,12 @@ fn start(flags: &[String], worker_flags: &[&str]) -> Job {
     let dir = secrets();
     let Coordinator { proc: coord, addr } = Coordinator::spawn(
         coordinator(3, token, dir.path())
-            .args(["--control", "127.0.0.1:0", "--heartbeat-timeout-ms", "60000"])
+            .args([
+                "--control",
+                "127.0.0.1:0",
+                "--heartbeat-timeout-ms",
+                "60000",
+            ])
             .args(flags),
     );
     let workers = (0..3)
@@ -83,7 +88,12 @@ fn assert_drained_without_rollback(mut job: Job, reference: &str) {
     let deadline = Instant::now() + DEADLINE;
     let code = job.workers[1].wait_until(deadline).and_then(|s| s.code());
     let w1: Vec<String> = job.workers[1].lines.try_iter().collect();
-    assert_eq!(code, Some(0), "worker 1: {w1:?} {}", job.workers[1].stderr());
+    assert_eq!(
+        code,
+        Some(0),
+        "worker 1: {w1:?} {}",
+        job.workers[1].stderr()
+    );
     assert!(
         w1.iter()
             .any(|l| l.contains("left the job after step") && l.contains("after SIGTERM")),
@@ -154,7 +164,10 @@ fn sigterm_during_a_reshard_is_a_second_graceful_leave() {
     let out: Vec<String> = job.coord.lines.try_iter().collect();
     let out = out.join("\n");
     assert_eq!(code, Some(0), "{out}\n{}", job.coord.stderr());
-    assert!(!out.contains("lost [1]") && !out.contains("lost [2]"), "{out}");
+    assert!(
+        !out.contains("lost [1]") && !out.contains("lost [2]"),
+        "{out}"
+    );
     assert!(out.contains("rank 1: notice (SIGTERM"), "{out}");
     assert_eq!(digest(&out).as_deref(), Some(reference.as_str()), "{out}");
     for w in [1, 2] {
@@ -201,8 +214,10 @@ fn workers_start_from_slurm_or_torchrun_variables() {
     let token = "test-token-sched";
     let dir = secrets();
     for scheduler in ["slurm", "torchrun"] {
-        let Coordinator { proc: mut coord, addr } =
-            Coordinator::spawn(coordinator(2, token, dir.path()).args(&flags));
+        let Coordinator {
+            proc: mut coord,
+            addr,
+        } = Coordinator::spawn(coordinator(2, token, dir.path()).args(&flags));
         let (host, port) = addr.rsplit_once(':').unwrap();
         let mut workers: Vec<Proc> = (0..2)
             .map(|i| {
@@ -229,7 +244,11 @@ fn workers_start_from_slurm_or_torchrun_variables() {
             let code = w.wait_until(deadline).and_then(|s| s.code());
             let lines: Vec<String> = w.lines.try_iter().collect();
             assert_eq!(code, Some(0), "{scheduler} worker {i}: {}", w.stderr());
-            let name = if scheduler == "slurm" { "from Slurm" } else { "from torchrun" };
+            let name = if scheduler == "slurm" {
+                "from Slurm"
+            } else {
+                "from torchrun"
+            };
             let first = &lines[0];
             assert!(first.contains(name), "{first}");
             assert!(first.contains(&format!("rank hint {i}")), "{first}");
@@ -283,7 +302,9 @@ fn the_control_endpoint_beyond_loopback_needs_the_operator_token() {
     let good = "Authorization: Bearer operator-secret\r\n";
     let (code, body) = try_http_with(&addr, "POST", "/ranks/1/drain", good).unwrap();
     assert_eq!(code, 202, "{body}");
-    poll(&addr, "the drain", |s| s["members"] == serde_json::json!([0, 2]));
+    poll(&addr, "the drain", |s| {
+        s["members"] == serde_json::json!([0, 2])
+    });
     let code = launch
         .wait_until(Instant::now() + DEADLINE)
         .and_then(|s| s.code());
@@ -324,9 +345,12 @@ fn a_notice_below_min_ranks_stops_the_job_with_a_checkpoint() {
     assert!(out.contains("resume with: ezero launch"), "{out}");
     let code = job.workers[1].wait_until(deadline).and_then(|s| s.code());
     assert_eq!(code, Some(0), "worker 1: {}", job.workers[1].stderr());
-    let has_checkpoint = std::fs::read_dir(&dir)
-        .unwrap()
-        .any(|e| e.unwrap().file_name().to_string_lossy().starts_with("step-"));
+    let has_checkpoint = std::fs::read_dir(&dir).unwrap().any(|e| {
+        e.unwrap()
+            .file_name()
+            .to_string_lossy()
+            .starts_with("step-")
+    });
     assert!(has_checkpoint, "{out}");
 }
 
@@ -345,8 +369,9 @@ fn sigterm_to_a_coordinator_without_a_save_dir_stops_the_workers_in_order() {
     let out: Vec<String> = job.coord.lines.try_iter().collect();
     assert_eq!(code, Some(143), "{out:?}\n{}", job.coord.stderr());
     assert!(
-        out.iter().any(|l| l.starts_with("stopped by SIGTERM after step")
-            && l.contains("not saved (no --save-dir)")),
+        out.iter()
+            .any(|l| l.starts_with("stopped by SIGTERM after step")
+                && l.contains("not saved (no --save-dir)")),
         "{out:?}"
     );
     for (i, w) in job.workers.iter_mut().enumerate() {

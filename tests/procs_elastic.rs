@@ -29,7 +29,11 @@ pub fn status(addr: &str) -> serde_json::Value {
 }
 
 /// Polls `/status` until `done` holds for it, within the deadline.
-pub fn poll(addr: &str, what: &str, done: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+pub fn poll(
+    addr: &str,
+    what: &str,
+    done: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
     let deadline = Instant::now() + DEADLINE;
     loop {
         let s = status(addr);

@@ -31,7 +31,10 @@ pub fn control_access(args: &TrainArgs, addr: SocketAddr) -> Result<Access, CliE
             let text = std::fs::read_to_string(path).map_err(|e| {
                 CliError::Usage(format!("--control-token-file {}: {e}", path.display()))
             })?;
-            Some(checked(text.trim(), &format!("--control-token-file {}", path.display()))?)
+            Some(checked(
+                text.trim(),
+                &format!("--control-token-file {}", path.display()),
+            )?)
         }
         None => match std::env::var("EZERO_CONTROL_TOKEN") {
             Ok(t) => Some(checked(t.trim(), "EZERO_CONTROL_TOKEN")?),
@@ -54,8 +57,7 @@ pub fn control_access(args: &TrainArgs, addr: SocketAddr) -> Result<Access, CliE
 }
 
 fn checked(token: &str, from: &str) -> Result<String, CliError> {
-    if token.is_empty() || token.len() > TOKEN_MAX_BYTES || token.chars().any(char::is_whitespace)
-    {
+    if token.is_empty() || token.len() > TOKEN_MAX_BYTES || token.chars().any(char::is_whitespace) {
         return Err(CliError::Usage(format!(
             "{from}: the operator token must be 1-{TOKEN_MAX_BYTES} bytes without spaces"
         )));

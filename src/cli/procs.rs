@@ -529,10 +529,7 @@ impl Observer for &mut StepLines<'_> {
                 n.cause,
                 n.grace_ms as f64 / 1e3
             ),
-            Err(why) => println!(
-                "rank {}: notice ({}) refused: {why}",
-                n.rank, n.cause
-            ),
+            Err(why) => println!("rank {}: notice ({}) refused: {why}", n.rank, n.cause),
         }
     }
 }

@@ -242,7 +242,10 @@ mod tests {
 
     #[test]
     fn slurm_host_lists_give_their_first_host() {
-        assert_eq!(first_host("node[01-04,07],login1").as_deref(), Some("node01"));
+        assert_eq!(
+            first_host("node[01-04,07],login1").as_deref(),
+            Some("node01")
+        );
         assert_eq!(first_host("gpu7").as_deref(), Some("gpu7"));
         assert_eq!(first_host("a1,b2").as_deref(), Some("a1"));
         assert_eq!(
@@ -288,7 +291,10 @@ mod tests {
             rank_hint: None,
         };
         let r = resolve(&explicit, &env).unwrap();
-        assert_eq!((r.join.as_str(), r.rank_hint), ("coord.ezero:29500", Some(2)));
+        assert_eq!(
+            (r.join.as_str(), r.rank_hint),
+            ("coord.ezero:29500", Some(2))
+        );
         assert!(r.source.contains("Kubernetes"), "{}", r.source);
     }
 

@@ -313,9 +313,8 @@ pub fn try_http_with(
     let mut sock = std::net::TcpStream::connect(addr).map_err(|e| format!("{addr}: {e}"))?;
     sock.set_read_timeout(Some(DEADLINE))
         .map_err(|e| e.to_string())?;
-    let req = format!(
-        "{method} {target} HTTP/1.1\r\nHost: test\r\n{headers}Content-Length: 0\r\n\r\n"
-    );
+    let req =
+        format!("{method} {target} HTTP/1.1\r\nHost: test\r\n{headers}Content-Length: 0\r\n\r\n");
     std::io::Write::write_all(&mut sock, req.as_bytes()).map_err(|e| e.to_string())?;
     let mut text = String::new();
     sock.read_to_string(&mut text).map_err(|e| e.to_string())?;

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use ractor::{Actor, ActorRef};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
+use super::notice::Notice;
 use crate::config::{ConfigError, Faults, TrainConfig};
 use crate::data::Dataset;
 use crate::engine::coordinator::{Change, Coordinator, MembershipRecord, Refusal, StepRecord};
@@ -20,7 +21,6 @@ use crate::model::Model;
 use crate::plan::activations::ActivationChoice;
 use crate::plan::tier::Fit;
 use crate::plan::{ChunkId, RankId, ShardMap};
-use super::notice::Notice;
 use crate::runtime::actors::RankMsg;
 use crate::runtime::actors::{
     BoundarySnapshot, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank, RankActor,

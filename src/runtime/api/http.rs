@@ -124,7 +124,10 @@ impl Access {
         let Some(header) = authorization else {
             return unauthorized("missing operator token: send `Authorization: Bearer TOKEN`");
         };
-        let Some(given) = header.strip_prefix("Bearer ").map(str::trim).filter(|t| !t.is_empty())
+        let Some(given) = header
+            .strip_prefix("Bearer ")
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
         else {
             return unauthorized("malformed Authorization header: expected `Bearer TOKEN`");
         };
@@ -690,9 +693,19 @@ mod tests {
         let token = Some("s3cret".to_string());
         let guarded = Access::new(wide, token.clone(), AuthScope::Writes);
         let drain = Route::Drain(1);
-        for header in [None, Some("Bearer nope"), Some("s3cret"), Some("Bearer "), Some("Basic s3cret")] {
+        for header in [
+            None,
+            Some("Bearer nope"),
+            Some("s3cret"),
+            Some("Bearer "),
+            Some("Basic s3cret"),
+        ] {
             let refused = guarded.check(drain, header).unwrap_err();
-            assert_eq!((refused.status, refused.challenge), (401, true), "{header:?}");
+            assert_eq!(
+                (refused.status, refused.challenge),
+                (401, true),
+                "{header:?}"
+            );
             let text = String::from_utf8(refused.to_bytes()).unwrap();
             assert!(text.contains("WWW-Authenticate: Bearer"), "{text}");
         }
@@ -701,12 +714,23 @@ mod tests {
         assert!(guarded.check(Route::Metrics, None).is_ok());
         // Beyond loopback without a token: changes are refused, reads are not.
         let open_wide = Access::new(wide, None, AuthScope::Writes);
-        assert_eq!(open_wide.check(Route::Checkpoint, Some("Bearer x")).unwrap_err().status, 401);
+        assert_eq!(
+            open_wide
+                .check(Route::Checkpoint, Some("Bearer x"))
+                .unwrap_err()
+                .status,
+            401
+        );
         assert!(open_wide.check(Route::Status, None).is_ok());
         // Loopback: open without a token, guarded with one.
-        assert!(Access::new(local, None, AuthScope::Writes).check(drain, None).is_ok());
+        assert!(Access::new(local, None, AuthScope::Writes)
+            .check(drain, None)
+            .is_ok());
         let local_token = Access::new(local, token.clone(), AuthScope::Writes);
-        assert_eq!(local_token.check(Route::Kill(0), None).unwrap_err().status, 401);
+        assert_eq!(
+            local_token.check(Route::Kill(0), None).unwrap_err().status,
+            401
+        );
         // `all`: reads too.
         let all = Access::new(wide, token, AuthScope::All);
         assert_eq!(all.check(Route::Status, None).unwrap_err().status, 401);

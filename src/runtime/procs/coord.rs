@@ -44,6 +44,7 @@ use super::standby::Lobby;
 use super::state::{check_parts, parts, StartState};
 use crate::config::{ConfigError, TrainConfig};
 use crate::engine::coordinator::Coordinator;
+use crate::engine::coordinator::Refusal;
 use crate::job::build_model;
 use crate::job::run_plan::RunPlan;
 use crate::net::tls::{ClusterTls, Protocol};
@@ -52,11 +53,10 @@ use crate::runtime::actors::{
     BoundarySnapshot, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank,
 };
 use crate::runtime::api::cluster::{consolidate, Observer, TrainOutcome};
-use crate::runtime::api::control::{ControlHandle, DataPlanes, Monitor, Workers};
-use crate::runtime::api::status::DrainCause;
-use crate::engine::coordinator::Refusal;
 use crate::runtime::api::control::ControlError;
+use crate::runtime::api::control::{ControlHandle, DataPlanes, Monitor, Workers};
 use crate::runtime::api::http::{self, HttpLimits};
+use crate::runtime::api::status::DrainCause;
 use crate::runtime::clock::{Clock, SystemClock};
 use crate::runtime::step::elastic::snapshot::SnapshotSink;
 use crate::runtime::transport::detached::Detached;
@@ -291,7 +291,12 @@ async fn serve_control(
     access: http::Access,
 ) -> Option<tokio::task::JoinHandle<()>> {
     match held?.await {
-        Ok(listener) => Some(http::serve_on(listener, handle, HttpLimits::default(), access)),
+        Ok(listener) => Some(http::serve_on(
+            listener,
+            handle,
+            HttpLimits::default(),
+            access,
+        )),
         // The job runs on without its endpoint rather than leave the workers hanging.
         Err(e) => {
             tracing::error!("the control endpoint stopped: {e}");
@@ -533,7 +538,10 @@ impl Run {
         if granted.is_ok() {
             self.drains.granted(&notice);
         }
-        observer.on_notice(&notice, &granted.as_ref().map(|_| ()).map_err(|e| e.to_string()));
+        observer.on_notice(
+            &notice,
+            &granted.as_ref().map(|_| ()).map_err(|e| e.to_string()),
+        );
         if let Err(ControlError::Refused(Refusal::BelowMin { min, .. })) = granted {
             let why = format!(
                 "rank {} was given notice ({}) and the job cannot go on without it (min_ranks is {min}): stopped at a step boundary",

@@ -104,7 +104,7 @@ impl Joining {
                 };
                 start_proxy(rank, link, Inbox::Pumped(inbox), env)
                     .await
-                .map(|actor| (actor, peer.ip().to_string()))
+                    .map(|actor| (actor, peer.ip().to_string()))
             }
             Err(why) => {
                 standby.dismiss(false, format!("could not join as rank {rank}: {why}"));

@@ -81,8 +81,13 @@ mod tests {
     fn a_drained_rank_is_timed_from_its_notice_once() {
         let mut p = PendingDrains::default();
         p.granted(&notice(1, 1_000));
-        assert!(p.on_change(&change(vec![0, 1, 2], vec![]), 1_500).is_empty());
-        assert_eq!(p.on_change(&change(vec![0, 2], vec![]), 3_250), vec![(1, 2.25)]);
+        assert!(p
+            .on_change(&change(vec![0, 1, 2], vec![]), 1_500)
+            .is_empty());
+        assert_eq!(
+            p.on_change(&change(vec![0, 2], vec![]), 3_250),
+            vec![(1, 2.25)]
+        );
         assert!(p.on_change(&change(vec![0, 2], vec![]), 9_000).is_empty());
     }
 

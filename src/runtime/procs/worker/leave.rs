@@ -30,9 +30,8 @@ impl Leaving {
     /// Takes over SIGTERM for this process (its default action, death, would take the abrupt
     /// path at once).
     pub fn install(grace: Duration) -> Result<Self, ProcError> {
-        let term = signal(SignalKind::terminate()).map_err(|e| {
-            ProcError::Setup(format!("cannot install the SIGTERM handler: {e}"))
-        })?;
+        let term = signal(SignalKind::terminate())
+            .map_err(|e| ProcError::Setup(format!("cannot install the SIGTERM handler: {e}")))?;
         Ok(Self {
             term,
             grace,
