@@ -29,6 +29,7 @@ use elastic_zero::runtime::procs::coord::{
 use elastic_zero::runtime::procs::heartbeat::ProcsConfig;
 use elastic_zero::runtime::procs::state::{check_parts, STATE_PART_MAX_BYTES};
 use elastic_zero::runtime::procs::worker::{run_worker, WorkerOptions};
+use elastic_zero::runtime::step::elastic::snapshot::SnapshotSink;
 use elastic_zero::runtime::TrainOutcome;
 use elastic_zero::summary::TrainSummary;
 
@@ -306,18 +307,20 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let start = checkpoint::start_state(&cfg, model.as_ref(), resume.as_ref(), init)?;
     let resumed_from = resume.as_ref().map(|l| l.dir.clone());
     let boundary = Saving::boundary_snapshot();
-    let save_plan = SavePlan::new(&cfg, model.as_ref(), &data, &args.train)?;
-    let snapshot_sink = save_plan.as_ref().map(SavePlan::sink);
-    let saving = save_plan
-        .map(|p| p.start(&cfg, resumed_from.as_deref(), &boundary))
-        .transpose()?
-        .map(|s| {
-            s.resume_with(format!("ezero launch --nprocs {} -- --resume", cfg.ranks))
-                .stop_through_driver()
-        });
+    let (saving, snapshot_sink) = coordinator_saving(
+        &cfg,
+        model.as_ref(),
+        &data,
+        args,
+        resumed_from.as_deref(),
+        &boundary,
+    )?;
     let psi = param_count(&model.units());
     let floor = data.entropy_floor_nats();
     let fit = one_rank_fit(&cfg, model.as_ref());
+    let control_access = (args.train.control)
+        .map(|addr| super::control_access::control_access(&args.train, addr))
+        .transpose()?;
     let opts = CoordinatorOptions {
         listen: listen.clone(),
         token,
@@ -327,11 +330,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         ucx_net: args.ucx_net.clone(),
         control: args.train.control,
         allow_kill: args.train.control_allow_kill,
-        control_access: args
-            .train
-            .control
-            .map(|addr| super::control_access::control_access(&args.train, addr))
-            .transpose()?,
+        control_access,
         start,
         // Only when a save is due: each snapshot carries the whole state over the control
         // connections; a signal asks for its own through `boundary_snapshot`.
@@ -343,11 +342,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         snapshot_sink,
     };
     let started = Stopwatch::start();
-    let mut lines = StepLines {
-        cfg: &cfg,
-        floor,
-        last_step: None,
-    };
+    let mut lines = StepLines::new(&cfg, floor);
     let save_dir = cfg.save_dir.clone().filter(|_| saving.is_some());
     let banner = Banner {
         cfg: &cfg,
@@ -357,10 +352,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         resume: resume.as_ref(),
     };
     // Without a save directory a signal still stops the job in order: the workers are told.
-    let signal = match saving {
-        Some(_) => None,
-        None => Some(checkpoint::stop_signal()?),
-    };
+    let signal = saving.is_none().then(checkpoint::stop_signal).transpose()?;
     let mut observer = SaveObserver::new(&mut lines, saving);
     observer.signal = signal;
     let on_listen = |at: Listening| banner.print(at);
@@ -369,12 +361,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let saved = observer.saving.take().map_or(Ok(()), Saving::finish);
     let outcome = match (outcome, stopped) {
         (Ok(o), _) => o,
-        (Err(_), Some(stopped)) => {
-            if let Err(CliError::Failed(e) | CliError::Usage(e)) = saved {
-                eprintln!("error: {e}");
-            }
-            stopped.exit()
-        }
+        (Err(_), Some(stopped)) => exit_stopped(&stopped, saved),
         (Err(e), None) => return Err(failure(e, lines.last_step, save_dir.as_deref())),
     };
     saved?;
@@ -387,6 +374,41 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         &fit,
     );
     report(&cfg, &outcome, &summary, started.elapsed().as_secs_f64())
+}
+
+/// A run stopped early (a signal, a notice the job could not grant): its line and exit code,
+/// after any failed save is reported.
+fn exit_stopped(stopped: &checkpoint::Stopped, saved: Result<(), CliError>) -> ! {
+    if let Err(CliError::Failed(e) | CliError::Usage(e)) = saved {
+        eprintln!("error: {e}");
+    }
+    stopped.exit()
+}
+
+/// Where snapshots stream when the state is on the tiers.
+type Sink = std::sync::Arc<dyn SnapshotSink>;
+
+/// Saving for a coordinated run (with `--save-dir`), and where snapshots stream when the state
+/// is on the tiers; a stop after a signal's checkpoint is left to the driver, which tells the
+/// workers.
+fn coordinator_saving(
+    cfg: &TrainConfig,
+    model: &dyn Model,
+    data: &elastic_zero::data::Dataset,
+    args: &CoordinatorArgs,
+    resumed_from: Option<&Path>,
+    boundary: &elastic_zero::runtime::actors::BoundarySnapshot,
+) -> Result<(Option<Saving>, Option<Sink>), CliError> {
+    let save_plan = SavePlan::new(cfg, model, data, &args.train)?;
+    let snapshot_sink = save_plan.as_ref().map(SavePlan::sink);
+    let saving = save_plan
+        .map(|p| p.start(cfg, resumed_from, boundary))
+        .transpose()?
+        .map(|s| {
+            s.resume_with(format!("ezero launch --nprocs {} -- --resume", cfg.ranks))
+                .stop_through_driver()
+        });
+    Ok((saving, snapshot_sink))
 }
 
 /// The end of a coordinated run: the summary line, what a resume read, the JSON summary and
@@ -492,6 +514,16 @@ struct StepLines<'a> {
     cfg: &'a TrainConfig,
     floor: Option<f64>,
     last_step: Option<u64>,
+}
+
+impl<'a> StepLines<'a> {
+    fn new(cfg: &'a TrainConfig, floor: Option<f64>) -> Self {
+        Self {
+            cfg,
+            floor,
+            last_step: None,
+        }
+    }
 }
 
 impl Observer for &mut StepLines<'_> {

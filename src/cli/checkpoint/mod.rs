@@ -32,7 +32,7 @@ use elastic_zero::runtime::procs::state::StartState;
 
 use super::{CliError, TrainArgs};
 
-pub use saving::{stop_signal, SaveObserver, SavePlan, Saving};
+pub use saving::{stop_signal, SaveObserver, SavePlan, Saving, Stopped};
 
 #[derive(Subcommand)]
 pub enum CheckpointCommand {

@@ -196,11 +196,7 @@ pub async fn run_coordinator(
         },
     );
     let _ = ready.send(());
-    let access = opts.control_access.clone().unwrap_or_else(|| {
-        let addr = at.control.unwrap_or_else(|| ([127, 0, 0, 1], 0).into());
-        http::Access::new(addr, None, http::AuthScope::Writes)
-    });
-    let server = serve_control(held, handle.clone(), access).await;
+    let server = serve_control(held, handle.clone(), access(&opts, at)).await;
     let mut result = run.drive(&handle, &mut observer, &mut monitor).await;
     if let Ok(outcome) = &mut result {
         outcome.resume_reads = reads;
@@ -282,6 +278,14 @@ fn initial_map(
         .map(|j| (j.rank, j.peer.ip().to_string()))
         .collect();
     Ok(map)
+}
+
+/// Who may change the job through its endpoint: as configured, else nobody beyond loopback.
+fn access(opts: &CoordinatorOptions, at: Listening) -> http::Access {
+    opts.control_access.clone().unwrap_or_else(|| {
+        let addr = at.control.unwrap_or_else(|| ([127, 0, 0, 1], 0).into());
+        http::Access::new(addr, None, http::AuthScope::Writes)
+    })
 }
 
 /// The control endpoint, served once the job has started (it answered 503 until then).
