@@ -382,3 +382,52 @@ fn sigterm_to_a_coordinator_without_a_save_dir_stops_the_workers_in_order() {
         assert!(!err.contains("lost the coordinator"), "worker {i}: {err}");
     }
 }
+
+/// `--control-tls`: the endpoint speaks HTTPS with the coordinator's cluster certificate, which
+/// a client checks against the cluster CA; plain HTTP gets no answer there.
+#[test]
+fn the_control_endpoint_serves_https_with_the_cluster_certificate() {
+    use elastic_zero::net::tls::{peer_server_name, ClusterTls, Protocol};
+    let flags = flags_with("mlp", 3, 300, &[]);
+    let dir = secrets();
+    let mut launch = Proc::spawn(
+        Command::new(EZERO)
+            .args(["launch", "--nprocs", "3", "--control", "127.0.0.1:0"])
+            .args(["--control-tls", "--secrets"])
+            .arg(dir.path())
+            .arg("--")
+            .args(&flags),
+    );
+    let addr = control_addr(&launch.wait_for_line("control endpoint: "));
+    let id = elastic_zero::net::Identity::from_dir(dir.path(), "operator").unwrap();
+    let mut client = (*ClusterTls::new(&id).unwrap().client(Protocol::Control)).clone();
+    client.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let get_status = || -> String {
+        let conn =
+            rustls::ClientConnection::new(std::sync::Arc::new(client.clone()), peer_server_name())
+                .unwrap();
+        let sock = std::net::TcpStream::connect(&addr).unwrap();
+        let mut tls = rustls::StreamOwned::new(conn, sock);
+        let req = "GET /status HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n";
+        std::io::Write::write_all(&mut tls, req.as_bytes()).unwrap();
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut tls, &mut text);
+        text
+    };
+    let deadline = Instant::now() + DEADLINE;
+    let answer = loop {
+        let text = get_status();
+        if !text.contains(" 503 ") || Instant::now() > deadline {
+            break text;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(answer.starts_with("HTTP/1.1 200 OK"), "{answer}");
+    assert!(answer.contains("\"members\""), "{answer}");
+    let plain = crate::common::procs::try_http(&addr, "GET", "/status");
+    assert!(plain.is_err(), "plain HTTP answered: {plain:?}");
+    let code = launch
+        .wait_until(Instant::now() + DEADLINE)
+        .and_then(|s| s.code());
+    assert_eq!(code, Some(0), "{}", launch.stderr());
+}

@@ -37,6 +37,10 @@ pub struct LaunchArgs {
     /// SIGKILL halfway through the next step; for tests and demos).
     #[arg(long, requires = "control")]
     pub control_allow_kill: bool,
+    /// With --control: serve HTTPS with the coordinator's cluster certificate (see `ezero
+    /// coordinator --help`) [default: plain HTTP].
+    #[arg(long, requires = "control")]
+    pub control_tls: bool,
     /// Data plane between workers [default: tcp]: tcp, quic, or ucx (shared memory between
     /// the workers, which a launch runs on this machine). Every connection of the launch
     /// (control, TCP and QUIC data) is mutual TLS with a CA made for this launch.
@@ -186,6 +190,7 @@ fn spawn_coordinator(
                 .flat_map(|c| ["--control".to_string(), c.to_string()]),
         )
         .args(a.control_allow_kill.then_some("--control-allow-kill"))
+        .args(a.control_tls.then_some("--control-tls"))
         .args(["--transport", transport.name()])
         .args(
             a.ucx_net

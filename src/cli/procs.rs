@@ -21,6 +21,7 @@ use elastic_zero::plan::tier::{evaluate, Fit, Placement, MIN_TILE_ELEMS};
 use elastic_zero::plan::RankId;
 use elastic_zero::runtime::alloc::available_memory_bytes;
 use elastic_zero::runtime::api::cluster::Observer;
+use elastic_zero::runtime::api::http;
 use elastic_zero::runtime::api::notice::Notice;
 use elastic_zero::runtime::procs::control_plane::DataPlane;
 use elastic_zero::runtime::procs::coord::{
@@ -113,6 +114,11 @@ pub struct CoordinatorArgs {
     /// File holding the cluster token workers must present (or set EZERO_CLUSTER_TOKEN).
     #[arg(long, env = "EZERO_CLUSTER_TOKEN_FILE")]
     pub token_file: Option<PathBuf>,
+    /// With --control: serve HTTPS with this coordinator's cluster certificate (check it with
+    /// the cluster CA: `curl --cacert DIR/ca.pem --resolve ezero-peer:PORT:HOST
+    /// https://ezero-peer:PORT/status`) [default: plain HTTP].
+    #[arg(long, requires = "control")]
+    pub control_tls: bool,
     #[command(flatten)]
     pub procs: ProcsArgs,
     #[command(flatten)]
@@ -320,7 +326,11 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let fit = one_rank_fit(&cfg, model.as_ref());
     let control_access = (args.train.control)
         .map(|addr| super::control_access::control_access(&args.train, addr))
-        .transpose()?;
+        .transpose()?
+        .map(|a| http::Access {
+            tls: args.control_tls.then(|| tls.https_server()),
+            ..a
+        });
     let opts = CoordinatorOptions {
         listen: listen.clone(),
         token,

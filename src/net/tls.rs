@@ -63,6 +63,7 @@ pub struct ClusterTls {
     /// Indexed by `Protocol as usize`.
     servers: [Arc<ServerConfig>; 3],
     clients: [Arc<ClientConfig>; 3],
+    https: Arc<ServerConfig>,
 }
 
 impl std::fmt::Debug for ClusterTls {
@@ -77,7 +78,9 @@ impl ClusterTls {
     /// Verifies and loads `id` once; every config shares its certificate, key and CA.
     pub fn new(id: &Identity) -> Result<Self, TlsError> {
         let (server, client) = (server_base(id)?, client_base(id)?);
+        let https = Arc::new(https_server(id)?);
         Ok(Self {
+            https,
             servers: Self::PROTOCOLS.map(|p| {
                 let mut c = server.clone();
                 c.alpn_protocols = vec![p.alpn().to_vec()];
@@ -99,6 +102,13 @@ impl ClusterTls {
     /// Client side of `p`: verifies the server against the cluster CA, presents our cert.
     pub fn client(&self, p: Protocol) -> Arc<ClientConfig> {
         Arc::clone(&self.clients[p as usize])
+    }
+
+    /// The HTTPS control endpoint's server side: this process's cluster certificate, which
+    /// operators check against the cluster CA; no client certificate (the operator token
+    /// authorizes), ALPN `http/1.1`.
+    pub fn https_server(&self) -> Arc<ServerConfig> {
+        Arc::clone(&self.https)
     }
 
     pub fn quic_server(&self) -> Result<Arc<QuicServerConfig>, TlsError> {
@@ -143,6 +153,17 @@ fn server_base(id: &Identity) -> Result<ServerConfig, TlsError> {
     // Data-plane dialers only write: tickets they never read would pile up unread, and
     // connections are long-lived, so resumption buys nothing.
     c.send_tls13_tickets = 0;
+    Ok(c)
+}
+
+fn https_server(id: &Identity) -> Result<ServerConfig, TlsError> {
+    let mut c = ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(err)?
+        .with_no_client_auth()
+        .with_single_cert(vec![id.cert.clone()], id.key.clone_key())
+        .map_err(err)?;
+    c.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(c)
 }
 

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
@@ -76,14 +76,28 @@ pub enum AuthScope {
 }
 
 /// Who may do what on the endpoint.
-#[derive(Clone, Default, PartialEq, Eq)]
+#[derive(Clone, Default)]
 pub struct Access {
     /// The operator token requests in `scope` must carry as `Authorization: Bearer TOKEN`.
     pub token: Option<String>,
     pub scope: AuthScope,
     /// The endpoint listens beyond loopback: without a token, requests in `scope` are refused.
     pub beyond_loopback: bool,
+    /// Serve HTTPS with this config (the coordinator's cluster certificate; clients check it
+    /// against the cluster CA) instead of plain HTTP.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
+
+impl PartialEq for Access {
+    fn eq(&self, other: &Self) -> bool {
+        self.token == other.token
+            && self.scope == other.scope
+            && self.beyond_loopback == other.beyond_loopback
+            && self.tls.is_some() == other.tls.is_some()
+    }
+}
+
+impl Eq for Access {}
 
 impl std::fmt::Debug for Access {
     // Never print the token.
@@ -92,6 +106,7 @@ impl std::fmt::Debug for Access {
             .field("token", &self.token.as_ref().map(|_| "<set>"))
             .field("scope", &self.scope)
             .field("beyond_loopback", &self.beyond_loopback)
+            .field("tls", &self.tls.is_some())
             .finish()
     }
 }
@@ -103,6 +118,7 @@ impl Access {
             token,
             scope,
             beyond_loopback: !addr.ip().is_loopback(),
+            tls: None,
         }
     }
 
@@ -464,7 +480,9 @@ pub fn serve_on(
             };
             let (handle, access) = (handle.clone(), Arc::clone(&access));
             tokio::spawn(async move {
-                connection(sock, peer, &handle, &limits, &access).await;
+                if let Some(io) = open(sock, access.tls.as_ref(), &limits).await {
+                    connection(io, peer, &handle, &limits, &access).await;
+                }
                 drop(permit);
             });
         }
@@ -477,6 +495,7 @@ pub fn serve_on(
 pub async fn hold(
     listener: TcpListener,
     limits: HttpLimits,
+    tls: Option<Arc<rustls::ServerConfig>>,
     why: impl Fn() -> String + Send + 'static,
     mut ready: tokio::sync::oneshot::Receiver<()>,
 ) -> TcpListener {
@@ -496,15 +515,44 @@ pub async fn hold(
             continue;
         };
         let answer = Response::error(503, "not_started", why());
+        let tls = tls.clone();
         tokio::spawn(async move {
-            respond(sock, &limits, |_| async { answer }).await;
+            if let Some(io) = open(sock, tls.as_ref(), &limits).await {
+                respond(io, &limits, |_| async { answer }).await;
+            }
             drop(permit);
         });
     }
 }
 
-async fn connection(
+/// A connection's byte stream: plain TCP, or TLS over it.
+trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
+/// The accepted socket as the endpoint speaks it: through the TLS handshake when `tls` is set
+/// (bounded by the read timeout; a failed handshake closes the connection).
+async fn open(
     sock: TcpStream,
+    tls: Option<&Arc<rustls::ServerConfig>>,
+    limits: &HttpLimits,
+) -> Option<Box<dyn Io>> {
+    let Some(cfg) = tls else {
+        return Some(Box::new(sock));
+    };
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::clone(cfg));
+    let wait = Duration::from_millis(limits.read_timeout_ms);
+    match timeout(wait, acceptor.accept(sock)).await {
+        Ok(Ok(stream)) => Some(Box::new(stream)),
+        Ok(Err(e)) => {
+            tracing::debug!("control endpoint: TLS handshake failed: {e}");
+            None
+        }
+        Err(_) => None,
+    }
+}
+
+async fn connection(
+    sock: Box<dyn Io>,
     peer: SocketAddr,
     handle: &ControlHandle,
     limits: &HttpLimits,
@@ -530,7 +578,7 @@ async fn connection(
 }
 
 /// Reads one request, answers it with `answer`'s response (or the reading error), and closes.
-async fn respond<F, Fut>(mut sock: TcpStream, limits: &HttpLimits, answer: F)
+async fn respond<F, Fut>(mut sock: Box<dyn Io>, limits: &HttpLimits, answer: F)
 where
     F: FnOnce(Request) -> Fut,
     Fut: std::future::Future<Output = Response>,
@@ -551,7 +599,7 @@ where
 /// Reads one request (head and body, which is discarded) before `deadline`. `Ok(None)`: the
 /// peer closed before sending anything.
 async fn read_request(
-    sock: &mut TcpStream,
+    sock: &mut Box<dyn Io>,
     limits: &HttpLimits,
     deadline: Instant,
 ) -> Result<Option<Request>, Response> {

@@ -130,7 +130,8 @@ pub async fn run_coordinator(
             let n = count.load(Ordering::Relaxed);
             format!("the job has not started: {n} of {world} workers have joined")
         };
-        tokio::spawn(http::hold(l, HttpLimits::default(), why, ready_rx))
+        let tls = opts.control_access.as_ref().and_then(|a| a.tls.clone());
+        tokio::spawn(http::hold(l, HttpLimits::default(), tls, why, ready_rx))
     });
     let deadline = Instant::now() + Duration::from_millis(opts.procs.join_timeout_ms);
     let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
