@@ -324,13 +324,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let psi = param_count(&model.units());
     let floor = data.entropy_floor_nats();
     let fit = one_rank_fit(&cfg, model.as_ref());
-    let control_access = (args.train.control)
-        .map(|addr| super::control_access::control_access(&args.train, addr))
-        .transpose()?
-        .map(|a| http::Access {
-            tls: args.control_tls.then(|| tls.https_server()),
-            ..a
-        });
+    let control_access = coordinator_access(args, &tls)?;
     let opts = CoordinatorOptions {
         listen: listen.clone(),
         token,
@@ -384,6 +378,21 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         &fit,
     );
     report(&cfg, &outcome, &summary, started.elapsed().as_secs_f64())
+}
+
+/// Who may change the job through the control endpoint, and whether it speaks TLS.
+fn coordinator_access(
+    args: &CoordinatorArgs,
+    tls: &ClusterTls,
+) -> Result<Option<http::Access>, CliError> {
+    let Some(addr) = args.train.control else {
+        return Ok(None);
+    };
+    let access = super::control_access::control_access(&args.train, addr)?;
+    Ok(Some(http::Access {
+        tls: args.control_tls.then(|| tls.https_server()),
+        ..access
+    }))
 }
 
 /// A run stopped early (a signal, a notice the job could not grant): its line and exit code,
