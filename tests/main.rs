@@ -16,6 +16,7 @@ mod checkpoint_resume;
 mod checkpoint_tools;
 mod cli;
 mod control;
+mod device;
 mod elastic;
 mod gguf;
 mod hf;

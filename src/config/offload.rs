@@ -23,6 +23,9 @@ impl TrainConfig {
         self.nvme_block_bytes = d.nvme_block_bytes;
         self.nvme_record_elems = d.nvme_record_elems;
         self.memory_max_bytes = d.memory_max_bytes;
+        self.device = d.device;
+        self.device_memory_max_bytes = d.device_memory_max_bytes;
+        self.sim_link_gbps = d.sim_link_gbps;
         self.faults.nvme_fault = d.faults.nvme_fault;
     }
 

@@ -12,6 +12,7 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use super::memory::gib;
 use super::memory::{masters_in_shard, resident};
 use super::schedule::Stage;
 
@@ -338,6 +339,8 @@ pub enum FitError {
     NoNvmeDir,
     #[error("{0}")]
     DoesNotFit(String),
+    #[error("{0}")]
+    Device(#[from] super::device::DeviceFitError),
 }
 
 impl FitError {
@@ -349,6 +352,7 @@ impl FitError {
             FitError::GradsNeedStage2 => "offload_grads",
             FitError::NoNvmeDir => "nvme_dir",
             FitError::DoesNotFit(_) => "memory_max_bytes",
+            FitError::Device(_) => "device_memory_max_bytes",
         }
     }
 }
@@ -808,15 +812,6 @@ fn what_would_fit(d: &Demand, lim: &Limits, candidates: &[Placement]) -> String 
 
 fn round_up(x: u64, to: u64) -> u64 {
     x.div_ceil(to) * to
-}
-
-/// Bytes as GiB (or MiB below one GiB) with two decimals, for messages.
-pub fn gib(bytes: u64) -> String {
-    if bytes >= 1 << 30 {
-        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
-    } else {
-        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
-    }
 }
 
 #[cfg(test)]

@@ -433,6 +433,7 @@ fn rank_setup(
         exec: ExecConfig::new(
             &plan.exec,
             storage.activations.keep,
+            storage.device_buffers(),
             Arc::clone(&spec.progress),
         ),
         storage: tier,
