@@ -155,3 +155,53 @@ fn copies_and_waits_add_up_to_the_plan() {
         }
     }
 }
+
+#[test]
+fn the_cli_reports_the_device_and_refuses_one_too_small_with_exit_2() {
+    use crate::common::ezero::ezero;
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("s.json");
+    let small = [
+        "train",
+        "--layers",
+        "2",
+        "--d-model",
+        "32",
+        "--seq-len",
+        "16",
+        "--steps",
+        "2",
+        "--ranks",
+        "2",
+        "--sample-tokens",
+        "0",
+        "--device",
+        "sim",
+    ];
+    let j = json.display().to_string();
+    let run = ezero(&[&small[..], &["--device-memory-max", "16MiB", "--json", &j]].concat());
+    assert_eq!(run.code, 0, "{}", run.stderr);
+    assert!(
+        run.stdout.contains("host: masters+optimizer"),
+        "{}",
+        run.stdout
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let d = &v["device"];
+    assert_eq!(d["kind"], "sim");
+    let peak = d["peak_bytes"].as_u64().unwrap();
+    assert!(peak > 0 && peak <= 16 << 20);
+    assert_eq!(d["h2d_bytes_per_step"], d["planned_h2d_bytes_per_step"]);
+    assert_eq!(d["d2h_bytes_per_step"], d["planned_d2h_bytes_per_step"]);
+    let host = ezero(&small[..13]);
+    assert_eq!(run.sha(), host.sha());
+    let tiny = ezero(
+        &[
+            &small[..],
+            &["--device-memory-max", "1MiB", "--micro-batch-size", "32"],
+        ]
+        .concat(),
+    );
+    crate::common::ezero::refused(&tiny, "--device-memory-max", "device cannot hold");
+}

@@ -196,6 +196,15 @@ impl DeviceCounters {
         }
     }
 
+    /// The most bytes of `kind` allocated at once.
+    pub fn peak(&self, kind: DeviceKind) -> u64 {
+        match kind {
+            DeviceKind::Params => self.peak_params_bytes,
+            DeviceKind::Grads => self.peak_grads_bytes,
+            DeviceKind::Activations => self.peak_activations_bytes,
+        }
+    }
+
     /// Bytes allocated now of `kind`.
     pub fn resident(&self, kind: DeviceKind) -> u64 {
         match kind {
