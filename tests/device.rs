@@ -205,3 +205,41 @@ fn the_cli_reports_the_device_and_refuses_one_too_small_with_exit_2() {
     );
     crate::common::ezero::refused(&tiny, "--device-memory-max", "device cannot hold");
 }
+
+#[test]
+fn the_device_keeps_the_host_runs_bits_with_state_on_the_nvme_tier() {
+    use crate::offload::{offloaded, tier_dir};
+    for (stage, params, grads) in [(2, false, false), (3, true, true)] {
+        let dir = tier_dir();
+        let cfg = offloaded(
+            &TrainConfig {
+                ranks: 2,
+                stage,
+                steps: 2,
+                grad_clip: 0.0,
+                ..small(ModelKind::Gpt)
+            },
+            dir.path(),
+            params,
+            grads,
+        );
+        let host = run_cfg(&cfg).unwrap();
+        let dev = run_cfg(&on_sim(&cfg, 16 << 20)).unwrap();
+        assert_eq!(dev.param_sha256, host.param_sha256, "stage {stage}");
+        assert!(device_reports(&dev).iter().all(|d| d.h2d_bytes > 0));
+    }
+}
+
+#[test]
+fn a_killed_rank_is_recovered_with_the_host_runs_bits_on_the_device() {
+    let cfg = TrainConfig {
+        ranks: 3,
+        stage: 3,
+        steps: 4,
+        kill: vec![At { value: 2, step: 2 }],
+        ..small(ModelKind::Gpt)
+    };
+    let host = run_cfg(&cfg).unwrap();
+    let dev = run_cfg(&on_sim(&cfg, 16 << 20)).unwrap();
+    assert_eq!(dev.param_sha256, host.param_sha256);
+}
