@@ -243,3 +243,61 @@ fn a_killed_rank_is_recovered_with_the_host_runs_bits_on_the_device() {
     let dev = run_cfg(&on_sim(&cfg, 16 << 20)).unwrap();
     assert_eq!(dev.param_sha256, host.param_sha256);
 }
+
+#[derive(Default)]
+struct Snapshots(Vec<elastic_zero::runtime::actors::Snapshot>);
+
+impl elastic_zero::runtime::api::cluster::Observer for &mut Snapshots {
+    fn on_snapshot(&mut self, s: elastic_zero::runtime::actors::Snapshot) {
+        self.0.push(s);
+    }
+}
+
+#[test]
+fn a_host_runs_snapshot_resumes_on_devices_at_another_world_size_with_the_same_bits() {
+    use crate::common::train_blocking;
+    use elastic_zero::runtime::ClusterSpec;
+    let base = TrainConfig {
+        steps: 4,
+        ranks: 2,
+        stage: 3,
+        ..small(ModelKind::Gpt)
+    };
+    let mut snaps = Snapshots::default();
+    let spec = ClusterSpec {
+        snapshot_every: 2,
+        ..ClusterSpec::from_config(base.clone()).unwrap()
+    };
+    let want = train_blocking(spec, &mut snaps).unwrap().param_sha256;
+    let snap = snaps.0.remove(0);
+    assert_eq!(snap.progress.step, 2);
+    let cfg = on_sim(&TrainConfig { ranks: 3, ..base }, 16 << 20);
+    let spec = ClusterSpec {
+        resume: Some(snap.into()),
+        ..ClusterSpec::from_config(cfg).unwrap()
+    };
+    let resumed = train_blocking(spec, &mut Snapshots::default()).unwrap();
+    assert_eq!(resumed.records.first().map(|r| r.step), Some(2));
+    assert!(device_reports(&resumed).iter().all(|d| d.h2d_bytes > 0));
+    assert_eq!(resumed.param_sha256, want);
+}
+
+#[test]
+fn offload_cpu_means_host_memory_beside_a_device() {
+    use elastic_zero::plan::tier::Offload;
+    let cfg = TrainConfig {
+        ranks: 1,
+        steps: 1,
+        offload_optimizer: Offload::Cpu,
+        ..small(ModelKind::Gpt)
+    };
+    let refused = run_cfg(&cfg).err().expect("refused without a device");
+    assert!(refused.to_string().contains("--device sim"), "{refused}");
+    let want = run_cfg(&TrainConfig {
+        offload_optimizer: Offload::None,
+        ..cfg.clone()
+    })
+    .unwrap();
+    let dev = run_cfg(&on_sim(&cfg, 16 << 20)).unwrap();
+    assert_eq!(dev.param_sha256, want.param_sha256);
+}

@@ -308,9 +308,9 @@ pub fn plan_memory(
 ) -> Result<(Fit, ActivationChoice), FitError> {
     let demand = memory_demand(cfg, model, ranks_in_process, streamed_snapshots);
     let limits = Limits {
-        optimizer: cfg.offload_optimizer,
-        params: cfg.offload_params,
-        grads: cfg.offload_grads,
+        optimizer: cfg.offload_choice(cfg.offload_optimizer),
+        params: cfg.offload_choice(cfg.offload_params),
+        grads: cfg.offload_choice(cfg.offload_grads),
         has_nvme_dir: cfg.nvme_dir.is_some(),
         budget: match cfg.memory_max_bytes {
             Some(b) => Budget::Configured(b),

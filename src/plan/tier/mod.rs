@@ -17,8 +17,8 @@ use super::memory::{masters_in_shard, resident};
 use super::schedule::Stage;
 
 /// A configured tier for one kind of state. `Auto` lets [`place`] choose the least offload that
-/// fits; `Cpu` is reserved for when a device backend exists (host RAM is already where all state
-/// lives on the CPU build) and is refused.
+/// fits; `Cpu` is ZeRO-Offload's host memory beside a device (the config reads it as `None`
+/// with `--device`) and is refused without one.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Offload {
@@ -48,7 +48,9 @@ impl std::str::FromStr for Offload {
             "none" => Ok(Offload::None),
             "nvme" => Ok(Offload::Nvme),
             "cpu" => Ok(Offload::Cpu),
-            other => Err(format!("'{other}' is not a tier: use none, nvme or auto")),
+            other => Err(format!(
+                "'{other}' is not a tier: use none, nvme, auto, or cpu (host memory, with --device)"
+            )),
         }
     }
 }
@@ -329,7 +331,7 @@ pub struct Fit {
 /// Why a run cannot start. Each says what to change.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum FitError {
-    #[error("'{key} = \"cpu\"' is reserved for a device backend: this build computes on the CPU, where all state already lives in RAM; use \"nvme\" (with nvme_dir), \"none\" or \"auto\"")]
+    #[error("'{key} = \"cpu\"' means host memory beside a device: without one (--device sim) all state already lives in RAM; add --device sim, or use \"nvme\" (with nvme_dir), \"none\" or \"auto\"")]
     CpuReserved { key: &'static str },
     #[error("'offload_params = \"nvme\"' needs ZeRO stage 3 (stages 0-2 keep a full parameter copy for compute); use --stage 3, or offload the optimizer only")]
     ParamsNeedStage3,
