@@ -157,6 +157,90 @@ pub struct TrainSummary {
     /// where the compute threads are the ranks, at most the CPUs the process may use.
     #[serde(default)]
     pub mfu: f64,
+    /// The device the model computed on and what went on there (`null` on the host CPU).
+    #[serde(default)]
+    pub device: Option<DeviceSummary>,
+}
+
+/// The device tier of a run (`--device`): its budget, the plan, and what the simulator counted.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeviceSummary {
+    /// `sim`.
+    pub kind: String,
+    pub memory_max_bytes: u64,
+    /// Where state lived (`plan::device::DevicePlan::describe`).
+    pub placement: String,
+    /// The most device bytes any rank held at once, in all and by kind.
+    pub peak_bytes: u64,
+    pub peak_params_bytes: u64,
+    pub peak_grads_bytes: u64,
+    pub peak_activations_bytes: u64,
+    /// The device peak the plan allowed for.
+    pub planned_bytes: u64,
+    /// Median over steps of the bytes all ranks moved host → device and device → host.
+    pub h2d_bytes_per_step: u64,
+    pub d2h_bytes_per_step: u64,
+    /// What the plan predicts a step moves each way, for all ranks.
+    pub planned_h2d_bytes_per_step: u64,
+    pub planned_d2h_bytes_per_step: u64,
+    /// Median over steps of the longest time any rank's compute waited on a copy.
+    pub copy_wait_s_per_step: f64,
+    /// Median over steps of the longest time any rank's link was busy.
+    pub link_busy_s_per_step: f64,
+}
+
+impl DeviceSummary {
+    /// What `records` show of a run on `kind` planned as `plan` for `ranks` ranks; the first
+    /// `warm` steps are left out of the medians.
+    pub fn of(
+        kind: &str,
+        plan: &crate::plan::device::DevicePlan,
+        ranks: u64,
+        records: &[StepRecord],
+        warm: usize,
+    ) -> Self {
+        let devs = || {
+            records
+                .iter()
+                .flat_map(|r| &r.reports)
+                .filter_map(|r| r.device)
+        };
+        let peak = |f: fn(&crate::model::backend::DeviceCounters) -> u64| {
+            devs().map(|d| f(&d)).max().unwrap_or(0)
+        };
+        let per_step = |f: &dyn Fn(&crate::model::backend::DeviceCounters) -> f64, max: bool| {
+            median(
+                records
+                    .iter()
+                    .skip(warm)
+                    .map(|r| {
+                        let xs = r.reports.iter().filter_map(|r| r.device).map(|d| f(&d));
+                        if max {
+                            xs.fold(0.0, f64::max)
+                        } else {
+                            xs.sum()
+                        }
+                    })
+                    .collect(),
+            )
+        };
+        DeviceSummary {
+            kind: kind.to_string(),
+            memory_max_bytes: plan.capacity_bytes,
+            placement: plan.describe(),
+            peak_bytes: peak(|d| d.peak_bytes),
+            peak_params_bytes: peak(|d| d.peak_params_bytes),
+            peak_grads_bytes: peak(|d| d.peak_grads_bytes),
+            peak_activations_bytes: peak(|d| d.peak_activations_bytes),
+            planned_bytes: plan.device_bytes(),
+            h2d_bytes_per_step: per_step(&|d| d.h2d_bytes as f64, false) as u64,
+            d2h_bytes_per_step: per_step(&|d| d.d2h_bytes as f64, false) as u64,
+            planned_h2d_bytes_per_step: ranks * plan.h2d_bytes_per_step,
+            planned_d2h_bytes_per_step: ranks * plan.d2h_bytes_per_step,
+            copy_wait_s_per_step: per_step(&|d| d.copy_wait_s, true),
+            link_busy_s_per_step: per_step(&|d| d.link_busy_s, true),
+        }
+    }
 }
 
 /// Median of a list (0 for an empty one).

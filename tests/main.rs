@@ -17,6 +17,7 @@ mod checkpoint_tools;
 mod cli;
 mod cluster_examples;
 mod control;
+mod device;
 mod elastic;
 mod gguf;
 mod hf;

@@ -541,7 +541,7 @@ fn bad_tier_settings_are_refused_before_training() {
         (
             vec!["--offload-optimizer", "cpu"],
             "offload_optimizer",
-            "reserved for a device backend",
+            "means host memory beside a device",
         ),
         (
             vec!["--memory-max", "1MiB"],

@@ -64,6 +64,11 @@ pub const MAY_CHANGE: &[&str] = &[
     "nvme_block_bytes",
     "nvme_record_elems",
     "memory_max_bytes",
+    // The device computes with the host's kernels and reduces exactly on the host
+    // (tests/device.rs).
+    "device",
+    "device_memory_max_bytes",
+    "sim_link_gbps",
     "nvme_fault",
 ];
 

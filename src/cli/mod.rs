@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 use elastic_zero::config::{
-    parse_bytes, At, ConfigError, ModelKind, OptimizerChoice, RoundKill, TrainConfig,
+    parse_bytes, At, ConfigError, DeviceChoice, ModelKind, OptimizerChoice, RoundKill, TrainConfig,
 };
 use elastic_zero::data::DataFormat;
 use elastic_zero::model::backend::{GeluForm, Precision};
@@ -295,6 +295,17 @@ pub struct TrainArgs {
     /// The most memory the process may use, e.g. 2GiB [default: 90% of what is available].
     #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
     pub memory_max: Option<u64>,
+    /// The accelerator the kernels run on: none (the host CPU) or sim (the simulated device:
+    /// CPU kernels, its own memory, a modeled host link) [default: none].
+    #[arg(long, value_name = "DEVICE")]
+    pub device: Option<DeviceChoice>,
+    /// The device's memory, e.g. 2GiB: no allocation on it goes past this; a run whose unit
+    /// does not fit is refused before training [default: unset; needed with --device].
+    #[arg(long, value_name = "SIZE", value_parser = parse_bytes)]
+    pub device_memory_max: Option<u64>,
+    /// The simulated device's host link in GB/s each way [default: 25, PCIe 4.0 x16].
+    #[arg(long, value_name = "GBPS")]
+    pub sim_link_gbps: Option<f64>,
     #[command(flatten, next_help_heading = "Fault injection")]
     pub faults: FaultArgs,
     /// Test hooks from the environment (`test_hooks.rs`): no flag sets them.
@@ -427,6 +438,15 @@ impl TrainArgs {
         }
         if self.memory_max.is_some() {
             c.memory_max_bytes = self.memory_max;
+        }
+        if let Some(d) = self.device {
+            c.device = d;
+        }
+        if self.device_memory_max.is_some() {
+            c.device_memory_max_bytes = self.device_memory_max;
+        }
+        if let Some(g) = self.sim_link_gbps {
+            c.sim_link_gbps = g;
         }
         if let Some(p) = self.activation_checkpointing {
             c.activation_checkpointing = p;

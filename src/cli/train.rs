@@ -20,7 +20,7 @@ use elastic_zero::runtime::alloc::peak_rss_bytes;
 use elastic_zero::runtime::api::cluster::Observer;
 use elastic_zero::runtime::step::elastic::resume::ResumeSource;
 use elastic_zero::runtime::{ChangeRecord, Cluster, ClusterBuilder, ClusterError, ClusterSpec};
-use elastic_zero::summary::{median, rank_summaries, StepBreakdown, TrainSummary};
+use elastic_zero::summary::{median, rank_summaries, DeviceSummary, StepBreakdown, TrainSummary};
 
 use super::checkpoint::{self, SaveObserver, SavePlan, Saving};
 use super::ticker::Ticker;
@@ -70,7 +70,11 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     let cluster = rt.block_on(Cluster::start(spec)).map_err(cluster_error)?;
     ticker.step_boundary(0);
     let (fit, activations) = (*cluster.memory_plan(), *cluster.activation_plan());
+    let device = cluster.device_plan().copied();
     println!("{}", describe_fit(&fit, cfg));
+    if let Some(d) = &device {
+        println!("{}", d.describe());
+    }
     println!("{}", activations.describe());
     println!("{}", describe_precision(cfg, backend.as_str()));
     let saving = match save_plan
@@ -108,6 +112,11 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
     summary.peak_rss_training_bytes = lines.training_peak.get();
     summary.activations = activations.outcome().into();
     summary.backend = backend;
+    summary.device = device.map(|d| {
+        let warm = if outcome.records.len() > 4 { 2 } else { 0 };
+        let ranks = u64::from(cfg.ranks);
+        DeviceSummary::of(cfg.device.name(), &d, ranks, &outcome.records, warm)
+    });
     report(
         &job,
         &outcome,
@@ -257,7 +266,7 @@ pub(super) fn step_line(
     tps: f64,
 ) -> String {
     format!(
-        "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s  [{}]{}",
+        "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s  [{}]{}{}",
         rec.step + 1,
         cfg.steps,
         rec.loss,
@@ -267,11 +276,34 @@ pub(super) fn step_line(
         rec.grad_norm,
         tps,
         StepBreakdown::of(rec).describe(),
+        device_note(rec),
         if rec.skipped {
             "  [skipped: non-finite gradient]"
         } else {
             ""
         },
+    )
+}
+
+/// On a device, where the step's state lived and what crossed the link: the largest rank's
+/// device peak and its budget, the bytes up and down over all ranks, the longest wait.
+fn device_note(rec: &StepRecord) -> String {
+    let devs: Vec<_> = rec.reports.iter().filter_map(|r| r.device).collect();
+    let Some(cap) = devs.first().map(|d| d.capacity_bytes) else {
+        return String::new();
+    };
+    let peak = devs.iter().map(|d| d.peak_bytes).max().unwrap_or(0);
+    let (up, down): (u64, u64) = devs
+        .iter()
+        .fold((0, 0), |(u, d), x| (u + x.h2d_bytes, d + x.d2h_bytes));
+    let wait = devs.iter().map(|d| d.copy_wait_s).fold(0.0, f64::max);
+    format!(
+        "  [device: working params+grads, peak {} of {}; host: masters+optimizer; up {} down {}, waited {:.3} s]",
+        gib(peak),
+        gib(cap),
+        gib(up),
+        gib(down),
+        wait
     )
 }
 
@@ -493,6 +525,7 @@ pub(super) fn summarize(
         model_gflops_per_s: 0.0,
         gemm_peak_gflops: 0.0,
         mfu: 0.0,
+        device: None,
     }
 }
 

@@ -12,6 +12,7 @@
 //!
 //! Usage: README.md (Flags).
 
+mod device;
 mod error;
 mod faults;
 mod membership;
@@ -25,6 +26,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+pub use self::device::DeviceChoice;
 use self::error::toml_error;
 pub use self::error::ConfigError;
 pub use self::faults::Faults;
@@ -227,6 +229,14 @@ pub struct TrainConfig {
     /// The most memory the process may use; the planner picks the least offload that fits or
     /// refuses before training (default: 90% of the memory available at start).
     pub memory_max_bytes: Option<u64>,
+    /// The accelerator the kernels run on: `none` (the host CPU) or `sim`, the simulated device
+    /// (default none).
+    pub device: DeviceChoice,
+    /// The device's memory: no allocation on it goes past this (needed with a device; default
+    /// unset).
+    pub device_memory_max_bytes: Option<u64>,
+    /// The simulated device's host link, GB/s each way (default 25, a PCIe 4.0 x16 link).
+    pub sim_link_gbps: f64,
     /// Fault injection (`faults.rs`): its keys sit at the top level of the file, beside these.
     #[serde(flatten)]
     pub faults: Faults,
@@ -301,6 +311,9 @@ impl Default for TrainConfig {
             nvme_block_bytes: 1 << 20,
             memory_max_bytes: None,
             nvme_record_elems: None,
+            device: DeviceChoice::None,
+            device_memory_max_bytes: None,
+            sim_link_gbps: 25.0,
             faults: Faults::default(),
         }
     }
@@ -375,6 +388,7 @@ impl TrainConfig {
         }
         self.validate_membership()?;
         self.validate_offload()?;
+        self.validate_device()?;
         if self.save_every > 0 && self.save_dir.is_none() {
             return Err(ConfigError::new(
                 "save_every",

@@ -3,7 +3,7 @@
 //! keys make sense together.
 
 use super::{ConfigError, TrainConfig};
-use crate::plan::tier::check_choices;
+use crate::plan::tier::{check_choices, Offload};
 use crate::plan::Stage;
 
 /// The smallest `memory_max_bytes` accepted: below it not even the runtime itself fits.
@@ -23,16 +23,28 @@ impl TrainConfig {
         self.nvme_block_bytes = d.nvme_block_bytes;
         self.nvme_record_elems = d.nvme_record_elems;
         self.memory_max_bytes = d.memory_max_bytes;
+        self.device = d.device;
+        self.device_memory_max_bytes = d.device_memory_max_bytes;
+        self.sim_link_gbps = d.sim_link_gbps;
         self.faults.nvme_fault = d.faults.nvme_fault;
+    }
+
+    /// `o` as the planner reads it: beside a device, `cpu` (ZeRO-Offload's word for host
+    /// memory) is RAM; without one it stays `cpu`, which the planner refuses.
+    pub fn offload_choice(&self, o: Offload) -> Offload {
+        match (o, self.device) {
+            (Offload::Cpu, super::DeviceChoice::Sim) => Offload::None,
+            _ => o,
+        }
     }
 
     pub(super) fn validate_offload(&self) -> Result<(), ConfigError> {
         if let Some(stage) = Stage::from_u8(self.stage) {
             check_choices(
                 stage,
-                self.offload_optimizer,
-                self.offload_params,
-                self.offload_grads,
+                self.offload_choice(self.offload_optimizer),
+                self.offload_choice(self.offload_params),
+                self.offload_choice(self.offload_grads),
                 self.nvme_dir.is_some(),
             )
             .map_err(|e| ConfigError::new(e.key(), e.to_string()))?;

@@ -85,4 +85,9 @@ pub struct StepReport {
     /// Bytes of the rank's tier file (0 with all state in RAM).
     #[serde(default)]
     pub tier_bytes: u64,
+    /// On a device: what crossed the link this step each way, the compute's wait on copies
+    /// this step, and the device's bytes (peak since the rank's device was opened, and
+    /// resident by kind at the step's end).
+    #[serde(default)]
+    pub device: Option<crate::model::backend::DeviceCounters>,
 }

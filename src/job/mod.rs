@@ -6,7 +6,7 @@ pub mod run_plan;
 
 use std::sync::Arc;
 
-use crate::config::{ConfigError, ModelKind, OptimizerChoice, TrainConfig};
+use crate::config::{ConfigError, DeviceChoice, ModelKind, OptimizerChoice, TrainConfig};
 use crate::data::{markov::MarkovSource, text::TextData, Dataset, TokenData};
 use crate::model::backend::Backend;
 use crate::model::gpt::{Gpt, GptConfig};
@@ -16,12 +16,14 @@ use crate::model::tie::Ties;
 use crate::model::Model;
 use crate::optim::{AdamHyper, LrSchedule, OptimSettings, OptimizerKind};
 use crate::plan::activations::{choose, ActivationCheckpointing, ActivationChoice};
+use crate::plan::device::{place_device, DeviceDemand};
 use crate::plan::tier::{machine_budget, place, Budget, Demand, Fit, FitError, Limits, Snapshots};
 use crate::plan::{ShardMap, Stage};
 
-/// The built-in model the config names, on the CPU backend of its `precision`.
+/// The built-in model the config names, on the CPU backend of its `precision` (with the
+/// simulated device of `device = "sim"`).
 pub fn build_model(cfg: &TrainConfig) -> Result<Arc<dyn Model>, ConfigError> {
-    build_model_on(cfg, cfg.precision.cpu_backend())
+    build_model_on(cfg, cfg.backend())
 }
 
 /// The model the config names, its kernels running on `be`.
@@ -244,6 +246,21 @@ pub fn memory_demand(
     }
 }
 
+/// What the device tier (`plan::device`) needs to know about a run of `cfg` whose ranks hold
+/// `activation_bytes` of activations.
+pub fn device_demand(cfg: &TrainConfig, model: &dyn Model, activation_bytes: u64) -> DeviceDemand {
+    let units = model.units();
+    let borrowed = |u: usize| Ties::of(model).map_or(0, |t| t.borrowed_len(u));
+    DeviceDemand {
+        unit_view_elems: (0..units.len())
+            .map(|u| (units[u].numel() + borrowed(u)) as u64)
+            .collect(),
+        param_link_bytes: cfg.precision.param_bytes(),
+        local_micro_batches: cfg.micro_batches.div_ceil(cfg.ranks.max(1)) as u64,
+        activation_bytes,
+    }
+}
+
 /// An upper estimate of one rank's activation memory: every unit's saved input for the rank's
 /// micro-batches, each micro-batch's logits (which the loss turns into their gradient in
 /// place), and one unit's intermediates while it is recomputed and differentiated (every
@@ -291,9 +308,9 @@ pub fn plan_memory(
 ) -> Result<(Fit, ActivationChoice), FitError> {
     let demand = memory_demand(cfg, model, ranks_in_process, streamed_snapshots);
     let limits = Limits {
-        optimizer: cfg.offload_optimizer,
-        params: cfg.offload_params,
-        grads: cfg.offload_grads,
+        optimizer: cfg.offload_choice(cfg.offload_optimizer),
+        params: cfg.offload_choice(cfg.offload_params),
+        grads: cfg.offload_choice(cfg.offload_grads),
         has_nvme_dir: cfg.nvme_dir.is_some(),
         budget: match cfg.memory_max_bytes {
             Some(b) => Budget::Configured(b),
@@ -307,13 +324,19 @@ pub fn plan_memory(
         activation_bytes(cfg, units, true),
         activation_bytes(cfg, units, false),
         |activation_bytes| {
-            place(
+            let fit = place(
                 &Demand {
                     activation_bytes,
                     ..demand
                 },
                 &limits,
-            )
+            )?;
+            // With a device the activations live there too: keeping them must fit it.
+            if cfg.device != DeviceChoice::None {
+                let d = device_demand(cfg, model, activation_bytes);
+                place_device(&d, cfg.device_memory_max_bytes.unwrap_or(0))?;
+            }
+            Ok(fit)
         },
     )
 }

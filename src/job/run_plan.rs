@@ -9,13 +9,14 @@
 
 use std::path::PathBuf;
 
-use super::{lr_schedule, optim_settings, plan_memory};
-use crate::config::{ConfigError, Faults, NvmeFault, RoundKill, TrainConfig};
+use super::{device_demand, lr_schedule, optim_settings, plan_memory};
+use crate::config::{ConfigError, DeviceChoice, Faults, NvmeFault, RoundKill, TrainConfig};
 use crate::engine::coordinator::{Change, JobSpec, ScriptedChange};
 use crate::model::backend::Precision;
 use crate::model::Model;
 use crate::optim::OptimSettings;
 use crate::plan::activations::ActivationChoice;
+use crate::plan::device::{place_device, DevicePlan};
 use crate::plan::tier::{Fit, FitError, Placement};
 use crate::plan::{RankId, Stage};
 use crate::reduce::ReduceMode;
@@ -141,6 +142,8 @@ pub struct StoragePlan {
     pub fit: Fit,
     pub activations: ActivationChoice,
     pub tier: Option<TierPlan>,
+    /// What lives on each rank's device, with one (`device`).
+    pub device: Option<DevicePlan>,
 }
 
 /// The tier a process opens: its directory, what it holds, its I/O settings and the room it
@@ -205,11 +208,32 @@ impl StoragePlan {
             (None, true) => return Err(FitError::NoNvmeDir),
             (_, false) => None,
         };
+        let device = match cfg.device {
+            DeviceChoice::None => None,
+            DeviceChoice::Sim => Some(place_device(
+                &device_demand(
+                    cfg,
+                    model,
+                    if activations.keep {
+                        activations.kept_bytes
+                    } else {
+                        activations.recomputed_bytes
+                    },
+                ),
+                cfg.device_memory_max_bytes.unwrap_or(0),
+            )?),
+        };
         Ok(StoragePlan {
             fit,
             activations,
             tier,
+            device,
         })
+    }
+
+    /// Buffers of each kind the step keeps on the device (`ExecConfig::device_buffers`).
+    pub fn device_buffers(&self) -> usize {
+        self.device.map_or(1, |d| d.param_buffers as usize)
     }
 }
 

@@ -85,6 +85,15 @@ pub fn zero_paper_bytes(stage: Stage, psi: f64, n: f64, k: f64) -> f64 {
     }
 }
 
+/// Bytes as GiB (or MiB below one GiB) with two decimals, for messages.
+pub fn gib(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

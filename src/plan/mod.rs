@@ -4,6 +4,7 @@
 //! Design: docs/sharding.md.
 
 pub mod activations;
+pub mod device;
 pub mod memory;
 pub mod rebalance;
 pub mod replica;

@@ -33,6 +33,14 @@ const CLOCK_DRIVERS: &[(&str, &str)] = &[
     ("cli/ticker.rs", "the CLI's progress line and its rates"),
     ("cli/launch.rs", "starting and stopping real host processes"),
     ("bench/", "benchmarks measure the wall"),
+    (
+        "model/backend/sim.rs",
+        "the simulated device's copy engine holds each copy for its link time, in real time beside real compute, and counts compute's real waits",
+    ),
+    (
+        "model/backend/sim/",
+        "its tests time copies against the modeled link",
+    ),
 ];
 
 /// Parts that may not read the wall even through a driver's exemption: time comes in as an

@@ -50,6 +50,7 @@ fn report(rank: RankId, step: u64) -> StepReport {
         tier_write_bytes: 0,
         io_wait_s: 0.0,
         tier_bytes: 0,
+        device: None,
     }
 }
 

@@ -103,6 +103,10 @@ impl<B: Backend> Backend for Counting<B> {
         self.inner.name()
     }
 
+    fn open_device(&self) -> Option<std::sync::Arc<dyn super::Device>> {
+        self.inner.open_device()
+    }
+
     fn gemm(
         &self,
         a: &[f32],

@@ -11,17 +11,27 @@
 //! or rank calls it. A backend that reorders a sum must not be mixed with another backend in one
 //! run: ranks would disagree.
 //!
-//! Buffers are host slices. A device backend (CUDA through cudarc, later) keeps device copies of
-//! what it is handed; the seam will grow a buffer type when one exists, without changing the
-//! models' code, which only names these operations.
+//! The operations take host slices. A backend with an accelerator also opens a [`Device`]
+//! ([`Backend::open_device`], an optional capability: the CPU backend has none): device buffers
+//! under a hard capacity, copies each way on a copy queue, and events compute waits on. The step
+//! puts a unit's parameters on the device before its kernels run and takes its gradients off
+//! after (`runtime::step::exec`), and the kernels read and write device memory through
+//! [`Device::with_view`]; [`SimBackend`] is the reference (CPU kernels, a simulated device).
+//! Models only name operations, whichever backend runs them.
 //!
 //! Design: docs/models.md (the compute seam).
 
 mod counting;
 mod cpu;
+pub mod device;
+pub mod sim;
+mod sim_backend;
 
 pub use counting::{Counting, Op};
 pub use cpu::{Cpu, CpuBf16};
+pub use device::{Device, DeviceBuffer, DeviceCounters, DeviceError, DeviceKind, Event, HostData};
+pub use sim::{SimDevice, SimSpec};
+pub use sim_backend::SimBackend;
 
 use std::fmt;
 use std::sync::Arc;
@@ -39,6 +49,12 @@ use crate::optim::OptimSettings;
 pub trait Backend: Send + Sync + fmt::Debug {
     /// A short name for logs and the JSON summary (`cpu`).
     fn name(&self) -> &str;
+
+    /// A fresh handle on this backend's accelerator for one rank, if it has one. The default,
+    /// and the CPU backend: none (its buffers are host memory and nothing is copied).
+    fn open_device(&self) -> Option<Arc<dyn Device>> {
+        None
+    }
 
     /// `C (+)= op(A) · op(B)` over the windows `la`, `lb`, `lc` (see [`Layout`]): adds into `c`
     /// when `acc`, overwrites it otherwise.

@@ -12,12 +12,13 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use super::memory::gib;
 use super::memory::{masters_in_shard, resident};
 use super::schedule::Stage;
 
 /// A configured tier for one kind of state. `Auto` lets [`place`] choose the least offload that
-/// fits; `Cpu` is reserved for when a device backend exists (host RAM is already where all state
-/// lives on the CPU build) and is refused.
+/// fits; `Cpu` is ZeRO-Offload's host memory beside a device (the config reads it as `None`
+/// with `--device`) and is refused without one.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Offload {
@@ -47,7 +48,9 @@ impl std::str::FromStr for Offload {
             "none" => Ok(Offload::None),
             "nvme" => Ok(Offload::Nvme),
             "cpu" => Ok(Offload::Cpu),
-            other => Err(format!("'{other}' is not a tier: use none, nvme or auto")),
+            other => Err(format!(
+                "'{other}' is not a tier: use none, nvme, auto, or cpu (host memory, with --device)"
+            )),
         }
     }
 }
@@ -328,7 +331,7 @@ pub struct Fit {
 /// Why a run cannot start. Each says what to change.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum FitError {
-    #[error("'{key} = \"cpu\"' is reserved for a device backend: this build computes on the CPU, where all state already lives in RAM; use \"nvme\" (with nvme_dir), \"none\" or \"auto\"")]
+    #[error("'{key} = \"cpu\"' means host memory beside a device: without one (--device sim) all state already lives in RAM; add --device sim, or use \"nvme\" (with nvme_dir), \"none\" or \"auto\"")]
     CpuReserved { key: &'static str },
     #[error("'offload_params = \"nvme\"' needs ZeRO stage 3 (stages 0-2 keep a full parameter copy for compute); use --stage 3, or offload the optimizer only")]
     ParamsNeedStage3,
@@ -338,6 +341,8 @@ pub enum FitError {
     NoNvmeDir,
     #[error("{0}")]
     DoesNotFit(String),
+    #[error("{0}")]
+    Device(#[from] super::device::DeviceFitError),
 }
 
 impl FitError {
@@ -349,6 +354,7 @@ impl FitError {
             FitError::GradsNeedStage2 => "offload_grads",
             FitError::NoNvmeDir => "nvme_dir",
             FitError::DoesNotFit(_) => "memory_max_bytes",
+            FitError::Device(_) => "device_memory_max_bytes",
         }
     }
 }
@@ -808,15 +814,6 @@ fn what_would_fit(d: &Demand, lim: &Limits, candidates: &[Placement]) -> String 
 
 fn round_up(x: u64, to: u64) -> u64 {
     x.div_ceil(to) * to
-}
-
-/// Bytes as GiB (or MiB below one GiB) with two decimals, for messages.
-pub fn gib(bytes: u64) -> String {
-    if bytes >= 1 << 30 {
-        format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
-    } else {
-        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
-    }
 }
 
 #[cfg(test)]

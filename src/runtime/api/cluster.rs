@@ -19,6 +19,7 @@ use crate::job::{build_dataset, build_model};
 use crate::model::weights::{ModelInit, WeightSource};
 use crate::model::Model;
 use crate::plan::activations::ActivationChoice;
+use crate::plan::device::DevicePlan;
 use crate::plan::tier::Fit;
 use crate::plan::{ChunkId, RankId, ShardMap};
 use crate::runtime::actors::RankMsg;
@@ -154,6 +155,7 @@ pub struct Cluster {
     resume_reads: Vec<(RankId, u64)>,
     fit: Fit,
     activations: ActivationChoice,
+    device: Option<DevicePlan>,
     /// Held while the run uses its tier directory.
     _tier_lock: Option<DirLock>,
 }
@@ -232,6 +234,7 @@ impl Cluster {
             resume_reads: restored.map(|r| r.per_rank).unwrap_or_default(),
             fit: storage.fit,
             activations: storage.activations,
+            device: storage.device,
             _tier_lock: tier_lock,
         })
     }
@@ -258,6 +261,11 @@ impl Cluster {
     /// Whether blocks keep their activations, and what either choice costs a rank.
     pub fn activation_plan(&self) -> &ActivationChoice {
         &self.activations
+    }
+
+    /// What lives on each rank's device and what a step moves, with a device.
+    pub fn device_plan(&self) -> Option<&DevicePlan> {
+        self.device.as_ref()
     }
 
     /// On a resume: the bytes each rank read from the saved state (empty otherwise).
@@ -434,6 +442,7 @@ fn rank_setup(
         exec: ExecConfig::new(
             &plan.exec,
             storage.activations.keep,
+            storage.device_buffers(),
             Arc::clone(&spec.progress),
         ),
         storage: tier,

@@ -7,6 +7,7 @@
 //! the ranks use (`rebalance`, `reshard::transfers`), so they are what actually travelled, not an
 //! estimate. Nothing here does I/O.
 
+use crate::model::backend::{DeviceCounters, DeviceKind};
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write as _;
 
@@ -151,6 +152,8 @@ pub struct Telemetry {
     pub history: VecDeque<ChangeRecord>,
     /// Each rank's NVMe tier in the newest completed step.
     pub tiers: BTreeMap<RankId, TierLast>,
+    /// Each rank's device in the newest completed step (`--device`).
+    pub devices: BTreeMap<RankId, DeviceCounters>,
 }
 
 /// Who asked a rank to drain.
@@ -201,6 +204,11 @@ impl Telemetry {
         self.step_ms_sum += rec.duration_ms;
         self.loss_last = Some(rec.loss);
         let secs = (rec.duration_ms.max(1)) as f64 / 1e3;
+        self.devices = rec
+            .reports
+            .iter()
+            .filter_map(|r| r.device.map(|d| (r.rank, d)))
+            .collect();
         self.tiers = rec
             .reports
             .iter()
@@ -258,6 +266,10 @@ pub struct RankShare {
     /// Its NVMe tier in the newest completed step (absent with all state in RAM).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tier: Option<TierLast>,
+    /// Its device in the newest completed step: bytes up and down and the compute's wait on
+    /// copies in the step, its peak and what it holds by kind (absent without a device).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device: Option<DeviceCounters>,
 }
 
 /// The document behind `GET /status`.
@@ -338,6 +350,7 @@ impl Status {
                     owned_state_bytes: owned * layout.owned_bytes_per_elem(),
                     host: map.hosts.get(&rank).cloned(),
                     tier: t.tiers.get(&rank).copied(),
+                    device: t.devices.get(&rank).copied(),
                 }
             })
             .collect();
@@ -384,6 +397,7 @@ impl Status {
         self.progress_metrics(&mut out);
         self.change_metrics(&mut out);
         self.rank_metrics(&mut out);
+        self.device_metrics(&mut out);
         out
     }
 
@@ -587,6 +601,76 @@ impl Status {
 }
 
 /// One metric without labels, with its help and type lines.
+impl Status {
+    /// One series per rank on a device: its memory and its link in the newest step.
+    fn device_metrics(&self, out: &mut String) {
+        let devs: Vec<(RankId, DeviceCounters)> = self
+            .shards
+            .iter()
+            .filter_map(|s| s.device.map(|d| (s.rank, d)))
+            .collect();
+        type Field = fn(&DeviceCounters) -> String;
+        let series: [(&str, &str, Field); 6] = [
+            (
+                "ezero_rank_device_peak_bytes",
+                "The most device memory a rank held at once.",
+                |d| d.peak_bytes.to_string(),
+            ),
+            (
+                "ezero_rank_device_capacity_bytes",
+                "A rank's device memory budget (--device-memory-max).",
+                |d| d.capacity_bytes.to_string(),
+            ),
+            (
+                "ezero_rank_device_h2d_bytes_last",
+                "Bytes a rank copied host to device in the newest step.",
+                |d| d.h2d_bytes.to_string(),
+            ),
+            (
+                "ezero_rank_device_d2h_bytes_last",
+                "Bytes a rank copied device to host in the newest step.",
+                |d| d.d2h_bytes.to_string(),
+            ),
+            (
+                "ezero_rank_device_copy_wait_seconds_last",
+                "Seconds a rank's compute waited on copies in the newest step.",
+                |d| format!("{:.6}", d.copy_wait_s),
+            ),
+            (
+                "ezero_rank_device_link_busy_seconds_last",
+                "Seconds a rank's host link was busy in the newest step.",
+                |d| format!("{:.6}", d.link_busy_s),
+            ),
+        ];
+        for (name, help, value) in series.iter().filter(|_| !devs.is_empty()) {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+            for (rank, d) in &devs {
+                let _ = writeln!(out, "{name}{{rank=\"{rank}\"}} {}", value(d));
+            }
+        }
+        if devs.is_empty() {
+            return;
+        }
+        // Parameters and gradients stream through the device a unit at a time, so what it
+        // holds at a step's end is nothing; the peak of each kind is what the budget bounds.
+        let name = "ezero_rank_device_kind_peak_bytes";
+        let _ = writeln!(
+            out,
+            "# HELP {name} The most device bytes of one kind (params, grads, activations) a rank held at once.\n# TYPE {name} gauge"
+        );
+        for (rank, d) in &devs {
+            for kind in DeviceKind::ALL {
+                let _ = writeln!(
+                    out,
+                    "{name}{{rank=\"{rank}\",kind=\"{}\"}} {}",
+                    kind.name(),
+                    d.peak(kind)
+                );
+            }
+        }
+    }
+}
+
 fn metric(out: &mut String, name: &str, kind: &str, help: &str, value: String) {
     // Writing to a String cannot fail.
     let _ = write!(

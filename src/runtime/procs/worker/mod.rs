@@ -703,12 +703,13 @@ fn worker_storage(
     cfg: &TrainConfig,
     model: &dyn crate::model::Model,
     rank: RankId,
-) -> Result<(Option<Arc<TierSpec>>, ActivationChoice), ProcError> {
+) -> Result<(Option<Arc<TierSpec>>, ActivationChoice, usize), ProcError> {
     let available = crate::runtime::alloc::available_memory_bytes().unwrap_or(u64::MAX / 2);
     let plan = StoragePlan::new(cfg, model, 1, false, available)
         .map_err(|e| ProcError::Setup(e.to_string()))?;
+    let buffers = plan.device_buffers();
     let Some(mut tier) = plan.tier else {
-        return Ok((None, plan.activations));
+        return Ok((None, plan.activations, buffers));
     };
     let own = tier.dir.join(format!("worker-{rank}"));
     if tier.dir.is_dir() {
@@ -719,7 +720,7 @@ fn worker_storage(
     tier.dir = own;
     let (spec, lock) = TierSpec::for_plan(&tier).map_err(|e| ProcError::Setup(e.to_string()))?;
     std::mem::forget(lock);
-    Ok((Some(Arc::new(spec)), plan.activations))
+    Ok((Some(Arc::new(spec)), plan.activations, buffers))
 }
 
 /// The job's config as the coordinator sent it, checked.
@@ -753,7 +754,7 @@ async fn start_rank<T: Transport>(
     let rank = welcome.rank;
     let model = build_model(&cfg)?;
     let dataset = build_dataset(&cfg)?;
-    let (storage, activations) = worker_storage(&cfg, model.as_ref(), rank)?;
+    let (storage, activations, device_buffers) = worker_storage(&cfg, model.as_ref(), rank)?;
     // A joiner (not in the committed map) holds nothing until its reshard.
     let state = if welcome.map.is_member(rank) {
         let restored: Option<BTreeMap<(u32, u32), ChunkState>> =
@@ -783,7 +784,12 @@ async fn start_rank<T: Transport>(
         model,
         optim: plan.optim,
         data: dataset,
-        exec: ExecConfig::new(&plan.exec, activations.keep, Arc::clone(&progress)),
+        exec: ExecConfig::new(
+            &plan.exec,
+            activations.keep,
+            device_buffers,
+            Arc::clone(&progress),
+        ),
         storage,
         // An injected kill (`--kill`, or an operator's `POST /ranks/{id}/kill`) ends this
         // process with SIGKILL, as `kill -9` would: no goodbye, the kernel closes its sockets.

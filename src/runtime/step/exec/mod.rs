@@ -8,6 +8,8 @@
 //!
 //! Design: docs/sharding.md.
 
+mod device;
+mod device_pass;
 mod program;
 mod reduce;
 pub mod work;
@@ -20,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use crate::data::Dataset;
 use crate::engine::ledger::Category;
 use crate::engine::messages::{StepPlan, StepReport};
-use crate::model::backend::Precision;
+use crate::model::backend::{DeviceError, Precision};
 use crate::model::gemm::round_bf16;
 use crate::model::tie::Ties;
 use crate::model::{Kept, MicroBatch};
@@ -53,6 +55,9 @@ pub struct ExecConfig {
     pub progress: std::sync::Arc<crate::runtime::step::progress::RunProgress>,
     /// `Bf16`: the model sees every parameter rounded to bf16, and ZeRO-3 gathers them as bf16.
     pub precision: Precision,
+    /// With a device, the buffers of each kind the device plan has room for
+    /// (`plan::device::DevicePlan::param_buffers`): 2 copies ahead of compute, 1 waits.
+    pub device_buffers: usize,
 }
 
 impl ExecConfig {
@@ -61,6 +66,7 @@ impl ExecConfig {
     pub fn new(
         settings: &crate::job::run_plan::ExecSettings,
         keep_activations: bool,
+        device_buffers: usize,
         progress: std::sync::Arc<crate::runtime::step::progress::RunProgress>,
     ) -> Self {
         Self {
@@ -73,8 +79,14 @@ impl ExecConfig {
             round_kills: settings.round_kills.clone(),
             progress,
             precision: settings.precision,
+            device_buffers,
         }
     }
+}
+
+/// A device's refusal as the step's error: the planner should have refused the run first.
+fn device_error(e: DeviceError) -> CommError {
+    CommError::Storage(format!("device: {e}"))
 }
 
 /// The most passes a step takes (the first may overflow the fixed-point range).
@@ -110,6 +122,7 @@ pub fn run_step<T: Transport>(
     let started = Stopwatch::start();
     comm.begin_step(plan.epoch, plan.step);
     let io_before = st.tier_counters();
+    let device_before = st.device.as_ref().map(|d| d.counters());
     let mbs = local_micro_batches(st, plan, data, cfg);
     let ranks = st.map.members.len();
     let in_backward = st.in_backward.is_some();
@@ -174,6 +187,11 @@ pub fn run_step<T: Transport>(
             tier_write_bytes: io.1 - io_before.1,
             io_wait_s: io.2 - io_before.2,
             tier_bytes: st.tier_bytes(),
+            device: st
+                .device
+                .as_ref()
+                .zip(device_before)
+                .map(|(d, before)| d.counters().since(&before)),
         });
     }
     unreachable!("the last attempt always returns")
@@ -256,6 +274,8 @@ struct Pass<'a> {
     agreed: Option<Agreed>,
     compute_s: f64,
     optimizer_s: f64,
+    /// The rank's device, when it computes on one.
+    dev: Option<device::OnDevice>,
 }
 
 impl<'a> Pass<'a> {
@@ -269,6 +289,10 @@ impl<'a> Pass<'a> {
         ties: (&'a Ties, &'a [u32]),
     ) -> Self {
         let units = st.units();
+        let dev = st
+            .device
+            .clone()
+            .map(|d| device::OnDevice::new(d, cfg.device_buffers, cfg.precision));
         let mut tier_io = (st.params_on_tier() || st.grads_on_tier())
             .then(|| {
                 st.tier_shared()
@@ -312,6 +336,7 @@ impl<'a> Pass<'a> {
             agreed: None,
             compute_s: 0.0,
             optimizer_s: 0.0,
+            dev,
         }
     }
 
@@ -330,11 +355,13 @@ impl<'a> Pass<'a> {
             Phase::PostGather { unit, pass } => self.post_gather(comm, unit, pass),
             Phase::WaitGather { unit, pass } => self.wait_gather(comm, unit, pass),
             Phase::Forward { unit } => {
+                let mut done = Ok(());
                 self.timed(|p| {
                     p.round_full(unit);
-                    p.forward(unit as usize);
+                    done = p.forward(unit as usize);
                     p.drop_rounded(unit);
                 });
+                done.map_err(device_error)?;
                 self.unit_pass_done();
                 Ok(())
             }
@@ -344,11 +371,13 @@ impl<'a> Pass<'a> {
                 self.st
                     .read_ahead_for_optimizer()
                     .map_err(|e| CommError::Storage(e.to_string()))?;
+                let mut done = Ok(());
                 self.timed(|p| {
                     p.round_full(unit);
-                    p.backward(unit as usize);
+                    done = p.backward(unit as usize);
                     p.drop_rounded(unit);
                 });
+                done.map_err(device_error)?;
                 self.unit_pass_done();
                 Ok(())
             }
@@ -605,45 +634,54 @@ impl<'a> Pass<'a> {
         }
     }
 
-    fn forward(&mut self, u: usize) {
+    fn forward(&mut self, u: usize) -> Result<(), DeviceError> {
         self.lend(u);
         let last = u + 1 == self.st.units();
-        let mut outs = Vec::with_capacity(self.mbs.len());
-        let mut kept = Vec::with_capacity(self.mbs.len());
         let view = self.borrowing_view(u);
-        for (j, (idx, mb)) in self.mbs.iter().enumerate() {
-            let x: &[f32] = if u == 0 { &[] } else { &self.saved[u][j] };
-            let params = view.as_deref().unwrap_or_else(|| self.params(u));
-            let out = if self.cfg.keep_activations {
-                let (out, k) = self.st.model.forward_keep(u, params, x, mb);
-                kept.push(k);
-                out
-            } else {
-                self.st.model.forward(u, params, x, mb)
-            };
-            if last {
-                let (loss, g) = self.st.model.loss(out, mb);
-                self.losses.push((*idx, loss));
-                outs.push(g);
-            } else {
-                outs.push(out);
+        self.params_to_device(u, view.as_deref(), u + 1)?;
+        let (outs, kept, losses) = self.on_params(u, view.as_deref(), |params| {
+            let mut outs = Vec::with_capacity(self.mbs.len());
+            let mut kept = Vec::with_capacity(self.mbs.len());
+            let mut losses = Vec::new();
+            for (j, (idx, mb)) in self.mbs.iter().enumerate() {
+                let x: &[f32] = if u == 0 { &[] } else { &self.saved[u][j] };
+                let out = if self.cfg.keep_activations {
+                    let (out, k) = self.st.model.forward_keep(u, params, x, mb);
+                    kept.push(k);
+                    out
+                } else {
+                    self.st.model.forward(u, params, x, mb)
+                };
+                if last {
+                    let (loss, g) = self.st.model.loss(out, mb);
+                    losses.push((*idx, loss));
+                    outs.push(g);
+                } else {
+                    outs.push(out);
+                }
             }
-        }
+            (outs, kept, losses)
+        });
+        self.losses.extend(losses);
         self.drop_view(view);
         let kept_bytes: u64 = kept.iter().flatten().map(|k| k.bytes).sum();
         let bytes = 4 * outs.iter().map(Vec::len).sum::<usize>() as u64 + kept_bytes;
         self.st.ledger.alloc(Category::Activations, bytes);
+        if let Some(d) = &mut self.dev {
+            d.free_params(u as u32);
+            d.reserve_acts(u as u32, bytes)?;
+        }
         self.kept[u] = kept;
         if last {
             self.grad_out = outs;
         } else {
             self.saved[u + 1] = outs;
         }
+        Ok(())
     }
 
-    fn backward(&mut self, u: usize) {
+    fn backward(&mut self, u: usize) -> Result<(), DeviceError> {
         let numel = self.st.map.units[u].numel;
-        let (s, m) = (self.exps[u], self.ties.1[u]);
         let mode = self.st.mode;
         let mut acc = match &mut self.st.whole_grads {
             Some(w) => std::mem::replace(&mut w[u], GradBuf::zeros(mode, 0)),
@@ -659,32 +697,42 @@ impl<'a> Pass<'a> {
         };
         let view = self.borrowing_view(u);
         let view_len = view.as_ref().map_or(numel, Vec::len);
-        let mut gp = vec![0f32; view_len];
+        self.params_to_device(u, view.as_deref(), u.wrapping_sub(1))?;
+        // On a device each micro-batch's gradient is a device buffer of its own.
+        let mut gp = vec![0f32; if self.dev.is_some() { 0 } else { view_len }];
         self.st
             .ledger
             .alloc(Category::Transient, 4 * view_len as u64);
         let mut kept = std::mem::take(&mut self.kept[u]).into_iter();
         for j in 0..self.mbs.len() {
-            gp.fill(0.0);
-            let x: &[f32] = if u == 0 { &[] } else { &self.saved[u][j] };
             let k = kept.next().flatten();
             let kept_bytes = k.as_ref().map_or(0, |k| k.bytes);
-            let gx = self.st.model.backward_kept(
-                u,
-                view.as_deref().unwrap_or_else(|| self.params(u)),
-                x,
-                k,
-                &self.grad_out[j],
-                &self.mbs[j].1,
-                &mut gp,
-            );
+            let gx = match self.dev.is_some() {
+                true => self.backward_on_device(u, j, view_len, k)?,
+                false => {
+                    gp.fill(0.0);
+                    let x: &[f32] = if u == 0 { &[] } else { &self.saved[u][j] };
+                    let params = view.as_deref().unwrap_or_else(|| self.params(u));
+                    let (dy, mb) = (&self.grad_out[j], &self.mbs[j].1);
+                    let gx = self
+                        .st
+                        .model
+                        .backward_kept(u, params, x, k, dy, mb, &mut gp);
+                    self.take_grad(u, &mut acc, &gp);
+                    gx
+                }
+            };
             self.st.ledger.free(Category::Activations, kept_bytes);
-            let own = self.ties.0.own_grad(u, &gp);
-            self.stats[u] = self.stats[u].merge(acc.accumulate(0, own, s, m));
-            self.give_back_grads(u, &gp);
+            // A gradient in flight lands while the next micro-batch computes.
+            self.take_device_grads(u, &mut acc, false);
             let old = std::mem::replace(&mut self.grad_out[j], gx);
             let freed = old.len() as i64 - self.grad_out[j].len() as i64;
             self.adjust_activations(freed);
+        }
+        self.take_device_grads(u, &mut acc, true);
+        if let Some(d) = &mut self.dev {
+            d.free_params(u as u32);
+            d.free_acts(u as u32);
         }
         self.st
             .ledger
@@ -699,6 +747,16 @@ impl<'a> Pass<'a> {
                 self.unit_acc.insert(u as u32, acc);
             }
         }
+        Ok(())
+    }
+
+    /// Quantizes one micro-batch's gradient of `u`'s view into `acc` (and the owners' of what
+    /// it borrows), exactly.
+    fn take_grad(&mut self, u: usize, acc: &mut GradBuf, gp: &[f32]) {
+        let (s, m) = (self.exps[u], self.ties.1[u]);
+        let own = self.ties.0.own_grad(u, gp);
+        self.stats[u] = self.stats[u].merge(acc.accumulate(0, own, s, m));
+        self.give_back_grads(u, gp);
     }
 
     /// At an owner's forward: copies the parameters it lends out of its full parameters, for
@@ -786,8 +844,11 @@ impl<'a> Pass<'a> {
         }
     }
 
-    /// Returns every transient buffer to the ledger (also after a failed pass).
-    fn release(self) {
+    /// Returns every transient buffer to the ledger and the device (also after a failed pass).
+    fn release(mut self) {
+        if let Some(d) = &mut self.dev {
+            d.release();
+        }
         let act: usize = self.saved.iter().flatten().map(Vec::len).sum::<usize>()
             + self.grad_out.iter().map(Vec::len).sum::<usize>();
         let kept: u64 = self.kept.iter().flatten().flatten().map(|k| k.bytes).sum();

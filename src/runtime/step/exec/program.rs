@@ -1,5 +1,7 @@
-//! Running a step's phase program in order, with one liberty: a gather whose shard is still
-//! coming off the tier is posted after the next compute instead of holding the compute up.
+//! Running a step's phase program in order, with two liberties: a gather whose shard is still
+//! coming off the tier is posted after the next compute instead of holding the compute up, and
+//! on a device the wait for the next unit's gather runs before this unit's compute, so that its
+//! upload to the device runs beside the compute.
 
 use crate::runtime::clock::Stopwatch;
 
@@ -33,9 +35,20 @@ impl Pass<'_> {
         // A gather whose shard is still coming off the tier, posted after the next compute
         // phase instead of waiting for the disk before it (its index in `program`).
         let mut deferred: Option<usize> = None;
+        // Gather waits run early, before the compute ahead of them (their indices).
+        let mut early = std::collections::BTreeSet::new();
         for (i, &phase) in program.iter().enumerate() {
             if stop == Some(i) {
                 return Err(CommError::Vanished);
+            }
+            if early.remove(&i) {
+                continue;
+            }
+            if deferred.is_none() {
+                if let Some(w) = self.wait_to_run_early(program, i) {
+                    self.run_phase(comm, program, w)?;
+                    early.insert(w);
+                }
             }
             if let Some(d) = deferred.take_if(|&mut d| !may_pass(phase, program[d])) {
                 self.run_phase(comm, program, d)?;
@@ -88,6 +101,35 @@ impl Pass<'_> {
             self.read_ahead(&program[i + 1..]);
         }
         Ok(())
+    }
+
+    /// On a device, before the compute at `i`: the index of the wait for the gather the next
+    /// compute needs, if it lies between the two and its post ran already. Every rank posts
+    /// that gather before this compute, so waiting for it here waits on nothing a peer does
+    /// later.
+    fn wait_to_run_early(&self, program: &[Phase], i: usize) -> Option<usize> {
+        if self.dev.is_none() || self.tier_io.is_some() {
+            return None;
+        }
+        if !matches!(program[i], Phase::Forward { .. } | Phase::Backward { .. }) {
+            return None;
+        }
+        let is_compute = |p: &Phase| matches!(p, Phase::Forward { .. } | Phase::Backward { .. });
+        let k = i + 1 + program[i + 1..].iter().position(is_compute)?;
+        let unit = match program[k] {
+            Phase::Forward { unit } | Phase::Backward { unit } => unit,
+            _ => return None,
+        };
+        let w = i
+            + 1
+            + program[i + 1..k]
+                .iter()
+                .position(|p| matches!(p, Phase::WaitGather { unit: v, .. } if *v == unit))?;
+        let Phase::WaitGather { pass, .. } = program[w] else {
+            return None;
+        };
+        let posted = program[..i].contains(&Phase::PostGather { unit, pass });
+        posted.then_some(w)
     }
 
     /// Whether unit `unit`'s shard is being read off the tier and is not there yet.

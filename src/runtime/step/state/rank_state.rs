@@ -101,6 +101,9 @@ pub struct RankState {
     /// With everything of stage 3 on the tier and clipping off, what runs each unit's update
     /// in the backward (`plan::tier::updates_in_backward`); `None` otherwise.
     pub in_backward: Option<Arc<offload::TierUpdater>>,
+    /// The accelerator this rank computes on, opened from the model's backend (none on the
+    /// CPU backend): the step puts each unit's parameters on it and takes the gradients off.
+    pub device: Option<Arc<dyn crate::model::backend::Device>>,
 }
 
 /// One chunk's complete training state: master parameters and optimizer state. This is the
@@ -317,6 +320,7 @@ impl RankState {
             tier.as_ref(),
             storage,
         );
+        let device = model.backend().open_device();
         Ok(Self {
             rank,
             stage,
@@ -337,6 +341,7 @@ impl RankState {
             tier: tier.map(|t| Arc::new(Mutex::new(t))),
             owed,
             in_backward,
+            device,
         })
     }
 
