@@ -17,6 +17,7 @@ mod checkpoint_tools;
 mod cli;
 mod control;
 mod elastic;
+mod finetune;
 mod gguf;
 mod hf;
 mod hf_llama;

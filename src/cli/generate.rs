@@ -1,4 +1,4 @@
-//! `ezero generate`: continue a prompt with a Hugging Face GPT-2 directory or a checkpoint,
+//! `ezero generate`: continue a prompt with a pretrained model or a checkpoint,
 //! through the model's tokenizer and its KV-cache decoder.
 
 use std::path::{Path, PathBuf};
@@ -19,7 +19,8 @@ use super::CliError;
 /// `ezero generate` flags.
 #[derive(Args)]
 pub struct GenerateArgs {
-    /// A Hugging Face GPT-2 directory (`hf:DIR`, or a directory).
+    /// A pretrained model: `hf:DIR` (or a directory), a Hugging Face GPT-2, Llama or Qwen2
+    /// directory; or `gguf:FILE`, a llama.cpp Llama-family file.
     #[arg(long, conflicts_with = "checkpoint")]
     pub init: Option<PathBuf>,
     /// A checkpoint directory, or a save directory (its newest complete checkpoint).
@@ -28,6 +29,7 @@ pub struct GenerateArgs {
     /// The text to continue.
     #[arg(long)]
     pub prompt: String,
+    /// Tokens to generate at most.
     #[arg(long, default_value_t = 50)]
     pub max_new_tokens: usize,
     /// Softmax temperature; 0 is greedy.
@@ -36,6 +38,7 @@ pub struct GenerateArgs {
     /// Draw among the K likeliest tokens only; 0 keeps all.
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
+    /// Seed of the sampling.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// tokenizer.json [default: the model directory's, or the checkpoint run's; without one,

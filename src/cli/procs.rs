@@ -274,6 +274,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         return Err(CliError::Usage("--listen is required".into()));
     };
     let (cfg, resume) = checkpoint::resolve_train(&args.train)?;
+    super::outputs::check_train(&cfg)?;
     check_train_args(&args.train, &cfg)?;
     let part_max_bytes = args
         .train
@@ -288,7 +289,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     let data = build_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     if let Some(source) = &resume {
-        checkpoint::check_compatible(source, &cfg, model.as_ref())?;
+        checkpoint::check_compatible(source, &cfg, model.as_ref(), args.train.reschedule)?;
     }
     let init = checkpoint::init_weights(&args.train, model.as_ref())?;
     // Read before the save directory is made: damaged saved state changes nothing.

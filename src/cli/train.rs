@@ -133,10 +133,11 @@ impl Job {
     /// Resolves the job and prints its banner; a resumed checkpoint must fit it.
     fn resolve(args: &TrainArgs) -> Result<Job, CliError> {
         let (cfg, resume) = checkpoint::resolve_train(args)?;
+        super::outputs::check_train(&cfg)?;
         let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
         let data = build_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
         if let Some(source) = &resume {
-            checkpoint::check_compatible(source, &cfg, model.as_ref())?;
+            checkpoint::check_compatible(source, &cfg, model.as_ref(), args.reschedule)?;
         }
         let psi = param_count(&model.units());
         println!(

@@ -1,0 +1,227 @@
+//! Fine-tuning as practitioners do it: help and messages, output paths checked before the
+//! work, and continued training.
+
+use crate::common::ezero::{ezero, ok, refused, s, step_dir, train_cli};
+
+/// Every `train` flag says what it does and its default.
+#[test]
+fn every_train_flag_has_a_description_and_its_default() {
+    let r = ezero(&["train", "--help"]);
+    ok(&r);
+    // An option starts a line with `--name` indented less than the descriptions (which may
+    // start with a flag's name too); its text runs to the next one.
+    let mut flags: Vec<(String, String)> = Vec::new();
+    for line in r.stdout.lines() {
+        let t = line.trim_start();
+        let indent = line.len() - t.len();
+        if indent <= 6 && (t.starts_with("--") || t.starts_with("-h, --")) {
+            let name = t.split_whitespace().next().unwrap_or_default().to_string();
+            flags.push((name, t.to_string()));
+        } else if let Some((_, text)) = flags.last_mut() {
+            text.push(' ');
+            text.push_str(t);
+        }
+    }
+    assert!(flags.len() > 50, "{}", r.stdout);
+    for (name, text) in &flags {
+        if text.contains("--help") {
+            continue;
+        }
+        assert!(text.contains("[default"), "{name} has no default: {text}");
+        let described = text.split_whitespace().count() > 3;
+        assert!(described, "{name} has no description: {text}");
+    }
+    for form in ["hf:DIR", "gguf:FILE", "safetensors", "Llama", "Qwen2"] {
+        let init = &flags.iter().find(|(n, _)| n == "--init").unwrap().1;
+        assert!(init.contains(form), "--init help lacks {form}: {init}");
+    }
+}
+
+/// A mistyped flag is never pointed at a test hook (they are environment variables).
+#[test]
+fn test_hooks_are_not_suggested() {
+    for typo in ["--panic-a", "--sigterm-a", "--signal-at"] {
+        let r = ezero(&["train", typo, "1"]);
+        assert_eq!(r.code, 2);
+        assert!(!r.stderr.contains("similar argument"), "{}", r.stderr);
+    }
+    // A benchmark's worker processes learn their rank from the environment too.
+    let r = ezero(&["bench", "collectives", "--worker-ran", "1"]);
+    assert_eq!(r.code, 2);
+    assert!(!r.stderr.contains("worker-rank"), "{}", r.stderr);
+}
+
+/// Bad input gets one line naming what was wrong and exit 2, before anything trains.
+#[test]
+fn fine_tuning_mistakes_get_one_clear_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let corpus = dir.path().join("corpus.txt");
+    std::fs::write(&corpus, "This License applies to any program ".repeat(40)).unwrap();
+    let empty = dir.path().join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    let hf_weights = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hf/qwen2-tiny/model.safetensors"
+    );
+    refused(&train_cli(&["--lr", "-1"]), "lr", "positive");
+    refused(
+        &train_cli(&["--weight-decay", "-0.5"]),
+        "weight_decay",
+        "positive",
+    );
+    refused(
+        &train_cli(&["--init", s(&corpus)]),
+        "corpus.txt",
+        "not a safetensors or GGUF file",
+    );
+    refused(
+        &train_cli(&["--init", hf_weights]),
+        "model.safetensors",
+        "--init hf:",
+    );
+    refused(&train_cli(&["--data", s(&empty)]), "empty.txt", "is empty");
+}
+
+/// Every output path is checked before training starts: a run that cannot write its summary
+/// or its checkpoints trains nothing.
+#[test]
+fn unwritable_outputs_are_refused_before_training() {
+    refused(
+        &train_cli(&["--steps", "2", "--json", "/nonexistent-dir/run.json"]),
+        "/nonexistent-dir/run.json",
+        "does not exist",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let under_file = file.join("ckpt");
+    refused(
+        &train_cli(&["--steps", "2", "--save-dir", s(&under_file)]),
+        "--save-dir",
+        "not a directory",
+    );
+    refused(
+        &train_cli(&["--steps", "2", "--json", s(dir.path())]),
+        "--json",
+        "is a directory",
+    );
+}
+
+/// A run continued from step k to N under a constant schedule has the bits of an uninterrupted
+/// N-step run; under the cosine schedule a new length is a new schedule and needs
+/// `--reschedule`; only the keys that differ are named.
+#[test]
+fn resume_to_more_steps_under_a_constant_schedule_is_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let save = dir.path().join("ck");
+    let constant = ["--lr-schedule", "constant", "--warmup-steps", "2"];
+    let mut first: Vec<&str> = constant.to_vec();
+    first.extend(["--steps", "3", "--save-dir", s(&save), "--save-every", "3"]);
+    ok(&train_cli(&first));
+    let mut longer: Vec<&str> = constant.to_vec();
+    longer.extend(["--steps", "6"]);
+    let whole = train_cli(&longer);
+    ok(&whole);
+    // The resumed runs save into the same directory: name the checkpoint of step 3.
+    let save = step_dir(&save, 3);
+    let resumed = train_cli(&["--resume", s(&save), "--steps", "6"]);
+    ok(&resumed);
+    assert_eq!(resumed.sha(), whole.sha());
+    // Shorter than the saved run's length, still past its step.
+    ok(&train_cli(&["--resume", s(&save), "--steps", "4"]));
+    let r = train_cli(&["--resume", s(&save), "--steps", "2"]);
+    refused(&r, "`steps` is 2", "already at step 3");
+    let r = train_cli(&["--resume", s(&save), "--steps", "6", "--seed", "5"]);
+    refused(&r, "`seed`", "data order");
+    assert!(!r.stderr.contains("chunk_elems"), "{}", r.stderr);
+
+    let cosine = dir.path().join("cos");
+    ok(&train_cli(&[
+        "--steps",
+        "3",
+        "--save-dir",
+        s(&cosine),
+        "--save-every",
+        "3",
+    ]));
+    let cosine = step_dir(&cosine, 3);
+    let r = train_cli(&["--resume", s(&cosine), "--steps", "6"]);
+    refused(&r, "`steps`", "--reschedule");
+    let r = train_cli(&["--resume", s(&cosine), "--steps", "6", "--reschedule"]);
+    ok(&r);
+}
+
+/// The exported directory is complete: a 4.x reader (top-level `rope_theta`, `torch_dtype`)
+/// reads the source's RoPE base, the tokenizer files name the specials, and every file is
+/// mode 0644.
+#[test]
+fn an_export_is_a_complete_hugging_face_directory() {
+    use std::os::unix::fs::PermissionsExt;
+    let t = tempfile::tempdir().unwrap();
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf/llama-tiny");
+    let saves = t.path().join("saves");
+    let init = format!("hf:{fixture}");
+    ok(&ezero(&[
+        "train",
+        "--init",
+        &init,
+        "--seq-len",
+        "8",
+        "--ranks",
+        "2",
+        "--micro-batches",
+        "2",
+        "--steps",
+        "1",
+        "--sample-tokens",
+        "0",
+        "--save-dir",
+        s(&saves),
+        "--save-every",
+        "1",
+    ]));
+    let out = t.path().join("export");
+    ok(&ezero(&[
+        "checkpoint",
+        "export",
+        s(&step_dir(&saves, 1)),
+        "--format",
+        "hf",
+        "--out",
+        s(&out),
+    ]));
+    let read = |f: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(out.join(f)).unwrap()).unwrap()
+    };
+    let cfg = read("config.json");
+    // What transformers 4.x reads: the top-level keys only.
+    assert_eq!(cfg["rope_theta"].as_f64(), Some(500000.0), "{cfg}");
+    assert_eq!(
+        cfg["rope_parameters"]["rope_theta"].as_f64(),
+        Some(500000.0)
+    );
+    assert_eq!(cfg["torch_dtype"], "float32");
+    let tok: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("tokenizer.json")).unwrap())
+            .unwrap();
+    let eos = elastic_zero::checkpoint::hf::tokenizer_files::token_text(&tok, 299).unwrap();
+    let tc = read("tokenizer_config.json");
+    assert_eq!(tc["eos_token"], eos.as_str());
+    assert_eq!(tc["tokenizer_class"], "PreTrainedTokenizerFast");
+    assert_eq!(read("special_tokens_map.json")["eos_token"], eos.as_str());
+    assert_eq!(read("generation_config.json")["eos_token_id"], 299);
+    for e in std::fs::read_dir(&out).unwrap() {
+        let e = e.unwrap();
+        let mode = e.metadata().unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o644, "{}", e.path().display());
+    }
+    // The export's output is checked before the checkpoint is read.
+    let r = ezero(&[
+        "checkpoint",
+        "export",
+        s(&step_dir(&saves, 1)),
+        "--out",
+        "/nonexistent-dir/model.safetensors",
+    ]);
+    refused(&r, "--out", "does not exist");
+}
