@@ -43,7 +43,15 @@ fn test_hooks_are_not_suggested() {
     for typo in ["--panic-a", "--sigterm-a", "--signal-at"] {
         let r = ezero(&["train", typo, "1"]);
         assert_eq!(r.code, 2);
-        assert!(!r.stderr.contains("similar argument"), "{}", r.stderr);
+        let tip = r.stderr.lines().find(|l| l.contains("similar argument"));
+        let named = |w: &str| tip.is_some_and(|l| l.contains(w));
+        assert!(
+            !["panic", "sigterm", "signal", "hook"]
+                .iter()
+                .any(|w| named(w)),
+            "{}",
+            r.stderr
+        );
     }
     // A benchmark's worker processes learn their rank from the environment too.
     let r = ezero(&["bench", "collectives", "--worker-ran", "1"]);
@@ -104,6 +112,16 @@ fn unwritable_outputs_are_refused_before_training() {
         &train_cli(&["--steps", "2", "--json", s(dir.path())]),
         "--json",
         "is a directory",
+    );
+    refused(
+        &train_cli(&["--metrics-file", "/nonexistent-dir/log.jsonl"]),
+        "--metrics-file",
+        "does not exist",
+    );
+    refused(
+        &train_cli(&["--eval-data", "/nonexistent/eval.txt"]),
+        "eval_data",
+        "does not exist",
     );
 }
 
@@ -224,4 +242,128 @@ fn an_export_is_a_complete_hugging_face_directory() {
         "/nonexistent-dir/model.safetensors",
     ]);
     refused(&r, "--out", "does not exist");
+}
+
+/// `--eval-data`: the held-out loss equals the mean cross-entropy computed here in f64 from
+/// the saved parameters' logits on the same windows; `--metrics-file` has one record a step
+/// with the schedule's learning rate, which the progress line shows too.
+#[test]
+fn eval_loss_and_the_run_log_match_independent_computations() {
+    use elastic_zero::checkpoint::interchange::consolidated_params;
+    use elastic_zero::checkpoint::read::load_path;
+    use elastic_zero::job::{build_eval_dataset, build_model, eval::eval_batches, lr_schedule};
+    let t = tempfile::tempdir().unwrap();
+    let train_txt = t.path().join("train.txt");
+    let eval_txt = t.path().join("eval.txt");
+    std::fs::write(
+        &train_txt,
+        "the quick brown fox jumps over the lazy dog. ".repeat(20),
+    )
+    .unwrap();
+    std::fs::write(&eval_txt, "a lazy dog sleeps; the fox runs on. ".repeat(10)).unwrap();
+    let (saves, json, log) = (
+        t.path().join("ck"),
+        t.path().join("run.json"),
+        t.path().join("log.jsonl"),
+    );
+    let r = ezero(&[
+        "train",
+        "--model",
+        "gpt",
+        "--layers",
+        "1",
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--seq-len",
+        "8",
+        "--micro-batches",
+        "3",
+        "--micro-batch-size",
+        "2",
+        "--steps",
+        "3",
+        "--ranks",
+        "2",
+        "--sample-tokens",
+        "0",
+        "--data",
+        s(&train_txt),
+        "--eval-data",
+        s(&eval_txt),
+        "--save-dir",
+        s(&saves),
+        "--save-every",
+        "3",
+        "--json",
+        s(&json),
+        "--metrics-file",
+        s(&log),
+    ]);
+    ok(&r);
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let ours = summary["eval_loss"].as_f64().unwrap();
+    let loaded = load_path(&step_dir(&saves, 3)).unwrap();
+    let cfg = loaded.manifest.config.clone();
+    let params = consolidated_params(&loaded);
+    let model = build_model(&cfg).unwrap();
+    let data = build_eval_dataset(&cfg).unwrap().unwrap();
+    let batches = eval_batches(&cfg, &data);
+    assert_eq!(batches.len(), 3);
+    let want = mean_cross_entropy(model.as_ref(), &params, &batches);
+    assert!(
+        (ours - want).abs() < 1e-5,
+        "eval loss {ours}, computed here {want}"
+    );
+    let ppl = summary["eval_perplexity"].as_f64().unwrap();
+    assert!((ppl - ours.exp()).abs() < 1e-9 * ppl);
+    assert!(r.stdout.contains("eval: loss"), "{}", r.stdout);
+    let records: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(records.len(), 3);
+    let schedule = lr_schedule(&cfg);
+    for (i, rec) in records.iter().enumerate() {
+        let step = i as u64 + 1;
+        assert_eq!(rec["step"], step);
+        assert_eq!(rec["lr"].as_f64().unwrap() as f32, schedule.lr_at(step));
+        assert_eq!(rec["members"], 2);
+        assert_eq!(rec["loss"].as_f64(), summary["losses"][i].as_f64());
+        assert!(rec["grad_norm"].as_f64().unwrap() > 0.0 && rec["step_s"].as_f64().is_some());
+    }
+    assert!(r
+        .stdout
+        .lines()
+        .any(|l| l.starts_with("step ") && l.contains(" lr ")));
+}
+
+/// The mean over `batches` of each one's mean cross-entropy, in f64 from the model's logits.
+fn mean_cross_entropy(
+    model: &dyn elastic_zero::model::Model,
+    params: &[Vec<f32>],
+    batches: &[elastic_zero::model::MicroBatch],
+) -> f64 {
+    use elastic_zero::model::sample::forward_logits;
+    let mut total = 0.0;
+    for mb in batches {
+        let logits = forward_logits(model, params, mb);
+        let v = logits.len() / mb.targets.len();
+        let ce: f64 = mb
+            .targets
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| {
+                let row = &logits[i * v..(i + 1) * v];
+                let max = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
+                let sum: f64 = row.iter().map(|&x| (x as f64 - max).exp()).sum();
+                max + sum.ln() - row[t as usize] as f64
+            })
+            .sum();
+        total += ce / mb.targets.len() as f64;
+    }
+    total / batches.len() as f64
 }

@@ -30,6 +30,9 @@ pub const MAY_CHANGE: &[&str] = &[
     "compute_threads",
     "sample_tokens",
     "json",
+    // What is measured and logged beside the run changes none of its numbers.
+    "eval_data",
+    "metrics_file",
     "save_dir",
     "save_every",
     "keep_checkpoints",

@@ -206,6 +206,15 @@ pub struct TrainArgs {
     /// Write a JSON summary to this file at the end; its directory must exist [default: none].
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Held-out data, read like --data: its loss and perplexity on fixed windows (one global
+    /// batch's worth) with the trained model at the end, in the output and the JSON summary
+    /// [default: none].
+    #[arg(long, value_name = "FILE")]
+    pub eval_data: Option<PathBuf>,
+    /// Append one JSON line per step: step, loss, lr, grad_norm, tokens_per_s, step_s,
+    /// members, skipped [default: none].
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub metrics_file: Option<PathBuf>,
     /// Elements per shard chunk [default: 8192].
     #[arg(long)]
     pub chunk_elems: Option<usize>,
@@ -495,6 +504,12 @@ impl TrainArgs {
         }
         if self.json.is_some() {
             c.json = self.json.clone();
+        }
+        if self.eval_data.is_some() {
+            c.eval_data = self.eval_data.clone();
+        }
+        if self.metrics_file.is_some() {
+            c.metrics_file = self.metrics_file.clone();
         }
     }
 

@@ -12,6 +12,9 @@ pub fn check_train(cfg: &TrainConfig) -> Result<(), CliError> {
     if let Some(p) = &cfg.json {
         check_file("--json", p)?;
     }
+    if let Some(p) = &cfg.metrics_file {
+        check_file("--metrics-file", p)?;
+    }
     if let Some(p) = &cfg.save_dir {
         check_dir("--save-dir", p)?;
     }

@@ -2,6 +2,7 @@
 //! its learning-rate schedule, the memory plan, and the run's plan (`run_plan`) that every
 //! process of the run starts from.
 
+pub mod eval;
 pub mod run_plan;
 
 use std::sync::Arc;
@@ -124,6 +125,21 @@ pub fn build_dataset(cfg: &TrainConfig) -> Result<Arc<Dataset>, ConfigError> {
         ));
     }
     Ok(Arc::new(data))
+}
+
+/// The held-out data of `eval_data`, read as `data` is (same format and tokenizer); `None`
+/// without it.
+pub fn build_eval_dataset(cfg: &TrainConfig) -> Result<Option<Arc<Dataset>>, ConfigError> {
+    let Some(path) = &cfg.eval_data else {
+        return Ok(None);
+    };
+    let as_data = TrainConfig {
+        data: Some(path.clone()),
+        ..cfg.clone()
+    };
+    build_dataset(&as_data)
+        .map(Some)
+        .map_err(|e| ConfigError::new("eval_data", e.message))
 }
 
 /// Threads a rank's matrix products use: `compute_threads`, or with 0 the cores over the
