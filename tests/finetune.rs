@@ -367,3 +367,48 @@ fn mean_cross_entropy(
     }
     total / batches.len() as f64
 }
+
+/// The byte-level model refuses JSON Lines unless told to read the bytes (`--data-format
+/// text`); `--vocab` sets the ids the model embeds, at least the data's.
+#[test]
+fn jsonl_without_a_tokenizer_is_refused_unless_read_as_text_and_vocab_is_a_flag() {
+    let t = tempfile::tempdir().unwrap();
+    let jsonl = t.path().join("chat.jsonl");
+    let record = r#"{"text": "the quick brown fox jumps over the lazy dog"}"#;
+    std::fs::write(&jsonl, format!("{record}\n").repeat(20)).unwrap();
+    let r = train_cli(&["--steps", "1", "--data", s(&jsonl)]);
+    refused(&r, "chat.jsonl", "--data-format text");
+    ok(&train_cli(&[
+        "--steps",
+        "1",
+        "--data",
+        s(&jsonl),
+        "--data-format",
+        "text",
+    ]));
+    let r = train_cli(&[
+        "--steps",
+        "1",
+        "--data",
+        s(&jsonl),
+        "--data-format",
+        "text",
+        "--vocab",
+        "300",
+    ]);
+    ok(&r);
+    refused(
+        &train_cli(&[
+            "--steps",
+            "1",
+            "--data",
+            s(&jsonl),
+            "--data-format",
+            "text",
+            "--vocab",
+            "100",
+        ]),
+        "vocab",
+        "at least 256",
+    );
+}

@@ -164,6 +164,11 @@ pub fn apply_pretrained_shape(args: &TrainArgs, cfg: &mut TrainConfig) -> Result
     clash("layers", args.layers, layers)?;
     clash("d-model", args.d_model, d_model)?;
     clash("heads", args.heads, heads)?;
+    let vocab = match &p.shape {
+        HfShape::Gpt2(g) => g.vocab,
+        HfShape::Llama(l) => l.vocab,
+    };
+    clash("vocab", args.vocab, vocab)?;
     let family = p.shape.model();
     if let Some(m) = args.model.filter(|&m| m != family) {
         return Err(CliError::Usage(format!(

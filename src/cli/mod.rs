@@ -130,6 +130,10 @@ pub struct TrainArgs {
     /// Attention heads; must divide --d-model [default: 4].
     #[arg(long)]
     pub heads: Option<usize>,
+    /// Token ids the model embeds and predicts; at least the data's (256 for bytes)
+    /// [default: 256, or the --init model's].
+    #[arg(long)]
+    pub vocab: Option<usize>,
     /// GPT and Llama: the LM head's weight is the token embedding (GPT-2's tying)
     /// [default: off].
     #[arg(long)]
@@ -437,6 +441,7 @@ impl TrainArgs {
             layers,
             d_model,
             heads,
+            vocab,
             seq_len,
             micro_batches,
             micro_batch_size,

@@ -104,6 +104,18 @@ pub fn build_dataset(cfg: &TrainConfig) -> Result<Arc<Dataset>, ConfigError> {
                     ),
                 ))
             }
+            // Bytes of JSON would train the model on the records' syntax.
+            None if cfg.data_format.resolve(path) == crate::data::DataFormat::Jsonl => {
+                return Err(ConfigError::new(
+                    "data_format",
+                    format!(
+                        "{} is JSON Lines, and without a tokenizer the model reads bytes: pass \
+                         --tokenizer FILE (or --init a model with one) to train on its `text` \
+                         fields, or --data-format text to train on the file's bytes as they are",
+                        path.display()
+                    ),
+                ))
+            }
             None => Dataset::Text(
                 TextData::load(path).map_err(|e| ConfigError::new("data", e.to_string()))?,
             ),
