@@ -412,3 +412,37 @@ fn jsonl_without_a_tokenizer_is_refused_unless_read_as_text_and_vocab_is_a_flag(
         "at least 256",
     );
 }
+
+/// `generate --stop TEXT` ends the output before TEXT.
+#[test]
+fn generate_stops_before_the_stop_text() {
+    let init = concat!(
+        "hf:",
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/hf/llama-tiny"
+    );
+    let base = [
+        "generate",
+        "--init",
+        init,
+        "--prompt",
+        "the",
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0",
+    ];
+    let full = ezero(&base);
+    ok(&full);
+    let text = full.stdout.trim_end_matches('\n').to_string();
+    let cont = &text["the".len()..];
+    let chars: Vec<char> = cont.chars().collect();
+    assert!(chars.len() > 4, "{text:?}");
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let mut args: Vec<&str> = base.to_vec();
+    args.extend(["--stop", &stop]);
+    let cut = ezero(&args);
+    ok(&cut);
+    let want = format!("the{}", &cont[..cont.find(&stop).unwrap()]);
+    assert_eq!(cut.stdout.trim_end_matches('\n'), want);
+}
