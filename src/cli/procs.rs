@@ -187,6 +187,17 @@ pub fn check_train_args(args: &TrainArgs, cfg: &TrainConfig) -> Result<(), CliEr
             "the test hook {hook} is not supported with worker processes yet (use ezero train)"
         )));
     }
+    // `ezero train` evaluates and logs in its own process; the coordinator does neither yet.
+    for (flag, set) in [
+        ("--eval-data", cfg.eval_data.is_some()),
+        ("--metrics-file", cfg.metrics_file.is_some()),
+    ] {
+        if set {
+            return Err(CliError::Usage(format!(
+                "{flag} is not supported with worker processes yet (use ezero train)"
+            )));
+        }
+    }
     check_parts(cfg, STATE_PART_MAX_BYTES).map_err(|e| CliError::Usage(e.to_string()))
 }
 
