@@ -92,6 +92,11 @@ fn split(r: &crate::engine::messages::StepReport, wall: f64) -> [f64; 4] {
 /// The `--json` summary of a run.
 #[derive(Debug, Clone, Serialize)]
 pub struct TrainSummary {
+    /// The held-out loss (`--eval-data`) of the trained model and its perplexity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_perplexity: Option<f64>,
     pub param_count: usize,
     pub stage: u8,
     pub world_size: u32,

@@ -383,7 +383,18 @@ fn exports_load_in_transformers_with_our_logits() {
         }
         let t = tempfile::tempdir().unwrap();
         let out = t.path().join("export");
-        hf::export(&cfg, &model.units(), &params, &out, false, 40_000).unwrap();
+        // A chat template where the source has none (as from a GGUF file's metadata).
+        let template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}";
+        hf::export_with_template(
+            &cfg,
+            &model.units(),
+            &params,
+            &out,
+            false,
+            40_000,
+            Some(template),
+        )
+        .unwrap();
         let vocab = model.vocab() as u32;
         let ids: Vec<u32> = (0..16u32).map(|i| (i * 37 + 11) % vocab).collect();
         let mb = MicroBatch {
@@ -430,5 +441,14 @@ fn exports_load_in_transformers_with_our_logits() {
             "{name}: {stdout}{}",
             String::from_utf8_lossy(&run.stderr)
         );
+        if name != "llama-untied" {
+            assert!(
+                stdout.contains("ok: tokenizer ids") && stdout.contains("chat template True"),
+                "{name}: {stdout}"
+            );
+        }
+        if name != "gpt2-tiny" {
+            assert!(stdout.contains("ok: RoPE base"), "{name}: {stdout}");
+        }
     }
 }

@@ -19,6 +19,7 @@ mod cluster_examples;
 mod control;
 mod device;
 mod elastic;
+mod finetune;
 mod gguf;
 mod hf;
 mod hf_llama;

@@ -4,6 +4,11 @@
 //! be the saved one. The settings that only decide *how* the same numbers are computed or
 //! reported may change: that is what makes a checkpoint loadable at any world size and stage.
 //! Any config key not in [`MAY_CHANGE`] must match, so a key added later is protected by default.
+//!
+//! The run's length is not among the numbers of the steps already run: `steps` may change where
+//! the learning rate of every step does not depend on it (a constant schedule after warm-up),
+//! and the schedule's keys ([`SCHEDULE`]) may change when the resumed run asks for a new
+//! schedule explicitly (`--reschedule`).
 
 use std::path::Path;
 
@@ -25,6 +30,9 @@ pub const MAY_CHANGE: &[&str] = &[
     "compute_threads",
     "sample_tokens",
     "json",
+    // What is measured and logged beside the run changes none of its numbers.
+    "eval_data",
+    "metrics_file",
     "save_dir",
     "save_every",
     "keep_checkpoints",
@@ -72,18 +80,34 @@ pub const MAY_CHANGE: &[&str] = &[
     "nvme_fault",
 ];
 
-/// Refuses, naming the first difference, unless `manifest` can resume a run of `cfg` on a model
-/// with `units` over data whose file hashes to `data_sha256`.
+/// The learning-rate schedule's keys: a resumed run changes them only with `reschedule`.
+pub const SCHEDULE: &[&str] = &["lr", "warmup_steps", "min_lr_ratio", "steps"];
+
+/// Refuses, naming every difference that decides the numbers, unless `manifest` can resume a
+/// run of `cfg` on a model with `units` over data whose file hashes to `data_sha256`;
+/// `reschedule`: the run asks for a new learning-rate schedule.
 pub fn check_resume(
     dir: &Path,
     manifest: &Manifest,
     cfg: &TrainConfig,
     units: &[UnitSpec],
     data_sha256: Option<&str>,
+    reschedule: bool,
 ) -> Result<(), CheckpointError> {
     let path = dir.join(MANIFEST_FILE);
     check_units(&path, &manifest.units, units)?;
-    check_config(&path, &manifest.config, cfg)?;
+    check_config(&path, &manifest.config, cfg, reschedule)?;
+    // Equal: nothing left to run, the checkpoint's parameters are the result.
+    if cfg.steps < manifest.step {
+        return Err(CheckpointError::incompatible(
+            &path,
+            format!(
+                "`steps` is {} but the checkpoint is already at step {}: give --steps at least \
+                 that, the total the resumed run reaches",
+                cfg.steps, manifest.step
+            ),
+        ));
+    }
     if manifest.data.sha256.as_deref() != data_sha256 {
         let show = |s: Option<&str>| {
             s.map_or("the embedded corpus".to_string(), |h| {
@@ -145,6 +169,7 @@ fn check_config(
     path: &Path,
     saved: &TrainConfig,
     here: &TrainConfig,
+    reschedule: bool,
 ) -> Result<(), CheckpointError> {
     let as_map = |c: &TrainConfig| match serde_json::to_value(c) {
         Ok(serde_json::Value::Object(m)) => Ok(m),
@@ -154,23 +179,40 @@ fn check_config(
         )),
     };
     let (a, b) = (as_map(saved)?, as_map(here)?);
+    // Under a constant schedule no step's learning rate depends on the run's length.
+    let constant = saved.min_lr_ratio >= 1.0 && here.min_lr_ratio >= 1.0;
+    let mut refused = Vec::new();
+    let mut schedule_refused = false;
     for (key, was) in &a {
-        if MAY_CHANGE.contains(&key.as_str()) {
+        let now = b.get(key).unwrap_or(&serde_json::Value::Null);
+        if was == now || MAY_CHANGE.contains(&key.as_str()) {
             continue;
         }
-        let now = b.get(key).unwrap_or(&serde_json::Value::Null);
-        if was != now {
-            return Err(CheckpointError::incompatible(
-                path,
-                format!(
-                    "`{key}` is {was} in the checkpoint but {now} for this run; a resumed run keeps every \
-                     setting that decides the numbers (only {} may change)",
-                    MAY_CHANGE.join(", ")
-                ),
-            ));
+        if SCHEDULE.contains(&key.as_str()) {
+            if reschedule || (key == "steps" && constant) {
+                continue;
+            }
+            schedule_refused = true;
         }
+        refused.push(format!("`{key}` is {was} in the checkpoint but {now} here"));
     }
-    Ok(())
+    if refused.is_empty() {
+        return Ok(());
+    }
+    Err(CheckpointError::incompatible(
+        path,
+        format!(
+            "{}: a resumed run keeps what decides the model, the data order and the learning \
+             rate of its steps{}",
+            refused.join(", "),
+            if schedule_refused {
+                "; to continue under a new learning-rate schedule pass --reschedule (a \
+                 constant schedule, --lr-schedule constant, may change --steps without it)"
+            } else {
+                ""
+            }
+        ),
+    ))
 }
 
 #[cfg(test)]
@@ -187,7 +229,7 @@ mod tests {
             chunk_elems: 7,
             ..saved.clone()
         };
-        check_config(p, &saved, &ok).unwrap();
+        check_config(p, &saved, &ok, false).unwrap();
         // A run saved with an injected kill may resume with another or none (a resume drops
         // kills of steps already run).
         let killed = TrainConfig {
@@ -205,13 +247,53 @@ mod tests {
                 },
                 ..saved.clone()
             };
-            check_config(p, &killed, &here).unwrap();
+            check_config(p, &killed, &here, false).unwrap();
         }
         let bad = TrainConfig {
             steps: saved.steps + 1,
             ..saved.clone()
         };
-        let err = check_config(p, &saved, &bad).unwrap_err().to_string();
-        assert!(err.contains("`steps`"), "{err}");
+        let err = check_config(p, &saved, &bad, false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`steps`") && err.contains("--reschedule"),
+            "{err}"
+        );
+        check_config(p, &saved, &bad, true).unwrap();
+    }
+
+    #[test]
+    fn a_constant_schedule_may_change_its_length_and_only_differences_are_named() {
+        let p = Path::new("ck/manifest.json");
+        let saved = TrainConfig {
+            min_lr_ratio: 1.0,
+            ..TrainConfig::default()
+        };
+        let longer = TrainConfig {
+            steps: saved.steps * 2,
+            ..saved.clone()
+        };
+        check_config(p, &saved, &longer, false).unwrap();
+        let other = TrainConfig {
+            seed: 7,
+            d_model: 64,
+            lr: 1e-4,
+            ..longer
+        };
+        let err = check_config(p, &saved, &other, false)
+            .unwrap_err()
+            .to_string();
+        for key in ["`seed`", "`d_model`", "`lr`", "--reschedule"] {
+            assert!(err.contains(key), "{key} in {err}");
+        }
+        assert!(
+            !err.contains("`steps`") && !err.contains("chunk_elems"),
+            "{err}"
+        );
+        let err = check_config(p, &saved, &other, true)
+            .unwrap_err()
+            .to_string();
+        assert!(!err.contains("`lr`") && err.contains("`seed`"), "{err}");
     }
 }

@@ -88,11 +88,10 @@ pub struct CollectivesArgs {
     /// Only measure the single-core AES-128-GCM and AES-256-GCM seal/open rates (one line each).
     #[arg(long)]
     pub aead: bool,
-    /// Internal: run as this rank of a parent's benchmark.
-    #[arg(long, hide = true)]
-    pub worker_rank: Option<u32>,
-    /// Internal: the parent's secrets directory.
-    #[arg(long, hide = true)]
+    /// A worker process's parent's secrets directory, from [`WORKER_SECRETS`]: the worker's
+    /// settings are environment variables, not flags, so a mistyped flag is never pointed at
+    /// them.
+    #[arg(skip)]
     pub secrets: Option<PathBuf>,
 }
 
@@ -250,6 +249,11 @@ fn run_rank<T: Transport>(
     Ok(())
 }
 
+/// The rank a benchmark's worker process runs as, set by its parent.
+const WORKER_RANK: &str = "EZERO_BENCH_WORKER_RANK";
+/// The parent's secrets directory, for a worker process.
+const WORKER_SECRETS: &str = "EZERO_BENCH_WORKER_SECRETS";
+
 pub fn run(a: &CollectivesArgs) -> Result<(), CliError> {
     plan(a)?;
     if a.aead {
@@ -262,8 +266,18 @@ pub fn run(a: &CollectivesArgs) -> Result<(), CliError> {
         }
         return Ok(());
     }
-    if let Some(rank) = a.worker_rank {
-        return worker(rank, a);
+    if let Some(rank) = std::env::var(WORKER_RANK).ok().filter(|v| !v.is_empty()) {
+        let rank = rank
+            .parse()
+            .map_err(|_| CliError::Usage(format!("{WORKER_RANK}={rank}: expected a rank")))?;
+        let secrets = std::env::var_os(WORKER_SECRETS).map(PathBuf::from);
+        return worker(
+            rank,
+            &CollectivesArgs {
+                secrets,
+                ..a.clone()
+            },
+        );
     }
     let members: Vec<RankId> = (0..a.nprocs as u32).collect();
     if a.transport == "local" {
@@ -416,11 +430,11 @@ fn spawn_children(a: &CollectivesArgs, secrets: Option<&std::path::Path>) -> Res
                 &a.initial_window_bytes.to_string(),
             ])
             .args(["--io-threads", &a.io_threads.to_string()])
-            .args(["--worker-rank", &r.to_string()])
+            .env(WORKER_RANK, r.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped());
         if let Some(dir) = secrets {
-            cmd.arg("--secrets").arg(dir);
+            cmd.env(WORKER_SECRETS, dir);
         }
         if a.no_gso {
             cmd.arg("--no-gso");

@@ -1,4 +1,4 @@
-//! `ezero generate`: continue a prompt with a Hugging Face GPT-2 directory or a checkpoint,
+//! `ezero generate`: continue a prompt with a pretrained model or a checkpoint,
 //! through the model's tokenizer and its KV-cache decoder.
 
 use std::path::{Path, PathBuf};
@@ -19,7 +19,8 @@ use super::CliError;
 /// `ezero generate` flags.
 #[derive(Args)]
 pub struct GenerateArgs {
-    /// A Hugging Face GPT-2 directory (`hf:DIR`, or a directory).
+    /// A pretrained model: `hf:DIR` (or a directory), a Hugging Face GPT-2, Llama or Qwen2
+    /// directory; or `gguf:FILE`, a llama.cpp Llama-family file.
     #[arg(long, conflicts_with = "checkpoint")]
     pub init: Option<PathBuf>,
     /// A checkpoint directory, or a save directory (its newest complete checkpoint).
@@ -28,6 +29,7 @@ pub struct GenerateArgs {
     /// The text to continue.
     #[arg(long)]
     pub prompt: String,
+    /// Tokens to generate at most.
     #[arg(long, default_value_t = 50)]
     pub max_new_tokens: usize,
     /// Softmax temperature; 0 is greedy.
@@ -36,12 +38,18 @@ pub struct GenerateArgs {
     /// Draw among the K likeliest tokens only; 0 keeps all.
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
+    /// Seed of the sampling.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// tokenizer.json [default: the model directory's, or the checkpoint run's; without one,
     /// text is bytes].
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// End the output before the first occurrence of this text (repeatable) [default: none;
+    /// generation always stops at the model's eos: generation_config.json's `eos_token_id`,
+    /// e.g. an instruct model's end-of-turn, else the tokenizer's end-of-text].
+    #[arg(long, value_name = "TEXT")]
+    pub stop: Vec<String>,
 }
 
 fn usage(e: impl std::fmt::Display) -> CliError {
@@ -85,15 +93,46 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
         seed: args.seed,
         stop: None,
     };
-    let text = continue_text(
+    let eos = cfg.hf_dir.as_deref().and_then(generation_eos);
+    let mut text = continue_text_until(
         model.as_ref(),
         &params,
         tokenizer.as_ref(),
         &args.prompt,
-        sampling,
+        Sampling {
+            stop: eos.or(sampling.stop),
+            ..sampling
+        },
     )?;
+    if let Some(cut) = args.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+        text.truncate(cut);
+    }
     println!("{}{text}", args.prompt);
     Ok(())
+}
+
+/// The first `eos_token_id` of `dir/generation_config.json` (an instruct model's end of turn,
+/// which its tokenizer's end-of-text is not).
+fn generation_eos(dir: &Path) -> Option<u32> {
+    let text = std::fs::read_to_string(dir.join("generation_config.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let id = match v.get("eos_token_id")? {
+        serde_json::Value::Array(ids) => ids.first()?.as_u64()?,
+        id => id.as_u64()?,
+    };
+    u32::try_from(id).ok()
+}
+
+/// [`continue_text`], stopping at `sampling.stop` if it is set, else at the tokenizer's
+/// end-of-text.
+fn continue_text_until(
+    model: &dyn Model,
+    params: &[Vec<f32>],
+    tokenizer: Option<&tokenizers::Tokenizer>,
+    prompt: &str,
+    sampling: Sampling,
+) -> Result<String, CliError> {
+    encode_and_generate(model, params, tokenizer, prompt, sampling, sampling.stop)
 }
 
 /// `prompt` continued by `sampling` (its `stop` set to the tokenizer's end-of-text), as text:
@@ -104,6 +143,17 @@ pub(super) fn continue_text(
     tokenizer: Option<&tokenizers::Tokenizer>,
     prompt: &str,
     sampling: Sampling,
+) -> Result<String, CliError> {
+    encode_and_generate(model, params, tokenizer, prompt, sampling, None)
+}
+
+fn encode_and_generate(
+    model: &dyn Model,
+    params: &[Vec<f32>],
+    tokenizer: Option<&tokenizers::Tokenizer>,
+    prompt: &str,
+    sampling: Sampling,
+    stop: Option<u32>,
 ) -> Result<String, CliError> {
     let ids: Vec<u32> = match tokenizer {
         Some(t) => t
@@ -120,7 +170,7 @@ pub(super) fn continue_text(
         )));
     }
     let sampling = Sampling {
-        stop: tokenizer.and_then(end_of_text),
+        stop: stop.or_else(|| tokenizer.and_then(end_of_text)),
         ..sampling
     };
     let out = generate_cached(model, params, &ids, sampling);
@@ -137,4 +187,20 @@ pub(super) fn continue_text(
 pub(super) fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, CliError> {
     tokenizers::Tokenizer::from_file(path)
         .map_err(|e| usage(format!("{}: not a tokenizer.json: {e}", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_stop_token_is_generation_configs_first_eos() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(generation_eos(dir.path()), None);
+        let g = dir.path().join("generation_config.json");
+        std::fs::write(&g, r#"{"eos_token_id": [2, 0]}"#).unwrap();
+        assert_eq!(generation_eos(dir.path()), Some(2));
+        std::fs::write(&g, r#"{"bos_token_id": 1, "eos_token_id": 7}"#).unwrap();
+        assert_eq!(generation_eos(dir.path()), Some(7));
+    }
 }

@@ -110,11 +110,29 @@ fn gguf_companions(f: &GgufFile, cache: Option<&Path>) -> Result<PathBuf, CliErr
         .map(|b| format!("{b:02x}"))
         .collect();
     let dir = root.join(format!("gguf-{key}"));
-    if dir.join("tokenizer.json").is_file() && dir.join("config.json").is_file() {
+    let complete = |d: &Path| {
+        ["tokenizer.json", "config.json", "tokenizer_config.json"]
+            .iter()
+            .all(|f| d.join(f).is_file())
+    };
+    if complete(&dir) {
         return Ok(dir);
     }
     let tmp = root.join(format!("gguf-{key}.tmp-{}", std::process::id()));
     f.write_hf_companions(&tmp).map_err(usage)?;
+    // A directory of an older layout lacks files: they are added (same content for the rest).
+    if dir.is_dir() {
+        for e in std::fs::read_dir(&tmp).map_err(|e| usage(format!("{}: {e}", tmp.display())))? {
+            let e = e.map_err(|e| usage(format!("{}: {e}", tmp.display())))?;
+            let to = dir.join(e.file_name());
+            if !to.is_file() {
+                std::fs::rename(e.path(), &to)
+                    .map_err(|e| usage(format!("{}: {e}", to.display())))?;
+            }
+        }
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Ok(dir);
+    }
     match std::fs::rename(&tmp, &dir) {
         Ok(()) => Ok(dir),
         // Another run finished first: theirs is the same content.
@@ -146,6 +164,11 @@ pub fn apply_pretrained_shape(args: &TrainArgs, cfg: &mut TrainConfig) -> Result
     clash("layers", args.layers, layers)?;
     clash("d-model", args.d_model, d_model)?;
     clash("heads", args.heads, heads)?;
+    let vocab = match &p.shape {
+        HfShape::Gpt2(g) => g.vocab,
+        HfShape::Llama(l) => l.vocab,
+    };
+    clash("vocab", args.vocab, vocab)?;
     let family = p.shape.model();
     if let Some(m) = args.model.filter(|&m| m != family) {
         return Err(CliError::Usage(format!(
@@ -170,9 +193,46 @@ pub fn weights(src: &InitSource, units: &[UnitSpec]) -> Result<Arc<dyn WeightSou
                 .map_err(usage)?,
         ),
         InitSource::Safetensors(path) => {
+            check_own_safetensors(path)?;
             Arc::new(interchange::weights(path, units).map_err(usage)?)
         }
     })
+}
+
+/// Refuses a file that is not a safetensors file of our names before its header is parsed:
+/// another file's first bytes would be read as a header length, and a Hugging Face export's
+/// weights file has transformers' names, which only its directory's `config.json` maps.
+fn check_own_safetensors(path: &Path) -> Result<(), CliError> {
+    let shown = path.display();
+    let mut head = [0u8; 9];
+    let len = std::fs::metadata(path)
+        .map_err(|e| usage(format!("--init {shown}: {e}")))?
+        .len();
+    let read = std::fs::File::open(path).and_then(|mut f| f.read_exact(&mut head));
+    let header_len = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
+    if read.is_err() || head[8] != b'{' || header_len > len.saturating_sub(8) {
+        return Err(usage(format!(
+            "--init {shown}: not a safetensors or GGUF file; pass a safetensors file of \
+             `checkpoint export`, gguf:FILE, or hf:DIR (a Hugging Face model directory)"
+        )));
+    }
+    let names = hf::files::TensorDir::open_file(path)
+        .map(|td| hf::source::TensorSource::names(&td))
+        .map_err(usage)?;
+    let theirs = names.iter().find(|n| {
+        ["model.", "transformer.", "lm_head.", "h.", "wte."]
+            .iter()
+            .any(|p| n.starts_with(p))
+    });
+    if let Some(name) = theirs {
+        let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+        return Err(usage(format!(
+            "--init {shown}: transformers' tensor names (`{name}`), a Hugging Face model's \
+             weights: pass its directory, --init hf:{}",
+            dir.map_or("DIR".into(), |d| d.display().to_string())
+        )));
+    }
+    Ok(())
 }
 
 /// Every unit's full parameters from `src` (`ezero generate` holds the whole model).

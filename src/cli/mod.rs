@@ -10,6 +10,7 @@ mod gemm;
 mod generate;
 mod init;
 mod launch;
+mod outputs;
 mod procs;
 mod scheduler;
 mod test_hooks;
@@ -47,7 +48,8 @@ pub enum Command {
     /// Micro-benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
-    /// Continue a prompt with a Hugging Face GPT-2 directory or a checkpoint (KV cache).
+    /// Continue a prompt with a pretrained model (`hf:DIR` of GPT-2, Llama or Qwen2, or
+    /// `gguf:FILE`) or a checkpoint (KV cache).
     Generate(Box<generate::GenerateArgs>),
     /// Verify, inspect or export a checkpoint.
     #[command(subcommand)]
@@ -104,9 +106,12 @@ pub enum BenchCommand {
 }
 
 /// `ezero train` flags. Every flag overrides the same key of `--config FILE`.
+// Negative numbers are values, so `--lr -1` gets the range check's message, not clap's
+// "unexpected argument".
 #[derive(Args, Default)]
+#[command(allow_negative_numbers = true)]
 pub struct TrainArgs {
-    /// TOML file with any of the keys below (snake_case); flags override it.
+    /// TOML file with any of the keys below (snake_case); flags override it [default: none].
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// In-process rank actors [default: 4].
@@ -118,13 +123,21 @@ pub struct TrainArgs {
     /// gpt|llama|mlp [default: gpt].
     #[arg(long, value_parser = parse_model)]
     pub model: Option<ModelKind>,
+    /// Transformer blocks (GPT, Llama) or hidden layers (MLP) [default: 2].
     #[arg(long)]
     pub layers: Option<usize>,
+    /// Model width [default: 128].
     #[arg(long)]
     pub d_model: Option<usize>,
+    /// Attention heads; must divide --d-model [default: 4].
     #[arg(long)]
     pub heads: Option<usize>,
-    /// GPT and Llama: the LM head's weight is the token embedding (GPT-2's tying).
+    /// Token ids the model embeds and predicts; at least the data's (256 for bytes)
+    /// [default: 256, or the --init model's].
+    #[arg(long)]
+    pub vocab: Option<usize>,
+    /// GPT and Llama: the LM head's weight is the token embedding (GPT-2's tying)
+    /// [default: off].
     #[arg(long)]
     pub tie_embeddings: bool,
     /// Llama: key/value heads (grouped-query attention) [default: --heads].
@@ -142,49 +155,76 @@ pub struct TrainArgs {
     /// Llama: RMSNorm epsilon [default: 1e-5].
     #[arg(long)]
     pub norm_eps: Option<f64>,
-    /// Llama: biases on the q/k/v projections (Qwen2).
+    /// Llama: biases on the q/k/v projections (Qwen2) [default: off].
     #[arg(long)]
     pub qkv_bias: bool,
     /// GPT: the MLP's GELU, erf or tanh (GPT-2's gelu_new) [default: erf].
     #[arg(long, value_name = "erf|tanh")]
     pub gelu: Option<GeluForm>,
+    /// Tokens per training sequence [default: 64].
     #[arg(long)]
     pub seq_len: Option<usize>,
-    /// Micro-batches per global step (the global batch; independent of --ranks).
+    /// Micro-batches per global step (the global batch; independent of --ranks) [default: 8].
     #[arg(long)]
     pub micro_batches: Option<u32>,
-    /// Sequences per micro-batch.
+    /// Sequences per micro-batch [default: 4].
     #[arg(long)]
     pub micro_batch_size: Option<usize>,
+    /// Optimizer steps to run; with --resume, the total to reach (longer or shorter than the
+    /// saved run's) [default: 150].
     #[arg(long)]
     pub steps: Option<u64>,
+    /// Seed of the initialisation and of the data order [default: 0].
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Peak learning rate, above 0 [default: 3e-3].
     #[arg(long)]
     pub lr: Option<f32>,
+    /// Linear warm-up steps before the schedule (--lr-schedule) [default: 10].
     #[arg(long)]
     pub warmup_steps: Option<u64>,
-    /// adamw|adam|sgd.
+    /// After warm-up: `cosine` decay to lr x min_lr_ratio (0.1) at the last step, or
+    /// `constant` lr (the schedule that lets --resume lengthen a run bit for bit)
+    /// [default: cosine].
+    #[arg(long, value_name = "cosine|constant", value_parser = parse_lr_schedule)]
+    pub lr_schedule: Option<f32>,
+    /// With --resume: accept a new learning-rate schedule (--lr, --warmup-steps,
+    /// --lr-schedule, or --steps under a cosine schedule) for the remaining steps
+    /// [default: off: a resumed run keeps the saved schedule].
+    #[arg(long, requires = "resume")]
+    pub reschedule: bool,
+    /// adamw|adam|sgd [default: adamw].
     #[arg(long, value_parser = parse_optimizer)]
     pub optimizer: Option<OptimizerChoice>,
+    /// Weight decay: decoupled for AdamW, L2 for Adam and SGD [default: 0.1].
     #[arg(long)]
     pub weight_decay: Option<f32>,
-    /// Global gradient-norm clip; 0 disables.
+    /// Global gradient-norm clip; 0 disables [default: 1.0].
     #[arg(long)]
     pub grad_clip: Option<f32>,
     /// exact|fast gradient reduction [default: exact].
     #[arg(long, value_parser = parse_reduce)]
     pub reduce: Option<ReduceMode>,
-    /// Train on this file's bytes instead of the embedded Markov corpus.
+    /// Train on this file (its bytes, or its tokens under --tokenizer) instead of the embedded
+    /// Markov corpus [default: the embedded corpus].
     #[arg(long)]
     pub data: Option<PathBuf>,
-    /// Write a JSON summary to this file.
+    /// Write a JSON summary to this file at the end; its directory must exist [default: none].
     #[arg(long)]
     pub json: Option<PathBuf>,
-    /// Elements per shard chunk.
+    /// Held-out data, read like --data: its loss and perplexity on fixed windows (one global
+    /// batch's worth) with the trained model at the end, in the output and the JSON summary
+    /// [default: none].
+    #[arg(long, value_name = "FILE")]
+    pub eval_data: Option<PathBuf>,
+    /// Append one JSON line per step: step, loss, lr, grad_norm, tokens_per_s, step_s,
+    /// members, skipped [default: none].
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub metrics_file: Option<PathBuf>,
+    /// Elements per shard chunk [default: 8192].
     #[arg(long)]
     pub chunk_elems: Option<usize>,
-    /// ZeRO-3: units whose full parameters may be live at once.
+    /// ZeRO-3: units whose full parameters may be live at once [default: 2].
     #[arg(long)]
     pub max_live_units: Option<usize>,
     /// Recompute each block's forward in its backward (`always`), keep its intermediates from
@@ -193,7 +233,7 @@ pub struct TrainArgs {
     /// result either way [default: auto].
     #[arg(long, value_name = "auto|always|never")]
     pub activation_checkpointing: Option<ActivationCheckpointing>,
-    /// Same as --activation-checkpointing never.
+    /// Same as --activation-checkpointing never [default: off].
     #[arg(long)]
     pub keep_activations: bool,
     /// `fp32`, or `bf16` mixed precision: bf16 parameters (gathered as bf16 at stage 3) and bf16
@@ -201,30 +241,37 @@ pub struct TrainArgs {
     /// gradient reduction stay fp32 [default: fp32].
     #[arg(long, value_name = "fp32|bf16")]
     pub precision: Option<Precision>,
+    /// Deadline of any single receive inside a collective, in milliseconds [default: 30000].
     #[arg(long)]
     pub collective_timeout_ms: Option<u64>,
+    /// Threads of each rank's optimizer step [default: 1].
     #[arg(long)]
     pub optimizer_threads: Option<usize>,
-    /// Threads each rank's matrix products use (default 0: the cores over the ranks).
+    /// Threads each rank's matrix products use; 0: the cores over the ranks [default: 0].
     #[arg(long)]
     pub compute_threads: Option<usize>,
-    /// Tokens to sample from the trained GPT (0 to skip).
+    /// Tokens to sample from the trained GPT or Llama at the end; 0 skips [default: 160].
     #[arg(long)]
     pub sample_tokens: Option<usize>,
-    /// A rank drains and leaves at the start of a step: RANK@STEP (repeatable).
+    /// A rank drains and leaves at the start of a step: RANK@STEP (repeatable) [default: none].
     #[arg(long, value_name = "RANK@STEP")]
     pub leave: Vec<At>,
-    /// New ranks join at the start of a step: COUNT@STEP (repeatable; they take the next ids).
+    /// New ranks join at the start of a step: COUNT@STEP (repeatable; they take the next ids)
+    /// [default: none].
     #[arg(long, value_name = "COUNT@STEP")]
     pub join: Vec<At>,
-    /// Buddy backups at least every this many steps (0: off; a lost rank then stops the run).
+    /// Buddy backups at least every this many steps (0: off; a lost rank then stops the run)
+    /// [default: 1].
     #[arg(long)]
     pub replicate_every: Option<u64>,
+    /// The world never shrinks below this many ranks [default: 1].
     #[arg(long)]
     pub min_ranks: Option<u32>,
+    /// The world never grows beyond this many ranks [default: 64].
     #[arg(long)]
     pub max_ranks: Option<u32>,
-    /// Save checkpoints under this directory (step-N subdirectories).
+    /// Save checkpoints under this directory (step-N subdirectories), created if missing
+    /// [default: none].
     #[arg(long)]
     pub save_dir: Option<PathBuf>,
     /// Save after every K steps and after the last; 0: only on SIGTERM/SIGINT [default: 0].
@@ -234,22 +281,26 @@ pub struct TrainArgs {
     #[arg(long)]
     pub keep_checkpoints: Option<usize>,
     /// Continue from a checkpoint (or a save directory's newest complete one), at any --ranks
-    /// and --stage; its config is the base that --config and flags override.
+    /// and --stage, to --steps; its config is the base that --config and flags override
+    /// [default: none].
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// With --resume: if the checkpoint fails verification, fall back to the newest older one
-    /// that passes.
+    /// that passes [default: off].
     #[arg(long)]
     pub latest_valid: bool,
-    /// Tokenize --data with this tokenizer.json [default: the --init hf:DIR's tokenizer.json].
+    /// Tokenize --data with this tokenizer.json [default: the --init model's tokenizer.json;
+    /// without one, bytes].
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// --data layout: auto (.jsonl/.json are JSON Lines with a `text` field), text or jsonl.
+    /// --data layout: auto (.jsonl/.json are JSON Lines with a `text` field), text or jsonl
+    /// [default: auto].
     #[arg(long, value_name = "auto|text|jsonl")]
     pub data_format: Option<DataFormat>,
-    /// Start from the weights in this safetensors file (fresh optimizer state), or from a
-    /// Hugging Face GPT-2 directory (`hf:DIR`, or a directory), whose config.json sets the
-    /// model's shape.
+    /// Start from pretrained weights (fresh optimizer state): `hf:DIR` (or a directory), a
+    /// Hugging Face GPT-2, Llama or Qwen2 directory whose config.json sets the model's shape;
+    /// `gguf:FILE` (or a file starting with the GGUF magic), a llama.cpp Llama-family file;
+    /// or a safetensors file of our parameter names (`checkpoint export`) [default: none].
     #[arg(long)]
     pub init: Option<PathBuf>,
     /// Serve the HTTP control endpoint (GET /status, GET /metrics, POST /ranks/{id}/drain,
@@ -258,7 +309,8 @@ pub struct TrainArgs {
     /// workers).
     #[arg(long, value_name = "ADDR", value_parser = parse_control_addr)]
     pub control: Option<std::net::SocketAddr>,
-    /// With --control: allow POST /ranks/{id}/kill (abrupt loss, for tests and demos).
+    /// With --control: allow POST /ranks/{id}/kill (abrupt loss, for tests and demos)
+    /// [default: off].
     #[arg(long, requires = "control")]
     pub control_allow_kill: bool,
     /// With --control: a file holding the operator token that drain, kill, join and checkpoint
@@ -282,10 +334,12 @@ pub struct TrainArgs {
     /// none|nvme|auto [default: auto].
     #[arg(long, value_name = "TIER")]
     pub offload_grads: Option<Offload>,
-    /// Directory of the NVMe tier (each rank gets a subfolder with one file). Needs direct I/O.
+    /// Directory of the NVMe tier (each rank gets a subfolder with one file). Needs direct I/O
+    /// [default: none].
     #[arg(long, value_name = "DIR")]
     pub nvme_dir: Option<PathBuf>,
-    /// Buffered I/O on the tier, for file systems without O_DIRECT (the page cache then counts).
+    /// Buffered I/O on the tier, for file systems without O_DIRECT (the page cache then counts)
+    /// [default: off].
     #[arg(long)]
     pub nvme_buffered: bool,
     /// Elements per tier record (multiple of 1024) [default: the planner's choice, at most
@@ -317,11 +371,11 @@ pub struct TrainArgs {
 /// faults are config keys only).
 #[derive(Args, Default)]
 pub struct FaultArgs {
-    /// A rank dies abruptly halfway through a step: RANK@STEP (repeatable).
+    /// A rank dies abruptly halfway through a step: RANK@STEP (repeatable) [default: none].
     #[arg(long, value_name = "RANK@STEP")]
     pub kill: Vec<At>,
     /// A rank dies abruptly halfway through a round between steps: RANK@STEP:ROUND, ROUND one
-    /// of reshard, replicate, restore (repeatable).
+    /// of reshard, replicate, restore (repeatable) [default: none].
     #[arg(long, value_name = "RANK@STEP:ROUND")]
     pub kill_during: Vec<RoundKill>,
 }
@@ -334,6 +388,15 @@ fn parse_control_addr(s: &str) -> Result<std::net::SocketAddr, String> {
 
 fn parse_model(s: &str) -> Result<ModelKind, String> {
     s.parse()
+}
+
+/// `--lr-schedule` as the `min_lr_ratio` it sets: 1 holds lr constant after warm-up.
+fn parse_lr_schedule(s: &str) -> Result<f32, String> {
+    match s {
+        "cosine" => Ok(TrainConfig::default().min_lr_ratio),
+        "constant" => Ok(1.0),
+        _ => Err(format!("unknown schedule `{s}`: use cosine or constant")),
+    }
 }
 
 fn parse_optimizer(s: &str) -> Result<OptimizerChoice, String> {
@@ -401,6 +464,7 @@ impl TrainArgs {
             layers,
             d_model,
             heads,
+            vocab,
             seq_len,
             micro_batches,
             micro_batch_size,
@@ -457,6 +521,9 @@ impl TrainArgs {
         if self.save_dir.is_some() {
             c.save_dir = self.save_dir.clone();
         }
+        if let Some(r) = self.lr_schedule {
+            c.min_lr_ratio = r;
+        }
         for (flag, list) in [
             (&self.leave, &mut c.leave),
             (&self.join, &mut c.join),
@@ -474,6 +541,12 @@ impl TrainArgs {
         }
         if self.json.is_some() {
             c.json = self.json.clone();
+        }
+        if self.eval_data.is_some() {
+            c.eval_data = self.eval_data.clone();
+        }
+        if self.metrics_file.is_some() {
+            c.metrics_file = self.metrics_file.clone();
         }
     }
 

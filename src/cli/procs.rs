@@ -205,6 +205,17 @@ pub fn check_train_args(args: &TrainArgs, cfg: &TrainConfig) -> Result<(), CliEr
             "the test hook {hook} is not supported with worker processes yet (use ezero train)"
         )));
     }
+    // `ezero train` evaluates and logs in its own process; the coordinator does neither yet.
+    for (flag, set) in [
+        ("--eval-data", cfg.eval_data.is_some()),
+        ("--metrics-file", cfg.metrics_file.is_some()),
+    ] {
+        if set {
+            return Err(CliError::Usage(format!(
+                "{flag} is not supported with worker processes yet (use ezero train)"
+            )));
+        }
+    }
     check_parts(cfg, STATE_PART_MAX_BYTES).map_err(|e| CliError::Usage(e.to_string()))
 }
 
@@ -292,6 +303,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         return Err(CliError::Usage("--listen is required".into()));
     };
     let (cfg, resume) = checkpoint::resolve_train(&args.train)?;
+    super::outputs::check_train(&cfg)?;
     check_train_args(&args.train, &cfg)?;
     let part_max_bytes = args
         .train
@@ -306,7 +318,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     let data = build_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     if let Some(source) = &resume {
-        checkpoint::check_compatible(source, &cfg, model.as_ref())?;
+        checkpoint::check_compatible(source, &cfg, model.as_ref(), args.train.reschedule)?;
     }
     let init = checkpoint::init_weights(&args.train, model.as_ref())?;
     // Read before the save directory is made: damaged saved state changes nothing.

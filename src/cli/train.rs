@@ -1,7 +1,7 @@
 //! `ezero train`: run a job on in-process rank actors, show progress, print the digest.
 
 use elastic_zero::runtime::clock::Stopwatch;
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::sync::Arc;
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -60,6 +60,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         passes_per_step,
         cfg.steps,
     );
+    let lines = StepLines::new(&job, &bar, &ticker)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -88,7 +89,6 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         }
     };
     let started = Stopwatch::start();
-    let lines = StepLines::new(&job, &bar, &ticker);
     let progress = Progress {
         bar: &bar,
         on_step: |rec: &StepRecord| lines.step(rec),
@@ -129,6 +129,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
 /// the data, and what the banner says about them.
 struct Job {
     cfg: TrainConfig,
+    eval: Option<Arc<elastic_zero::data::Dataset>>,
     resume: Option<elastic_zero::checkpoint::CheckpointSource>,
     model: Arc<dyn Model>,
     data: Arc<elastic_zero::data::Dataset>,
@@ -140,10 +141,13 @@ impl Job {
     /// Resolves the job and prints its banner; a resumed checkpoint must fit it.
     fn resolve(args: &TrainArgs) -> Result<Job, CliError> {
         let (cfg, resume) = checkpoint::resolve_train(args)?;
+        super::outputs::check_train(&cfg)?;
         let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
         let data = build_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
+        let eval = elastic_zero::job::build_eval_dataset(&cfg)
+            .map_err(|e| CliError::Usage(e.to_string()))?;
         if let Some(source) = &resume {
-            checkpoint::check_compatible(source, &cfg, model.as_ref())?;
+            checkpoint::check_compatible(source, &cfg, model.as_ref(), args.reschedule)?;
         }
         let psi = param_count(&model.units());
         println!(
@@ -165,6 +169,7 @@ impl Job {
         let floor = data.entropy_floor_nats();
         Ok(Job {
             cfg,
+            eval,
             resume,
             model,
             data,
@@ -219,11 +224,25 @@ struct StepLines<'a> {
     tokens: f64,
     /// The process's peak while training, before the parameters are consolidated.
     training_peak: std::cell::Cell<u64>,
+    /// `--metrics-file`, appended a line a step.
+    metrics: Option<std::cell::RefCell<std::fs::File>>,
 }
 
 impl<'a> StepLines<'a> {
-    fn new(job: &'a Job, bar: &'a ProgressBar, ticker: &'a Ticker) -> Self {
-        Self {
+    fn new(job: &'a Job, bar: &'a ProgressBar, ticker: &'a Ticker) -> Result<Self, CliError> {
+        let metrics = match &job.cfg.metrics_file {
+            Some(path) => Some(std::cell::RefCell::new(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .map_err(|e| {
+                        CliError::Usage(format!("--metrics-file {}: {e}", path.display()))
+                    })?,
+            )),
+            None => None,
+        };
+        Ok(Self {
             cfg: &job.cfg,
             floor: job.floor,
             bar,
@@ -231,6 +250,27 @@ impl<'a> StepLines<'a> {
             log_every: (job.cfg.steps / 10).max(1),
             tokens: job.cfg.tokens_per_step() as f64,
             training_peak: std::cell::Cell::new(0),
+            metrics,
+        })
+    }
+
+    /// One `--metrics-file` record; a failed write is reported once per step, not fatal.
+    fn log_metrics(&self, rec: &StepRecord, tps: f64) {
+        let Some(file) = &self.metrics else {
+            return;
+        };
+        let line = serde_json::json!({
+            "step": rec.step + 1,
+            "loss": rec.loss,
+            "lr": step_lr(self.cfg, rec),
+            "grad_norm": rec.grad_norm,
+            "tokens_per_s": tps,
+            "step_s": rec.duration_ms as f64 / 1e3,
+            "members": rec.reports.len(),
+            "skipped": rec.skipped,
+        });
+        if let Err(e) = writeln!(file.borrow_mut(), "{line}") {
+            print_line(self.bar, format!("--metrics-file: cannot write: {e}"));
         }
     }
 
@@ -251,6 +291,7 @@ impl<'a> StepLines<'a> {
             tps,
             mem.join(" ")
         ));
+        self.log_metrics(rec, tps);
         if rec.step.is_multiple_of(self.log_every) || rec.step + 1 == cfg.steps {
             let line = step_line(cfg, rec, self.floor, tps);
             print_line(self.bar, line);
@@ -266,7 +307,7 @@ pub(super) fn step_line(
     tps: f64,
 ) -> String {
     format!(
-        "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  {:.0} tok/s  [{}]{}{}",
+        "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  lr {:.3e}  {:.0} tok/s  [{}]{}{}",
         rec.step + 1,
         cfg.steps,
         rec.loss,
@@ -274,6 +315,7 @@ pub(super) fn step_line(
             .map(|f| format!(" (floor {f:.4})"))
             .unwrap_or_default(),
         rec.grad_norm,
+        step_lr(cfg, rec),
         tps,
         StepBreakdown::of(rec).describe(),
         device_note(rec),
@@ -305,6 +347,33 @@ fn device_note(rec: &StepRecord) -> String {
         gib(down),
         wait
     )
+}
+
+/// The learning rate the schedule gives step `rec` (its 1-based optimizer step).
+fn step_lr(cfg: &TrainConfig, rec: &StepRecord) -> f32 {
+    elastic_zero::job::lr_schedule(cfg).lr_at(rec.step + 1)
+}
+
+/// `--eval-data`'s loss with the trained parameters, printed and put in the summary.
+fn report_eval(job: &Job, params: &[Vec<f32>], summary: &mut TrainSummary) {
+    let (Some(data), Some(path)) = (&job.eval, &job.cfg.eval_data) else {
+        return;
+    };
+    if params.is_empty() {
+        println!("eval: skipped (the parameters are on the tier and are not gathered into memory)");
+        return;
+    }
+    let r = elastic_zero::job::eval::evaluate(job.model.as_ref(), params, &job.cfg, data);
+    println!(
+        "eval: loss {:.4}, perplexity {:.3} on {} windows of {} tokens of {}",
+        r.loss,
+        r.perplexity,
+        r.windows,
+        job.cfg.seq_len,
+        path.display()
+    );
+    summary.eval_loss = Some(r.loss);
+    summary.eval_perplexity = Some(r.perplexity);
 }
 
 /// The end of the run: the summary lines, a sample, the JSON summary and the digest.
@@ -345,6 +414,7 @@ fn report(
             print_sample(job.model.as_ref(), &outcome.params, cfg);
         }
     }
+    report_eval(job, &outcome.params, summary);
     if let Some(path) = &cfg.json {
         if let Some(line) = super::gemm::add_mfu(summary, job.model.as_ref(), cfg) {
             println!("{line}");
@@ -491,6 +561,8 @@ pub(super) fn summarize(
         )
     };
     TrainSummary {
+        eval_loss: None,
+        eval_perplexity: None,
         param_count: psi,
         stage: cfg.stage,
         world_size: cfg.ranks,

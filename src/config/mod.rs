@@ -153,6 +153,14 @@ pub struct TrainConfig {
     pub token_cache_dir: Option<PathBuf>,
     /// Write a JSON summary here.
     pub json: Option<PathBuf>,
+    /// Held-out data (same formats and tokenizer as `data`): its loss and perplexity on fixed
+    /// windows are computed with the trained model at the end (default none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_data: Option<PathBuf>,
+    /// Append one JSON line per step here: step, loss, lr, grad norm, tokens/s, step seconds,
+    /// members (default none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_file: Option<PathBuf>,
     /// Elements per shard chunk: the unit of ownership and of rebalancing (default 8192).
     pub chunk_elems: usize,
     /// ZeRO-3: units whose full parameters may be live at once (current + prefetched) (default 2).
@@ -283,6 +291,8 @@ impl Default for TrainConfig {
             reduce: ReduceMode::Exact,
             data: None,
             json: None,
+            eval_data: None,
+            metrics_file: None,
             chunk_elems: 8192,
             max_live_units: 2,
             activation_checkpointing: ActivationCheckpointing::Auto,
@@ -395,10 +405,10 @@ impl TrainConfig {
                 "saving every N steps needs save_dir (--save-dir DIR)",
             ));
         }
-        if let Some(path) = &self.data {
-            if !path.is_file() {
+        for (field, path) in [("data", &self.data), ("eval_data", &self.eval_data)] {
+            if let Some(path) = path.as_ref().filter(|p| !p.is_file()) {
                 return Err(ConfigError::new(
-                    "data",
+                    field,
                     format!("{} does not exist or is not a file", path.display()),
                 ));
             }

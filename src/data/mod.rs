@@ -125,6 +125,18 @@ impl fmt::Display for DataError {
             }
             DataError::TooShort {
                 path,
+                len_bytes: 0,
+                seq,
+                unit,
+            } => write!(
+                f,
+                "data file {} is empty (0 {unit}): give --data a file with at least {} {unit} \
+                 (seq {seq} + 1)",
+                path.display(),
+                seq + 1
+            ),
+            DataError::TooShort {
+                path,
                 len_bytes,
                 seq,
                 unit,

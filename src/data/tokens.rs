@@ -44,7 +44,8 @@ impl std::str::FromStr for DataFormat {
 }
 
 impl DataFormat {
-    fn resolve(self, path: &Path) -> Self {
+    /// `Auto` decided by `path`'s extension.
+    pub fn resolve(self, path: &Path) -> Self {
         match self {
             Self::Auto => match path.extension().and_then(|e| e.to_str()) {
                 Some("jsonl") | Some("json") => Self::Jsonl,

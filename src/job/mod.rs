@@ -2,6 +2,7 @@
 //! its learning-rate schedule, the memory plan, and the run's plan (`run_plan`) that every
 //! process of the run starts from.
 
+pub mod eval;
 pub mod run_plan;
 
 use std::sync::Arc;
@@ -105,6 +106,18 @@ pub fn build_dataset(cfg: &TrainConfig) -> Result<Arc<Dataset>, ConfigError> {
                     ),
                 ))
             }
+            // Bytes of JSON would train the model on the records' syntax.
+            None if cfg.data_format.resolve(path) == crate::data::DataFormat::Jsonl => {
+                return Err(ConfigError::new(
+                    "data_format",
+                    format!(
+                        "{} is JSON Lines, and without a tokenizer the model reads bytes: pass \
+                         --tokenizer FILE (or --init a model with one) to train on its `text` \
+                         fields, or --data-format text to train on the file's bytes as they are",
+                        path.display()
+                    ),
+                ))
+            }
             None => Dataset::Text(
                 TextData::load(path).map_err(|e| ConfigError::new("data", e.to_string()))?,
             ),
@@ -126,6 +139,21 @@ pub fn build_dataset(cfg: &TrainConfig) -> Result<Arc<Dataset>, ConfigError> {
         ));
     }
     Ok(Arc::new(data))
+}
+
+/// The held-out data of `eval_data`, read as `data` is (same format and tokenizer); `None`
+/// without it.
+pub fn build_eval_dataset(cfg: &TrainConfig) -> Result<Option<Arc<Dataset>>, ConfigError> {
+    let Some(path) = &cfg.eval_data else {
+        return Ok(None);
+    };
+    let as_data = TrainConfig {
+        data: Some(path.clone()),
+        ..cfg.clone()
+    };
+    build_dataset(&as_data)
+        .map(Some)
+        .map_err(|e| ConfigError::new("eval_data", e.message))
 }
 
 /// Threads a rank's matrix products use: `compute_threads`, or with 0 the cores over the

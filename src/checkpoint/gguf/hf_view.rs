@@ -73,8 +73,9 @@ impl GgufFile {
         NamedWeights::open(self, &NAMES, units)
     }
 
-    /// Writes `config.json`, `tokenizer.json` and `generation_config.json` for this model into
-    /// `dir` (created if needed).
+    /// Writes `config.json`, `tokenizer.json`, `generation_config.json`,
+    /// `tokenizer_config.json` (with the file's chat template) and `special_tokens_map.json`
+    /// for this model into `dir` (created if needed).
     pub fn write_hf_companions(&self, dir: &Path) -> Result<(), CheckpointError> {
         let shape = self.llama_shape()?;
         std::fs::create_dir_all(dir).at(dir, "create")?;
@@ -96,6 +97,10 @@ impl GgufFile {
         };
         write("config.json", &cfg)?;
         write("generation_config.json", &generation)?;
-        self.write_tokenizer_json(&dir.join("tokenizer.json"))
+        self.write_tokenizer_json(&dir.join("tokenizer.json"))?;
+        let template = self
+            .metadata("tokenizer.chat_template")
+            .and_then(|v| v.as_str());
+        crate::checkpoint::hf::tokenizer_files::complete(dir, &cfg, template).map(drop)
     }
 }

@@ -453,6 +453,8 @@ pub fn llama_json(shape: &LlamaShape, source: Option<&Path>) -> Map<String, Valu
         "rope_parameters",
         serde_json::json!({"rope_type": "default", "rope_theta": shape.rope_theta}),
     );
+    // transformers 4.x reads only the top-level key and takes 10000 without it.
+    set("rope_theta", shape.rope_theta.into());
     set("tie_word_embeddings", shape.tied.into());
     if !shape.qkv_bias {
         set("attention_bias", false.into());

@@ -5,6 +5,8 @@
 //! - [`files`]: safetensors headers, tensor reads at their offsets, sharded writes.
 //! - [`source`]: named tensors in, checked against our units, whatever holds them.
 //! - [`gpt2`], [`llama`]: each family's names and layouts against our models'.
+//! - [`tokenizer_files`]: the tokenizer and generation files a directory needs beside
+//!   `tokenizer.json`, written where the source had none.
 //!
 //! GPT-2, Llama and Qwen2 are read; another `model_type` is refused naming the supported ones.
 //!
@@ -15,6 +17,7 @@ pub mod files;
 pub mod gpt2;
 pub mod llama;
 pub mod source;
+pub mod tokenizer_files;
 
 use std::path::{Path, PathBuf};
 
@@ -98,8 +101,9 @@ pub struct HfExport {
 
 /// Writes `params` of a model trained with `cfg` as a directory transformers loads (a GPT as
 /// GPT-2, a Llama as Llama or, with q/k/v biases, Qwen2): `config.json`, the weights (f32, or
-/// bf16 with `bf16`) in shards of at most `max_shard_bytes`, and the source directory's
-/// tokenizer and generation files if it has them.
+/// bf16 with `bf16`) in shards of at most `max_shard_bytes`, the source directory's tokenizer
+/// and generation files, and those it lacks ([`tokenizer_files::complete`], with the source's
+/// chat template or `chat_template`). Every file is mode 0644: the directory is for sharing.
 pub fn export(
     cfg: &TrainConfig,
     units: &[UnitSpec],
@@ -107,6 +111,19 @@ pub fn export(
     out: &Path,
     bf16: bool,
     max_shard_bytes: u64,
+) -> Result<HfExport, CheckpointError> {
+    export_with_template(cfg, units, params, out, bf16, max_shard_bytes, None)
+}
+
+/// [`export`], with the chat template to write where the source has none.
+pub fn export_with_template(
+    cfg: &TrainConfig,
+    units: &[UnitSpec],
+    params: &[Vec<f32>],
+    out: &Path,
+    bf16: bool,
+    max_shard_bytes: u64,
+    chat_template: Option<&str>,
 ) -> Result<HfExport, CheckpointError> {
     let shape = config::HfShape::of(cfg).ok_or_else(|| CheckpointError::Incompatible {
         path: out.to_path_buf(),
@@ -128,10 +145,10 @@ pub fn export(
     let (mut written, weight_bytes) =
         files::write_checkpoint(out, tensors, dtype, max_shard_bytes)?;
     let mut json = shape.to_json(cfg.hf_dir.as_deref());
-    json.insert(
-        "dtype".into(),
-        if bf16 { "bfloat16" } else { "float32" }.into(),
-    );
+    // transformers 5 reads `dtype`, 4.x `torch_dtype`.
+    for key in ["dtype", "torch_dtype"] {
+        json.insert(key.into(), if bf16 { "bfloat16" } else { "float32" }.into());
+    }
     let path = out.join("config.json");
     let text = serde_json::to_string_pretty(&json).expect("a JSON map serializes");
     std::fs::write(&path, text).at(&path, "write")?;
@@ -145,6 +162,20 @@ pub fn export(
                 written.push(to);
             }
         }
+    }
+    let template = cfg
+        .hf_dir
+        .as_deref()
+        .and_then(tokenizer_files::chat_template)
+        .or(chat_template.map(String::from));
+    for f in tokenizer_files::complete(out, &json, template.as_deref())? {
+        if !written.contains(&f) {
+            written.push(f);
+        }
+    }
+    for f in &written {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o644)).at(f, "chmod")?;
     }
     Ok(HfExport {
         files: written,

@@ -53,7 +53,7 @@ pub enum CheckpointCommand {
         json: bool,
     },
     /// Write consolidated weights as safetensors (names = the model's parameter names), or with
-    /// --format hf as a Hugging Face GPT-2 directory transformers loads.
+    /// --format hf as a Hugging Face directory transformers loads (GPT-2, Llama or Qwen2).
     Export {
         /// A checkpoint directory, or a save directory (its newest complete checkpoint).
         dir: PathBuf,
@@ -88,6 +88,7 @@ pub struct BenchCheckpointArgs {
     /// Ranks (chunk files written and read in parallel).
     #[arg(long, default_value_t = 4)]
     pub ranks: u32,
+    /// Measurements of each kind.
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
     /// Also time a load after dropping the page cache (needs root; affects the whole machine).
@@ -153,6 +154,7 @@ pub fn run(cmd: CheckpointCommand) -> Result<(), CliError> {
             with_optimizer,
             ..
         } => {
+            super::outputs::check_file("--out", &out)?;
             let loaded = load_path(&dir).map_err(usage)?;
             let r = export(
                 &loaded,
@@ -200,6 +202,7 @@ fn export_hf(
                 .into(),
         ));
     }
+    super::outputs::check_dir("--out", out)?;
     let loaded = load_path(dir).map_err(usage)?;
     let cfg = &loaded.manifest.config;
     if cfg.model == ModelKind::Mlp {
@@ -457,6 +460,7 @@ pub fn check_compatible(
     loaded: &CheckpointSource,
     cfg: &TrainConfig,
     model: &dyn Model,
+    reschedule: bool,
 ) -> Result<(), CliError> {
     let sha = data_sha256(cfg).map_err(usage)?;
     check_resume(
@@ -465,6 +469,7 @@ pub fn check_compatible(
         cfg,
         &model.units(),
         sha.as_deref(),
+        reschedule,
     )
     .map_err(usage)
 }
