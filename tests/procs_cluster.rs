@@ -129,8 +129,11 @@ fn sigterm_drains_a_worker_at_the_next_boundary_inside_a_step_and_a_backup() {
         let pid = job.workers[1].id();
         signal(pid, "-TERM");
         signal(pid, "-CONT");
+        // The membership comes from the coordinator, the drain's timing from the driver that
+        // reads its events: wait for both.
         let s = poll(&job.addr, "the drain", |s| {
             s["members"] == serde_json::json!([0, 2])
+                && s["telemetry"]["drains"]["seconds_last"].is_number()
         });
         assert_eq!(s["telemetry"]["drains"]["signal"], 1, "{phase}: {s}");
         assert_eq!(s["telemetry"]["recoveries"], 0, "{phase}: {s}");
