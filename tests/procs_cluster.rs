@@ -20,6 +20,16 @@ struct Job {
     _secrets: tempfile::TempDir,
 }
 
+impl Job {
+    /// The coordinator's exit code (`None`: still running at `deadline`, then killed) and what
+    /// it printed.
+    fn coordinator_end(&mut self, deadline: Instant) -> (Option<i32>, String) {
+        let code = self.coord.wait_until(deadline).and_then(|s| s.code());
+        let out: Vec<String> = self.coord.lines.try_iter().collect();
+        (code, out.join("\n"))
+    }
+}
+
 fn start(flags: &[String], worker_flags: &[&str]) -> Job {
     let token = "test-token-cluster";
     let dir = secrets();
@@ -99,9 +109,7 @@ fn assert_drained_without_rollback(mut job: Job, reference: &str) {
             .any(|l| l.contains("left the job after step") && l.contains("after SIGTERM")),
         "{w1:?}"
     );
-    let code = job.coord.wait_until(deadline).and_then(|s| s.code());
-    let out: Vec<String> = job.coord.lines.try_iter().collect();
-    let out = out.join("\n");
+    let (code, out) = job.coordinator_end(deadline);
     assert_eq!(code, Some(0), "{out}\n{}", job.coord.stderr());
     assert!(out.contains("rank 1: notice (SIGTERM"), "{out}");
     assert!(out.contains("-> [0, 2], lost []"), "{out}");
@@ -163,9 +171,7 @@ fn sigterm_during_a_reshard_is_a_second_graceful_leave() {
     // The notice lands while the operator's change is pending or resharding.
     signal(job.workers[1].id(), "-TERM");
     let deadline = Instant::now() + DEADLINE;
-    let code = job.coord.wait_until(deadline).and_then(|s| s.code());
-    let out: Vec<String> = job.coord.lines.try_iter().collect();
-    let out = out.join("\n");
+    let (code, out) = job.coordinator_end(deadline);
     assert_eq!(code, Some(0), "{out}\n{}", job.coord.stderr());
     assert!(
         !out.contains("lost [1]") && !out.contains("lost [2]"),
@@ -199,9 +205,7 @@ fn sigterm_with_a_grace_too_short_takes_the_abrupt_path() {
     let err = job.workers[1].stderr();
     assert_eq!(code, Some(143), "{err}");
     assert!(err.contains("drain grace"), "{err}");
-    let code = job.coord.wait_until(deadline).and_then(|s| s.code());
-    let out: Vec<String> = job.coord.lines.try_iter().collect();
-    let out = out.join("\n");
+    let (code, out) = job.coordinator_end(deadline);
     assert_eq!(code, Some(0), "{out}\n{}", job.coord.stderr());
     assert!(out.contains("lost [1]"), "{out}");
     assert_eq!(digest(&out).as_deref(), Some(reference.as_str()), "{out}");
@@ -338,9 +342,7 @@ fn a_notice_below_min_ranks_stops_the_job_with_a_checkpoint() {
     });
     signal(job.workers[1].id(), "-TERM");
     let deadline = Instant::now() + DEADLINE;
-    let code = job.coord.wait_until(deadline).and_then(|s| s.code());
-    let out: Vec<String> = job.coord.lines.try_iter().collect();
-    let out = out.join("\n");
+    let (code, out) = job.coordinator_end(deadline);
     assert_eq!(code, Some(143), "{out}\n{}", job.coord.stderr());
     assert!(out.contains("rank 1: notice (SIGTERM) refused"), "{out}");
     assert!(out.contains("min_ranks is 3"), "{out}");
@@ -368,14 +370,13 @@ fn sigterm_to_a_coordinator_without_a_save_dir_stops_the_workers_in_order() {
     });
     signal(job.coord.id(), "-TERM");
     let deadline = Instant::now() + DEADLINE;
-    let code = job.coord.wait_until(deadline).and_then(|s| s.code());
-    let out: Vec<String> = job.coord.lines.try_iter().collect();
-    assert_eq!(code, Some(143), "{out:?}\n{}", job.coord.stderr());
+    let (code, out) = job.coordinator_end(deadline);
+    assert_eq!(code, Some(143), "{out}\n{}", job.coord.stderr());
     assert!(
-        out.iter()
+        out.lines()
             .any(|l| l.starts_with("stopped by SIGTERM after step")
                 && l.contains("not saved (no --save-dir)")),
-        "{out:?}"
+        "{out}"
     );
     for (i, w) in job.workers.iter_mut().enumerate() {
         let code = w.wait_until(deadline).and_then(|s| s.code());
