@@ -11,15 +11,16 @@ device's memory capped by --device-memory-max. Reported from the run's JSON summ
 
 The issue's target shape is a GPT of at least 1B parameters with --device-memory-max 2GiB
 (`--layers 24 --d-model 1792` is 0.93B plus embeddings); on a small machine pass a smaller
-shape and say so. Run it under the benchmark lock:
+shape and say so. Run it alone on the machine:
 
-    flock /tmp/bench.lock python3 benches/device_tier.py --layers 24 --d-model 1792 \
+    python3 benches/device_tier.py --layers 24 --d-model 1792 \
         --device-memory-max 2GiB --steps 2
 """
 
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,7 @@ def main():
     ap.add_argument("--device-memory-max", default="2GiB", help="the device budget [2GiB]")
     ap.add_argument("--link-gbps", type=float, default=25.0, help="modeled link GB/s [25]")
     ap.add_argument("--precision", default="bf16", help="bf16 or fp32 [bf16]")
-    ap.add_argument("--extra", nargs="*", default=[], help="more ezero train flags")
+    ap.add_argument("--extra", default="", help='more ezero train flags, as one string: --extra="--offload-optimizer nvme --nvme-dir DIR"')
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         js = os.path.join(tmp, "s.json")
@@ -49,7 +50,7 @@ def main():
             "--max-live-units", "2", "--sample-tokens", "0", "--warmup-steps", "1",
             "--device", "sim", "--device-memory-max", a.device_memory_max,
             "--sim-link-gbps", str(a.link_gbps), "--json", js,
-        ] + a.extra
+        ] + shlex.split(a.extra)
         print("command:", " ".join(cmd), flush=True)
         t0 = time.time()
         out = subprocess.run(cmd, capture_output=True, text=True)
