@@ -128,19 +128,10 @@ impl SavePlan {
         check_save_dir(&root, resumed_from)?;
         let writer = CheckpointWriter::spawn(root.clone(), meta, opts)
             .map_err(|e| CliError::Failed(e.to_string()))?;
-        let signal = Arc::new(AtomicUsize::new(0));
-        let again = Arc::new(AtomicBool::new(false));
+        let signal = stop_signal()?;
+        // The boundary flag asks the cluster for the snapshot this checkpoint is written from.
         for sig in SIGNALS {
-            // A second signal while the last checkpoint is being written ends the process at once.
-            let installed = signal_hook::flag::register_conditional_shutdown(
-                sig,
-                128 + sig,
-                Arc::clone(&again),
-            )
-            .and_then(|_| signal_hook::flag::register(sig, Arc::clone(&again)))
-            .and_then(|_| signal_hook::flag::register_usize(sig, Arc::clone(&signal), sig as usize))
-            .and_then(|_| signal_hook::flag::register(sig, Arc::clone(&boundary.flag)));
-            installed
+            signal_hook::flag::register(sig, Arc::clone(&boundary.flag))
                 .map_err(|e| CliError::Failed(format!("cannot install a signal handler: {e}")))?;
         }
         Ok(Saving {
@@ -223,14 +214,10 @@ impl Saving {
             self.report(vec![Err(e)]);
         }
         self.poll();
-        let why = self.stop_why.clone().unwrap_or_else(|| {
-            let name = if signal == signal_hook::consts::SIGINT {
-                "SIGINT"
-            } else {
-                "SIGTERM"
-            };
-            format!("stopped by {name}")
-        });
+        let why = self
+            .stop_why
+            .clone()
+            .unwrap_or_else(|| format!("stopped by {}", signal_name(signal)));
         let stopped = if self.failures > 0 {
             Stopped {
                 code: 1,
@@ -375,8 +362,17 @@ impl Stopped {
     }
 }
 
-/// SIGTERM and SIGINT for a run without a save directory: the flag says which came (0: none);
-/// a second one ends the process at once.
+/// The name of one of `SIGNALS`, for the line a stop prints.
+fn signal_name(signal: i32) -> &'static str {
+    if signal == signal_hook::consts::SIGINT {
+        "SIGINT"
+    } else {
+        "SIGTERM"
+    }
+}
+
+/// SIGTERM and SIGINT: the flag says which came (0: none); a second one ends the process at
+/// once (while the last checkpoint is written, or a run without one stops).
 pub fn stop_signal() -> Result<Arc<AtomicUsize>, CliError> {
     let signal = Arc::new(AtomicUsize::new(0));
     let again = Arc::new(AtomicBool::new(false));
@@ -490,11 +486,7 @@ impl<O: Observer> Observer for &mut SaveObserver<O> {
         if signal == 0 {
             return None;
         }
-        let name = if signal == signal_hook::consts::SIGINT as usize {
-            "SIGINT"
-        } else {
-            "SIGTERM"
-        };
+        let name = signal_name(signal as i32);
         let stopped = Stopped {
             code: 128 + signal as i32,
             line: format!(
