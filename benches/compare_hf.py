@@ -5,7 +5,9 @@ same shape and global batch (seq 256, 8 sequences per step), runs alternating, n
 once. `--model gpt2` is GPT-2 124M, `--model smollm2` SmolLM2-135M (Llama: 30 layers of 576,
 9 heads over 3 kv heads, tied 49152-token embedding).
 
-DIR is a random-init model of that shape that transformers saves here (no download). Both
+DIR is a random-init model of that shape that transformers saves here (no download; the
+--python environment needs torch and transformers: `pip install transformers` in the peers'
+venv). Both
 train on byte-level data (ids below 256): the step's cost does not depend on which ids they
 are.
 
@@ -29,14 +31,13 @@ import compare_train as ct  # noqa: E402
 
 ROOT = os.path.dirname(HERE)
 SEQ, GLOBAL = 256, 8
-# Ours with its defaults (buddy backups of every rank's state each step, which FSDP2 has no
-# counterpart of), ours without backups, ours without backups recomputing every block's
-# activations in the backward (FSDP2's peer keeps them), and the peer.
-WHO = ["ours", "ours_no_backups", "ours_recompute", "fsdp2"]
+# Ours with its defaults (in one process: no buddy backups, activations recomputed when keeping
+# them would add more than a quarter to the memory), ours keeping every block's activations
+# (faster, more memory), and the peer.
+WHO = ["ours", "ours_keep", "fsdp2"]
 EXTRA = {
     "ours": [],
-    "ours_no_backups": ["--replicate-every", "0"],
-    "ours_recompute": ["--replicate-every", "0", "--activation-checkpointing", "always"],
+    "ours_keep": ["--activation-checkpointing", "never"],
 }
 
 
@@ -76,6 +77,8 @@ def run_ours(ezero, model_dir, ws, steps, tmpdir, extra=()):
         s = json.load(f)
     return {"param_count": s["param_count"], "step_s": s["step_time_median_s"],
             "tokens_per_s": s["tokens_per_s"], "peak_rss_mib_sum": s["peak_rss_bytes"] / 2**20,
+            "peak_rss_training_mib": s.get("peak_rss_training_bytes", 0) / 2**20,
+            "planned_mib": s.get("planned_memory_bytes", 0) / 2**20,
             "cpu_s": ct.cpu_seconds(p.stderr), "final_loss": s["final_loss"]}
 
 
@@ -120,8 +123,8 @@ def main():
                 records.append(rec)
     with open(args.out, "w") as f:
         json.dump(records, f, indent=1)
-    print("\n| ws | run | step s | / FSDP2 (min–max) | peak RSS MiB | / FSDP2 |")
-    print("|---|---|---|---|---|---|")
+    print("\n| ws | run | step s | / FSDP2 (min–max) | peak RSS MiB | / FSDP2 | planned MiB / training peak |")
+    print("|---|---|---|---|---|---|---|")
     for ws in args.world_sizes:
         rs = [r for r in records if r["ws"] == ws]
         for who in WHO:
@@ -129,8 +132,12 @@ def main():
             mem = [r[who]["peak_rss_mib_sum"] / r["fsdp2"]["peak_rss_mib_sum"] for r in rs]
             step = statistics.median(r[who]["step_s"] for r in rs)
             rss = statistics.median(r[who]["peak_rss_mib_sum"] for r in rs)
+            plan = "—"
+            if who in EXTRA and rs[0][who].get("peak_rss_training_mib"):
+                p = statistics.median(r[who]["planned_mib"] / r[who]["peak_rss_training_mib"] for r in rs)
+                plan = f"{rs[0][who]['planned_mib']:.0f} / {rs[0][who]['peak_rss_training_mib']:.0f} = {p:.2f}"
             print(f"| {ws} | {who} | {step:.2f} | {statistics.median(ratio):.2f} "
-                  f"({min(ratio):.2f}–{max(ratio):.2f}) | {rss:.0f} | {statistics.median(mem):.2f} |")
+                  f"({min(ratio):.2f}–{max(ratio):.2f}) | {rss:.0f} | {statistics.median(mem):.2f} | {plan} |")
 
 
 def run_peer(args, ws, tmpdir, script, shape):

@@ -136,6 +136,10 @@ pub struct TrainSummary {
     /// measured): what training itself needed.
     #[serde(default)]
     pub peak_rss_training_bytes: u64,
+    /// What the memory planner expected this process to need at its peak (the banner's
+    /// `memory: about ...`), to compare with `peak_rss_training_bytes`.
+    #[serde(default)]
+    pub planned_memory_bytes: u64,
     /// `kept` or `recomputed`: what the activation policy chose for this process's ranks
     /// (empty where each worker process chooses for itself).
     #[serde(default)]

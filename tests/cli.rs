@@ -106,7 +106,7 @@ fn bad_input_is_one_line_exit_2_and_writes_nothing() {
 
 #[test]
 fn a_panicking_rank_is_recovered_from_or_stops_the_run_with_a_clear_error() {
-    // With buddy backups (the default) the lost rank's state survives: training goes on and
+    // With buddy backups (on by default when a fault is injected) the lost rank's state survives: training goes on and
     // ends where a run without the fault ends.
     let plain = [
         "--model",
@@ -143,6 +143,46 @@ fn a_panicking_rank_is_recovered_from_or_stops_the_run_with_a_clear_error() {
     assert!(
         err.contains("rank 1") && err.contains("panicked") && err.contains("checkpoint"),
         "{err}"
+    );
+}
+
+/// In one process buddy backups cost two copies of each rank's state and survive only the loss
+/// of a rank actor, so by default they are on only when the run can lose one alone; an
+/// explicit flag always wins. The banner says which and why.
+#[test]
+fn in_process_backups_are_on_by_default_only_when_a_rank_can_be_lost_alone() {
+    let with = |extra: &[&str]| {
+        let args: Vec<&str> = SMALL
+            .iter()
+            .chain(["--ranks", "3"].iter())
+            .chain(extra)
+            .copied()
+            .collect();
+        let (code, out, err) = train(&args);
+        assert_eq!(code, 0, "{extra:?}: {out}\n{err}");
+        out
+    };
+    let plain = with(&[]);
+    assert!(plain.contains("buddy backups: off"), "{plain}");
+    assert!(
+        !plain
+            .lines()
+            .any(|l| l.starts_with("memory:") && l.contains("buddy backups")),
+        "{plain}"
+    );
+    let killed = with(&["--kill", "1@1"]);
+    assert!(killed.contains("buddy backups: on"), "{killed}");
+    assert!(killed.contains("lost ranks [1]"), "{killed}");
+    // The same bits as the run without the loss.
+    assert_eq!(plain.lines().last(), killed.lines().last());
+    // An explicit choice is not second-guessed, and the banner says nothing of a default.
+    let asked = with(&["--replicate-every", "1"]);
+    assert!(!asked.contains("buddy backups: "), "{asked}");
+    assert!(
+        asked
+            .lines()
+            .any(|l| l.starts_with("memory:") && l.contains("buddy backups")),
+        "{asked}"
     );
 }
 
@@ -304,16 +344,17 @@ fn bench_collectives_over_tcp_reports_every_op() {
     }
 }
 
-/// `auto` keeps activations when they fit the budget and recomputes when only recomputing
-/// fits, says which at start, and trains to the same bits either way; `always` and
-/// `--keep-activations` together are refused.
+/// `auto` keeps activations when they fit the budget (and, at this size, add less than a
+/// quarter to the memory) and recomputes when only recomputing fits, says which at start,
+/// and trains to the same bits either way; `always` and `--keep-activations` together are
+/// refused.
 #[test]
 fn activation_checkpointing_auto_follows_the_budget() {
     let base = [
         "--layers",
         "2",
         "--d-model",
-        "64",
+        "256",
         "--heads",
         "2",
         "--seq-len",
@@ -321,9 +362,9 @@ fn activation_checkpointing_auto_follows_the_budget() {
         "--ranks",
         "2",
         "--micro-batches",
-        "4",
+        "2",
         "--micro-batch-size",
-        "4",
+        "1",
         "--steps",
         "2",
         "--sample-tokens",

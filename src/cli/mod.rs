@@ -3,6 +3,7 @@
 //!
 //! Usage: README.md.
 
+mod backups;
 mod checkpoint;
 mod collectives;
 mod control_access;
@@ -261,7 +262,9 @@ pub struct TrainArgs {
     #[arg(long, value_name = "COUNT@STEP")]
     pub join: Vec<At>,
     /// Buddy backups at least every this many steps (0: off; a lost rank then stops the run)
-    /// [default: 1].
+    /// [default: 1 for worker processes; in one process (`ezero train`) 1 only when the run can
+    /// lose a rank actor alone (--kill, --kill-during, --control-allow-kill, network faults),
+    /// else 0: a process dies whole, with its backups].
     #[arg(long)]
     pub replicate_every: Option<u64>,
     /// The world never shrinks below this many ranks [default: 1].

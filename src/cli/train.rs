@@ -140,7 +140,8 @@ struct Job {
 impl Job {
     /// Resolves the job and prints its banner; a resumed checkpoint must fit it.
     fn resolve(args: &TrainArgs) -> Result<Job, CliError> {
-        let (cfg, resume) = checkpoint::resolve_train(args)?;
+        let (mut cfg, resume) = checkpoint::resolve_train(args)?;
+        let backups = super::backups::apply_default(args, &mut cfg)?;
         super::outputs::check_train(&cfg)?;
         let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
         let data = build_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
@@ -163,6 +164,9 @@ impl Job {
             },
             data.describe()
         );
+        if let Some(line) = backups.describe(&cfg) {
+            println!("{line}");
+        }
         if let Some(l) = &resume {
             checkpoint::print_resumed(l);
         }
@@ -590,6 +594,7 @@ pub(super) fn summarize(
         io_wait_s_per_step: per_step(&|x| x.io_wait_s, true),
         peak_rss_bytes: peak_rss_bytes().unwrap_or(0),
         peak_rss_training_bytes: 0,
+        planned_memory_bytes: fit.process_bytes,
         activations: String::new(),
         precision: cfg.precision.name().into(),
         backend: String::new(),

@@ -213,3 +213,23 @@ impl TrainConfig {
         Ok(())
     }
 }
+
+impl TrainConfig {
+    /// Whether a run whose ranks all live in one process can lose one rank and go on, so that
+    /// buddy backups there protect something. One process dies whole (an OOM kill, a signal,
+    /// a lost machine) and takes every backup with it; what in-process backups survive is the
+    /// loss of a single rank actor: a kill this run schedules (`kill`, `kill_during`), one an
+    /// operator may order (`allow_kill`), or a rank cut off by injected network faults.
+    pub fn in_process_losses_possible(&self, allow_kill: bool) -> bool {
+        let f = &self.faults;
+        let net_faults = f.net_drop_per_mille > 0
+            || f.net_corrupt_per_mille > 0
+            || f.net_slow_rank.is_some()
+            || !f.net_partition_ranks.is_empty();
+        allow_kill
+            || !self.kill.is_empty()
+            || !f.kill_during.is_empty()
+            || f.panic_at.is_some()
+            || net_faults
+    }
+}

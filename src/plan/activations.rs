@@ -1,17 +1,28 @@
 //! Whether a block keeps its forward intermediates until its backward or recomputes them:
 //! a pure decision from the memory the two choices need and the budget, made once before the
-//! run (the same bits either way; keeping saves about a third of the step's compute).
+//! run (the same bits either way; keeping saves up to a third of the step's compute, less
+//! where the step's time goes elsewhere).
+//!
+//! `auto` keeps them only when that costs at most [`KEEP_PREMIUM_MAX`] more memory than
+//! recomputing: a fine-tune's activations at real sequence lengths can be several times its
+//! state, and the memory a run takes by default should leave room for the OS, the page cache
+//! and other work on the machine, not fill it because it is there.
 
 use serde::{Deserialize, Serialize};
 
 use super::tier::{Fit, FitError};
+
+/// The most `auto` lets keeping activations add to the process's planned memory, as a
+/// fraction of what the run needs when it recomputes them.
+pub const KEEP_PREMIUM_MAX: f64 = 0.25;
 
 /// The configured policy (`activation_checkpointing`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ActivationCheckpointing {
     /// Keep when keeping fits the budget without moving more state to the tier than
-    /// recomputing would; recompute otherwise.
+    /// recomputing would and adds at most `KEEP_PREMIUM_MAX` to the run's memory; recompute
+    /// otherwise.
     #[default]
     Auto,
     /// Always recompute (checkpoint every block): the least memory.
@@ -53,6 +64,19 @@ pub struct ActivationChoice {
     /// One rank's activation bytes when keeping, and when recomputing.
     pub kept_bytes: u64,
     pub recomputed_bytes: u64,
+    /// Under `auto`, why it recomputes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recompute_reason: Option<RecomputeReason>,
+}
+
+/// Why `auto` recomputes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RecomputeReason {
+    /// Keeping would move state to the tier (or not fit at all).
+    NeedsOffload,
+    /// Keeping would add more than `KEEP_PREMIUM_MAX` to the run's memory.
+    Premium,
 }
 
 impl ActivationChoice {
@@ -81,9 +105,12 @@ impl ActivationChoice {
         let what = self.outcome();
         let why = match (self.policy, self.keep) {
             (ActivationCheckpointing::Auto, true) => "auto: keeping fits the budget",
-            (ActivationCheckpointing::Auto, false) => {
-                "auto: keeping does not fit the budget without more offload"
-            }
+            (ActivationCheckpointing::Auto, false) => match self.recompute_reason {
+                Some(RecomputeReason::Premium) => {
+                    "auto: keeping would add more than a quarter to the run's memory; --activation-checkpointing never keeps them"
+                }
+                _ => "auto: keeping does not fit the budget without more offload",
+            },
             (ActivationCheckpointing::Always, _) => "activation_checkpointing = always",
             (ActivationCheckpointing::Never, _) => "activation_checkpointing = never",
         };
@@ -97,28 +124,41 @@ impl ActivationChoice {
 
 /// Applies `policy`: `place(activation_bytes)` plans the run with that much activation memory
 /// per rank. `auto` keeps only when the plan with kept activations succeeds with the same
-/// placement as the plan that recomputes, so keeping never pushes state to the disk.
+/// placement as the plan that recomputes, so keeping never pushes state to the disk, and
+/// needs at most `KEEP_PREMIUM_MAX` more of the process's memory.
 pub fn choose(
     policy: ActivationCheckpointing,
     kept_bytes: u64,
     recomputed_bytes: u64,
     place: impl Fn(u64) -> Result<Fit, FitError>,
 ) -> Result<(Fit, ActivationChoice), FitError> {
-    let choice = |keep| ActivationChoice {
+    let choice = |keep, recompute_reason| ActivationChoice {
         policy,
         keep,
         kept_bytes,
         recomputed_bytes,
+        recompute_reason,
     };
     match policy {
-        ActivationCheckpointing::Never => Ok((place(kept_bytes)?, choice(true))),
-        ActivationCheckpointing::Always => Ok((place(recomputed_bytes)?, choice(false))),
+        ActivationCheckpointing::Never => Ok((place(kept_bytes)?, choice(true, None))),
+        ActivationCheckpointing::Always => Ok((place(recomputed_bytes)?, choice(false, None))),
         ActivationCheckpointing::Auto => {
             // Recomputing needs the least memory: if that does not fit, nothing does.
             let recompute = place(recomputed_bytes)?;
+            let ceiling = recompute.process_bytes as f64 * (1.0 + KEEP_PREMIUM_MAX);
             match place(kept_bytes) {
-                Ok(keep) if keep.placement == recompute.placement => Ok((keep, choice(true))),
-                _ => Ok((recompute, choice(false))),
+                Ok(keep) if keep.placement != recompute.placement => Ok((
+                    recompute,
+                    choice(false, Some(RecomputeReason::NeedsOffload)),
+                )),
+                Ok(keep) if keep.process_bytes as f64 > ceiling => {
+                    Ok((recompute, choice(false, Some(RecomputeReason::Premium))))
+                }
+                Ok(keep) => Ok((keep, choice(true, None))),
+                Err(_) => Ok((
+                    recompute,
+                    choice(false, Some(RecomputeReason::NeedsOffload)),
+                )),
             }
         }
     }
@@ -164,13 +204,13 @@ mod tests {
     fn auto_keeps_when_keeping_fits_the_budget() {
         let (fit, c) = choose(
             ActivationCheckpointing::Auto,
-            300,
+            200,
             100,
             planner(500, 200, 1000),
         )
         .expect("fits");
         assert!(c.keep);
-        assert_eq!(fit.per_rank.activations, 300);
+        assert_eq!(fit.per_rank.activations, 200);
         assert_eq!(fit.placement, Placement::RAM);
         assert!(c.describe().contains("kept (auto"), "{}", c.describe());
     }
@@ -221,12 +261,12 @@ mod tests {
     #[test]
     fn the_budget_moves_the_choice() {
         // The same run at growing budgets: recompute, then keep from the point keeping fits.
-        let keeps: Vec<bool> = [550, 700, 799, 800, 5000]
+        let keeps: Vec<bool> = [550, 600, 649, 650, 5000]
             .iter()
             .map(|&budget| {
                 choose(
                     ActivationCheckpointing::Auto,
-                    300,
+                    150,
                     50,
                     planner(500, 0, budget),
                 )
@@ -236,6 +276,42 @@ mod tests {
             })
             .collect();
         assert_eq!(keeps, [false, false, false, true, true]);
+    }
+
+    #[test]
+    fn auto_recomputes_when_keeping_costs_more_than_a_quarter_more_memory() {
+        // 500 + 126 > 1.25 x (500 + 0): recompute though keeping fits; 125 is the edge.
+        let keep = |kept| {
+            choose(
+                ActivationCheckpointing::Auto,
+                kept,
+                0,
+                planner(500, 0, 10_000),
+            )
+            .expect("fits")
+            .1
+        };
+        assert!(keep(125).keep);
+        let c = keep(126);
+        assert!(!c.keep);
+        assert_eq!(c.recompute_reason, Some(RecomputeReason::Premium));
+        assert!(
+            c.describe().contains("more than a quarter"),
+            "{}",
+            c.describe()
+        );
+        // Never still keeps, whatever it costs.
+        assert!(
+            choose(
+                ActivationCheckpointing::Never,
+                5000,
+                0,
+                planner(500, 0, 10_000)
+            )
+            .unwrap()
+            .1
+            .keep
+        );
     }
 
     #[test]

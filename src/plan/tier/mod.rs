@@ -16,6 +16,8 @@ pub use super::memory::gib;
 use super::memory::{masters_in_shard, resident};
 use super::schedule::Stage;
 
+pub mod working;
+
 /// A configured tier for one kind of state. `Auto` lets [`place`] choose the least offload that
 /// fits; `Cpu` is ZeRO-Offload's host memory beside a device (the config reads it as `None`
 /// with `--device`) and is refused without one.
@@ -192,6 +194,8 @@ pub struct Demand {
     pub param_copy_bytes: u64,
     /// Stage 3: units whose gathered parameters may be live at once.
     pub max_live_units: u64,
+    /// The compute's working set at its peak ([`working::compute_bytes`]).
+    pub compute_bytes: u64,
     /// One rank's peak activation bytes (saved unit inputs plus one unit's intermediates).
     pub activation_bytes: u64,
     /// Buddy backups are taken (`replicate_every` > 0 with two or more ranks): each rank keeps
@@ -545,7 +549,7 @@ pub fn evaluate_with(d: &Demand, p: Placement, tile_elems: u64, reuse: bool) -> 
     // two updates queued behind each other).
     // fp32 only: under bf16 the gathered unit holds the rounded values, not the masters.
     let reuse = in_backward && reuse && d.param_copy_bytes == 4;
-    let working = compute_bytes(d) + tier_read_bytes(d, p, reuse);
+    let working = d.compute_bytes + tier_read_bytes(d, p, reuse);
     let mut kinds = p.kinds(d.stage, d.state_per_param, d.param_copy_bytes);
     if in_backward {
         kinds.grads = 0;
@@ -595,41 +599,6 @@ pub fn evaluate_with(d: &Demand, p: Placement, tile_elems: u64, reuse: bool) -> 
         update_in_backward: in_backward,
         update_reuses_params: reuse,
     }
-}
-
-/// The compute's working set, wherever the state lives: gathered units, gradient accumulators
-/// and tied parameters.
-fn compute_bytes(d: &Demand) -> u64 {
-    let unit = d.largest_unit_elems;
-    // Stage 3's gathered units; under bf16 at stages 0-2, the unit widened from the bf16 copy
-    // for its forward or backward.
-    let gathered = if d.stage == Stage::Zero3 || d.param_copy_bytes < 4 {
-        4 * unit * d.max_live_units.max(1)
-    } else {
-        0
-    };
-    // Backward: the unit accumulators and a micro-batch gradient; the optimizer: one unit's
-    // gradient shard widened to f32. They do not overlap in time. Stages 2-3 wait for a unit's
-    // reduce-scatter only after the next unit's backward (`schedule::phases`), so two
-    // accumulators are live (one with a single rank or with the update in the backward,
-    // `schedule::phases`, but a join can grow the world mid-run; the room it leaves
-    // holds a second update's gradient shard, `TierIo`); stages 0-1
-    // accumulate into their resident whole-model gradients (counted there), and one is kept as
-    // a margin.
-    let accumulators = if matches!(d.stage, Stage::Zero2 | Stage::Zero3) {
-        2
-    } else {
-        1
-    };
-    let working = gathered + (unit * (accumulators * d.grad_elem_bytes + 4)).max(4 * unit);
-    // Tied parameters: the lent copy and the user's view (4 B each), and at stages 2-3 the
-    // owner's accumulator, which the user's backward starts early.
-    let tied = match d.tied_elems {
-        0 => 0,
-        t if matches!(d.stage, Stage::Zero2 | Stage::Zero3) => 8 * t + unit * d.grad_elem_bytes,
-        t => 8 * t,
-    };
-    working + tied
 }
 
 /// What reading and writing the tier keeps in RAM beside compute: shards read ahead, reduced

@@ -15,12 +15,24 @@ fn demand(stage: Stage, total: u64, ranks: u64) -> Demand {
         state_per_param: 2,
         param_copy_bytes: 4,
         max_live_units: 2,
+        compute_bytes: uniform_compute(stage, total / 10, 4),
         activation_bytes: 1 << 20,
         backups: false,
         snapshots: Snapshots::None,
         chunk_elems: 8192,
         clipping: true,
     }
+}
+
+/// The working set of ten equal untied units of `unit` elements, two gathered at a time.
+fn uniform_compute(stage: Stage, unit: u64, param_copy_bytes: u64) -> u64 {
+    let shape = working::StepShape {
+        stage,
+        grad_elem_bytes: 8,
+        param_copy_bytes,
+        max_live_units: 2,
+    };
+    working::compute_bytes(&working::uniform(10, unit), &[], shape)
 }
 
 fn limits(opt: Offload, params: Offload, budget: u64) -> Limits {
@@ -481,6 +493,7 @@ fn bf16_stages_0_to_2_keep_a_bf16_copy_and_put_the_owned_masters_with_the_optimi
     let fp32 = demand(Stage::Zero1, 1 << 24, 4);
     let bf16 = Demand {
         param_copy_bytes: 2,
+        compute_bytes: uniform_compute(Stage::Zero1, (1 << 24) / 10, 2),
         ..fp32
     };
     let (total, owned, unit) = (1u64 << 24, 1u64 << 22, (1u64 << 24) / 10);
@@ -504,10 +517,12 @@ fn bf16_stages_0_to_2_keep_a_bf16_copy_and_put_the_owned_masters_with_the_optimi
     // Stage 3 is unchanged: its fp32 shard is the master and its parameters.
     let s3 = Demand {
         stage: Stage::Zero3,
+        compute_bytes: uniform_compute(Stage::Zero3, (1 << 24) / 10, 2),
         ..bf16
     };
     let s3_32 = Demand {
         stage: Stage::Zero3,
+        compute_bytes: uniform_compute(Stage::Zero3, (1 << 24) / 10, 4),
         ..fp32
     };
     let (a, b) = (
