@@ -51,8 +51,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         snapshot_sink: save_plan.as_ref().map(SavePlan::sink),
         clock: elastic_zero::runtime::clock::SystemClock::shared(),
         net_trace: None,
-        // Only the sample and the evaluation read the parameters; without them the run ends
-        // with the digest alone, so a model that fills the memory is not copied at the end.
+        // Without a sample or an evaluation the run ends with the digest alone (no copy).
         keep_params: wants_params(&job),
     };
     let backend = job.model.backend().name().to_string();
