@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The device tier's ZeRO-Offload schedule on the simulated device (`--device sim`).
 
-One run of `ezero train` at ZeRO stage 3, bf16, optimizer and fp32 masters on the host, the
-device's memory capped by --device-memory-max. Reported from the run's JSON summary:
+One run of `ezero train` at ZeRO stage 3 (bf16 unless --precision says otherwise), optimizer
+and fp32 masters on the host, the device's memory capped by --device-memory-max. Reported
+from the run's JSON summary:
 
 - bytes moved host<->device per parameter per step, against ZeRO-Offload's 4+2 (DeepSpeed:
   fp32 gradients down, 16-bit parameters up) and the paper's 2+2;
@@ -79,6 +80,10 @@ def main():
         "step_s": round(step_s, 3),
         "compute_s": round(compute_s, 3),
         "optimizer_s": round(r["optimizer_s_per_step"], 3),
+        # The rest of the step: gathers and reduce-scatters (one rank: the host's copies of
+        # its own shard), the agreement round and the coordinator's round trip.
+        "collectives_s": round(r["collectives_s_per_step"], 3),
+        "outside_s": round(r["outside_s_per_step"], 3),
         "copies_at_link_s": round(copies_s, 4),
         "copy_wait_s": round(d["copy_wait_s_per_step"], 4),
         "step_over_max_compute_copies": round(step_s / floor, 3) if floor > 0 else None,

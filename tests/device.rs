@@ -1,12 +1,12 @@
 //! The device tier on the simulated device (`--device sim`): the same bits as the host run,
 //! device memory within its budget, and copy accounting that matches the plan.
 
-use crate::common::{run_cfg, small};
+use crate::common::{run_cfg, small, train_blocking};
 use elastic_zero::config::{At, DeviceChoice, ModelKind, TrainConfig};
 use elastic_zero::job::{build_model, device_demand};
 use elastic_zero::model::backend::{DeviceCounters, Precision};
 use elastic_zero::plan::device::{bytes_per_step, place_device};
-use elastic_zero::runtime::TrainOutcome;
+use elastic_zero::runtime::{ClusterSpec, TrainOutcome};
 
 fn on_sim(cfg: &TrainConfig, device_bytes: u64) -> TrainConfig {
     TrainConfig {
@@ -300,4 +300,37 @@ fn offload_cpu_means_host_memory_beside_a_device() {
     .unwrap();
     let dev = run_cfg(&on_sim(&cfg, 16 << 20)).unwrap();
     assert_eq!(dev.param_sha256, want.param_sha256);
+}
+
+#[test]
+fn a_run_that_does_not_keep_its_parameters_ends_with_the_same_digest_read_piece_by_piece() {
+    // State in RAM, several ranks and chunks: the digest read from the owners a piece at a time
+    // must be the digest of the consolidated parameters, on the host and on the device.
+    for device in [false, true] {
+        let base = TrainConfig {
+            ranks: 3,
+            stage: 3,
+            steps: 2,
+            ..small(ModelKind::Gpt)
+        };
+        let cfg = if device {
+            on_sim(&base, 16 << 20)
+        } else {
+            base
+        };
+        let kept = run_cfg(&cfg).unwrap();
+        assert!(!kept.params.is_empty(), "kept by default");
+        let spec = ClusterSpec {
+            keep_params: false,
+            ..ClusterSpec::from_config(cfg).unwrap()
+        };
+        let digest_only = train_blocking(spec, ()).unwrap();
+        assert!(digest_only.params.is_empty(), "nothing gathered");
+        assert_eq!(
+            digest_only.param_sha256, kept.param_sha256,
+            "device {device}"
+        );
+        let consolidated = elastic_zero::summary::param_sha256(&kept.params);
+        assert_eq!(consolidated, kept.param_sha256);
+    }
 }

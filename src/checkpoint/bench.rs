@@ -310,6 +310,7 @@ pub fn bench_slowdown(
             snapshot_sink: None,
             clock: crate::runtime::clock::SystemClock::shared(),
             net_trace: None,
+            keep_params: false,
         };
         rt.block_on(train(spec, timed))
             .map(|_| ())

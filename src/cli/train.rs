@@ -51,6 +51,8 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         snapshot_sink: save_plan.as_ref().map(SavePlan::sink),
         clock: elastic_zero::runtime::clock::SystemClock::shared(),
         net_trace: None,
+        // Without a sample or an evaluation the run ends with the digest alone (no copy).
+        keep_params: wants_params(&job),
     };
     let backend = job.model.backend().name().to_string();
     let passes_per_step = 2 * job.model.units().len() as u64 * u64::from(cfg.ranks);
@@ -359,6 +361,12 @@ fn step_lr(cfg: &TrainConfig, rec: &StepRecord) -> f32 {
 }
 
 /// `--eval-data`'s loss with the trained parameters, printed and put in the summary.
+/// Whether the end of the run reads the trained parameters (a sample or an evaluation).
+fn wants_params(job: &Job) -> bool {
+    let sample = job.cfg.model != ModelKind::Mlp && job.cfg.sample_tokens > 0;
+    sample || (job.eval.is_some() && job.cfg.eval_data.is_some())
+}
+
 fn report_eval(job: &Job, params: &[Vec<f32>], summary: &mut TrainSummary) {
     let (Some(data), Some(path)) = (&job.eval, &job.cfg.eval_data) else {
         return;

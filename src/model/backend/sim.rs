@@ -39,6 +39,34 @@ struct Arena {
     peak: u64,
     by_kind: [u64; 3],
     peak_by_kind: [u64; 3],
+    /// Freed memory kept for the next allocation of its size, at most the capacity in all, as
+    /// a device's allocator keeps its pool: the step frees and allocates buffers of the same
+    /// sizes unit after unit, and fresh host memory costs page faults on the very cores that
+    /// run the kernels.
+    spare: Vec<Vec<f32>>,
+}
+
+impl Arena {
+    /// A zeroed buffer of `elems`, from the spare memory when one of that size is there.
+    fn buffer(&mut self, elems: usize) -> Vec<f32> {
+        match self.spare.iter().position(|v| v.len() == elems) {
+            Some(i) => {
+                let mut v = self.spare.swap_remove(i);
+                v.fill(0.0);
+                v
+            }
+            None => vec![0f32; elems],
+        }
+    }
+
+    /// Keeps `mem` for reuse within `capacity_bytes` of spare memory (the oldest goes first).
+    fn keep(&mut self, mem: Vec<f32>, capacity_bytes: u64) {
+        let bytes = |v: &[Vec<f32>]| v.iter().map(|m| 4 * m.len() as u64).sum::<u64>();
+        self.spare.push(mem);
+        while bytes(&self.spare) > capacity_bytes {
+            self.spare.remove(0);
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -197,12 +225,13 @@ impl Device for SimDevice {
     ) -> Result<DeviceBuffer, DeviceError> {
         let bytes = 4 * elems as u64;
         self.take(tensor, kind, bytes)?;
+        let mem = self.arena.lock().expect("arena lock").buffer(elems);
         Ok(DeviceBuffer {
             tensor: tensor.to_string(),
             kind,
             elems,
             bytes,
-            mem: Some(Arc::new(Mutex::new(vec![0f32; elems]))),
+            mem: Some(Arc::new(Mutex::new(mem))),
         })
     }
 
@@ -226,6 +255,11 @@ impl Device for SimDevice {
         let mut a = self.arena.lock().expect("arena lock");
         a.used -= buf.bytes;
         a.by_kind[kind_index(buf.kind)] -= buf.bytes;
+        // Memory a queued copy still holds is dropped by that copy instead.
+        if let Some(mem) = buf.mem.and_then(|m| Arc::try_unwrap(m).ok()) {
+            let mem = mem.into_inner().unwrap_or_else(|e| e.into_inner());
+            a.keep(mem, self.spec.capacity_bytes);
+        }
     }
 
     fn upload(&self, src: HostData, dst: &DeviceBuffer) -> Result<Event, DeviceError> {

@@ -100,6 +100,12 @@ pub struct ClusterSpec {
     pub clock: Arc<dyn Clock>,
     /// Where the in-process network records what it does (chaos replays), if anywhere.
     pub net_trace: Option<Arc<NetTrace>>,
+    /// Whether the run ends by gathering the consolidated parameters into
+    /// [`TrainOutcome::params`] (a copy of every chunk's state in this process). Without it
+    /// the run ends with only the digest, read from the owners a bounded piece at a time,
+    /// so a model whose state fills the memory ends within it. State on the tier is never
+    /// gathered.
+    pub keep_params: bool,
 }
 
 impl ClusterSpec {
@@ -127,6 +133,7 @@ impl ClusterSpec {
             snapshot_sink: None,
             clock: SystemClock::shared(),
             net_trace: None,
+            keep_params: true,
         }
     }
 }
@@ -135,7 +142,8 @@ impl ClusterSpec {
 pub struct TrainOutcome {
     pub records: Vec<StepRecord>,
     /// Consolidated fp32 parameters per unit; empty when the planner put state on the tier
-    /// (the model may not fit in memory), so use `param_sha256` to compare runs.
+    /// (the model may not fit in memory) or the spec did not ask to keep them
+    /// ([`ClusterSpec::keep_params`]), so use `param_sha256` to compare runs.
     pub params: Vec<Vec<f32>>,
     /// The final parameters' digest (`param-sha256`), always present.
     pub param_sha256: String,
@@ -156,6 +164,8 @@ pub struct Cluster {
     fit: Fit,
     activations: ActivationChoice,
     device: Option<DevicePlan>,
+    /// [`ClusterSpec::keep_params`].
+    keep_params: bool,
     /// Held while the run uses its tier directory.
     _tier_lock: Option<DirLock>,
 }
@@ -235,6 +245,7 @@ impl Cluster {
             fit: storage.fit,
             activations: storage.activations,
             device: storage.device,
+            keep_params: spec.keep_params,
             _tier_lock: tier_lock,
         })
     }
@@ -323,14 +334,14 @@ impl Cluster {
         self.gather_from_ranks(CoordMsg::Digest, 600).await
     }
 
-    /// The outcome of a run that finished: consolidated parameters when the state is in RAM;
-    /// with state on the tier only the digest, read piece by piece, so that the end of the run
-    /// stays within the memory the planner allowed.
+    /// The outcome of a run that finished: consolidated parameters when the state is in RAM
+    /// and the spec keeps them; otherwise only the digest, read piece by piece, so that the end
+    /// of the run stays within the memory the planner allowed.
     pub(crate) async fn outcome(
         &self,
         records: Vec<StepRecord>,
     ) -> Result<TrainOutcome, ClusterError> {
-        let (params, param_sha256) = if self.fit.placement.any_nvme() {
+        let (params, param_sha256) = if self.fit.placement.any_nvme() || !self.keep_params {
             (Vec::new(), self.param_digest().await?)
         } else {
             let params = self.collect_params().await?;

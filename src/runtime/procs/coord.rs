@@ -52,7 +52,7 @@ use crate::plan::{RankId, ShardMap, Stage};
 use crate::runtime::actors::{
     BoundarySnapshot, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank,
 };
-use crate::runtime::api::cluster::{consolidate, Observer, TrainOutcome};
+use crate::runtime::api::cluster::{Observer, TrainOutcome};
 use crate::runtime::api::control::ControlError;
 use crate::runtime::api::control::{ControlHandle, DataPlanes, Monitor, Workers};
 use crate::runtime::api::http::{self, HttpLimits};
@@ -95,9 +95,9 @@ pub struct CoordinatorOptions {
     pub on_demand_snapshots: bool,
     /// Largest part of chunk states in one control frame (`state::STATE_PART_MAX_BYTES`).
     pub part_max_bytes: usize,
-    /// The workers keep state on their tiers: the run ends with the parameters' digest read a
-    /// piece per worker at a time, not with every chunk gathered here, and snapshots stream
-    /// into `snapshot_sink` when there is one.
+    /// The workers keep state on their tiers: snapshots stream into `snapshot_sink` when there
+    /// is one. (Every run ends with the parameters' digest read a piece per worker at a time,
+    /// not with every chunk gathered here.)
     pub state_on_tier: bool,
     /// Where snapshots stream when the state is on the tiers (see `ClusterSpec::snapshot_sink`).
     pub snapshot_sink: Option<Arc<dyn SnapshotSink>>,
@@ -328,8 +328,6 @@ struct Run {
     tasks: Tasks,
     lobby: Arc<Lobby>,
     endpoints: Arc<Endpoints>,
-    /// `CoordinatorOptions::state_on_tier`.
-    state_on_tier: bool,
     /// Workers' notices (`ToCoord::Leave`), from their connection tasks.
     notices: mpsc::UnboundedReceiver<Notice>,
     drains: PendingDrains,
@@ -415,7 +413,6 @@ impl Run {
             tasks,
             lobby: w.lobby,
             endpoints,
-            state_on_tier: opts.state_on_tier,
             notices,
             drains: PendingDrains::default(),
             clock: w.clock,
@@ -442,38 +439,22 @@ impl Run {
         let end = end.map_err(ProcError::Aborted);
         monitor.ended(view, end.as_ref().map(|_| ()).map_err(|e| e.to_string()));
         end?;
-        if self.state_on_tier {
-            let reply = self
-                .coordinator
-                .call(CoordMsg::Digest, Some(Duration::from_secs(3600)))
-                .await;
-            let param_sha256 = match reply {
-                Ok(ractor::rpc::CallResult::Success(r)) => r.map_err(ProcError::Collect)?,
-                Ok(_) => return Err(ProcError::Collect("the coordinator did not answer".into())),
-                Err(e) => return Err(ProcError::Collect(e.to_string())),
-            };
-            return Ok(TrainOutcome {
-                records,
-                param_sha256,
-                params: Vec::new(),
-                resume_reads: Vec::new(),
-                net: Default::default(),
-            });
-        }
+        // The parameters are read a bounded piece per worker at a time for their digest, never
+        // gathered whole here: a run's end stays within the memory its workers were planned for
+        // (nothing of a coordinated run reads the consolidated parameters).
         let reply = self
             .coordinator
-            .call(CoordMsg::Collect, Some(Duration::from_secs(120)))
+            .call(CoordMsg::Digest, Some(Duration::from_secs(3600)))
             .await;
-        let (map, chunks) = match reply {
+        let param_sha256 = match reply {
             Ok(ractor::rpc::CallResult::Success(r)) => r.map_err(ProcError::Collect)?,
             Ok(_) => return Err(ProcError::Collect("the coordinator did not answer".into())),
             Err(e) => return Err(ProcError::Collect(e.to_string())),
         };
-        let params = consolidate(&map, &chunks);
         Ok(TrainOutcome {
             records,
-            param_sha256: crate::param_digest::param_sha256(params.iter().map(Vec::as_slice)),
-            params,
+            param_sha256,
+            params: Vec::new(),
             // Filled in by the caller, which holds the start state; faults are not injected
             // into real links.
             resume_reads: Vec::new(),

@@ -121,3 +121,25 @@ fn the_cpu_backend_has_no_device_and_the_sim_backend_opens_one_per_call() {
     assert_eq!(d2.counters().resident_bytes, 0);
     d1.free(x);
 }
+
+#[test]
+fn freed_memory_is_reused_zeroed_and_the_spare_pool_stays_within_the_capacity() {
+    let d = dev(64, 1e12);
+    let a = d.alloc("a", DeviceKind::Grads, 8).unwrap();
+    d.with_view_mut(&a, &mut |v| v.fill(7.0));
+    let first = a.mem.as_ref().unwrap().lock().unwrap().as_ptr();
+    d.free(a);
+    // The next buffer of that size is the same memory, zeroed as a fresh one is.
+    let b = d.alloc("b", DeviceKind::Params, 8).unwrap();
+    assert_eq!(b.mem.as_ref().unwrap().lock().unwrap().as_ptr(), first);
+    d.with_view(&b, &mut |v| assert!(v.iter().all(|x| x.to_bits() == 0)));
+    d.free(b);
+    // Spare memory of other sizes is kept only up to the capacity, oldest first out.
+    for elems in [4, 6, 10] {
+        let c = d.alloc("c", DeviceKind::Grads, elems).unwrap();
+        d.free(c);
+    }
+    let spare: Vec<usize> = d.arena.lock().unwrap().spare.iter().map(Vec::len).collect();
+    assert_eq!(spare, vec![6, 10], "8 and 4 went first");
+    assert_eq!(d.counters().resident_bytes, 0);
+}

@@ -4,6 +4,7 @@
 //! With two buffers a kind, the next unit's upload runs while this one computes and a
 //! micro-batch's gradient travels while the next is computed.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
@@ -46,21 +47,27 @@ impl OnDevice {
         self.params.len() < self.buffers
     }
 
-    /// Queues the upload of `values` (what `unit` computes with) into a fresh buffer.
-    pub(super) fn upload_params(&mut self, unit: u32, values: &[f32]) -> Result<(), DeviceError> {
+    /// What `values` (the parameters a unit computes with) look like on the link: fp32 as they
+    /// are (moved, not copied, when owned), bf16 at 2 bytes.
+    pub(super) fn link_data(&self, values: Cow<'_, [f32]>) -> HostData {
+        match self.precision {
+            Precision::Fp32 => HostData::F32(values.into_owned()),
+            // The model's bf16 parameters cross the link at 2 bytes.
+            Precision::Bf16 => {
+                debug_assert!(values.iter().all(|x| x.to_bits() & 0xffff == 0));
+                HostData::bf16_of(&values)
+            }
+        }
+    }
+
+    /// Queues the upload of `data` (what `unit` computes with, from
+    /// [`link_data`](Self::link_data)) into a fresh buffer.
+    pub(super) fn upload_params(&mut self, unit: u32, data: HostData) -> Result<(), DeviceError> {
         if self.has_params(unit) {
             return Ok(());
         }
         let name = format!("unit {unit} parameters");
-        let buf = self.dev.alloc(&name, DeviceKind::Params, values.len())?;
-        let data = match self.precision {
-            Precision::Fp32 => HostData::F32(values.to_vec()),
-            // The model's bf16 parameters cross the link at 2 bytes.
-            Precision::Bf16 => {
-                debug_assert!(values.iter().all(|x| x.to_bits() & 0xffff == 0));
-                HostData::bf16_of(values)
-            }
-        };
+        let buf = self.dev.alloc(&name, DeviceKind::Params, data.elems())?;
         let ev = match self.dev.upload(data, &buf) {
             Ok(ev) => ev,
             Err(e) => {

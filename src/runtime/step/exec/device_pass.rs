@@ -23,22 +23,23 @@ impl Pass<'_> {
         let Some(d) = self.dev.as_ref() else {
             return Ok(());
         };
+        // One host copy an upload: the values go into the link's buffer directly.
         if !d.has_params(u as u32) {
-            let values = view.unwrap_or_else(|| self.params(u)).to_vec();
+            let data = d.link_data(Cow::Borrowed(view.unwrap_or_else(|| self.params(u))));
             self.dev
                 .as_mut()
                 .expect("checked")
-                .upload_params(u as u32, &values)?;
+                .upload_params(u as u32, data)?;
         }
         let d = self.dev.as_ref().expect("checked");
         d.wait_params(u as u32);
         if next < self.st.units() && d.room_ahead() && !d.has_params(next as u32) {
             if let Some(values) = self.unit_values(next) {
-                let values = values.into_owned();
+                let data = d.link_data(values);
                 self.dev
                     .as_mut()
                     .expect("checked")
-                    .upload_params(next as u32, &values)?;
+                    .upload_params(next as u32, data)?;
             }
         }
         Ok(())
@@ -59,6 +60,10 @@ impl Pass<'_> {
             }
         };
         let ties = self.ties.0;
+        if ties.borrowed_len(u) == 0 {
+            // No copy here: the upload takes the values from where they are.
+            return Some(own);
+        }
         if ties
             .borrowed_by(u)
             .any(|(i, ..)| !self.lent.contains_key(&i))
