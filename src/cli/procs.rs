@@ -386,12 +386,8 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         &outcome.param_sha256,
         &fit,
     );
-    report(
-        &cfg,
-        &outcome,
-        &mut summary,
-        started.elapsed().as_secs_f64(),
-    )
+    let wall_s = started.elapsed().as_secs_f64();
+    report(&cfg, &outcome, &mut summary, wall_s)
 }
 
 /// Who may change the job through the control endpoint, and whether it speaks TLS.
