@@ -89,6 +89,31 @@ fn split(r: &crate::engine::messages::StepReport, wall: f64) -> [f64; 4] {
     ]
 }
 
+/// One held-out evaluation.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct EvalPoint {
+    /// Steps completed when it ran.
+    pub step: u64,
+    pub loss: f64,
+    pub perplexity: f64,
+}
+
+impl EvalPoint {
+    /// The evaluations among `records`, in order.
+    pub fn of(records: &[crate::engine::coordinator::StepRecord]) -> Vec<EvalPoint> {
+        records
+            .iter()
+            .filter_map(|r| {
+                r.eval_loss.map(|loss| EvalPoint {
+                    step: r.step + 1,
+                    loss,
+                    perplexity: loss.exp(),
+                })
+            })
+            .collect()
+    }
+}
+
 /// The `--json` summary of a run.
 #[derive(Debug, Clone, Serialize)]
 pub struct TrainSummary {
@@ -97,6 +122,9 @@ pub struct TrainSummary {
     pub eval_loss: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_perplexity: Option<f64>,
+    /// Every evaluation of the run (`--eval-every`, and the one after the last step).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub eval: Vec<EvalPoint>,
     pub param_count: usize,
     pub stage: u8,
     pub world_size: u32,

@@ -447,16 +447,18 @@ fn generate_stops_before_the_stop_text() {
     assert_eq!(cut.stdout.trim_end_matches('\n'), want);
 }
 
-/// The coordinator neither evaluates nor logs steps yet: it refuses the flags rather than
-/// ignoring them.
+/// The coordinator does not log steps yet: it refuses the flag rather than ignoring it (its
+/// workers evaluate, see `observe::launch_evaluates_as_the_in_process_run`).
 #[test]
-fn worker_process_jobs_refuse_eval_and_the_run_log() {
+fn worker_process_jobs_refuse_the_run_log() {
     let t = tempfile::tempdir().unwrap();
-    let eval = t.path().join("eval.txt");
-    std::fs::write(&eval, "held-out text ".repeat(20)).unwrap();
     let log = t.path().join("log.jsonl");
-    for (flag, value) in [("--eval-data", s(&eval)), ("--metrics-file", s(&log))] {
-        let r = ezero(&["coordinator", "--listen", "127.0.0.1:0", flag, value]);
-        refused(&r, flag, "not supported with worker processes");
-    }
+    let r = ezero(&[
+        "coordinator",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-file",
+        s(&log),
+    ]);
+    refused(&r, "--metrics-file", "not supported with worker processes");
 }

@@ -24,6 +24,7 @@ mod gguf;
 mod hf;
 mod hf_llama;
 mod mixed_precision;
+mod observe;
 mod offload;
 mod offload_owed;
 mod procs;

@@ -32,6 +32,7 @@ pub const MAY_CHANGE: &[&str] = &[
     "json",
     // What is measured and logged beside the run changes none of its numbers.
     "eval_data",
+    "eval_every",
     "metrics_file",
     "save_dir",
     "save_every",

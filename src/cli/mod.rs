@@ -218,6 +218,10 @@ pub struct TrainArgs {
     /// [default: none].
     #[arg(long, value_name = "FILE")]
     pub eval_data: Option<PathBuf>,
+    /// With --eval-data: evaluate every N steps as well as after the last, with the current
+    /// parameters (0: only after the last) [default: 0].
+    #[arg(long, value_name = "N")]
+    pub eval_every: Option<u64>,
     /// Append one JSON line per step: step, loss, lr, grad_norm, tokens_per_s, step_s,
     /// members, skipped [default: none].
     #[arg(long, value_name = "FILE.jsonl")]
@@ -547,6 +551,9 @@ impl TrainArgs {
         }
         if self.eval_data.is_some() {
             c.eval_data = self.eval_data.clone();
+        }
+        if let Some(n) = self.eval_every {
+            c.eval_every = n;
         }
         if self.metrics_file.is_some() {
             c.metrics_file = self.metrics_file.clone();

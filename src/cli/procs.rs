@@ -205,11 +205,8 @@ pub fn check_train_args(args: &TrainArgs, cfg: &TrainConfig) -> Result<(), CliEr
             "the test hook {hook} is not supported with worker processes yet (use ezero train)"
         )));
     }
-    // `ezero train` evaluates and logs in its own process; the coordinator does neither yet.
-    for (flag, set) in [
-        ("--eval-data", cfg.eval_data.is_some()),
-        ("--metrics-file", cfg.metrics_file.is_some()),
-    ] {
+    // `ezero train` logs in its own process; the coordinator does not yet.
+    for (flag, set) in [("--metrics-file", cfg.metrics_file.is_some())] {
         if set {
             return Err(CliError::Usage(format!(
                 "{flag} is not supported with worker processes yet (use ezero train)"
@@ -381,7 +378,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         (Err(e), None) => return Err(failure(e, lines.last_step, save_dir.as_deref())),
     };
     saved?;
-    let summary = super::train::summarize(
+    let mut summary = super::train::summarize(
         &cfg,
         psi,
         floor,
@@ -389,7 +386,8 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         &outcome.param_sha256,
         &fit,
     );
-    report(&cfg, &outcome, &summary, started.elapsed().as_secs_f64())
+    let wall_s = started.elapsed().as_secs_f64();
+    report(&cfg, &outcome, &mut summary, wall_s)
 }
 
 /// Who may change the job through the control endpoint, and whether it speaks TLS.
@@ -447,7 +445,7 @@ fn coordinator_saving(
 fn report(
     cfg: &TrainConfig,
     outcome: &TrainOutcome,
-    summary: &TrainSummary,
+    summary: &mut TrainSummary,
     wall_s: f64,
 ) -> Result<(), CliError> {
     println!(
@@ -464,6 +462,7 @@ fn report(
             "  resume: the coordinator read each rank's owned chunks ({reads}) and sent each worker the chunks its state is built from"
         );
     }
+    super::train::report_eval(cfg, summary);
     if let Some(path) = &cfg.json {
         super::train::write_json_atomically(path, summary)?;
     }
@@ -562,7 +561,8 @@ impl Observer for &mut StepLines<'_> {
         self.last_step = Some(rec.step);
         let cfg = self.cfg;
         let log_every = (cfg.steps / 10).max(1);
-        if rec.step.is_multiple_of(log_every) || rec.step + 1 == cfg.steps {
+        let due = rec.step.is_multiple_of(log_every) || rec.step + 1 == cfg.steps;
+        if due || rec.eval_loss.is_some() {
             let tps = cfg.tokens_per_step() as f64 / (rec.duration_ms.max(1) as f64 / 1e3);
             println!("{}", super::train::step_line(cfg, rec, self.floor, tps));
         }

@@ -51,7 +51,7 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
         snapshot_sink: save_plan.as_ref().map(SavePlan::sink),
         clock: elastic_zero::runtime::clock::SystemClock::shared(),
         net_trace: None,
-        // Without a sample or an evaluation the run ends with the digest alone (no copy).
+        // Without a sample the run ends with the digest alone (no copy of every chunk).
         keep_params: wants_params(&job),
     };
     let backend = job.model.backend().name().to_string();
@@ -131,7 +131,6 @@ pub fn run(args: &TrainArgs) -> Result<(), CliError> {
 /// the data, and what the banner says about them.
 struct Job {
     cfg: TrainConfig,
-    eval: Option<Arc<elastic_zero::data::Dataset>>,
     resume: Option<elastic_zero::checkpoint::CheckpointSource>,
     model: Arc<dyn Model>,
     data: Arc<elastic_zero::data::Dataset>,
@@ -147,8 +146,8 @@ impl Job {
         super::outputs::check_train(&cfg)?;
         let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
         let data = build_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
-        let eval = elastic_zero::job::build_eval_dataset(&cfg)
-            .map_err(|e| CliError::Usage(e.to_string()))?;
+        // Read once here so that bad eval data is refused before anything starts.
+        elastic_zero::job::build_eval_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
         if let Some(source) = &resume {
             checkpoint::check_compatible(source, &cfg, model.as_ref(), args.reschedule)?;
         }
@@ -175,7 +174,6 @@ impl Job {
         let floor = data.entropy_floor_nats();
         Ok(Job {
             cfg,
-            eval,
             resume,
             model,
             data,
@@ -274,6 +272,7 @@ impl<'a> StepLines<'a> {
             "step_s": rec.duration_ms as f64 / 1e3,
             "members": rec.reports.len(),
             "skipped": rec.skipped,
+            "eval_loss": rec.eval_loss,
         });
         if let Err(e) = writeln!(file.borrow_mut(), "{line}") {
             print_line(self.bar, format!("--metrics-file: cannot write: {e}"));
@@ -298,7 +297,8 @@ impl<'a> StepLines<'a> {
             mem.join(" ")
         ));
         self.log_metrics(rec, tps);
-        if rec.step.is_multiple_of(self.log_every) || rec.step + 1 == cfg.steps {
+        let due = rec.step.is_multiple_of(self.log_every) || rec.step + 1 == cfg.steps;
+        if due || rec.eval_loss.is_some() {
             let line = step_line(cfg, rec, self.floor, tps);
             print_line(self.bar, line);
         }
@@ -313,12 +313,15 @@ pub(super) fn step_line(
     tps: f64,
 ) -> String {
     format!(
-        "step {:>5}/{}  loss {:.4}{}  grad-norm {:.3}  lr {:.3e}  {:.0} tok/s  [{}]{}{}",
+        "step {:>5}/{}  loss {:.4}{}{}  grad-norm {:.3}  lr {:.3e}  {:.0} tok/s  [{}]{}{}",
         rec.step + 1,
         cfg.steps,
         rec.loss,
         floor
             .map(|f| format!(" (floor {f:.4})"))
+            .unwrap_or_default(),
+        rec.eval_loss
+            .map(|l| format!("  eval {l:.4} (ppl {:.3})", l.exp()))
             .unwrap_or_default(),
         rec.grad_norm,
         step_lr(cfg, rec),
@@ -360,32 +363,33 @@ fn step_lr(cfg: &TrainConfig, rec: &StepRecord) -> f32 {
     elastic_zero::job::lr_schedule(cfg).lr_at(rec.step + 1)
 }
 
-/// `--eval-data`'s loss with the trained parameters, printed and put in the summary.
-/// Whether the end of the run reads the trained parameters (a sample or an evaluation).
+/// Whether the end of the run reads the trained parameters (a sample; the ranks evaluate
+/// `--eval-data` themselves).
 fn wants_params(job: &Job) -> bool {
-    let sample = job.cfg.model != ModelKind::Mlp && job.cfg.sample_tokens > 0;
-    sample || (job.eval.is_some() && job.cfg.eval_data.is_some())
+    job.cfg.model != ModelKind::Mlp && job.cfg.sample_tokens > 0
 }
 
-fn report_eval(job: &Job, params: &[Vec<f32>], summary: &mut TrainSummary) {
-    let (Some(data), Some(path)) = (&job.eval, &job.cfg.eval_data) else {
+/// `--eval-data`'s loss after the last step (the ranks evaluate it as the step's forward
+/// runs, see `runtime::step::exec`), printed and put in the summary.
+pub(super) fn report_eval(cfg: &TrainConfig, summary: &mut TrainSummary) {
+    let Some(path) = &cfg.eval_data else {
         return;
     };
-    if params.is_empty() {
-        println!("eval: skipped (the parameters are on the tier and are not gathered into memory)");
+    let Some(last) = summary.eval.last().copied() else {
+        println!("eval: no evaluation ran (no step ran in this run)");
         return;
-    }
-    let r = elastic_zero::job::eval::evaluate(job.model.as_ref(), params, &job.cfg, data);
+    };
     println!(
-        "eval: loss {:.4}, perplexity {:.3} on {} windows of {} tokens of {}",
-        r.loss,
-        r.perplexity,
-        r.windows,
-        job.cfg.seq_len,
+        "eval: loss {:.4}, perplexity {:.3} after step {} on {} windows of {} tokens of {}",
+        last.loss,
+        last.perplexity,
+        last.step,
+        cfg.micro_batches as usize * cfg.micro_batch_size,
+        cfg.seq_len,
         path.display()
     );
-    summary.eval_loss = Some(r.loss);
-    summary.eval_perplexity = Some(r.perplexity);
+    summary.eval_loss = Some(last.loss);
+    summary.eval_perplexity = Some(last.perplexity);
 }
 
 /// The end of the run: the summary lines, a sample, the JSON summary and the digest.
@@ -426,7 +430,7 @@ fn report(
             print_sample(job.model.as_ref(), &outcome.params, cfg);
         }
     }
-    report_eval(job, &outcome.params, summary);
+    report_eval(cfg, summary);
     if let Some(path) = &cfg.json {
         if let Some(line) = super::gemm::add_mfu(summary, job.model.as_ref(), cfg) {
             println!("{line}");
@@ -575,6 +579,7 @@ pub(super) fn summarize(
     TrainSummary {
         eval_loss: None,
         eval_perplexity: None,
+        eval: elastic_zero::summary::EvalPoint::of(records),
         param_count: psi,
         stage: cfg.stage,
         world_size: cfg.ranks,

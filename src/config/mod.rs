@@ -157,6 +157,10 @@ pub struct TrainConfig {
     /// windows are computed with the trained model at the end (default none).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_data: Option<PathBuf>,
+    /// Evaluate `eval_data` every this many steps as well as at the end (0: only at the end;
+    /// default 0).
+    #[serde(default)]
+    pub eval_every: u64,
     /// Append one JSON line per step here: step, loss, lr, grad norm, tokens/s, step seconds,
     /// members (default none).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -292,6 +296,7 @@ impl Default for TrainConfig {
             data: None,
             json: None,
             eval_data: None,
+            eval_every: 0,
             metrics_file: None,
             chunk_elems: 8192,
             max_live_units: 2,
@@ -403,6 +408,12 @@ impl TrainConfig {
             return Err(ConfigError::new(
                 "save_every",
                 "saving every N steps needs save_dir (--save-dir DIR)",
+            ));
+        }
+        if self.eval_every > 0 && self.eval_data.is_none() {
+            return Err(ConfigError::new(
+                "eval_every",
+                "evaluating every N steps needs eval_data (--eval-data FILE)",
             ));
         }
         for (field, path) in [("data", &self.data), ("eval_data", &self.eval_data)] {

@@ -124,6 +124,9 @@ pub struct JobSpec {
     /// Take a buddy backup at least every this many steps (0: no backups, so losing a rank
     /// stops the run).
     pub replicate_every: u64,
+    /// Evaluate the held-out data after every this many steps and after the last one
+    /// (`Some(0)`: only after the last; `None`: the run has no eval data).
+    pub eval_every: Option<u64>,
 }
 
 /// Inputs to the state machine.
@@ -198,9 +201,14 @@ pub struct StepRecord {
     /// Mean of the micro-batch losses, summed in micro-batch order.
     pub loss: f64,
     pub grad_norm: f64,
+    /// The learning rate the step's plan carried (its update's, unless it was skipped).
+    pub lr: f32,
     pub skipped: bool,
     pub attempts: u32,
     pub duration_ms: u64,
+    /// The held-out loss after this step's update (mean of the eval micro-batches' losses in
+    /// order), when the step evaluated.
+    pub eval_loss: Option<f64>,
     pub reports: Vec<StepReport>,
 }
 

@@ -28,6 +28,10 @@ pub struct StepPlan {
     /// cost is this step's.
     #[serde(default)]
     pub defer_update: bool,
+    /// After the update, evaluate the held-out data with the new parameters
+    /// (`StepReport::eval_losses`).
+    #[serde(default)]
+    pub eval: bool,
 }
 
 impl StepPlan {
@@ -90,4 +94,8 @@ pub struct StepReport {
     /// resident by kind at the step's end).
     #[serde(default)]
     pub device: Option<crate::model::backend::DeviceCounters>,
+    /// With `StepPlan::eval`: the loss of every eval micro-batch under the updated parameters
+    /// (agreed, so every rank reports all of them); empty otherwise.
+    #[serde(default)]
+    pub eval_losses: Vec<f32>,
 }

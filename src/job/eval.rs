@@ -7,7 +7,7 @@ use crate::model::sample::forward_logits;
 use crate::model::{MicroBatch, Model};
 
 /// The data coordinates of the eval windows: a step no run reaches, so they are fixed.
-const EVAL_STEP: u64 = u64::MAX;
+pub const EVAL_STEP: u64 = u64::MAX;
 
 /// A held-out loss.
 #[derive(Clone, Copy, Debug, PartialEq)]

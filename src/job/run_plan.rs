@@ -113,6 +113,7 @@ fn job_spec(cfg: &TrainConfig, snapshot_every: u64) -> JobSpec {
         min_ranks: cfg.min_ranks,
         max_ranks: cfg.max_ranks,
         replicate_every: cfg.replicate_every,
+        eval_every: cfg.eval_data.is_some().then_some(cfg.eval_every),
     }
 }
 

@@ -128,6 +128,23 @@ pub fn phases(
     p
 }
 
+/// The program of a held-out evaluation after a step's update: the forward alone (at stage 3
+/// gathering a unit at a time, as the step's forward does, `max_live_units` at once), then the
+/// agreement on the losses.
+pub fn eval_phases(stage: Stage, units: u32, max_live_units: usize) -> Vec<Phase> {
+    let mut p = Vec::new();
+    if stage == Stage::Zero3 {
+        let ahead = max_live_units.max(1) as u32 - 1;
+        gathered_pass(&mut p, (0..units).collect(), ahead, 0, |p, u| {
+            p.push(Phase::Forward { unit: u })
+        });
+    } else {
+        p.extend((0..units).map(|u| Phase::Forward { unit: u }));
+    }
+    p.push(Phase::Agree);
+    p
+}
+
 /// Whether a step of `ranks` ranks waits for each unit's reduce-scatter right after posting it.
 /// With one rank a reduce-scatter moves nothing, so there is nothing to overlap: one exact
 /// accumulator is live instead of two, and the reduced shard is handed on (to the optimizer's
@@ -347,5 +364,20 @@ mod tests {
                 assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1);
             }
         }
+    }
+
+    #[test]
+    fn eval_program_is_the_forward_alone_with_bounded_gathers() {
+        for live in 1..4 {
+            let p = eval_phases(Stage::Zero3, 6, live);
+            assert_eq!(peak_live_units(&p), live);
+            assert_eq!(count(&p, |x| matches!(x, Phase::Forward { .. })), 6);
+            assert_eq!(count(&p, |x| matches!(x, Phase::Backward { .. })), 0);
+            assert_eq!(count(&p, |x| matches!(x, Phase::Optimizer)), 0);
+            assert_eq!(p.last(), Some(&Phase::Agree));
+        }
+        let p = eval_phases(Stage::Zero2, 4, 2);
+        assert_eq!(count(&p, |x| matches!(x, Phase::PostGather { .. })), 0);
+        assert_eq!(p.len(), 5);
     }
 }

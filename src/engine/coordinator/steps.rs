@@ -46,6 +46,7 @@ impl Coordinator {
             opt_step: self.opt_step + 1,
             grad_bounds: self.bounds.clone(),
             defer_update: !self.state_read_after_step(),
+            eval: self.eval_due_at(self.step + 1),
         })]
     }
 
@@ -59,6 +60,15 @@ impl Coordinator {
             || self.snapshot_due_at(next)
             || self.job.script.iter().any(|c| c.step == next)
             || self.backup_due_at(next)
+            || self.eval_due_at(next)
+    }
+
+    /// Whether the held-out data is evaluated once `done` steps have completed (every
+    /// `eval_every` steps and after the last).
+    fn eval_due_at(&self, done: u64) -> bool {
+        self.job.eval_every.is_some_and(|every| {
+            done == self.job.steps || (every > 0 && done.is_multiple_of(every))
+        })
     }
 
     /// Whether a snapshot is due once `done` steps have completed (every `snapshot_every`
@@ -92,9 +102,11 @@ impl Coordinator {
             step: self.step,
             loss,
             grad_norm: first.grad_norm,
+            lr: self.job.lr.lr_at(self.opt_step + 1),
             skipped: first.skipped,
             attempts: first.attempts,
             duration_ms: now_ms.saturating_sub(started_ms),
+            eval_loss: (!first.eval_losses.is_empty()).then(|| mean_in_order(&first.eval_losses)),
             reports: reports.clone(),
         };
         if !first.skipped {
@@ -185,6 +197,10 @@ fn disagreement(reports: &[StepReport]) -> Option<String> {
                 .iter()
                 .map(|x| x.to_bits())
                 .eq(first.unit_max_abs.iter().map(|x| x.to_bits()))
+            && r.eval_losses
+                .iter()
+                .map(|x| x.to_bits())
+                .eq(first.eval_losses.iter().map(|x| x.to_bits()))
             && r.skipped == first.skipped
             && r.grad_norm.to_bits() == first.grad_norm.to_bits();
         (!same).then(|| {

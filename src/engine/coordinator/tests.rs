@@ -23,6 +23,7 @@ fn job(steps: u64) -> JobSpec {
         min_ranks: 1,
         max_ranks: 64,
         replicate_every: 0,
+        eval_every: None,
     }
 }
 
@@ -51,6 +52,7 @@ fn report(rank: RankId, step: u64) -> StepReport {
         io_wait_s: 0.0,
         tier_bytes: 0,
         device: None,
+        eval_losses: Vec::new(),
     }
 }
 
@@ -87,6 +89,53 @@ fn runs_steps_in_order_and_finishes() {
     let cmds = c.handle(done(report(1, 1), 30));
     assert!(matches!(cmds.last(), Some(Command::Finish)));
     assert!(c.is_finished());
+}
+
+/// Evaluations fall after every `eval_every` steps and after the last; such a step owes no
+/// update to the next (the ranks read their parameters right after it), and the record carries
+/// the mean of the agreed eval losses.
+#[test]
+fn evaluations_are_planned_every_n_steps_and_after_the_last() {
+    let map = ShardMap::plan(&[10], &[0], 4, 0).unwrap();
+    let spec = JobSpec {
+        eval_every: Some(2),
+        ..job(5)
+    };
+    let mut c = Coordinator::new(spec, map);
+    let mut cmds = c.handle(Event::Start { now_ms: 0 });
+    let mut planned = Vec::new();
+    for step in 0..5 {
+        let Some(Command::RunStep(plan)) = cmds.last() else {
+            panic!("{cmds:?}")
+        };
+        assert!(!plan.eval || !plan.defer_update, "step {step}");
+        planned.push(plan.eval);
+        let r = StepReport {
+            eval_losses: if plan.eval {
+                vec![1.0, 2.0, 3.0, 5.0]
+            } else {
+                Vec::new()
+            },
+            ..report(0, step)
+        };
+        cmds = c.handle(done(r, 10 * step + 5));
+        let Command::StepCompleted(rec) = &cmds[0] else {
+            panic!("{cmds:?}")
+        };
+        assert_eq!(rec.eval_loss, plan_eval_loss(planned[step as usize]));
+    }
+    assert_eq!(planned, [false, true, false, true, true]);
+    let spec = JobSpec {
+        eval_every: Some(0),
+        ..job(3)
+    };
+    let mut c = Coordinator::new(spec, ShardMap::plan(&[10], &[0], 4, 0).unwrap());
+    let cmds = c.handle(Event::Start { now_ms: 0 });
+    assert!(matches!(&cmds[0], Command::RunStep(p) if !p.eval));
+}
+
+fn plan_eval_loss(evaluated: bool) -> Option<f64> {
+    evaluated.then_some(2.75)
 }
 
 fn kinds(cmds: &[Command]) -> Vec<&'static str> {

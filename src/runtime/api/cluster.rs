@@ -206,7 +206,8 @@ impl Cluster {
             Arc::clone(&spec.clock),
             spec.net_trace.clone(),
         );
-        let setup = rank_setup(&spec, &plan, &storage, tier.clone(), &net);
+        let eval = crate::job::build_eval_dataset(cfg)?;
+        let setup = rank_setup(&spec, &plan, &storage, tier.clone(), &net, eval);
         let (tx, events) = unbounded_channel();
         let args = coord_args(&spec, &plan, map.clone(), &setup, &net, tx);
         let (coordinator, _) =
@@ -442,6 +443,7 @@ fn rank_setup(
     storage: &StoragePlan,
     tier: Option<Arc<TierSpec>>,
     net: &Arc<LocalNetwork>,
+    eval: Option<Arc<Dataset>>,
 ) -> Arc<RankSetup> {
     let net = Arc::clone(net);
     Arc::new(RankSetup {
@@ -450,12 +452,15 @@ fn rank_setup(
         model: Arc::clone(&spec.model),
         optim: plan.optim,
         data: Arc::clone(&spec.data),
-        exec: ExecConfig::new(
-            &plan.exec,
-            storage.activations.keep,
-            storage.device_buffers(),
-            Arc::clone(&spec.progress),
-        ),
+        exec: ExecConfig {
+            eval_data: eval,
+            ..ExecConfig::new(
+                &plan.exec,
+                storage.activations.keep,
+                storage.device_buffers(),
+                Arc::clone(&spec.progress),
+            )
+        },
         storage: tier,
         disconnect: Box::new(move |r| net.kill(r)),
     })

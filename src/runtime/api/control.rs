@@ -15,6 +15,7 @@ use ractor::rpc::CallResult;
 use ractor::{ActorRef, RpcReplyPort};
 use tokio::sync::broadcast;
 
+use super::history::{EventKind, History};
 use super::status::{
     ChangeRecord, DrainCause, MapTracker, PlanePair, RunState, StateLayout, Status, Telemetry,
 };
@@ -24,6 +25,7 @@ use crate::job::optim_settings;
 use crate::plan::{RankId, ShardMap, Stage};
 use crate::runtime::actors::CoordView;
 use crate::runtime::actors::{ClusterEvent, CoordMsg};
+use crate::runtime::clock::Stopwatch;
 use crate::runtime::transport::detached::Detached;
 use crate::runtime::transport::local::LocalEndpoint;
 use crate::runtime::transport::Transport;
@@ -106,6 +108,9 @@ pub trait DataPlanes: Send + Sync {
 /// What the pump and every handle share.
 struct Shared {
     telemetry: Mutex<Telemetry>,
+    /// Steps and events for `/history`, timed from `started`.
+    history: Mutex<History>,
+    started: Stopwatch,
     /// The coordinator's last view, kept once the run is over and the actors are gone.
     final_view: Mutex<Option<CoordView>>,
     changes: broadcast::Sender<ChangeRecord>,
@@ -117,6 +122,10 @@ impl Shared {
     fn telemetry(&self) -> MutexGuard<'_, Telemetry> {
         // Only the pump writes, field by field; a panic mid-update leaves plain counters.
         self.telemetry.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn history(&self) -> MutexGuard<'_, History> {
+        self.history.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn final_view(&self) -> MutexGuard<'_, Option<CoordView>> {
@@ -181,20 +190,33 @@ impl Monitor {
     /// Counts one event; membership changes are priced and published to `subscribe`rs.
     pub fn observe(&mut self, event: &ClusterEvent) {
         match event {
-            ClusterEvent::Step(rec) => self.shared.telemetry().on_step(rec),
+            ClusterEvent::Step(rec) => {
+                self.shared.telemetry().on_step(rec);
+                let t = self.shared.started.secs();
+                self.shared.history().on_step(rec, t);
+            }
             ClusterEvent::Membership(rec) => {
                 let change = ChangeRecord {
                     moved_bytes: self.tracker.apply(rec),
                     record: (**rec).clone(),
                 };
                 self.shared.telemetry().on_change(change.clone());
+                let t = self.shared.started.secs();
+                self.shared.history().on_change(&change, t);
                 // No subscriber is no error.
                 let _ = self.shared.changes.send(change);
             }
             ClusterEvent::Snapshot(_) | ClusterEvent::SnapshotStreamed { .. } => {
                 self.shared.telemetry().on_snapshot()
             }
-            ClusterEvent::JoinFailed { .. } => self.shared.telemetry().failed_joins += 1,
+            ClusterEvent::JoinFailed { rank, reason } => {
+                self.shared.telemetry().failed_joins += 1;
+                let t = self.shared.started.secs();
+                let detail = format!("rank {rank} did not join: {reason}");
+                self.shared
+                    .history()
+                    .on_event(EventKind::FailedJoin, detail, t);
+            }
             ClusterEvent::Finished | ClusterEvent::Aborted(_) => {}
         }
     }
@@ -202,6 +224,9 @@ impl Monitor {
     /// A worker given notice left `seconds` after its notice arrived.
     pub fn drained(&self, seconds: f64) {
         self.shared.telemetry().drains.seconds_last = Some(seconds);
+        let t = self.shared.started.secs();
+        let detail = format!("a worker given notice left {seconds:.1} s after it");
+        self.shared.history().on_event(EventKind::Drain, detail, t);
     }
 
     /// The run ended: keep the coordinator's last view for `status()` (the actors go next).
@@ -216,10 +241,12 @@ impl Monitor {
     }
 }
 
-fn new_shared() -> Arc<Shared> {
+fn new_shared(tokens_per_step: u64) -> Arc<Shared> {
     let (changes, _) = broadcast::channel(SUBSCRIBE_CAPACITY);
     Arc::new(Shared {
         telemetry: Mutex::new(Telemetry::default()),
+        history: Mutex::new(History::new(tokens_per_step)),
+        started: Stopwatch::start(),
         final_view: Mutex::new(None),
         changes,
         snapshot_wanted: AtomicBool::new(false),
@@ -237,6 +264,13 @@ impl ControlHandle {
     pub async fn drain_for(&self, rank: RankId, cause: DrainCause) -> Result<(), ControlError> {
         self.request(Change::Leave(rank)).await?;
         self.shared.telemetry().drains.granted(cause);
+        let t = self.shared.started.secs();
+        let who = match cause {
+            DrainCause::Operator => "the operator",
+            DrainCause::Signal => "its own notice",
+        };
+        let detail = format!("rank {rank} drains at the next step boundary (asked by {who})");
+        self.shared.history().on_event(EventKind::Drain, detail, t);
         Ok(())
     }
 
@@ -254,7 +288,7 @@ impl ControlHandle {
         snapshots: bool,
         workers: Workers,
     ) -> (ControlHandle, Monitor) {
-        let layout = layout_of(config);
+        let layout = (layout_of(config), config.tokens_per_step() as u64);
         let coordinator = CoordRef::Procs(coordinator);
         let workers = Some(workers);
         Self::with_monitor(coordinator, map, layout, allow_kill, snapshots, workers)
@@ -264,7 +298,7 @@ impl ControlHandle {
     pub(crate) fn in_process(
         coordinator: ActorRef<CoordMsg<LocalEndpoint>>,
         map: ShardMap,
-        layout: StateLayout,
+        layout: (StateLayout, u64),
         allow_kill: bool,
         snapshots: bool,
     ) -> (ControlHandle, Monitor) {
@@ -275,12 +309,12 @@ impl ControlHandle {
     fn with_monitor(
         coordinator: CoordRef,
         map: ShardMap,
-        layout: StateLayout,
+        (layout, tokens_per_step): (StateLayout, u64),
         allow_kill: bool,
         snapshots: bool,
         workers: Option<Workers>,
     ) -> (ControlHandle, Monitor) {
-        let shared = new_shared();
+        let shared = new_shared(tokens_per_step);
         let handle = ControlHandle {
             coordinator,
             shared: Arc::clone(&shared),
@@ -365,6 +399,11 @@ impl ControlHandle {
             status.data_planes = Some(w.planes.pairs(&view.map.members));
         }
         Ok(status)
+    }
+
+    /// The run's recent steps and events (`GET /history`).
+    pub fn history(&self) -> History {
+        self.shared.history().clone()
     }
 
     /// `status()` in the Prometheus text format.

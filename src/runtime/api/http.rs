@@ -124,7 +124,12 @@ impl Access {
 
     /// Whether `route` may go ahead with this request's `Authorization` header; the refusal
     /// (401) otherwise.
+    /// The live page (`GET /`) is served to anyone who reaches the endpoint: it holds no data
+    /// of the run, and its reads of `/history` carry the token when the scope asks for one.
     pub fn check(&self, route: Route, authorization: Option<&str>) -> Result<(), Response> {
+        if route == Route::Page {
+            return Ok(());
+        }
         let in_scope = self.scope == AuthScope::All || route.mutates();
         if !in_scope || (self.token.is_none() && !self.beyond_loopback) {
             return Ok(());
@@ -337,6 +342,10 @@ fn too_large_head(limits: &HttpLimits) -> Response {
 pub enum Route {
     Status,
     Metrics,
+    /// The run's recent steps and events as JSON (`history::History`).
+    History,
+    /// The live page that draws `/history`.
+    Page,
     Drain(RankId),
     Kill(RankId),
     Join(u32),
@@ -346,7 +355,10 @@ pub enum Route {
 impl Route {
     /// Whether the request changes the job (and so needs the operator token, see [`Access`]).
     pub fn mutates(self) -> bool {
-        !matches!(self, Route::Status | Route::Metrics)
+        !matches!(
+            self,
+            Route::Status | Route::Metrics | Route::History | Route::Page
+        )
     }
 }
 
@@ -354,7 +366,9 @@ impl Route {
 pub fn route(req: &Request) -> Result<Route, Response> {
     let segments: Vec<&str> = req.path.trim_end_matches('/').split('/').skip(1).collect();
     let (route, allow) = match segments.as_slice() {
+        [] => (Route::Page, "GET"),
         ["status"] => (Route::Status, "GET"),
+        ["history"] => (Route::History, "GET"),
         ["metrics"] => (Route::Metrics, "GET"),
         ["checkpoint"] => (Route::Checkpoint, "POST"),
         ["join"] => (Route::Join(join_count(&req.query)?), "POST"),
@@ -369,7 +383,7 @@ pub fn route(req: &Request) -> Result<Route, Response> {
             return Err(Response::error(
                 404,
                 "not_found",
-                format!("no endpoint {}: use GET /status, GET /metrics, POST /ranks/{{id}}/drain, POST /ranks/{{id}}/kill, POST /join?count=N, POST /checkpoint", req.path),
+                format!("no endpoint {}: use GET / (the live page), GET /status, GET /metrics, GET /history, POST /ranks/{{id}}/drain, POST /ranks/{{id}}/kill, POST /join?count=N, POST /checkpoint", req.path),
             ))
         }
     };
@@ -420,6 +434,18 @@ pub async fn dispatch(route: Route, handle: &ControlHandle) -> Response {
             status: 200,
             content_type: "text/plain; version=0.0.4",
             body: text,
+            allow: None,
+            challenge: false,
+        }),
+        Route::History => Ok(Response::json(
+            200,
+            &serde_json::to_value(handle.history())
+                .unwrap_or_else(|e| json!({"error": e.to_string()})),
+        )),
+        Route::Page => Ok(Response {
+            status: 200,
+            content_type: "text/html; charset=utf-8",
+            body: super::page::PAGE.to_string(),
             allow: None,
             challenge: false,
         }),
@@ -717,6 +743,8 @@ mod tests {
     fn routes_map_paths_methods_and_ids() {
         assert_eq!(route(&req("GET", "/status")), Ok(Route::Status));
         assert_eq!(route(&req("GET", "/metrics/")), Ok(Route::Metrics));
+        assert_eq!(route(&req("GET", "/")), Ok(Route::Page));
+        assert_eq!(route(&req("GET", "/history")), Ok(Route::History));
         assert_eq!(route(&req("POST", "/ranks/3/drain")), Ok(Route::Drain(3)));
         assert_eq!(route(&req("POST", "/ranks/0/kill")), Ok(Route::Kill(0)));
         assert_eq!(route(&req("POST", "/join")), Ok(Route::Join(1)));
@@ -783,6 +811,10 @@ mod tests {
         let all = Access::new(wide, token, AuthScope::All);
         assert_eq!(all.check(Route::Status, None).unwrap_err().status, 401);
         assert!(all.check(Route::Metrics, Some("Bearer s3cret")).is_ok());
+        // The page holds no data and is served to all; its history read needs the token.
+        assert!(all.check(Route::Page, None).is_ok());
+        assert_eq!(all.check(Route::History, None).unwrap_err().status, 401);
+        assert!(all.check(Route::History, Some("Bearer s3cret")).is_ok());
         assert!(!format!("{all:?}").contains("s3cret"));
     }
 

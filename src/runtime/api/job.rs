@@ -24,8 +24,9 @@ use crate::runtime::actors::{ClusterEvent, CoordMsg};
 /// What a builder starts from.
 enum Source {
     Spec(Box<ClusterSpec>),
-    /// Already started (its saved state read), with the layout of its config.
-    Started(Box<Cluster>, StateLayout),
+    /// Already started (its saved state read), with the layout of its config and the tokens
+    /// a step trains on.
+    Started(Box<Cluster>, (StateLayout, u64)),
 }
 
 /// Starts a cluster in-process with the control API. See `Cluster::builder`.
@@ -62,7 +63,8 @@ impl ClusterBuilder {
     /// A builder over a cluster already started from `config` (e.g. once its saved state was
     /// read and checked); `start` then starts its run.
     pub fn for_started(cluster: Cluster, config: &TrainConfig) -> ClusterBuilder {
-        ClusterBuilder::with_source(Source::Started(Box::new(cluster), layout_of(config)))
+        let layout = (layout_of(config), config.tokens_per_step() as u64);
+        ClusterBuilder::with_source(Source::Started(Box::new(cluster), layout))
     }
 
     fn with_source(source: Source) -> ClusterBuilder {
@@ -120,7 +122,10 @@ impl ClusterBuilder {
     pub async fn start(self) -> Result<ElasticJob, ClusterError> {
         let (cluster, layout) = match self.source {
             Source::Spec(spec) => {
-                let layout = layout_of(&spec.config);
+                let layout = (
+                    layout_of(&spec.config),
+                    spec.config.tokens_per_step() as u64,
+                );
                 (Cluster::start(*spec).await?, layout)
             }
             Source::Started(cluster, layout) => (*cluster, layout),

@@ -133,6 +133,10 @@ pub struct Telemetry {
     pub step_ms_last: Option<u64>,
     pub step_ms_sum: u64,
     pub loss_last: Option<f64>,
+    /// The learning rate of the newest completed step.
+    pub lr_last: Option<f32>,
+    /// The newest held-out evaluation: its loss, perplexity and the steps completed then.
+    pub eval_last: Option<EvalLast>,
     /// Graceful changes (leaves, joins) and recoveries from abrupt losses.
     pub rebalances: u64,
     pub recoveries: u64,
@@ -154,6 +158,15 @@ pub struct Telemetry {
     pub tiers: BTreeMap<RankId, TierLast>,
     /// Each rank's device in the newest completed step (`--device`).
     pub devices: BTreeMap<RankId, DeviceCounters>,
+}
+
+/// A held-out evaluation (`--eval-data`, `--eval-every`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct EvalLast {
+    /// Steps completed when it ran (1-based).
+    pub step: u64,
+    pub loss: f64,
+    pub perplexity: f64,
 }
 
 /// Who asked a rank to drain.
@@ -203,6 +216,14 @@ impl Telemetry {
         self.step_ms_last = Some(rec.duration_ms);
         self.step_ms_sum += rec.duration_ms;
         self.loss_last = Some(rec.loss);
+        self.lr_last = Some(rec.lr);
+        if let Some(loss) = rec.eval_loss {
+            self.eval_last = Some(EvalLast {
+                step: rec.step + 1,
+                loss,
+                perplexity: loss.exp(),
+            });
+        }
         let secs = (rec.duration_ms.max(1)) as f64 / 1e3;
         self.devices = rec
             .reports
@@ -322,6 +343,8 @@ pub struct TelemetrySummary {
     pub step_ms_last: Option<u64>,
     pub step_ms_sum: u64,
     pub loss_last: Option<f64>,
+    pub lr_last: Option<f32>,
+    pub eval_last: Option<EvalLast>,
     pub rebalances: u64,
     pub recoveries: u64,
     pub recovery_ms_last: Option<u64>,
@@ -373,6 +396,8 @@ impl Status {
                 step_ms_last: t.step_ms_last,
                 step_ms_sum: t.step_ms_sum,
                 loss_last: t.loss_last,
+                lr_last: t.lr_last,
+                eval_last: t.eval_last,
                 rebalances: t.rebalances,
                 recoveries: t.recoveries,
                 recovery_ms_last: t.recovery_ms_last,
@@ -454,6 +479,40 @@ impl Status {
             "Total duration of completed steps.",
             secs(t.step_ms_sum),
         );
+        self.learning_metrics(out);
+    }
+
+    /// The newest step's training loss and learning rate, and the newest held-out loss; each
+    /// only once there is one.
+    fn learning_metrics(&self, out: &mut String) {
+        let t = &self.telemetry;
+        let gauges = [
+            (
+                "ezero_train_loss",
+                "Training loss of the newest completed step (nats per token).",
+                t.loss_last,
+            ),
+            (
+                "ezero_learning_rate",
+                "Learning rate of the newest completed step.",
+                t.lr_last.map(f64::from),
+            ),
+            (
+                "ezero_eval_loss",
+                "Held-out loss of the newest evaluation (nats per token).",
+                t.eval_last.map(|e| e.loss),
+            ),
+            (
+                "ezero_eval_step",
+                "Steps completed at the newest evaluation.",
+                t.eval_last.map(|e| e.step as f64),
+            ),
+        ];
+        for (name, help, value) in gauges {
+            if let Some(v) = value {
+                metric(out, name, "gauge", help, v.to_string());
+            }
+        }
     }
 
     /// Membership changes and recoveries: how many, how long, and what they moved.

@@ -7,6 +7,7 @@ use super::*;
 fn backed_up(steps: u64, script: Vec<ScriptedChange>) -> JobSpec {
     JobSpec {
         replicate_every: 1,
+        eval_every: None,
         script,
         ..job(steps)
     }

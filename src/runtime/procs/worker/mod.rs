@@ -754,6 +754,7 @@ async fn start_rank<T: Transport>(
     let rank = welcome.rank;
     let model = build_model(&cfg)?;
     let dataset = build_dataset(&cfg)?;
+    let eval = crate::job::build_eval_dataset(&cfg)?;
     let (storage, activations, device_buffers) = worker_storage(&cfg, model.as_ref(), rank)?;
     // A joiner (not in the committed map) holds nothing until its reshard.
     let state = if welcome.map.is_member(rank) {
@@ -784,12 +785,15 @@ async fn start_rank<T: Transport>(
         model,
         optim: plan.optim,
         data: dataset,
-        exec: ExecConfig::new(
-            &plan.exec,
-            activations.keep,
-            device_buffers,
-            Arc::clone(&progress),
-        ),
+        exec: ExecConfig {
+            eval_data: eval,
+            ..ExecConfig::new(
+                &plan.exec,
+                activations.keep,
+                device_buffers,
+                Arc::clone(&progress),
+            )
+        },
         storage,
         // An injected kill (`--kill`, or an operator's `POST /ranks/{id}/kill`) ends this
         // process with SIGKILL, as `kill -9` would: no goodbye, the kernel closes its sockets.

@@ -10,6 +10,7 @@
 
 mod device;
 mod device_pass;
+mod eval;
 mod program;
 mod reduce;
 pub mod work;
@@ -58,6 +59,8 @@ pub struct ExecConfig {
     /// With a device, the buffers of each kind the device plan has room for
     /// (`plan::device::DevicePlan::param_buffers`): 2 copies ahead of compute, 1 waits.
     pub device_buffers: usize,
+    /// The held-out data a step whose plan asks for it evaluates (`StepPlan::eval`).
+    pub eval_data: Option<std::sync::Arc<Dataset>>,
 }
 
 impl ExecConfig {
@@ -80,6 +83,7 @@ impl ExecConfig {
             progress,
             precision: settings.precision,
             device_buffers,
+            eval_data: None,
         }
     }
 }
@@ -161,6 +165,10 @@ pub fn run_step<T: Transport>(
         }
         let stats = comm.stats();
         let io = st.tier_counters();
+        let eval_losses = match plan.eval {
+            true => eval::evaluate(st, comm, plan, cfg)?,
+            false => Vec::new(),
+        };
         return Ok(StepReport {
             rank: st.rank,
             epoch: plan.epoch,
@@ -192,6 +200,7 @@ pub fn run_step<T: Transport>(
                 .as_ref()
                 .zip(device_before)
                 .map(|(d, before)| d.counters().since(&before)),
+            eval_losses,
         });
     }
     unreachable!("the last attempt always returns")
@@ -280,10 +289,29 @@ struct Pass<'a> {
     optimizer_s: f64,
     /// The rank's device, when it computes on one.
     dev: Option<device::OnDevice>,
+    /// A held-out evaluation: the forward alone, and `Agree` agrees on the losses only.
+    eval: bool,
 }
 
 impl<'a> Pass<'a> {
     fn new(
+        st: &'a mut RankState,
+        plan: &'a StepPlan,
+        mbs: &'a [(u32, MicroBatch)],
+        cfg: &'a ExecConfig,
+        attempt: u8,
+        exps: Vec<i32>,
+        ties: (&'a Ties, &'a [u32]),
+    ) -> Self {
+        st.begin_backward_updates();
+        if let Some(w) = &mut st.whole_grads {
+            w.iter_mut().for_each(GradBuf::fill_zero);
+        }
+        Self::bare(st, plan, mbs, cfg, attempt, exps, ties)
+    }
+
+    /// A pass that starts no update: what the training pass and the evaluation share.
+    fn bare(
         st: &'a mut RankState,
         plan: &'a StepPlan,
         mbs: &'a [(u32, MicroBatch)],
@@ -312,10 +340,6 @@ impl<'a> Pass<'a> {
                 io.allow_writes(2);
             }
         }
-        st.begin_backward_updates();
-        if let Some(w) = &mut st.whole_grads {
-            w.iter_mut().for_each(GradBuf::fill_zero);
-        }
         Self {
             st,
             plan,
@@ -342,6 +366,7 @@ impl<'a> Pass<'a> {
             compute_s: 0.0,
             optimizer_s: 0.0,
             dev,
+            eval: false,
         }
     }
 
@@ -396,7 +421,10 @@ impl<'a> Pass<'a> {
             Phase::AllGatherGrads => self.all_gather_grads(comm),
             Phase::Agree => {
                 self.finish_tier_io()?;
-                self.agree(comm)
+                match self.eval {
+                    true => self.agree_eval(comm),
+                    false => self.agree(comm),
+                }
             }
             Phase::Optimizer if self.st.in_backward.is_some() => self.commit_backward_updates(),
             Phase::Optimizer => self.optimizer(),
