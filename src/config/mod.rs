@@ -405,12 +405,10 @@ impl TrainConfig {
                 "saving every N steps needs save_dir (--save-dir DIR)",
             ));
         }
-        for (field, path) in [("data", &self.data), ("eval_data", &self.eval_data)] {
-            if let Some(path) = path.as_ref().filter(|p| !p.is_file()) {
-                return Err(ConfigError::new(
-                    field,
-                    format!("{} does not exist or is not a file", path.display()),
-                ));
+        for (field, spec) in [("data", &self.data), ("eval_data", &self.eval_data)] {
+            if let Some(spec) = spec {
+                crate::data::sources::resolve(spec)
+                    .map_err(|e| ConfigError::new(field, e.to_string()))?;
             }
         }
         Ok(())
