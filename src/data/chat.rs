@@ -108,7 +108,11 @@ impl ChatTemplate {
     }
 
     /// The conversation as the template writes it.
-    pub fn render(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String, String> {
+    pub fn render(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String, String> {
         let env = self.environment()?;
         self.render_in(&env, messages, add_generation_prompt)
     }
@@ -142,9 +146,8 @@ impl ChatTemplate {
             }
             let before = self.render_in(&env, &messages[..i], true)?;
             let through = self.render_in(&env, &messages[..=i], false)?;
-            let prefixes = through.starts_with(&before)
-                && full.starts_with(&through)
-                && before.len() >= at;
+            let prefixes =
+                through.starts_with(&before) && full.starts_with(&through) && before.len() >= at;
             if !prefixes {
                 return Err(format!(
                     "the chat template does not render the conversation up to assistant message \
@@ -203,11 +206,15 @@ mod tests {
 
     #[test]
     fn python_methods_raise_exception_and_special_tokens_work() {
-        let src = "{{ bos_token }}{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}\
+        let src =
+            "{{ bos_token }}{% for m in messages %}{% if m.role not in ['user', 'assistant'] %}\
             {{ raise_exception('bad role ' + m.role) }}{% endif %}{{ m.content.strip().upper() }}\
             {{ eos_token }}{% endfor %}";
         let t = ChatTemplate::new(src, "<s>", "</s>");
-        assert_eq!(t.render(&[msg("user", "  hi ")], false).unwrap(), "<s>HI</s>");
+        assert_eq!(
+            t.render(&[msg("user", "  hi ")], false).unwrap(),
+            "<s>HI</s>"
+        );
         let err = t.render(&[msg("tool", "x")], false).unwrap_err();
         assert!(err.contains("bad role tool"), "{err}");
     }

@@ -48,9 +48,11 @@ impl Record {
         match (text("prompt"), text("completion"), text("text")) {
             (Some(prompt), Some(completion), _) => Ok(Record::Completion { prompt, completion }),
             (_, _, Some(t)) => Ok(Record::Text(t)),
-            _ => Err("has no `messages` list, string `prompt` and `completion`, or string \
+            _ => Err(
+                "has no `messages` list, string `prompt` and `completion`, or string \
                       `text`: give each record one of them"
-                .into()),
+                    .into(),
+            ),
         }
     }
 
@@ -123,7 +125,9 @@ impl Row {
     /// Trained targets in a window of `seq + 1` tokens (position 0 is never a target).
     fn kept(&self, seq: usize) -> usize {
         let end = self.ids.len().min(seq + 1);
-        self.trained.get(1..end).map_or(0, |t| t.iter().filter(|&&k| k).count())
+        self.trained
+            .get(1..end)
+            .map_or(0, |t| t.iter().filter(|&&k| k).count())
     }
 }
 
@@ -310,7 +314,8 @@ mod tests {
 
     #[test]
     fn records_parse_by_their_fields() {
-        let chat = r#"{"messages":[{"role":"user","content":"a"},{"role":"assistant","content":"b"}]}"#;
+        let chat =
+            r#"{"messages":[{"role":"user","content":"a"},{"role":"assistant","content":"b"}]}"#;
         assert!(matches!(Record::parse(chat), Ok(Record::Chat(m)) if m.len() == 2));
         assert_eq!(
             Record::parse(r#"{"prompt":"p","completion":"c"}"#),
@@ -319,7 +324,10 @@ mod tests {
                 completion: "c".into()
             })
         );
-        assert_eq!(Record::parse(r#"{"text":"t"}"#), Ok(Record::Text("t".into())));
+        assert_eq!(
+            Record::parse(r#"{"text":"t"}"#),
+            Ok(Record::Text("t".into()))
+        );
         for bad in [
             r#"{"prompt":"p"}"#,
             r#"{"messages":[]}"#,

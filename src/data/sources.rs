@@ -20,7 +20,10 @@ pub fn resolve(spec: &Path) -> Result<Vec<PathBuf>, DataError> {
     let mut files = Vec::new();
     for item in text.split(LIST_SEPARATOR).map(str::trim) {
         if item.is_empty() {
-            return Err(bad(spec, "has an empty item: remove the stray comma".into()));
+            return Err(bad(
+                spec,
+                "has an empty item: remove the stray comma".into(),
+            ));
         }
         files.extend(resolve_item(item)?);
     }
@@ -107,7 +110,10 @@ mod tests {
         assert_eq!(glob, vec![d.join("a.txt"), d.join("b.txt")]);
         let list = format!("{},{}", d.join("c.md").display(), d.join("*.txt").display());
         let listed = resolve(Path::new(&list)).unwrap();
-        assert_eq!(listed, vec![d.join("c.md"), d.join("a.txt"), d.join("b.txt")]);
+        assert_eq!(
+            listed,
+            vec![d.join("c.md"), d.join("a.txt"), d.join("b.txt")]
+        );
     }
 
     #[test]
@@ -119,7 +125,10 @@ mod tests {
         assert!(msg.contains(&none.display().to_string()) && msg.contains("matches no file"));
         let missing = d.join("nope.txt");
         let msg = resolve(&missing).unwrap_err().to_string();
-        assert!(msg.contains("nope.txt") && msg.contains("does not exist"), "{msg}");
+        assert!(
+            msg.contains("nope.txt") && msg.contains("does not exist"),
+            "{msg}"
+        );
         let msg = resolve(d).unwrap_err().to_string();
         assert!(msg.contains("no files"), "{msg}");
     }

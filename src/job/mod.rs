@@ -110,7 +110,10 @@ pub fn build_dataset(cfg: &TrainConfig) -> Result<Arc<Dataset>, ConfigError> {
                 ));
             }
             // Bytes of JSON would train the model on the records' syntax.
-            if let Some(path) = files.iter().find(|f| cfg.data_format.resolve(f) == DataFormat::Jsonl) {
+            if let Some(path) = files
+                .iter()
+                .find(|f| cfg.data_format.resolve(f) == DataFormat::Jsonl)
+            {
                 return Err(ConfigError::new(
                     "data_format",
                     format!(
@@ -152,7 +155,10 @@ fn token_dataset(cfg: &TrainConfig, files: &[PathBuf], tok: &Path) -> Result<Dat
         return Ok(Dataset::Tokens(t.map_err(err)?));
     }
     let tokenizer = tokenizers::Tokenizer::from_file(tok).map_err(|e| {
-        ConfigError::new("tokenizer", format!("{}: not a tokenizer.json: {e}", tok.display()))
+        ConfigError::new(
+            "tokenizer",
+            format!("{}: not a tokenizer.json: {e}", tok.display()),
+        )
     })?;
     // The chat template sits beside the tokenizer, in the model's directory.
     let config = match &cfg.hf_dir {
@@ -168,7 +174,9 @@ fn token_dataset(cfg: &TrainConfig, files: &[PathBuf], tok: &Path) -> Result<Dat
         micro_batches: cfg.micro_batches,
         describe: sources::describe(files),
     };
-    Ok(Dataset::Instruct(InstructData::new(&records, &setup).map_err(err)?))
+    Ok(Dataset::Instruct(
+        InstructData::new(&records, &setup).map_err(err)?,
+    ))
 }
 
 /// The held-out data of `eval_data`, read as `data` is (same format and tokenizer); `None`

@@ -232,15 +232,13 @@ pub(crate) fn lm_loss(
         None => be.cross_entropy(&mut out, &mb.targets, vocab),
         // Masked targets are rare enough (instruction data) that the CPU kernel serves every
         // backend: the logits are host memory here.
-        Some(mask) => {
-            crate::model::ops::masked_cross_entropy_in_place(
-                &mut out,
-                &mb.targets,
-                &mask.keep,
-                vocab,
-                mask.weight(),
-            ) as f32
-        }
+        Some(mask) => crate::model::ops::masked_cross_entropy_in_place(
+            &mut out,
+            &mb.targets,
+            &mask.keep,
+            vocab,
+            mask.weight(),
+        ) as f32,
     };
     (loss, out)
 }

@@ -18,7 +18,9 @@
 //! `workspace::Scratch`); the allocating forms wrap them for tests and simple callers.
 
 use super::kernels::{
-    cross_entropy_kernel, gelu_into, masked_cross_entropy_kernel, gelu_with_derivative_into, lane_sum};
+    cross_entropy_kernel, gelu_into, gelu_with_derivative_into, lane_sum,
+    masked_cross_entropy_kernel,
+};
 use crate::optim::{multiversion, Isa};
 
 pub(super) use super::gemm::{gemm, Layout};
@@ -395,7 +397,15 @@ pub fn masked_cross_entropy_in_place(
     check_len("cross_entropy mask", keep.len(), targets.len());
     check_ids("cross_entropy target", targets, vocab);
     let mut total = 0.0f64;
-    masked_cross_entropy_kernel(Isa::best(), logits, targets, keep, vocab, weight, &mut total);
+    masked_cross_entropy_kernel(
+        Isa::best(),
+        logits,
+        targets,
+        keep,
+        vocab,
+        weight,
+        &mut total,
+    );
     total
 }
 

@@ -147,7 +147,9 @@ fn masked_gradients_are_the_kept_targets_gradients() {
     let params = perturbed(&m, 5, 0.3);
     let mut mb = batch_of(13, 2, 6, 3);
     // Row 0 keeps its last 2 targets (a completion after a prompt), row 1 its last 4.
-    let keep: Vec<bool> = (0..12).map(|i| i % 6 >= if i < 6 { 4 } else { 2 }).collect();
+    let keep: Vec<bool> = (0..12)
+        .map(|i| i % 6 >= if i < 6 { 4 } else { 2 })
+        .collect();
     mb.loss_mask = Some(crate::model::LossMask {
         keep: keep.clone(),
         step_tokens: 9,
