@@ -209,8 +209,9 @@ pub struct TrainArgs {
     /// embedded Markov corpus: a file, a directory (its files sorted by name), a glob (its
     /// matches sorted), or several of them, by repeating the flag or in one comma-separated
     /// list, read in the order given. JSON Lines of `messages` or `prompt`/`completion` records
-    /// train on the answers only: one record per row, padded (README, "Instruction tuning")
-    /// [default: the embedded corpus].
+    /// train on the answers only: one record per row, cut to --seq-len + 1 tokens and padded
+    /// (masked); a record with no answer token in that window is refused (README, "Instruction
+    /// tuning") [default: the embedded corpus].
     #[arg(long, value_name = "FILE|DIR|GLOB[,...]")]
     pub data: Vec<PathBuf>,
     /// Write a JSON summary to this file at the end; its directory must exist [default: none].
