@@ -258,7 +258,8 @@ impl InstructData {
     }
 
     /// Micro-batch `index` of step `step` (see the module docs). Call
-    /// [`InstructData::validate`] first.
+    /// [`InstructData::validate`] first: it guarantees every row, so every step, an unmasked
+    /// target.
     pub fn micro_batch(
         &self,
         seed: u64,
@@ -267,9 +268,11 @@ impl InstructData {
         batch: usize,
         seq: usize,
     ) -> MicroBatch {
-        if let Err(e) = self.validate(seq) {
-            panic!("{e}");
-        }
+        // Validating every record here would cost records x seq per micro-batch.
+        assert!(
+            !self.rows.is_empty(),
+            "instruction data without records: validate it first"
+        );
         let mut inputs = Vec::with_capacity(batch * seq);
         let mut targets = Vec::with_capacity(batch * seq);
         let mut keep = Vec::with_capacity(batch * seq);
@@ -311,6 +314,57 @@ impl InstructData {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The step's count is the kept targets of all its micro-batches, the same in each; rows
+    /// are padded past their record with masked targets.
+    #[test]
+    fn every_micro_batch_carries_the_steps_count_of_kept_targets() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama-tiny");
+        let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        let records: Vec<Sourced> = [("Q: a", " yes"), ("Q: longer prompt", " no!"), ("x", "y")]
+            .iter()
+            .enumerate()
+            .map(|(i, (p, c))| Sourced {
+                record: Record::Completion {
+                    prompt: p.to_string(),
+                    completion: c.to_string(),
+                },
+                path: PathBuf::from("d.jsonl"),
+                line: i + 1,
+            })
+            .collect();
+        let setup = InstructSetup {
+            tokenizer: &tok,
+            template: None,
+            template_looked_at: Path::new("none"),
+            micro_batches: 3,
+            describe: "d.jsonl".into(),
+        };
+        let data = InstructData::new(&records, &setup).unwrap();
+        data.validate(24).unwrap();
+        let mbs: Vec<MicroBatch> = (0..3).map(|i| data.micro_batch(5, 2, i, 4, 24)).collect();
+        let kept: usize = mbs
+            .iter()
+            .map(|mb| {
+                mb.loss_mask
+                    .as_ref()
+                    .unwrap()
+                    .keep
+                    .iter()
+                    .filter(|&&k| k)
+                    .count()
+            })
+            .sum();
+        for mb in &mbs {
+            let m = mb.loss_mask.as_ref().unwrap();
+            assert_eq!((m.step_tokens, m.micro_batches), (kept as u64, 3));
+            // The last target of every row is padding (records are shorter than 24).
+            assert!(m.keep.chunks(24).all(|row| !row[23]));
+        }
+        // Too short a window for the second record's prompt: refused, naming its line.
+        let err = data.validate(4).unwrap_err().to_string();
+        assert!(err.starts_with("d.jsonl:2:"), "{err}");
+    }
 
     #[test]
     fn records_parse_by_their_fields() {
