@@ -138,7 +138,8 @@ pub struct TrainConfig {
     pub grad_clip: f32,
     /// `exact` (bit-identical across world sizes, default) or `fast`.
     pub reduce: ReduceMode,
-    /// Train on this file's bytes instead of the embedded Markov corpus.
+    /// Train on these files instead of the embedded Markov corpus: a file, directory, glob, or a
+    /// comma-separated list of them, read in order (`data::sources`).
     pub data: Option<PathBuf>,
     /// Tokenize `data` with this `tokenizer.json` (default: the `hf_dir`'s, if it has one;
     /// without either, `data` is read as bytes).
