@@ -197,6 +197,7 @@ pub(crate) fn matches_transformers(name: &str) -> usize {
     let (rows, cols) = (2, 9);
     assert_eq!(ids.len(), rows * cols);
     let mb = MicroBatch {
+        loss_mask: None,
         inputs: ids
             .chunks(cols)
             .flat_map(|r| r[..cols - 1].to_vec())

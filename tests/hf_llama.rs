@@ -228,6 +228,7 @@ fn smollm2_from_gguf_predicts_what_transformers_predicts() {
         assert_eq!(ids, u32s(&case["ids"]), "token ids of {prompt:?}");
         let n = ids.len();
         let mb = MicroBatch {
+            loss_mask: None,
             inputs: ids.clone(),
             targets: ids.clone(),
             batch: 1,
@@ -398,6 +399,7 @@ fn exports_load_in_transformers_with_our_logits() {
         let vocab = model.vocab() as u32;
         let ids: Vec<u32> = (0..16u32).map(|i| (i * 37 + 11) % vocab).collect();
         let mb = MicroBatch {
+            loss_mask: None,
             inputs: ids.clone(),
             targets: ids.clone(),
             batch: 2,

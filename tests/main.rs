@@ -23,6 +23,7 @@ mod finetune;
 mod gguf;
 mod hf;
 mod hf_llama;
+mod instruct;
 mod mixed_precision;
 mod observe;
 mod offload;

@@ -8,6 +8,7 @@ use clap::Args;
 use elastic_zero::checkpoint::interchange::consolidated_params;
 use elastic_zero::checkpoint::read::load_path;
 use elastic_zero::config::TrainConfig;
+use elastic_zero::data::chat::{ChatTemplate, Message};
 use elastic_zero::data::tokens::end_of_text;
 use elastic_zero::job::build_model;
 use elastic_zero::model::sample::{generate_cached, Sampling};
@@ -50,6 +51,11 @@ pub struct GenerateArgs {
     /// e.g. an instruct model's end-of-turn, else the tokenizer's end-of-text].
     #[arg(long, value_name = "TEXT")]
     pub stop: Vec<String>,
+    /// Treat --prompt as one user message: render it with the model's chat template (from its
+    /// tokenizer_config.json) and the generation prompt, stop at the end-of-turn token
+    /// (`<|im_end|>`, `<|eot_id|>`, else the eos), and print the reply alone [default: off].
+    #[arg(long)]
+    pub chat: bool,
 }
 
 fn usage(e: impl std::fmt::Display) -> CliError {
@@ -93,12 +99,19 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
         seed: args.seed,
         stop: None,
     };
-    let eos = cfg.hf_dir.as_deref().and_then(generation_eos);
+    let mut eos = cfg.hf_dir.as_deref().and_then(generation_eos);
+    let prompt = if args.chat {
+        let (prompt, turn_end) = chat_prompt(args, &cfg, tokenizer.as_ref())?;
+        eos = turn_end.or(eos);
+        prompt
+    } else {
+        args.prompt.clone()
+    };
     let mut text = continue_text_until(
         model.as_ref(),
         &params,
         tokenizer.as_ref(),
-        &args.prompt,
+        &prompt,
         Sampling {
             stop: eos.or(sampling.stop),
             ..sampling
@@ -107,8 +120,56 @@ pub fn run(args: &GenerateArgs) -> Result<(), CliError> {
     if let Some(cut) = args.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
         text.truncate(cut);
     }
-    println!("{}{text}", args.prompt);
+    if args.chat {
+        println!("{text}");
+    } else {
+        println!("{}{text}", args.prompt);
+    }
     Ok(())
+}
+
+/// Tokens that end an assistant's turn, in the order they are looked for.
+const END_OF_TURN: &[&str] = &["<|im_end|>", "<|eot_id|>", "<|end|>"];
+
+/// `--prompt` as one user message under the model's chat template with the generation prompt,
+/// and the id that ends the reply (an end-of-turn token, else the template's eos).
+fn chat_prompt(
+    args: &GenerateArgs,
+    cfg: &TrainConfig,
+    tokenizer: Option<&tokenizers::Tokenizer>,
+) -> Result<(String, Option<u32>), CliError> {
+    let tok_path = args.tokenizer.clone().or_else(|| cfg.tokenizer_path());
+    let (Some(tok), Some(tok_path)) = (tokenizer, tok_path) else {
+        return Err(usage(
+            "--chat needs the model's tokenizer and chat template: give an instruct model \
+             (--init hf:DIR or gguf:FILE) or --tokenizer FILE beside its tokenizer_config.json",
+        ));
+    };
+    let config = match (&cfg.hf_dir, &args.tokenizer) {
+        (Some(dir), None) => dir.join("tokenizer_config.json"),
+        _ => tok_path.with_file_name("tokenizer_config.json"),
+    };
+    let template = ChatTemplate::from_tokenizer_config(&config)
+        .map_err(usage)?
+        .ok_or_else(|| {
+            usage(format!(
+                "--chat: {} has no `chat_template`: the model is not a chat model; leave out \
+                 --chat to continue the prompt as text",
+                config.display()
+            ))
+        })?;
+    let message = Message {
+        role: "user".into(),
+        content: args.prompt.clone(),
+    };
+    let prompt = template
+        .render(&[message], true)
+        .map_err(|e| usage(format!("--chat: {e}")))?;
+    let turn_end = END_OF_TURN
+        .iter()
+        .find_map(|t| tok.token_to_id(t))
+        .or_else(|| tok.token_to_id(template.eos_token()));
+    Ok((prompt, turn_end))
 }
 
 /// The first `eos_token_id` of `dir/generation_config.json` (an instruct model's end of turn,

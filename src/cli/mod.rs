@@ -206,18 +206,23 @@ pub struct TrainArgs {
     /// exact|fast gradient reduction [default: exact].
     #[arg(long, value_parser = parse_reduce)]
     pub reduce: Option<ReduceMode>,
-    /// Train on this file (its bytes, or its tokens under --tokenizer) instead of the embedded
-    /// Markov corpus [default: the embedded corpus].
-    #[arg(long)]
-    pub data: Option<PathBuf>,
+    /// Train on these files (their bytes, or their tokens under --tokenizer) instead of the
+    /// embedded Markov corpus: a file, a directory (its files sorted by name), a glob (its
+    /// matches sorted), or several of them, by repeating the flag or in one comma-separated
+    /// list, read in the order given. JSON Lines of `messages` or `prompt`/`completion` records
+    /// train on the answers only: one record per row, cut to --seq-len + 1 tokens and padded
+    /// (masked); a record with no answer token in that window is refused (README, "Instruction
+    /// tuning") [default: the embedded corpus].
+    #[arg(long, value_name = "FILE|DIR|GLOB[,...]")]
+    pub data: Vec<PathBuf>,
     /// Write a JSON summary to this file at the end; its directory must exist [default: none].
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// Held-out data, read like --data: its loss and perplexity on fixed windows (one global
     /// batch's worth) with the trained model at the end, in the output and the JSON summary
     /// [default: none].
-    #[arg(long, value_name = "FILE")]
-    pub eval_data: Option<PathBuf>,
+    #[arg(long, value_name = "FILE|DIR|GLOB[,...]")]
+    pub eval_data: Vec<PathBuf>,
     /// With --eval-data: evaluate every N steps as well as after the last, with the current
     /// parameters (0: only after the last) [default: 0].
     #[arg(long, value_name = "N")]
@@ -300,8 +305,8 @@ pub struct TrainArgs {
     /// without one, bytes].
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// --data layout: auto (.jsonl/.json are JSON Lines with a `text` field), text or jsonl
-    /// [default: auto].
+    /// --data layout: auto (.jsonl/.json are JSON Lines of `text`, `messages` or
+    /// `prompt`/`completion` records), text or jsonl [default: auto].
     #[arg(long, value_name = "auto|text|jsonl")]
     pub data_format: Option<DataFormat>,
     /// Start from pretrained weights (fresh optimizer state): `hf:DIR` (or a directory), a
@@ -543,14 +548,14 @@ impl TrainArgs {
         if !self.faults.kill_during.is_empty() {
             c.faults.kill_during.clone_from(&self.faults.kill_during);
         }
-        if self.data.is_some() {
-            c.data = self.data.clone();
+        if let Some(spec) = join_data_items(&self.data) {
+            c.data = Some(spec);
         }
         if self.json.is_some() {
             c.json = self.json.clone();
         }
-        if self.eval_data.is_some() {
-            c.eval_data = self.eval_data.clone();
+        if let Some(spec) = join_data_items(&self.eval_data) {
+            c.eval_data = Some(spec);
         }
         if let Some(n) = self.eval_every {
             c.eval_every = n;
@@ -706,4 +711,10 @@ fn bench_io(
         );
     }
     Ok(())
+}
+
+/// Repeated data flags as the one comma-separated list the config holds (`data::sources`).
+fn join_data_items(items: &[PathBuf]) -> Option<PathBuf> {
+    let texts: Vec<String> = items.iter().map(|p| p.display().to_string()).collect();
+    (!texts.is_empty()).then(|| PathBuf::from(texts.join(",")))
 }

@@ -138,7 +138,8 @@ pub struct TrainConfig {
     pub grad_clip: f32,
     /// `exact` (bit-identical across world sizes, default) or `fast`.
     pub reduce: ReduceMode,
-    /// Train on this file's bytes instead of the embedded Markov corpus.
+    /// Train on these files instead of the embedded Markov corpus: a file, directory, glob, or a
+    /// comma-separated list of them, read in order (`data::sources`).
     pub data: Option<PathBuf>,
     /// Tokenize `data` with this `tokenizer.json` (default: the `hf_dir`'s, if it has one;
     /// without either, `data` is read as bytes).
@@ -154,7 +155,7 @@ pub struct TrainConfig {
     /// Write a JSON summary here.
     pub json: Option<PathBuf>,
     /// Held-out data (same formats and tokenizer as `data`): its loss and perplexity on fixed
-    /// windows are computed with the trained model at the end (default none).
+    /// windows, after the last step and every `eval_every` steps (default none).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_data: Option<PathBuf>,
     /// Evaluate `eval_data` every this many steps as well as at the end (0: only at the end;
@@ -416,12 +417,10 @@ impl TrainConfig {
                 "evaluating every N steps needs eval_data (--eval-data FILE)",
             ));
         }
-        for (field, path) in [("data", &self.data), ("eval_data", &self.eval_data)] {
-            if let Some(path) = path.as_ref().filter(|p| !p.is_file()) {
-                return Err(ConfigError::new(
-                    field,
-                    format!("{} does not exist or is not a file", path.display()),
-                ));
+        for (field, spec) in [("data", &self.data), ("eval_data", &self.eval_data)] {
+            if let Some(spec) = spec {
+                crate::data::sources::resolve(spec)
+                    .map_err(|e| ConfigError::new(field, e.to_string()))?;
             }
         }
         Ok(())

@@ -129,6 +129,7 @@ impl MarkovSource {
             targets.extend(row[1..].iter().map(|&b| u32::from(b)));
         }
         MicroBatch {
+            loss_mask: None,
             inputs,
             targets,
             batch,

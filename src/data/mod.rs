@@ -7,10 +7,14 @@
 //!
 //! Design: docs/models.md (tokens).
 
+pub mod chat;
+pub mod instruct;
 pub mod markov;
+pub mod sources;
 pub mod text;
 pub mod tokens;
 
+pub use instruct::InstructData;
 pub use markov::MarkovSource;
 pub use text::TextData;
 pub use tokens::{DataFormat, TokenData};
@@ -32,6 +36,8 @@ pub enum Dataset {
     Text(TextData),
     /// A corpus's token ids under a Hugging Face tokenizer.
     Tokens(TokenData),
+    /// Chat, prompt/completion or text records with the loss on the answers only.
+    Instruct(InstructData),
 }
 
 impl Dataset {
@@ -49,6 +55,7 @@ impl Dataset {
             Dataset::Markov(source) => source.micro_batch(seed, step, index, batch, seq),
             Dataset::Text(text) => text.micro_batch(seed, step, index, batch, seq),
             Dataset::Tokens(t) => t.micro_batch(seed, step, index, batch, seq),
+            Dataset::Instruct(d) => d.micro_batch(seed, step, index, batch, seq),
         }
     }
 
@@ -58,6 +65,7 @@ impl Dataset {
             Dataset::Markov(_) => Ok(()),
             Dataset::Text(text) => text.validate(seq),
             Dataset::Tokens(t) => t.validate(seq),
+            Dataset::Instruct(d) => d.validate(seq),
         }
     }
 
@@ -65,6 +73,7 @@ impl Dataset {
     pub fn vocab(&self) -> usize {
         match self {
             Dataset::Tokens(t) => t.vocab(),
+            Dataset::Instruct(d) => d.vocab(),
             _ => VOCAB,
         }
     }
@@ -73,7 +82,7 @@ impl Dataset {
     pub fn entropy_floor_nats(&self) -> Option<f64> {
         match self {
             Dataset::Markov(source) => Some(source.entropy_rate_nats()),
-            Dataset::Text(_) | Dataset::Tokens(_) => None,
+            Dataset::Text(_) | Dataset::Tokens(_) | Dataset::Instruct(_) => None,
         }
     }
 
@@ -83,6 +92,7 @@ impl Dataset {
             Dataset::Markov(source) => source.describe(),
             Dataset::Text(text) => text.describe(),
             Dataset::Tokens(t) => t.describe(),
+            Dataset::Instruct(d) => d.describe(),
         }
     }
 }
@@ -95,6 +105,8 @@ pub enum DataError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// A data path names nothing usable (no match, an empty directory, a bad pattern).
+    Source { path: PathBuf, what: String },
     /// The tokenizer could not be read or could not encode the corpus.
     Tokenizer { path: PathBuf, what: String },
     /// A JSON Lines record that is not JSON or has no `text`.
@@ -119,7 +131,9 @@ impl fmt::Display for DataError {
             DataError::Io { path, source } => {
                 write!(f, "cannot read text data file {}: {source}", path.display())
             }
-            DataError::Tokenizer { path, what } => write!(f, "{}: {what}", path.display()),
+            DataError::Tokenizer { path, what } | DataError::Source { path, what } => {
+                write!(f, "{}: {what}", path.display())
+            }
             DataError::Jsonl { path, line, what } => {
                 write!(f, "{}:{line}: {what}", path.display())
             }
@@ -203,6 +217,7 @@ pub(crate) fn sample_windows<T: Copy + Into<u32>>(
         targets.extend(window[1..].iter().map(|&b| b.into()));
     }
     MicroBatch {
+        loss_mask: None,
         inputs,
         targets,
         batch,

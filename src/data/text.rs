@@ -26,6 +26,21 @@ impl TextData {
         }
     }
 
+    /// The bytes of `files` one after another, as one corpus (the first names it in messages).
+    pub fn load_files(files: &[PathBuf]) -> Result<TextData, DataError> {
+        let mut bytes = Vec::new();
+        for f in files {
+            bytes.extend(std::fs::read(f).map_err(|source| DataError::Io {
+                path: f.clone(),
+                source,
+            })?);
+        }
+        Ok(TextData {
+            path: files.first().cloned().unwrap_or_default(),
+            bytes,
+        })
+    }
+
     /// Checks that the file holds at least one row: `seq` inputs plus one target byte.
     pub fn validate(&self, seq: usize) -> Result<(), DataError> {
         check_windows(&self.path, self.bytes.len(), seq, "bytes")

@@ -70,7 +70,10 @@ const CACHE_MAGIC: &[u8; 8] = b"EZTOKS01";
 /// The token ids of a corpus.
 #[derive(Clone, Debug)]
 pub struct TokenData {
+    /// The first file: short windows are reported against it.
     path: PathBuf,
+    /// The files, for logs.
+    label: String,
     tokens: Vec<u32>,
     /// Ids the tokenizer can produce (its vocabulary with added tokens).
     vocab: usize,
@@ -94,22 +97,39 @@ impl TokenData {
         tokenizer: &Path,
         cache_dir: Option<&Path>,
     ) -> Result<Self, DataError> {
+        Self::load_files(&[data.to_path_buf()], format, tokenizer, cache_dir)
+    }
+
+    /// [`TokenData::load`] of several files, read in order as one corpus: each file's documents
+    /// (the file, or its JSON Lines records) follow the previous file's, joined like them.
+    pub fn load_files(
+        files: &[PathBuf],
+        format: DataFormat,
+        tokenizer: &Path,
+        cache_dir: Option<&Path>,
+    ) -> Result<Self, DataError> {
         let io = |path: &Path| {
             let path = path.to_path_buf();
             move |source| DataError::Io { path, source }
         };
-        let bytes = std::fs::read(data).map_err(io(data))?;
+        let first = files.first().cloned().unwrap_or_default();
+        let mut contents = Vec::with_capacity(files.len());
+        for f in files {
+            contents.push(std::fs::read(f).map_err(io(f))?);
+        }
         let tok_bytes = std::fs::read(tokenizer).map_err(io(tokenizer))?;
         let tok = tokenizers::Tokenizer::from_bytes(&tok_bytes)
             .map_err(|e| tok_err(tokenizer, format!("not a tokenizer.json: {e}")))?;
         let vocab = tok.get_vocab_size(true);
-        let format = format.resolve(data);
         let key = {
             let mut h = Sha256::new();
             h.update(CACHE_MAGIC);
-            h.update(format!("{format:?}"));
-            h.update((bytes.len() as u64).to_le_bytes());
-            h.update(&bytes);
+            // One file hashes as it always did, so its cached ids stay valid.
+            for (f, bytes) in files.iter().zip(&contents) {
+                h.update(format!("{:?}", format.resolve(f)));
+                h.update((bytes.len() as u64).to_le_bytes());
+                h.update(bytes);
+            }
             h.update(&tok_bytes);
             h.finalize()
                 .iter()
@@ -117,22 +137,28 @@ impl TokenData {
                 .collect::<String>()
         };
         let cache = cache_dir.map(|d| d.join(format!("{}.tokens", &key[..32])));
+        let path = first.clone();
+        let label = super::sources::describe(files);
         if let Some(c) = &cache {
             if let Some(tokens) = read_cache(c) {
                 return Ok(Self {
-                    path: data.to_path_buf(),
+                    path,
+                    label,
                     tokens,
                     vocab,
                     origin: format!("cache {}", c.display()),
                 });
             }
         }
-        let text = String::from_utf8(bytes)
-            .map_err(|e| tok_err(data, format!("is not UTF-8 text: {e}")))?;
-        let docs: Vec<String> = match format {
-            DataFormat::Jsonl => jsonl_texts(data, &text)?,
-            _ => vec![text],
-        };
+        let mut docs: Vec<String> = Vec::new();
+        for (f, bytes) in files.iter().zip(contents) {
+            let text = String::from_utf8(bytes)
+                .map_err(|e| tok_err(f, format!("is not UTF-8 text: {e}")))?;
+            match format.resolve(f) {
+                DataFormat::Jsonl => docs.extend(jsonl_texts(f, &text)?),
+                _ => docs.push(text),
+            }
+        }
         let eot = end_of_text(&tok);
         let mut tokens = Vec::new();
         for (i, doc) in docs.iter().enumerate() {
@@ -149,7 +175,8 @@ impl TokenData {
             let _ = write_cache(c, &tokens);
         }
         Ok(Self {
-            path: data.to_path_buf(),
+            path,
+            label,
             tokens,
             vocab,
             origin: "tokenized".into(),
@@ -187,7 +214,7 @@ impl TokenData {
     pub fn describe(&self) -> String {
         format!(
             "tokens({}, {} tokens of a {}-id vocabulary, {})",
-            self.path.display(),
+            self.label,
             self.tokens.len(),
             self.vocab,
             self.origin

@@ -5,10 +5,14 @@
 pub mod eval;
 pub mod run_plan;
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::config::{ConfigError, DeviceChoice, ModelKind, OptimizerChoice, TrainConfig};
-use crate::data::{markov::MarkovSource, text::TextData, Dataset, TokenData};
+use crate::data::chat::ChatTemplate;
+use crate::data::instruct::{self, InstructSetup};
+use crate::data::{markov::MarkovSource, sources, text::TextData, DataError, DataFormat};
+use crate::data::{Dataset, InstructData, TokenData};
 use crate::model::backend::Backend;
 use crate::model::gpt::{Gpt, GptConfig};
 use crate::model::llama::{Llama, LlamaConfig};
@@ -89,40 +93,38 @@ fn build_unchecked(cfg: &TrainConfig, be: Arc<dyn Backend>) -> Result<Arc<dyn Mo
     }
 }
 
-/// The dataset the config names: a text file, or the embedded Markov corpus.
+/// The dataset the config names: its files (see `data::sources`) as bytes, tokens or
+/// instruction records, or the embedded Markov corpus.
 pub fn build_dataset(cfg: &TrainConfig) -> Result<Arc<Dataset>, ConfigError> {
+    let err = |e: DataError| ConfigError::new("data", e.to_string());
     let data = match (&cfg.data, cfg.tokenizer_path()) {
-        (Some(path), Some(tok)) => Dataset::Tokens(
-            TokenData::load(path, cfg.data_format, &tok, cfg.token_cache().as_deref())
-                .map_err(|e| ConfigError::new("data", e.to_string()))?,
-        ),
-        (Some(path), None) => match &cfg.hf_dir {
-            Some(dir) => {
+        (Some(spec), Some(tok)) => token_dataset(cfg, &sources::resolve(spec).map_err(err)?, &tok)?,
+        (Some(spec), None) => {
+            let files = sources::resolve(spec).map_err(err)?;
+            if let Some(dir) = &cfg.hf_dir {
                 return Err(ConfigError::new(
                     "tokenizer",
                     format!(
-                        "{} has no tokenizer.json, and the model's ids are not bytes: pass \
-                         --tokenizer FILE",
+                        "{} has no tokenizer.json, and the model's ids are not bytes: pass                          --tokenizer FILE",
                         dir.display()
                     ),
-                ))
+                ));
             }
             // Bytes of JSON would train the model on the records' syntax.
-            None if cfg.data_format.resolve(path) == crate::data::DataFormat::Jsonl => {
+            if let Some(path) = files
+                .iter()
+                .find(|f| cfg.data_format.resolve(f) == DataFormat::Jsonl)
+            {
                 return Err(ConfigError::new(
                     "data_format",
                     format!(
-                        "{} is JSON Lines, and without a tokenizer the model reads bytes: pass \
-                         --tokenizer FILE (or --init a model with one) to train on its `text` \
-                         fields, or --data-format text to train on the file's bytes as they are",
+                        "{} is JSON Lines, and without a tokenizer the model reads bytes: pass                          --tokenizer FILE (or --init a model with one) to train on its records,                          or --data-format text to train on the file's bytes as they are",
                         path.display()
                     ),
-                ))
+                ));
             }
-            None => Dataset::Text(
-                TextData::load(path).map_err(|e| ConfigError::new("data", e.to_string()))?,
-            ),
-        },
+            Dataset::Text(TextData::load_files(&files).map_err(err)?)
+        }
         (None, _) => Dataset::Markov(MarkovSource::new(cfg.seed)),
     };
     data.validate(cfg.seq_len)
@@ -140,6 +142,42 @@ pub fn build_dataset(cfg: &TrainConfig) -> Result<Arc<Dataset>, ConfigError> {
         ));
     }
     Ok(Arc::new(data))
+}
+
+/// `files` under the tokenizer `tok`: a corpus of text (files and `text` records, packed), or
+/// instruction records (any chat or prompt/completion record; see `data::instruct`).
+fn token_dataset(cfg: &TrainConfig, files: &[PathBuf], tok: &Path) -> Result<Dataset, ConfigError> {
+    let err = |e: DataError| ConfigError::new("data", e.to_string());
+    let jsonl = |f: &Path| cfg.data_format.resolve(f) == DataFormat::Jsonl;
+    let records = instruct::read_records(files, jsonl).map_err(err)?;
+    if records.iter().all(|r| r.record.is_text()) {
+        let cache = cfg.token_cache();
+        let t = TokenData::load_files(files, cfg.data_format, tok, cache.as_deref());
+        return Ok(Dataset::Tokens(t.map_err(err)?));
+    }
+    let tokenizer = tokenizers::Tokenizer::from_file(tok).map_err(|e| {
+        ConfigError::new(
+            "tokenizer",
+            format!("{}: not a tokenizer.json: {e}", tok.display()),
+        )
+    })?;
+    // The chat template sits beside the tokenizer, in the model's directory.
+    let config = match &cfg.hf_dir {
+        Some(dir) if cfg.tokenizer.is_none() => dir.join("tokenizer_config.json"),
+        _ => tok.with_file_name("tokenizer_config.json"),
+    };
+    let template = ChatTemplate::from_tokenizer_config(&config)
+        .map_err(|e| ConfigError::new("tokenizer", e))?;
+    let setup = InstructSetup {
+        tokenizer: &tokenizer,
+        template: template.as_ref(),
+        template_looked_at: &config,
+        micro_batches: cfg.micro_batches,
+        describe: sources::describe(files),
+    };
+    Ok(Dataset::Instruct(
+        InstructData::new(&records, &setup).map_err(err)?,
+    ))
 }
 
 /// The held-out data of `eval_data`, read as `data` is (same format and tokenizer); `None`

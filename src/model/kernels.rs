@@ -386,6 +386,50 @@ multiversion!(pub(crate) fn cross_entropy_kernel(
     total: &mut f64,
 ) => cross_entropy_body);
 
+/// [`cross_entropy_body`] with a weight per row: kept rows get `weight * (softmax - onehot)`
+/// (the arithmetic of the unmasked body with `weight` for `1 / n`, so an all-kept mask with
+/// weight `1 / n` gives its bits), dropped rows a zero gradient; `total` is the kept rows' summed
+/// loss times `weight`.
+#[inline(always)]
+fn masked_cross_entropy_body(
+    logits: &mut [f32],
+    targets: &[u32],
+    keep: &[bool],
+    vocab: usize,
+    weight: f64,
+    total: &mut f64,
+) {
+    let mut sum_loss = 0.0f64;
+    for ((g, &t), &kept) in logits.chunks_exact_mut(vocab).zip(targets).zip(keep) {
+        if !kept {
+            g.fill(0.0);
+            continue;
+        }
+        let max = lane_max(g);
+        let target = g[t as usize];
+        for gv in g.iter_mut() {
+            *gv = exp_f32(*gv - max);
+        }
+        let sum = lane_sum(vocab, 0.0f64, |j| g[j] as f64);
+        sum_loss += max as f64 + sum.ln() - target as f64;
+        let factor = (weight / sum) as f32;
+        for gv in g.iter_mut() {
+            *gv *= factor;
+        }
+        g[t as usize] -= weight as f32;
+    }
+    *total = sum_loss * weight;
+}
+
+multiversion!(pub(crate) fn masked_cross_entropy_kernel(
+    logits: &mut [f32],
+    targets: &[u32],
+    keep: &[bool],
+    vocab: usize,
+    weight: f64,
+    total: &mut f64,
+) => masked_cross_entropy_body);
+
 #[cfg(test)]
 mod tests {
     use super::*;

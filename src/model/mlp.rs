@@ -313,6 +313,7 @@ mod tests {
         let targets = inputs[1..].to_vec();
         inputs.pop();
         MicroBatch {
+            loss_mask: None,
             inputs,
             targets,
             batch,
@@ -375,6 +376,7 @@ mod tests {
         let params = perturbed(&mlp, 2, 0.3);
         for (batch, seq) in [(0, 5), (2, 0)] {
             let mb = MicroBatch {
+                loss_mask: None,
                 inputs: vec![],
                 targets: vec![],
                 batch,

@@ -65,6 +65,32 @@ pub struct MicroBatch {
     pub targets: Vec<u32>,
     pub batch: usize,
     pub seq: usize,
+    /// Which targets the loss counts (instruction data); `None`: every target, each weighing
+    /// `1 / (batch * seq)` of the micro-batch's loss.
+    pub loss_mask: Option<LossMask>,
+}
+
+/// The targets a masked micro-batch trains on, and the step's count that normalizes them.
+///
+/// The step's loss is the mean over the unmasked targets of all its micro-batches, so each
+/// unmasked target weighs `micro_batches / step_tokens` in its micro-batch's loss: the runtime's
+/// mean over the micro-batches then divides by `micro_batches` again. Both counts are pure
+/// functions of the data and the step, so every rank computes the same weight.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LossMask {
+    /// One flag per target (`batch * seq`): true where the loss counts it.
+    pub keep: Vec<bool>,
+    /// Unmasked targets in the whole step (every micro-batch), at least 1.
+    pub step_tokens: u64,
+    /// Micro-batches in the step.
+    pub micro_batches: u32,
+}
+
+impl LossMask {
+    /// The weight of one unmasked target in its micro-batch's loss.
+    pub fn weight(&self) -> f64 {
+        f64::from(self.micro_batches) / self.step_tokens.max(1) as f64
+    }
 }
 
 /// Intermediates a unit's forward kept for its backward (`Model::forward_keep`), opaque to the
@@ -202,7 +228,18 @@ pub(crate) fn lm_loss(
         mb.batch * mb.seq,
         "micro-batch targets length"
     );
-    let loss = be.cross_entropy(&mut out, &mb.targets, vocab);
+    let loss = match &mb.loss_mask {
+        None => be.cross_entropy(&mut out, &mb.targets, vocab),
+        // Masked targets are rare enough (instruction data) that the CPU kernel serves every
+        // backend: the logits are host memory here.
+        Some(mask) => crate::model::ops::masked_cross_entropy_in_place(
+            &mut out,
+            &mb.targets,
+            &mask.keep,
+            vocab,
+            mask.weight(),
+        ) as f32,
+    };
     (loss, out)
 }
 

@@ -17,7 +17,10 @@
 //! The `*_into` forms write into caller-provided buffers (the models carve them from a reused
 //! `workspace::Scratch`); the allocating forms wrap them for tests and simple callers.
 
-use super::kernels::{cross_entropy_kernel, gelu_into, gelu_with_derivative_into, lane_sum};
+use super::kernels::{
+    cross_entropy_kernel, gelu_into, gelu_with_derivative_into, lane_sum,
+    masked_cross_entropy_kernel,
+};
 use crate::optim::{multiversion, Isa};
 
 pub(super) use super::gemm::{gemm, Layout};
@@ -375,6 +378,35 @@ pub fn cross_entropy_in_place(logits: &mut [f32], targets: &[u32], vocab: usize)
     let mut total = 0.0f64;
     cross_entropy_kernel(Isa::best(), logits, targets, vocab, &mut total);
     (total / targets.len() as f64) as f32
+}
+
+/// Cross-entropy of the rows `keep` marks, each weighing `weight`: returns their summed loss
+/// times `weight`, and overwrites the logits with its gradient (zero on the dropped rows). With
+/// every row kept and `weight = 1 / n` it is [`cross_entropy_in_place`], bit for bit.
+///
+/// # Panics
+/// If a kept target is `>= vocab` or the lengths disagree.
+pub fn masked_cross_entropy_in_place(
+    logits: &mut [f32],
+    targets: &[u32],
+    keep: &[bool],
+    vocab: usize,
+    weight: f64,
+) -> f64 {
+    check_len("cross_entropy logits", logits.len(), targets.len() * vocab);
+    check_len("cross_entropy mask", keep.len(), targets.len());
+    check_ids("cross_entropy target", targets, vocab);
+    let mut total = 0.0f64;
+    masked_cross_entropy_kernel(
+        Isa::best(),
+        logits,
+        targets,
+        keep,
+        vocab,
+        weight,
+        &mut total,
+    );
+    total
 }
 
 /// [`cross_entropy_in_place`] on a copy: the loss and the gradient (empty for zero rows).

@@ -66,6 +66,7 @@ fn generate_recompute(
     for _ in 0..s.new_tokens {
         let ctx = &tokens[tokens.len() - tokens.len().min(window)..];
         let mb = MicroBatch {
+            loss_mask: None,
             inputs: ctx.to_vec(),
             targets: vec![0; ctx.len()],
             batch: 1,
@@ -238,6 +239,7 @@ pub(crate) mod test_util {
             .collect();
         let rows = toks.chunks(seq + 1);
         MicroBatch {
+            loss_mask: None,
             inputs: rows.clone().flat_map(|r| r[..seq].to_vec()).collect(),
             targets: rows.flat_map(|r| r[1..].to_vec()).collect(),
             batch,
@@ -260,14 +262,21 @@ pub(crate) mod test_util {
     /// dominated by its rounding (an ulp of 2.4 over 2·eps = 0.02 is already 1e-5).
     fn loss_f64(model: &dyn Model, logits: &[f32], mb: &MicroBatch) -> f64 {
         let rows = logits.chunks_exact(model.vocab()).zip(&mb.targets);
+        let kept = |i: usize| mb.loss_mask.as_ref().is_none_or(|m| m.keep[i]);
         let total: f64 = rows
-            .map(|(row, &t)| {
+            .enumerate()
+            .filter(|&(i, _)| kept(i))
+            .map(|(_, (row, &t))| {
                 let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
                 let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
                 max + sum.ln() - row[t as usize] as f64
             })
             .sum();
-        total / mb.targets.len().max(1) as f64
+        match &mb.loss_mask {
+            // Only the kept rows count, each weighing what the masked loss gives it.
+            Some(m) => total * m.weight(),
+            None => total / mb.targets.len().max(1) as f64,
+        }
     }
 
     pub fn loss(model: &dyn Model, params: &[Vec<f32>], mb: &MicroBatch) -> f64 {
@@ -368,6 +377,7 @@ pub(crate) mod test_util {
             let (b, t) = (4, 16);
             let tok = |r: usize, i: usize| digits[(step * 3 + r * 5 + i) % digits.len()];
             MicroBatch {
+                loss_mask: None,
                 inputs: (0..b * t).map(|k| tok(k / t, k % t)).collect(),
                 targets: (0..b * t).map(|k| tok(k / t, k % t + 1)).collect(),
                 batch: b,
@@ -455,6 +465,7 @@ mod tests {
         assert_eq!(a, generate(&gpt, &params, &prompt, 6, 1.0, 9));
         let greedy = generate(&gpt, &params, &prompt, 1, 0.0, 0);
         let mb = MicroBatch {
+            loss_mask: None,
             inputs: prompt[2..].to_vec(),
             targets: vec![0; 5],
             batch: 1,
@@ -479,6 +490,7 @@ mod tests {
             let inputs: Vec<u32> = (0..32).map(|i| ((s + i) % 8) as u32).collect();
             let targets = inputs.iter().map(|t| (t + 1) % 8).collect();
             MicroBatch {
+                loss_mask: None,
                 inputs,
                 targets,
                 batch: 4,

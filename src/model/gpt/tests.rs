@@ -225,6 +225,7 @@ fn logits_of_a_row_do_not_depend_on_its_batch_mates() {
     let params = perturbed(&gpt, 6, 0.05);
     let both = batch_of(64, 3, 32, 8);
     let row = |r: usize| MicroBatch {
+        loss_mask: None,
         inputs: both.inputs[r * 32..(r + 1) * 32].to_vec(),
         targets: both.targets[r * 32..(r + 1) * 32].to_vec(),
         batch: 1,
@@ -294,6 +295,7 @@ fn empty_micro_batches_give_zero_loss_and_gradients() {
     let params = perturbed(&gpt, 3, 0.3);
     for (batch, seq) in [(0, 5), (2, 0)] {
         let mb = MicroBatch {
+            loss_mask: None,
             inputs: vec![],
             targets: vec![],
             batch,

@@ -138,6 +138,31 @@ fn gradients_match_finite_differences() {
     }
 }
 
+/// With a loss mask the gradient is the one of the kept targets' loss alone (each weighing
+/// `micro_batches / step_tokens`): finite differences of that loss agree, and the dropped rows
+/// of the logits' gradient are exactly zero.
+#[test]
+fn masked_gradients_are_the_kept_targets_gradients() {
+    let m = llama(tiny());
+    let params = perturbed(&m, 5, 0.3);
+    let mut mb = batch_of(13, 2, 6, 3);
+    // Row 0 keeps its last 2 targets (a completion after a prompt), row 1 its last 4.
+    let keep: Vec<bool> = (0..12)
+        .map(|i| i % 6 >= if i < 6 { 4 } else { 2 })
+        .collect();
+    mb.loss_mask = Some(crate::model::LossMask {
+        keep: keep.clone(),
+        step_tokens: 9,
+        micro_batches: 2,
+    });
+    check_model_gradients(&m, &params, &mb, 5e-3, 1e-2);
+    let logits = forward_logits(&m, &params, &mb);
+    let (_, g) = m.loss(logits, &mb);
+    for (row, kept) in g.chunks_exact(13).zip(&keep) {
+        assert_eq!(row.iter().any(|&x| x != 0.0), *kept);
+    }
+}
+
 /// Multi-head attention is grouped-query attention with one query head per key/value head.
 #[test]
 fn full_heads_gradients_match_finite_differences() {

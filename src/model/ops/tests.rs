@@ -266,6 +266,38 @@ fn cross_entropy_value_and_gradient() {
     assert_eq!(cross_entropy(&[], &[], vocab), (0.0, vec![]));
 }
 
+/// Every row kept at weight `1 / n` is the unmasked loss bit for bit; a dropped row's gradient
+/// is zero and the kept rows' equal the cross-entropy of those rows alone (weight `1 / kept`).
+#[test]
+fn masked_cross_entropy_keeps_the_unmasked_bits() {
+    let (n, vocab) = (5, 9);
+    let logits = randn(n * vocab, 17, 2.0);
+    let targets = [3u32, 0, 8, 3, 1];
+    let (loss, g) = cross_entropy(&logits, &targets, vocab);
+    let mut all = logits.clone();
+    let total = masked_cross_entropy_in_place(&mut all, &targets, &[true; 5], vocab, 1.0 / 5.0);
+    assert_eq!((total as f32).to_bits(), loss.to_bits());
+    assert_eq!(bits(&all), bits(&g));
+    let keep = [false, true, false, true, true];
+    let mut some = logits.clone();
+    let total = masked_cross_entropy_in_place(&mut some, &targets, &keep, vocab, 1.0 / 3.0);
+    let rows: Vec<usize> = (0..n).filter(|&i| keep[i]).collect();
+    let alone_logits: Vec<f32> = rows
+        .iter()
+        .flat_map(|&i| logits[i * vocab..(i + 1) * vocab].to_vec())
+        .collect();
+    let alone_targets: Vec<u32> = rows.iter().map(|&i| targets[i]).collect();
+    let (alone_loss, alone) = cross_entropy(&alone_logits, &alone_targets, vocab);
+    assert_eq!((total as f32).to_bits(), alone_loss.to_bits());
+    for i in 0..n {
+        let row = &some[i * vocab..(i + 1) * vocab];
+        match rows.iter().position(|&r| r == i) {
+            Some(k) => assert_eq!(bits(row), bits(&alone[k * vocab..(k + 1) * vocab])),
+            None => assert!(row.iter().all(|&v| v == 0.0)),
+        }
+    }
+}
+
 #[test]
 fn split_params_cuts_in_order() {
     let buf: Vec<f32> = (0..6).map(|v| v as f32).collect();
