@@ -446,19 +446,3 @@ fn generate_stops_before_the_stop_text() {
     let want = format!("the{}", &cont[..cont.find(&stop).unwrap()]);
     assert_eq!(cut.stdout.trim_end_matches('\n'), want);
 }
-
-/// The coordinator does not log steps yet: it refuses the flag rather than ignoring it (its
-/// workers evaluate, see `observe::launch_evaluates_as_the_in_process_run`).
-#[test]
-fn worker_process_jobs_refuse_the_run_log() {
-    let t = tempfile::tempdir().unwrap();
-    let log = t.path().join("log.jsonl");
-    let r = ezero(&[
-        "coordinator",
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics-file",
-        s(&log),
-    ]);
-    refused(&r, "--metrics-file", "not supported with worker processes");
-}

@@ -238,12 +238,14 @@ fn launch_evaluates_as_the_in_process_run() {
         "--eval-data",
         s(&eval),
     ];
-    let ours = t.path().join("in.json");
+    let (ours, our_log) = (t.path().join("in.json"), t.path().join("in.jsonl"));
     let mut args = vec!["train", "--ranks", "2", "--json", s(&ours)];
+    args.extend(["--metrics-file", s(&our_log)]);
     args.extend(flags);
     ok(&ezero(&args));
-    let theirs = t.path().join("launch.json");
+    let (theirs, their_log) = (t.path().join("launch.json"), t.path().join("launch.jsonl"));
     let mut args = vec!["launch", "--nprocs", "2", "--", "--json", s(&theirs)];
+    args.extend(["--metrics-file", s(&their_log)]);
     args.extend(flags);
     let r = ezero(&args);
     ok(&r);
@@ -255,6 +257,22 @@ fn launch_evaluates_as_the_in_process_run() {
     assert_eq!(a["eval"].as_array().unwrap().len(), 2);
     assert_eq!(a["eval"], b["eval"]);
     assert_eq!(a["param_sha256"], b["param_sha256"]);
+    // The coordinator writes the run log as the in-process run does: one record a step, the
+    // same losses, learning rates and evaluations (times differ).
+    let records = |p: &Path| -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(p).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let (ra, rb) = (records(&our_log), records(&their_log));
+    assert_eq!(ra.len(), 3);
+    assert_eq!(ra.len(), rb.len());
+    for (x, y) in ra.iter().zip(&rb) {
+        for key in ["step", "loss", "lr", "grad_norm", "members", "eval_loss"] {
+            assert_eq!(x[key], y[key], "{key}: {x} vs {y}");
+        }
+    }
 }
 
 /// `GET /history` over a run with a membership change: one point per step with its loss,

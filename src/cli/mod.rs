@@ -11,6 +11,7 @@ mod gemm;
 mod generate;
 mod init;
 mod launch;
+mod metrics_log;
 mod outputs;
 mod procs;
 mod scheduler;

@@ -205,14 +205,6 @@ pub fn check_train_args(args: &TrainArgs, cfg: &TrainConfig) -> Result<(), CliEr
             "the test hook {hook} is not supported with worker processes yet (use ezero train)"
         )));
     }
-    // `ezero train` logs in its own process; the coordinator does not yet.
-    for (flag, set) in [("--metrics-file", cfg.metrics_file.is_some())] {
-        if set {
-            return Err(CliError::Usage(format!(
-                "{flag} is not supported with worker processes yet (use ezero train)"
-            )));
-        }
-    }
     check_parts(cfg, STATE_PART_MAX_BYTES).map_err(|e| CliError::Usage(e.to_string()))
 }
 
@@ -314,6 +306,8 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let tls = cluster_tls(args.secrets.as_ref(), "coordinator")?;
     let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     let data = build_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
+    // Read once here so that bad eval data is refused before any worker starts.
+    elastic_zero::job::build_eval_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
     if let Some(source) = &resume {
         checkpoint::check_compatible(source, &cfg, model.as_ref(), args.train.reschedule)?;
     }
@@ -355,7 +349,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         snapshot_sink,
     };
     let started = Stopwatch::start();
-    let mut lines = StepLines::new(&cfg, floor);
+    let mut lines = StepLines::new(&cfg, floor)?;
     let save_dir = cfg.save_dir.clone().filter(|_| saving.is_some());
     let banner = Banner {
         cfg: &cfg,
@@ -544,15 +538,18 @@ struct StepLines<'a> {
     cfg: &'a TrainConfig,
     floor: Option<f64>,
     last_step: Option<u64>,
+    /// `--metrics-file`, written by the coordinator as each step ends.
+    metrics: Option<super::metrics_log::MetricsLog>,
 }
 
 impl<'a> StepLines<'a> {
-    fn new(cfg: &'a TrainConfig, floor: Option<f64>) -> Self {
-        Self {
+    fn new(cfg: &'a TrainConfig, floor: Option<f64>) -> Result<Self, CliError> {
+        Ok(Self {
             cfg,
             floor,
             last_step: None,
-        }
+            metrics: super::metrics_log::MetricsLog::open(cfg)?,
+        })
     }
 }
 
@@ -562,9 +559,12 @@ impl Observer for &mut StepLines<'_> {
         let cfg = self.cfg;
         let log_every = (cfg.steps / 10).max(1);
         let due = rec.step.is_multiple_of(log_every) || rec.step + 1 == cfg.steps;
+        let tps = cfg.tokens_per_step() as f64 / (rec.duration_ms.max(1) as f64 / 1e3);
         if due || rec.eval_loss.is_some() {
-            let tps = cfg.tokens_per_step() as f64 / (rec.duration_ms.max(1) as f64 / 1e3);
             println!("{}", super::train::step_line(cfg, rec, self.floor, tps));
+        }
+        if let Some(Err(e)) = self.metrics.as_ref().map(|m| m.record(cfg, rec, tps)) {
+            println!("{e}");
         }
     }
 

@@ -1,7 +1,7 @@
 //! `ezero train`: run a job on in-process rank actors, show progress, print the digest.
 
 use elastic_zero::runtime::clock::Stopwatch;
-use std::io::{IsTerminal, Write};
+use std::io::IsTerminal;
 use std::sync::Arc;
 
 use indicatif::{ProgressBar, ProgressStyle};
@@ -229,23 +229,12 @@ struct StepLines<'a> {
     /// The process's peak while training, before the parameters are consolidated.
     training_peak: std::cell::Cell<u64>,
     /// `--metrics-file`, appended a line a step.
-    metrics: Option<std::cell::RefCell<std::fs::File>>,
+    metrics: Option<super::metrics_log::MetricsLog>,
 }
 
 impl<'a> StepLines<'a> {
     fn new(job: &'a Job, bar: &'a ProgressBar, ticker: &'a Ticker) -> Result<Self, CliError> {
-        let metrics = match &job.cfg.metrics_file {
-            Some(path) => Some(std::cell::RefCell::new(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)
-                    .map_err(|e| {
-                        CliError::Usage(format!("--metrics-file {}: {e}", path.display()))
-                    })?,
-            )),
-            None => None,
-        };
+        let metrics = super::metrics_log::MetricsLog::open(&job.cfg)?;
         Ok(Self {
             cfg: &job.cfg,
             floor: job.floor,
@@ -260,22 +249,8 @@ impl<'a> StepLines<'a> {
 
     /// One `--metrics-file` record; a failed write is reported once per step, not fatal.
     fn log_metrics(&self, rec: &StepRecord, tps: f64) {
-        let Some(file) = &self.metrics else {
-            return;
-        };
-        let line = serde_json::json!({
-            "step": rec.step + 1,
-            "loss": rec.loss,
-            "lr": step_lr(self.cfg, rec),
-            "grad_norm": rec.grad_norm,
-            "tokens_per_s": tps,
-            "step_s": rec.duration_ms as f64 / 1e3,
-            "members": rec.reports.len(),
-            "skipped": rec.skipped,
-            "eval_loss": rec.eval_loss,
-        });
-        if let Err(e) = writeln!(file.borrow_mut(), "{line}") {
-            print_line(self.bar, format!("--metrics-file: cannot write: {e}"));
+        if let Some(Err(e)) = self.metrics.as_ref().map(|m| m.record(self.cfg, rec, tps)) {
+            print_line(self.bar, e);
         }
     }
 

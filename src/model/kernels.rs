@@ -357,24 +357,30 @@ multiversion!(pub(crate) fn softmax_backward_rows(
 
 /// Cross-entropy of `logits: [n, vocab]` rows against `targets`: writes `softmax(row) / n - onehot / n`
 /// into `grad` and returns the summed per-row loss `Σ (max + ln Σ e^(v - max) - row[t])` in f64.
+/// One row of logits becomes its gradient `weight * (softmax - onehot(t))` in place; returns
+/// the row's loss, unweighted. What the loss needs of the row is read before it is overwritten.
+#[inline(always)]
+fn softmax_row(g: &mut [f32], t: usize, vocab: usize, weight: f64) -> f64 {
+    let max = lane_max(g);
+    let target = g[t];
+    for gv in g.iter_mut() {
+        *gv = exp_f32(*gv - max);
+    }
+    let sum = lane_sum(vocab, 0.0f64, |j| g[j] as f64);
+    let factor = (weight / sum) as f32;
+    for gv in g.iter_mut() {
+        *gv *= factor;
+    }
+    g[t] -= weight as f32;
+    max as f64 + sum.ln() - target as f64
+}
+
 #[inline(always)]
 fn cross_entropy_body(logits: &mut [f32], targets: &[u32], vocab: usize, total: &mut f64) {
     let inv_n = 1.0 / targets.len() as f64;
     let mut sum_loss = 0.0f64;
     for (g, &t) in logits.chunks_exact_mut(vocab).zip(targets) {
-        // The row becomes its gradient: what the loss needs of it is read first.
-        let max = lane_max(g);
-        let target = g[t as usize];
-        for gv in g.iter_mut() {
-            *gv = exp_f32(*gv - max);
-        }
-        let sum = lane_sum(vocab, 0.0f64, |j| g[j] as f64);
-        sum_loss += max as f64 + sum.ln() - target as f64;
-        let factor = (inv_n / sum) as f32;
-        for gv in g.iter_mut() {
-            *gv *= factor;
-        }
-        g[t as usize] -= inv_n as f32;
+        sum_loss += softmax_row(g, t as usize, vocab, inv_n);
     }
     *total = sum_loss;
 }
@@ -405,18 +411,7 @@ fn masked_cross_entropy_body(
             g.fill(0.0);
             continue;
         }
-        let max = lane_max(g);
-        let target = g[t as usize];
-        for gv in g.iter_mut() {
-            *gv = exp_f32(*gv - max);
-        }
-        let sum = lane_sum(vocab, 0.0f64, |j| g[j] as f64);
-        sum_loss += max as f64 + sum.ln() - target as f64;
-        let factor = (weight / sum) as f32;
-        for gv in g.iter_mut() {
-            *gv *= factor;
-        }
-        g[t as usize] -= weight as f32;
+        sum_loss += softmax_row(g, t as usize, vocab, weight);
     }
     *total = sum_loss * weight;
 }
