@@ -94,7 +94,8 @@ fn accumulator_elems(units: &[UnitSize], ties: &[TieSize], i: usize) -> u64 {
     units[i].own_elems + lagged + owners
 }
 
-/// `count` units of `elems` each, untied: synthetic runs and tests.
+/// `count` units of `elems` each, untied: the planner's tests.
+#[cfg(test)]
 pub fn uniform(count: u64, elems: u64) -> Vec<UnitSize> {
     (0..count)
         .map(|_| UnitSize {

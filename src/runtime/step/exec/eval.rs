@@ -7,17 +7,15 @@
 //! ranks as the step's micro-batches are, so the agreed losses, and their mean, are those of
 //! `job::eval::evaluate` on the full parameters whatever the world size.
 
-use bytes::Bytes;
-
+use super::reduce::place_losses;
 use super::{Agreed, ExecConfig, Pass, MAX_ATTEMPTS};
 use crate::engine::messages::StepPlan;
 use crate::job::eval::EVAL_STEP;
 use crate::model::MicroBatch;
 use crate::plan::schedule::eval_phases;
-use crate::runtime::step::comm::collectives;
 use crate::runtime::step::comm::{Comm, CommError};
 use crate::runtime::step::state::rank_state::RankState;
-use crate::runtime::transport::{TagKind, Transport};
+use crate::runtime::transport::Transport;
 
 /// The eval micro-batches' losses in index order, agreed by every rank of `plan`.
 pub(super) fn evaluate<T: Transport>(
@@ -67,43 +65,13 @@ type EvalMsg = Vec<(u32, f32)>;
 impl Pass<'_> {
     /// Agrees on the eval losses: every window's loss, from the rank that computed it.
     pub(super) fn agree_eval<T: Transport>(&mut self, comm: &mut Comm<T>) -> Result<(), CommError> {
-        let config = bincode::config::standard();
-        let bytes = bincode::serde::encode_to_vec(&self.losses, config).map_err(|e| {
-            CommError::Protocol {
-                from: self.st.rank,
-                what: format!("encode: {e}"),
-            }
-        })?;
-        let tag = self.tag(TagKind::Agree, 0, 0);
-        let all = collectives::exchange_small(comm, &self.st.map.members, tag, Bytes::from(bytes))?;
-        let m = self.plan.micro_batches as usize;
-        let mut losses = vec![None; m];
-        for (from, payload) in all {
-            let (msg, _): (EvalMsg, usize) =
-                bincode::serde::decode_from_slice(&payload, config.with_limit::<{ 1 << 24 }>())
-                    .map_err(|e| CommError::Protocol {
-                        from,
-                        what: format!("eval agree message: {e}"),
-                    })?;
-            for (i, l) in msg {
-                match losses.get_mut(i as usize) {
-                    Some(slot @ None) => *slot = Some(l),
-                    _ => {
-                        return Err(CommError::Protocol {
-                            from,
-                            what: format!("eval loss for window batch {i} twice or out of range"),
-                        })
-                    }
-                }
-            }
+        let all: Vec<(u32, EvalMsg)> =
+            self.exchange_agree(comm, &self.losses, "eval agree message")?;
+        let mut losses = self.loss_slots();
+        for (from, msg) in all {
+            place_losses(&mut losses, from, msg, "eval loss for window batch")?;
         }
-        let losses = losses
-            .into_iter()
-            .collect::<Option<Vec<f32>>>()
-            .ok_or_else(|| CommError::Protocol {
-                from: self.st.rank,
-                what: "some eval micro-batch has no loss".into(),
-            })?;
+        let losses = self.all_losses(losses, "some eval micro-batch has no loss")?;
         self.agreed = Some(Agreed {
             losses,
             max_abs: Vec::new(),

@@ -236,60 +236,27 @@ impl Pass<'_> {
                 .map(|u| self.owned_sum_squares(u))
                 .collect(),
         };
-        let bytes =
-            bincode::serde::encode_to_vec(&mine, bincode::config::standard()).map_err(|e| {
-                CommError::Protocol {
-                    from: self.st.rank,
-                    what: format!("encode: {e}"),
-                }
-            })?;
-        let tag = self.tag(TagKind::Agree, 0, 0);
-        let all = collectives::exchange_small(comm, &self.st.map.members, tag, Bytes::from(bytes))?;
-        let m = self.plan.micro_batches as usize;
+        let all: Vec<(u32, AgreeMsg)> = self.exchange_agree(comm, &mine, "agree message")?;
         let units = self.st.units();
-        let mut losses = vec![f32::NAN; m];
-        let mut seen = vec![false; m];
+        let mut losses = self.loss_slots();
         let mut max_abs = vec![0f32; units];
         let mut overflow = false;
         let mut ss = vec![SumSquares::zero(self.st.mode); units];
-        for (from, payload) in all {
-            let (msg, _): (AgreeMsg, usize) = bincode::serde::decode_from_slice(
-                &payload,
-                bincode::config::standard().with_limit::<{ 1 << 24 }>(),
-            )
-            .map_err(|e| CommError::Protocol {
-                from,
-                what: format!("agree message: {e}"),
-            })?;
+        for (from, msg) in all {
             if msg.max_abs.len() != units || msg.sum_squares.len() != units {
                 return Err(CommError::Protocol {
                     from,
                     what: "agree message for another model".into(),
                 });
             }
-            for (i, l) in msg.losses {
-                let i = i as usize;
-                if i >= m || seen[i] {
-                    return Err(CommError::Protocol {
-                        from,
-                        what: format!("loss for micro-batch {i} twice or out of range"),
-                    });
-                }
-                seen[i] = true;
-                losses[i] = l;
-            }
+            place_losses(&mut losses, from, msg.losses, "loss for micro-batch")?;
             for u in 0..units {
                 max_abs[u] = exact::max_nan(max_abs[u], msg.max_abs[u]);
                 ss[u] = ss[u].plus(msg.sum_squares[u]);
             }
             overflow |= msg.overflow;
         }
-        if seen.iter().any(|s| !s) {
-            return Err(CommError::Protocol {
-                from: self.st.rank,
-                what: "some micro-batch has no loss".into(),
-            });
-        }
+        let losses = self.all_losses(losses, "some micro-batch has no loss")?;
         let non_finite = max_abs.iter().any(|m| !m.is_finite());
         let norm = if overflow {
             f64::NAN
@@ -305,4 +272,80 @@ impl Pass<'_> {
         });
         Ok(())
     }
+}
+
+impl Pass<'_> {
+    /// Sends `mine` to every member and returns each member's message, decoded (at most
+    /// 16 MiB each); `what` names the message in a protocol error.
+    pub(super) fn exchange_agree<
+        T: Transport,
+        M: serde::Serialize,
+        R: serde::de::DeserializeOwned,
+    >(
+        &self,
+        comm: &mut Comm<T>,
+        mine: &M,
+        what: &str,
+    ) -> Result<Vec<(u32, R)>, CommError> {
+        let config = bincode::config::standard();
+        let bytes =
+            bincode::serde::encode_to_vec(mine, config).map_err(|e| CommError::Protocol {
+                from: self.st.rank,
+                what: format!("encode: {e}"),
+            })?;
+        let tag = self.tag(TagKind::Agree, 0, 0);
+        let all = collectives::exchange_small(comm, &self.st.map.members, tag, Bytes::from(bytes))?;
+        all.into_iter()
+            .map(|(from, payload)| {
+                bincode::serde::decode_from_slice(&payload, config.with_limit::<{ 1 << 24 }>())
+                    .map(|(msg, _)| (from, msg))
+                    .map_err(|e| CommError::Protocol {
+                        from,
+                        what: format!("{what}: {e}"),
+                    })
+            })
+            .collect()
+    }
+
+    /// One empty slot for each micro-batch's loss.
+    pub(super) fn loss_slots(&self) -> Vec<Option<f32>> {
+        vec![None; self.plan.micro_batches as usize]
+    }
+
+    /// The losses in index order, or `missing` when some micro-batch has none.
+    pub(super) fn all_losses(
+        &self,
+        slots: Vec<Option<f32>>,
+        missing: &str,
+    ) -> Result<Vec<f32>, CommError> {
+        slots
+            .into_iter()
+            .collect::<Option<Vec<f32>>>()
+            .ok_or_else(|| CommError::Protocol {
+                from: self.st.rank,
+                what: missing.into(),
+            })
+    }
+}
+
+/// Puts `from`'s `(index, loss)` pairs into their slots: each micro-batch's loss comes exactly
+/// once, from the rank that computed it (`what` names the loss in the error).
+pub(super) fn place_losses(
+    slots: &mut [Option<f32>],
+    from: u32,
+    losses: Vec<(u32, f32)>,
+    what: &str,
+) -> Result<(), CommError> {
+    for (i, l) in losses {
+        match slots.get_mut(i as usize) {
+            Some(slot @ None) => *slot = Some(l),
+            _ => {
+                return Err(CommError::Protocol {
+                    from,
+                    what: format!("{what} {i} twice or out of range"),
+                })
+            }
+        }
+    }
+    Ok(())
 }
