@@ -215,6 +215,10 @@ pub struct StepRecord {
 /// Outputs: what the runtime must do.
 #[derive(Clone, Debug)]
 pub enum Command {
+    /// Store this durable state before carrying out the commands after it (only when
+    /// `keep_durable` was called); a store that refuses it (this leader was deposed) ends this
+    /// coordinator's part at once.
+    Commit(Box<Durable>),
     RunStep(StepPlan),
     StepCompleted(Box<StepRecord>),
     /// Every rank is idle at a step boundary: capture every chunk's state with this progress
@@ -344,6 +348,12 @@ pub struct Coordinator {
     /// Rollbacks in a row after every rank gave up on its peers with none lost (frames lost on
     /// the network); a completed step resets it.
     network_retries: u32,
+    /// The durable state as last committed, when commits are kept (`keep_durable`).
+    durable_key: Option<durable::DurableKey>,
+    /// Leaders that took the job over, this one included if it did.
+    failovers: u64,
+    /// A takeover that starts with `Event::Start`.
+    takeover: Option<durable::PendingTakeover>,
 }
 
 /// How many times in a row the ranks may give up on each other, with no rank lost, before the
@@ -385,6 +395,9 @@ impl Coordinator {
             aborted: BTreeSet::new(),
             network_retries: 0,
             membership_log: Vec::new(),
+            durable_key: None,
+            failovers: 0,
+            takeover: None,
         }
     }
 
@@ -507,6 +520,11 @@ impl Coordinator {
         if self.is_finished() {
             return Vec::new();
         }
+        let out = self.dispatch(event);
+        self.commit_first(out)
+    }
+
+    fn dispatch(&mut self, event: Event) -> Vec<Command> {
         if let Phase::Recovering { waiting, .. } = &mut self.phase {
             // A rank that finished its part of the abandoned work anyway is idle too.
             let idle = match &event {
@@ -521,7 +539,10 @@ impl Coordinator {
             }
         }
         match event {
-            Event::Start { now_ms } => self.start_step(now_ms),
+            Event::Start { now_ms } => match self.takeover.take() {
+                Some(pending) => self.start_takeover(pending, now_ms),
+                None => self.start_step(now_ms),
+            },
             Event::StepDone { report, now_ms } => self.on_report(*report, now_ms),
             Event::RankFailed {
                 rank,
@@ -692,8 +713,10 @@ fn event_time(e: &Event) -> u64 {
     }
 }
 
+pub use durable::{Attached, Durable, TakeoverRefused};
 pub use steps::mean_in_order;
 
+mod durable;
 mod membership;
 mod recovery;
 mod steps;

@@ -245,7 +245,7 @@ impl Coordinator {
 
     /// Why the committed backup cannot rebuild the run without the `lost` ranks onto
     /// `target_len` ranks, or `None` when it can.
-    fn unrestorable(
+    pub(super) fn unrestorable(
         &self,
         who: &str,
         reason: &str,

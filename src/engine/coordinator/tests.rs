@@ -5,6 +5,7 @@ use crate::plan::memory::Resident;
 use crate::plan::volume::Volume;
 
 mod losses;
+mod takeover;
 
 fn job(steps: u64) -> JobSpec {
     JobSpec {
@@ -141,6 +142,7 @@ fn plan_eval_loss(evaluated: bool) -> Option<f64> {
 fn kinds(cmds: &[Command]) -> Vec<&'static str> {
     cmds.iter()
         .map(|c| match c {
+            Command::Commit(_) => "commit",
             Command::RunStep(_) => "run",
             Command::StepCompleted(_) => "done",
             Command::Snapshot(_) => "snap",

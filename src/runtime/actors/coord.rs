@@ -14,7 +14,7 @@ use super::collect::{collect_chunks, digest_params, stream_snapshot, Streamed};
 use super::events::ClusterEvent;
 use super::messages::{Activity, CoordMsg, CoordView, RankMsg};
 use super::rank::{RankActor, RankArgs};
-use crate::engine::coordinator::{Command, Coordinator, Event, Progress, Refusal};
+use crate::engine::coordinator::{Command, Coordinator, Durable, Event, Progress, Refusal};
 use crate::engine::messages::{StepPlan, StepReport};
 use crate::plan::{RankId, ShardMap};
 use crate::runtime::clock::Clock;
@@ -66,6 +66,19 @@ pub struct CoordArgs<T: Transport> {
     /// Where this process's ranks record their beats, read at every tick. Worker processes
     /// send `CoordMsg::Progress` instead.
     pub progress: Option<Arc<RunProgress>>,
+    /// Where the engine's durable state is committed (a metadata store, under this leader's
+    /// term); `None`: the job does not outlive this coordinator.
+    pub committer: Option<Arc<dyn Committer>>,
+}
+
+/// Stores the coordinator's durable state, conditioned on this leader still leading.
+pub trait Committer: Send + Sync {
+    /// `Err`: the state was not stored (this leader was deposed, or the store is gone), and
+    /// this coordinator must stop commanding at once.
+    fn commit<'a>(
+        &'a self,
+        state: &'a Durable,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send + 'a>>;
 }
 
 pub struct CoordState<T: Transport> {
@@ -88,6 +101,9 @@ pub struct CoordState<T: Transport> {
     beats_seen: BTreeMap<RankId, Beat>,
     /// Where snapshots stream to, when they are not collected whole.
     snapshot_sink: Option<Arc<dyn SnapshotSink>>,
+    committer: Option<Arc<dyn Committer>>,
+    /// A commit was refused: nothing more is carried out.
+    deposed: bool,
 }
 
 impl<T: Transport> CoordState<T> {
@@ -144,8 +160,14 @@ impl<T: Transport> CoordState<T> {
 
     /// Feeds one event and carries out every command that follows from it.
     async fn feed(&mut self, me: &ActorRef<CoordMsg<T>>, event: Event) {
+        if self.deposed {
+            return;
+        }
         let mut queue: VecDeque<Command> = self.engine.handle(event).into();
         while let Some(cmd) = queue.pop_front() {
+            if self.deposed {
+                return;
+            }
             let follow_up = self.execute(me, cmd).await;
             for ev in follow_up {
                 queue.extend(self.engine.handle(ev));
@@ -156,6 +178,7 @@ impl<T: Transport> CoordState<T> {
     /// Executes one command; returns the events it produced.
     async fn execute(&mut self, me: &ActorRef<CoordMsg<T>>, cmd: Command) -> Vec<Event> {
         match cmd {
+            Command::Commit(state) => self.commit(&state).await,
             Command::RunStep(plan) => self.run_step(plan),
             Command::Snapshot(progress) => return self.snapshot(progress).await,
             Command::Spawn { ranks } => return self.spawn(me, ranks).await,
@@ -219,6 +242,19 @@ impl<T: Transport> CoordState<T> {
             }
         }
         Vec::new()
+    }
+
+    /// Stores the durable state before anything that depends on it goes out; a refusal
+    /// deposes this coordinator: it commands nothing more, and its runtime steps down.
+    async fn commit(&mut self, state: &Durable) {
+        let Some(committer) = self.committer.clone() else {
+            return;
+        };
+        if let Err(why) = committer.commit(state).await {
+            self.deposed = true;
+            self.begin(Activity::Failed, []);
+            let _ = self.events.send(ClusterEvent::Deposed(why));
+        }
     }
 
     /// Hands every rank the step's plan, after the operator's kills waiting for it.
@@ -468,6 +504,8 @@ impl<T: Transport> Actor for CoordinatorActor<T> {
             progress: args.progress,
             beats_seen: BTreeMap::new(),
             snapshot_sink: None,
+            committer: args.committer,
+            deposed: false,
         })
     }
 

@@ -27,4 +27,7 @@ pub enum ClusterEvent {
     },
     Finished,
     Aborted(String),
+    /// The metadata store refused this coordinator's commit: another leader took the job
+    /// over. This coordinator commands nothing more and must not tell the ranks to stop.
+    Deposed(String),
 }

@@ -15,7 +15,9 @@ pub mod messages;
 pub mod rank;
 
 pub use self::collect::collect_chunks;
-pub use self::coord::{BoundarySnapshot, CoordArgs, CoordinatorActor, NewRank, RankFactory};
+pub use self::coord::{
+    BoundarySnapshot, Committer, CoordArgs, CoordinatorActor, NewRank, RankFactory,
+};
 pub use self::events::ClusterEvent;
 pub use self::messages::{Activity, CoordMsg, CoordView, RankMsg};
 pub use self::rank::{RankActor, RankArgs};

@@ -526,6 +526,7 @@ fn coord_args(
             ..b
         }),
         progress: Some(Arc::clone(&spec.progress)),
+        committer: None,
     }
 }
 
@@ -676,7 +677,9 @@ pub async fn drive(
                 observer.on_join_failed(rank, &reason)
             }
             Some(ClusterEvent::Finished) => break Ok(()),
-            Some(ClusterEvent::Aborted(reason)) => break Err(ClusterError::Aborted(reason)),
+            Some(ClusterEvent::Aborted(reason) | ClusterEvent::Deposed(reason)) => {
+                break Err(ClusterError::Aborted(reason))
+            }
             None => break Err(ClusterError::Aborted("the coordinator stopped".into())),
         }
     };

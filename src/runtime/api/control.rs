@@ -217,7 +217,7 @@ impl Monitor {
                     .history()
                     .on_event(EventKind::FailedJoin, detail, t);
             }
-            ClusterEvent::Finished | ClusterEvent::Aborted(_) => {}
+            ClusterEvent::Finished | ClusterEvent::Aborted(_) | ClusterEvent::Deposed(_) => {}
         }
     }
 

@@ -271,7 +271,9 @@ impl ElasticJob {
                     observer.on_snapshot_streamed(step, &saved)
                 }
                 ClusterEvent::JoinFailed { rank, reason } => observer.on_join_failed(rank, &reason),
-                ClusterEvent::Finished | ClusterEvent::Aborted(_) => break,
+                ClusterEvent::Finished | ClusterEvent::Aborted(_) | ClusterEvent::Deposed(_) => {
+                    break
+                }
             }
         }
         self.finish().await
@@ -320,7 +322,9 @@ async fn pump(
             | ClusterEvent::SnapshotStreamed { .. }
             | ClusterEvent::JoinFailed { .. } => None,
             ClusterEvent::Finished => Some(Ok(())),
-            ClusterEvent::Aborted(reason) => Some(Err(ClusterError::Aborted(reason.clone()))),
+            ClusterEvent::Aborted(reason) | ClusterEvent::Deposed(reason) => {
+                Some(Err(ClusterError::Aborted(reason.clone())))
+            }
         };
         if let Some(end) = end {
             // Keep the coordinator's last word for `status()` before the actors go.

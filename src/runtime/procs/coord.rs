@@ -503,7 +503,9 @@ impl Run {
                 }
                 ClusterEvent::JoinFailed { rank, reason } => observer.on_join_failed(rank, &reason),
                 ClusterEvent::Finished => return Ok(()),
-                ClusterEvent::Aborted(reason) => return Err(reason),
+                ClusterEvent::Aborted(reason) | ClusterEvent::Deposed(reason) => {
+                    return Err(reason)
+                }
             }
             if let Some(why) = observer.stop_requested() {
                 return Err(why);
@@ -724,6 +726,7 @@ fn coord_args(
         boundary_snapshot: opts.boundary_snapshot.clone(),
         // Workers report their progress over their control connections.
         progress: None,
+        committer: None,
     }
 }
 

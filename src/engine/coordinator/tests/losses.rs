@@ -4,7 +4,7 @@
 
 use super::*;
 
-fn backed_up(steps: u64, script: Vec<ScriptedChange>) -> JobSpec {
+pub(super) fn backed_up(steps: u64, script: Vec<ScriptedChange>) -> JobSpec {
     JobSpec {
         replicate_every: 1,
         eval_every: None,
@@ -13,7 +13,7 @@ fn backed_up(steps: u64, script: Vec<ScriptedChange>) -> JobSpec {
     }
 }
 
-fn report_at(rank: RankId, epoch: u64, step: u64) -> StepReport {
+pub(super) fn report_at(rank: RankId, epoch: u64, step: u64) -> StepReport {
     StepReport {
         epoch,
         ..report(rank, step)
@@ -22,7 +22,11 @@ fn report_at(rank: RankId, epoch: u64, step: u64) -> StepReport {
 
 /// Feeds every rank's event and returns the commands of the last one (earlier ones must be
 /// empty: the phase waits for everyone).
-fn all(c: &mut Coordinator, ranks: &[RankId], ev: impl Fn(RankId) -> Event) -> Vec<Command> {
+pub(super) fn all(
+    c: &mut Coordinator,
+    ranks: &[RankId],
+    ev: impl Fn(RankId) -> Event,
+) -> Vec<Command> {
     let (last, rest) = ranks.split_last().unwrap();
     for &r in rest {
         let out = c.handle(ev(r));
@@ -31,7 +35,7 @@ fn all(c: &mut Coordinator, ranks: &[RankId], ev: impl Fn(RankId) -> Event) -> V
     c.handle(ev(*last))
 }
 
-fn replicated(epoch: u64, step: u64) -> impl Fn(RankId) -> Event {
+pub(super) fn replicated(epoch: u64, step: u64) -> impl Fn(RankId) -> Event {
     move |rank| Event::ReplicateDone {
         rank,
         epoch,
@@ -40,7 +44,7 @@ fn replicated(epoch: u64, step: u64) -> impl Fn(RankId) -> Event {
     }
 }
 
-fn resharded(epoch: u64) -> impl Fn(RankId) -> Event {
+pub(super) fn resharded(epoch: u64) -> impl Fn(RankId) -> Event {
     move |rank| Event::ReshardDone {
         rank,
         epoch,
@@ -48,7 +52,7 @@ fn resharded(epoch: u64) -> impl Fn(RankId) -> Event {
     }
 }
 
-fn aborted(rank: RankId) -> Event {
+pub(super) fn aborted(rank: RankId) -> Event {
     Event::StepAborted {
         rank,
         reason: "interrupted".into(),
@@ -56,7 +60,7 @@ fn aborted(rank: RankId) -> Event {
     }
 }
 
-fn lost(rank: RankId) -> Event {
+pub(super) fn lost(rank: RankId) -> Event {
     Event::RankFailed {
         rank,
         reason: "vanished".into(),
@@ -71,7 +75,7 @@ fn through_step0(c: &mut Coordinator, members: &[RankId]) -> Vec<Command> {
     all(c, members, |r| done(report_at(r, 0, 0), 1))
 }
 
-fn restore_of(cmds: &[Command]) -> (ShardMap, ShardMap, u64, Vec<RankId>) {
+pub(super) fn restore_of(cmds: &[Command]) -> (ShardMap, ShardMap, u64, Vec<RankId>) {
     match cmds.last() {
         Some(Command::Restore {
             old,
@@ -83,7 +87,7 @@ fn restore_of(cmds: &[Command]) -> (ShardMap, ShardMap, u64, Vec<RankId>) {
     }
 }
 
-fn interrupt_of(cmds: &[Command]) -> (Vec<RankId>, u64, u64) {
+pub(super) fn interrupt_of(cmds: &[Command]) -> (Vec<RankId>, u64, u64) {
     cmds.iter()
         .find_map(|c| match c {
             Command::Interrupt { ranks, epoch, step } => Some((ranks.clone(), *epoch, *step)),
@@ -92,7 +96,7 @@ fn interrupt_of(cmds: &[Command]) -> (Vec<RankId>, u64, u64) {
         .unwrap_or_else(|| panic!("{:?}", kinds(cmds)))
 }
 
-fn last_record(c: &Coordinator) -> &MembershipRecord {
+pub(super) fn last_record(c: &Coordinator) -> &MembershipRecord {
     c.membership_log().last().unwrap()
 }
 
