@@ -24,6 +24,7 @@ mod gguf;
 mod hf;
 mod hf_llama;
 mod instruct;
+mod meta;
 mod mixed_precision;
 mod observe;
 mod offload;

@@ -43,6 +43,7 @@ const LAYERS: &[&str] = &[
     "runtime::alloc",
     "runtime::storage",
     "runtime::transport",
+    "runtime::meta",
     "runtime::step",
     "runtime::step::comm",
     "runtime::step::state",

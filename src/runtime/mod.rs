@@ -22,6 +22,7 @@ pub mod actors;
 pub mod alloc;
 pub mod api;
 pub mod clock;
+pub mod meta;
 pub mod procs;
 pub mod step;
 pub mod storage;

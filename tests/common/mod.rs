@@ -1,6 +1,7 @@
 //! Shared helpers for the integration tests.
 #![allow(dead_code)]
 
+pub mod etcd;
 pub mod ezero;
 pub mod procs;
 

@@ -1,0 +1,213 @@
+//! One campaign's lease: granted, kept alive by a task that also times it out on this process's
+//! clock, and given back when the campaign or its leadership ends.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::time::Duration;
+
+use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper};
+use tokio::sync::watch;
+
+use super::{EtcdLease, EtcdStore};
+use crate::runtime::clock::Clock;
+use crate::runtime::meta::{Candidate, Hold, Leadership, MetaError};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// How often the keeper renews: a third of the TTL, so that one lost renewal still leaves time
+/// for the next.
+fn period(ttl_ms: u64) -> Duration {
+    Duration::from_millis((ttl_ms / 3).max(50))
+}
+
+impl EtcdStore {
+    pub(super) async fn campaign_inner(
+        &self,
+        me: &Candidate,
+        ttl: Duration,
+    ) -> Result<Leadership, MetaError> {
+        let value = serde_json::to_vec(me).expect("a candidate serializes");
+        let (lease, ttl_ms) = self.grant(ttl).await?;
+        // Until it leads, dropping the campaign gives the lease back.
+        let mut pending = Pending {
+            lease: Some(Arc::clone(&lease)),
+            client: self.client.clone(),
+        };
+        let mut lost = lease.lost.subscribe();
+        let mut election = self.client.election_client();
+        let resp = tokio::select! {
+            r = election.campaign(self.key("election"), value, lease.id) => {
+                r.map_err(|e| self.unreachable(e))?
+            }
+            _ = lost.wait_for(|l| *l) => {
+                let detail = format!("the campaign's lease lapsed: no keepalive was acknowledged within its {ttl_ms} ms");
+                return Err(self.unreachable(detail));
+            }
+        };
+        let Some(key) = resp.leader() else {
+            let detail = "etcd's campaign answer names no leader key".to_string();
+            return Err(MetaError::Corrupt { detail });
+        };
+        let term = key.rev() as u64;
+        *lock(&lease.key) = key.key().to_vec();
+        lock(&self.held).insert(term, Arc::clone(&lease));
+        pending.lease = None;
+        let hold = EtcdHold {
+            held: Arc::clone(&self.held),
+            term,
+            lease: Arc::clone(&lease),
+            client: self.client.clone(),
+        };
+        Ok(Leadership::new(
+            term,
+            lease.lost.subscribe(),
+            Box::new(hold),
+        ))
+    }
+
+    /// A lease of `ttl` (whole seconds, at least 1, for etcd) with its keeper running; and the
+    /// TTL the keeper times it out by.
+    async fn grant(&self, ttl: Duration) -> Result<(Arc<EtcdLease>, u64), MetaError> {
+        let want_ms = (ttl.as_millis() as u64).max(1);
+        let secs = want_ms.div_ceil(1000) as i64;
+        let sent_ms = self.clock.now_ms();
+        let granted = self
+            .rpc(|mut c| async move { c.lease_grant(secs, None).await })
+            .await?;
+        // etcd raises a TTL under its minimum: expire by the shorter of the two.
+        let ttl_ms = want_ms.min(granted.ttl().max(0) as u64 * 1000);
+        let (tx, _) = watch::channel(false);
+        let lease = Arc::new(EtcdLease {
+            id: granted.id(),
+            key: Mutex::default(),
+            lost: tx,
+            stalled: AtomicBool::new(false),
+            keeper: Mutex::new(None),
+        });
+        let keeper = Keeper {
+            client: self.client.clone(),
+            lease: Arc::downgrade(&lease),
+            clock: Arc::clone(&self.clock),
+            ttl_ms,
+        };
+        *lock(&lease.keeper) = Some(tokio::spawn(keeper.run(sent_ms)));
+        Ok((lease, ttl_ms))
+    }
+}
+
+/// Gives `lease` back without waiting: the keeper stops and etcd is asked to revoke it.
+fn give_back(client: &Client, lease: &EtcdLease) {
+    lease.end();
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        let (mut client, id) = (client.clone(), lease.id);
+        rt.spawn(async move {
+            let revoke = client.lease_revoke(id);
+            let _ = tokio::time::timeout(super::REQUEST_TIMEOUT, revoke).await;
+        });
+    }
+}
+
+/// A campaign that has not led yet.
+struct Pending {
+    lease: Option<Arc<EtcdLease>>,
+    client: Client,
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            give_back(&self.client, &lease);
+        }
+    }
+}
+
+struct EtcdHold {
+    held: Arc<Mutex<std::collections::BTreeMap<u64, Arc<EtcdLease>>>>,
+    term: u64,
+    lease: Arc<EtcdLease>,
+    client: Client,
+}
+
+impl Hold for EtcdHold {
+    fn stall(&self) {
+        self.lease.stalled.store(true, Ordering::SeqCst);
+    }
+}
+
+impl Drop for EtcdHold {
+    fn drop(&mut self) {
+        lock(&self.held).remove(&self.term);
+        give_back(&self.client, &self.lease);
+    }
+}
+
+/// The task that keeps one lease alive and times it out.
+struct Keeper {
+    client: Client,
+    lease: Weak<EtcdLease>,
+    clock: Arc<dyn Clock>,
+    ttl_ms: u64,
+}
+
+enum Renewal {
+    Acked,
+    /// etcd no longer has the lease.
+    Gone,
+    Failed,
+}
+
+impl Keeper {
+    /// Renews every [`period`] until the lease is gone, dropped, or unacknowledged for its TTL
+    /// since the last acknowledged renewal was sent (`acked_ms`, on the clock).
+    async fn run(self, mut acked_ms: u64) {
+        let mut stream = None;
+        loop {
+            tokio::time::sleep(period(self.ttl_ms)).await;
+            let Some(lease) = self.lease.upgrade() else {
+                return;
+            };
+            if !lease.stalled.load(Ordering::SeqCst) {
+                let sent_ms = self.clock.now_ms();
+                match self.renew(lease.id, &mut stream).await {
+                    Renewal::Acked => acked_ms = sent_ms,
+                    Renewal::Gone => {
+                        lease.lost.send_replace(true);
+                        return;
+                    }
+                    Renewal::Failed => stream = None,
+                }
+            }
+            if self.clock.now_ms().saturating_sub(acked_ms) >= self.ttl_ms {
+                lease.lost.send_replace(true);
+                return;
+            }
+        }
+    }
+
+    /// One keepalive, bounded by the renewal period; opens the stream first if it has none.
+    async fn renew(
+        &self,
+        id: i64,
+        stream: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>,
+    ) -> Renewal {
+        let attempt = async {
+            let Some((keeper, responses)) = stream.as_mut() else {
+                let mut client = self.client.clone();
+                *stream = Some(client.lease_keep_alive(id).await?);
+                return Ok(Some(1));
+            };
+            keeper.keep_alive().await?;
+            Ok::<_, etcd_client::Error>(responses.message().await?.map(|r| r.ttl()))
+        };
+        match tokio::time::timeout(period(self.ttl_ms), attempt).await {
+            Ok(Ok(Some(ttl))) if ttl > 0 => Renewal::Acked,
+            Ok(Ok(Some(_))) => Renewal::Gone,
+            Ok(Err(etcd_client::Error::LeaseKeepAliveError(e))) if e.contains("not found") => {
+                Renewal::Gone
+            }
+            _ => Renewal::Failed,
+        }
+    }
+}
