@@ -87,13 +87,16 @@ pub struct MembershipRecord {
     /// For a recovery from an abrupt loss: the ranks lost and the step training rolled back to.
     pub lost: Vec<RankId>,
     pub rolled_back_to: Option<u64>,
+    /// The rollback of a new leader taking the job over (`Coordinator::take_over`).
+    #[serde(default)]
+    pub takeover: bool,
 }
 
 impl MembershipRecord {
-    /// A rollback that lost no rank: work whose frames the network lost, redone with the same
-    /// ranks.
+    /// A rollback that lost no rank and no coordinator: work whose frames the network lost,
+    /// redone with the same ranks.
     pub fn is_network_retry(&self) -> bool {
-        self.lost.is_empty() && self.rolled_back_to.is_some()
+        self.lost.is_empty() && self.rolled_back_to.is_some() && !self.takeover
     }
 }
 
@@ -354,6 +357,8 @@ pub struct Coordinator {
     failovers: u64,
     /// A takeover that starts with `Event::Start`.
     takeover: Option<durable::PendingTakeover>,
+    /// The rollback in progress is a takeover's (for its membership record).
+    taking_over: bool,
 }
 
 /// How many times in a row the ranks may give up on each other, with no rank lost, before the
@@ -398,6 +403,7 @@ impl Coordinator {
             durable_key: None,
             failovers: 0,
             takeover: None,
+            taking_over: false,
         }
     }
 

@@ -57,9 +57,10 @@ pub(super) struct PendingTakeover {
 pub(super) type DurableKey = (u64, Option<(u64, u64)>, u64, RankId, usize, u64);
 
 impl Coordinator {
-    /// From now on, every change of the durable state is committed first (`Command::Commit`).
+    /// From now on, every change of the durable state is committed first (`Command::Commit`),
+    /// starting with the state as it is, at the next event.
     pub fn keep_durable(&mut self) {
-        self.durable_key = Some(self.current_key());
+        self.durable_key = Some((u64::MAX, None, u64::MAX, RankId::MAX, usize::MAX, u64::MAX));
     }
 
     /// The state a successor takes over from.
@@ -170,6 +171,7 @@ impl Coordinator {
         if let Phase::Recovering { started_ms, .. } = &mut self.phase {
             *started_ms = now_ms;
         }
+        self.taking_over = true;
         let mut out = Vec::new();
         if !pending.lost.is_empty() {
             out.push(Command::Retire {

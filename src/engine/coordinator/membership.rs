@@ -217,6 +217,7 @@ impl Coordinator {
             duration_ms: now_ms.saturating_sub(started_ms),
             lost: lost.clone(),
             rolled_back_to: rollback.as_ref().map(|(p, _)| p.step),
+            takeover: std::mem::take(&mut self.taking_over),
         };
         if let Some((p, _)) = rollback {
             self.step = p.step;

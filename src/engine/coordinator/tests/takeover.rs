@@ -11,7 +11,11 @@ use super::*;
 /// backup; returns the commands of step 0's completion.
 fn committing_through_step0(c: &mut Coordinator) -> Vec<Command> {
     c.keep_durable();
-    assert_eq!(kinds(&c.handle(Event::Start { now_ms: 0 })), ["replicate"]);
+    assert_eq!(
+        kinds(&c.handle(Event::Start { now_ms: 0 })),
+        ["commit", "replicate"],
+        "the job's state is in the store before anything runs"
+    );
     let cmds = all(c, &[0, 1, 2], replicated(0, 0));
     assert_eq!(
         kinds(&cmds),
@@ -62,7 +66,7 @@ fn a_successor_rolls_the_reattached_ranks_back_and_drops_the_lost() {
     next.keep_durable();
     assert_eq!(next.failovers(), 1);
     let cmds = next.handle(Event::Start { now_ms: 10 });
-    assert_eq!(kinds(&cmds), ["retire", "interrupt"]);
+    assert_eq!(kinds(&cmds), ["commit", "retire", "interrupt"]);
     assert_eq!(interrupt_of(&cmds), (vec![1], 0, 1));
     let cmds = next.handle(aborted(1));
     assert_eq!(
