@@ -33,6 +33,7 @@ mod procs;
 mod procs_checkpoint;
 mod procs_cluster;
 mod procs_elastic;
+mod procs_failover;
 #[cfg(feature = "ucx")]
 mod procs_ucx;
 mod quic;

@@ -16,6 +16,7 @@ use std::path::PathBuf;
 
 use elastic_zero::runtime::procs::control_plane::DataPlane;
 
+use super::launch_coords::{wait_coordinators, wait_for_addresses, LaunchMeta};
 use super::procs::{check_train_args, parse_data_plane, ProcsArgs};
 use super::{CliError, TrainArgs};
 
@@ -54,6 +55,27 @@ pub struct LaunchArgs {
     /// Use this secrets directory (an operator's CA) instead of a fresh CA made for this launch.
     #[arg(long, value_name = "DIR")]
     pub secrets: Option<PathBuf>,
+    /// Start this many coordinators: one leads, the others stand by and take the job over
+    /// when the leader is lost, with nothing lost (each gets its own control port, counting up
+    /// from --control's when that is not 0) [default: 1].
+    #[arg(long, default_value_t = 1)]
+    pub coordinators: u32,
+    /// Where the coordinators keep the job's state (`ezero coordinator --meta`): `file:DIR`,
+    /// `etcd://HOST:PORT[,...]`, or `etcd-local` (a throwaway etcd this launch starts; the
+    /// `etcd` binary must be on PATH) [default: with --coordinators above 1, a fresh directory
+    /// removed at the end; else none].
+    #[arg(long, value_name = "URL")]
+    pub meta: Option<String>,
+    /// The job's name in the metadata store [default: launch-PID].
+    #[arg(long)]
+    pub job_id: Option<String>,
+    /// The leading coordinator's lease (`ezero coordinator --lease-ttl-ms`) [default: 3000].
+    #[arg(long)]
+    pub lease_ttl_ms: Option<u64>,
+    /// How long a new leader waits for the workers to re-attach (`ezero coordinator
+    /// --reattach-wait-ms`) [default: 5000].
+    #[arg(long)]
+    pub reattach_wait_ms: Option<u64>,
     #[command(flatten)]
     pub procs: ProcsArgs,
     /// Train flags, as for `ezero train` (after `--`).
@@ -94,18 +116,32 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
     };
     let exe = std::env::current_exe()
         .map_err(|e| CliError::Failed(format!("cannot find the ezero binary: {e}")))?;
+    let meta = LaunchMeta::prepare(a)?;
     let (lines_tx, lines) = mpsc::channel::<Line>();
-    let mut coord = spawn_coordinator(a, &exe, transport, &secrets, &token)?;
-    relay(&mut coord, None, &lines_tx);
-    let addr = match wait_for_address(&mut coord, &lines) {
-        Ok(addr) => addr,
+    let mut coords = Vec::new();
+    for i in 0..a.coordinators {
+        let each = Each {
+            index: i,
+            meta: meta.as_ref(),
+        };
+        let mut coord = match spawn_coordinator(a, &exe, transport, &secrets, &token, each) {
+            Ok(c) => c,
+            Err(e) => {
+                kill_all(&mut coords);
+                return Err(e);
+            }
+        };
+        relay(&mut coord, None, &lines_tx);
+        coords.push(coord);
+    }
+    let addr = match wait_for_addresses(&mut coords, &lines, LISTEN_TIMEOUT) {
+        Ok(addrs) => addrs.join(","),
         Err(why) => {
-            let _ = coord.kill();
-            let status = coord.wait().ok();
+            let codes = kill_all(&mut coords);
             drain(&lines);
-            return Err(match status.and_then(|s| s.code()) {
-                Some(2) => CliError::Usage(why),
-                _ => CliError::Failed(why),
+            return Err(match codes.contains(&Some(2)) {
+                true => CliError::Usage(why),
+                false => CliError::Failed(why),
             });
         }
     };
@@ -127,7 +163,7 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
     for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         let _ = signal_hook::flag::register(sig, Arc::clone(&stop));
     }
-    let coord_status = wait_printing(&mut coord, &lines, None, Some(&stop));
+    let coord_status = wait_coordinators(&mut coords, &lines, &stop);
     // The coordinator told every worker to stop; a worker that has not stopped within the
     // heartbeat timeout (plus slack) is killed and reported.
     let grace = Duration::from_millis(procs.heartbeat_timeout_ms) + Duration::from_secs(5);
@@ -139,7 +175,25 @@ pub fn run(a: &LaunchArgs) -> Result<(), CliError> {
             grace.as_millis()
         );
     }
+    drop(meta);
     launch_outcome(coord_status, stuck.is_empty())
+}
+
+/// Kills every coordinator started so far; their exit codes.
+fn kill_all(coords: &mut [Child]) -> Vec<Option<i32>> {
+    coords
+        .iter_mut()
+        .map(|c| {
+            let _ = c.kill();
+            c.wait().ok().and_then(|s| s.code())
+        })
+        .collect()
+}
+
+/// Which of the launch's coordinators is started, and the store they share.
+struct Each<'a> {
+    index: u32,
+    meta: Option<&'a LaunchMeta>,
 }
 
 /// The train flags after `--`, parsed as `ezero train` would and checked against the launch's
@@ -180,12 +234,27 @@ fn spawn_coordinator(
     transport: DataPlane,
     secrets: &Secrets,
     token: &str,
+    each: Each<'_>,
 ) -> Result<Child, CliError> {
+    // Each coordinator serves its own endpoint: a fixed port counts up.
+    let control = a.control.map(|mut c| {
+        if c.port() != 0 {
+            c.set_port(c.port().saturating_add(each.index as u16));
+        }
+        c
+    });
+    let meta = each.meta.map(|m| m.flags.clone()).unwrap_or_default();
+    let id = each
+        .meta
+        .map(|_| vec!["--coordinator-id".to_string(), format!("c{}", each.index)])
+        .unwrap_or_default();
     Command::new(exe)
         .arg("coordinator")
         .args(["--listen", &a.listen, "--ranks", &a.nprocs.to_string()])
+        .args(meta)
+        .args(id)
         .args(
-            a.control
+            control
                 .iter()
                 .flat_map(|c| ["--control".to_string(), c.to_string()]),
         )
@@ -289,7 +358,7 @@ fn launch_outcome(coord_status: Option<ExitStatus>, none_stuck: bool) -> Result<
 }
 
 /// A line of a child's output: (worker index or `None` for the coordinator, stderr?, text).
-type Line = (Option<u32>, bool, String);
+pub(super) type Line = (Option<u32>, bool, String);
 
 /// Forwards a child's stdout and stderr line by line into `tx`.
 fn relay(child: &mut Child, who: Option<u32>, tx: &mpsc::Sender<Line>) {
@@ -310,7 +379,7 @@ fn relay(child: &mut Child, who: Option<u32>, tx: &mpsc::Sender<Line>) {
     }
 }
 
-fn print((who, err, text): Line) {
+pub(super) fn print((who, err, text): Line) {
     let line = match who {
         None => text,
         Some(i) => format!("[worker {i}] {text}"),
@@ -319,35 +388,6 @@ fn print((who, err, text): Line) {
         eprintln!("{line}");
     } else {
         println!("{line}");
-    }
-}
-
-/// Prints the coordinator's output until it says where it listens.
-fn wait_for_address(coord: &mut Child, lines: &mpsc::Receiver<Line>) -> Result<String, String> {
-    const PREFIX: &str = "ezero coordinator: listening on ";
-    let deadline = Instant::now() + LISTEN_TIMEOUT;
-    loop {
-        // Our own sender keeps the channel open: notice a coordinator that refused the job
-        // (bad saved state, say) by its exit, not by the timeout.
-        if let Ok(Some(_)) = coord.try_wait() {
-            return Err("the coordinator exited before listening".into());
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        match lines.recv_timeout(left.min(Duration::from_millis(100))) {
-            Ok((None, false, text)) if text.starts_with(PREFIX) => {
-                let addr = text[PREFIX.len()..].trim().to_string();
-                println!("{text}");
-                return Ok(addr);
-            }
-            Ok(line) => print(line),
-            Err(mpsc::RecvTimeoutError::Timeout) if left.is_zero() => {
-                return Err("the coordinator did not start listening within 30 s".into())
-            }
-            Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => {
-                return Err("the coordinator exited before listening".into())
-            }
-        }
     }
 }
 
@@ -376,7 +416,7 @@ fn wait_printing(
 }
 
 /// Sends SIGTERM to `child` (a no-op once it has exited and been reaped).
-fn terminate(child: &Child) {
+pub(super) fn terminate(child: &Child) {
     if let Ok(pid) = libc::pid_t::try_from(child.id()) {
         // SAFETY: kill(2) has no memory effects; the pid is our own unreaped child's.
         unsafe {

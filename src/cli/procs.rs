@@ -7,10 +7,12 @@
 
 use elastic_zero::runtime::clock::Stopwatch;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use clap::Args;
 
 use elastic_zero::config::TrainConfig;
+use elastic_zero::data::Dataset;
 use elastic_zero::engine::coordinator::{MembershipRecord, StepRecord};
 use elastic_zero::job::run_plan::StoragePlan;
 use elastic_zero::job::{build_dataset, build_model, memory_demand};
@@ -122,13 +124,17 @@ pub struct CoordinatorArgs {
     #[command(flatten)]
     pub procs: ProcsArgs,
     #[command(flatten)]
+    pub failover: super::failover::FailoverArgs,
+    #[command(flatten)]
     pub train: TrainArgs,
 }
 
 /// `ezero worker` flags.
 #[derive(Args)]
 pub struct WorkerArgs {
-    /// The coordinator's address (host:port) [default: from the scheduler: MASTER_ADDR and
+    /// The coordinator's address (host:port), or every coordinator's of a job kept in a
+    /// metadata store, comma-separated (the worker joins the one that leads and re-attaches
+    /// to the next leader when it is lost) [default: from the scheduler: MASTER_ADDR and
     /// MASTER_PORT (torchrun, PyTorchJob), or the first host of SLURM_JOB_NODELIST with
     /// MASTER_PORT or 29500].
     #[arg(long, env = "EZERO_COORDINATOR")]
@@ -165,7 +171,14 @@ pub struct WorkerArgs {
     /// one of its initial ranks. A worker that connects after the job started is one anyway.
     #[arg(long, env = "EZERO_STANDBY")]
     pub standby: bool,
+    /// When the coordinator of a job kept in a metadata store is lost, how long to look for
+    /// the next leader among --join's addresses before stopping [default: 30000].
+    #[arg(long, env = "EZERO_LEADER_WAIT_MS")]
+    pub leader_wait_ms: Option<u64>,
 }
+
+/// Default `--leader-wait-ms`.
+const LEADER_WAIT_MS_DEFAULT: u64 = 30_000;
 
 /// The cluster token from a file or `EZERO_CLUSTER_TOKEN`.
 fn token(file: Option<&PathBuf>) -> Result<String, CliError> {
@@ -284,6 +297,27 @@ fn checked_data_plane(args: &CoordinatorArgs) -> Result<DataPlane, CliError> {
     Ok(plane)
 }
 
+/// The largest part of the starting state a worker is sent, checked against the config.
+fn checked_part_max(args: &CoordinatorArgs, cfg: &TrainConfig) -> Result<usize, CliError> {
+    let part_max_bytes = args
+        .train
+        .test_hooks
+        .state_part_max_bytes
+        .unwrap_or(STATE_PART_MAX_BYTES);
+    check_parts(cfg, part_max_bytes).map_err(|e| CliError::Usage(e.to_string()))?;
+    Ok(part_max_bytes)
+}
+
+/// The model and the training data; the eval data is read once too, so that bad eval data is
+/// refused before any worker starts.
+fn model_and_data(cfg: &TrainConfig) -> Result<(Arc<dyn Model>, Arc<Dataset>), CliError> {
+    let usage = |e: &dyn std::fmt::Display| CliError::Usage(e.to_string());
+    let model = build_model(cfg).map_err(|e| usage(&e))?;
+    let data = build_dataset(cfg).map_err(|e| usage(&e))?;
+    elastic_zero::job::build_eval_dataset(cfg).map_err(|e| usage(&e))?;
+    Ok((model, data))
+}
+
 pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     if let Some(dir) = &args.init_secrets {
         return write_secrets(dir);
@@ -294,20 +328,12 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let (cfg, resume) = checkpoint::resolve_train(&args.train)?;
     super::outputs::check_train(&cfg)?;
     check_train_args(&args.train, &cfg)?;
-    let part_max_bytes = args
-        .train
-        .test_hooks
-        .state_part_max_bytes
-        .unwrap_or(STATE_PART_MAX_BYTES);
-    check_parts(&cfg, part_max_bytes).map_err(|e| CliError::Usage(e.to_string()))?;
+    let part_max_bytes = checked_part_max(args, &cfg)?;
     let procs = args.procs.resolve()?;
     let data_plane = checked_data_plane(args)?;
     let token = token(args.token_file.as_ref())?;
     let tls = cluster_tls(args.secrets.as_ref(), "coordinator")?;
-    let model = build_model(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
-    let data = build_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
-    // Read once here so that bad eval data is refused before any worker starts.
-    elastic_zero::job::build_eval_dataset(&cfg).map_err(|e| CliError::Usage(e.to_string()))?;
+    let (model, data) = model_and_data(&cfg)?;
     if let Some(source) = &resume {
         checkpoint::check_compatible(source, &cfg, model.as_ref(), args.train.reschedule)?;
     }
@@ -328,7 +354,8 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let floor = data.entropy_floor_nats();
     let fit = one_rank_fit(&cfg, model.as_ref());
     let control_access = coordinator_access(args, &tls)?;
-    let opts = CoordinatorOptions {
+    let failover = args.failover.resolve()?;
+    let mut opts = CoordinatorOptions {
         listen: listen.clone(),
         token,
         tls,
@@ -347,6 +374,7 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
         part_max_bytes,
         state_on_tier: fit.placement.any_nvme(),
         snapshot_sink,
+        failover: None,
     };
     let started = Stopwatch::start();
     let mut lines = StepLines::new(&cfg, floor)?;
@@ -363,24 +391,28 @@ pub fn run_coordinator_cmd(args: &CoordinatorArgs) -> Result<(), CliError> {
     let mut observer = SaveObserver::new(&mut lines, saving);
     observer.signal = signal;
     let on_listen = |at: Listening| banner.print(at);
-    let outcome = runtime()?.block_on(run_coordinator(cfg.clone(), opts, on_listen, &mut observer));
+    let outcome = runtime()?.block_on(async {
+        if let Some(spec) = failover {
+            opts.failover = Some(spec.open().await?);
+        }
+        Ok::<_, CliError>(run_coordinator(cfg.clone(), opts, on_listen, &mut observer).await)
+    })?;
     let stopped = observer.stopped().cloned();
     let saved = observer.saving.take().map_or(Ok(()), Saving::finish);
     let outcome = match (outcome, stopped) {
         (Ok(o), _) => o,
+        (Err(ProcError::Outlived(why)), _) => {
+            println!("{why}");
+            return Ok(());
+        }
         (Err(_), Some(stopped)) => exit_stopped(&stopped, saved),
         (Err(e), None) => return Err(failure(e, lines.last_step, save_dir.as_deref())),
     };
     saved?;
-    let mut summary = super::train::summarize(
-        &cfg,
-        psi,
-        floor,
-        &outcome.records,
-        &outcome.param_sha256,
-        &fit,
-    );
     let wall_s = started.elapsed().as_secs_f64();
+    let records = &outcome.records;
+    let mut summary =
+        super::train::summarize(&cfg, psi, floor, records, &outcome.param_sha256, &fit);
     report(&cfg, &outcome, &mut summary, wall_s)
 }
 
@@ -515,6 +547,8 @@ fn failure(e: ProcError, last_step: Option<u64>, save_dir: Option<&Path>) -> Cli
     match e {
         ProcError::Config(c) => CliError::Usage(c.to_string()),
         ProcError::Setup(s) => CliError::Failed(s),
+        ProcError::Meta(s) => CliError::Usage(s),
+        ProcError::Deposed(_) => CliError::Failed(e.to_string()),
         other => {
             let lost = match (last_step, save_dir) {
                 (Some(s), Some(dir)) => format!(
@@ -569,10 +603,12 @@ impl Observer for &mut StepLines<'_> {
     }
 
     fn on_membership(&mut self, m: &MembershipRecord) {
-        let retry = if m.is_network_retry() {
-            ", retried after frames were lost on the network"
-        } else {
-            ""
+        let retry = match m.rolled_back_to {
+            _ if m.is_network_retry() => ", retried after frames were lost on the network".into(),
+            Some(step) if m.takeover => {
+                format!(", taken over by a new coordinator: rolled back to step {step}")
+            }
+            _ => String::new(),
         };
         println!(
             "membership epoch {}: ranks {:?} -> {:?}, lost {:?}{retry}",
@@ -681,6 +717,9 @@ fn worker_cmd(args: &WorkerArgs) -> Result<(), CliError> {
         tls,
         procs,
         drain_grace: std::time::Duration::from_secs_f64(grace_s),
+        leader_wait: std::time::Duration::from_millis(
+            args.leader_wait_ms.unwrap_or(LEADER_WAIT_MS_DEFAULT).max(1),
+        ),
     };
     let scheduler_world = place.world;
     let on_welcome = move |rank, world, threads| {

@@ -32,6 +32,7 @@ const CLOCK_DRIVERS: &[(&str, &str)] = &[
     ),
     ("cli/ticker.rs", "the CLI's progress line and its rates"),
     ("cli/launch.rs", "starting and stopping real host processes"),
+    ("cli/launch_coords.rs", "waiting on the real coordinator processes of a launch"),
     ("bench/", "benchmarks measure the wall"),
     (
         "model/backend/sim.rs",

@@ -17,7 +17,8 @@ use tokio::sync::broadcast;
 
 use super::history::{EventKind, History};
 use super::status::{
-    ChangeRecord, DrainCause, MapTracker, PlanePair, RunState, StateLayout, Status, Telemetry,
+    ChangeRecord, DrainCause, LeaderStatus, MapTracker, PlanePair, RunState, StateLayout, Status,
+    Telemetry,
 };
 use crate::config::TrainConfig;
 use crate::engine::coordinator::{Change, Refusal};
@@ -187,12 +188,33 @@ impl Monitor {
         self.shared.snapshot_wanted.swap(false, Ordering::SeqCst)
     }
 
+    /// This coordinator leads a job kept in a metadata store, under `term`; `took_over`: it
+    /// continues a job another leader ran, and its takeover lasts until its first step.
+    pub fn leads(&self, coordinator: &str, term: u64, failovers: u64, took_over: bool) {
+        let mut t = self.shared.telemetry();
+        t.leader = Some(LeaderStatus {
+            coordinator: coordinator.to_string(),
+            term,
+            failovers,
+            failover_seconds_last: None,
+        });
+        t.takeover_since_s = took_over.then(|| self.shared.started.secs());
+    }
+
     /// Counts one event; membership changes are priced and published to `subscribe`rs.
     pub fn observe(&mut self, event: &ClusterEvent) {
         match event {
             ClusterEvent::Step(rec) => {
-                self.shared.telemetry().on_step(rec);
                 let t = self.shared.started.secs();
+                {
+                    let mut tel = self.shared.telemetry();
+                    tel.on_step(rec);
+                    if let Some(since) = tel.takeover_since_s.take() {
+                        if let Some(l) = tel.leader.as_mut() {
+                            l.failover_seconds_last = Some(t - since);
+                        }
+                    }
+                }
                 self.shared.history().on_step(rec, t);
             }
             ClusterEvent::Membership(rec) => {

@@ -212,6 +212,7 @@ mod tests {
             after: vec![0, 1],
             lost: vec![2],
             rolled_back_to: Some(2),
+            takeover: false,
             moved_chunk_elems: 0,
             min_chunk_elems: 0,
             duration_ms: 10,

@@ -158,6 +158,23 @@ pub struct Telemetry {
     pub tiers: BTreeMap<RankId, TierLast>,
     /// Each rank's device in the newest completed step (`--device`).
     pub devices: BTreeMap<RankId, DeviceCounters>,
+    /// With a metadata store (`--meta`): who leads the job and its failovers.
+    pub leader: Option<LeaderStatus>,
+    /// A takeover's start (seconds on the run's stopwatch), until its first completed step.
+    pub takeover_since_s: Option<f64>,
+}
+
+/// The coordinator that leads a job kept in a metadata store.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LeaderStatus {
+    /// Its `--coordinator-id`.
+    pub coordinator: String,
+    /// Its term, the fencing token its commands carry.
+    pub term: u64,
+    /// Leaders that took the job over so far (this one included if it did).
+    pub failovers: u64,
+    /// This leader's takeover: from its election to the first step completed after it.
+    pub failover_seconds_last: Option<f64>,
 }
 
 /// A held-out evaluation (`--eval-data`, `--eval-every`).
@@ -327,6 +344,9 @@ pub struct Status {
     /// `quic`; absent in-process).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub data_planes: Option<Vec<PlanePair>>,
+    /// With a metadata store: the leading coordinator, its term and the failovers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub leader: Option<LeaderStatus>,
 }
 
 /// The data plane between two members.
@@ -413,6 +433,7 @@ impl Status {
             membership: t.history.iter().cloned().collect(),
             standbys: None,
             data_planes: None,
+            leader: t.leader.clone(),
         }
     }
 
@@ -517,6 +538,9 @@ impl Status {
 
     /// Membership changes and recoveries: how many, how long, and what they moved.
     fn change_metrics(&self, out: &mut String) {
+        if let Some(l) = &self.leader {
+            leader_metrics(out, l);
+        }
         let t = &self.telemetry;
         metric(
             out,
@@ -742,6 +766,33 @@ fn secs(ms: u64) -> String {
     format!("{:.3}", ms as f64 / 1e3)
 }
 
+/// The leader's term and the job's failovers (only for a job kept in a metadata store).
+fn leader_metrics(out: &mut String, l: &LeaderStatus) {
+    metric(
+        out,
+        "ezero_leader_term",
+        "gauge",
+        "Term of the coordinator that leads the job (its fencing token).",
+        l.term.to_string(),
+    );
+    metric(
+        out,
+        "ezero_failovers_total",
+        "counter",
+        "Coordinators that took the job over after its leader was lost.",
+        l.failovers.to_string(),
+    );
+    if let Some(s) = l.failover_seconds_last {
+        metric(
+            out,
+            "ezero_failover_seconds_last",
+            "gauge",
+            "This leader's takeover: its election to the first step completed after it.",
+            s.to_string(),
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -767,6 +818,7 @@ mod tests {
             duration_ms: 7,
             lost: lost.to_vec(),
             rolled_back_to: (!lost.is_empty()).then_some(4),
+            takeover: false,
         }
     }
 

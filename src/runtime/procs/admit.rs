@@ -40,10 +40,10 @@ pub(super) struct Joined {
 
 /// A connection that completed the handshake and sent its first message.
 pub(super) struct Greeted {
-    peer: SocketAddr,
-    msg: ToCoord,
-    reader: ControlReader,
-    writer: ControlWriter,
+    pub(super) peer: SocketAddr,
+    pub(super) msg: ToCoord,
+    pub(super) reader: ControlReader,
+    pub(super) writer: ControlWriter,
 }
 
 /// Accepts connections until every rank has a worker, refusing failed handshakes and bad
@@ -139,7 +139,11 @@ pub(super) async fn accept_standbys(
 
 /// The TLS handshake and the first message, within `HELLO_TIMEOUT`. A failure is logged here,
 /// so that it is on record even when the job is complete before the task is joined.
-async fn greet(acceptor: TlsAcceptor, stream: TcpStream, peer: SocketAddr) -> Option<Greeted> {
+pub(super) async fn greet(
+    acceptor: TlsAcceptor,
+    stream: TcpStream,
+    peer: SocketAddr,
+) -> Option<Greeted> {
     let _ = stream.set_nodelay(true);
     let greeted = async {
         let tls = acceptor

@@ -157,7 +157,7 @@ impl Conn {
                     let _ = self.notices.send(notice);
                 }
                 ToCoord::Heartbeat | ToCoord::Ready | ToCoord::Bound { .. } => {}
-                ToCoord::Hello { .. } => {
+                ToCoord::Hello { .. } | ToCoord::Reattach { .. } => {
                     self.proxy.stop(Some(format!(
                         "rank {rank}: protocol error (a second hello)"
                     )));

@@ -18,7 +18,7 @@ use crate::runtime::step::state::rank_state::ChunkState;
 use crate::runtime::transport::Transport;
 
 /// Version of the control protocol; a peer speaking another is refused.
-pub const CONTROL_VERSION: u8 = 5;
+pub const CONTROL_VERSION: u8 = 6;
 /// Largest control frame after the handshake (chunk states for consolidation travel here).
 pub const CONTROL_FRAME_MAX_BYTES: u32 = 1 << 30;
 /// Largest frame accepted before a peer has authenticated.
@@ -154,6 +154,20 @@ pub enum ToCoord {
         /// cannot fit before it plans the shard map (`None`: unknown on this platform).
         available_memory_bytes: Option<u64>,
     },
+    /// The first message on a connection to a new leader, from a worker whose coordinator was
+    /// lost: it kept its rank, its state and its backups, and its data plane is still bound.
+    Reattach {
+        token: String,
+        rank: RankId,
+        /// The highest leader term this worker has followed: a coordinator of no higher term
+        /// is refused.
+        term_seen: u64,
+        /// The (epoch, step) of the work the rank was still busy in, if any (it was
+        /// interrupted; its answer follows on this connection).
+        busy: Option<(u64, u64)>,
+        data_addr: String,
+        ucx: Option<UcxBound>,
+    },
     /// The data plane is bound (after the welcome, which says which one): peers reach this
     /// worker there.
     Bound {
@@ -202,6 +216,7 @@ impl ToCoord {
     pub fn kind(&self) -> &'static str {
         match self {
             ToCoord::Hello { .. } => "a hello",
+            ToCoord::Reattach { .. } => "a re-attach",
             ToCoord::Bound { .. } => "its data address",
             ToCoord::Ready => "ready",
             ToCoord::Report(_) => "a report",
@@ -232,11 +247,23 @@ pub enum ToWorker {
     Refused {
         reason: String,
     },
+    /// This coordinator stands by and does not lead the job: try the leader (its worker
+    /// address, when the metadata store names one) or another coordinator.
+    NotLeader {
+        leader: Option<String>,
+    },
+    /// A re-attach was accepted by the leader of `term`; its commands follow.
+    Attached {
+        term: u64,
+    },
     /// The job holds this worker as a standby until a join needs a rank: it heartbeats at the
     /// coordinator's pace meanwhile, and a welcome comes when it is taken.
     Standby {
         heartbeat_ms: u64,
         heartbeat_timeout_ms: u64,
+        /// `Welcome::term`: above 0, a standby whose coordinator is lost looks for the next
+        /// leader instead of stopping.
+        term: u64,
     },
     /// A rank joined the running job: the data plane can reach it here.
     AddPeer(DataPeer),
@@ -280,6 +307,8 @@ impl ToWorker {
             ToWorker::Stop { .. } => "a stop",
             ToWorker::Standby { .. } => "a standby notice",
             ToWorker::AddPeer(_) => "a new peer",
+            ToWorker::NotLeader { .. } => "a not-leader answer",
+            ToWorker::Attached { .. } => "an attach",
         }
     }
 }
@@ -308,6 +337,10 @@ pub struct Welcome {
     /// included: the coordinator's count of the ranks sharing its host, over which an automatic
     /// `compute_threads` (0) divides the host's cores (`job::compute_threads_for`).
     pub ranks_on_host: u32,
+    /// The leader's term when the job keeps its state in a metadata store: the worker then
+    /// re-attaches to the next leader when this one is lost. 0: the job ends with its
+    /// coordinator.
+    pub term: u64,
 }
 
 /// Which transport ranks use between themselves.

@@ -28,7 +28,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
-use super::admit::{accept_standbys, admit, refuse_unfit, Joined};
+use super::admit::{accept_standbys, admit, refuse_unfit, Greeting, Joined};
 use super::conn::{start_proxy, ConnEnv, Inbox};
 use super::control_plane::{
     read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, HELLO_FRAME_MAX_BYTES,
@@ -36,21 +36,24 @@ use super::control_plane::{
 pub use super::error::ProcError;
 use super::heartbeat::ProcsConfig;
 use super::join::Joining;
+pub use super::lead::Failover;
+use super::lead::{identity, lead, Led, StandingNote, Stored};
 use super::link::{write_loop, ControlReader, Links, Tasks, LINK_QUEUE_MAX};
 use super::notice::{Notice, PendingDrains};
 use super::planes::Endpoints;
 use super::proxy::lock;
 use super::standby::Lobby;
 use super::state::{check_parts, parts, StartState};
+use super::takeover::{gather, Expect};
 use crate::config::{ConfigError, TrainConfig};
-use crate::engine::coordinator::Coordinator;
 use crate::engine::coordinator::Refusal;
+use crate::engine::coordinator::{Attached, Coordinator};
 use crate::job::build_model;
 use crate::job::run_plan::RunPlan;
 use crate::net::tls::{ClusterTls, Protocol};
 use crate::plan::{RankId, ShardMap, Stage};
 use crate::runtime::actors::{
-    BoundarySnapshot, ClusterEvent, CoordArgs, CoordMsg, CoordinatorActor, NewRank,
+    BoundarySnapshot, ClusterEvent, Committer, CoordArgs, CoordMsg, CoordinatorActor, NewRank,
 };
 use crate::runtime::api::cluster::{Observer, TrainOutcome};
 use crate::runtime::api::control::ControlError;
@@ -58,6 +61,7 @@ use crate::runtime::api::control::{ControlHandle, DataPlanes, Monitor, Workers};
 use crate::runtime::api::http::{self, HttpLimits};
 use crate::runtime::api::status::DrainCause;
 use crate::runtime::clock::{Clock, SystemClock};
+use crate::runtime::meta::Candidate;
 use crate::runtime::step::elastic::snapshot::SnapshotSink;
 use crate::runtime::transport::detached::Detached;
 
@@ -101,6 +105,9 @@ pub struct CoordinatorOptions {
     pub state_on_tier: bool,
     /// Where snapshots stream when the state is on the tiers (see `ClusterSpec::snapshot_sink`).
     pub snapshot_sink: Option<Arc<dyn SnapshotSink>>,
+    /// Keep the job's state in a metadata store, so that a standby coordinator can take it
+    /// over (`--meta`); `None`: the job ends with this coordinator.
+    pub failover: Option<Failover>,
 }
 
 /// Where a coordinator listens.
@@ -113,6 +120,7 @@ pub struct Listening {
 }
 
 /// Runs one job with `cfg.ranks` worker processes; `on_listen` hears the bound addresses first.
+/// With `failover`, it first stands by until elected, and takes over a job the store holds.
 pub async fn run_coordinator(
     cfg: TrainConfig,
     mut opts: CoordinatorOptions,
@@ -123,36 +131,39 @@ pub async fn run_coordinator(
     let (listener, control, at) = listen(&opts).await?;
     on_listen(at);
     let count = Arc::new(AtomicU32::new(0));
+    let standing: StandingNote = Arc::default();
     let (ready, ready_rx) = tokio::sync::oneshot::channel();
-    let held = control.map(|l| {
-        let (count, world) = (Arc::clone(&count), cfg.ranks);
-        let why = move || {
-            let n = count.load(Ordering::Relaxed);
-            format!("the job has not started: {n} of {world} workers have joined")
-        };
-        let tls = opts.control_access.as_ref().and_then(|a| a.tls.clone());
-        tokio::spawn(http::hold(l, HttpLimits::default(), tls, why, ready_rx))
-    });
-    let deadline = Instant::now() + Duration::from_millis(opts.procs.join_timeout_ms);
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
-    let lobby = Arc::new(Lobby::new(Arc::clone(&clock), opts.procs, at.workers));
+    let held = control.map(|l| hold_control(l, &opts, cfg.ranks, &count, &standing, ready_rx));
     let acceptor = TlsAcceptor::from(opts.tls.server(Protocol::Control));
-    let (mut joined, greeting) = admit(
-        &listener,
-        &acceptor,
-        cfg.ranks,
-        &opts.token,
-        opts.procs.join_timeout_ms,
-        deadline,
-        &count,
-        &lobby,
-    )
-    .await?;
-    let model = build_model(&cfg)?;
-    if let Err(e) = refuse_unfit(&cfg, model.as_ref(), &mut joined).await {
-        lobby.dismiss_all(false, &e.to_string());
-        return Err(e);
-    }
+    let led = match opts.failover.as_ref() {
+        Some(f) => Some(lead(f, &candidate(&cfg, f, at)?, &listener, &acceptor, &standing).await?),
+        None => None,
+    };
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
+    let term = led.as_ref().map_or(0, |l| l.term);
+    let lobby = Arc::new(Lobby::new(Arc::clone(&clock), opts.procs, at.workers).under_term(term));
+    let env = StartEnv {
+        cfg: &cfg,
+        plan: &plan,
+        opts: &opts,
+        led: led.as_ref(),
+        clock,
+        lobby: Arc::clone(&lobby),
+    };
+    let started = match led.as_ref().and_then(|l| l.stored.as_ref()) {
+        Some(stored) => start_takeover(&env, stored, &listener, &acceptor).await,
+        None => start_fresh(&env, &listener, &acceptor, &count).await,
+    };
+    let (mut run, initial, greeting) = match started {
+        Ok(s) => s,
+        Err(e) => {
+            lobby.dismiss_all(false, &e.to_string());
+            if let Some(led) = led {
+                led.end(false, &e.to_string()).await;
+            }
+            return Err(e);
+        }
+    };
     // From now on every worker that connects is a standby, those still saying hello included.
     let lobby_tasks = vec![
         tokio::spawn(accept_standbys(
@@ -164,25 +175,6 @@ pub async fn run_coordinator(
         )),
         tokio::spawn(Arc::clone(&lobby).keep_alive()),
     ];
-    let map = initial_map(&cfg, model.as_ref(), opts.start.as_ref(), &joined)?;
-    let initial = map.clone();
-    let welcomed = Welcomed {
-        map,
-        joined,
-        deadline,
-        clock,
-        lobby: Arc::clone(&lobby),
-    };
-    let mut run = match Run::start(&cfg, &plan, &opts, welcomed).await {
-        Ok(run) => run,
-        Err(e) => {
-            for t in &lobby_tasks {
-                t.abort();
-            }
-            lobby.dismiss_all(false, &e.to_string());
-            return Err(e);
-        }
-    };
     // Every worker has its starting state: the coordinator need not hold it for the run.
     let reads = opts.start.take().map(|s| s.reads).unwrap_or_default();
     let (handle, mut monitor) = ControlHandle::for_processes(
@@ -196,6 +188,10 @@ pub async fn run_coordinator(
             planes: Arc::clone(&run.endpoints) as Arc<dyn DataPlanes>,
         },
     );
+    if let (Some(led), Some(f)) = (led.as_ref(), opts.failover.as_ref()) {
+        let failovers = led.stored.as_ref().map_or(0, |s| s.durable.failovers + 1);
+        monitor.leads(&f.id, led.term, failovers, led.stored.is_some());
+    }
     let _ = ready.send(());
     let server = serve_control(held, handle.clone(), access(&opts, at)).await;
     let mut result = run.drive(&handle, &mut observer, &mut monitor).await;
@@ -205,11 +201,166 @@ pub async fn run_coordinator(
     for t in lobby_tasks {
         t.abort();
     }
+    if let Some(why) = run.deposed.take() {
+        // Another leader drives the workers now: tell them nothing, write nothing.
+        if let Some(led) = led {
+            led.abandon();
+        }
+        return Err(ProcError::Deposed(why));
+    }
     run.finish(&result).await;
+    if let Some(led) = led {
+        let reason = match &result {
+            Ok(_) => "the job finished".to_string(),
+            Err(e) => e.to_string(),
+        };
+        led.end(result.is_ok(), &reason).await;
+    }
     if let Some(s) = server {
         s.abort();
     }
     result
+}
+
+/// Serves the control endpoint before the job starts: 503 with why (standing by, or how many
+/// workers have joined) until `ready`.
+fn hold_control(
+    l: TcpListener,
+    opts: &CoordinatorOptions,
+    world: u32,
+    count: &Arc<AtomicU32>,
+    standing: &StandingNote,
+    ready: tokio::sync::oneshot::Receiver<()>,
+) -> tokio::task::JoinHandle<TcpListener> {
+    let (count, standing) = (Arc::clone(count), Arc::clone(standing));
+    let why = move || {
+        if let Some(note) = lock(&standing).clone() {
+            return note;
+        }
+        let n = count.load(Ordering::Relaxed);
+        format!("the job has not started: {n} of {world} workers have joined")
+    };
+    let tls = opts.control_access.as_ref().and_then(|a| a.tls.clone());
+    tokio::spawn(http::hold(l, HttpLimits::default(), tls, why, ready))
+}
+
+/// What starting a job (fresh or taken over) needs.
+struct StartEnv<'a> {
+    cfg: &'a TrainConfig,
+    plan: &'a RunPlan,
+    opts: &'a CoordinatorOptions,
+    led: Option<&'a Led>,
+    clock: Arc<dyn Clock>,
+    lobby: Arc<Lobby>,
+}
+
+/// A started job, the map it started on, and the handshakes still running for the lobby.
+type Started = (Run, ShardMap, Greeting);
+
+/// This coordinator in the election: its id and addresses, the config digest and the build.
+fn candidate(cfg: &TrainConfig, f: &Failover, at: Listening) -> Result<Candidate, ProcError> {
+    let (config_digest, build) = identity(cfg)?;
+    Ok(Candidate {
+        id: f.id.clone(),
+        pid: std::process::id(),
+        workers: at.workers,
+        control: at.control,
+        config_digest,
+        build,
+    })
+}
+
+/// A new job: admits `cfg.ranks` workers and welcomes them.
+async fn start_fresh(
+    env: &StartEnv<'_>,
+    listener: &TcpListener,
+    acceptor: &TlsAcceptor,
+    count: &AtomicU32,
+) -> Result<Started, ProcError> {
+    let (cfg, opts) = (env.cfg, env.opts);
+    let deadline = Instant::now() + Duration::from_millis(opts.procs.join_timeout_ms);
+    let (mut joined, greeting) = admit(
+        listener,
+        acceptor,
+        cfg.ranks,
+        &opts.token,
+        opts.procs.join_timeout_ms,
+        deadline,
+        count,
+        &env.lobby,
+    )
+    .await?;
+    let model = build_model(cfg)?;
+    refuse_unfit(cfg, model.as_ref(), &mut joined).await?;
+    let map = initial_map(cfg, model.as_ref(), opts.start.as_ref(), &joined)?;
+    let welcomed = Welcomed {
+        map: map.clone(),
+        joined,
+        deadline,
+    };
+    let run = Run::start(env, welcomed).await?;
+    Ok((run, map, greeting))
+}
+
+/// A running job whose leader was lost: the workers re-attach and roll back to the committed
+/// backup (`takeover.rs`).
+async fn start_takeover(
+    env: &StartEnv<'_>,
+    stored: &Stored,
+    listener: &TcpListener,
+    acceptor: &TlsAcceptor,
+) -> Result<Started, ProcError> {
+    let (opts, led) = (env.opts, env.led.expect("a takeover has a leader"));
+    let f = opts.failover.as_ref().expect("a takeover has a store");
+    let map = stored.durable.map.clone();
+    println!(
+        "coordinator {}: taking over job {} (committed backup before step {}); waiting up to {} ms for ranks {:?} to re-attach",
+        f.id,
+        f.job_id,
+        stored.durable.backup.as_ref().map_or(0, |(_, p)| p.step),
+        f.reattach_wait.as_millis(),
+        map.members
+    );
+    let expect = Expect {
+        token: &opts.token,
+        term: led.term,
+        members: &map.members,
+        wait: f.reattach_wait,
+    };
+    let (back, greeting) = gather(listener, acceptor, &expect, &env.lobby).await;
+    let attached: Attached = back.iter().map(|r| (r.rank, r.busy)).collect();
+    let engine =
+        match Coordinator::take_over(env.plan.job.clone(), stored.durable.clone(), &attached) {
+            Ok(engine) => engine,
+            Err(why) => {
+                for mut r in back {
+                    let stop = ToWorker::Stop {
+                        ok: false,
+                        reason: why.0.clone(),
+                    };
+                    let _ =
+                        tokio::time::timeout(FLUSH_TIMEOUT, write_msg(&mut r.writer, &stop)).await;
+                }
+                return Err(ProcError::Aborted(why.0));
+            }
+        };
+    let endpoints = Arc::new(Endpoints::new(opts.data_plane));
+    let mut sent = Sent {
+        links: Arc::default(),
+        writers: Vec::new(),
+        readers: Vec::new(),
+        control_ips: BTreeMap::new(),
+    };
+    for r in back {
+        endpoints.record(r.rank, r.data_addr, r.ucx, r.peer.ip());
+        sent.control_ips.insert(r.rank, r.peer.ip());
+        let (tx, rx) = mpsc::channel(LINK_QUEUE_MAX);
+        sent.writers.push(tokio::spawn(write_loop(r.writer, rx)));
+        lock(&sent.links).insert(r.rank, tx);
+        sent.readers.push((r.rank, r.reader));
+    }
+    let run = Run::launch(env, sent, endpoints, engine).await?;
+    Ok((run, map, greeting))
 }
 
 /// The job's plan, once its config, its start state and the process settings are checked.
@@ -315,8 +466,6 @@ struct Welcomed {
     map: ShardMap,
     joined: Vec<Joined>,
     deadline: Instant,
-    clock: Arc<dyn Clock>,
-    lobby: Arc<Lobby>,
 }
 
 /// A started job: the coordinator actor, its proxies and the connection tasks.
@@ -332,6 +481,8 @@ struct Run {
     notices: mpsc::UnboundedReceiver<Notice>,
     drains: PendingDrains,
     clock: Arc<dyn Clock>,
+    /// Set when the store refused a commit: another leader took over.
+    deposed: Option<String>,
 }
 
 /// The workers once each has its welcome and its starting state: their links, writer tasks
@@ -344,24 +495,46 @@ struct Sent {
 }
 
 impl Run {
-    async fn start(
-        cfg: &TrainConfig,
-        plan: &RunPlan,
-        opts: &CoordinatorOptions,
-        w: Welcomed,
-    ) -> Result<Run, ProcError> {
-        let (procs, data_plane) = (opts.procs, opts.data_plane);
+    /// Welcomes the admitted workers, meets their data planes and starts the job.
+    async fn start(env: &StartEnv<'_>, w: Welcomed) -> Result<Run, ProcError> {
+        let (cfg, plan, opts) = (env.cfg, env.plan, env.opts);
         let config_json =
             serde_json::to_string(cfg).map_err(|e| ProcError::Setup(e.to_string()))?;
         let wait = w
             .deadline
-            .max(Instant::now() + Duration::from_millis(procs.join_timeout_ms));
-        let mut sent = welcome_all(cfg, plan, opts, &w.map, w.joined, &config_json, wait).await?;
-        let endpoints = Arc::new(Endpoints::new(data_plane));
+            .max(Instant::now() + Duration::from_millis(opts.procs.join_timeout_ms));
+        let mut sent = welcome_all(env, &w.map, w.joined, &config_json, wait).await?;
+        let endpoints = Arc::new(Endpoints::new(opts.data_plane));
         meet_peers(&mut sent, &endpoints, wait).await?;
+        let engine = match opts.start.as_ref().and_then(|s| s.progress.clone()) {
+            Some(progress) => Coordinator::resume(plan.job.clone(), w.map, progress),
+            None => Coordinator::new(plan.job.clone(), w.map),
+        };
+        Run::launch(env, sent, endpoints, engine).await
+    }
+
+    /// Starts the coordinator actor on `engine` over the workers' connections, with a proxy
+    /// per worker and the join task.
+    async fn launch(
+        env: &StartEnv<'_>,
+        sent: Sent,
+        endpoints: Arc<Endpoints>,
+        mut engine: Coordinator,
+    ) -> Result<Run, ProcError> {
+        let (opts, procs) = (env.opts, env.opts.procs);
+        let config_json =
+            serde_json::to_string(env.cfg).map_err(|e| ProcError::Setup(e.to_string()))?;
+        let committer = env
+            .led
+            .map(|l| Arc::clone(&l.committer) as Arc<dyn Committer>);
+        if committer.is_some() {
+            engine.keep_durable();
+        }
         let (tx, events) = mpsc::unbounded_channel();
         let (join_tx, join_rx) = mpsc::unbounded_channel();
-        let args = coord_args(plan, opts, w.map, &sent.links, &w.clock, tx, join_tx);
+        let mut args = coord_args(opts, engine, &sent.links, tx, join_tx);
+        args.clock = Arc::clone(&env.clock);
+        args.committer = committer;
         let (coordinator, _) = Actor::spawn(None, CoordinatorActor::<Detached>::default(), args)
             .await
             .map_err(|e| ProcError::Setup(e.to_string()))?;
@@ -373,7 +546,7 @@ impl Run {
             let Some(link) = link else { continue };
             let env = ConnEnv {
                 coordinator: &coordinator,
-                clock: &w.clock,
+                clock: &env.clock,
                 procs,
                 tasks: &tasks,
                 notices: &notice_tx,
@@ -386,19 +559,20 @@ impl Run {
         let writers: Tasks = Arc::new(Mutex::new(sent.writers));
         let joining = Joining {
             config_json,
-            data_plane,
+            data_plane: opts.data_plane,
             ucx_net: opts.ucx_net.clone(),
             procs,
             part_max_bytes: opts.part_max_bytes as u64,
-            lobby: Arc::clone(&w.lobby),
+            lobby: Arc::clone(&env.lobby),
             links: Arc::clone(&sent.links),
             endpoints: Arc::clone(&endpoints),
             coordinator: coordinator.clone(),
-            clock: Arc::clone(&w.clock),
+            clock: Arc::clone(&env.clock),
             tasks: Arc::clone(&tasks),
             writers: Arc::clone(&writers),
             notices: notice_tx,
             joined: Default::default(),
+            term: env.led.map_or(0, |l| l.term),
         };
         lock(&tasks).push(tokio::spawn(joining.serve(join_rx)));
         if let Some(sink) = opts.snapshot_sink.as_ref().filter(|_| opts.state_on_tier) {
@@ -411,11 +585,12 @@ impl Run {
             links: sent.links,
             writers,
             tasks,
-            lobby: w.lobby,
+            lobby: Arc::clone(&env.lobby),
             endpoints,
             notices,
             drains: PendingDrains::default(),
-            clock: w.clock,
+            clock: Arc::clone(&env.clock),
+            deposed: None,
         })
     }
 
@@ -503,8 +678,10 @@ impl Run {
                 }
                 ClusterEvent::JoinFailed { rank, reason } => observer.on_join_failed(rank, &reason),
                 ClusterEvent::Finished => return Ok(()),
-                ClusterEvent::Aborted(reason) | ClusterEvent::Deposed(reason) => {
-                    return Err(reason)
+                ClusterEvent::Aborted(reason) => return Err(reason),
+                ClusterEvent::Deposed(reason) => {
+                    self.deposed = Some(reason.clone());
+                    return Err(reason);
                 }
             }
             if let Some(why) = observer.stop_requested() {
@@ -587,14 +764,14 @@ impl Run {
 /// Welcomes every admitted worker and sends each its starting state, by `wait`; then each
 /// connection's writer task takes over.
 async fn welcome_all(
-    cfg: &TrainConfig,
-    plan: &RunPlan,
-    opts: &CoordinatorOptions,
+    env: &StartEnv<'_>,
     map: &ShardMap,
     joined: Vec<Joined>,
     config_json: &str,
     wait: Instant,
 ) -> Result<Sent, ProcError> {
+    let (cfg, plan, opts) = (env.cfg, env.plan, env.opts);
+    let term = env.led.map_or(0, |l| l.term);
     let mut sent = Sent {
         links: Arc::default(),
         writers: Vec::new(),
@@ -617,6 +794,7 @@ async fn welcome_all(
                 .values()
                 .filter(|&&ip| ip == j.peer.ip())
                 .count() as u32,
+            term,
         };
         let welcome = ToWorker::Welcome(Box::new(welcome));
         tokio::time::timeout_at(wait, send_start(&mut j, welcome, opts, plan.stage))
@@ -677,25 +855,18 @@ async fn meet_peers(
 /// The coordinator actor's arguments over the workers' links: the engine (fresh or resumed)
 /// and the hooks that reach a worker, or, for a joiner, the join task.
 fn coord_args(
-    plan: &RunPlan,
     opts: &CoordinatorOptions,
-    map: ShardMap,
+    engine: Coordinator,
     links: &Links,
-    clock: &Arc<dyn Clock>,
     events: mpsc::UnboundedSender<ClusterEvent>,
     join_tx: mpsc::UnboundedSender<RankId>,
 ) -> CoordArgs<Detached> {
     let interrupt = Arc::clone(links);
     let retired = Arc::clone(links);
-    let job = plan.job.clone();
-    let engine = match opts.start.as_ref().and_then(|s| s.progress.clone()) {
-        Some(progress) => Coordinator::resume(job, map, progress),
-        None => Coordinator::new(job, map),
-    };
     CoordArgs::<Detached> {
         engine,
         events,
-        clock: Arc::clone(clock),
+        clock: Arc::new(SystemClock::default()),
         tick_ms: 200,
         // The driver tells every worker why when it sees the abort event.
         on_abort: Box::new(|| {}),

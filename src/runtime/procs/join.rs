@@ -46,6 +46,8 @@ pub(super) struct Joining {
     pub notices: NoticeTx,
     /// Ranks this task brought up, in order.
     pub joined: std::sync::Mutex<Vec<RankId>>,
+    /// `Welcome::term`.
+    pub term: u64,
 }
 
 impl Joining {
@@ -136,6 +138,7 @@ impl Joining {
             restore: false,
             part_max_bytes: self.part_max_bytes,
             ranks_on_host: 1 + self.endpoints.count_from(s.peer.ip(), &ranks) as u32,
+            term: self.term,
         };
         send(s, ToWorker::Welcome(Box::new(welcome)))?;
         let deadline = Instant::now() + Duration::from_millis(self.procs.join_timeout_ms);

@@ -65,6 +65,7 @@ mod tests {
             duration_ms: 0,
             lost,
             rolled_back_to: None,
+            takeover: false,
         }
     }
 

@@ -111,6 +111,9 @@ pub struct Lobby {
     procs: ProcsConfig,
     /// Where workers connect, for error messages.
     workers_addr: SocketAddr,
+    /// `Welcome::term`, told to standbys too (they look for the next leader when this one is
+    /// lost).
+    term: u64,
 }
 
 impl Lobby {
@@ -121,7 +124,14 @@ impl Lobby {
             clock,
             procs,
             workers_addr,
+            term: 0,
         }
+    }
+
+    /// A lobby of the leader of `term` (a job kept in a metadata store).
+    pub fn under_term(mut self, term: u64) -> Self {
+        self.term = term;
+        self
     }
 
     pub fn workers_addr(&self) -> SocketAddr {
@@ -143,6 +153,7 @@ impl Lobby {
         let _ = link.try_send(Some(ToWorker::Standby {
             heartbeat_ms: self.procs.heartbeat_ms,
             heartbeat_timeout_ms: self.procs.heartbeat_timeout_ms,
+            term: self.term,
         }));
         let standby = Standby {
             peer,

@@ -37,10 +37,11 @@ pub(super) async fn exchange(
     reader: &mut ControlReader,
     join_ms: u64,
     opts: &WorkerOptions,
-) -> Result<Vec<Peer>, ProcError> {
+) -> Result<(Vec<Peer>, Bound), ProcError> {
+    let data_addr = opts.data_advertise.unwrap_or(bound).to_string();
     let bound_msg = ToCoord::Bound {
-        data_addr: opts.data_advertise.unwrap_or(bound).to_string(),
-        ucx,
+        data_addr: data_addr.clone(),
+        ucx: ucx.clone(),
     };
     let _ = link.send(Some(bound_msg)).await;
     let ToWorker::Peers { peers } = next(reader, join_ms, &opts.join).await? else {
@@ -48,7 +49,15 @@ pub(super) async fn exchange(
             "the coordinator did not send the peer list".into(),
         ));
     };
-    peers.into_iter().map(peer).collect()
+    let peers = peers.into_iter().map(peer).collect::<Result<_, _>>()?;
+    Ok((peers, Bound { data_addr, ucx }))
+}
+
+/// Where this worker's peers reach it, as it told the coordinator (and tells a new leader).
+#[derive(Clone, Debug)]
+pub(super) struct Bound {
+    pub(super) data_addr: String,
+    pub(super) ucx: Option<UcxBound>,
 }
 
 pub(super) fn peer(p: DataPeer) -> Result<Peer, ProcError> {

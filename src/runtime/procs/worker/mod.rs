@@ -16,6 +16,7 @@
 
 mod data_plane;
 mod leave;
+mod reattach;
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -36,8 +37,9 @@ use super::control_plane::{
 };
 #[cfg(feature = "ucx")]
 use data_plane::start_ucx;
-use data_plane::{bind_quic, bind_tcp, exchange, peer, tcp_transport, Peer};
+use data_plane::{bind_quic, bind_tcp, exchange, peer, tcp_transport, Bound, Peer};
 use leave::{LeaveEvent, Leaving};
+use reattach::{coordinator_list, Reattach, Relay};
 
 use super::error::ProcError;
 use super::heartbeat::{Liveness, ProcsConfig};
@@ -73,7 +75,8 @@ type ControlStream = tokio_rustls::client::TlsStream<TcpStream>;
 type ControlReader = ReadHalf<ControlStream>;
 
 pub struct WorkerOptions {
-    /// The coordinator's `host:port`.
+    /// The coordinator's `host:port`, or several, comma-separated: the job's coordinators, of
+    /// which one leads (a standby answers with `NotLeader` and the next is tried).
     pub join: String,
     pub token: String,
     pub rank_hint: Option<RankId>,
@@ -91,6 +94,9 @@ pub struct WorkerOptions {
     /// After a SIGTERM, how long to wait for the drain at the next step boundary before
     /// leaving abruptly (Kubernetes gives 30 s by default, GKE and Azure spot notices ~30 s).
     pub drain_grace: Duration,
+    /// After losing a coordinator of a job kept in a metadata store, how long to look for the
+    /// next leader among `join`'s addresses before stopping.
+    pub leader_wait: Duration,
 }
 
 /// How a worker's job ended.
@@ -113,9 +119,87 @@ pub async fn run_worker(
     opts: WorkerOptions,
     on_welcome: impl FnOnce(RankId, u32, usize),
 ) -> Result<WorkerOutcome, ProcError> {
-    let stream = connect(&opts.join, opts.procs.connect_timeout_ms).await?;
+    let Contact { reader, link, got } = first_contact(&opts).await?;
+    let epoch = match &got {
+        Ok(w) => w.map.epoch,
+        Err(_) => 0,
+    };
+    let (link, relay) = Relay::start(link, epoch);
+    let result = match got {
+        Ok(welcome) => {
+            let cfg = welcome_config(&welcome);
+            let threads = cfg.as_ref().map_or(0, |c| c.compute_threads);
+            on_welcome(welcome.rank, welcome.world, threads);
+            match cfg {
+                Ok(cfg) => run_rank(welcome, cfg, &link, &relay, reader, &opts).await,
+                Err(e) => Err(e),
+            }
+        }
+        Err(standby_end) => Ok(standby_end),
+    };
+    // Let the last reports (a failure, a collect reply) leave before the process ends.
+    let _ = link.try_send(None);
+    drop(link);
+    let _ = tokio::time::timeout(Duration::from_secs(2), relay.flushed()).await;
+    result
+}
+
+/// The connection to the coordinator that leads, its writer queue, and its welcome (or how
+/// the job ended for a standby it never needed).
+struct Contact {
+    reader: ControlReader,
+    link: mpsc::Sender<Option<ToCoord>>,
+    got: Result<Welcome, WorkerOutcome>,
+}
+
+/// Says hello to the coordinators of `--join` in turn until the one that leads answers (a
+/// standby coordinator answers `NotLeader`), within join_timeout_ms. With one address, that
+/// coordinator may start after us: it is dialled until connect_timeout_ms.
+async fn first_contact(opts: &WorkerOptions) -> Result<Contact, ProcError> {
+    let list = coordinator_list(&opts.join);
+    if list.is_empty() {
+        return Err(ProcError::Setup(
+            "--join names no coordinator address".into(),
+        ));
+    }
+    let mut deadline = Instant::now() + Duration::from_millis(opts.procs.join_timeout_ms);
+    let mut last = String::new();
+    for addr in list.iter().cycle() {
+        let dial_ms = match list.len() {
+            1 => opts.procs.connect_timeout_ms,
+            _ => 1_000,
+        };
+        match hello(addr, dial_ms, opts).await {
+            Ok(Some(contact)) => return Ok(contact),
+            Ok(None) => last = format!("{addr} stands by and does not lead"),
+            Err(ProcError::Aborted(e)) if e == LOST_AS_STANDBY => {
+                deadline = Instant::now() + opts.leader_wait;
+                last = e;
+            }
+            Err(e) if list.len() == 1 => return Err(e),
+            Err(e) => last = e.to_string(),
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Err(ProcError::Setup(format!(
+        "no coordinator of {} led the job within join_timeout_ms ({} ms); last: {last}",
+        opts.join, opts.procs.join_timeout_ms
+    )))
+}
+
+/// Dials `addr`, says hello and waits for the welcome; `None` when that coordinator does not
+/// lead.
+async fn hello(
+    addr: &str,
+    dial_ms: u64,
+    opts: &WorkerOptions,
+) -> Result<Option<Contact>, ProcError> {
+    let stream = connect(addr, dial_ms).await?;
     let _ = stream.set_nodelay(true);
-    let stream = handshake(stream, &opts).await?;
+    let stream = handshake(stream, opts, addr).await?;
     let (mut reader, mut writer) = tokio::io::split(stream);
     let hello = ToCoord::Hello {
         token: opts.token.clone(),
@@ -125,27 +209,37 @@ pub async fn run_worker(
     };
     write_msg(&mut writer, &hello)
         .await
-        .map_err(|e| ProcError::Setup(format!("coordinator at {}: {e}", opts.join)))?;
+        .map_err(|e| ProcError::Setup(format!("coordinator at {addr}: {e}")))?;
     let (link, rx) = mpsc::channel(LINK_QUEUE_MAX);
-    let writer_task = tokio::spawn(write_loop(writer, rx));
-    let result = match await_welcome(&mut reader, &link, &opts).await {
-        Ok(Ok(welcome)) => {
-            let cfg = welcome_config(&welcome);
-            let threads = cfg.as_ref().map_or(0, |c| c.compute_threads);
-            on_welcome(welcome.rank, welcome.world, threads);
-            match cfg {
-                Ok(cfg) => run_rank(welcome, cfg, &link, reader, &opts).await,
-                Err(e) => Err(e),
-            }
-        }
-        Ok(Err(standby_end)) => Ok(standby_end),
-        Err(e) => Err(e),
-    };
-    // Let the last reports (a failure, a collect reply) leave before the process ends.
-    let _ = link.try_send(None);
-    drop(link);
-    let _ = tokio::time::timeout(Duration::from_secs(2), writer_task).await;
-    result
+    tokio::spawn(write_loop(writer, rx));
+    match await_welcome(&mut reader, &link, opts, addr).await? {
+        Welcomed::Rank(w) => Ok(Some(Contact {
+            reader,
+            link,
+            got: Ok(*w),
+        })),
+        Welcomed::Ended(end) => Ok(Some(Contact {
+            reader,
+            link,
+            got: Err(end),
+        })),
+        Welcomed::NotLeader => Ok(None),
+        Welcomed::Lost => Err(ProcError::Aborted(LOST_AS_STANDBY.into())),
+    }
+}
+
+/// Why a standby looks for the next leader.
+const LOST_AS_STANDBY: &str = "the coordinator holding this standby was lost";
+
+/// What a hello came to.
+enum Welcomed {
+    Rank(Box<Welcome>),
+    /// A standby the job ended without needing.
+    Ended(WorkerOutcome),
+    /// That coordinator stands by.
+    NotLeader,
+    /// A standby lost the leader of a job kept in a store: look for the next one.
+    Lost,
 }
 
 /// The welcome, after a wait as a standby if the coordinator holds this worker as one; or how
@@ -154,19 +248,28 @@ async fn await_welcome(
     reader: &mut ControlReader,
     link: &mpsc::Sender<Option<ToCoord>>,
     opts: &WorkerOptions,
-) -> Result<Result<Welcome, WorkerOutcome>, ProcError> {
+    addr: &str,
+) -> Result<Welcomed, ProcError> {
     let mut wait_ms = opts.procs.join_timeout_ms;
     let mut beat: Option<tokio::task::JoinHandle<()>> = None;
+    let mut kept = false;
     let got = loop {
-        match next(reader, wait_ms, &opts.join).await {
-            Ok(ToWorker::Welcome(w)) => break Ok(Ok(*w)),
+        match next(reader, wait_ms, addr).await {
+            Ok(ToWorker::Welcome(w)) => break Ok(Welcomed::Rank(w)),
+            Ok(ToWorker::NotLeader { .. }) => break Ok(Welcomed::NotLeader),
+            // A standby of a job kept in a store outlives its coordinator too.
+            Err(e) if kept => {
+                println!("ezero worker: standby: lost the coordinator at {addr} ({e}); looking for the next leader");
+                break Ok(Welcomed::Lost);
+            }
             Ok(ToWorker::Standby {
                 heartbeat_ms,
                 heartbeat_timeout_ms,
+                term,
             }) => {
+                kept = term > 0;
                 println!(
-                    "ezero worker: connected to {} as a standby; waiting for a join to take it",
-                    opts.join
+                    "ezero worker: connected to {addr} as a standby; waiting for a join to take it"
                 );
                 // The coordinator heartbeats its standbys, so silence means it is gone.
                 wait_ms = heartbeat_timeout_ms;
@@ -186,7 +289,7 @@ async fn await_welcome(
             }
             Ok(ToWorker::Heartbeat) => {}
             Ok(ToWorker::Stop { ok, reason }) => {
-                break Ok(Err(WorkerOutcome {
+                break Ok(Welcomed::Ended(WorkerOutcome {
                     rank: None,
                     ok,
                     reason,
@@ -229,6 +332,7 @@ async fn run_rank(
     welcome: Welcome,
     cfg: TrainConfig,
     link: &mpsc::Sender<Option<ToCoord>>,
+    relay: &Relay,
     mut reader: ControlReader,
     opts: &WorkerOptions,
 ) -> Result<WorkerOutcome, ProcError> {
@@ -247,12 +351,12 @@ async fn run_rank(
         start,
     };
     match job.welcome.data_plane {
-        DataPlane::Tcp => over_tcp(job, link, reader, opts).await,
+        DataPlane::Tcp => over_tcp(job, link, relay, reader, opts).await,
         #[cfg(feature = "ucx")]
-        DataPlane::Ucx => over_ucx(job, link, reader, opts).await,
+        DataPlane::Ucx => over_ucx(job, link, relay, reader, opts).await,
         #[cfg(not(feature = "ucx"))]
         DataPlane::Ucx => Err(ProcError::Setup(NO_UCX_BUILD.into())),
-        DataPlane::Quic => over_quic(job, link, reader, opts).await,
+        DataPlane::Quic => over_quic(job, link, relay, reader, opts).await,
     }
 }
 
@@ -260,12 +364,14 @@ async fn run_rank(
 async fn over_tcp(
     job: Job,
     link: &mpsc::Sender<Option<ToCoord>>,
+    relay: &Relay,
     mut reader: ControlReader,
     opts: &WorkerOptions,
 ) -> Result<WorkerOutcome, ProcError> {
     let join_ms = opts.procs.join_timeout_ms;
     let data = bind_tcp(opts)?;
-    let peers = exchange(data.local_addr(), None, link, &mut reader, join_ms, opts).await?;
+    let (peers, bound) =
+        exchange(data.local_addr(), None, link, &mut reader, join_ms, opts).await?;
     let transport = tcp_transport(data, &job.welcome, &job.cfg, &peers);
     let interrupter = transport.interrupter();
     let book = transport.peer_book();
@@ -273,7 +379,8 @@ async fn over_tcp(
         interrupt: Box::new(move |e, s| interrupter.interrupt(e, s)),
         add_peer: Box::new(move |p| book.add(p.rank, p.addr)),
     };
-    serve(job, transport, hooks, link, reader, opts.drain_grace).await
+    let up = Up { link, relay, bound };
+    serve(job, transport, hooks, up, reader, opts).await
 }
 
 /// The rank over UCX to the peers it can reach that way (shared memory on this host, or the
@@ -282,6 +389,7 @@ async fn over_tcp(
 async fn over_ucx(
     job: Job,
     link: &mpsc::Sender<Option<ToCoord>>,
+    relay: &Relay,
     mut reader: ControlReader,
     opts: &WorkerOptions,
 ) -> Result<WorkerOutcome, ProcError> {
@@ -296,7 +404,7 @@ async fn over_ucx(
         net: welcome.ucx_net.is_some(),
     };
     let bound = data.local_addr();
-    let peers = exchange(bound, Some(ucx), link, &mut reader, join_ms, opts).await?;
+    let (peers, told) = exchange(bound, Some(ucx), link, &mut reader, join_ms, opts).await?;
     let tcp = tcp_transport(data, welcome, &job.cfg, &peers);
     let (interrupter, book) = (tcp.interrupter(), tcp.peer_book());
     let transport = MixedTransport::new(tcp, engine, DATA_FRAME_MAX_BYTES)
@@ -326,7 +434,12 @@ async fn over_ucx(
             }
         }),
     };
-    let mut outcome = serve(job, transport, hooks, link, reader, opts.drain_grace).await?;
+    let up = Up {
+        link,
+        relay,
+        bound: told,
+    };
+    let mut outcome = serve(job, transport, hooks, up, reader, opts).await?;
     outcome.data_plane = Some(report.describe());
     Ok(outcome)
 }
@@ -335,13 +448,14 @@ async fn over_ucx(
 async fn over_quic(
     job: Job,
     link: &mpsc::Sender<Option<ToCoord>>,
+    relay: &Relay,
     mut reader: ControlReader,
     opts: &WorkerOptions,
 ) -> Result<WorkerOutcome, ProcError> {
     let join_ms = opts.procs.join_timeout_ms;
     let welcome = &job.welcome;
     let q = bind_quic(welcome, opts)?;
-    let peers = exchange(q.local_addr(), None, link, &mut reader, join_ms, opts).await?;
+    let (peers, bound) = exchange(q.local_addr(), None, link, &mut reader, join_ms, opts).await?;
     let peers: Vec<(RankId, SocketAddr)> = peers.iter().map(|p| (p.rank, p.addr)).collect();
     q.add_peers(&peers);
     let ranks: Vec<RankId> = peers.iter().map(|(r, _)| *r).collect();
@@ -373,7 +487,8 @@ async fn over_quic(
             }
         }),
     };
-    serve(job, q, hooks, link, reader, opts.drain_grace).await
+    let up = Up { link, relay, bound };
+    serve(job, q, hooks, up, reader, opts).await
 }
 
 /// The next message from the coordinator within `timeout_ms`.
@@ -450,9 +565,12 @@ async fn connect(addr: &str, timeout_ms: u64) -> Result<TcpStream, ProcError> {
 
 /// The TLS handshake with the coordinator: it must show a certificate of our cluster CA, and
 /// we show ours.
-async fn handshake(stream: TcpStream, opts: &WorkerOptions) -> Result<ControlStream, ProcError> {
+async fn handshake(
+    stream: TcpStream,
+    opts: &WorkerOptions,
+    addr: &str,
+) -> Result<ControlStream, ProcError> {
     let connector = TlsConnector::from(opts.tls.client(Protocol::Control));
-    let addr = &opts.join;
     let tls = tokio::time::timeout(
         Duration::from_millis(opts.procs.connect_timeout_ms),
         connector.connect(peer_server_name(), stream),
@@ -499,20 +617,40 @@ async fn send_parts(
     }
 }
 
-/// Builds the rank from the welcome and runs it until the job ends for this worker.
+/// The worker's way to its coordinator: the relay's queue, the relay, and where peers reach
+/// this worker (said again to a new leader).
+struct Up<'a> {
+    link: &'a mpsc::Sender<Option<ToCoord>>,
+    relay: &'a Relay,
+    bound: Bound,
+}
+
+/// Builds the rank from the welcome and runs it until the job ends for this worker. When the
+/// job outlives its coordinator (the welcome carries a term), losing the coordinator makes the
+/// worker re-attach to the next leader instead of stopping.
 async fn serve<T: Transport>(
     job: Job,
     transport: T,
     hooks: Hooks,
-    link: &mpsc::Sender<Option<ToCoord>>,
-    mut reader: ControlReader,
-    grace: Duration,
+    up: Up<'_>,
+    reader: ControlReader,
+    opts: &WorkerOptions,
 ) -> Result<WorkerOutcome, ProcError> {
+    let Up { link, relay, bound } = up;
     let rank = job.welcome.rank;
     let procs = job.welcome.procs;
     let part_max_bytes = (job.welcome.part_max_bytes as usize).clamp(1, STATE_PART_LIMIT_BYTES);
+    let mut reattach = (job.welcome.term > 0).then(|| Reattach {
+        rank,
+        coordinators: coordinator_list(&opts.join),
+        leader_wait: opts.leader_wait,
+        heartbeat_timeout_ms: procs.heartbeat_timeout_ms,
+        term_seen: job.welcome.term,
+        data_addr: bound.data_addr.clone(),
+        ucx: bound.ucx.clone(),
+    });
     let (rank_actor, mut ended, progress) = start_rank(job, transport, link).await?;
-    let mut leaving = Leaving::install(grace)?;
+    let mut leaving = Leaving::install(opts.drain_grace)?;
     let mut beat_sent = None;
     let _ = link.try_send(Some(ToCoord::Ready));
     let clock = SystemClock::default();
@@ -520,36 +658,30 @@ async fn serve<T: Transport>(
     // silence is bounded by the join timeout; from then on by the heartbeat timeout.
     let mut live = Liveness::new(clock.now_ms(), procs.join_timeout_ms);
     let mut every = tokio::time::interval(Duration::from_millis(procs.heartbeat_ms));
-    // Reading a frame is not cancellation-safe, so it runs apart from the select below.
-    let (inbox_tx, mut inbox) = mpsc::channel(LINK_QUEUE_MAX);
-    let read_task = tokio::spawn(async move {
-        loop {
-            let msg = read_msg::<_, ToWorker>(&mut reader, CONTROL_FRAME_MAX_BYTES).await;
-            let failed = msg.is_err();
-            if inbox_tx.send(msg).await.is_err() || failed {
-                return;
-            }
-        }
-    });
+    let (mut inbox, mut read_task) = read_in_task(reader);
     let outcome = loop {
-        tokio::select! {
-            Some(msg) = inbox.recv() => {
-                let msg = match msg {
-                    Ok(m) => m,
-                    Err(e) => break Err(ProcError::Aborted(format!(
-                        "rank {rank}: lost the coordinator ({e})"
-                    ))),
-                };
-                live.observe(clock.now_ms());
-                live.set_timeout(procs.heartbeat_timeout_ms);
-                if let Some(out) = execute(msg, rank, &rank_actor, &hooks, link, part_max_bytes) {
-                    break Ok(out);
+        let lost = tokio::select! {
+            Some(msg) = inbox.recv() => match msg {
+                Ok(msg) => {
+                    live.observe(clock.now_ms());
+                    live.set_timeout(procs.heartbeat_timeout_ms);
+                    if let ToWorker::Command(cmd) = &msg {
+                        relay.began(cmd);
+                    }
+                    if let Some(out) = execute(msg, rank, &rank_actor, &hooks, link, part_max_bytes) {
+                        break Ok(out);
+                    }
+                    continue;
                 }
-            }
+                Err(e) => e.to_string(),
+            },
             Some(WorkerEnd::RankFailed(reason)) = ended.recv() => {
                 break Err(ProcError::Aborted(format!("rank {rank} failed: {reason}")));
             }
-            event = leaving.next() => on_signal(event, rank, &leaving, link),
+            event = leaving.next() => {
+                on_signal(event, rank, &leaving, link);
+                continue;
+            }
             _ = every.tick() => {
                 let _ = link.try_send(Some(ToCoord::Heartbeat));
                 // The coordinator's step timeout measures silence: tell it the step moves.
@@ -560,13 +692,28 @@ async fn serve<T: Transport>(
                         beat_sent = Some(b);
                     }
                 }
-                if let Some(ms) = live.silent(clock.now_ms()) {
-                    break Err(ProcError::Aborted(format!(
-                        "rank {rank}: the coordinator has been silent for {ms} ms (heartbeat_timeout_ms is {})",
+                match live.silent(clock.now_ms()) {
+                    Some(ms) => format!(
+                        "silent for {ms} ms, heartbeat_timeout_ms is {}",
                         procs.heartbeat_timeout_ms
-                    )));
+                    ),
+                    None => continue,
                 }
             }
+        };
+        read_task.abort();
+        let Some(r) = reattach.as_mut() else {
+            break Err(ProcError::Aborted(format!(
+                "rank {rank}: lost the coordinator ({lost})"
+            )));
+        };
+        match r.run(relay, &*hooks.interrupt, opts, &lost).await {
+            Ok(reader) => {
+                (inbox, read_task) = read_in_task(reader);
+                live = Liveness::new(clock.now_ms(), procs.heartbeat_timeout_ms);
+                beat_sent = None;
+            }
+            Err(e) => break Err(e),
         }
     };
     // The rank actor is left running: the process ends next, and stopping it here could block
@@ -576,6 +723,27 @@ async fn serve<T: Transport>(
         noticed: leaving.since_notice(),
         ..o
     })
+}
+
+/// The coordinator's messages, read by a task of their own: reading a frame is not
+/// cancellation-safe, so nothing waits on it in a `select!`.
+fn read_in_task(
+    mut reader: ControlReader,
+) -> (
+    mpsc::Receiver<Result<ToWorker, super::control_plane::WireError>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (tx, rx) = mpsc::channel(LINK_QUEUE_MAX);
+    let task = tokio::spawn(async move {
+        loop {
+            let msg = read_msg::<_, ToWorker>(&mut reader, CONTROL_FRAME_MAX_BYTES).await;
+            let failed = msg.is_err();
+            if tx.send(msg).await.is_err() || failed {
+                return;
+            }
+        }
+    });
+    (rx, task)
 }
 
 /// The first SIGTERM asks the coordinator for a drain; a second one, or the grace running out,
@@ -670,6 +838,8 @@ fn execute<T: Transport>(
             Err(e) => tracing::warn!("{e}; ignored"),
         },
         ToWorker::Heartbeat
+        | ToWorker::NotLeader { .. }
+        | ToWorker::Attached { .. }
         | ToWorker::Welcome(_)
         | ToWorker::StatePart { .. }
         | ToWorker::Peers { .. }
