@@ -11,11 +11,12 @@ use std::time::{Duration, Instant};
 
 use common::procs::{digest, flags_with, reference_digest, run, secrets, Proc, DEADLINE, EZERO};
 
-/// `ezero launch` with two coordinators on a fresh store directory, short leases and fast
+/// `ezero launch` with `coordinators` coordinators on `meta`, short leases and fast
 /// heartbeats; `flags` are the train flags.
-fn launch_two(flags: &[String], meta: &str) -> Command {
+fn launch(coordinators: u32, flags: &[String], meta: &str) -> Command {
     let mut cmd = Command::new(EZERO);
-    cmd.args(["launch", "--nprocs", "3", "--coordinators", "2"])
+    cmd.args(["launch", "--nprocs", "3", "--coordinators"])
+        .arg(coordinators.to_string())
         .args(["--meta", meta, "--job-id", "failover-test"])
         .args(["--lease-ttl-ms", "1000", "--reattach-wait-ms", "4000"])
         .args(["--heartbeat-ms", "100", "--heartbeat-timeout-ms", "2000"])
@@ -33,72 +34,154 @@ fn leader_pid(line: &str) -> u32 {
     after[..after.find(')').unwrap()].parse().unwrap()
 }
 
-const LEADS: &str = "coordinator c";
+fn is_election(line: &str) -> bool {
+    line.starts_with("coordinator c") && line.contains("leads the job from term")
+}
 
-fn kill_9_of_the_leader_mid_run(meta: &str) {
+fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill(2) has no memory effects; the pid is a process the launch started.
+    unsafe {
+        libc::kill(pid as i32, sig);
+    }
+}
+
+/// The launch's worker processes (its children whose command line says `worker`).
+fn workers_of(launch: u32) -> Vec<u32> {
+    let children = std::fs::read_to_string(format!("/proc/{launch}/task/{launch}/children"))
+        .expect("/proc lists a process's children");
+    children
+        .split_whitespace()
+        .filter_map(|p| p.parse::<u32>().ok())
+        .filter(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline"))
+                .is_ok_and(|c| c.split(|&b| b == 0).any(|a| a == b"worker"))
+        })
+        .collect()
+}
+
+/// What happens to the leader once the job has run a few steps under it.
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    /// kill -9.
+    Kill,
+    /// kill -9 of the leader and of a worker at once.
+    KillWithWorker,
+    /// kill -9, then kill -9 of the next leader as soon as it is elected (mid-takeover).
+    KillTwice,
+    /// SIGSTOP past its lease; SIGCONT once another leads: it must exit without leading.
+    Stop,
+}
+
+/// Reads lines into `seen` until one satisfies `want`; `what` names it for the failure.
+fn until(job: &Proc, seen: &mut Vec<String>, what: &str, want: impl Fn(&str) -> bool) -> String {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Ok(line) = job.lines.recv_timeout(left) else {
+            panic!("no {what} within {DEADLINE:?}: {}", seen.join("\n"));
+        };
+        seen.push(line.clone());
+        if want(&line) {
+            return line;
+        }
+    }
+}
+
+/// Runs a three-worker job under `coordinators` coordinators on `meta`, applies `fault` to
+/// the leader mid-run, and checks the job ends with rc 0 and the fault-free digest.
+fn leader_fault(meta: &str, coordinators: u32, fault: Fault) -> String {
     let flags = flags_with("mlp", 3, 2000, &["--replicate-every", "1"]);
     let reference = reference_digest(3, &flags);
-    let job = Proc::spawn(&mut launch_two(&flags, meta));
+    let mut job = Proc::spawn(&mut launch(coordinators, &flags, meta));
     let mut seen = Vec::new();
-    let deadline = Instant::now() + DEADLINE;
-    // The first election, then a few steps under it.
-    let leader = loop {
-        let line = job.lines.recv_timeout(DEADLINE).expect("the launch prints");
-        seen.push(line.clone());
-        if line.starts_with(LEADS) && line.contains("leads the job from term") {
-            break leader_pid(&line);
+    let leader = leader_pid(&until(&job, &mut seen, "election", is_election));
+    // Two progress lines (one every tenth of the run) under it: the fault lands mid-run.
+    for _ in 0..2 {
+        until(&job, &mut seen, "step", |l| l.starts_with("step "));
+    }
+    match fault {
+        Fault::Kill => signal(leader, libc::SIGKILL),
+        Fault::KillWithWorker => {
+            let worker = *workers_of(job.id()).first().expect("a worker");
+            signal(leader, libc::SIGKILL);
+            signal(worker, libc::SIGKILL);
         }
-        assert!(Instant::now() < deadline, "no election: {seen:?}");
-    };
-    // Two progress lines (one every tenth of the run) under it: the kill lands mid-run.
-    let mut steps = 0;
-    while steps < 2 {
-        let line = job.lines.recv_timeout(DEADLINE).expect("steps run");
-        steps += usize::from(line.starts_with("step "));
-        seen.push(line);
+        Fault::KillTwice => {
+            signal(leader, libc::SIGKILL);
+            let next = leader_pid(&until(&job, &mut seen, "second election", is_election));
+            signal(next, libc::SIGKILL);
+        }
+        Fault::Stop => {
+            signal(leader, libc::SIGSTOP);
+            until(&job, &mut seen, "second election", is_election);
+            signal(leader, libc::SIGCONT);
+        }
     }
-    // SAFETY: kill(2) has no memory effects; the pid is the leader the launch started.
-    unsafe {
-        libc::kill(leader as i32, libc::SIGKILL);
-    }
-    let mut job = job;
     let status = job.wait_until(Instant::now() + DEADLINE);
     seen.extend(job.lines.try_iter());
     let out = seen.join("\n");
     let err = job.stderr();
-    assert_eq!(status.and_then(|s| s.code()), Some(0), "{out}\n{err}");
-    let elections: Vec<&String> = seen
-        .iter()
-        .filter(|l| l.contains("leads the job from term"))
-        .collect();
-    assert_eq!(elections.len(), 2, "one election, then the takeover: {out}");
-    assert_ne!(leader_pid(elections[1]), leader, "{out}");
     assert_eq!(
-        out.matches("re-attached to the leader").count(),
-        3,
-        "every worker re-attached: {out}\n{err}"
+        status.and_then(|s| s.code()),
+        Some(0),
+        "{fault:?}: {out}\n{err}"
     );
-    assert_eq!(digest(&out), Some(reference), "{out}\n{err}");
+    let elections: Vec<&String> = seen.iter().filter(|l| is_election(l)).collect();
+    let want = if matches!(fault, Fault::KillTwice) {
+        3
+    } else {
+        2
+    };
+    assert_eq!(elections.len(), want, "{fault:?}: {out}");
+    assert!(
+        elections[1..].iter().all(|e| leader_pid(e) != leader),
+        "{out}"
+    );
+    assert_eq!(digest(&out), Some(reference), "{fault:?}: {out}\n{err}");
+    out + "\n" + &err
 }
 
 #[test]
 fn kill_9_of_the_leading_coordinator_on_a_file_store_loses_nothing() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    kill_9_of_the_leader_mid_run(&format!("file:{}", dir.path().display()));
+    let out = leader_fault(&format!("file:{}", dir.path().display()), 2, Fault::Kill);
+    assert_eq!(out.matches("re-attached to the leader").count(), 3, "{out}");
 }
 
 #[test]
 fn kill_9_of_the_leading_coordinator_on_etcd_loses_nothing() {
-    assert!(
-        which("etcd"),
-        "needs the etcd binary on PATH (Debian: apt-get install etcd-server; .ci/run installs it)"
-    );
-    kill_9_of_the_leader_mid_run("etcd-local");
+    common::etcd::require_etcd();
+    let out = leader_fault("etcd-local", 2, Fault::Kill);
+    assert_eq!(out.matches("re-attached to the leader").count(), 3, "{out}");
 }
 
-fn which(bin: &str) -> bool {
-    std::env::var_os("PATH")
-        .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(bin).is_file()))
+/// The leader and a worker die together: the new leader re-admits the two that re-attach and
+/// recovers the third's shards from their backups.
+#[test]
+fn the_leader_and_a_worker_lost_together_lose_nothing() {
+    common::etcd::require_etcd();
+    let out = leader_fault("etcd-local", 2, Fault::KillWithWorker);
+    assert_eq!(out.matches("re-attached to the leader").count(), 2, "{out}");
+}
+
+/// The second leader dies as soon as it is elected, inside its takeover: the third takes over.
+#[test]
+fn a_second_failover_during_the_first_loses_nothing() {
+    common::etcd::require_etcd();
+    leader_fault("etcd-local", 3, Fault::KillTwice);
+}
+
+/// A leader frozen past its lease (SIGSTOP) is replaced; resumed (SIGCONT), it finds its lease
+/// lost and exits without commanding or writing anything: the job ends with the fault-free
+/// digest under the new leader.
+#[test]
+fn a_leader_stopped_past_its_lease_steps_down_when_resumed() {
+    common::etcd::require_etcd();
+    let out = leader_fault("etcd-local", 2, Fault::Stop);
+    assert!(
+        out.contains("lost its lease on the metadata store"),
+        "{out}"
+    );
 }
 
 /// A malformed URL, a missing directory, an unreachable etcd and a missing job id: one line

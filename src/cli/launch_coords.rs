@@ -148,18 +148,19 @@ pub fn wait_coordinators(
     stop: &AtomicBool,
 ) -> Option<ExitStatus> {
     let mut running: Vec<usize> = (0..coords.len()).collect();
-    let mut last = None;
+    let (mut last, mut finished) = (None, None);
     while !running.is_empty() {
-        let mut finished = false;
         running.retain(|&i| match coords[i].try_wait() {
             Ok(Some(status)) => {
-                finished |= status.code() == Some(0);
+                if status.success() {
+                    finished = Some(status);
+                }
                 last = Some(status);
                 false
             }
             _ => true,
         });
-        if finished {
+        if finished.is_some() {
             break;
         }
         if stop.swap(false, Ordering::Relaxed) {
@@ -176,5 +177,5 @@ pub fn wait_coordinators(
         let _ = coords[i].kill();
         let _ = coords[i].wait();
     }
-    last
+    finished.or(last)
 }

@@ -326,6 +326,7 @@ async fn start_takeover(
         term: led.term,
         members: &map.members,
         wait: f.reattach_wait,
+        heartbeat: Duration::from_millis(opts.procs.heartbeat_ms.max(1)),
     };
     let (back, greeting) = gather(listener, acceptor, &expect, &env.lobby).await;
     let attached: Attached = back.iter().map(|r| (r.rank, r.busy)).collect();

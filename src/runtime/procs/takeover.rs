@@ -40,6 +40,9 @@ pub(super) struct Expect<'a> {
     pub(super) term: u64,
     pub(super) members: &'a [RankId],
     pub(super) wait: Duration,
+    /// How often the re-attached hear from this leader while it waits for the others: the
+    /// wait may be longer than their heartbeat timeout.
+    pub(super) heartbeat: Duration,
 }
 
 /// Accepts re-attaches until every member is back or the wait is over; the handshakes still
@@ -53,8 +56,10 @@ pub(super) async fn gather(
     let deadline = Instant::now() + expect.wait;
     let mut back: BTreeMap<RankId, Rejoined> = BTreeMap::new();
     let mut greeting: Greeting = JoinSet::new();
+    let mut beat = tokio::time::interval(expect.heartbeat);
     while back.len() < expect.members.len() {
         tokio::select! {
+            _ = beat.tick() => heartbeat(&mut back, expect.heartbeat).await,
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
                     greeting.spawn(greet(acceptor.clone(), stream, peer));
@@ -77,6 +82,22 @@ pub(super) async fn gather(
         }
     }
     (back.into_values().collect(), greeting)
+}
+
+/// One heartbeat to each re-attached worker; one that cannot take it within `within` is dropped
+/// (its connection is broken: it will try again, or be counted lost).
+async fn heartbeat(back: &mut BTreeMap<RankId, Rejoined>, within: Duration) {
+    let mut broken = Vec::new();
+    for (rank, r) in back.iter_mut() {
+        let sent = tokio::time::timeout(within, write_msg(&mut r.writer, &ToWorker::Heartbeat));
+        if !matches!(sent.await, Ok(Ok(()))) {
+            broken.push(*rank);
+        }
+    }
+    for rank in broken {
+        tracing::warn!("rank {rank} re-attached but its connection broke");
+        back.remove(&rank);
+    }
 }
 
 enum Back {

@@ -222,24 +222,31 @@ impl Reattach {
         .await
         .map_err(|_| Attempt::Retry("no answer".into()))?
         .map_err(|e| Attempt::Retry(e.to_string()))?;
-        match reply {
-            ToWorker::Attached { term } if term > self.term_seen => {
-                self.term_seen = term;
-                Ok((reader, term))
-            }
-            ToWorker::Attached { term } => Err(Attempt::Retry(format!(
-                "a coordinator of term {term}, not newer than {}",
-                self.term_seen
-            ))),
-            ToWorker::NotLeader { leader } => Err(Attempt::Retry(match leader {
-                Some(l) => format!("not the leader (the leader takes workers at {l})"),
-                None => "not the leader, and no leader yet".into(),
-            })),
-            ToWorker::Refused { reason } | ToWorker::Stop { reason, .. } => {
-                Err(Attempt::Refused(reason))
-            }
-            other => Err(Attempt::Retry(format!("answered with {}", other.kind()))),
+        let term = answer(&mut self.term_seen, reply)?;
+        Ok((reader, term))
+    }
+}
+
+/// A coordinator's answer to a re-attach: only a leader of a newer term than any this worker
+/// has obeyed takes it (a deposed leader, or one replaying an old term, is passed over), and
+/// then that term is the one it has seen.
+fn answer(term_seen: &mut u64, reply: ToWorker) -> Result<u64, Attempt> {
+    match reply {
+        ToWorker::Attached { term } if term > *term_seen => {
+            *term_seen = term;
+            Ok(term)
         }
+        ToWorker::Attached { term } => Err(Attempt::Retry(format!(
+            "a coordinator of term {term}, not newer than {term_seen}"
+        ))),
+        ToWorker::NotLeader { leader } => Err(Attempt::Retry(match leader {
+            Some(l) => format!("not the leader (the leader takes workers at {l})"),
+            None => "not the leader, and no leader yet".into(),
+        })),
+        ToWorker::Refused { reason } | ToWorker::Stop { reason, .. } => {
+            Err(Attempt::Refused(reason))
+        }
+        other => Err(Attempt::Retry(format!("answered with {}", other.kind()))),
     }
 }
 
@@ -250,4 +257,54 @@ pub(super) fn coordinator_list(join: &str) -> Vec<String> {
         .filter(|a| !a.is_empty())
         .map(String::from)
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn attached(term: u64) -> ToWorker {
+        ToWorker::Attached { term }
+    }
+
+    #[test]
+    fn only_a_newer_term_is_obeyed() {
+        let mut seen = 7;
+        // The deposed leader (or a replay of its welcome) is passed over, and changes nothing.
+        for stale in [3, 7] {
+            let refused = answer(&mut seen, attached(stale));
+            assert!(
+                matches!(refused, Err(Attempt::Retry(ref r)) if r.contains("not newer than 7"))
+            );
+            assert_eq!(seen, 7);
+        }
+        assert!(matches!(answer(&mut seen, attached(9)), Ok(9)));
+        assert_eq!(seen, 9);
+        // Once term 9 is obeyed, term 8 is old too.
+        assert!(answer(&mut seen, attached(8)).is_err());
+        assert_eq!(seen, 9);
+    }
+
+    #[test]
+    fn a_standby_is_passed_over_and_a_refusal_ends_the_worker() {
+        let mut seen = 1;
+        let standby = ToWorker::NotLeader { leader: None };
+        assert!(matches!(answer(&mut seen, standby), Err(Attempt::Retry(_))));
+        let refused = ToWorker::Refused {
+            reason: "rank 2 was declared failed".into(),
+        };
+        assert!(matches!(
+            answer(&mut seen, refused),
+            Err(Attempt::Refused(_))
+        ));
+        assert_eq!(seen, 1);
+    }
+
+    #[test]
+    fn join_lists_are_split_on_commas() {
+        assert_eq!(
+            coordinator_list(" a:1, b:2,,c:3 "),
+            vec!["a:1".to_string(), "b:2".into(), "c:3".into()]
+        );
+    }
 }
