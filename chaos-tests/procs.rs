@@ -11,7 +11,10 @@
 //!
 //! Which scenarios: `CHAOS_PROC_SEED=S` one seed, `CHAOS_PROC_SEEDS=N` (or `A..B`) seeds,
 //! `CHAOS_PROC_SCENARIO=FILE` a scenario file (as written next to a failing seed); otherwise
-//! the fixed CI set. `CHAOS_PROC_TRANSPORT=ucx` (or tcp, quic) forces generated seeds' data
+//! the fixed CI set. `CHAOS_PROC_COORDINATORS=1` adds faults of the leading coordinator to
+//! generated seeds (kill -9 anytime, in a step, a backup or a reshard, with a worker, SIGSTOP
+//! past its lease, cut off from etcd), with standby coordinators on a local etcd to take over.
+//! `CHAOS_PROC_TRANSPORT=ucx` (or tcp, quic) forces generated seeds' data
 //! plane; under ucx they draw process faults only. `CHAOS_PROC_REPORT=FILE` writes the totals
 //! as JSON (the soak's report); `CHAOS_PROC_EVENTS=1` prints every scenario's observed events,
 //! not only a failing one's.
@@ -39,7 +42,10 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use job::Outcome;
-use scenario::{generate, generate_on, seeds_from_env, During, Expect, Fault, Scenario, What};
+use scenario::{
+    generate, generate_on, generate_with_coordinators, seeds_from_env, During, Expect, Fault,
+    Scenario, What,
+};
 
 /// One scenario at a time: they share the machine's two cores, and the leak check counts this
 /// process's threads.
@@ -71,6 +77,7 @@ fn fixed(
         steps,
         micro_batches: 6,
         backups: true,
+        coordinators: 1 + faults.iter().filter(|f| f.what.loses_the_leader()).count(),
         faults,
     }
 }
@@ -86,7 +93,37 @@ fn ci_set() -> Vec<Scenario> {
         network_trouble_over_quic(),
         two_losses_the_backups_cover(),
         two_losses_the_backups_miss(),
+        the_leader_lost_three_ways(),
     ]
+}
+
+/// Three coordinators on a local etcd: the leader killed in a backup, the next one frozen
+/// past its lease, and a worker killed under the third.
+fn the_leader_lost_three_ways() -> Scenario {
+    use What::*;
+    fixed(
+        9008,
+        3,
+        "tcp",
+        "mlp",
+        3,
+        vec![
+            fault(
+                3,
+                KillLeader {
+                    during: During::Backup,
+                },
+            ),
+            fault(8, StopLeader),
+            fault(
+                13,
+                Kill {
+                    pick: 1,
+                    during: During::Anytime,
+                },
+            ),
+        ],
+    )
 }
 
 /// A kill while a step waits for the victim, then a freeze past the heartbeat timeout.
@@ -299,10 +336,11 @@ fn record_failure(sc: &Scenario, out: &Outcome) -> String {
          (generated seeds also: CHAOS_PROC_SEED={}{}; schedule and observed events in {})",
         scenario_file.display(),
         sc.seed,
-        if sc.transport == "ucx" {
-            " CHAOS_PROC_TRANSPORT=ucx"
-        } else {
-            ""
+        match (sc.transport == "ucx", sc.coordinators > 1) {
+            (true, true) => " CHAOS_PROC_TRANSPORT=ucx CHAOS_PROC_COORDINATORS=1",
+            (true, false) => " CHAOS_PROC_TRANSPORT=ucx",
+            (false, true) => " CHAOS_PROC_COORDINATORS=1",
+            (false, false) => "",
         },
         file.display()
     )
@@ -318,11 +356,16 @@ fn chosen() -> Vec<Scenario> {
     let one = std::env::var("CHAOS_PROC_SEED").ok();
     let many = std::env::var("CHAOS_PROC_SEEDS").ok();
     let transport = std::env::var("CHAOS_PROC_TRANSPORT").ok();
+    let coordinators = std::env::var("CHAOS_PROC_COORDINATORS").is_ok_and(|v| v == "1");
     match seeds_from_env(one.as_deref(), many.as_deref()).unwrap_or_else(|e| panic!("{e}")) {
         Some(seeds) => seeds
             .into_iter()
             .map(|s| {
-                let sc = generate_on(s, transport.as_deref());
+                let sc = if coordinators {
+                    generate_with_coordinators(s, transport.as_deref())
+                } else {
+                    generate_on(s, transport.as_deref())
+                };
                 sc.check()
                     .unwrap_or_else(|e| panic!("CHAOS_PROC_TRANSPORT={transport:?}: {e}"));
                 sc

@@ -13,11 +13,14 @@ use common::procs::{digest, flags_with, reference_digest, run, secrets, Proc, DE
 
 /// `ezero launch` with `coordinators` coordinators on `meta`, short leases and fast
 /// heartbeats; `flags` are the train flags.
-fn launch(coordinators: u32, flags: &[String], meta: &str) -> Command {
+fn launch(coordinators: u32, flags: &[String], meta: &str, control: Option<u16>) -> Command {
     let mut cmd = Command::new(EZERO);
     cmd.args(["launch", "--nprocs", "3", "--coordinators"])
-        .arg(coordinators.to_string())
-        .args(["--meta", meta, "--job-id", "failover-test"])
+        .arg(coordinators.to_string());
+    if let Some(port) = control {
+        cmd.arg("--control").arg(format!("127.0.0.1:{port}"));
+    }
+    cmd.args(["--meta", meta, "--job-id", "failover-test"])
         .args(["--lease-ttl-ms", "1000", "--reattach-wait-ms", "4000"])
         .args(["--heartbeat-ms", "100", "--heartbeat-timeout-ms", "2000"])
         .arg("--")
@@ -35,7 +38,7 @@ fn leader_pid(line: &str) -> u32 {
 }
 
 fn is_election(line: &str) -> bool {
-    line.starts_with("coordinator c") && line.contains("leads the job from term")
+    line.starts_with("coordinator ") && line.contains("leads the job from term")
 }
 
 fn signal(pid: u32, sig: i32) {
@@ -70,6 +73,30 @@ enum Fault {
     KillTwice,
     /// SIGSTOP past its lease; SIGCONT once another leads: it must exit without leading.
     Stop,
+    /// A drain through the leader's control endpoint, and kill -9 of the leader right after:
+    /// the reshard is under way, or committed and not yet carried out.
+    KillMidReshard,
+}
+
+/// Two free loopback ports in a row (the launch's coordinators serve their control endpoints
+/// on consecutive ports): the first.
+fn two_free_ports() -> u16 {
+    loop {
+        let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = a.local_addr().unwrap().port();
+        if port < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// N in `coordinator cN (pid P) leads ...`.
+fn leader_index(line: &str) -> u16 {
+    let id = line["coordinator c".len()..]
+        .split_whitespace()
+        .next()
+        .unwrap();
+    id.parse().unwrap()
 }
 
 /// Reads lines into `seen` until one satisfies `want`; `what` names it for the failure.
@@ -87,14 +114,25 @@ fn until(job: &Proc, seen: &mut Vec<String>, what: &str, want: impl Fn(&str) -> 
     }
 }
 
+/// The stdout lines not read yet of a process that has exited (up to its closing stdout).
+fn rest(p: &Proc) -> Vec<String> {
+    let mut lines = Vec::new();
+    while let Ok(l) = p.lines.recv_timeout(Duration::from_secs(10)) {
+        lines.push(l);
+    }
+    lines
+}
+
 /// Runs a three-worker job under `coordinators` coordinators on `meta`, applies `fault` to
 /// the leader mid-run, and checks the job ends with rc 0 and the fault-free digest.
 fn leader_fault(meta: &str, coordinators: u32, fault: Fault) -> String {
     let flags = flags_with("mlp", 3, 2000, &["--replicate-every", "1"]);
     let reference = reference_digest(3, &flags);
-    let mut job = Proc::spawn(&mut launch(coordinators, &flags, meta));
+    let control = matches!(fault, Fault::KillMidReshard).then(two_free_ports);
+    let mut job = Proc::spawn(&mut launch(coordinators, &flags, meta, control));
     let mut seen = Vec::new();
-    let leader = leader_pid(&until(&job, &mut seen, "election", is_election));
+    let elected = until(&job, &mut seen, "election", is_election);
+    let leader = leader_pid(&elected);
     // Two progress lines (one every tenth of the run) under it: the fault lands mid-run.
     for _ in 0..2 {
         until(&job, &mut seen, "step", |l| l.starts_with("step "));
@@ -116,9 +154,16 @@ fn leader_fault(meta: &str, coordinators: u32, fault: Fault) -> String {
             until(&job, &mut seen, "second election", is_election);
             signal(leader, libc::SIGCONT);
         }
+        Fault::KillMidReshard => {
+            let port = control.unwrap() + leader_index(&elected);
+            let (code, body) =
+                common::procs::http(&format!("127.0.0.1:{port}"), "POST", "/ranks/2/drain");
+            assert_eq!(code, 202, "{body}");
+            signal(leader, libc::SIGKILL);
+        }
     }
     let status = job.wait_until(Instant::now() + DEADLINE);
-    seen.extend(job.lines.try_iter());
+    seen.extend(rest(&job));
     let out = seen.join("\n");
     let err = job.stderr();
     assert_eq!(
@@ -162,6 +207,14 @@ fn the_leader_and_a_worker_lost_together_lose_nothing() {
     common::etcd::require_etcd();
     let out = leader_fault("etcd-local", 2, Fault::KillWithWorker);
     assert_eq!(out.matches("re-attached to the leader").count(), 2, "{out}");
+}
+
+/// The leader dies while a drain reshards the job: the new leader carries the job on from the
+/// committed map (the drain done or not) and the bits are the fault-free run's.
+#[test]
+fn kill_9_of_the_leader_mid_reshard_loses_nothing() {
+    common::etcd::require_etcd();
+    leader_fault("etcd-local", 2, Fault::KillMidReshard);
 }
 
 /// The second leader dies as soon as it is elected, inside its takeover: the third takes over.
@@ -252,4 +305,73 @@ fn a_job_id_of_another_config_is_refused() {
         .args(&other));
     assert_eq!(code, 2, "{out}\n{err}");
     assert!(err.contains("shared") && err.contains("digest"), "{err}");
+}
+
+/// `--meta file:DIR` on one host: the only coordinator is killed and started again on the same
+/// address; the workers wait for it (`--leader-wait-ms`), re-attach, and the job ends with the
+/// fault-free digest.
+#[test]
+fn a_coordinator_restarted_on_a_file_store_picks_the_job_up() {
+    let store = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let meta = format!("file:{}", store.path().display());
+    let dir = secrets();
+    let flags = flags_with("mlp", 3, 2000, &["--replicate-every", "1"]);
+    let reference = reference_digest(3, &flags);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let coordinator = || {
+        let mut cmd = common::procs::ezero("t", dir.path());
+        cmd.args(["coordinator", "--listen", &addr, "--ranks", "3"])
+            .args(["--meta", &meta, "--job-id", "restarted"])
+            .args(["--lease-ttl-ms", "1000", "--reattach-wait-ms", "10000"])
+            .args(["--heartbeat-ms", "100", "--heartbeat-timeout-ms", "2000"])
+            .args(&flags);
+        Proc::spawn(&mut cmd)
+    };
+    let mut first = coordinator();
+    let workers: Vec<Proc> = (0..3)
+        .map(|i| {
+            Proc::spawn(
+                common::procs::worker(&addr, "t", dir.path())
+                    .env("EZERO_RANK_HINT", i.to_string())
+                    .env("EZERO_LEADER_WAIT_MS", "60000"),
+            )
+        })
+        .collect();
+    let mut seen = Vec::new();
+    let steps = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        until(&first, &mut seen, "election", is_election);
+        for _ in 0..2 {
+            until(&first, &mut seen, "step", |l| l.starts_with("step "));
+        }
+    }));
+    if steps.is_err() {
+        let err = first.stderr();
+        let workers: Vec<String> = workers.iter().map(|w| w.stderr()).collect();
+        panic!("the first coordinator ran no steps: {err}\nworkers: {workers:?}");
+    }
+    first.kill().unwrap();
+    let _ = first.wait_until(Instant::now() + DEADLINE);
+    let mut second = coordinator();
+    let status = second.wait_until(Instant::now() + DEADLINE);
+    let out = rest(&second).join("\n");
+    let err = second.stderr();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{out}\n{err}");
+    assert!(out.contains("taking over job restarted"), "{out}");
+    assert_eq!(digest(&out), Some(reference), "{out}\n{err}");
+    for mut w in workers {
+        let status = w.wait_until(Instant::now() + DEADLINE);
+        let lines = rest(&w);
+        assert_eq!(status.and_then(|s| s.code()), Some(0), "{lines:?}");
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains("re-attached to the leader")),
+            "{lines:?}"
+        );
+    }
 }

@@ -68,6 +68,29 @@ pub(crate) enum End {
     Standby,
 }
 
+/// How a coordinator's process must end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum CoordEnd {
+    /// With the job: the one that finishes it exits 0 with the digest (or 1 with the
+    /// documented stop); a standby exits 0 once the job has ended.
+    WithJob,
+    /// `kill -9`.
+    Killed,
+    /// Frozen past its lease or cut off from the store: exits 1, its lease lost, printing no
+    /// digest.
+    Deposed,
+}
+
+/// One of the job's coordinators.
+pub(crate) struct Coord {
+    pub(crate) proc: Child,
+    addr: SocketAddr,
+    control: String,
+    pub(crate) end: CoordEnd,
+    /// Stopped by the harness now: not asked for its status (it would not answer).
+    pub(crate) frozen: bool,
+}
+
 pub(crate) struct Worker {
     pub(crate) proc: Child,
     pub(crate) rank: Option<u32>,
@@ -82,9 +105,12 @@ pub(crate) struct Run<'a> {
     secrets: PathBuf,
     token: String,
     pub(crate) net: Arc<Net>,
-    coord: Child,
-    coord_addr: SocketAddr,
-    pub(crate) control: String,
+    pub(crate) coords: Vec<Coord>,
+    /// The coordinator that answered `/status` last: asked first.
+    pub(crate) leader: std::cell::Cell<usize>,
+    /// The coordinators' store and the proxies in front of it (several coordinators only).
+    etcd: Option<elastic_zero::runtime::meta::LocalEtcd>,
+    meta_proxies: Vec<Proxy>,
     pub(crate) workers: Vec<Worker>,
     start: Instant,
     out: Outcome,
@@ -193,15 +219,36 @@ impl Run<'_> {
         self.out.events.push(format!("{ms:>6} ms  {what}"));
     }
 
+    /// The leader's `/status`: the coordinator that answered last is asked first, then the
+    /// others (a standby answers 503, a dead one not at all).
     pub(crate) fn status(&self) -> Option<Value> {
-        match try_http(&self.control, "GET", "/status") {
-            Ok((200, body)) => serde_json::from_str(&body).ok(),
-            _ => None,
+        let first = self.leader.get();
+        let order = std::iter::once(first).chain((0..self.coords.len()).filter(|&i| i != first));
+        for i in order {
+            let c = &self.coords[i];
+            if c.frozen || c.end == CoordEnd::Killed || c.control.is_empty() {
+                continue;
+            }
+            if let Ok((200, body)) = try_http(&c.control, "GET", "/status") {
+                self.leader.set(i);
+                return serde_json::from_str(&body).ok();
+            }
         }
+        None
+    }
+
+    /// The control endpoint of the coordinator that leads (as far as the harness knows).
+    pub(crate) fn control(&self) -> String {
+        self.coords[self.leader.get()].control.clone()
     }
 
     fn coord_rss_kib(&self) -> Option<u64> {
-        super::leaks::rss_kib(&self.coord.pid().to_string())
+        super::leaks::rss_kib(&self.coords[self.leader.get()].proc.pid().to_string())
+    }
+
+    /// Whether every coordinator has exited.
+    fn coordinators_gone(&mut self) -> bool {
+        self.coords.iter_mut().all(|c| c.proc.exited().is_some())
     }
 
     /// Polls `/status` until `done` holds; `None` once the job has ended or at the deadline.
@@ -214,7 +261,7 @@ impl Run<'_> {
         while Instant::now() < until {
             // 503 until every worker has joined; nothing once the coordinator is gone.
             let Some(s) = self.status() else {
-                if self.coord.exited().is_some() {
+                if self.coordinators_gone() {
                     return None;
                 }
                 std::thread::sleep(Duration::from_millis(15));
@@ -288,14 +335,22 @@ impl Run<'_> {
             tcp_proxy(Link::Data(idx), upstream, self.net.clone())
         }
         .map_err(|e| format!("data proxy: {e}"))?;
-        let control = tcp_proxy(Link::Control(idx), self.coord_addr, self.net.clone())
-            .map_err(|e| format!("control proxy: {e}"))?;
+        let mut proxies = vec![data];
+        let mut join = Vec::new();
+        for c in &self.coords {
+            let control = tcp_proxy(Link::Control(idx), c.addr, self.net.clone())
+                .map_err(|e| format!("control proxy: {e}"))?;
+            join.push(control.addr.to_string());
+            proxies.push(control);
+        }
+        let data_addr = proxies[0].addr;
         let mut cmd = Command::new(EZERO);
         cmd.env("EZERO_CLUSTER_TOKEN", &self.token)
             .env("TMPDIR", self.dir.join("tmp"))
-            .args(["worker", "--join", &control.addr.to_string()])
+            .env("EZERO_LEADER_WAIT_MS", "20000")
+            .args(["worker", "--join", &join.join(",")])
             .args(["--data-listen", &upstream.to_string()])
-            .args(["--data-advertise", &data.addr.to_string()])
+            .args(["--data-advertise", &data_addr.to_string()])
             .arg("--secrets")
             .arg(&self.secrets);
         if let Some(h) = hint {
@@ -311,7 +366,7 @@ impl Run<'_> {
         self.workers.push(Worker {
             proc,
             rank: None,
-            proxies: vec![data, control],
+            proxies,
             end: End::WithJob,
         });
         Ok(idx)
@@ -347,53 +402,26 @@ fn run_inner(
     let secrets = dir.join("secrets");
     elastic_zero::net::init_secrets(&secrets).map_err(|e| format!("secrets: {e}"))?;
     let token = format!("chaos-{}", sc.seed);
-    let mut coord = Child::spawn(
-        Command::new(EZERO)
-            .env("EZERO_CLUSTER_TOKEN", &token)
-            .env("TMPDIR", dir.join("tmp"))
-            .args([
-                "coordinator",
-                "--listen",
-                "127.0.0.1:0",
-                "--control",
-                "127.0.0.1:0",
-            ])
-            .args([
-                "--ranks",
-                &sc.workers.to_string(),
-                "--transport",
-                &sc.transport,
-            ])
-            .args(["--heartbeat-ms", &HEARTBEAT_MS.to_string()])
-            .args(["--heartbeat-timeout-ms", &HEARTBEAT_TIMEOUT_MS.to_string()])
-            .arg("--secrets")
-            .arg(&secrets)
-            .args(train_flags(sc)),
-    )?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let listening = coord
-        .line("ezero coordinator: listening on ", deadline)
-        .ok_or_else(|| format!("the coordinator did not start: {}", coord.stderr()))?;
-    let coord_addr: SocketAddr = listening
-        .trim_start_matches("ezero coordinator: listening on ")
-        .parse()
-        .map_err(|e| format!("{listening}: {e}"))?;
+    let net = Arc::new(Net::default());
+    let (coords, etcd, meta_proxies) = start_coordinators(sc, &dir, &secrets, &token, &net)?;
+    let ports = coords.iter().map(|c| c.addr.port()).collect();
     let mut run = Run {
         sc,
         dir: dir.clone(),
         secrets: secrets.clone(),
         token,
-        net: Arc::new(Net::default()),
-        coord,
-        coord_addr,
-        control: String::new(),
+        net,
+        coords,
+        leader: std::cell::Cell::new(0),
+        etcd,
+        meta_proxies,
         workers: Vec::new(),
         start,
         out: Outcome {
             seed: sc.seed,
             ..Outcome::default()
         },
-        ports: vec![coord_addr.port()],
+        ports,
     };
     let result = drive(&mut run, reference, expect);
     let finish = finish(&mut run, *expect == Expect::Digest);
@@ -424,24 +452,108 @@ fn run_inner(
     Ok(out)
 }
 
+type Started = (
+    Vec<Coord>,
+    Option<elastic_zero::runtime::meta::LocalEtcd>,
+    Vec<Proxy>,
+);
+
+/// Starts the scenario's coordinators; with more than one, a local etcd they reach through
+/// proxies of the harness (`Link::Meta`), short leases and a takeover wait of a few heartbeat
+/// timeouts.
+fn start_coordinators(
+    sc: &Scenario,
+    dir: &Path,
+    secrets: &Path,
+    token: &str,
+    net: &Arc<Net>,
+) -> Result<Started, String> {
+    let (mut etcd, mut proxies) = (None, Vec::new());
+    if sc.coordinators > 1 {
+        let etcd_dir = dir.join("etcd");
+        std::fs::create_dir_all(&etcd_dir).map_err(|e| format!("{}: {e}", etcd_dir.display()))?;
+        let local = elastic_zero::runtime::meta::spawn_local_etcd(&etcd_dir)
+            .map_err(|e| format!("the local etcd: {e}"))?;
+        let endpoint = local.endpoints()[0]
+            .trim_start_matches("http://")
+            .to_string();
+        etcd = Some((
+            local,
+            endpoint.parse::<SocketAddr>().map_err(|e| e.to_string())?,
+        ));
+    }
+    let mut coords = Vec::new();
+    for i in 0..sc.coordinators {
+        let mut cmd = Command::new(EZERO);
+        cmd.env("EZERO_CLUSTER_TOKEN", token)
+            .env("TMPDIR", dir.join("tmp"))
+            .args([
+                "coordinator",
+                "--listen",
+                "127.0.0.1:0",
+                "--control",
+                "127.0.0.1:0",
+            ])
+            .args([
+                "--ranks",
+                &sc.workers.to_string(),
+                "--transport",
+                &sc.transport,
+            ])
+            .args(["--heartbeat-ms", &HEARTBEAT_MS.to_string()])
+            .args(["--heartbeat-timeout-ms", &HEARTBEAT_TIMEOUT_MS.to_string()])
+            .arg("--secrets")
+            .arg(secrets);
+        if let Some((_, upstream)) = &etcd {
+            let proxy = tcp_proxy(Link::Meta(i), *upstream, net.clone())
+                .map_err(|e| format!("store proxy: {e}"))?;
+            cmd.args(["--meta", &format!("etcd://{}", proxy.addr)])
+                .args(["--job-id", &format!("chaos-{}", sc.seed)])
+                .args(["--coordinator-id", &format!("c{i}")])
+                .args(["--lease-ttl-ms", "1000", "--reattach-wait-ms", "3000"]);
+            proxies.push(proxy);
+        }
+        let mut proc = Child::spawn(cmd.args(train_flags(sc)))?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let listening = proc
+            .line("ezero coordinator: listening on ", deadline)
+            .ok_or_else(|| format!("coordinator {i} did not start: {}", proc.stderr()))?;
+        let addr: SocketAddr = listening
+            .trim_start_matches("ezero coordinator: listening on ")
+            .parse()
+            .map_err(|e| format!("{listening}: {e}"))?;
+        coords.push(Coord {
+            proc,
+            addr,
+            control: String::new(),
+            end: CoordEnd::WithJob,
+            frozen: false,
+        });
+    }
+    Ok((coords, etcd.map(|(l, _)| l), proxies))
+}
+
 /// Starts the workers, strikes every fault, and checks how the job ended.
 fn drive(run: &mut Run, reference: &str, expect: &Expect) -> Result<(), String> {
     for i in 0..run.sc.workers {
         run.spawn_worker(Some(i), false)?;
     }
     let deadline = Instant::now() + Duration::from_secs(60);
-    let line = run
-        .coord
-        .line("control endpoint: ", deadline)
-        .ok_or_else(|| format!("no control endpoint: {}", run.coord.stderr()))?;
-    run.control = control_addr(&line);
+    for c in &mut run.coords {
+        let line = c
+            .proc
+            .line("control endpoint: ", deadline)
+            .ok_or_else(|| format!("no control endpoint: {}", c.proc.stderr()))?;
+        c.control = control_addr(&line);
+    }
     let first = run.until(CHANGE_DEADLINE, |s| s["step"].as_u64() >= Some(1));
     if first.is_none() {
-        let out = run.coord.stdout();
+        let c = &run.coords[run.leader.get()];
+        let out = c.proc.stdout();
         return Err(format!(
             "no step seen running: stdout ends {:?}; stderr ends {:?}",
             &out[out.len().saturating_sub(3)..],
-            run.coord.stderr().lines().last().unwrap_or("")
+            c.proc.stderr().lines().last().unwrap_or("")
         ));
     }
     run.out.coord_rss_kib.0 = run.coord_rss_kib().unwrap_or(0);
@@ -476,24 +588,55 @@ fn drive(run: &mut Run, reference: &str, expect: &Expect) -> Result<(), String> 
         run.out.recoveries = s["telemetry"]["recoveries"].as_u64().unwrap_or(0);
         run.out.rebalances = s["telemetry"]["rebalances"].as_u64().unwrap_or(0);
     }
-    let code = run
-        .coord
-        .wait(Instant::now() + SCENARIO_DEADLINE.saturating_sub(run.start.elapsed()))
-        .ok_or("the coordinator did not exit in time (killed)")?
-        .code();
+    judge_end(run, reference, expect)
+}
+
+/// Waits for every coordinator to exit and checks how each did, and how the job ended.
+fn judge_end(run: &mut Run, reference: &str, expect: &Expect) -> Result<(), String> {
+    let deadline = Instant::now() + SCENARIO_DEADLINE.saturating_sub(run.start.elapsed());
+    let mut ends = Vec::new();
+    for c in &mut run.coords {
+        c.proc.signal(libc::SIGCONT);
+        ends.push(c.proc.wait(deadline).map(|s| s.code()));
+    }
     run.net.heal_all();
-    let stdout = run.coord.stdout().join("\n");
-    let stderr = run.coord.stderr();
-    run.out.network_retries = stdout
-        .matches("retried after frames were lost on the network")
-        .count() as u64;
-    run.note(format!("coordinator exited {code:?}"));
-    // What the coordinator saw, in its order: membership changes and retries.
-    for l in stdout
-        .lines()
-        .filter(|l| l.starts_with("membership") || l.starts_with("rank "))
-    {
-        run.out.events.push(format!("          coordinator: {l}"));
+    let texts: Vec<(String, String)> = run
+        .coords
+        .iter()
+        .map(|c| (c.proc.stdout().join("\n"), c.proc.stderr()))
+        .collect();
+    check_coordinators(run, &ends, &texts)?;
+    // The coordinator that ended the job: the one that printed the digest, or the last one
+    // the job had that exited non-zero.
+    let last = run.coords.len() - 1;
+    let finisher = texts
+        .iter()
+        .position(|(out, _)| digest(out).is_some())
+        .or_else(|| {
+            (0..=last)
+                .rev()
+                .find(|&i| run.coords[i].end == CoordEnd::WithJob && ends[i] != Some(Some(0)))
+        })
+        .unwrap_or(run.leader.get());
+    let code = ends[finisher].ok_or("the coordinator did not exit in time (killed)")?;
+    let (stdout, stderr) = &texts[finisher];
+    run.out.network_retries = texts
+        .iter()
+        .map(|(out, _)| {
+            out.matches("retried after frames were lost on the network")
+                .count() as u64
+        })
+        .sum();
+    run.note(format!("coordinator {finisher} exited {code:?}"));
+    // What the coordinators saw, in their order: elections, membership changes and retries.
+    for (i, (out, _)) in texts.iter().enumerate() {
+        for l in out.lines().filter(|l| {
+            l.starts_with("membership") || l.starts_with("rank ") || l.contains("leads the job")
+        }) {
+            run.out
+                .events
+                .push(format!("          coordinator {i}: {l}"));
+        }
     }
     let lines: Vec<&str> = stderr.lines().collect();
     let last_err = lines[lines.len().saturating_sub(4)..].join(" | ");
@@ -502,7 +645,7 @@ fn drive(run: &mut Run, reference: &str, expect: &Expect) -> Result<(), String> 
             if code != Some(0) {
                 return Err(format!("the coordinator exited {code:?}: {last_err}"));
             }
-            let got = digest(&stdout);
+            let got = digest(stdout);
             if got.as_deref() != Some(reference) {
                 return Err(format!(
                     "param-sha256 {got:?}, the fault-free run's is {reference}"
@@ -519,6 +662,45 @@ fn drive(run: &mut Run, reference: &str, expect: &Expect) -> Result<(), String> 
         }
     }
     Ok(())
+}
+
+/// Every coordinator exited, and as it should: a deposed one non-zero, saying its lease was
+/// lost, with no digest; a standby 0 once the job had ended; a killed one any way.
+fn check_coordinators(
+    run: &Run,
+    ends: &[Option<Option<i32>>],
+    texts: &[(String, String)],
+) -> Result<(), String> {
+    let mut problems = Vec::new();
+    for (i, c) in run.coords.iter().enumerate() {
+        let (out, err) = &texts[i];
+        let Some(code) = ends[i] else {
+            problems.push(format!("coordinator {i} did not exit in time (killed)"));
+            continue;
+        };
+        let ok = match c.end {
+            CoordEnd::Killed => true,
+            CoordEnd::Deposed => {
+                code.is_some_and(|c| c != 0)
+                    && digest(out).is_none()
+                    && err.contains("lost its lease on the metadata store")
+            }
+            // The finisher's code is checked against the expectation.
+            CoordEnd::WithJob => digest(out).is_some() || code.is_some(),
+        };
+        if !ok {
+            let last = err.lines().last().unwrap_or("");
+            problems.push(format!(
+                "coordinator {i} ({:?}) exited {code:?}: {last}",
+                c.end
+            ));
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(problems.join("; "))
+    }
 }
 
 /// Reaps every worker within the deadline, checks each ended as it should, and stops the
@@ -553,7 +735,14 @@ fn finish(run: &mut Run, job_ok: bool) -> Result<(), String> {
             p.stop();
         }
     }
-    run.coord.reap();
+    for c in &mut run.coords {
+        c.proc.reap();
+    }
+    for p in run.meta_proxies.drain(..) {
+        p.stop();
+    }
+    // The store goes with the job; its data directory is not the processes' TMPDIR.
+    run.etcd = None;
     let ports = run.ports.clone();
     super::leaks::ports_free(&ports)
         .map_err(|e| problems.push(e))

@@ -37,6 +37,8 @@ pub enum Link {
     Data(usize),
     /// Worker N's control connection to the coordinator.
     Control(usize),
+    /// Coordinator N's connections to the metadata store (etcd).
+    Meta(usize),
 }
 
 /// What a link does to bytes crossing it now.
@@ -203,6 +205,7 @@ pub fn tcp_proxy(link: Link, upstream: SocketAddr, net: Arc<Net>) -> std::io::Re
                     let from = match link {
                         Link::Data(_) => net.tcp_owner(peer.port(), addr.port()),
                         Link::Control(w) => Some(w),
+                        Link::Meta(_) => None,
                     };
                     let gen = net.cut_gen(link);
                     for (a, b) in [(&client, &server), (&server, &client)] {

@@ -30,7 +30,15 @@ pub struct Scenario {
     /// Buddy backups before every step (`--replicate-every 1`); off only to show that the
     /// harness notices what they protect.
     pub backups: bool,
+    /// Coordinators of the job (one leads, the others stand by); above 1 the job is kept in a
+    /// local etcd, each coordinator reaching it through a proxy of the harness.
+    #[serde(default = "one")]
+    pub coordinators: usize,
     pub faults: Vec<Fault>,
+}
+
+fn one() -> usize {
+    1
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -86,6 +94,19 @@ pub enum What {
     /// A member's control connection goes silent for good: declared failed after the heartbeat
     /// timeout; the worker, hearing nothing, gives up too.
     ControlBlackhole { pick: u32 },
+    /// `kill -9` of the leading coordinator, at any moment or while a step or a backup runs.
+    KillLeader { during: During },
+    /// `kill -9` of the leading coordinator and of a member at once.
+    KillLeaderWithWorker { pick: u32 },
+    /// A standby joins and the leading coordinator is killed while the reshard admitting it
+    /// runs (or right after it was asked for).
+    KillLeaderMidReshard,
+    /// SIGSTOP of the leading coordinator until another leads, then SIGCONT: it must find its
+    /// lease lost and exit, commanding and writing nothing.
+    StopLeader,
+    /// The leading coordinator's link to etcd goes dark: its lease lapses on its own clock, it
+    /// exits, and a standby takes over.
+    IsolateLeader,
 }
 
 impl What {
@@ -102,7 +123,24 @@ impl What {
             What::Blackhole { .. } => "blackhole",
             What::Partition { .. } => "partition",
             What::ControlBlackhole { .. } => "control_blackhole",
+            What::KillLeader { .. } => "kill_leader",
+            What::KillLeaderWithWorker { .. } => "kill_leader_with_worker",
+            What::KillLeaderMidReshard => "kill_leader_mid_reshard",
+            What::StopLeader => "stop_leader",
+            What::IsolateLeader => "isolate_leader",
         }
+    }
+
+    /// A fault that takes the leading coordinator away (a standby must be left to lead).
+    pub fn loses_the_leader(&self) -> bool {
+        matches!(
+            self,
+            What::KillLeader { .. }
+                | What::KillLeaderWithWorker { .. }
+                | What::KillLeaderMidReshard
+                | What::StopLeader
+                | What::IsolateLeader
+        )
     }
 
     /// A fault that takes a member away for good.
@@ -115,6 +153,7 @@ impl What {
                 | What::Freeze { .. }
                 | What::Blackhole { .. }
                 | What::ControlBlackhole { .. }
+                | What::KillLeaderWithWorker { .. }
         )
     }
 
@@ -125,8 +164,14 @@ impl What {
             | What::Freeze { .. }
             | What::Blackhole { .. }
             | What::ControlBlackhole { .. }
-            | What::Drain { .. } => (2, -1),
+            | What::Drain { .. }
+            | What::KillLeaderWithWorker { .. } => (2, -1),
             What::KillPair { .. } => (2, -2),
+            // The joiner joins only if the reshard admitting it was committed: count it out.
+            What::KillLeader { .. }
+            | What::KillLeaderMidReshard
+            | What::StopLeader
+            | What::IsolateLeader => (1, 0),
             What::Join { count } => (1, i64::from(*count)),
             // One joins, one dies.
             _ => (2, 0),
@@ -137,7 +182,7 @@ impl What {
     fn starts(&self) -> usize {
         match self {
             What::Join { count } => *count as usize,
-            What::KillMidReshard { .. } => 1,
+            What::KillMidReshard { .. } | What::KillLeaderMidReshard => 1,
             _ => 0,
         }
     }
@@ -165,6 +210,10 @@ fn process_fault(what: &What) -> bool {
             | What::Freeze { .. }
             | What::Join { .. }
             | What::Drain { .. }
+            | What::KillLeader { .. }
+            | What::KillLeaderWithWorker { .. }
+            | What::KillLeaderMidReshard
+            | What::StopLeader
     )
 }
 
@@ -244,12 +293,66 @@ pub fn generate_on(seed: u64, transport: Option<&str>) -> Scenario {
         steps: at + 200,
         micro_batches: 4 + pick(&mut rng, 4) as u32,
         backups: true,
+        coordinators: 1,
         faults,
     };
     // Once a pair kill is not covered, the run stops there: later faults would never strike.
     if pair && sc.pair_uncovered().is_some() {
         sc.faults.truncate(1);
         sc.steps = sc.faults[0].at_step + 200;
+    }
+    sc
+}
+
+/// The scenario of `seed` with coordinator faults (`CHAOS_PROC_COORDINATORS=1`): the worker
+/// faults of [`generate_on`] and one or two faults of the leading coordinator among them, each
+/// with a standby to take over. Drawn from a stream of their own, so that the worker faults
+/// are those of the seed without coordinators.
+pub fn generate_with_coordinators(seed: u64, transport: Option<&str>) -> Scenario {
+    let mut sc = generate_on(seed, transport);
+    // A documented stop ends the run before any other fault: keep those scenarios as they are.
+    if sc.pair_uncovered().is_some() {
+        return sc;
+    }
+    let mut rng = SplitMix64::new(seed ^ 0xC00D_1DA7_E5EE_D000);
+    let ucx = sc.transport == "ucx";
+    for _ in 0..1 + pick(&mut rng, 2) {
+        let what = match pick(&mut rng, if ucx { 4 } else { 5 }) {
+            0 => What::KillLeader {
+                during: [During::Anytime, During::Step, During::Backup][pick(&mut rng, 3) as usize],
+            },
+            1 => What::KillLeaderWithWorker {
+                pick: pick(&mut rng, 64) as u32,
+            },
+            2 => What::KillLeaderMidReshard,
+            3 => What::StopLeader,
+            _ => What::IsolateLeader,
+        };
+        let at = pick(&mut rng, sc.faults.len() as u64 + 1) as usize;
+        let step = sc.faults.get(at).map_or(sc.steps - 200, |f| f.at_step);
+        sc.faults.insert(
+            at,
+            Fault {
+                at_step: step,
+                what,
+            },
+        );
+        // Later faults strike a few steps after it.
+        for f in &mut sc.faults[at + 1..] {
+            f.at_step += 4 + pick(&mut rng, 3);
+        }
+        sc.steps = sc.faults.last().map_or(10, |f| f.at_step) + 200;
+        sc.coordinators = 1 + sc
+            .faults
+            .iter()
+            .filter(|f| f.what.loses_the_leader())
+            .count();
+        if sc.check().is_err() {
+            // A fault this schedule cannot take there (too few members left): not drawn.
+            sc.faults.remove(at);
+            sc.steps = sc.faults.last().map_or(10, |f| f.at_step) + 200;
+            sc.coordinators -= 1;
+        }
     }
     sc
 }
@@ -325,6 +428,17 @@ impl Scenario {
                 ));
             }
             members = (members as i64 + delta) as usize;
+        }
+        let leaders_lost = self
+            .faults
+            .iter()
+            .filter(|f| f.what.loses_the_leader())
+            .count();
+        if !(1..=4).contains(&self.coordinators) || self.coordinators <= leaders_lost {
+            return Err(format!(
+                "coordinators {}: 1 to 4, and more than the {leaders_lost} faults that take the leader away",
+                self.coordinators
+            ));
         }
         Ok(())
     }

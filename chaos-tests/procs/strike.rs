@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use super::job::{End, Run, CHANGE_DEADLINE};
+use super::job::{CoordEnd, End, Run, CHANGE_DEADLINE};
 use super::net::{Link, LinkState};
 use super::scenario::{pair_positions, During, What};
 use crate::common::procs::try_http;
@@ -43,6 +43,11 @@ impl Run<'_> {
             What::Cut { pick } => self.cut_data(pick),
             What::Blackhole { pick } => self.drop_off_network(pick),
             What::Partition { side, for_ms } => self.partition(side, for_ms),
+            What::KillLeader { during } => self.kill_leader(during),
+            What::KillLeaderWithWorker { pick } => self.kill_leader_with_worker(pick),
+            What::KillLeaderMidReshard => self.kill_leader_mid_reshard()?,
+            What::StopLeader => self.stop_leader(),
+            What::IsolateLeader => self.isolate_leader(),
         })
     }
 
@@ -215,7 +220,7 @@ impl Run<'_> {
         let Some((rank, w)) = self.victim(pick) else {
             return false;
         };
-        let Ok((code, body)) = try_http(&self.control, "POST", &format!("/ranks/{rank}/drain"))
+        let Ok((code, body)) = try_http(&self.control(), "POST", &format!("/ranks/{rank}/drain"))
         else {
             return false; // the job ended
         };
@@ -327,7 +332,7 @@ impl Run<'_> {
 
     /// `POST /join?count=N`; whether it was accepted.
     fn post_join(&mut self, count: u32) -> bool {
-        let Ok((code, body)) = try_http(&self.control, "POST", &format!("/join?count={count}"))
+        let Ok((code, body)) = try_http(&self.control(), "POST", &format!("/join?count={count}"))
         else {
             return false; // the job ended
         };
@@ -372,5 +377,139 @@ impl Run<'_> {
         }
         self.workers[w].proc.signal(libc::SIGKILL);
         format!("not caught during {phase} in 30 tries: struck anytime")
+    }
+
+    /// The coordinator leading now (it answers `/status`), if any.
+    fn leading(&mut self) -> Option<usize> {
+        self.status()?;
+        Some(self.leader.get())
+    }
+
+    /// Waits until a coordinator other than `old` leads and the job has stepped on under it;
+    /// notes who.
+    fn taken_over(&mut self, old: usize) {
+        let step = |s: &Value| s["step"].as_u64();
+        let seen = self.until(CHANGE_DEADLINE, |s| step(s).is_some());
+        match seen {
+            Some(s) if self.leader.get() != old => {
+                let now = self.leader.get();
+                let after = step(&s);
+                let on = self.until(CHANGE_DEADLINE, |s| step(s) > after);
+                self.note(format!(
+                    "coordinator {now} leads{}",
+                    if on.is_some() { "; steps go on" } else { "" }
+                ));
+            }
+            _ => self.note("no other coordinator took over (the job ended?)".into()),
+        }
+    }
+
+    /// `kill -9` of the leading coordinator, anytime or once `/status` shows a step or a
+    /// backup running.
+    fn kill_leader(&mut self, during: During) -> bool {
+        let Some(c) = self.leading() else {
+            return false;
+        };
+        let phase = match during {
+            During::Anytime => None,
+            During::Step => Some("running"),
+            During::Backup => Some("replicating"),
+        };
+        let caught = phase.map(|p| {
+            self.until(Duration::from_secs(10), |s| s["activity"]["phase"] == p)
+                .is_some()
+        });
+        self.coords[c].proc.signal(libc::SIGKILL);
+        self.coords[c].end = CoordEnd::Killed;
+        self.note(format!(
+            "kill -9 coordinator {c} (the leader){}",
+            match (phase, caught) {
+                (Some(p), Some(true)) => format!(" during {p}"),
+                (Some(p), _) => format!(" ({p} not seen: anytime)"),
+                _ => String::new(),
+            }
+        ));
+        self.taken_over(c);
+        true
+    }
+
+    /// `kill -9` of the leading coordinator and a member at once.
+    fn kill_leader_with_worker(&mut self, pick: u32) -> bool {
+        let Some((rank, w)) = self.victim(pick) else {
+            return false;
+        };
+        let c = self.leader.get();
+        self.coords[c].proc.signal(libc::SIGKILL);
+        self.workers[w].proc.signal(libc::SIGKILL);
+        self.coords[c].end = CoordEnd::Killed;
+        self.workers[w].end = End::Killed;
+        self.note(format!(
+            "kill -9 coordinator {c} (the leader) and worker {w} (rank {rank}) at once"
+        ));
+        self.taken_over(c);
+        if self.gone(rank).is_some() {
+            self.note(format!("rank {rank} is out of the members"));
+        }
+        true
+    }
+
+    /// A standby joins; the leader is killed as soon as the reshard admitting it shows (or
+    /// right after the join was accepted).
+    fn kill_leader_mid_reshard(&mut self) -> Result<bool, String> {
+        let Some(spawned) = self.start_standbys(1)? else {
+            return Ok(false);
+        };
+        let c = self.leader.get();
+        if !self.post_join(1) {
+            return Ok(false);
+        }
+        let seen = self.until(Duration::from_secs(5), |s| {
+            s["activity"]["phase"] == "resharding"
+        });
+        self.coords[c].proc.signal(libc::SIGKILL);
+        self.coords[c].end = CoordEnd::Killed;
+        self.note(format!(
+            "kill -9 coordinator {c} (the leader) {}",
+            if seen.is_some() {
+                "during the reshard admitting a joiner"
+            } else {
+                "after the join was accepted"
+            }
+        ));
+        self.taken_over(c);
+        // Whether the joiner joined depends on whether the change was committed: either way
+        // it must exit (a standby's end).
+        let _ = spawned;
+        Ok(true)
+    }
+
+    /// SIGSTOP of the leader until another coordinator leads, then SIGCONT: it must exit,
+    /// deposed.
+    fn stop_leader(&mut self) -> bool {
+        let Some(c) = self.leading() else {
+            return false;
+        };
+        self.coords[c].proc.signal(libc::SIGSTOP);
+        self.coords[c].frozen = true;
+        self.coords[c].end = CoordEnd::Deposed;
+        self.note(format!("SIGSTOP coordinator {c} (the leader)"));
+        self.taken_over(c);
+        self.coords[c].proc.signal(libc::SIGCONT);
+        self.coords[c].frozen = false;
+        self.note(format!("SIGCONT coordinator {c}"));
+        true
+    }
+
+    /// Everything between the leader and etcd is swallowed: its lease lapses, it exits, a
+    /// standby leads.
+    fn isolate_leader(&mut self) -> bool {
+        let Some(c) = self.leading() else {
+            return false;
+        };
+        self.net.set(None, Link::Meta(c), LinkState::Blackhole);
+        self.coords[c].end = CoordEnd::Deposed;
+        self.note(format!("coordinator {c} (the leader) cut off from etcd"));
+        self.taken_over(c);
+        true
     }
 }

@@ -574,6 +574,9 @@ struct StepLines<'a> {
     last_step: Option<u64>,
     /// `--metrics-file`, written by the coordinator as each step ends.
     metrics: Option<super::metrics_log::MetricsLog>,
+    /// A membership change was printed: the next step's line is printed too, so that the
+    /// output shows training going on after it.
+    changed: bool,
 }
 
 impl<'a> StepLines<'a> {
@@ -583,6 +586,7 @@ impl<'a> StepLines<'a> {
             floor,
             last_step: None,
             metrics: super::metrics_log::MetricsLog::open(cfg)?,
+            changed: false,
         })
     }
 }
@@ -594,7 +598,7 @@ impl Observer for &mut StepLines<'_> {
         let log_every = (cfg.steps / 10).max(1);
         let due = rec.step.is_multiple_of(log_every) || rec.step + 1 == cfg.steps;
         let tps = cfg.tokens_per_step() as f64 / (rec.duration_ms.max(1) as f64 / 1e3);
-        if due || rec.eval_loss.is_some() {
+        if due || rec.eval_loss.is_some() || std::mem::take(&mut self.changed) {
             println!("{}", super::train::step_line(cfg, rec, self.floor, tps));
         }
         if let Some(Err(e)) = self.metrics.as_ref().map(|m| m.record(cfg, rec, tps)) {
@@ -603,6 +607,7 @@ impl Observer for &mut StepLines<'_> {
     }
 
     fn on_membership(&mut self, m: &MembershipRecord) {
+        self.changed = true;
         let retry = match m.rolled_back_to {
             _ if m.is_network_retry() => ", retried after frames were lost on the network".into(),
             Some(step) if m.takeover => {

@@ -107,6 +107,12 @@ trait Hold: Send + Sync {
     /// Stops renewing the lease, as a process frozen past its lease (or cut off from the
     /// store) would; the lease then lapses as the store's kind of lease does.
     fn stall(&self);
+
+    /// Whether the lease has run out on this process's clock, whether or not the task that
+    /// renews it has run since (a process resumed after a freeze asks before it acts).
+    fn expired(&self) -> bool {
+        false
+    }
 }
 
 impl Leadership {
@@ -116,7 +122,7 @@ impl Leadership {
 
     /// Whether this leadership has ended.
     pub fn is_lost(&self) -> bool {
-        *self.lost.borrow() || self.lost.has_changed().is_err()
+        *self.lost.borrow() || self.lost.has_changed().is_err() || self.hold.expired()
     }
 
     /// Resolves once this leadership has ended.

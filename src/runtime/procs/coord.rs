@@ -201,7 +201,7 @@ pub async fn run_coordinator(
     for t in lobby_tasks {
         t.abort();
     }
-    if let Some(why) = run.deposed.take() {
+    if let Some(why) = deposed(&mut run, led.as_ref(), &opts) {
         // Another leader drives the workers now: tell them nothing, write nothing.
         if let Some(led) = led {
             led.abandon();
@@ -220,6 +220,15 @@ pub async fn run_coordinator(
         s.abort();
     }
     result
+}
+
+/// Why this coordinator no longer leads, if it does not: a commit the store refused, or its
+/// lease run out on its own clock (checked before it acts on how the run ended).
+fn deposed(run: &mut Run, led: Option<&Led>, opts: &CoordinatorOptions) -> Option<String> {
+    let lease = led.zip(opts.failover.as_ref());
+    lease
+        .and_then(|(l, f)| l.lease_lost(&f.id))
+        .or_else(|| run.deposed.take())
 }
 
 /// Serves the control endpoint before the job starts: 503 with why (standing by, or how many

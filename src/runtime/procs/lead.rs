@@ -185,6 +185,14 @@ pub(super) async fn lead(
 }
 
 impl Led {
+    /// Why this coordinator must not act on what it saw: its lease ran out (on its own clock:
+    /// a process resumed after a freeze may see it before the lease watcher runs).
+    pub(super) fn lease_lost(&self, id: &str) -> Option<String> {
+        self._leadership
+            .is_lost()
+            .then(|| lease_lost(id, self.term))
+    }
+
     /// The job is over under this leader: the store says how it ended (so that no standby
     /// takes it over), and the leadership is given up.
     pub(super) async fn end(self, ok: bool, reason: &str) {
@@ -210,12 +218,16 @@ fn watch_lease(mut lost: watch::Receiver<bool>, id: String, term: u64) -> JoinHa
                 break;
             }
         }
-        eprintln!(
-            "coordinator {id}: lost its lease on the metadata store (term {term}): another \
-             coordinator may lead the job now, so this one stops without writing anything"
-        );
+        eprintln!("{}", lease_lost(&id, term));
         std::process::exit(1);
     })
+}
+
+fn lease_lost(id: &str, term: u64) -> String {
+    format!(
+        "coordinator {id}: lost its lease on the metadata store (term {term}): another \
+         coordinator may lead the job now, so this one stops without writing anything"
+    )
 }
 
 /// Tells every worker that reaches this standby coordinator who leads (`NotLeader`).

@@ -1,7 +1,7 @@
 //! One campaign's lease: granted, kept alive by a task that also times it out on this process's
 //! clock, and given back when the campaign or its leadership ends.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -84,6 +84,9 @@ impl EtcdStore {
             key: Mutex::default(),
             lost: tx,
             stalled: AtomicBool::new(false),
+            acked_ms: AtomicU64::new(sent_ms),
+            ttl_ms,
+            clock: Arc::clone(&self.clock),
             keeper: Mutex::new(None),
         });
         let keeper = Keeper {
@@ -134,6 +137,10 @@ impl Hold for EtcdHold {
     fn stall(&self) {
         self.lease.stalled.store(true, Ordering::SeqCst);
     }
+
+    fn expired(&self) -> bool {
+        self.lease.expired()
+    }
 }
 
 impl Drop for EtcdHold {
@@ -171,7 +178,10 @@ impl Keeper {
             if !lease.stalled.load(Ordering::SeqCst) {
                 let sent_ms = self.clock.now_ms();
                 match self.renew(lease.id, &mut stream).await {
-                    Renewal::Acked => acked_ms = sent_ms,
+                    Renewal::Acked => {
+                        acked_ms = sent_ms;
+                        lease.acked_ms.store(sent_ms, Ordering::SeqCst);
+                    }
                     Renewal::Gone => {
                         lease.lost.send_replace(true);
                         return;

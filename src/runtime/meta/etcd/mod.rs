@@ -13,7 +13,7 @@
 //! lease) it ends the leadership itself; a leader cut off from etcd hears nothing from it.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -67,6 +67,11 @@ struct EtcdLease {
     lost: watch::Sender<bool>,
     /// Test hook: stop renewing (see [`Leadership::stall`]).
     stalled: AtomicBool,
+    /// When the newest acknowledged renewal was sent, on `clock`; the lease runs out `ttl_ms`
+    /// after it.
+    acked_ms: AtomicU64,
+    ttl_ms: u64,
+    clock: Arc<dyn Clock>,
     keeper: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -90,7 +95,12 @@ impl EtcdLease {
     }
 
     fn is_lost(&self) -> bool {
-        *self.lost.borrow()
+        *self.lost.borrow() || self.expired()
+    }
+
+    fn expired(&self) -> bool {
+        let acked = self.acked_ms.load(Ordering::SeqCst);
+        self.clock.now_ms().saturating_sub(acked) >= self.ttl_ms
     }
 }
 

@@ -648,6 +648,7 @@ async fn serve<T: Transport>(
         term_seen: job.welcome.term,
         data_addr: bound.data_addr.clone(),
         ucx: bound.ucx.clone(),
+        at: None,
     });
     let (rank_actor, mut ended, progress) = start_rank(job, transport, link).await?;
     let mut leaving = Leaving::install(opts.drain_grace)?;

@@ -130,6 +130,9 @@ pub(super) struct Reattach {
     pub(super) term_seen: u64,
     pub(super) data_addr: String,
     pub(super) ucx: Option<UcxBound>,
+    /// The index in `coordinators` of the leader this worker re-attached to last: the next
+    /// search starts after it (that one was just lost).
+    pub(super) at: Option<usize>,
 }
 
 /// Why one coordinator did not take the re-attach.
@@ -159,13 +162,17 @@ impl Reattach {
         );
         let deadline = Instant::now() + self.leader_wait;
         let mut last = String::new();
-        for addr in self.coordinators.clone().iter().cycle() {
+        let list = self.coordinators.clone();
+        let start = self.at.map_or(0, |a| a + 1);
+        for i in (0..list.len()).cycle().skip(start) {
+            let addr = &list[i];
             if Instant::now() >= deadline {
                 break;
             }
             match self.attempt(addr, relay, opts).await {
                 Ok((reader, term)) => {
                     println!("ezero worker: rank {rank}: re-attached to the leader at {addr} (term {term})");
+                    self.at = Some(i);
                     return Ok(reader);
                 }
                 Err(Attempt::Refused(r)) => {
@@ -193,12 +200,20 @@ impl Reattach {
         relay: &Relay,
         opts: &WorkerOptions,
     ) -> Result<(ControlReader, u64), Attempt> {
-        let stream = connect(addr, 1_000)
+        // A coordinator frozen (or cut off) accepts connections in its kernel but never
+        // answers: each try is bounded by a heartbeat timeout, so that the worker moves on to
+        // the one that leads well within the new leader's re-attach wait.
+        let wait = Duration::from_millis(self.heartbeat_timeout_ms.max(1_000));
+        let dial = async {
+            let stream = connect(addr, 1_000).await?;
+            let _ = stream.set_nodelay(true);
+            handshake(stream, opts, addr).await
+        };
+        let stream = tokio::time::timeout(wait, dial)
             .await
-            .map_err(|e| Attempt::Retry(e.to_string()))?;
-        let _ = stream.set_nodelay(true);
-        let stream = handshake(stream, opts, addr)
-            .await
+            .map_err(|_| {
+                Attempt::Retry(format!("no TLS handshake within {} ms", wait.as_millis()))
+            })?
             .map_err(|e| Attempt::Retry(e.to_string()))?;
         let (mut reader, writer) = tokio::io::split(stream);
         let (tx, rx) = mpsc::channel(LINK_QUEUE_MAX);
@@ -214,7 +229,6 @@ impl Reattach {
             data_addr,
             ucx,
         });
-        let wait = Duration::from_millis(self.heartbeat_timeout_ms.max(1_000));
         let reply = tokio::time::timeout(
             wait,
             read_msg::<_, ToWorker>(&mut reader, HELLO_FRAME_MAX_BYTES),
