@@ -8,6 +8,8 @@
 #   CHAOS_SOAK_INPROC=3000 CHAOS_SOAK_PROCS=50 bash benches/chaos_soak.sh
 #   CHAOS_PROC_TRANSPORT=ucx CHAOS_SOAK_INPROC=0 CHAOS_SOAK_PROCS=30 bash benches/chaos_soak.sh
 #                                              # process faults over UCX shared memory
+#   CHAOS_PROC_COORDINATORS=1 CHAOS_SOAK_INPROC=0 bash benches/chaos_soak.sh
+#                                              # with faults of the leading coordinator
 set -euo pipefail
 cd "$(dirname "$0")/.."
 inproc="${CHAOS_SOAK_INPROC:-10000}"

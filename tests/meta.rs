@@ -15,6 +15,8 @@ use elastic_zero::runtime::meta::{
 };
 
 const TTL: Duration = Duration::from_millis(1000);
+/// The default lease (`--lease-ttl-ms`).
+const CLUSTER_TTL: Duration = Duration::from_millis(3000);
 
 fn candidate(id: &str) -> Candidate {
     Candidate {
@@ -170,7 +172,9 @@ async fn an_unreachable_etcd_is_named() {
 }
 
 /// A three-member cluster losing one member keeps its quorum: the leader keeps its lead and
-/// commits, and a new campaign still resolves once it resigns.
+/// commits, and a new campaign still resolves once it resigns. The lease is the default's 3 s:
+/// when the member lost was etcd's own leader, etcd elects another (about a second) while the
+/// keepalives wait, and a lease must outlast that.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_three_member_etcd_survives_losing_a_member() {
     let mut cluster = common::etcd::Cluster::start();
@@ -180,11 +184,11 @@ async fn a_three_member_etcd_survives_losing_a_member() {
         meta::open(&url, "job").await.unwrap(),
     );
     a.open_job("d", "b").await.unwrap();
-    let lead = a.campaign(&candidate("a"), TTL).await.unwrap();
+    let lead = a.campaign(&candidate("a"), CLUSTER_TTL).await.unwrap();
     a.commit(lead.term, b"before").await.unwrap();
     cluster.kill(0);
     // Several lease periods pass: the keepalives reach the members still up.
-    tokio::time::sleep(TTL * 3).await;
+    tokio::time::sleep(CLUSTER_TTL * 2).await;
     assert!(
         !lead.is_lost(),
         "the lease lapsed with two of three members up"
@@ -192,9 +196,12 @@ async fn a_three_member_etcd_survives_losing_a_member() {
     a.commit(lead.term, b"after").await.unwrap();
     assert_eq!(b.load().await.unwrap().as_deref(), Some(&b"after"[..]));
     a.resign(lead.term).await.unwrap();
-    let next = tokio::time::timeout(Duration::from_secs(10), b.campaign(&candidate("b"), TTL))
-        .await
-        .expect("b leads")
-        .unwrap();
+    let next = tokio::time::timeout(
+        Duration::from_secs(10),
+        b.campaign(&candidate("b"), CLUSTER_TTL),
+    )
+    .await
+    .expect("b leads")
+    .unwrap();
     assert!(next.term > lead.term);
 }

@@ -126,7 +126,7 @@ fn rest(p: &Proc) -> Vec<String> {
 /// Runs a three-worker job under `coordinators` coordinators on `meta`, applies `fault` to
 /// the leader mid-run, and checks the job ends with rc 0 and the fault-free digest.
 fn leader_fault(meta: &str, coordinators: u32, fault: Fault) -> String {
-    let flags = flags_with("mlp", 3, 2000, &["--replicate-every", "1"]);
+    let flags = flags_with("mlp", 3, 800, &["--replicate-every", "1"]);
     let reference = reference_digest(3, &flags);
     let control = matches!(fault, Fault::KillMidReshard).then(two_free_ports);
     let mut job = Proc::spawn(&mut launch(coordinators, &flags, meta, control));
@@ -315,7 +315,7 @@ fn a_coordinator_restarted_on_a_file_store_picks_the_job_up() {
     let store = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let meta = format!("file:{}", store.path().display());
     let dir = secrets();
-    let flags = flags_with("mlp", 3, 2000, &["--replicate-every", "1"]);
+    let flags = flags_with("mlp", 3, 800, &["--replicate-every", "1"]);
     let reference = reference_digest(3, &flags);
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

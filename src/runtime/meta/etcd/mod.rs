@@ -183,6 +183,15 @@ impl EtcdStore {
         }
     }
 
+    /// One transaction, made again if it could not reach a member.
+    async fn txn(&self, txn: Txn) -> Result<etcd_client::TxnResponse, MetaError> {
+        self.rpc(|c| {
+            let txn = txn.clone();
+            async move { c.kv_client().txn(txn).await }
+        })
+        .await
+    }
+
     async fn open_job_inner(&self, digest: &str, build: &str) -> Result<(), MetaError> {
         let key = self.key("config");
         let record = JobRecord {
@@ -194,12 +203,7 @@ impl EtcdStore {
             .when([Compare::version(key.clone(), CompareOp::Equal, 0)])
             .and_then([TxnOp::put(key.clone(), json, None)])
             .or_else([TxnOp::get(key.clone(), None)]);
-        let resp = self
-            .rpc(|c| {
-                let txn = txn.clone();
-                async move { c.kv_client().txn(txn).await }
-            })
-            .await?;
+        let resp = self.txn(txn).await?;
         if resp.succeeded() {
             return Ok(());
         }
@@ -242,12 +246,7 @@ impl EtcdStore {
         let txn = Txn::new()
             .when([Compare::create_revision(key, CompareOp::Equal, term as i64)])
             .and_then([TxnOp::put(self.key("state"), state.to_vec(), None)]);
-        let resp = self
-            .rpc(|c| {
-                let txn = txn.clone();
-                async move { c.kv_client().txn(txn).await }
-            })
-            .await?;
+        let resp = self.txn(txn).await?;
         if resp.succeeded() {
             return Ok(());
         }
