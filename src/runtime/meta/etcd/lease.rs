@@ -5,9 +5,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
-use etcd_client::{Client, LeaseKeepAliveStream, LeaseKeeper};
 use tokio::sync::watch;
 
+use super::client::{not_sent, Client, KeepAlive};
+use super::proto::v3electionpb::LeaderKey;
 use super::{EtcdLease, EtcdStore};
 use crate::runtime::clock::Clock;
 use crate::runtime::meta::{Candidate, Hold, Leadership, MetaError};
@@ -36,22 +37,19 @@ impl EtcdStore {
             client: self.client.clone(),
         };
         let mut lost = lease.lost.subscribe();
-        let mut election = self.client.election_client();
         let resp = tokio::select! {
-            r = election.campaign(self.key("election"), value, lease.id) => {
-                r.map_err(|e| self.unreachable(e))?
-            }
+            r = self.campaign_tries(value, lease.id) => r?,
             _ = lost.wait_for(|l| *l) => {
                 let detail = format!("the campaign's lease lapsed: no keepalive was acknowledged within its {ttl_ms} ms");
                 return Err(self.unreachable(detail));
             }
         };
-        let Some(key) = resp.leader() else {
+        let Some(key) = resp else {
             let detail = "etcd's campaign answer names no leader key".to_string();
             return Err(MetaError::Corrupt { detail });
         };
-        let term = key.rev() as u64;
-        *lock(&lease.key) = key.key().to_vec();
+        let term = key.rev as u64;
+        *lock(&lease.key) = key.key;
         lock(&self.held).insert(term, Arc::clone(&lease));
         pending.lease = None;
         let hold = EtcdHold {
@@ -67,20 +65,38 @@ impl EtcdStore {
         ))
     }
 
+    /// etcd's campaign for the election key of `lease`, made again while it could not reach a
+    /// member (the client's balancer may pick one that is down). Making it again is safe: the
+    /// key is named by the lease, and etcd resumes a campaign whose key exists. Unbounded in
+    /// time: a campaign waits for its turn; the lease watch in the caller bounds it.
+    async fn campaign_tries(
+        &self,
+        value: Vec<u8>,
+        lease: i64,
+    ) -> Result<Option<LeaderKey>, MetaError> {
+        let name = self.key("election");
+        loop {
+            match self.client.campaign(name.as_bytes(), &value, lease).await {
+                Err(e) if not_sent(&e) => tokio::time::sleep(super::RETRY).await,
+                done => return done.map_err(|e| self.unreachable(e)),
+            }
+        }
+    }
+
     /// A lease of `ttl` (whole seconds, at least 1, for etcd) with its keeper running; and the
     /// TTL the keeper times it out by.
     async fn grant(&self, ttl: Duration) -> Result<(Arc<EtcdLease>, u64), MetaError> {
         let want_ms = (ttl.as_millis() as u64).max(1);
         let secs = want_ms.div_ceil(1000) as i64;
         let sent_ms = self.clock.now_ms();
-        let granted = self
-            .rpc(|mut c| async move { c.lease_grant(secs, None).await })
+        let (id, granted_s) = self
+            .rpc(|c| async move { c.lease_grant(secs).await })
             .await?;
         // etcd raises a TTL under its minimum: expire by the shorter of the two.
-        let ttl_ms = want_ms.min(granted.ttl().max(0) as u64 * 1000);
+        let ttl_ms = want_ms.min(granted_s.max(0) as u64 * 1000);
         let (tx, _) = watch::channel(false);
         let lease = Arc::new(EtcdLease {
-            id: granted.id(),
+            id,
             key: Mutex::default(),
             lost: tx,
             stalled: AtomicBool::new(false),
@@ -104,7 +120,7 @@ impl EtcdStore {
 fn give_back(client: &Client, lease: &EtcdLease) {
     lease.end();
     if let Ok(rt) = tokio::runtime::Handle::try_current() {
-        let (mut client, id) = (client.clone(), lease.id);
+        let (client, id) = (client.clone(), lease.id);
         rt.spawn(async move {
             let revoke = client.lease_revoke(id);
             let _ = tokio::time::timeout(super::REQUEST_TIMEOUT, revoke).await;
@@ -197,26 +213,19 @@ impl Keeper {
     }
 
     /// One keepalive, bounded by the renewal period; opens the stream first if it has none.
-    async fn renew(
-        &self,
-        id: i64,
-        stream: &mut Option<(LeaseKeeper, LeaseKeepAliveStream)>,
-    ) -> Renewal {
+    async fn renew(&self, id: i64, stream: &mut Option<KeepAlive>) -> Renewal {
         let attempt = async {
-            let Some((keeper, responses)) = stream.as_mut() else {
-                let mut client = self.client.clone();
-                *stream = Some(client.lease_keep_alive(id).await?);
-                return Ok(Some(1));
+            let Some(open) = stream.as_mut() else {
+                let (opened, ttl) = self.client.keep_alive(id).await?;
+                *stream = Some(opened);
+                return Ok(ttl);
             };
-            keeper.keep_alive().await?;
-            Ok::<_, etcd_client::Error>(responses.message().await?.map(|r| r.ttl()))
+            open.renew().await
         };
         match tokio::time::timeout(period(self.ttl_ms), attempt).await {
             Ok(Ok(Some(ttl))) if ttl > 0 => Renewal::Acked,
+            // etcd answers a renewal of a lease it no longer has with a TTL of 0.
             Ok(Ok(Some(_))) => Renewal::Gone,
-            Ok(Err(etcd_client::Error::LeaseKeepAliveError(e))) if e.contains("not found") => {
-                Renewal::Gone
-            }
             _ => Renewal::Failed,
         }
     }

@@ -17,14 +17,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, GetOptions, SortOrder, SortTarget, Txn, TxnOp,
-    TxnOpResponse,
-};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use self::client::{not_sent, Client};
+use self::proto::etcdserverpb::{response_op, TxnRequest, TxnResponse};
 use super::local_etcd::LocalEtcd;
 use super::{
     check_job, Candidate, Leader, Leadership, MetaError, MetaFuture, MetaStore, CONNECT_TIMEOUT,
@@ -36,16 +34,6 @@ use crate::runtime::clock::{Clock, SystemClock};
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// Between two tries of a request that could not connect.
 const RETRY: Duration = Duration::from_millis(50);
-
-/// A request that failed before reaching etcd: the connection to the member was refused or
-/// broke, so it can be made again.
-fn not_sent(e: &etcd_client::Error) -> bool {
-    match e {
-        etcd_client::Error::TransportError(_) => true,
-        etcd_client::Error::GRpcStatus(s) => s.code() == tonic::Code::Unavailable,
-        _ => false,
-    }
-}
 
 pub struct EtcdStore {
     client: Client,
@@ -117,17 +105,12 @@ impl EtcdStore {
             endpoints: format!("etcd at {names}"),
             detail,
         };
-        let options = ConnectOptions::new().with_connect_timeout(CONNECT_TIMEOUT);
-        let connecting = async {
-            let mut client = Client::connect(endpoints, Some(options)).await?;
-            client.status().await?;
-            Ok::<_, etcd_client::Error>(client)
-        };
-        let client = match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
-            Ok(Ok(c)) => c,
+        let client = Client::new(endpoints, CONNECT_TIMEOUT).map_err(unreachable)?;
+        match tokio::time::timeout(CONNECT_TIMEOUT, client.status()).await {
+            Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(unreachable(one_line(&e))),
             Err(_) => return Err(unreachable(format!("no answer within {CONNECT_TIMEOUT:?}"))),
-        };
+        }
         Ok(Self {
             client,
             endpoints: format!("etcd at {names}"),
@@ -167,7 +150,7 @@ impl EtcdStore {
     async fn rpc<T, F, Fut>(&self, mut request: F) -> Result<T, MetaError>
     where
         F: FnMut(Client) -> Fut,
-        Fut: std::future::Future<Output = Result<T, etcd_client::Error>>,
+        Fut: std::future::Future<Output = Result<T, tonic::Status>>,
     {
         let tries = async {
             loop {
@@ -184,10 +167,10 @@ impl EtcdStore {
     }
 
     /// One transaction, made again if it could not reach a member.
-    async fn txn(&self, txn: Txn) -> Result<etcd_client::TxnResponse, MetaError> {
+    async fn txn(&self, txn: TxnRequest) -> Result<TxnResponse, MetaError> {
         self.rpc(|c| {
             let txn = txn.clone();
-            async move { c.kv_client().txn(txn).await }
+            async move { c.txn(txn).await }
         })
         .await
     }
@@ -199,41 +182,39 @@ impl EtcdStore {
             build: build.to_string(),
         };
         let json = serde_json::to_vec(&record).expect("a job record serializes");
-        let txn = Txn::new()
-            .when([Compare::version(key.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(key.clone(), json, None)])
-            .or_else([TxnOp::get(key.clone(), None)]);
+        let txn = TxnRequest {
+            compare: vec![client::version_is(key.as_bytes(), 0)],
+            success: vec![client::put(key.as_bytes(), json)],
+            failure: vec![client::get(key.as_bytes())],
+        };
         let resp = self.txn(txn).await?;
-        if resp.succeeded() {
+        if resp.succeeded {
             return Ok(());
         }
-        let found = resp.op_responses().into_iter().find_map(|r| match r {
-            TxnOpResponse::Get(g) => g.kvs().first().map(|kv| kv.value().to_vec()),
+        let found = resp.responses.into_iter().find_map(|r| match r.response {
+            Some(response_op::Response::ResponseRange(g)) => g.kvs.into_iter().next(),
             _ => None,
         });
+        let found = found.map(|kv| kv.value);
         let found: JobRecord = parse_json(&key, &found.unwrap_or_default())?;
         check_job(&self.job, (&found.digest, &found.build), digest, build)
     }
 
     async fn leader_inner(&self) -> Result<Option<Leader>, MetaError> {
         let prefix = format!("{}/", self.key("election"));
-        let options = GetOptions::new()
-            .with_prefix()
-            .with_sort(SortTarget::Create, SortOrder::Ascend)
-            .with_limit(1);
         let resp = self
             .rpc(|c| {
-                let (prefix, options) = (prefix.clone(), options.clone());
-                async move { c.kv_client().get(prefix, Some(options)).await }
+                let prefix = prefix.clone();
+                async move { c.get(prefix.as_bytes(), true, 1).await }
             })
             .await?;
-        let Some(first) = resp.kvs().first() else {
+        let Some(first) = resp.kvs.first() else {
             return Ok(None);
         };
-        let candidate: Candidate = parse_json(&prefix, first.value())?;
+        let candidate: Candidate = parse_json(&prefix, &first.value)?;
         Ok(Some(Leader {
             candidate,
-            term: first.create_revision() as u64,
+            term: first.create_revision as u64,
         }))
     }
 
@@ -243,11 +224,13 @@ impl EtcdStore {
             return Err(self.deposed(term).await);
         };
         let key = lock(&lease.key).clone();
-        let txn = Txn::new()
-            .when([Compare::create_revision(key, CompareOp::Equal, term as i64)])
-            .and_then([TxnOp::put(self.key("state"), state.to_vec(), None)]);
+        let txn = TxnRequest {
+            compare: vec![client::created_at(&key, term as i64)],
+            success: vec![client::put(self.key("state").as_bytes(), state.to_vec())],
+            failure: Vec::new(),
+        };
         let resp = self.txn(txn).await?;
-        if resp.succeeded() {
+        if resp.succeeded {
             return Ok(());
         }
         // The key is gone (expired, resigned, deleted): this term leads no more.
@@ -266,10 +249,10 @@ impl EtcdStore {
         let resp = self
             .rpc(|c| {
                 let key = key.clone();
-                async move { c.kv_client().get(key, None).await }
+                async move { c.get(key.as_bytes(), false, 0).await }
             })
             .await?;
-        Ok(resp.kvs().first().map(|kv| kv.value().to_vec()))
+        Ok(resp.kvs.into_iter().next().map(|kv| kv.value))
     }
 
     async fn resign_inner(&self, term: u64) -> Result<(), MetaError> {
@@ -278,9 +261,7 @@ impl EtcdStore {
         lease.end();
         // Revoking the lease deletes the election key: the next candidate leads at once.
         let id = lease.id;
-        self.rpc(|mut c| async move { c.lease_revoke(id).await })
-            .await
-            .map(drop)
+        self.rpc(|c| async move { c.lease_revoke(id).await }).await
     }
 }
 
@@ -294,7 +275,9 @@ fn parse_json<T: for<'de> Deserialize<'de>>(key: &str, bytes: &[u8]) -> Result<T
     })
 }
 
+mod client;
 mod lease;
+mod proto;
 
 impl MetaStore for EtcdStore {
     fn open_job<'a>(
