@@ -51,7 +51,14 @@ impl Coordinator {
 
     /// Whether a commit onto `new` takes a backup under it first.
     pub(super) fn backs_up(&self, new: &ShardMap) -> bool {
-        self.job.replicate_every > 0 && new.world_size() >= 2
+        self.keeps_backups(new.world_size())
+    }
+
+    /// Whether a world of `size` ranks keeps backups. A lone rank has no buddy, so its backup
+    /// is only its own copy: worth taking when the job outlives its coordinator (a successor
+    /// rolls the rank back to it), not for a rank loss, which a world of one cannot survive.
+    pub(super) fn keeps_backups(&self, size: usize) -> bool {
+        self.job.replicate_every > 0 && (size >= 2 || self.durable_key.is_some())
     }
 
     pub(super) fn begin_reshard(&mut self, members: Vec<RankId>, now_ms: u64) -> Vec<Command> {

@@ -135,7 +135,7 @@ impl Coordinator {
     /// Whether a buddy backup is due before step `step` under the current map.
     pub(super) fn backup_due_at(&self, step: u64) -> bool {
         let every = self.job.replicate_every;
-        if every == 0 || self.map.world_size() < 2 {
+        if !self.keeps_backups(self.map.world_size()) {
             return false;
         }
         match &self.backup {

@@ -2,7 +2,7 @@
 //! rolls the re-attached ranks back to the committed backup without reusing an epoch.
 
 use super::losses::{
-    aborted, all, backed_up, interrupt_of, last_record, replicated, report_at, resharded,
+    aborted, all, backed_up, interrupt_of, last_record, lost, replicated, report_at, resharded,
     restore_of,
 };
 use super::*;
@@ -133,4 +133,49 @@ fn a_takeover_without_a_covering_backup_is_refused() {
         .err()
         .expect("nothing re-attached");
     assert!(err.0.contains("had no other copy"), "{err}");
+}
+
+/// A world shrunk to one rank still leaves a successor a backup to roll back to (the rank's own
+/// copy) when the job outlives its coordinator; without a store it takes none.
+#[test]
+fn a_lone_rank_keeps_a_backup_a_successor_can_roll_back_to() {
+    let map = ShardMap::plan(&[100], &[0, 1], 10, 0).unwrap();
+    let mut c = Coordinator::new(backed_up(4, Vec::new()), map);
+    c.keep_durable();
+    c.handle(Event::Start { now_ms: 0 });
+    all(&mut c, &[0, 1], replicated(0, 0));
+    all(&mut c, &[0, 1], |r| done(report_at(r, 0, 0), 1));
+    all(&mut c, &[0, 1], replicated(0, 1));
+    // Rank 1 is lost in step 1: rank 0 alone rebuilds, backs itself up, and the map and its
+    // backup are committed together.
+    assert_eq!(kinds(&c.handle(lost(1))), ["retire", "interrupt"]);
+    let (_, new, _, _) = restore_of(&c.handle(aborted(0)));
+    assert_eq!(new.members, vec![0]);
+    let cmds = all(&mut c, &[0], resharded(new.epoch));
+    assert_eq!(kinds(&cmds), ["replicate"], "a lone rank backs itself up");
+    let cmds = all(&mut c, &[0], replicated(new.epoch, 1));
+    let Command::Commit(durable) = &cmds[0] else {
+        panic!("{:?}", kinds(&cmds))
+    };
+    assert_eq!(durable.map.members, vec![0]);
+    assert_eq!(
+        durable.backup.as_ref().map(|(e, p)| (*e, p.step)),
+        Some((new.epoch, 1)),
+        "the backup is under the map it is stored with"
+    );
+    // The leader dies with rank 0 in step 1: the successor rolls it back to its own copy.
+    let attached: Attached = [(0, Some((new.epoch, 1)))].into_iter().collect();
+    let mut next = Coordinator::take_over(backed_up(4, Vec::new()), (**durable).clone(), &attached)
+        .expect("the lone rank's own backup");
+    let cmds = next.handle(Event::Start { now_ms: 10 });
+    assert_eq!(interrupt_of(&cmds), (vec![0], new.epoch, 1));
+    let cmds = next.handle(aborted(0));
+    let (_, again, step, lost_ranks) = restore_of(&cmds);
+    assert_eq!((again.members, step, lost_ranks), (vec![0], 1, Vec::new()));
+    // Without a store, a lone rank takes no backup: nothing could use it.
+    let mut plain = Coordinator::new(
+        backed_up(4, Vec::new()),
+        ShardMap::plan(&[100], &[0], 10, 0).unwrap(),
+    );
+    assert_eq!(kinds(&plain.handle(Event::Start { now_ms: 0 })), ["run"]);
 }
