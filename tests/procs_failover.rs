@@ -123,12 +123,26 @@ fn rest(p: &Proc) -> Vec<String> {
     lines
 }
 
+/// The standby's control endpoint (`port`) says who leads (`GET /status`: 200) and refuses
+/// the rest (503 `standby`): only the leader acts on the job.
+fn standby_answers(port: u16, leader: u32) {
+    let addr = format!("127.0.0.1:{port}");
+    let (code, body) = common::procs::http(&addr, "GET", "/status");
+    assert_eq!(code, 200, "{body}");
+    let status: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(status["role"], "standby", "{body}");
+    assert_eq!(status["leader"]["pid"], leader, "{body}");
+    let (code, body) = common::procs::http(&addr, "POST", "/ranks/2/drain");
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("\"standby\""), "{body}");
+}
+
 /// Runs a three-worker job under `coordinators` coordinators on `meta`, applies `fault` to
 /// the leader mid-run, and checks the job ends with rc 0 and the fault-free digest.
 fn leader_fault(meta: &str, coordinators: u32, fault: Fault) -> String {
     let flags = flags_with("mlp", 3, 800, &["--replicate-every", "1"]);
     let reference = reference_digest(3, &flags);
-    let control = matches!(fault, Fault::KillMidReshard).then(two_free_ports);
+    let control = (coordinators == 2).then(two_free_ports);
     let mut job = Proc::spawn(&mut launch(coordinators, &flags, meta, control));
     let mut seen = Vec::new();
     let elected = until(&job, &mut seen, "election", is_election);
@@ -136,6 +150,9 @@ fn leader_fault(meta: &str, coordinators: u32, fault: Fault) -> String {
     // Two progress lines (one every tenth of the run) under it: the fault lands mid-run.
     for _ in 0..2 {
         until(&job, &mut seen, "step", |l| l.starts_with("step "));
+    }
+    if let Some(base) = control {
+        standby_answers(base + 1 - leader_index(&elected), leader);
     }
     match fault {
         Fault::Kill => signal(leader, libc::SIGKILL),

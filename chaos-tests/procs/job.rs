@@ -220,7 +220,7 @@ impl Run<'_> {
     }
 
     /// The leader's `/status`: the coordinator that answered last is asked first, then the
-    /// others (a standby answers 503, a dead one not at all).
+    /// others (a standby answers with `"role": "standby"`, a dead one not at all).
     pub(crate) fn status(&self) -> Option<Value> {
         let first = self.leader.get();
         let order = std::iter::once(first).chain((0..self.coords.len()).filter(|&i| i != first));
@@ -229,9 +229,13 @@ impl Run<'_> {
             if c.frozen || c.end == CoordEnd::Killed || c.control.is_empty() {
                 continue;
             }
-            if let Ok((200, body)) = try_http(&c.control, "GET", "/status") {
+            let Ok((200, body)) = try_http(&c.control, "GET", "/status") else {
+                continue;
+            };
+            let status: Option<Value> = serde_json::from_str(&body).ok();
+            if status.as_ref().is_some_and(|s| s["role"] != "standby") {
                 self.leader.set(i);
-                return serde_json::from_str(&body).ok();
+                return status;
             }
         }
         None

@@ -522,7 +522,7 @@ pub async fn hold(
     listener: TcpListener,
     limits: HttpLimits,
     tls: Option<Arc<rustls::ServerConfig>>,
-    why: impl Fn() -> String + Send + 'static,
+    why: impl Fn() -> Holding + Send + 'static,
     mut ready: tokio::sync::oneshot::Receiver<()>,
 ) -> TcpListener {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
@@ -540,14 +540,39 @@ pub async fn hold(
         let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
             continue;
         };
-        let answer = Response::error(503, "not_started", why());
+        let holding = why();
         let tls = tls.clone();
         tokio::spawn(async move {
             if let Some(io) = open(sock, tls.as_ref(), &limits).await {
-                respond(io, &limits, |_| async { answer }).await;
+                respond(io, &limits, |req| async move { holding.answer(&req) }).await;
             }
             drop(permit);
         });
+    }
+}
+
+/// Why an endpoint held by [`hold`] serves no job yet.
+#[derive(Clone, Debug)]
+pub enum Holding {
+    /// The job has not started (the message says what it waits for): 503 to everything.
+    NotStarted(String),
+    /// A standby coordinator: `GET /status` answers 200 with `status` (who leads, where), and
+    /// everything else 503 with `note`, since only the leader acts on the job.
+    StandingBy {
+        note: String,
+        status: serde_json::Value,
+    },
+}
+
+impl Holding {
+    fn answer(&self, req: &Request) -> Response {
+        match self {
+            Holding::NotStarted(why) => Response::error(503, "not_started", why.clone()),
+            Holding::StandingBy { status, .. } if req.method == "GET" && req.path == "/status" => {
+                Response::json(200, status)
+            }
+            Holding::StandingBy { note, .. } => Response::error(503, "standby", note.clone()),
+        }
     }
 }
 

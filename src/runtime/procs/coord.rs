@@ -58,7 +58,7 @@ use crate::runtime::actors::{
 use crate::runtime::api::cluster::{Observer, TrainOutcome};
 use crate::runtime::api::control::ControlError;
 use crate::runtime::api::control::{ControlHandle, DataPlanes, Monitor, Workers};
-use crate::runtime::api::http::{self, HttpLimits};
+use crate::runtime::api::http::{self, Holding, HttpLimits};
 use crate::runtime::api::status::DrainCause;
 use crate::runtime::clock::{Clock, SystemClock};
 use crate::runtime::meta::Candidate;
@@ -231,8 +231,8 @@ fn deposed(run: &mut Run, led: Option<&Led>, opts: &CoordinatorOptions) -> Optio
         .or_else(|| run.deposed.take())
 }
 
-/// Serves the control endpoint before the job starts: 503 with why (standing by, or how many
-/// workers have joined) until `ready`.
+/// Serves the control endpoint before the job starts until `ready`: a standby's status (who
+/// leads), or 503 with how many workers have joined.
 fn hold_control(
     l: TcpListener,
     opts: &CoordinatorOptions,
@@ -243,11 +243,13 @@ fn hold_control(
 ) -> tokio::task::JoinHandle<TcpListener> {
     let (count, standing) = (Arc::clone(count), Arc::clone(standing));
     let why = move || {
-        if let Some(note) = lock(&standing).clone() {
-            return note;
+        if let Some(holding) = lock(&standing).clone() {
+            return holding;
         }
         let n = count.load(Ordering::Relaxed);
-        format!("the job has not started: {n} of {world} workers have joined")
+        Holding::NotStarted(format!(
+            "the job has not started: {n} of {world} workers have joined"
+        ))
     };
     let tls = opts.control_access.as_ref().and_then(|a| a.tls.clone());
     tokio::spawn(http::hold(l, HttpLimits::default(), tls, why, ready))

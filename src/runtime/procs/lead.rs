@@ -23,7 +23,8 @@ use super::proxy::lock;
 use crate::config::TrainConfig;
 use crate::engine::coordinator::Durable;
 use crate::runtime::actors::Committer;
-use crate::runtime::meta::{Candidate, Leadership, MetaStore};
+use crate::runtime::api::http::Holding;
+use crate::runtime::meta::{Candidate, Leader, Leadership, MetaStore};
 
 /// A coordinator of a job kept in a metadata store (`--meta`).
 pub struct Failover {
@@ -63,8 +64,9 @@ pub(super) struct Led {
     _leadership: Leadership,
 }
 
-/// What the control endpoint answers while this coordinator stands by.
-pub(super) type StandingNote = Arc<Mutex<Option<String>>>;
+/// What the control endpoint answers while this coordinator stands by (see
+/// [`Holding::StandingBy`](crate::runtime::api::http::Holding)).
+pub(super) type StandingNote = Arc<Mutex<Option<Holding>>>;
 
 /// The job's config digest and this binary's identity: coordinators of one job must agree on
 /// both before they campaign.
@@ -98,30 +100,13 @@ pub(super) async fn lead(
         .open_job(&me.config_digest, &me.build)
         .await
         .map_err(|e| ProcError::Meta(format!("job {}: {e}", f.job_id)))?;
-    let leader = store.leader().await.ok().flatten();
-    let stood_by = leader.is_some();
-    if let Some(l) = leader {
-        let note = format!(
-            "coordinator {} stands by: coordinator {} (pid {}) leads job {} from term {} (workers at {}{})",
-            me.id,
-            l.candidate.id,
-            l.candidate.pid,
-            f.job_id,
-            l.term,
-            l.candidate.workers,
-            l.candidate
-                .control
-                .map(|c| format!(", control endpoint http://{c}"))
-                .unwrap_or_default()
-        );
-        println!("{note}");
-        *lock(standing) = Some(note);
-    }
+    let stood_by = store.leader().await.ok().flatten().is_some();
     let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(|e| ProcError::Setup(format!("cannot watch for SIGTERM: {e}")))?;
     let won = tokio::select! {
         won = store.campaign(me, f.lease_ttl) => won,
         () = answer_not_leader(listener, acceptor, Arc::clone(store)) => unreachable!("serves until dropped"),
+        () = stand_by(f, me, standing) => unreachable!("watches until dropped"),
         _ = sigterm.recv() => {
             return Err(ProcError::Aborted(format!(
                 "coordinator {} was stopped by SIGTERM while standing by", me.id
@@ -228,6 +213,61 @@ fn lease_lost(id: &str, term: u64) -> String {
         "coordinator {id}: lost its lease on the metadata store (term {term}): another \
          coordinator may lead the job now, so this one stops without writing anything"
     )
+}
+
+/// Keeps what a standby's control endpoint answers current: who leads, read again every
+/// third of the lease (a failover elsewhere changes it). Says so on stdout at each change.
+async fn stand_by(f: &Failover, me: &Candidate, standing: &StandingNote) {
+    let every = (f.lease_ttl / 3).max(Duration::from_millis(100));
+    let mut named = None;
+    loop {
+        if let Ok(Some(l)) = f.store.leader().await {
+            // Its own key leads just before its campaign returns.
+            let itself = l.candidate.id == me.id && l.candidate.pid == me.pid;
+            if named != Some(l.term) && !itself {
+                named = Some(l.term);
+                let holding = standing_by(f, me, &l);
+                if let Holding::StandingBy { note, .. } = &holding {
+                    println!("{note}");
+                }
+                *lock(standing) = Some(holding);
+            }
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// A standby's answer while `l` leads.
+fn standing_by(f: &Failover, me: &Candidate, l: &Leader) -> Holding {
+    let c = &l.candidate;
+    let control = c.control.map(|a| format!("http://{a}"));
+    let note = format!(
+        "coordinator {} stands by: coordinator {} (pid {}) leads job {} from term {} (workers at {}{})",
+        me.id,
+        c.id,
+        c.pid,
+        f.job_id,
+        l.term,
+        c.workers,
+        control
+            .as_ref()
+            .map(|c| format!(", control endpoint {c}"))
+            .unwrap_or_default()
+    );
+    let status = serde_json::json!({
+        "role": "standby",
+        "coordinator": me.id,
+        "job_id": f.job_id,
+        "leader": {
+            "coordinator": c.id,
+            "pid": c.pid,
+            "term": l.term,
+            "workers": c.workers.to_string(),
+            "control": control,
+        },
+        "message": note,
+    });
+    Holding::StandingBy { note, status }
 }
 
 /// Tells every worker that reaches this standby coordinator who leads (`NotLeader`).
