@@ -64,21 +64,7 @@ pub(super) async fn admit(
     let mut greeting = JoinSet::new();
     while joined.len() < ranks as usize {
         tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    greeting.spawn(greet(acceptor.clone(), stream, peer));
-                }
-                Err(e) => tracing::warn!("accepting a worker failed: {e}"),
-            },
-            Some(done) = greeting.join_next(), if !greeting.is_empty() => {
-                let g = match done {
-                    Ok(Some(g)) => g,
-                    Ok(None) => continue,
-                    Err(e) => {
-                        tracing::warn!("a connection's handshake task failed: {e}");
-                        continue;
-                    }
-                };
+            g = next_greeted(listener, acceptor, &mut greeting) => {
                 let peer = g.peer;
                 match check_in(g, token, &joined, ranks).await {
                     Ok(CheckedIn::Rank(j)) => {
@@ -115,6 +101,27 @@ pub(super) async fn accept_standbys(
     lobby: Arc<Lobby>,
 ) {
     loop {
+        let g = next_greeted(&listener, &acceptor, &mut greeting).await;
+        let peer = g.peer;
+        let full = BTreeMap::new();
+        // World 0: there is no initial rank left to give, so a good hello is a standby.
+        match check_in(g, &token, &full, 0).await {
+            Ok(CheckedIn::Standby(reader, writer)) => lobby.hold(peer, reader, writer),
+            Ok(CheckedIn::Rank(_)) => {}
+            Err(why) => tracing::warn!("refused a connection from {peer}: {why}"),
+        }
+    }
+}
+
+/// Accepts connections, greeting each on a task of `greeting` (so a slow or hostile peer
+/// holds up only itself), until one is greeted. Cancel-safe: a greeting still running stays
+/// in `greeting` for the next call.
+pub(super) async fn next_greeted(
+    listener: &TcpListener,
+    acceptor: &TlsAcceptor,
+    greeting: &mut Greeting,
+) -> Greeted {
+    loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
@@ -122,17 +129,11 @@ pub(super) async fn accept_standbys(
                 }
                 Err(e) => tracing::warn!("accepting a worker failed: {e}"),
             },
-            Some(done) = greeting.join_next(), if !greeting.is_empty() => {
-                let Ok(Some(g)) = done else { continue };
-                let peer = g.peer;
-                let full = BTreeMap::new();
-                // World 0: there is no initial rank left to give, so a good hello is a standby.
-                match check_in(g, &token, &full, 0).await {
-                    Ok(CheckedIn::Standby(reader, writer)) => lobby.hold(peer, reader, writer),
-                    Ok(CheckedIn::Rank(_)) => {}
-                    Err(why) => tracing::warn!("refused a connection from {peer}: {why}"),
-                }
-            }
+            Some(done) = greeting.join_next(), if !greeting.is_empty() => match done {
+                Ok(Some(g)) => return g,
+                Ok(None) => {}
+                Err(e) => tracing::warn!("a connection's handshake task failed: {e}"),
+            },
         }
     }
 }

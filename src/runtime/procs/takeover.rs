@@ -14,7 +14,7 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
-use super::admit::{greet, Greeted, Greeting};
+use super::admit::{next_greeted, Greeted, Greeting};
 use super::control_plane::{write_msg, ToCoord, ToWorker, UcxBound};
 use super::link::{ControlReader, ControlWriter};
 use super::standby::Lobby;
@@ -60,14 +60,7 @@ pub(super) async fn gather(
     while back.len() < expect.members.len() {
         tokio::select! {
             _ = beat.tick() => heartbeat(&mut back, expect.heartbeat).await,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    greeting.spawn(greet(acceptor.clone(), stream, peer));
-                }
-                Err(e) => tracing::warn!("accepting a worker failed: {e}"),
-            },
-            Some(done) = greeting.join_next(), if !greeting.is_empty() => {
-                let Ok(Some(g)) = done else { continue };
+            g = next_greeted(listener, acceptor, &mut greeting) => {
                 let peer = g.peer;
                 match check_back(g, expect, &back).await {
                     Ok(Back::Rank(r)) => {

@@ -165,24 +165,29 @@ fn prefix_end(prefix: &[u8]) -> Vec<u8> {
     vec![0]
 }
 
-/// Compares for transactions.
+/// Compares for transactions: the key's version, or the revision that created it, is `value`.
 pub(super) fn version_is(key: &[u8], version: i64) -> Compare {
-    Compare {
-        result: compare::CompareResult::Equal as i32,
-        target: compare::CompareTarget::Version as i32,
-        key: key.to_vec(),
-        range_end: Vec::new(),
-        target_union: Some(compare::TargetUnion::Version(version)),
-    }
+    equal(key, compare::TargetUnion::Version(version))
 }
 
 pub(super) fn created_at(key: &[u8], revision: i64) -> Compare {
+    equal(key, compare::TargetUnion::CreateRevision(revision))
+}
+
+fn equal(key: &[u8], value: compare::TargetUnion) -> Compare {
+    let target = match value {
+        compare::TargetUnion::Version(_) => compare::CompareTarget::Version,
+        compare::TargetUnion::CreateRevision(_) => compare::CompareTarget::Create,
+        compare::TargetUnion::ModRevision(_) => compare::CompareTarget::Mod,
+        compare::TargetUnion::Value(_) => compare::CompareTarget::Value,
+        compare::TargetUnion::Lease(_) => compare::CompareTarget::Lease,
+    };
     Compare {
         result: compare::CompareResult::Equal as i32,
-        target: compare::CompareTarget::Create as i32,
+        target: target as i32,
         key: key.to_vec(),
         range_end: Vec::new(),
-        target_union: Some(compare::TargetUnion::CreateRevision(revision)),
+        target_union: Some(value),
     }
 }
 
