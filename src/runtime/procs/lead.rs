@@ -226,19 +226,17 @@ async fn stand_by(f: &Failover, me: &Candidate, standing: &StandingNote) {
             let itself = l.candidate.id == me.id && l.candidate.pid == me.pid;
             if named != Some(l.term) && !itself {
                 named = Some(l.term);
-                let holding = standing_by(f, me, &l);
-                if let Holding::StandingBy { note, .. } = &holding {
-                    println!("{note}");
-                }
-                *lock(standing) = Some(holding);
+                let (note, status) = standing_by(f, me, &l);
+                println!("{note}");
+                *lock(standing) = Some(Holding::StandingBy { note, status });
             }
         }
         tokio::time::sleep(every).await;
     }
 }
 
-/// A standby's answer while `l` leads.
-fn standing_by(f: &Failover, me: &Candidate, l: &Leader) -> Holding {
+/// A standby's line while `l` leads, and its `/status`.
+fn standing_by(f: &Failover, me: &Candidate, l: &Leader) -> (String, serde_json::Value) {
     let c = &l.candidate;
     let control = c.control.map(|a| format!("http://{a}"));
     let note = format!(
@@ -267,7 +265,7 @@ fn standing_by(f: &Failover, me: &Candidate, l: &Leader) -> Holding {
         },
         "message": note,
     });
-    Holding::StandingBy { note, status }
+    (note, status)
 }
 
 /// Tells every worker that reaches this standby coordinator who leads (`NotLeader`).

@@ -167,21 +167,16 @@ fn prefix_end(prefix: &[u8]) -> Vec<u8> {
 
 /// Compares for transactions: the key's version, or the revision that created it, is `value`.
 pub(super) fn version_is(key: &[u8], version: i64) -> Compare {
-    equal(key, compare::TargetUnion::Version(version))
+    let value = compare::TargetUnion::Version(version);
+    equal(key, compare::CompareTarget::Version, value)
 }
 
 pub(super) fn created_at(key: &[u8], revision: i64) -> Compare {
-    equal(key, compare::TargetUnion::CreateRevision(revision))
+    let value = compare::TargetUnion::CreateRevision(revision);
+    equal(key, compare::CompareTarget::Create, value)
 }
 
-fn equal(key: &[u8], value: compare::TargetUnion) -> Compare {
-    let target = match value {
-        compare::TargetUnion::Version(_) => compare::CompareTarget::Version,
-        compare::TargetUnion::CreateRevision(_) => compare::CompareTarget::Create,
-        compare::TargetUnion::ModRevision(_) => compare::CompareTarget::Mod,
-        compare::TargetUnion::Value(_) => compare::CompareTarget::Value,
-        compare::TargetUnion::Lease(_) => compare::CompareTarget::Lease,
-    };
+fn equal(key: &[u8], target: compare::CompareTarget, value: compare::TargetUnion) -> Compare {
     Compare {
         result: compare::CompareResult::Equal as i32,
         target: target as i32,

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::client::{not_sent, Client, KeepAlive};
+use super::client::{Client, KeepAlive};
 use super::proto::v3electionpb::LeaderKey;
 use super::{EtcdLease, EtcdStore};
 use crate::runtime::clock::Clock;
@@ -66,21 +66,21 @@ impl EtcdStore {
     }
 
     /// etcd's campaign for the election key of `lease`, made again while it could not reach a
-    /// member (the client's balancer may pick one that is down). Making it again is safe: the
-    /// key is named by the lease, and etcd resumes a campaign whose key exists. Unbounded in
-    /// time: a campaign waits for its turn; the lease watch in the caller bounds it.
+    /// member. Making it again is safe: the key is named by the lease, and etcd resumes a
+    /// campaign whose key exists. Not bounded by a request timeout: a campaign waits for its
+    /// turn; the lease watch in the caller bounds it.
     async fn campaign_tries(
         &self,
         value: Vec<u8>,
         lease: i64,
     ) -> Result<Option<LeaderKey>, MetaError> {
         let name = self.key("election");
-        loop {
-            match self.client.campaign(name.as_bytes(), &value, lease).await {
-                Err(e) if not_sent(&e) => tokio::time::sleep(super::RETRY).await,
-                done => return done.map_err(|e| self.unreachable(e)),
-            }
-        }
+        self.retried(|c| {
+            let (name, value) = (name.clone(), value.clone());
+            async move { c.campaign(name.as_bytes(), &value, lease).await }
+        })
+        .await
+        .map_err(|e| self.unreachable(e))
     }
 
     /// A lease of `ttl` (whole seconds, at least 1, for etcd) with its keeper running; and the

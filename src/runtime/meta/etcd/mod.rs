@@ -144,25 +144,32 @@ impl EtcdStore {
         }
     }
 
-    /// One request, bounded by [`REQUEST_TIMEOUT`]. `request` makes it on a client; a request
-    /// that could not connect is made again (the client's balancer may have picked a member
-    /// that is down, and nothing was sent), until the timeout.
-    async fn rpc<T, F, Fut>(&self, mut request: F) -> Result<T, MetaError>
+    /// One request made on a client, made again while it could not reach a member
+    /// ([`Self::retried`]), bounded by [`REQUEST_TIMEOUT`].
+    async fn rpc<T, F, Fut>(&self, request: F) -> Result<T, MetaError>
     where
         F: FnMut(Client) -> Fut,
         Fut: std::future::Future<Output = Result<T, tonic::Status>>,
     {
-        let tries = async {
-            loop {
-                match request(self.client.clone()).await {
-                    Err(e) if not_sent(&e) => tokio::time::sleep(RETRY).await,
-                    done => return done,
-                }
-            }
-        };
-        match tokio::time::timeout(REQUEST_TIMEOUT, tries).await {
+        match tokio::time::timeout(REQUEST_TIMEOUT, self.retried(request)).await {
             Ok(r) => r.map_err(|e| self.unreachable(e)),
             Err(_) => Err(self.unreachable(format!("no answer within {REQUEST_TIMEOUT:?}"))),
+        }
+    }
+
+    /// `request` made on a client, and made again while it could not reach a member (the
+    /// client's balancer may have picked one that is down, and nothing was sent). Unbounded:
+    /// callers bound it.
+    async fn retried<T, F, Fut>(&self, mut request: F) -> Result<T, tonic::Status>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+    {
+        loop {
+            match request(self.client.clone()).await {
+                Err(e) if not_sent(&e) => tokio::time::sleep(RETRY).await,
+                done => return done,
+            }
         }
     }
 
