@@ -339,22 +339,24 @@ fn a_coordinator_restarted_on_a_file_store_picks_the_job_up() {
     let dir = secrets();
     let flags = flags_with("mlp", 3, 800, &["--replicate-every", "1"]);
     let reference = reference_digest(3, &flags);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
-    let coordinator = || {
+    // The first coordinator takes a port of its own and the second is started on it: a port
+    // reserved and released beforehand may be handed to another test's process meanwhile.
+    let coordinator = |addr: &str| {
         let mut cmd = common::procs::ezero("t", dir.path());
-        cmd.args(["coordinator", "--listen", &addr, "--ranks", "3"])
+        cmd.args(["coordinator", "--listen", addr, "--ranks", "3"])
             .args(["--meta", &meta, "--job-id", "restarted"])
             .args(["--lease-ttl-ms", "1000", "--reattach-wait-ms", "10000"])
             .args(["--heartbeat-ms", "100", "--heartbeat-timeout-ms", "2000"])
             .args(&flags);
         Proc::spawn(&mut cmd)
     };
-    let mut first = coordinator();
+    let mut first = coordinator("127.0.0.1:0");
+    let mut seen = Vec::new();
+    const LISTENING: &str = "ezero coordinator: listening on ";
+    let addr = until(&first, &mut seen, "listening", |l| l.starts_with(LISTENING))
+        [LISTENING.len()..]
+        .trim()
+        .to_string();
     let workers: Vec<Proc> = (0..3)
         .map(|i| {
             Proc::spawn(
@@ -364,7 +366,6 @@ fn a_coordinator_restarted_on_a_file_store_picks_the_job_up() {
             )
         })
         .collect();
-    let mut seen = Vec::new();
     let steps = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         until(&first, &mut seen, "election", is_election);
         for _ in 0..2 {
@@ -378,7 +379,7 @@ fn a_coordinator_restarted_on_a_file_store_picks_the_job_up() {
     }
     first.kill().unwrap();
     let _ = first.wait_until(Instant::now() + DEADLINE);
-    let mut second = coordinator();
+    let mut second = coordinator(&addr);
     let status = second.wait_until(Instant::now() + DEADLINE);
     let out = rest(&second).join("\n");
     let err = second.stderr();

@@ -47,24 +47,21 @@ pub(super) struct Greeted {
 }
 
 /// Accepts connections until every rank has a worker, refusing failed handshakes and bad
-/// hellos. Handshakes run as tasks, so a slow or hostile peer holds up only itself; those not
-/// done yet are returned with the workers.
-#[allow(clippy::too_many_arguments)]
+/// hellos. Handshakes run as tasks of `door`, so a slow or hostile peer holds up only itself;
+/// those not done yet stay there for the standby lobby.
 pub(super) async fn admit(
-    listener: &TcpListener,
-    acceptor: &TlsAcceptor,
+    door: &mut Door,
     ranks: u32,
     token: &str,
     join_timeout_ms: u64,
     deadline: Instant,
     count: &AtomicU32,
     lobby: &Lobby,
-) -> Result<(Vec<Joined>, Greeting), ProcError> {
+) -> Result<Vec<Joined>, ProcError> {
     let mut joined: BTreeMap<RankId, Joined> = BTreeMap::new();
-    let mut greeting = JoinSet::new();
     while joined.len() < ranks as usize {
         tokio::select! {
-            g = next_greeted(listener, acceptor, &mut greeting) => {
+            g = door.next_greeted() => {
                 let peer = g.peer;
                 match check_in(g, token, &joined, ranks).await {
                     Ok(CheckedIn::Rank(j)) => {
@@ -86,22 +83,53 @@ pub(super) async fn admit(
             }
         }
     }
-    Ok((joined.into_values().collect(), greeting))
+    Ok(joined.into_values().collect())
 }
 
-/// Handshakes and hellos in progress.
-pub(super) type Greeting = JoinSet<Option<Greeted>>;
-
-/// Once the job has started: holds every worker that connects (and authenticates) as a standby.
-pub(super) async fn accept_standbys(
+/// Where workers come in: the coordinator's port, its TLS acceptor, and the handshakes and
+/// hellos in progress. One door serves the coordinator from standing by to the job's end, so
+/// that a worker who connects while the coordinator changes role (elected, then admitting, then
+/// running) is greeted by the next role instead of cut off mid-handshake.
+pub(super) struct Door {
     listener: TcpListener,
     acceptor: TlsAcceptor,
-    mut greeting: Greeting,
-    token: String,
-    lobby: Arc<Lobby>,
-) {
+    greeting: JoinSet<Option<Greeted>>,
+}
+
+impl Door {
+    pub(super) fn new(listener: TcpListener, acceptor: TlsAcceptor) -> Self {
+        Self {
+            listener,
+            acceptor,
+            greeting: JoinSet::new(),
+        }
+    }
+
+    /// Accepts connections, greeting each on a task of its own, until one is greeted.
+    /// Cancel-safe: a greeting still running stays for the next call.
+    pub(super) async fn next_greeted(&mut self) -> Greeted {
+        loop {
+            tokio::select! {
+                accepted = self.listener.accept() => match accepted {
+                    Ok((stream, peer)) => {
+                        self.greeting.spawn(greet(self.acceptor.clone(), stream, peer));
+                    }
+                    Err(e) => tracing::warn!("accepting a worker failed: {e}"),
+                },
+                Some(done) = self.greeting.join_next(), if !self.greeting.is_empty() => match done {
+                    Ok(Some(g)) => return g,
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!("a connection's handshake task failed: {e}"),
+                },
+            }
+        }
+    }
+}
+
+/// Once the job has started: holds every worker that connects (and authenticates) as a standby.
+pub(super) async fn accept_standbys(mut door: Door, token: String, lobby: Arc<Lobby>) {
     loop {
-        let g = next_greeted(&listener, &acceptor, &mut greeting).await;
+        let g = door.next_greeted().await;
         let peer = g.peer;
         let full = BTreeMap::new();
         // World 0: there is no initial rank left to give, so a good hello is a standby.
@@ -113,38 +141,9 @@ pub(super) async fn accept_standbys(
     }
 }
 
-/// Accepts connections, greeting each on a task of `greeting` (so a slow or hostile peer
-/// holds up only itself), until one is greeted. Cancel-safe: a greeting still running stays
-/// in `greeting` for the next call.
-pub(super) async fn next_greeted(
-    listener: &TcpListener,
-    acceptor: &TlsAcceptor,
-    greeting: &mut Greeting,
-) -> Greeted {
-    loop {
-        tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    greeting.spawn(greet(acceptor.clone(), stream, peer));
-                }
-                Err(e) => tracing::warn!("accepting a worker failed: {e}"),
-            },
-            Some(done) = greeting.join_next(), if !greeting.is_empty() => match done {
-                Ok(Some(g)) => return g,
-                Ok(None) => {}
-                Err(e) => tracing::warn!("a connection's handshake task failed: {e}"),
-            },
-        }
-    }
-}
-
 /// The TLS handshake and the first message, within `HELLO_TIMEOUT`. A failure is logged here,
 /// so that it is on record even when the job is complete before the task is joined.
-pub(super) async fn greet(
-    acceptor: TlsAcceptor,
-    stream: TcpStream,
-    peer: SocketAddr,
-) -> Option<Greeted> {
+async fn greet(acceptor: TlsAcceptor, stream: TcpStream, peer: SocketAddr) -> Option<Greeted> {
     let _ = stream.set_nodelay(true);
     let greeted = async {
         let tls = acceptor
@@ -278,4 +277,57 @@ pub(super) async fn refuse_unfit(
         let _ = tokio::time::timeout(HELLO_TIMEOUT, write_msg(&mut j.writer, &refused)).await;
     }
     Err(ProcError::Setup(reason))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::net::tls::{peer_server_name, ClusterTls};
+    use crate::net::ClusterCa;
+    use tokio_rustls::TlsConnector;
+
+    /// A worker whose handshake is under way when the coordinator stops waiting at the door
+    /// (a standby elected mid-handshake) is greeted by the next wait, not cut off.
+    #[tokio::test]
+    async fn a_greeting_outlives_a_cancelled_wait() {
+        let ca = ClusterCa::generate("test").unwrap();
+        let server = ClusterTls::new(&ca.issue("coordinator").unwrap()).unwrap();
+        let client = ClusterTls::new(&ca.issue("worker").unwrap()).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut door = Door::new(
+            listener,
+            TlsAcceptor::from(server.server(Protocol::Control)),
+        );
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let worker = tokio::spawn(async move {
+            let tcp = TcpStream::connect(addr).await.unwrap();
+            // The connection is accepted while the first wait runs; the handshake starts after.
+            wait.await.unwrap();
+            let connector = TlsConnector::from(client.client(Protocol::Control));
+            let mut tls = connector.connect(peer_server_name(), tcp).await.unwrap();
+            let hello = ToCoord::Hello {
+                token: "t".into(),
+                rank_hint: Some(1),
+                standby: false,
+                available_memory_bytes: None,
+            };
+            write_msg(&mut tls, &hello).await.unwrap();
+            tls
+        });
+        let first = tokio::time::timeout(Duration::from_millis(300), door.next_greeted()).await;
+        assert!(first.is_err(), "nothing is greeted before the handshake");
+        go.send(()).unwrap();
+        let g = tokio::time::timeout(Duration::from_secs(10), door.next_greeted())
+            .await
+            .expect("the greeting begun under the cancelled wait completes under the next");
+        assert!(matches!(
+            g.msg,
+            ToCoord::Hello {
+                rank_hint: Some(1),
+                ..
+            }
+        ));
+        drop(worker.await.unwrap());
+    }
 }

@@ -28,7 +28,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
-use super::admit::{accept_standbys, admit, refuse_unfit, Greeting, Joined};
+use super::admit::{accept_standbys, admit, refuse_unfit, Door, Joined};
 use super::conn::{start_proxy, ConnEnv, Inbox};
 use super::control_plane::{
     read_msg, write_msg, DataPlane, ToCoord, ToWorker, Welcome, HELLO_FRAME_MAX_BYTES,
@@ -135,8 +135,9 @@ pub async fn run_coordinator(
     let (ready, ready_rx) = tokio::sync::oneshot::channel();
     let held = control.map(|l| hold_control(l, &opts, cfg.ranks, &count, &standing, ready_rx));
     let acceptor = TlsAcceptor::from(opts.tls.server(Protocol::Control));
+    let mut door = Door::new(listener, acceptor);
     let led = match opts.failover.as_ref() {
-        Some(f) => Some(lead(f, &candidate(&cfg, f, at)?, &listener, &acceptor, &standing).await?),
+        Some(f) => Some(lead(f, &candidate(&cfg, f, at)?, &mut door, &standing).await?),
         None => None,
     };
     let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
@@ -151,10 +152,10 @@ pub async fn run_coordinator(
         lobby: Arc::clone(&lobby),
     };
     let started = match led.as_ref().and_then(|l| l.stored.as_ref()) {
-        Some(stored) => start_takeover(&env, stored, &listener, &acceptor).await,
-        None => start_fresh(&env, &listener, &acceptor, &count).await,
+        Some(stored) => start_takeover(&env, stored, &mut door).await,
+        None => start_fresh(&env, &mut door, &count).await,
     };
-    let (mut run, initial, greeting) = match started {
+    let (mut run, initial) = match started {
         Ok(s) => s,
         Err(e) => {
             lobby.dismiss_all(false, &e.to_string());
@@ -167,9 +168,7 @@ pub async fn run_coordinator(
     // From now on every worker that connects is a standby, those still saying hello included.
     let lobby_tasks = vec![
         tokio::spawn(accept_standbys(
-            listener,
-            acceptor,
-            greeting,
+            door,
             opts.token.clone(),
             Arc::clone(&lobby),
         )),
@@ -265,8 +264,8 @@ struct StartEnv<'a> {
     lobby: Arc<Lobby>,
 }
 
-/// A started job, the map it started on, and the handshakes still running for the lobby.
-type Started = (Run, ShardMap, Greeting);
+/// A started job and the map it started on.
+type Started = (Run, ShardMap);
 
 /// This coordinator in the election: its id and addresses, the config digest and the build.
 fn candidate(cfg: &TrainConfig, f: &Failover, at: Listening) -> Result<Candidate, ProcError> {
@@ -284,15 +283,13 @@ fn candidate(cfg: &TrainConfig, f: &Failover, at: Listening) -> Result<Candidate
 /// A new job: admits `cfg.ranks` workers and welcomes them.
 async fn start_fresh(
     env: &StartEnv<'_>,
-    listener: &TcpListener,
-    acceptor: &TlsAcceptor,
+    door: &mut Door,
     count: &AtomicU32,
 ) -> Result<Started, ProcError> {
     let (cfg, opts) = (env.cfg, env.opts);
     let deadline = Instant::now() + Duration::from_millis(opts.procs.join_timeout_ms);
-    let (mut joined, greeting) = admit(
-        listener,
-        acceptor,
+    let mut joined = admit(
+        door,
         cfg.ranks,
         &opts.token,
         opts.procs.join_timeout_ms,
@@ -310,7 +307,7 @@ async fn start_fresh(
         deadline,
     };
     let run = Run::start(env, welcomed).await?;
-    Ok((run, map, greeting))
+    Ok((run, map))
 }
 
 /// A running job whose leader was lost: the workers re-attach and roll back to the committed
@@ -318,8 +315,7 @@ async fn start_fresh(
 async fn start_takeover(
     env: &StartEnv<'_>,
     stored: &Stored,
-    listener: &TcpListener,
-    acceptor: &TlsAcceptor,
+    door: &mut Door,
 ) -> Result<Started, ProcError> {
     let (opts, led) = (env.opts, env.led.expect("a takeover has a leader"));
     let f = opts.failover.as_ref().expect("a takeover has a store");
@@ -339,7 +335,7 @@ async fn start_takeover(
         wait: f.reattach_wait,
         heartbeat: Duration::from_millis(opts.procs.heartbeat_ms.max(1)),
     };
-    let (back, greeting) = gather(listener, acceptor, &expect, &env.lobby).await;
+    let back = gather(door, &expect, &env.lobby).await;
     let attached: Attached = back.iter().map(|r| (r.rank, r.busy)).collect();
     let engine =
         match Coordinator::take_over(env.plan.job.clone(), stored.durable.clone(), &attached) {
@@ -372,7 +368,7 @@ async fn start_takeover(
         sent.readers.push((r.rank, r.reader));
     }
     let run = Run::launch(env, sent, endpoints, engine).await?;
-    Ok((run, map, greeting))
+    Ok((run, map))
 }
 
 /// The job's plan, once its config, its start state and the process settings are checked.

@@ -11,12 +11,10 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use tokio::net::TcpListener;
 use tokio::sync::watch;
-use tokio::task::{JoinHandle, JoinSet};
-use tokio_rustls::TlsAcceptor;
+use tokio::task::JoinHandle;
 
-use super::admit::greet;
+use super::admit::Door;
 use super::control_plane::{write_msg, ToWorker};
 use super::error::ProcError;
 use super::proxy::lock;
@@ -25,6 +23,9 @@ use crate::engine::coordinator::Durable;
 use crate::runtime::actors::Committer;
 use crate::runtime::api::http::Holding;
 use crate::runtime::meta::{Candidate, Leader, Leadership, MetaStore};
+
+/// How long a standby may take to tell a worker who leads.
+const NOT_LEADER_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A coordinator of a job kept in a metadata store (`--meta`).
 pub struct Failover {
@@ -91,8 +92,7 @@ fn hex(bytes: &[u8]) -> String {
 pub(super) async fn lead(
     f: &Failover,
     me: &Candidate,
-    listener: &TcpListener,
-    acceptor: &TlsAcceptor,
+    door: &mut Door,
     standing: &StandingNote,
 ) -> Result<Led, ProcError> {
     let store = &f.store;
@@ -105,7 +105,7 @@ pub(super) async fn lead(
         .map_err(|e| ProcError::Setup(format!("cannot watch for SIGTERM: {e}")))?;
     let won = tokio::select! {
         won = store.campaign(me, f.lease_ttl) => won,
-        () = answer_not_leader(listener, acceptor, Arc::clone(store)) => unreachable!("serves until dropped"),
+        () = answer_not_leader(door, Arc::clone(store)) => unreachable!("serves until dropped"),
         () = stand_by(f, me, standing) => unreachable!("watches until dropped"),
         _ = sigterm.recv() => {
             return Err(ProcError::Aborted(format!(
@@ -268,35 +268,26 @@ fn standing_by(f: &Failover, me: &Candidate, l: &Leader) -> (String, serde_json:
     (note, status)
 }
 
-/// Tells every worker that reaches this standby coordinator who leads (`NotLeader`).
-async fn answer_not_leader(
-    listener: &TcpListener,
-    acceptor: &TlsAcceptor,
-    store: Arc<dyn MetaStore>,
-) {
-    let mut answering = JoinSet::new();
+/// Tells every worker that reaches this standby coordinator who leads (`NotLeader`). The
+/// answers are tasks of their own, so that each is sent in full even when this coordinator is
+/// elected meanwhile; greetings in progress stay in `door` for the leader's admission.
+async fn answer_not_leader(door: &mut Door, store: Arc<dyn MetaStore>) {
     loop {
-        tokio::select! {
-            accepted = listener.accept() => {
-                let Ok((stream, peer)) = accepted else { continue };
-                let (acceptor, store) = (acceptor.clone(), Arc::clone(&store));
-                answering.spawn(async move {
-                    let Some(mut g) = greet(acceptor, stream, peer).await else { return };
-                    let leader = store
-                        .leader()
-                        .await
-                        .ok()
-                        .flatten()
-                        .map(|l| l.candidate.workers.to_string());
-                    let _ = tokio::time::timeout(
-                        Duration::from_secs(2),
-                        write_msg(&mut g.writer, &ToWorker::NotLeader { leader }),
-                    )
-                    .await;
-                });
-            }
-            Some(_) = answering.join_next(), if !answering.is_empty() => {}
-        }
+        let mut g = door.next_greeted().await;
+        let store = Arc::clone(&store);
+        tokio::spawn(async move {
+            let leader = store
+                .leader()
+                .await
+                .ok()
+                .flatten()
+                .map(|l| l.candidate.workers.to_string());
+            let _ = tokio::time::timeout(
+                NOT_LEADER_TIMEOUT,
+                write_msg(&mut g.writer, &ToWorker::NotLeader { leader }),
+            )
+            .await;
+        });
     }
 }
 

@@ -9,12 +9,9 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use tokio::net::TcpListener;
-use tokio::task::JoinSet;
 use tokio::time::Instant;
-use tokio_rustls::TlsAcceptor;
 
-use super::admit::{next_greeted, Greeted, Greeting};
+use super::admit::{Door, Greeted};
 use super::control_plane::{write_msg, ToCoord, ToWorker, UcxBound};
 use super::link::{ControlReader, ControlWriter};
 use super::standby::Lobby;
@@ -46,21 +43,15 @@ pub(super) struct Expect<'a> {
 }
 
 /// Accepts re-attaches until every member is back or the wait is over; the handshakes still
-/// running are returned for the standby lobby.
-pub(super) async fn gather(
-    listener: &TcpListener,
-    acceptor: &TlsAcceptor,
-    expect: &Expect<'_>,
-    lobby: &Lobby,
-) -> (Vec<Rejoined>, Greeting) {
+/// running stay in `door` for the standby lobby.
+pub(super) async fn gather(door: &mut Door, expect: &Expect<'_>, lobby: &Lobby) -> Vec<Rejoined> {
     let deadline = Instant::now() + expect.wait;
     let mut back: BTreeMap<RankId, Rejoined> = BTreeMap::new();
-    let mut greeting: Greeting = JoinSet::new();
     let mut beat = tokio::time::interval(expect.heartbeat);
     while back.len() < expect.members.len() {
         tokio::select! {
             _ = beat.tick() => heartbeat(&mut back, expect.heartbeat).await,
-            g = next_greeted(listener, acceptor, &mut greeting) => {
+            g = door.next_greeted() => {
                 let peer = g.peer;
                 match check_back(g, expect, &back).await {
                     Ok(Back::Rank(r)) => {
@@ -74,7 +65,7 @@ pub(super) async fn gather(
             _ = tokio::time::sleep_until(deadline) => break,
         }
     }
-    (back.into_values().collect(), greeting)
+    back.into_values().collect()
 }
 
 /// One heartbeat to each re-attached worker; one that cannot take it within `within` is dropped
