@@ -348,15 +348,12 @@ fn a_coordinator_restarted_on_a_file_store_picks_the_job_up() {
             .args(["--lease-ttl-ms", "1000", "--reattach-wait-ms", "10000"])
             .args(["--heartbeat-ms", "100", "--heartbeat-timeout-ms", "2000"])
             .args(&flags);
-        Proc::spawn(&mut cmd)
+        cmd
     };
-    let mut first = coordinator("127.0.0.1:0");
-    let mut seen = Vec::new();
-    const LISTENING: &str = "ezero coordinator: listening on ";
-    let addr = until(&first, &mut seen, "listening", |l| l.starts_with(LISTENING))
-        [LISTENING.len()..]
-        .trim()
-        .to_string();
+    let common::procs::Coordinator {
+        proc: mut first,
+        addr,
+    } = common::procs::Coordinator::spawn(&mut coordinator("127.0.0.1:0"));
     let workers: Vec<Proc> = (0..3)
         .map(|i| {
             Proc::spawn(
@@ -366,6 +363,7 @@ fn a_coordinator_restarted_on_a_file_store_picks_the_job_up() {
             )
         })
         .collect();
+    let mut seen = Vec::new();
     let steps = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         until(&first, &mut seen, "election", is_election);
         for _ in 0..2 {
@@ -379,7 +377,7 @@ fn a_coordinator_restarted_on_a_file_store_picks_the_job_up() {
     }
     first.kill().unwrap();
     let _ = first.wait_until(Instant::now() + DEADLINE);
-    let mut second = coordinator(&addr);
+    let mut second = Proc::spawn(&mut coordinator(&addr));
     let status = second.wait_until(Instant::now() + DEADLINE);
     let out = rest(&second).join("\n");
     let err = second.stderr();
