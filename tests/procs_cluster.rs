@@ -25,7 +25,7 @@ impl Job {
     /// it printed.
     fn coordinator_end(&mut self, deadline: Instant) -> (Option<i32>, String) {
         let code = self.coord.wait_until(deadline).and_then(|s| s.code());
-        let out: Vec<String> = self.coord.lines.try_iter().collect();
+        let out: Vec<String> = self.coord.rest();
         (code, out.join("\n"))
     }
 }
@@ -97,7 +97,7 @@ fn freeze_in(job: &Job, w: usize, phase: &str) -> u64 {
 fn assert_drained_without_rollback(mut job: Job, reference: &str) {
     let deadline = Instant::now() + DEADLINE;
     let code = job.workers[1].wait_until(deadline).and_then(|s| s.code());
-    let w1: Vec<String> = job.workers[1].lines.try_iter().collect();
+    let w1: Vec<String> = job.workers[1].rest();
     assert_eq!(
         code,
         Some(0),
@@ -244,12 +244,12 @@ fn workers_start_from_slurm_or_torchrun_variables() {
             .collect();
         let deadline = Instant::now() + DEADLINE;
         let code = coord.wait_until(deadline).and_then(|s| s.code());
-        let out: Vec<String> = coord.lines.try_iter().collect();
+        let out: Vec<String> = coord.rest();
         assert_eq!(code, Some(0), "{scheduler}: {out:?} {}", coord.stderr());
         assert_eq!(digest(&out.join("\n")).as_deref(), Some(reference.as_str()));
         for (i, w) in workers.iter_mut().enumerate() {
             let code = w.wait_until(deadline).and_then(|s| s.code());
-            let lines: Vec<String> = w.lines.try_iter().collect();
+            let lines: Vec<String> = w.rest();
             assert_eq!(code, Some(0), "{scheduler} worker {i}: {}", w.stderr());
             let name = if scheduler == "slurm" {
                 "from Slurm"

@@ -133,7 +133,7 @@ pub fn kill_9_inside_a_step_is_recovered(transport: &str) {
             let _ = w.wait_until(Instant::now());
             told += &format!("worker {i} stderr:\n{}\n", w.stderr());
         }
-        let out: Vec<String> = job.coord.lines.try_iter().collect();
+        let out: Vec<String> = job.coord.rest();
         panic!(
             "the coordinator did not exit within {DEADLINE:?}\n{told}coordinator stdout:\n{}\ncoordinator stderr:\n{}",
             out.join("\n"),

@@ -114,15 +114,6 @@ fn until(job: &Proc, seen: &mut Vec<String>, what: &str, want: impl Fn(&str) -> 
     }
 }
 
-/// The stdout lines not read yet of a process that has exited (up to its closing stdout).
-fn rest(p: &Proc) -> Vec<String> {
-    let mut lines = Vec::new();
-    while let Ok(l) = p.lines.recv_timeout(Duration::from_secs(10)) {
-        lines.push(l);
-    }
-    lines
-}
-
 /// The standby's control endpoint (`port`) says who leads (`GET /status`: 200) and refuses
 /// the rest (503 `standby`): only the leader acts on the job.
 fn standby_answers(port: u16, leader: u32) {
@@ -180,7 +171,7 @@ fn leader_fault(meta: &str, coordinators: u32, fault: Fault) -> String {
         }
     }
     let status = job.wait_until(Instant::now() + DEADLINE);
-    seen.extend(rest(&job));
+    seen.extend(job.rest());
     let out = seen.join("\n");
     let err = job.stderr();
     assert_eq!(
@@ -379,14 +370,14 @@ fn a_coordinator_restarted_on_a_file_store_picks_the_job_up() {
     let _ = first.wait_until(Instant::now() + DEADLINE);
     let mut second = Proc::spawn(&mut coordinator(&addr));
     let status = second.wait_until(Instant::now() + DEADLINE);
-    let out = rest(&second).join("\n");
+    let out = second.rest().join("\n");
     let err = second.stderr();
     assert_eq!(status.and_then(|s| s.code()), Some(0), "{out}\n{err}");
     assert!(out.contains("taking over job restarted"), "{out}");
     assert_eq!(digest(&out), Some(reference), "{out}\n{err}");
     for mut w in workers {
         let status = w.wait_until(Instant::now() + DEADLINE);
-        let lines = rest(&w);
+        let lines = w.rest();
         assert_eq!(status.and_then(|s| s.code()), Some(0), "{lines:?}");
         assert!(
             lines

@@ -263,6 +263,17 @@ impl Proc {
         }
     }
 
+    /// The stdout lines not read yet, up to the end of stdout: for a process that has exited,
+    /// whose last lines may still be on their way from the reading thread (`try_iter` would
+    /// miss them).
+    pub fn rest(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(10)) {
+            lines.push(l);
+        }
+        lines
+    }
+
     /// The next stdout line that starts with `prefix` (earlier ones are skipped).
     pub fn wait_for_line(&self, prefix: &str) -> String {
         self.lines_until(prefix).pop().unwrap()
